@@ -1,0 +1,77 @@
+"""The KV store: preallocated keys and values per layer, written in place.
+
+Slot order is free: positions live inside the keys (post-RoPE) or the hidden state (OPT),
+so a pool limit may overwrite any slot. `pos` remembers which token each slot holds.
+Placement (which memory tier a store lives in) is decided by subclasses in `infinigen.placement`.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCodec:
+    """Identity codec; `infinigen.policies.quant` provides a lossy one."""
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class KVStore:
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
+                 allocator=None):
+        self.capacity = capacity
+        self.codec = codec or KVCodec()
+        self.allocator = allocator  # victim choice once `capacity` is reached (infinigen.pool)
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.valid = [torch.zeros(shape[:3], dtype=torch.bool, device=device) for _ in range(num_layers)]
+        self.pos = [torch.full(shape[:3], -1, dtype=torch.long, device=device) for _ in range(num_layers)]
+        self.length = [0] * num_layers  # slots in use (the append pointer until the pool is full)
+
+    def past(self, layer: int):
+        """Views of the used slots: k, v [B,Hkv,S,d], valid and pos [B,Hkv,S]."""
+        n = self.length[layer]
+        return self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.valid[layer][:, :, :n], self.pos[layer][:, :, :n]
+
+    def gather(self, layer: int, idx: torch.Tensor):
+        """Rows `idx` [B,Hkv,n] of the keys and values."""
+        k, v, _, _ = self.past(layer)
+        full = idx.unsqueeze(-1).expand(*idx.shape, k.shape[-1])
+        return k.gather(2, full), v.gather(2, full)
+
+    def write_prompt(self, layer: int, k: torch.Tensor, v: torch.Tensor, token_valid: torch.Tensor,
+                     positions: torch.Tensor) -> None:
+        """Store a prompt's keys and values [B,Hkv,T,d] in slots 0..T-1."""
+        t = k.shape[2]
+        if t > self.capacity:
+            raise ValueError(f"prompt of {t} tokens does not fit a KV pool of {self.capacity}")
+        self.k[layer][:, :, :t] = self.codec.encode(k)
+        self.v[layer][:, :, :t] = self.codec.encode(v)
+        self.valid[layer][:, :, :t] = token_valid[:, None, :]
+        self.pos[layer][:, :, :t] = positions[:, None, :]
+        self.length[layer] = t
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Store one token's k, v [B,Hkv,1,d]; returns the slot written per (batch, kv head) [B,Hkv]."""
+        n = self.length[layer]
+        b, h = k.shape[:2]
+        if n < self.capacity:
+            slots = torch.full((b, h), n, dtype=torch.long, device=k.device)
+            self.length[layer] = n + 1
+        else:
+            if self.allocator is None:
+                raise RuntimeError("KV store is full and has no eviction policy")
+            slots = self.allocator.victims(layer, self)
+        idx = slots[:, :, None, None].expand(b, h, 1, k.shape[-1])
+        self.k[layer].scatter_(2, idx, self.codec.encode(k))
+        self.v[layer].scatter_(2, idx, self.codec.encode(v))
+        self.valid[layer].scatter_(2, slots[:, :, None], True)
+        self.pos[layer].scatter_(2, slots[:, :, None], positions[:, None, None].expand(b, h, 1))
+        if self.allocator is not None:
+            self.allocator.on_write(layer, slots)
+        return slots
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

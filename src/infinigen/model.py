@@ -1,0 +1,404 @@
+"""The transformer runtime: Llama family (Llama, Mistral, Qwen2, SmolLM) and OPT.
+
+One runtime serves generation, evaluation and benchmarks. Three entry points:
+  prefill(tokens)         the prompt, dense causal attention, keys/values written to the store
+  decode(tokens)          one token per row; a policy picks which cached entries each layer reads
+  teacher_forced(tokens)  a whole sequence per layer, reproducing what `decode` with the policy would
+                          compute at every position (for perplexity and log-likelihood scoring)
+Prompts of different lengths are left-padded; `Session` carries the per-request state.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import KVStore
+from .config import ModelConfig
+from .policies.base import FullCache, Policy
+
+PREFILL_CHUNK = 1024  # query rows per attention call: bounds the score matrix at long contexts
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, h, kv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.arch == "llama"
+        if self.gated:
+            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu}[cfg.activation]
+
+    def forward(self, x):
+        if self.gated:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        norm = (lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps)) if cfg.arch == "llama" else (
+            lambda: nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps))
+        self.attn_norm = norm()
+        self.attn = Attention(cfg)
+        self.mlp_norm = norm()
+        self.mlp = MLP(cfg)
+
+
+class Rotary(nn.Module):
+    """RoPE with the frequencies `transformers` computes for the config (default, llama3, yarn, ...)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        ref = LlamaRotaryEmbedding(config=cfg.hf_config)
+        self.register_buffer("inv_freq", ref.inv_freq.float().clone(), persistent=False)
+        self.scaling = float(ref.attention_scaling)
+
+    def cos_sin(self, positions: torch.Tensor):
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, d] at positions [B, T]."""
+        cos, sin = self.cos_sin(positions)
+        cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+@dataclass
+class KVStats:
+    """Relative KV size: the fraction of past entries each layer's attention read, per decoding step."""
+    num_layers: int
+    read: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.read = [0.0] * self.num_layers
+        self.steps = [0] * self.num_layers
+
+    def record(self, layer: int, selected: torch.Tensor, past: torch.Tensor) -> None:
+        """selected [B, Hkv, R] entries read and past [B, 1|Hkv, R] tokens before each row."""
+        frac = selected.float() / past.float().clamp(min=1)
+        self.read[layer] += frac.mean(dim=(0, 1)).sum().item()
+        self.steps[layer] += frac.shape[-1]
+
+    def per_layer(self) -> list[float]:
+        return [r / s if s else float("nan") for r, s in zip(self.read, self.steps)]
+
+    def overall(self, layers=None) -> float:
+        vals = [f for i, f in enumerate(self.per_layer()) if (layers is None or i in layers) and not math.isnan(f)]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+
+@dataclass
+class Session:
+    """One batch of requests in flight: its KV store, policy and positions."""
+    store: KVStore
+    policy: Policy
+    stats: KVStats
+    next_pos: torch.Tensor  # [B] position of the next token of each row
+    positions: torch.Tensor | None = None  # [B, T] positions of the tokens being processed
+    row: int = 0  # which of those tokens the current `select` is for (teacher-forced replay)
+    first_row: int = 0  # first decoding row in teacher-forced mode
+    extra: dict = field(default_factory=dict)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        embed_dim = cfg.embed_dim or cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, embed_dim)
+        if cfg.arch == "opt":
+            self.embed_positions = nn.Embedding(cfg.max_position + 2, cfg.hidden_size)  # OPT offsets by 2
+            self.project_in = nn.Linear(embed_dim, cfg.hidden_size, bias=False) if embed_dim != cfg.hidden_size else None
+            self.project_out = nn.Linear(cfg.hidden_size, embed_dim, bias=False) if embed_dim != cfg.hidden_size else None
+            self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if cfg.final_norm else None
+        else:
+            self.rotary = Rotary(cfg)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.lm_head = nn.Linear(embed_dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.scale = cfg.head_dim ** -0.5
+
+    @property
+    def device(self):
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    # ---- sessions -------------------------------------------------------------------------------
+    def new_session(self, batch: int, max_len: int, policy: Policy | None = None,
+                    capacity: int | None = None, allocator=None, store_cls=KVStore, **store_kw) -> Session:
+        policy = policy or FullCache()
+        cfg = self.cfg
+        store = store_cls(cfg.num_layers, batch, cfg.num_kv_heads, capacity or max_len, cfg.head_dim,
+                          self.dtype, self.device, codec=policy.codec(), allocator=allocator, **store_kw)
+        sess = Session(store=store, policy=policy, stats=KVStats(cfg.num_layers),
+                       next_pos=torch.zeros(batch, dtype=torch.long, device=self.device))
+        if allocator is not None:
+            allocator.begin(cfg.num_layers, batch, cfg.num_kv_heads, store.capacity, self.device)
+        policy.begin(self, sess)
+        return sess
+
+    # ---- pieces shared by every path -------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(tokens)
+        if self.cfg.arch == "opt":
+            if self.project_in is not None:
+                h = self.project_in(h)
+            h = h + self.embed_positions(positions + 2)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.cfg.arch == "opt" and self.project_out is not None:
+            h = self.project_out(h)
+        return self.lm_head(h).float()
+
+    def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
+        """Queries [B,H,T,d] (post-RoPE) and keys/values [B,Hkv,T,d] of `layer` for attention input x."""
+        cfg, attn = self.cfg, self.layers[layer].attn
+        b, t, _ = x.shape
+        q = attn.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
+        if cfg.uses_rope:
+            q, k = self.rotary.apply(q, positions), self.rotary.apply(k, positions)
+        return q, k, v
+
+    def query(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Only the (post-RoPE) queries of `layer`: what speculation needs one layer ahead."""
+        cfg, attn = self.cfg, self.layers[layer].attn
+        b, t, _ = x.shape
+        q = attn.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
+        return self.rotary.apply(q, positions) if cfg.uses_rope else q
+
+    def _run_layer(self, layer: int, h: torch.Tensor, sess: Session, attend) -> torch.Tensor:
+        """One block; `attend(layer, q, k, v)` is the only part that differs between the three paths."""
+        blk, pol = self.layers[layer], sess.policy
+        if self.cfg.pre_norm:
+            x = blk.attn_norm(h)
+            pol.on_hidden(layer, "attn_in", x, sess)
+            q, k, v = self.qkv(layer, x, sess.positions)
+            a = attend(layer, q, k, v)
+            h = h + blk.attn.o_proj(a.transpose(1, 2).flatten(2))
+            pol.on_hidden(layer, "attn_out", h, sess)
+            return h + blk.mlp(blk.mlp_norm(h))
+        # OPT-350m style post-norm
+        pol.on_hidden(layer, "attn_in", h, sess)
+        q, k, v = self.qkv(layer, h, sess.positions)
+        h = blk.attn_norm(h + blk.attn.o_proj(attend(layer, q, k, v).transpose(1, 2).flatten(2)))
+        pol.on_hidden(layer, "attn_out", h, sess)
+        return blk.mlp_norm(h + blk.mlp(h))
+
+    def _window(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+        """Sliding-window mask (Mistral) for query positions [..., R, 1] against key positions [..., 1, S]."""
+        w = self.cfg.sliding_window
+        return None if w is None else (q_pos - k_pos) < w
+
+    def _dense_attention(self, q, k, v, mask) -> torch.Tensor:
+        """q [B,H,T,d] over k, v [B,Hkv,S,d] with bool mask [B,1|Hkv,T,S], in row chunks."""
+        b, h, t, d = q.shape
+        hkv = k.shape[1]
+        g = h // hkv
+        qg = q.view(b, hkv, g, t, d)
+        out = torch.empty_like(qg)
+        for s in range(0, t, PREFILL_CHUNK):
+            e = min(t, s + PREFILL_CHUNK)
+            m = mask[:, :, s:e]
+            m = m[:, :, None].expand(b, m.shape[1], g, e - s, m.shape[-1]).reshape(b, m.shape[1], g * (e - s), -1)
+            qc = qg[:, :, :, s:e].reshape(b, hkv, g * (e - s), d)
+            o = F.scaled_dot_product_attention(qc, k, v, attn_mask=m, scale=self.scale)
+            out[:, :, :, s:e] = o.view(b, hkv, g, e - s, d)
+        return out.view(b, h, t, d)
+
+    # ---- prefill --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, sess: Session, pad_mask: torch.Tensor | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """tokens [B, T] left-padded (pad_mask True on real tokens). Returns logits of the last
+        position [B, V], or of every position [B, T, V]."""
+        b, t = tokens.shape
+        valid = torch.ones_like(tokens, dtype=torch.bool) if pad_mask is None else pad_mask.bool()
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        sess.positions, sess.row = positions, t - 1
+        sess.next_pos = positions[:, -1] + 1
+        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
+        mask = causal & valid[:, None, :]
+        window = self._window(positions[:, :, None], positions[:, None, :])
+        if window is not None:
+            mask = mask & window
+        mask = (mask | torch.eye(t, dtype=torch.bool, device=tokens.device))[:, None]  # pad rows see themselves
+
+        def attend(layer, q, k, v):
+            sess.store.write_prompt(layer, k, v, valid, positions)
+            sess.policy.on_prefill(layer, q, k, v, sess)
+            return self._dense_attention(q, k, v, mask)
+
+        h = self.embed(tokens, positions)
+        for layer in range(self.cfg.num_layers):
+            h = self._run_layer(layer, h, sess, attend)
+        return self.head(h if all_logits else h[:, -1])
+
+    # ---- decode ---------------------------------------------------------------------------------
+    def _step_attention(self, layer: int, q, k, v, sess: Session) -> torch.Tensor:
+        """Attention of one token per row (q [B,H,1,d]) over the past entries the policy selects plus
+        itself, then the token is stored. The current token is kept apart so nothing is copied."""
+        store, pol = sess.store, sess.policy
+        kp, vp, valid, pos = store.past(layer)
+        cur = sess.positions[:, sess.row]  # [B]
+        if self.cfg.sliding_window is not None:
+            valid = valid & (cur[:, None, None] - pos < self.cfg.sliding_window)
+        keep = pol.select(layer, q, sess)
+        if keep is None:
+            idx, mask = None, valid
+            sess.stats.record(layer, valid.sum(-1, keepdim=True), cur[:, None, None])
+        else:
+            keep = keep & valid
+            counts = keep.sum(-1)
+            n = int(counts.max()) if counts.numel() else 0
+            idx = keep.to(torch.uint8).topk(n, dim=-1, sorted=False).indices  # selected slots first
+            mask = keep.gather(-1, idx)
+            kp, vp = store.gather(layer, idx)
+            sess.stats.record(layer, counts[..., None], cur[:, None, None])
+        out, probs = self._attend_one(q, kp, vp, mask, k, v)
+        pol.observe(layer, probs, idx, sess)
+        slots = store.append(layer, k, v, cur)
+        if store.allocator is not None:
+            store.allocator.on_read(layer, keep if keep is not None else valid)
+        pol.on_append(layer, slots, k, v, sess)
+        return out
+
+    def _attend_one(self, q, kp, vp, mask, kc, vc):
+        """Softmax over [past entries, current token]; probs [B,Hkv,G,n+1] are returned for policies."""
+        b, h, _, d = q.shape
+        hkv = kp.shape[1]
+        qg = q.view(b, hkv, h // hkv, d)
+        s_past = torch.matmul(qg, kp.transpose(-1, -2)).float() * self.scale
+        s_past = s_past.masked_fill(~mask[:, :, None, :], float("-inf"))
+        s_cur = (qg.float() * kc.float()).sum(-1, keepdim=True) * self.scale
+        probs = torch.softmax(torch.cat([s_past, s_cur], dim=-1), dim=-1)
+        out = torch.matmul(probs[..., :-1].to(vp.dtype), vp) + probs[..., -1:].to(vc.dtype) * vc
+        return out.view(b, h, 1, d), probs
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, sess: Session) -> torch.Tensor:
+        """One new token per row, tokens [B]. Returns logits [B, V]."""
+        sess.positions, sess.row = sess.next_pos[:, None], 0
+        h = self.embed(tokens[:, None], sess.positions)
+        for layer in range(self.cfg.num_layers):
+            h = self._run_layer(layer, h, sess, lambda i, q, k, v: self._step_attention(i, q, k, v, sess))
+        sess.next_pos = sess.next_pos + 1
+        return self.head(h[:, -1])
+
+    # ---- teacher-forced ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def teacher_forced(self, tokens: torch.Tensor, prefill_len: int, sess: Session) -> torch.Tensor:
+        """Logits [B, T, V] for a whole sequence: the first `prefill_len` tokens as a prompt, every later
+        position as if decoded one token at a time with the session's policy (same selections, same
+        numbers up to float summation order). Rows must be unpadded."""
+        b, t = tokens.shape
+        p = prefill_len
+        positions = torch.arange(t, device=tokens.device).expand(b, t)
+        sess.positions, sess.first_row = positions, p
+        sess.next_pos = torch.full((b,), t, dtype=torch.long, device=tokens.device)
+        prompt_mask = torch.ones(p, p, dtype=torch.bool, device=tokens.device).tril()
+        if self.cfg.sliding_window is not None:
+            prompt_mask &= self._window(positions[0, :p, None], positions[0, None, :p])
+        prompt_mask = prompt_mask[None, None]
+        valid_prompt = torch.ones(b, p, dtype=torch.bool, device=tokens.device)
+
+        def attend(layer, q, k, v):
+            out = torch.empty_like(q)
+            sess.row = p - 1
+            sess.store.write_prompt(layer, k[:, :, :p], v[:, :, :p], valid_prompt, positions[:, :p])
+            sess.policy.on_prefill(layer, q[:, :, :p], k[:, :, :p], v[:, :, :p], sess)
+            out[:, :, :p] = self._dense_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], prompt_mask)
+            if p == t:
+                return out
+            if sess.store.allocator is None:
+                keep = sess.policy.select_rows(layer, q[:, :, p:], k, sess)
+                if keep is not NotImplemented:
+                    out[:, :, p:] = self._rows_attention(layer, q[:, :, p:], k, v, keep, sess)
+                    return out
+            for r in range(p, t):  # stateful policy: replay decoding row by row
+                sess.row = r
+                out[:, :, r:r + 1] = self._step_attention(layer, q[:, :, r:r + 1], k[:, :, r:r + 1], v[:, :, r:r + 1], sess)
+            return out
+
+        h = self.embed(tokens, positions)
+        for layer in range(self.cfg.num_layers):
+            h = self._run_layer(layer, h, sess, attend)
+        return self.head(h)
+
+    def _rows_attention(self, layer, q, k, v, keep, sess: Session) -> torch.Tensor:
+        """Decoding rows q [B,H,R,d] (positions first_row..) at once: each reads the past entries in
+        `keep` [B,Hkv,R,T] (None: all) plus itself, keys and values as the store would hold them."""
+        b, h, r, d = q.shape
+        t = k.shape[2]
+        p = sess.first_row
+        dev = q.device
+        rows = torch.arange(p, p + r, device=dev)[:, None]
+        cols = torch.arange(t, device=dev)[None, :]
+        past = cols < rows  # [R, T]
+        if self.cfg.sliding_window is not None:
+            past = past & self._window(rows, cols)
+        keep = past[None, None] if keep is None else keep & past
+        sess.stats.record(layer, keep.sum(-1).expand(b, k.shape[1], r), rows.T.expand(b, 1, r))
+        codec = sess.store.codec
+        kq, vq = codec.encode(k), codec.encode(v)
+        diag = (cols == rows)[None, None]
+        hkv, g = k.shape[1], h // k.shape[1]
+        qg = q.view(b, hkv, g, r, d)
+        out = torch.empty_like(qg)
+        for s in range(0, r, PREFILL_CHUNK):
+            e = min(r, s + PREFILL_CHUNK)
+            qc = qg[:, :, :, s:e]
+            scores = torch.matmul(qc, kq[:, :, None].transpose(-1, -2)).float() * self.scale  # [B,Hkv,G,c,T]
+            own = (qc.float() * k[:, :, None, p + s:p + e].float()).sum(-1) * self.scale  # [B,Hkv,G,c]
+            scores = scores.masked_fill(~keep[:, :, None, s:e], float("-inf"))
+            dg = diag[:, :, None, s:e]
+            scores = torch.where(dg, own[..., None], scores)
+            probs = torch.softmax(scores, dim=-1)
+            pd = (probs * dg).sum(-1, keepdim=True)
+            o = torch.matmul(probs.masked_fill(dg, 0).to(vq.dtype), vq[:, :, None]) + pd.to(v.dtype) * v[:, :, None, p + s:p + e]
+            out[:, :, :, s:e] = o
+        return out.view(b, h, r, d)
