@@ -75,3 +75,17 @@ class KVStore:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # ---- placement hooks: no-ops here, where everything already lives in fast memory -------------------
+    def dense(self, layer: int):
+        """Keys and values [B,Hkv,S,d] of every used slot, where attention can read them (a policy that
+        selects everything); an offloaded store returns its fast-tier copy."""
+        k, v, _, _ = self.past(layer)
+        return k, v
+
+    def ahead(self, layer: int, point: str, session) -> None:
+        """Called by the runtime after the policy's `on_hidden(layer, point)` (and with layer -1, "embed",
+        at the start of a decoding step): an offloaded store may start moving what layer+1 will read."""
+
+    def close(self) -> None:
+        """Release what the store holds outside the Python heap (files, pinned buffers, threads)."""

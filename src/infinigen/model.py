@@ -133,6 +133,7 @@ class Session:
     row: int = 0  # which of those tokens the current `select` is for (teacher-forced replay)
     first_row: int = 0  # first decoding row in teacher-forced mode
     extra: dict = field(default_factory=dict)
+    mode: str = ""  # "prefill" | "decode" | "teacher": placement prefetches KV rows only while decoding
 
 
 class Transformer(nn.Module):
@@ -217,16 +218,20 @@ class Transformer(nn.Module):
         if self.cfg.pre_norm:
             x = blk.attn_norm(h)
             pol.on_hidden(layer, "attn_in", x, sess)
+            sess.store.ahead(layer, "attn_in", sess)  # placement: start fetching what layer+1 will read
             q, k, v = self.qkv(layer, x, sess.positions)
             a = attend(layer, q, k, v)
             h = h + blk.attn.o_proj(a.transpose(1, 2).flatten(2))
             pol.on_hidden(layer, "attn_out", h, sess)
+            sess.store.ahead(layer, "attn_out", sess)
             return h + blk.mlp(blk.mlp_norm(h))
         # OPT-350m style post-norm
         pol.on_hidden(layer, "attn_in", h, sess)
+        sess.store.ahead(layer, "attn_in", sess)
         q, k, v = self.qkv(layer, h, sess.positions)
         h = blk.attn_norm(h + blk.attn.o_proj(attend(layer, q, k, v).transpose(1, 2).flatten(2)))
         pol.on_hidden(layer, "attn_out", h, sess)
+        sess.store.ahead(layer, "attn_out", sess)
         return blk.mlp_norm(h + blk.mlp(h))
 
     def _window(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
@@ -259,7 +264,7 @@ class Transformer(nn.Module):
         b, t = tokens.shape
         valid = torch.ones_like(tokens, dtype=torch.bool) if pad_mask is None else pad_mask.bool()
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        sess.positions, sess.row = positions, t - 1
+        sess.positions, sess.row, sess.mode = positions, t - 1, "prefill"
         sess.next_pos = positions[:, -1] + 1
         causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
         mask = causal & valid[:, None, :]
@@ -290,6 +295,7 @@ class Transformer(nn.Module):
         keep = pol.select(layer, q, sess)
         if keep is None:
             idx, mask = None, valid
+            kp, vp = store.dense(layer)  # an offloaded store hands its fast-tier copy here
             sess.stats.record(layer, valid.sum(-1, keepdim=True), cur[:, None, None])
         else:
             keep = keep & valid
@@ -322,8 +328,9 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, sess: Session) -> torch.Tensor:
         """One new token per row, tokens [B]. Returns logits [B, V]."""
-        sess.positions, sess.row = sess.next_pos[:, None], 0
+        sess.positions, sess.row, sess.mode = sess.next_pos[:, None], 0, "decode"
         h = self.embed(tokens[:, None], sess.positions)
+        sess.store.ahead(-1, "embed", sess)  # placement: layer 0's rows can start moving now
         for layer in range(self.cfg.num_layers):
             h = self._run_layer(layer, h, sess, lambda i, q, k, v: self._step_attention(i, q, k, v, sess))
         sess.next_pos = sess.next_pos + 1
@@ -338,7 +345,7 @@ class Transformer(nn.Module):
         b, t = tokens.shape
         p = prefill_len
         positions = torch.arange(t, device=tokens.device).expand(b, t)
-        sess.positions, sess.first_row = positions, p
+        sess.positions, sess.first_row, sess.mode = positions, p, "teacher"
         sess.next_pos = torch.full((b,), t, dtype=torch.long, device=tokens.device)
         prompt_mask = torch.ones(p, p, dtype=torch.bool, device=tokens.device).tril()
         if self.cfg.sliding_window is not None:

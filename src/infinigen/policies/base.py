@@ -42,6 +42,13 @@ class Policy:
     def select(self, layer: int, q: torch.Tensor, session) -> torch.Tensor | None:
         return None
 
+    def planned(self, layer: int, session):
+        """What `select(layer, ...)` will return at this decoding step, if it is known already (placement
+        then fetches those rows one layer ahead, overlapped with compute): bool [B,Hkv,S], None for every
+        entry, or NotImplemented while unknown (the default; rows are then fetched when `select` runs).
+        Only a hint for speed: the runtime always uses what `select` returns."""
+        return NotImplemented
+
     def observe(self, layer: int, probs: torch.Tensor, idx: torch.Tensor | None, session) -> None:
         pass
 
@@ -63,6 +70,9 @@ class Policy:
 class FullCache(Policy):
     """Every cached entry, every step: the exact dense result."""
     name = "full"
+
+    def planned(self, layer, session):
+        return None
 
     def select_rows(self, layer, q, k, session):
         return None
