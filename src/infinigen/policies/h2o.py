@@ -1,0 +1,108 @@
+"""H2O (Heavy-Hitter Oracle): keep the tokens with the largest accumulated attention plus the most
+recent ones; evict the rest for good.
+
+Per layer and KV head, every cached token carries the attention it has received so far, summed over
+the group's query heads (prompt rows included, from `on_prefill`). Before each decoding step the
+cache is cut to the budget: the `recent` newest positions stay, the remaining room goes to the
+highest scores. An evicted entry never comes back, which is what distinguishes H2O from InfiniGen's
+per-step selection. Budgets are token counts (`heavy`, `recent`) or fractions of the current length
+(`heavy_ratio`, `recent_ratio`, H2O's own setting). Stateful, so teacher-forced runs replay decoding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import UserError
+from .base import Policy
+
+PREFILL_ROWS = 512  # prompt query rows per chunk when summing the prompt's attention
+
+
+@dataclass
+class H2O(Policy):
+    name = "h2o"
+    heavy: int | None = None  # tokens; wins over heavy_ratio
+    recent: int | None = None
+    heavy_ratio: float = 0.1  # fraction of the current length
+    recent_ratio: float = 0.1
+
+    def validate(self):
+        for name in ("heavy", "recent"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise UserError(f"--{name} must be >= 0, got {v}")
+        for name in ("heavy_ratio", "recent_ratio"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise UserError(f"H2O {name} must be in [0, 1], got {v}")
+
+    def budgets(self, cur: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(heavy, recent) token counts for rows with `cur` tokens in the past."""
+        def one(tokens, ratio):
+            if tokens is not None:
+                return torch.full_like(cur, tokens)
+            return (ratio * cur.double()).floor().long()
+        return one(self.heavy, self.heavy_ratio), one(self.recent, self.recent_ratio)
+
+    def begin(self, model, session):
+        super().begin(model, session)
+        store = session.store
+        shape = (store.k[0].shape[0], store.k[0].shape[1], store.capacity)
+        dev = store.k[0].device
+        n = model.cfg.num_layers
+        self.score = [torch.zeros(shape, dtype=torch.float32, device=dev) for _ in range(n)]
+        self.alive = [torch.zeros(shape, dtype=torch.bool, device=dev) for _ in range(n)]
+        self._own = [None] * n
+
+    def on_prefill(self, layer, q, k, v, session):
+        """Column sums of the prompt's causal attention, over valid query rows and the group's heads."""
+        b, h, t, d = q.shape
+        hkv = k.shape[1]
+        g = h // hkv
+        _, _, valid, _ = session.store.past(layer)  # [B,Hkv,t]
+        tok = valid[:, 0]  # [B,t] real (unpadded) tokens
+        qg = q.view(b, hkv, g, t, d)
+        total = torch.zeros(b, hkv, t, dtype=torch.float32, device=q.device)
+        cols = torch.arange(t, device=q.device)
+        for s in range(0, t, PREFILL_ROWS):
+            e = min(t, s + PREFILL_ROWS)
+            rows = torch.arange(s, e, device=q.device)
+            scores = torch.matmul(qg[:, :, :, s:e], k[:, :, None].transpose(-1, -2)).float() * self.model.scale
+            mask = (cols[None, :] <= rows[:, None])[None] & tok[:, None, :]  # [B,c,t]
+            scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+            probs = probs * tok[:, None, None, s:e, None]  # padding rows give nothing
+            total += probs.sum(dim=(2, 3))
+        self.score[layer][:, :, :t] = total
+        self.alive[layer][:, :, :t] = valid
+
+    def select(self, layer, q, session):
+        store = session.store
+        n = store.length[layer]
+        _, _, valid, pos = store.past(layer)
+        alive = self.alive[layer][:, :, :n] & valid
+        cur = session.positions[:, session.row][:, None, None]  # [B,1,1] tokens before this one
+        heavy, recent = self.budgets(cur)
+        is_recent = alive & (pos >= cur - recent)
+        room = (heavy + recent - is_recent.sum(-1, keepdim=True)).clamp(min=0)  # [B,Hkv,1]
+        score = self.score[layer][:, :, :n].masked_fill(~alive | is_recent, float("-inf"))
+        order = score.argsort(dim=-1, descending=True, stable=True)
+        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=q.device).expand_as(order))
+        keep = is_recent | ((ranks < room) & alive & ~is_recent)
+        self.alive[layer][:, :, :n] = keep  # eviction is permanent
+        return keep
+
+    def observe(self, layer, probs, idx, session):
+        got = probs[..., :-1].sum(2)  # [B,Hkv,n]: attention each read entry received, group summed
+        score = self.score[layer]
+        if idx is None:
+            score[:, :, :got.shape[-1]] += got
+        else:
+            score.scatter_add_(2, idx, got)
+        self._own[layer] = probs[..., -1].sum(2)  # [B,Hkv]: the current token's own share
+
+    def on_append(self, layer, slots, k, v, session):
+        self.score[layer].scatter_(2, slots[..., None], self._own[layer][..., None])
+        self.alive[layer].scatter_(2, slots[..., None], True)
