@@ -323,3 +323,21 @@ def test_oracle_picks_the_true_top_tokens(tiny, knobs):
 def test_bad_knobs_are_user_errors(name, knobs):
     with pytest.raises(UserError):
         make_policy(name, **knobs)
+
+
+@pytest.mark.parametrize("name,knobs", [("h2o", dict(heavy=3, recent=2)), ("streaming", dict(sinks=2, window=3)),
+                                        ("int4", {}), ("full", {})])
+def test_planned_selection_matches_select(tiny, name, knobs):
+    """Policies that know their selection before the step (placement prefetches it) must agree with select."""
+    pol = make_policy(name, **knobs)
+    inner, checked = pol.select, []
+
+    def select(layer, q, sess):
+        plan = pol.planned(layer, sess)
+        got = inner(layer, q, sess)
+        assert (plan is None and got is None) or torch.equal(plan, got)
+        checked.append(layer)
+        return got
+    pol.select = select
+    _decode_all(tiny, pol, _tokens(tiny))
+    assert len(checked) == (T - P) * tiny.cfg.num_layers

@@ -78,7 +78,8 @@ class H2O(Policy):
         self.score[layer][:, :, :t] = total
         self.alive[layer][:, :, :t] = valid
 
-    def select(self, layer, q, session):
+    def _keep(self, layer, session) -> torch.Tensor:
+        """The entries this step reads: the recent window plus the best scores, within the budget."""
         store = session.store
         n = store.length[layer]
         _, _, valid, pos = store.past(layer)
@@ -89,9 +90,15 @@ class H2O(Policy):
         room = (heavy + recent - is_recent.sum(-1, keepdim=True)).clamp(min=0)  # [B,Hkv,1]
         score = self.score[layer][:, :, :n].masked_fill(~alive | is_recent, float("-inf"))
         order = score.argsort(dim=-1, descending=True, stable=True)
-        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=q.device).expand_as(order))
-        keep = is_recent | ((ranks < room) & alive & ~is_recent)
-        self.alive[layer][:, :, :n] = keep  # eviction is permanent
+        ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
+        return is_recent | ((ranks < room) & alive & ~is_recent)
+
+    def planned(self, layer, session):
+        return self._keep(layer, session)  # known before the step: placement may prefetch it
+
+    def select(self, layer, q, session):
+        keep = self._keep(layer, session)
+        self.alive[layer][:, :, :keep.shape[-1]] = keep  # eviction is permanent
         return keep
 
     def observe(self, layer, probs, idx, session):

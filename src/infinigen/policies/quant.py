@@ -97,5 +97,8 @@ class Int4(Policy):
     def codec(self) -> KVCodec | None:
         return None if self.bits >= 16 else QuantCodec(self.bits, self.group)
 
+    def planned(self, layer, session):
+        return None
+
     def select_rows(self, layer, q, k, session):
         return None  # every entry; the runtime reads keys and values through the codec

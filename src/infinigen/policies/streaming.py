@@ -36,10 +36,16 @@ class StreamingLLM(Policy):
         sinks = budget.clamp(max=self.sinks)
         return (pos < sinks) | (pos >= cur - (budget - sinks))
 
-    def select(self, layer, q, session):
+    def _slots(self, layer, session) -> torch.Tensor:
         _, _, valid, pos = session.store.past(layer)
         cur = session.positions[:, session.row]  # [B]
         return self._keep(pos, cur[:, None, None]) & valid
+
+    def select(self, layer, q, session):
+        return self._slots(layer, session)
+
+    def planned(self, layer, session):
+        return self._slots(layer, session)  # positions alone decide: known a layer ahead
 
     def select_rows(self, layer, q, k, session):
         b, hkv, t, _ = k.shape
