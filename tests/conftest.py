@@ -12,7 +12,7 @@ are non-trivial and a wrong mapping shows up in the logits):
                     word_embed_proj_dim=32) for an OPT-350m-like post-norm model). Same seed, same sizes.
   tiny_checkpoint   session-scoped Path: a Hugging Face checkpoint directory (config.json,
                     model.safetensors, a small byte-level BPE tokenizer with a chat template) of a tiny
-                    random Llama model (vocab 512, context 128), saved with save_pretrained. Loadable with
+                    random Llama model (vocab ~500, context 128), saved with save_pretrained. Loadable with
                     `infinigen.load(path)` and `infinigen ... --model PATH`; read-only for tests (copy it
                     before corrupting it).
   tiny_tokenizer    session-scoped: the tokenizer saved in tiny_checkpoint.
@@ -22,7 +22,7 @@ marked `@pytest.mark.integration` (deselect them with `-m "not integration"`):
 
   default_model     (our_model, tokenizer) in float32 on CPU.
   default_hf_model  the `transformers` LlamaForCausalLM with the same (dequantized) weights, loaded from
-                    the converted checkpoint that `infinigen.loading` caches; float32, eager attention.
+                    the converted checkpoint that `infinigen.loading` caches; float32, sdpa attention (its default).
 
 Tests that need the CLI run `infinigen.cli.main(argv)` in-process (returns the exit code) or the
 console script in a subprocess.
@@ -136,7 +136,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
     tok = make_tokenizer()
     torch.manual_seed(SEED)
-    cfg = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=8, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
                       rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -168,4 +168,4 @@ def default_hf_model(default_model):
 
     from infinigen.loading import _convert_gguf, default_gguf
     path = _convert_gguf(default_gguf(), progress=False)  # the cache the default_model fixture filled
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()

@@ -34,14 +34,27 @@ def main(argv: list[str] | None = None) -> int:
         print("infinigen: aborted", file=sys.stderr)
         return 130
     except Exception as e:  # click usage errors (bad option values) are bad input too
-        import click
-        if isinstance(e, click.exceptions.ClickException):
-            print(f"infinigen: error: {e.format_message()}", file=sys.stderr)
+        if type(e).__name__ == "NoArgsIsHelpError":  # the help is already printed
             return 2
-        if isinstance(e, click.exceptions.Exit):
+        if isinstance(e, _click_types("ClickException")):
+            print(f"infinigen: error: {' '.join(e.format_message().split())}", file=sys.stderr)
+            return 2
+        if isinstance(e, _click_types("Exit")):
             return e.exit_code
         raise
     return 0
+
+
+def _click_types(name: str) -> tuple[type, ...]:
+    """`name` from click and from the copy of click that typer >= 0.24 vendors (typer._click), whose
+    exceptions are not click's."""
+    found = []
+    for module in ("click.exceptions", "typer._click.exceptions", "typer.exceptions"):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,251 @@
+"""`infinigen generate` and `infinigen info`.
+
+Every option is checked before the model is loaded, so a typo costs no loading time. Generated text of
+the first row streams to stdout; progress and the speed summary go to stderr, so stdout can be piped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import UserError
+
+DEVICES = ("cpu", "cuda")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+MODEL_HELP = "'default' (SmolLM2-135M-Instruct, Q4_1), a .gguf file, or a Hugging Face checkpoint directory"
+
+
+# ---- helpers shared with other commands ------------------------------------------------------------
+def check_range(name: str, value, lo=None, hi=None, lo_open: bool = False) -> None:
+    """UserError unless lo <= value <= hi (lo < value when lo_open); None bounds are unchecked."""
+    if value is None:
+        return
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise UserError(f"--{name} must be {'>' if lo_open else '>='} {lo} (got {value})")
+    if hi is not None and value > hi:
+        raise UserError(f"--{name} must be <= {hi} (got {value})")
+
+
+def check_model_options(device: str, dtype: str) -> None:
+    if device not in DEVICES and not device.startswith("cuda:"):
+        raise UserError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
+    if dtype not in DTYPE_NAMES:
+        raise UserError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPE_NAMES)}")
+
+
+@contextmanager
+def spinner(message: str):
+    """A rich spinner on stderr while `message`'s work runs (silent when stderr is not a terminal)."""
+    from rich.console import Console
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        yield
+        return
+    with console.status(message, spinner="dots"):
+        yield
+
+
+def load_model(model: str, dtype: str = "float32", device: str = "cpu"):
+    """(model, tokenizer, name), with a spinner while loading."""
+    from ..loading import load
+    label = "the default model" if model in ("", "default") else model
+    with spinner(f"Loading {label} ({dtype}, {device})..."):
+        return load(model, dtype=dtype, device=device)
+
+
+def parse_knobs(knobs: list[str]) -> dict:
+    """`--knob name=value` pairs; values are read as int, float, bool or left as text."""
+    out = {}
+    for kv in knobs or []:
+        if "=" not in kv:
+            raise UserError(f"--knob expects NAME=VALUE, got {kv!r}")
+        name, text = (s.strip() for s in kv.split("=", 1))
+        value: object = text
+        low = text.lower()
+        if low in ("true", "false"):
+            value = low == "true"
+        else:
+            for cast in (int, float):
+                try:
+                    value = cast(text)
+                    break
+                except ValueError:
+                    pass
+        out[name.replace("-", "_")] = value
+    return out
+
+
+def make_policy_from_cli(name: str, knobs: list[str] | None = None):
+    """The policy `name` with `--knob` settings; unknown knob names are an error, not ignored."""
+    from ..policies import make_policy, policy_class
+    cls = policy_class(name)
+    values = parse_knobs(knobs or [])
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        have = ", ".join(sorted(f for f in fields if not f.startswith("_"))) or "none"
+        raise UserError(f"policy {name!r} has no knob {unknown[0]!r}; its knobs: {have}")
+    try:
+        return make_policy(name, **values)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"bad knob for policy {name!r}: {e}")
+
+
+def read_prompts(prompt: Optional[str], prompt_file: Optional[Path]) -> list[str]:
+    if prompt is not None and prompt_file is not None:
+        raise UserError("give either --prompt or --prompt-file, not both")
+    if prompt is None and prompt_file is None:
+        raise UserError("no prompt: give --prompt TEXT or --prompt-file FILE")
+    if prompt is not None:
+        if not prompt.strip():
+            raise UserError("the prompt is empty")
+        return [prompt]
+    path = Path(prompt_file).expanduser()
+    if not path.is_file():
+        raise UserError(f"prompt file not found: {path}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read prompt file {path}: {e}")
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise UserError(f"the prompt file {path} has no prompt (one prompt per non-empty line)")
+    return prompts
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+# ---- commands --------------------------------------------------------------------------------------
+def generate_cmd(
+    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt text."),
+    prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", "-f",
+                                               help="A text file with one prompt per line (a batch)."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens to generate per prompt."),
+    batch_size: int = typer.Option(1, "--batch-size", "-b", help="Run every prompt this many times in one batch."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    policy: str = typer.Option("full", "--policy", help="KV-cache policy: full, infinigen, h2o, int4, streaming, oracle."),
+    knob: list[str] = typer.Option([], "--knob", help="A policy setting NAME=VALUE (repeatable), e.g. --knob alpha=5."),
+):
+    """Generate text with the runtime, streaming the first prompt's answer."""
+    from ..generate import Sampling, TextStreamer, generate
+
+    check_range("max-new-tokens", max_new_tokens, lo=1)
+    check_range("batch-size", batch_size, lo=1)
+    check_range("temperature", temperature, lo=0)
+    check_range("top-k", top_k, lo=0)
+    check_range("top-p", top_p, lo=0, hi=1, lo_open=True)
+    check_range("seed", seed, lo=0, hi=2 ** 63 - 1)
+    check_model_options(device, dtype)
+    prompts = read_prompts(prompt, prompt_file)
+    prompts = [p for p in prompts for _ in range(batch_size)]
+    pol = make_policy_from_cli(policy, knob)
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling.validate()
+
+    net, tok, name = load_model(model, dtype, device)
+    streamer = TextStreamer(tok, row=0, write=_out)
+    try:
+        g = generate(net, tok, prompts, max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
+                     chat=chat, on_token=streamer)
+    except KeyboardInterrupt:
+        _out("\n")
+        raise typer.Abort()
+    _out(g.texts[0][len(streamer.shown):] + "\n")  # what the streamer held back (an incomplete character)
+    for i in range(1, len(prompts)):
+        _out(f"--- [{i}] ---\n{g.texts[i]}\n")
+
+    new = sum(len(t) for t in g.tokens)
+    rows = len(prompts)
+    parts = [f"{name}: {g.prompt_tokens} prompt tokens in {rows} row{'s' * (rows > 1)}",
+             f"prefill {g.prefill_s:.3f} s ({g.prompt_tokens / g.prefill_s:.0f} tokens/s)" if g.prefill_s > 0 else "",
+             f"{new} new tokens, decode {g.decode_tokens_per_s:.1f} tokens/s" if g.decode_steps else f"{new} new tokens"]
+    if policy != "full" and g.stats is not None and g.decode_steps:
+        parts.append(f"policy {policy}: relative KV size {100 * g.stats.overall():.1f}%")
+    print(" | ".join(p for p in parts if p), file=sys.stderr)
+
+
+def info_cmd(
+    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    as_json: bool = typer.Option(False, "--json", help="Print the facts as one JSON object."),
+):
+    """Architecture, size and KV cache cost per token of a model."""
+    import json
+
+    check_model_options(device, dtype)
+    net, tok, name = load_model(model, dtype, device)
+    facts = model_facts(net, name)
+    if as_json:
+        print(json.dumps(facts, indent=2))
+        return
+    cfg = net.cfg
+    mib = 1024 ** 2
+    gqa = f" (GQA {cfg.group_size}:1)" if cfg.group_size > 1 else ""
+    lines = [
+        ("model", name),
+        ("architecture", f"{facts['model_type']} ({facts['family']})"),
+        ("layers", cfg.num_layers),
+        ("hidden size", cfg.hidden_size),
+        ("heads", f"{cfg.num_heads} query, {cfg.num_kv_heads} KV{gqa}, head_dim {cfg.head_dim}"),
+        ("MLP size", f"{cfg.intermediate_size} ({cfg.activation})"),
+        ("vocabulary", cfg.vocab_size),
+        ("context", f"{cfg.max_position} tokens"),
+        ("positions", facts["positions"]),
+        ("parameters", f"{facts['parameters']:,} ({facts['parameters'] / 1e6:.1f} M)"),
+        ("weights", f"{facts['weight_bytes'] / mib:.1f} MiB in {dtype}"),
+        ("KV cache per token", f"{facts['kv_bytes_per_token']['float16']:,} B in float16, "
+                               f"{facts['kv_bytes_per_token'][dtype]:,} B in {dtype} (one sequence, all layers)"),
+        ("KV cache, full context", f"{facts['kv_bytes_per_token']['float16'] * cfg.max_position / mib:.1f} MiB in float16 "
+                                   f"per sequence of {cfg.max_position} tokens"),
+    ]
+    width = max(len(k) for k, _ in lines) + 1
+    for k, v in lines:
+        print(f"{k + ':':<{width}} {v}")
+
+
+def model_facts(net, name: str) -> dict:
+    """The numbers `info` prints, as a dict (also used by benchmarks)."""
+    import torch
+    cfg = net.cfg
+    params = sum(p.numel() for p in net.parameters())  # tied weights are counted once
+    if cfg.uses_rope:
+        rp = getattr(cfg.hf_config, "rope_parameters", None) or {}
+        theta = rp.get("rope_theta", getattr(cfg.hf_config, "rope_theta", None))
+        kind = rp.get("rope_type", "default")
+        positions = f"RoPE (theta {theta:g}, {kind})" if theta else "RoPE"
+        if cfg.sliding_window:
+            positions += f", sliding window {cfg.sliding_window}"
+    else:
+        positions = "learned position embeddings"
+    family = "Llama family" if cfg.arch == "llama" else ("OPT, pre-norm" if cfg.pre_norm else "OPT, post-norm")
+    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    loaded = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(net.dtype, str(net.dtype))
+    return {
+        "name": name, "model_type": cfg.model_type, "family": family, "layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
+        "context": cfg.max_position, "positions": positions, "parameters": params,
+        "weight_bytes": sum(p.numel() * p.element_size() for p in net.parameters()), "dtype": loaded,
+        "kv_bytes_per_token": {k: cfg.kv_bytes_per_token(v) for k, v in sizes.items()},
+    }
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate_cmd)
+    app.command("info")(info_cmd)
