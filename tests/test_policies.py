@@ -41,14 +41,27 @@ LIMITED = [
     ("oracle", dict(tokens=4)),
     ("oracle", dict(alpha=1.0)),
 ]
-if HAVE_INFINIGEN:
-    UNLIMITED.append(("infinigen", dict(alpha=1e9, max_fetch_ratio=1.0, dense_layers=0)))
-    LIMITED.append(("infinigen", dict(dense_layers=1)))
-    LIMITED.append(("infinigen", dict(alpha=1.0, dense_layers=0)))
+if HAVE_INFINIGEN:  # helper policies get random orthogonal skew matrices ("random") or none
+    UNLIMITED += [("infinigen", dict(alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), skew=False)),
+                  ("infinigen", dict(preset="paper", alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), matrices="random"))]
+    LIMITED += [("infinigen", dict(dense_layers=(), matrices="random")),
+                ("infinigen", dict(preset="paper", alpha=1.0, dense_layers=(), matrices="random")),
+                ("infinigen", dict(budget="per_head", alpha=0.5, dense_layers=(), skew=False))]
+
+
+def _policy(name, knobs, model):
+    """make_policy, with matrices="random" replaced by random orthogonal skew matrices for `model`."""
+    knobs = dict(knobs)
+    if knobs.get("matrices") == "random":
+        c = model.cfg
+        g = torch.Generator().manual_seed(3)
+        knobs["matrices"] = torch.linalg.qr(torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, c.head_dim,
+                                                        generator=g, dtype=torch.float64))[0]
+    return make_policy(name, **knobs)
 
 
 def _ids(cases):
-    return [f"{n}-" + ",".join(f"{k}={v}" for k, v in kw.items()) for n, kw in cases]
+    return [f"{n}-" + ",".join(f"{k}={v}" for k, v in kw.items() if k != "matrices") for n, kw in cases]
 
 
 @pytest.fixture(scope="module", params=["llama", "opt"])
@@ -79,12 +92,12 @@ class FifoPool:
         pass
 
 
-def _pool(capacity):
+def _pool(victim):
     try:
-        from infinigen.pool import make  # helper B's allocator when it exists
-        return make("fifo")
-    except ImportError:
+        from infinigen.pool import make_pool
+    except ImportError:  # the pool module is optional for these tests
         return FifoPool()
+    return make_pool(victim)
 
 
 class Recorder:
@@ -136,22 +149,22 @@ def _teacher_forced(model, policy, tokens, capacity=None, allocator=None):
 def test_unlimited_budget_equals_dense(tiny, name, knobs):
     tokens = _tokens(tiny)
     dense, _ = _teacher_forced(tiny, make_policy("full"), tokens)
-    tf, sess = _teacher_forced(tiny, make_policy(name, **knobs), tokens)
+    tf, sess = _teacher_forced(tiny, _policy(name, knobs, tiny), tokens)
     assert (tf - dense).abs().max() <= 1e-5
-    dec, _ = _decode_all(tiny, make_policy(name, **knobs), tokens)
+    dec, _ = _decode_all(tiny, _policy(name, knobs, tiny), tokens)
     assert (dec - dense[:, P - 1:]).abs().max() <= 1e-5
     layers = [i for i in range(tiny.cfg.num_layers)]
     assert sess.stats.overall(layers) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("pool", [False, True], ids=["nopool", "pool"])
+@pytest.mark.parametrize("pool", [None, "fifo", "counter"], ids=["nopool", "fifo", "counter"])
 @pytest.mark.parametrize("name,knobs", LIMITED, ids=_ids(LIMITED))
 def test_teacher_forced_equals_decoding(tiny, name, knobs, pool):
     tokens = _tokens(tiny)
     cap = T - 6 if pool else None  # the last 6 tokens overwrite slots: the runtime's replay path
-    pol_tf, pol_dec = Recorder(make_policy(name, **knobs), T), Recorder(make_policy(name, **knobs), T)
-    tf, s_tf = _teacher_forced(tiny, pol_tf.policy, tokens, cap, _pool(cap) if pool else None)
-    dec, s_dec = _decode_all(tiny, pol_dec.policy, tokens, cap, _pool(cap) if pool else None)
+    pol_tf, pol_dec = Recorder(_policy(name, knobs, tiny), T), Recorder(_policy(name, knobs, tiny), T)
+    tf, s_tf = _teacher_forced(tiny, pol_tf.policy, tokens, cap, _pool(pool) if pool else None)
+    dec, s_dec = _decode_all(tiny, pol_dec.policy, tokens, cap, _pool(pool) if pool else None)
     assert (tf[:, P - 1:] - dec).abs().max() <= 1e-4
     assert pol_tf.seen.keys() == pol_dec.seen.keys()
     for key in pol_dec.seen:
