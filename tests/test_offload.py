@@ -38,11 +38,15 @@ class PlannedRandom(Policy):
         return plan
 
 
-def _policy(name):
+def _policy(name, model=None):
     if name == "planned-random":
         return PlannedRandom()
     if name == "infinigen":
         pytest.importorskip("infinigen.policies.infinigen")
+        cfg = model.cfg  # random orthogonal skew matrices: no calibration needed, the maths is the same
+        g = torch.Generator().manual_seed(5)
+        a = torch.linalg.qr(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, generator=g))[0]
+        return make_policy("infinigen", dense_layers=(0,), matrices=a)
     return make_policy(name)
 
 
@@ -78,8 +82,8 @@ POLICIES = ["full", "int4", "h2o", "streaming", "planned-random", "infinigen"]
 @pytest.mark.parametrize("kind", ["disk", "cpu"])
 def test_offloaded_engine_same_tokens(tiny_llama, policy, kind, tmp_path):
     _, model = tiny_llama
-    ref_tokens, ref_logits, _ = _run(model, Placement("none"), _policy(policy))
-    tokens, logits, sess = _run(model, Placement(kind, pool_dir=str(tmp_path)), _policy(policy))
+    ref_tokens, ref_logits, _ = _run(model, Placement("none"), _policy(policy, model))
+    tokens, logits, sess = _run(model, Placement(kind, pool_dir=str(tmp_path)), _policy(policy, model))
     assert torch.equal(tokens, ref_tokens)
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=0)
     st = sess.store.stats
@@ -135,7 +139,7 @@ def _allocators():
     except ImportError:
         return
     for name in ("counter", "lru", "fifo"):
-        yield f"pool-{name}", (lambda name=name: pool.make_allocator(name))
+        yield f"pool-{name}", (lambda name=name: pool.make_pool(name))
 
 
 @pytest.mark.parametrize("policy", ["full", "int4", "planned-random", "infinigen"])
@@ -143,10 +147,11 @@ def _allocators():
 def test_pool_limit_same_tokens_and_bounded(tiny_llama, policy, alloc_name, alloc, tmp_path):
     _, model = tiny_llama
     capacity = PROMPT + 4  # the last GEN-4 tokens overwrite victims
-    ref_tokens, ref_logits, _ = _run(model, Placement("none"), _policy(policy), capacity=capacity, allocator=alloc())
-    limit = capacity * kv_slot_bytes(model, B, _policy(policy), "disk")
+    ref_tokens, ref_logits, _ = _run(model, Placement("none"), _policy(policy, model), capacity=capacity,
+                                     allocator=alloc())
+    limit = capacity * kv_slot_bytes(model, B, _policy(policy, model), "disk")
     pl = Placement("disk", pool_dir=str(tmp_path))
-    tokens, logits, sess = _run(model, pl, _policy(policy), pool_bytes=limit, allocator=alloc(), keep=True)
+    tokens, logits, sess = _run(model, pl, _policy(policy, model), pool_bytes=limit, allocator=alloc(), keep=True)
     store = sess.store
     assert store.capacity == capacity
     assert store.slow_bytes() <= limit

@@ -63,8 +63,8 @@ class Placement:
         self.validate()
         cap = self.capacity(model, batch, max_len, policy, capacity, pool_bytes)
         if cap is not None and cap < max_len and allocator is None:
-            from ..pool import make_allocator  # the pool manager's default victim policy
-            allocator = make_allocator("counter")
+            from ..pool import make_pool  # the pool manager's default victim policy (counter)
+            allocator = make_pool()
         if self.kv_offload == "none":
             return model.new_session(batch, max_len, policy, capacity=cap, allocator=allocator, store_cls=KVStore)
         tier = SlowTier(self.kv_offload, model.device, self.pool_dir)

@@ -4,7 +4,7 @@ Decoding step, layer i (the runtime calls `ahead` after each policy hook):
   1. As soon as the policy knows layer i+1's selection (`Policy.planned`: InfiniGen after its speculation
      at layer i, H2O from its scores, full/INT4: everything), the store turns it into row indices and
      hands a fetch job to a background worker: gather the rows from the slow tier into a staging buffer
-     (index_select: torch releases the GIL) and, on CUDA, copy the staging buffer to the GPU on a copy
+     (index_select; torch releases the GIL) and, on CUDA, copy the staging buffer to the GPU on a copy
      stream and record an event.
   2. Meanwhile the main thread runs the rest of layer i (attention, MLP).
   3. At layer i+1's attention, `gather`/`dense` wait for that job only (its future and, on CUDA, its
@@ -13,33 +13,35 @@ The prefetch is only a hint: the runtime still computes its own row indices from
 if they differ from the prefetched ones (or nothing was planned) the rows are fetched on the spot. The
 tokens are therefore always those of the in-memory store.
 
-Double buffering: jobs for layers of the same parity share staging buffers; on CUDA the copy for layer
-i+2 waits on an event recorded when layer i's attention was done with the buffer.
+Double buffering: jobs for layers of the same parity share buffers; on CUDA the copy for layer i+2
+waits on an event recorded when layer i's attention was done with the buffer.
 """
 from __future__ import annotations
 
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..cache import KVCodec, KVStore
-from .rows import PackedRows, layout_for
+from .rows import layout_for
 from .tiers import SlowTier
+
+KV = (0, 1)  # keys, values
 
 
 @dataclass
 class TransferStats:
     """What moved from the slow tier to the fast tier, and where the time went."""
     bytes_moved: int = 0
-    rows_moved: int = 0
+    rows_moved: int = 0  # key+value vectors of one (slot, sequence, KV head)
     fetches: int = 0  # fetch jobs run (prefetched or on demand)
     on_demand: int = 0  # fetched when attention asked (nothing planned, or the plan differed)
     stale: int = 0  # prefetched but not what attention read (wasted)
-    gather_s: float = 0.0  # worker (or on-demand) time gathering rows
-    wait_s: float = 0.0  # main thread waiting for a prefetch
+    gather_s: float = 0.0  # time gathering rows (worker or on demand)
+    wait_s: float = 0.0  # main thread waiting for a prefetch to finish
     peak_fast_bytes: int = 0  # staging + fetched rows + metadata held in the fast tier
 
     def reset(self) -> None:
@@ -55,49 +57,47 @@ class _Job:
     idx: torch.Tensor | None  # [B,Hkv,n] slots read (fast device); None: every used slot
     n: int  # slots per (batch, KV head)
     future: Future | None = None
-    ready: object = None  # torch.cuda.Event on CUDA
-    kv: torch.Tensor | None = None  # [rows, 2, d] in the fast tier, once done
-    planes: list | None = None  # CUDA: the fetched planes (decoded on the compute stream)
-    done: bool = False
+    ready: object = None  # CUDA: event on the copy stream
+    raw: list | None = None  # CUDA: fetched planes per kind, finished on the compute stream
+    kv: tuple | None = None  # (k, v) [B*Hkv*n, d] in the fast tier, row order (b, h, i)
 
 
 class _Buffers:
-    """Growable staging/fast buffers, one set per layer parity."""
+    """Growable buffers, keyed by (role, parity, kind, plane); accounts for the fast tier's share."""
 
-    def __init__(self, planes, device, pinned: bool, stats: TransferStats, extra_bytes: int):
-        self.planes, self.device, self.pinned, self.stats = planes, device, pinned, stats
-        self.extra = extra_bytes
+    def __init__(self, fast: torch.device, stats: TransferStats, extra_bytes: int):
+        self.fast, self.stats, self.extra = fast, stats, extra_bytes
         self.bufs: dict[tuple, torch.Tensor] = {}
 
-    def get(self, key, rows: int, shape, dtype, device=None, pinned=None) -> torch.Tensor:
-        device = self.device if device is None else device
-        pinned = self.pinned if pinned is None else pinned
+    def get(self, key, rows: int, shape, dtype, host_pinned: bool = False) -> torch.Tensor:
         t = self.bufs.get(key)
         if t is None or t.shape[0] < rows:
             cap = max(rows, int(1.25 * t.shape[0]) if t is not None else rows, 1)
-            if t is not None and device.type == "cuda":
-                torch.cuda.synchronize(device)  # rare (growth only): the old buffer may still be read
+            if t is not None and self.fast.type == "cuda":
+                torch.cuda.synchronize(self.fast)  # rare (growth only): the old buffer may still be read
             self.bufs.pop(key, None)
-            t = torch.empty((cap, *shape), dtype=dtype, device=device, pin_memory=pinned and device.type == "cpu")
+            device = torch.device("cpu") if host_pinned else self.fast
+            t = torch.empty((cap, *shape), dtype=dtype, device=device, pin_memory=host_pinned)
             self.bufs[key] = t
             self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, self.fast_bytes())
         return t[:rows]
 
     def fast_bytes(self) -> int:
-        return self.extra + sum(t.numel() * t.element_size() for k, t in list(self.bufs.items()) if k[0] == "fast")
+        staged = list(self.bufs.items())
+        return self.extra + sum(t.numel() * t.element_size() for k, t in staged if k[0] != "stage")
 
 
 class OffloadedKVStore(KVStore):
     """KVStore with the pool in `tier` (a `SlowTier`); metadata (valid, pos) stays in the fast tier.
 
     `prefetch=False` fetches every layer on demand (no overlap); `threaded=False` runs prefetch jobs
-    inline (no worker thread; for debugging). `pack=False` keeps a quantizing codec's values unpacked.
+    inline (no worker thread). `pack=False` keeps a quantizing codec's values unpacked.
     """
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
                  allocator=None, tier: SlowTier | None = None, prefetch: bool = True, threaded: bool = True,
-                 pack: bool = True, stats: TransferStats | None = None, timer=None):
+                 pack: bool = True, stats: TransferStats | None = None):
         self.capacity = capacity
         self.codec = codec or KVCodec()
         self.allocator = allocator
@@ -105,41 +105,40 @@ class OffloadedKVStore(KVStore):
         self.cuda = self.fast.type == "cuda"
         self.tier = tier or SlowTier("cpu", self.fast)
         self.layout = layout_for(codec, head_dim, dtype, pack)
-        self.packed = isinstance(self.layout, PackedRows)
+        self.packed = self.layout.packed
         self.num_layers, self.batch, self.kv_heads, self.head_dim, self.dtype = num_layers, batch, kv_heads, head_dim, dtype
         self.bh = batch * kv_heads
         rows = capacity * self.bh
-        # one tensor per plane for all layers (one file per plane on disk)
-        whole = [self.tier.empty((num_layers, rows, *shape), pdtype, name=f"plane{p}")
-                 for p, (shape, pdtype) in enumerate(self.layout.planes)]
-        self.planes = [[w[i] for w in whole] for i in range(num_layers)]
+        # one tensor per (kind, plane) for all layers: one file each on disk
+        whole = [[self.tier.empty((num_layers, rows, *shape), pdtype, name=f"{'kv'[kind]}{p}")
+                  for p, (shape, pdtype) in enumerate(self.layout.planes)] for kind in KV]
+        self.planes = [[[w[i] for w in whole[kind]] for kind in KV] for i in range(num_layers)]
         meta = (batch, kv_heads, capacity)
         self.valid = [torch.zeros(meta, dtype=torch.bool, device=self.fast) for _ in range(num_layers)]
         self.pos = [torch.full(meta, -1, dtype=torch.long, device=self.fast) for _ in range(num_layers)]
         self.length = [0] * num_layers
         if self.packed or self.cuda:
-            # No float view of a packed pool, and a pinned pool is not readable by GPU kernels: policies that
-            # look at store.k for its shape and device get a one-element placeholder of that shape.
+            # No float view of a packed pool, and GPU kernels cannot read a pinned pool: policies that look
+            # at store.k for its shape and device get a one-element placeholder of that shape.
             ph = torch.zeros((), dtype=dtype, device=self.fast).expand(batch, kv_heads, capacity, head_dim)
             self.k = self.v = [ph] * num_layers
         else:
             self.k = [self._slow_view(i, capacity)[0] for i in range(num_layers)]
             self.v = [self._slow_view(i, capacity)[1] for i in range(num_layers)]
         self.stats = stats or TransferStats()
-        self.timer = timer
         meta_bytes = sum(t.numel() * t.element_size() for t in self.valid + self.pos)
-        self.buffers = _Buffers(self.layout.planes, self.fast, self.cuda, self.stats, meta_bytes)
+        self.buffers = _Buffers(self.fast, self.stats, meta_bytes)
         self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, meta_bytes)
         self.prefetch = prefetch
         self._jobs: dict[int, _Job] = {}
         self._step = 0
-        self._pending: list[list] = [[] for _ in range(num_layers)]  # CUDA: appends still on their way to the pool
+        self._pending: list[list] = [[] for _ in range(num_layers)]  # CUDA: appends on their way to the pool
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch", initializer=_one_thread) if threaded else None
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.fast)
-            self._consumed = [None, None]  # per parity: compute-stream event after attention read the buffer
-            self._copied = [None, None]  # per parity: copy-stream event after the pinned staging was read
+            self._consumed = [None, None]  # per parity: compute-stream event once attention read the buffer
+            self._copied = [None, None]  # per parity: copy-stream event once the pinned staging was read
 
     # ---- accounting -------------------------------------------------------------------------------
     def nbytes(self) -> int:
@@ -155,27 +154,22 @@ class OffloadedKVStore(KVStore):
     def slot_bytes(num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, codec=None,
                    pack: bool = True) -> int:
         """Slow-tier bytes of one slot (one token of every sequence, layer and KV head)."""
-        return num_layers * batch * kv_heads * layout_for(codec, head_dim, dtype, pack).row_bytes
+        return num_layers * batch * kv_heads * 2 * layout_for(codec, head_dim, dtype, pack).row_bytes
 
     # ---- rows -------------------------------------------------------------------------------------
     def _slow_view(self, layer: int, n: int):
         """Plain layout only: k, v [B,Hkv,n,d] views of the slow tier (no copy)."""
-        kv = self.planes[layer][0][: n * self.bh].view(n, self.batch, self.kv_heads, 2, self.head_dim)
-        kv = kv.permute(1, 2, 0, 3, 4)
-        return kv[..., 0, :], kv[..., 1, :]
+        return tuple(self.planes[layer][kind][0][: n * self.bh].view(n, self.batch, self.kv_heads, self.head_dim)
+                     .permute(1, 2, 0, 3) for kind in KV)
 
     def _rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """Slot indices [B,Hkv,n] -> flat row numbers [B*Hkv*n] (row = (slot*B + b)*Hkv + h)."""
+        """Slot indices [B,Hkv,n] -> flat row numbers [B*Hkv*n] in (b, h, i) order."""
         bh = torch.arange(self.bh, device=idx.device).view(self.batch, self.kv_heads, 1)
         return (idx * self.bh + bh).reshape(-1)
 
-    def _kv_views(self, kv: torch.Tensor, n: int, slot_major: bool):
-        """kv [rows, 2, d] -> k, v [B,Hkv,n,d] views."""
-        if slot_major:
-            kv = kv.view(n, self.batch, self.kv_heads, 2, self.head_dim).permute(1, 2, 0, 3, 4)
-        else:
-            kv = kv.view(self.batch, self.kv_heads, n, 2, self.head_dim)
-        return kv[..., 0, :], kv[..., 1, :]
+    def _views(self, job: _Job):
+        shape = (self.batch, self.kv_heads, job.n, self.head_dim)
+        return job.kv[0].view(shape), job.kv[1].view(shape)
 
     # ---- writes -----------------------------------------------------------------------------------
     def write_prompt(self, layer, k, v, token_valid, positions):
@@ -183,9 +177,10 @@ class OffloadedKVStore(KVStore):
         if t > self.capacity:
             raise ValueError(f"prompt of {t} tokens does not fit a KV pool of {self.capacity}")
         self._drop(layer)
-        kv = torch.stack([k, v], dim=3).permute(2, 0, 1, 3, 4).reshape(t * self.bh, 2, self.head_dim)
-        for plane, rows in zip(self.planes[layer], self.layout.encode(kv)):
-            plane[: t * self.bh].copy_(rows)  # synchronous on CUDA: prefill is not the hot loop
+        for kind, x in zip(KV, (k, v)):
+            x = x.permute(2, 0, 1, 3).reshape(t * self.bh, self.head_dim)  # slot-major rows
+            for plane, rows in zip(self.planes[layer][kind], self.layout.encode(x)):
+                plane[: t * self.bh].copy_(rows)  # synchronous on CUDA: prefill is not the hot loop
         self.valid[layer][:, :, :t] = token_valid[:, None, :]
         self.valid[layer][:, :, t:] = False
         self.pos[layer][:, :, :t] = positions[:, None, :]
@@ -201,15 +196,15 @@ class OffloadedKVStore(KVStore):
             if self.allocator is None:
                 raise RuntimeError("KV store is full and has no eviction policy")
             slots = self.allocator.victims(layer, self)
-        self._drop(layer)  # a prefetched copy of this layer (unused) no longer matches the pool
-        kv = torch.cat([k, v], dim=2).reshape(b * h, 2, self.head_dim)  # row order (b, h) of one slot
+        self._drop(layer)  # an unused prefetched copy of this layer no longer matches the pool
         rows = (slots * self.bh + torch.arange(self.bh, device=k.device).view(b, h)).reshape(-1)
-        data = self.layout.encode(kv)
+        data = [self.layout.encode(x.reshape(self.bh, self.head_dim)) for x in (k, v)]
         if self.cuda:
             self._write_async(layer, rows, data)
         else:
-            for plane, d in zip(self.planes[layer], data):
-                plane.index_copy_(0, rows, d)
+            for kind in KV:
+                for plane, d in zip(self.planes[layer][kind], data[kind]):
+                    plane.index_copy_(0, rows, d)
         self.valid[layer].scatter_(2, slots[:, :, None], True)
         self.pos[layer].scatter_(2, slots[:, :, None], positions[:, None, None].expand(b, h, 1))
         if self.allocator is not None:
@@ -221,32 +216,35 @@ class OffloadedKVStore(KVStore):
         index_copy) before the next read of this layer, by which time the copy has long finished."""
         produced = torch.cuda.Event()
         produced.record()
+        host = []
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(produced)
-            host = []
-            for d in [rows] + data:
+            for d in [rows] + data[0] + data[1]:
                 d.record_stream(self.copy_stream)
                 dst = torch.empty(d.shape, dtype=d.dtype, pin_memory=True)
                 dst.copy_(d, non_blocking=True)
                 host.append(dst)
             ev = torch.cuda.Event()
             ev.record(self.copy_stream)
+        p = len(self.layout.planes)
         with self._lock:
-            self._pending[layer].append((ev, host[0], host[1:]))
+            self._pending[layer].append((ev, host[0], [host[1:1 + p], host[1 + p:]]))
 
     def _flush(self, layer):
         with self._lock:
             pending, self._pending[layer] = self._pending[layer], []
         for ev, rows, data in pending:
             ev.synchronize()  # this copy only
-            for plane, d in zip(self.planes[layer], data):
-                plane.index_copy_(0, rows, d)
+            for kind in KV:
+                for plane, d in zip(self.planes[layer][kind], data[kind]):
+                    plane.index_copy_(0, rows, d)
 
     # ---- reads ------------------------------------------------------------------------------------
     def past(self, layer):
         """Metadata in the fast tier; k, v are slow-tier views (None when packed) that only host code
         may read: attention reads through `dense`/`gather`."""
         n = self.length[layer]
+        self._flush(layer)
         k, v = self._slow_view(layer, n) if not self.packed else (None, None)
         return k, v, self.valid[layer][:, :, :n], self.pos[layer][:, :, :n]
 
@@ -256,22 +254,22 @@ class OffloadedKVStore(KVStore):
         job = self._take(layer)
         if job is None or job.idx is not None or job.n != n:
             self._discard(job)
-            job = self._fetch(layer, None, n, sync=True)
-        return self._kv_views(job.kv, n, slot_major=True)
+            job = self._fetch(layer, None, n)
+        return self._views(job)
 
     def gather(self, layer, idx):
         """Rows `idx` [B,Hkv,n] (the runtime's own indices) in the fast tier."""
         job = self._take(layer)
         if job is None or job.idx is None or job.idx.shape != idx.shape or not torch.equal(job.idx, idx):
             self._discard(job)
-            job = self._fetch(layer, idx, idx.shape[-1], sync=True)
-        return self._kv_views(job.kv, idx.shape[-1], slot_major=False)
+            job = self._fetch(layer, idx, idx.shape[-1])
+        return self._views(job)
 
     # ---- the pipeline -----------------------------------------------------------------------------
     def ahead(self, layer, point, session):
         if self.cuda and point == "attn_out" and layer >= 0:
             ev = torch.cuda.Event()
-            ev.record()  # layer's attention is done with its parity's fast buffer
+            ev.record()  # layer's attention is done with its parity's buffers
             self._consumed[layer % 2] = ev
         if not self.prefetch or session.mode != "decode":
             return
@@ -291,19 +289,17 @@ class OffloadedKVStore(KVStore):
             self._issue(nxt, None, n)
             return
         keep = plan[:, :, :n] & self.valid[nxt][:, :, :n]
-        m = int(keep.sum(-1).max()) if keep.numel() else 0  # the runtime's own rule, see model._step_attention
+        m = int(keep.sum(-1).max()) if keep.numel() else 0  # the runtime's own rule (model._step_attention)
         idx = keep.to(torch.uint8).topk(m, dim=-1, sorted=False).indices
         self._issue(nxt, idx, m)
 
     def _issue(self, layer, idx, n):
-        self._discard(self._jobs.pop(layer, None))
+        self._drop(layer)
         job = _Job(layer, self._step, idx, n)
         if self._pool is None:
             self._run(job)
         else:
-            rows_host = None
-            if idx is not None and self.cuda:
-                rows_host = self._rows(idx).cpu()  # the worker gathers on the host
+            rows_host = self._rows(idx).cpu() if idx is not None and self.cuda else None  # gathered on the host
             job.future = self._pool.submit(self._run, job, rows_host)
         self._jobs[layer] = job
 
@@ -323,11 +319,10 @@ class OffloadedKVStore(KVStore):
         if job.future is not None:
             job.future.result()  # re-raises a worker error here
             job.future = None
-        if self.cuda and job.ready is not None:
-            torch.cuda.current_stream().wait_event(job.ready)  # this job only, on the device
-            if self.packed:
-                job.kv = self.layout.decode(job.planes)
-        job.done = True
+        if job.raw is not None:  # CUDA: wait for this copy only, then finish on the compute stream
+            torch.cuda.current_stream(self.fast).wait_event(job.ready)
+            job.kv = tuple(self._finish(job, kind, planes) for kind, planes in zip(KV, job.raw))
+            job.raw = None
 
     def _discard(self, job: _Job | None) -> None:
         if job is None:
@@ -340,7 +335,7 @@ class OffloadedKVStore(KVStore):
     def _drop(self, layer) -> None:
         self._discard(self._jobs.pop(layer, None))
 
-    def _fetch(self, layer, idx, n, sync: bool) -> _Job:
+    def _fetch(self, layer, idx, n) -> _Job:
         job = _Job(layer, self._step, idx, n)
         self._run(job)
         self._wait(job)
@@ -348,64 +343,81 @@ class OffloadedKVStore(KVStore):
         return job
 
     def _run(self, job: _Job, rows_host: torch.Tensor | None = None) -> None:
-        """Gather job.layer's rows into the fast tier (worker thread, or inline)."""
+        """Bring job.layer's rows to the fast tier (on the worker thread, or inline)."""
         t0 = time.perf_counter()
-        layer, parity = job.layer, job.layer % 2
-        self._flush(layer)
+        self._flush(job.layer)
         total = job.n * self.bh
-        planes = self.planes[layer]
         rows = None
         if job.idx is not None:
             rows = rows_host if rows_host is not None else self._rows(job.idx.cpu() if self.cuda else job.idx)
         if self.cuda:
-            self._run_cuda(job, parity, planes, rows, total)
+            self._run_cuda(job, rows, total)
         else:
-            out = []
-            for p, plane in enumerate(planes):
-                buf = self.buffers.get(("fast", parity, p), total, plane.shape[1:], plane.dtype)
-                if rows is None:
-                    buf.copy_(plane[:total])  # full offload: the whole used prefix
-                else:
-                    torch.index_select(plane, 0, rows, out=buf)
-                out.append(buf)
-            if self.packed:
-                dq = self.buffers.get(("fast", parity, "dq"), total, (2, self.head_dim), self.dtype)
-                job.kv = self.layout.decode(out, out=dq)
-            else:
-                job.kv = out[0]
-        self.stats.bytes_moved += total * self.layout.row_bytes
+            job.kv = tuple(self._host_fetch(job, kind, rows, total) for kind in KV)
+        self.stats.bytes_moved += 2 * total * self.layout.row_bytes
         self.stats.rows_moved += total
         self.stats.fetches += 1
         self.stats.gather_s += time.perf_counter() - t0
 
-    def _run_cuda(self, job, parity, planes, rows, total):
-        if rows is not None:  # gather on the host into pinned staging (after its previous copy is done)
+    def _host_fetch(self, job, kind, rows, total) -> torch.Tensor:
+        """CPU host: gather (or copy the whole used prefix of) one kind's planes into fast RAM buffers."""
+        parity, out = job.layer % 2, []
+        for p, plane in enumerate(self.planes[job.layer][kind]):
+            shape = plane.shape[1:]
+            buf = self.buffers.get(("fast", parity, kind, p), total, shape, plane.dtype)
+            if rows is None:  # full offload: the used prefix, reordered from slot-major to (b, h, i)
+                src = plane[:total].view(job.n, self.batch, self.kv_heads, *shape)
+                buf.view(self.batch, self.kv_heads, job.n, *shape).copy_(src.permute(1, 2, 0, *range(3, 3 + len(shape))))
+            else:
+                torch.index_select(plane, 0, rows, out=buf)
+            out.append(buf)
+        if not self.packed:
+            return out[0]
+        dq = self.buffers.get(("dq", parity, kind), total, (self.head_dim,), self.dtype)
+        return self.layout.decode(out, out=dq)
+
+    def _run_cuda(self, job, rows, total):
+        parity = job.layer % 2
+        planes = self.planes[job.layer]
+        if rows is not None:  # gather on the host into pinned staging, once its previous copy is done
             prev = self._copied[parity]
             if prev is not None:
                 prev.synchronize()
-            src = []
-            for p, plane in enumerate(planes):
-                st = self.buffers.get(("stage", parity, p), total, plane.shape[1:], plane.dtype,
-                                      device=torch.device("cpu"), pinned=True)
-                torch.index_select(plane, 0, rows, out=st)
-                src.append(st)
+            src = [[torch.index_select(pl, 0, rows, out=self.buffers.get(("stage", parity, kind, p), total, pl.shape[1:],
+                                                                          pl.dtype, host_pinned=True))
+                    for p, pl in enumerate(planes[kind])] for kind in KV]
         else:  # full offload: the used prefix is contiguous pinned memory already
-            src = [plane[:total] for plane in planes]
+            src = [[pl[:total] for pl in planes[kind]] for kind in KV]
         with torch.cuda.stream(self.copy_stream):
             consumed = self._consumed[parity]
             if consumed is not None:
-                self.copy_stream.wait_event(consumed)  # layer-2's attention no longer reads this buffer
-            dst = []
-            for p, s in enumerate(src):
-                d = self.buffers.get(("fast", parity, p), total, s.shape[1:], s.dtype)
-                d.copy_(s, non_blocking=True)
-                dst.append(d)
+                self.copy_stream.wait_event(consumed)  # layer-2's attention no longer reads these buffers
+            raw = []
+            for kind in KV:
+                dst = []
+                for p, s in enumerate(src[kind]):
+                    d = self.buffers.get(("raw", parity, kind, p), total, s.shape[1:], s.dtype)
+                    d.copy_(s, non_blocking=True)
+                    dst.append(d)
+                raw.append(dst)
             ev = torch.cuda.Event()
             ev.record(self.copy_stream)
         self._copied[parity] = ev
-        job.ready = ev
-        job.planes = dst
-        job.kv = None if self.packed else dst[0]
+        job.ready, job.raw = ev, raw
+
+    def _finish(self, job, kind, planes) -> torch.Tensor:
+        """CUDA, compute stream: reorder a full-layer copy to (b, h, i) and decode packed rows."""
+        parity = job.layer % 2
+        if job.idx is None:
+            out = []
+            for p, pl in enumerate(planes):
+                shape = pl.shape[1:]
+                buf = self.buffers.get(("fast", parity, kind, p), pl.shape[0], shape, pl.dtype)
+                src = pl.view(job.n, self.batch, self.kv_heads, *shape).permute(1, 2, 0, *range(3, 3 + len(shape)))
+                buf.view(self.batch, self.kv_heads, job.n, *shape).copy_(src)
+                out.append(buf)
+            planes = out
+        return self.layout.decode(planes)
 
     def close(self) -> None:
         for layer in list(self._jobs):
