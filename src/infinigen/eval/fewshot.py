@@ -1,0 +1,310 @@
+"""Few-shot multiple choice scored by log-likelihood, the way lm-evaluation-harness scores it.
+
+For each example the prompt is the task prefix, `shots` solved examples drawn from the rest of the
+task, and the question; each answer choice is a continuation. The score of a choice is the sum of
+the log-probabilities of its tokens given the prompt (`acc`), or that sum divided by the choice's
+length in bytes (`acc_norm`); the prediction is the best-scoring choice. Context and continuation
+are tokenized as lm-eval does: the whole string once, the context's own tokens split off the front,
+trailing spaces of the context moved to the continuation.
+
+A policy acts on the continuation: the context is the prefill (dense attention, as a server would
+process the prompt) and the choice's tokens are the decoded part, evaluated in teacher-forced mode
+with the policy. `prefill_frac` < 1 moves the tail of the context into the decoded part as well, so
+that the policy also shapes the hidden states the first answer token is predicted from (with the
+default 1.0, a one-token choice is scored from the dense prompt and no policy can change it).
+Agreement is the fraction of examples whose predicted choice equals the full cache's.
+
+Tasks are BIG-bench JSON tasks (`task.json` with `examples: [{input, target_scores}]`), formatted as
+BIG-bench formats them (task_prefix, example_input_prefix, example_output_prefix, choice_prefix,
+append_choices_to_input); tasks with subtasks are named "task/subtask".
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+# ---- tasks -------------------------------------------------------------------------------------------
+def bigbench_dirs() -> list[Path]:
+    dirs = []
+    env = os.environ.get("INFINIGEN_DATA")
+    if env:
+        dirs += [Path(env) / "bigbench", Path(env)]
+    for base in (REPO_ROOT.parent, Path.cwd().parent, Path.cwd()):
+        dirs.append(base / "shared" / "data" / "bigbench")
+    return dirs
+
+
+def find_root(root: str | os.PathLike | None = None) -> Path:
+    if root is not None:
+        p = Path(root).expanduser()
+        if not p.is_dir():
+            raise UserError(f"task folder not found: {p}")
+        return p
+    for d in bigbench_dirs():
+        if d.is_dir() and any(d.glob("*/task.json")):
+            return d
+    raise UserError("no BIG-bench task folder found (../shared/data/bigbench); pass --data DIR or set INFINIGEN_DATA")
+
+
+def list_tasks(root: Path) -> dict[str, Path]:
+    """name -> task.json for every task with examples (subtasks as "task/subtask")."""
+    out = {}
+    for f in sorted(root.glob("*/task.json")) + sorted(root.glob("*/*/task.json")):
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue
+        if data.get("examples") and any("target_scores" in e for e in data["examples"]):
+            out[str(f.parent.relative_to(root))] = f
+    return out
+
+
+def resolve_tasks(spec: str, root: Path) -> list[str]:
+    """Task names for "all", a name, a task with subtasks (all of them), or a comma-separated list."""
+    tasks = list_tasks(root)
+    if not tasks:
+        raise UserError(f"no multiple-choice tasks under {root}")
+    if spec == "all":
+        return list(tasks)
+    names = []
+    for part in (s.strip() for s in spec.split(",") if s.strip()):
+        hit = [n for n in tasks if n == part or n.startswith(part + "/")]
+        if not hit:
+            raise UserError(f"unknown task {part!r}; available: {', '.join(tasks)}")
+        names += [n for n in hit if n not in names]
+    return names
+
+
+@dataclass
+class Task:
+    name: str
+    examples: list
+    task_prefix: str = ""
+    input_prefix: str = "\nQ: "
+    output_prefix: str = "\nA: "
+    choice_prefix: str = "\n  choice: "
+    append_choices: bool = True
+    separator: str = "\n"
+
+    @classmethod
+    def load(cls, name: str, path: Path) -> "Task":
+        d = json.loads(path.read_text(encoding="utf-8"))
+        ex = [e for e in d["examples"] if "target_scores" in e and e["target_scores"]]
+        return cls(name=name, examples=ex, task_prefix=d.get("task_prefix", ""),
+                   input_prefix=d.get("example_input_prefix", "\nQ: "),
+                   output_prefix=d.get("example_output_prefix", "\nA: "),
+                   choice_prefix=d.get("choice_prefix", "\n  choice: "),
+                   append_choices=d.get("append_choices_to_input", True),
+                   separator=d.get("few_shot_example_separator", "\n"))
+
+    def question(self, ex: dict, rng: random.Random) -> str:
+        text = ex["input"]
+        if self.append_choices:
+            choices = sorted(ex["target_scores"])
+            rng.shuffle(choices)
+            text = text + self.choice_prefix + self.choice_prefix.join(choices)
+        return self.input_prefix + text + self.output_prefix
+
+    @staticmethod
+    def answer(ex: dict) -> str:
+        ts = ex["target_scores"]
+        return max(ts, key=lambda k: ts[k])
+
+
+@dataclass
+class Item:
+    context: str
+    choices: list  # continuation strings
+    gold: list  # indices of the best choices (several when tied)
+
+
+def make_items(task: Task, shots: int = 5, limit: int | None = None, seed: int = 1234) -> list[Item]:
+    """The scored items: for each of the first `limit` examples (in a seeded shuffle), a prompt with
+    `shots` other examples solved."""
+    rng = random.Random(seed)
+    order = list(range(len(task.examples)))
+    rng.shuffle(order)
+    if limit is not None:
+        order = order[:limit]
+    items = []
+    for i in order:
+        ex = task.examples[i]
+        others = [j for j in range(len(task.examples)) if j != i]
+        demo = [task.examples[j] for j in rng.sample(others, min(shots, len(others)))]
+        ctx = task.task_prefix + "".join(task.question(d, rng) + task.answer(d) + task.separator for d in demo)
+        ctx += task.question(ex, rng)
+        choices = list(ex["target_scores"])
+        best = max(ex["target_scores"].values())
+        items.append(Item(ctx, choices, [k for k, c in enumerate(choices) if ex["target_scores"][c] == best]))
+    return items
+
+
+# ---- scoring -----------------------------------------------------------------------------------------
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's split: trailing spaces go with the continuation; tokens of the whole string, the
+    context's tokens split off the front (so merges across the boundary are kept)."""
+    n = len(context) - len(context.rstrip(" "))
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole = tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
+    ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
+    ctx = ctx if whole[:len(ctx)] == ctx else whole[:len(ctx)]
+    cont = whole[len(ctx):]
+    if not cont:  # the continuation merged into the context's last token: score that token
+        ctx, cont = whole[:-1], whole[-1:]
+    return list(ctx), list(cont)
+
+
+@dataclass
+class Scored:
+    loglik: float
+    greedy: bool  # every continuation token was the argmax
+    kv: float  # relative KV size of the decoded rows (nan when nothing was decoded)
+
+
+def score_continuations(model, ctx: list[int], conts: list[list[int]], policy=None, prefill_frac: float = 1.0,
+                        max_len: int | None = None) -> list[Scored]:
+    """Log-likelihood of each continuation after `ctx`, with `policy` on the decoded part. Continuations
+    of equal length share one batched teacher-forced pass."""
+    from ..policies.base import FullCache
+    policy = policy or FullCache()
+    max_len = max_len or model.cfg.max_position
+    out: list[Scored | None] = [None] * len(conts)
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(conts):
+        groups.setdefault(len(c), []).append(i)
+    for n, members in groups.items():
+        c_ids = ctx[-(max_len - n + 1):] if len(ctx) + n - 1 > max_len else ctx  # keep the end of a long prompt
+        if not c_ids:
+            raise UserError("a continuation is longer than the model's context")
+        p = max(1, min(len(c_ids), round(prefill_frac * len(c_ids))))
+        rows = torch.tensor([c_ids + conts[i][:-1] for i in members], dtype=torch.long, device=model.device)
+        sess = model.new_session(len(members), rows.shape[1], policy)
+        logits = model.teacher_forced(rows, p, sess)
+        # logits at position t predict token t+1: the continuation's tokens are predicted from len(c_ids)-1 on
+        lp = F.log_softmax(logits[:, len(c_ids) - 1:].float(), dim=-1)
+        target = torch.tensor([conts[i] for i in members], dtype=torch.long, device=lp.device)
+        tok_lp = lp.gather(-1, target[..., None])[..., 0]
+        greedy = (lp.argmax(-1) == target).all(-1)
+        kv = sess.stats.overall()
+        for j, i in enumerate(members):
+            out[i] = Scored(float(tok_lp[j].double().sum()), bool(greedy[j]), kv)
+    return out
+
+
+@dataclass
+class TaskResult:
+    task: str
+    policy: str
+    n: int
+    acc: float
+    acc_norm: float
+    agreement: float | None  # predicted choice == the full cache's (None for the full cache itself)
+    agreement_norm: float | None
+    kv: float  # relative KV size over decoded rows, mean over examples
+    predictions: list = field(default_factory=list, repr=False)
+
+    def to_dict(self, with_predictions: bool = False) -> dict:
+        d = asdict(self)
+        if not with_predictions:
+            d.pop("predictions")
+        return d
+
+
+def _argmax(xs):
+    return max(range(len(xs)), key=lambda i: xs[i])
+
+
+def evaluate_task(model, tokenizer, task: Task, policies: dict, shots: int = 5, limit: int | None = None,
+                  prefill_frac: float = 1.0, seed: int = 1234, progress=None) -> list[TaskResult]:
+    """Accuracy of each policy in `policies` (name -> Policy) on `task`; the full cache is always scored
+    (agreement is measured against it) and reported first."""
+    from ..policies import make_policy
+    if not 0 < prefill_frac <= 1:
+        raise UserError(f"--prefill-frac must be in (0, 1], got {prefill_frac}")
+    pols = dict(policies)
+    if "full" not in pols:
+        pols = {"full": make_policy("full"), **pols}
+    else:
+        pols = {"full": pols.pop("full"), **pols}
+    items = make_items(task, shots, limit, seed)
+    preds = {name: ([], []) for name in pols}
+    kvs = {name: [] for name in pols}
+    hits = {name: [0, 0] for name in pols}
+    for item in items:
+        pairs = [encode_pair(tokenizer, item.context, c) for c in item.choices]
+        byte_len = [max(1, len(c.encode("utf-8"))) for c in item.choices]
+        for name, pol in pols.items():
+            scores: list = [None] * len(pairs)
+            # group pairs by context (usually one) to batch continuations
+            by_ctx: dict[tuple, list[int]] = {}
+            for k, (cx, _) in enumerate(pairs):
+                by_ctx.setdefault(tuple(cx), []).append(k)
+            kv_parts = []
+            for cx, ks in by_ctx.items():
+                res = score_continuations(model, list(cx), [pairs[k][1] for k in ks], pol, prefill_frac)
+                for k, r in zip(ks, res):
+                    scores[k] = r
+                    if not math.isnan(r.kv):
+                        kv_parts.append(r.kv)
+            ll = [s.loglik for s in scores]
+            lln = [s.loglik / b for s, b in zip(scores, byte_len)]
+            a, an = _argmax(ll), _argmax(lln)
+            preds[name][0].append(a)
+            preds[name][1].append(an)
+            hits[name][0] += a in item.gold
+            hits[name][1] += an in item.gold
+            if kv_parts:
+                kvs[name].append(sum(kv_parts) / len(kv_parts))
+            if progress is not None:
+                progress()
+    n = len(items)
+    out = []
+    full_a, full_an = preds["full"]
+    for name in pols:
+        a, an = preds[name]
+        agree = None if name == "full" else sum(x == y for x, y in zip(a, full_a)) / max(n, 1)
+        agree_n = None if name == "full" else sum(x == y for x, y in zip(an, full_an)) / max(n, 1)
+        kv = sum(kvs[name]) / len(kvs[name]) if kvs[name] else float("nan")
+        out.append(TaskResult(task.name, name, n, hits[name][0] / max(n, 1), hits[name][1] / max(n, 1),
+                              agree, agree_n, kv, predictions=list(zip(a, an))))
+    return out
+
+
+def markdown_table(results: list[TaskResult]) -> str:
+    lines = ["| task | policy | n | acc | acc_norm | agreement with full | relative KV size |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        ag = "-" if r.agreement is None else f"{r.agreement:.3f}"
+        kv = "-" if math.isnan(r.kv) else f"{r.kv:.3f}"
+        lines.append(f"| {r.task} | {r.policy} | {r.n} | {r.acc:.3f} | {r.acc_norm:.3f} | {ag} | {kv} |")
+    return "\n".join(lines)
+
+
+def summarize(results: list[TaskResult]) -> list[TaskResult]:
+    """Mean over tasks per policy (unweighted, as lm-eval's task averages)."""
+    by: dict[str, list[TaskResult]] = {}
+    for r in results:
+        by.setdefault(r.policy, []).append(r)
+    out = []
+    for name, rs in by.items():
+        def mean(xs):
+            xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+            return sum(xs) / len(xs) if xs else None
+        ag, agn = mean([r.agreement for r in rs]), mean([r.agreement_norm for r in rs])
+        kv = mean([r.kv for r in rs])
+        out.append(TaskResult("mean", name, sum(r.n for r in rs), mean([r.acc for r in rs]),
+                              mean([r.acc_norm for r in rs]), ag, agn, float("nan") if kv is None else kv))
+    return out

@@ -1,0 +1,159 @@
+"""Few-shot log-likelihood scoring: formatting, lm-eval token split, exact scores, policies, CLI."""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infinigen.eval import fewshot as fs
+from infinigen.eval.policyset import parse_policies
+from infinigen.policies import make_policy
+
+TASK = {
+    "task_prefix": "Answer yes or no.\n",
+    "example_input_prefix": "\nQ: ",
+    "example_output_prefix": "\nA: ",
+    "append_choices_to_input": False,
+    "examples": [{"input": f"Is {i} even?", "target_scores": {"yes": float(i % 2 == 0), "no": float(i % 2 == 1)}}
+                 for i in range(12)],
+}
+
+
+@pytest.fixture
+def task_dir(tmp_path):
+    (tmp_path / "parity").mkdir()
+    (tmp_path / "parity" / "task.json").write_text(json.dumps(TASK))
+    sub = tmp_path / "fruit" / "easy"
+    sub.mkdir(parents=True)
+    (tmp_path / "fruit" / "task.json").write_text(json.dumps({"name": "fruit", "description": "x"}))
+    (sub / "task.json").write_text(json.dumps({"examples": [
+        {"input": f"Fruit number {i}?", "target_scores": {"the apple": 1, "the pear": 0, "a long banana": 0}}
+        for i in range(6)]}))
+    return tmp_path
+
+
+def test_tasks_and_items(task_dir):
+    tasks = fs.list_tasks(task_dir)
+    assert set(tasks) == {"parity", "fruit/easy"}
+    assert fs.resolve_tasks("fruit", task_dir) == ["fruit/easy"]
+    assert fs.resolve_tasks("all", task_dir) == list(tasks)
+    with pytest.raises(Exception):
+        fs.resolve_tasks("nope", task_dir)
+    t = fs.Task.load("parity", tasks["parity"])
+    items = fs.make_items(t, shots=3, limit=5, seed=7)
+    assert len(items) == 5
+    for it in items:
+        assert it.context.startswith("Answer yes or no.\n")
+        assert it.context.count("\nQ: ") == 4 and it.context.endswith("\nA: ")
+        question = it.context.rsplit("\nQ: ", 1)[1]
+        n = int(question.split()[1])
+        assert it.choices == ["yes", "no"] and it.gold == [0 if n % 2 == 0 else 1]
+        # the shots are other examples, answered correctly
+        for shot in it.context.split("\nQ: ")[1:-1]:
+            m = int(shot.split()[1])
+            assert m != n and shot.split("\nA: ")[1].strip() == ("yes" if m % 2 == 0 else "no")
+    # default BIG-bench formatting appends the choices to the input
+    fruit = fs.Task.load("fruit/easy", tasks["fruit/easy"])
+    ctx = fs.make_items(fruit, shots=1, limit=1)[0].context
+    assert "\n  choice: " in ctx and "a long banana" in ctx
+
+
+def test_encode_pair_moves_trailing_space(tiny_tokenizer):
+    ctx, cont = fs.encode_pair(tiny_tokenizer, "The answer is: ", "the apple")
+    whole = tiny_tokenizer("The answer is: the apple", add_special_tokens=False)["input_ids"]
+    assert ctx + cont == whole
+    assert tiny_tokenizer.decode(cont).startswith(" ")
+
+
+def _manual_loglik(model, ctx, cont):
+    sess = model.new_session(1, len(ctx) + len(cont))
+    logits = model.prefill(torch.tensor([ctx + cont]), sess, all_logits=True)[0]
+    lp = F.log_softmax(logits.float(), -1)
+    return sum(lp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont))
+
+
+def test_full_cache_scores_are_exact(make_tiny):
+    _, model = make_tiny("llama")
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(3, 250, (20,), generator=g).tolist()
+    conts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (1, 3, 3, 5)]
+    got = fs.score_continuations(model, ctx, conts)
+    for s, c in zip(got, conts):
+        assert s.loglik == pytest.approx(_manual_loglik(model, ctx, c), abs=1e-4)
+    # a decoded tail of the prompt changes nothing for the full cache
+    half = fs.score_continuations(model, ctx, conts, make_policy("full"), prefill_frac=0.5)
+    for a, b in zip(half, got):
+        assert a.loglik == pytest.approx(b.loglik, abs=1e-4)
+    assert half[1].kv == pytest.approx(1.0)
+
+
+def test_policy_changes_scores_only_on_decoded_rows(make_tiny):
+    _, model = make_tiny("llama")
+    g = torch.Generator().manual_seed(1)
+    ctx = torch.randint(3, 250, (40,), generator=g).tolist()
+    conts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (1, 6)]
+    pol = make_policy("streaming", sinks=1, window=3)
+    full = fs.score_continuations(model, ctx, conts)
+    small = fs.score_continuations(model, ctx, conts, pol)
+    assert small[0].loglik == pytest.approx(full[0].loglik, abs=1e-5)  # one token: from the dense prompt
+    assert small[1].loglik != pytest.approx(full[1].loglik, abs=1e-3)
+    assert small[1].kv < 0.2
+    tail = fs.score_continuations(model, ctx, conts, pol, prefill_frac=0.5)
+    assert tail[0].loglik != pytest.approx(full[0].loglik, abs=1e-4)
+
+
+def test_evaluate_task_agreement(task_dir, tiny_checkpoint):
+    from infinigen import load
+    model, tok, _ = load(str(tiny_checkpoint), progress=False)
+    t = fs.Task.load("fruit/easy", fs.list_tasks(task_dir)["fruit/easy"])
+    pols = parse_policies("full,streaming", ["streaming.sinks=1", "streaming.window=2"])
+    res = fs.evaluate_task(model, tok, t, pols, shots=2, limit=4, prefill_frac=0.5)
+    assert [r.policy for r in res] == ["full", "streaming"]
+    full, st = res
+    assert full.n == 4 and full.agreement is None
+    assert 0 <= st.agreement <= 1 and 0 <= st.acc <= 1 and st.kv < full.kv
+    # the same policy object as "full" under another name agrees perfectly
+    again = fs.evaluate_task(model, tok, t, {"full": make_policy("full"), "dense": make_policy("full")},
+                             shots=2, limit=4)
+    assert again[1].agreement == 1.0 and again[1].acc == again[0].acc
+    table = fs.markdown_table(res + fs.summarize(res))
+    assert "| fruit/easy | streaming | 4 |" in table and "| mean |" in table
+
+
+def test_parse_policies_knobs():
+    pols = parse_policies("full,h2o,streaming", ["h2o.heavy_ratio=0.05", "window=8"])
+    assert pols["h2o"].heavy_ratio == 0.05 and pols["streaming"].window == 8
+    with pytest.raises(Exception):
+        parse_policies("full", ["window=8"])
+    with pytest.raises(Exception):
+        parse_policies("full,nope")
+
+
+def test_cli_fewshot(task_dir, tiny_checkpoint, tmp_path, capsys):
+    from infinigen.cli import main
+    out = tmp_path / "r.json"
+    rc = main(["fewshot", "--model", str(tiny_checkpoint), "--data", str(task_dir), "--task", "all", "--shots", "2",
+               "--limit", "3", "--policy", "full,streaming", "--knob", "window=2", "--json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| parity | streaming | 3 |" in text and "| mean | full |" in text
+    data = json.loads(out.read_text())
+    assert len(data["results"]) == 4
+    assert main(["fewshot", "--model", str(tiny_checkpoint), "--data", str(task_dir), "--shots", "-1"]) == 2
+    assert main(["fewshot", "--data", str(task_dir), "--task", "nope"]) == 2
+
+
+@pytest.mark.integration
+def test_default_model_fewshot(default_model):
+    model, tok = default_model
+    root = fs.find_root()
+    t = fs.Task.load("analytic_entailment", fs.list_tasks(root)["analytic_entailment"])
+    res = fs.evaluate_task(model, tok, t, {"h2o": make_policy("h2o")}, shots=5, limit=4)
+    assert [r.policy for r in res] == ["full", "h2o"]
+    assert all(0 <= r.acc <= 1 for r in res) and 0 <= res[1].agreement <= 1
+    assert not math.isnan(res[1].kv) and res[1].kv < 1
+    random.seed(0)
