@@ -239,19 +239,28 @@ class Transformer(nn.Module):
         w = self.cfg.sliding_window
         return None if w is None else (q_pos - k_pos) < w
 
-    def _dense_attention(self, q, k, v, mask) -> torch.Tensor:
-        """q [B,H,T,d] over k, v [B,Hkv,S,d] with bool mask [B,1|Hkv,T,S], in row chunks."""
+    def _dense_attention(self, q, k, v, mask, causal: bool = False) -> torch.Tensor:
+        """q [B,H,T,d] over k, v [B,Hkv,S,d] with bool mask [B,1|Hkv,T,S], in row chunks.
+        causal=True promises that `mask` is the plain causal mask (T == S; it may then be None): one
+        flash-attention call that skips the blocks above the diagonal and materializes no mask."""
         b, h, t, d = q.shape
         hkv = k.shape[1]
         g = h // hkv
+        if causal and t == k.shape[2]:
+            if g > 1:  # the GQA group's keys for every query head (a transient copy; fast and exact)
+                k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         qg = q.view(b, hkv, g, t, d)
         out = torch.empty_like(qg)
         for s in range(0, t, PREFILL_CHUNK):
             e = min(t, s + PREFILL_CHUNK)
             m = mask[:, :, s:e]
-            m = m[:, :, None].expand(b, m.shape[1], g, e - s, m.shape[-1]).reshape(b, m.shape[1], g * (e - s), -1)
+            # keys no row of the chunk may see (the causal future) are left out: half the work at long prompts
+            n = e if k.shape[2] > e and not m[..., e:].any() else k.shape[2]
+            m = m[..., :n]
+            m = m[:, :, None].expand(b, m.shape[1], g, e - s, n).reshape(b, m.shape[1], g * (e - s), n)
             qc = qg[:, :, :, s:e].reshape(b, hkv, g * (e - s), d)
-            o = F.scaled_dot_product_attention(qc, k, v, attn_mask=m, scale=self.scale)
+            o = F.scaled_dot_product_attention(qc, k[:, :, :n], v[:, :, :n], attn_mask=m, scale=self.scale)
             out[:, :, :, s:e] = o.view(b, hkv, g, e - s, d)
         return out.view(b, h, t, d)
 
@@ -266,17 +275,20 @@ class Transformer(nn.Module):
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
         sess.positions, sess.row, sess.mode = positions, t - 1, "prefill"
         sess.next_pos = positions[:, -1] + 1
-        causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
-        mask = causal & valid[:, None, :]
-        window = self._window(positions[:, :, None], positions[:, None, :])
-        if window is not None:
-            mask = mask & window
-        mask = (mask | torch.eye(t, dtype=torch.bool, device=tokens.device))[:, None]  # pad rows see themselves
+        # no padding and no window in reach: plain causal attention, no [B, T, T] mask to build
+        plain = bool(valid.all()) and (self.cfg.sliding_window is None or t <= self.cfg.sliding_window)
+        mask = None
+        if not plain:
+            mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril() & valid[:, None, :]
+            window = self._window(positions[:, :, None], positions[:, None, :])
+            if window is not None:
+                mask = mask & window
+            mask = (mask | torch.eye(t, dtype=torch.bool, device=tokens.device))[:, None]  # pad rows see themselves
 
         def attend(layer, q, k, v):
             sess.store.write_prompt(layer, k, v, valid, positions)
             sess.policy.on_prefill(layer, q, k, v, sess)
-            return self._dense_attention(q, k, v, mask)
+            return self._dense_attention(q, k, v, mask, causal=plain)
 
         h = self.embed(tokens, positions)
         for layer in range(self.cfg.num_layers):
@@ -358,7 +370,8 @@ class Transformer(nn.Module):
             sess.row = p - 1
             sess.store.write_prompt(layer, k[:, :, :p], v[:, :, :p], valid_prompt, positions[:, :p])
             sess.policy.on_prefill(layer, q[:, :, :p], k[:, :, :p], v[:, :, :p], sess)
-            out[:, :, :p] = self._dense_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], prompt_mask)
+            out[:, :, :p] = self._dense_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], prompt_mask,
+                                                  causal=self.cfg.sliding_window is None or p <= self.cfg.sliding_window)
             if p == t:
                 return out
             if sess.store.allocator is None:
