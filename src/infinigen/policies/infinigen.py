@@ -1,0 +1,317 @@
+"""InfiniGen (paper section 4.3): speculate layer i's important tokens one layer ahead, fetch only those.
+
+Per request, at prefill, layer i >= 1 (except dense layers) gets a partial index: the top ceil(r*d)
+columns of |Q~| + |K~| summed over the prompt (Q~ = Q A, K~ = K A skewed, A from `infinigen.skew`),
+and a partial key cache K~[:, idx] of every cached token (rewritten in `on_append`, so it follows
+pool evictions). At decoding, when layer i-1's hook fires, the speculative query of layer i is
+computed from the hidden state available there and scored against the partial key cache; tokens
+within `alpha` of each head's maximum are selected and counted per `budget`, at most
+`max_fetch_ratio` of the cached tokens. Layer i's attention then runs over those plus the current
+token (the runtime does that).
+
+Skew matrices: set them with `with_skew(skew)` (an `infinigen.skew.Skew` or a tensor [L,Hkv,d,d])
+or `calibrate(model, tokenizer)`; otherwise `begin` reuses an artifact of `infinigen skew` from the
+cache, and fails with a clear message if there is none. The rotation is applied at run time (after
+RoPE for the Llama family); for a model whose weights already hold it (`skew.skew_model`) it is not
+applied twice.
+
+Modes beyond the paper (DESIGN.md section 5 measured why): `spec_input="attn_out"` speculates from
+LN_i(h_{i-1} + attn_out_{i-1}) (layer i's own input norm of the residual after layer i-1's attention);
+`key_mode="int4"` scores all columns against a 4-bit copy of the skewed keys (groups of 32), the
+same fast-tier memory as 30% of the columns in 16 bits; `budget="union"` lets a KV head fetch every
+token any of its query heads selects. `InfiniGen.paper()` is exactly the paper's method.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import UserError
+from .base import Policy
+
+BUDGETS = ("mean", "per_head", "union")
+SPEC_INPUTS = ("attn_in", "attn_out")
+KEY_MODES = ("partial", "int4")
+INT4_GROUP = 32
+ROW_CHUNK = 256  # decoding rows scored at once in `select_rows` (bounds memory at long contexts)
+
+PRESETS = {
+    # the paper, sections 4.2-4.3: alpha 4 for OPT, 5 for Llama
+    "paper": dict(alpha={"opt": 4.0, "llama": 5.0}, partial_ratio=0.3, max_fetch_ratio=0.2, dense_layers=(0, 1),
+                  budget="mean", spec_input="attn_in", key_mode="partial", skew=True),
+    # what measures best on the default model (see the module docstring and the report)
+    "default": dict(alpha={"opt": 4.0, "llama": 5.0}, partial_ratio=0.3, max_fetch_ratio=0.2, dense_layers=(0, 1),
+                    budget="union", spec_input="attn_out", key_mode="int4", skew=True),
+}
+
+
+def fake_int4(x: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    """Group-wise asymmetric 4-bit quantize-dequantize along the last dim (per token, groups of `group`)."""
+    d = x.shape[-1]
+    if d % group:
+        group = d
+    g = x.reshape(*x.shape[:-1], d // group, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = ((g - lo) / scale).round().clamp(0, 15)
+    return (q * scale + lo).reshape(x.shape)
+
+
+def _parse_layers(v) -> tuple[int, ...]:
+    if isinstance(v, str):
+        v = [s for s in v.replace(" ", "").split(",") if s]
+        try:
+            return tuple(int(s) for s in v)
+        except ValueError:
+            raise UserError(f"dense layers must be integers separated by commas, got {v!r}")
+    if isinstance(v, int):
+        return (v,)
+    return tuple(int(i) for i in v)
+
+
+@dataclass
+class InfiniGen(Policy):
+    name = "infinigen"
+
+    preset: str = "default"  # "default" (best measured) or "paper"; knobs left None come from it
+    alpha: float | None = None  # select tokens whose speculated score > max - alpha
+    partial_ratio: float | None = None  # r: share of the d columns in the partial weights / key cache
+    max_fetch_ratio: float | None = None  # at most this share of the cached tokens per KV head and step
+    dense_layers: Any = None  # layers attending densely (layer 0 always does: nothing precedes it)
+    budget: str | None = None  # "mean" (paper) | "per_head" | "union"
+    spec_input: str | None = None  # "attn_in" (paper) | "attn_out"
+    key_mode: str | None = None  # "partial" (paper) | "int4"
+    skew: bool | None = None  # rotate queries and keys with the skew matrices
+    matrices: Any = field(default=None, repr=False, compare=False)  # Skew or tensor [L, Hkv, d, d]
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise UserError(f"unknown InfiniGen preset {self.preset!r}; choose from {', '.join(PRESETS)}")
+        for k, v in PRESETS[self.preset].items():
+            if getattr(self, k) is None:
+                setattr(self, k, v)
+        self.dense_layers = _parse_layers(self.dense_layers)
+
+    @classmethod
+    def paper(cls, **overrides) -> "InfiniGen":
+        """Exactly the paper's method (alpha 4 for OPT, 5 for Llama; r 0.3; 20% cap; layers 0, 1 dense)."""
+        return cls(preset="paper", **overrides)
+
+    def validate(self) -> None:
+        a = self.alpha if not isinstance(self.alpha, dict) else min(self.alpha.values())
+        if not a > 0:
+            raise UserError(f"alpha must be positive, got {a}")
+        if not 0 < self.partial_ratio <= 1:
+            raise UserError(f"partial ratio must be in (0, 1], got {self.partial_ratio}")
+        if not 0 < self.max_fetch_ratio <= 1:
+            raise UserError(f"max fetch ratio must be in (0, 1], got {self.max_fetch_ratio}")
+        if self.budget not in BUDGETS:
+            raise UserError(f"budget must be one of {', '.join(BUDGETS)}, got {self.budget!r}")
+        if self.spec_input not in SPEC_INPUTS:
+            raise UserError(f"speculation input must be one of {', '.join(SPEC_INPUTS)}, got {self.spec_input!r}")
+        if self.key_mode not in KEY_MODES:
+            raise UserError(f"key mode must be one of {', '.join(KEY_MODES)}, got {self.key_mode!r}")
+        if any(i < 0 for i in self.dense_layers):
+            raise UserError("dense layers must be non-negative")
+
+    # ---- skew matrices ----------------------------------------------------------------------------
+    def with_skew(self, skew) -> "InfiniGen":
+        """Use these skew matrices (an `infinigen.skew.Skew` or a tensor [L, Hkv, d, d]); returns self."""
+        self.matrices = skew
+        return self
+
+    def calibrate(self, model, tokenizer, calib=None, tokens=None, progress=False) -> "InfiniGen":
+        """Load (or compute and cache) the model's skew calibrated on `calib` and use it; returns self."""
+        from ..skew import DEFAULT_TOKENS, load_or_compute_skew
+        return self.with_skew(load_or_compute_skew(model, tokenizer, calib, tokens or DEFAULT_TOKENS, progress=progress))
+
+    def _skew_matrices(self, model):
+        if not self.skew or getattr(model, "skew_folded", None) is not None:
+            return None  # no rotation, or the weights already produce q~ and k~
+        m = self.matrices
+        if m is None:
+            from ..skew import find_cached_skew
+            m = find_cached_skew(model)
+            if m is None:
+                raise UserError("InfiniGen needs the model's skew matrices: run `infinigen skew` once (or pass skew=False)")
+            self.matrices = m
+        m = getattr(m, "matrices", m)
+        cfg = model.cfg
+        if tuple(m.shape) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim):
+            raise UserError(f"skew matrices of shape {tuple(m.shape)} do not fit this model")
+        return m.to(device=model.device, dtype=torch.float64)
+
+    # ---- per-request state ----------------------------------------------------------------------
+    def begin(self, model, session) -> None:
+        self.model = model
+        cfg = model.cfg
+        self.cfg = cfg
+        self.scale = model.scale
+        self._alpha = float(self.alpha[cfg.arch] if isinstance(self.alpha, dict) else self.alpha)
+        self.spec_layers = {i for i in range(1, cfg.num_layers) if i not in self.dense_layers}
+        self.A = self._skew_matrices(model)
+        d = cfg.head_dim
+        self.cols = d if self.key_mode == "int4" else max(1, math.ceil(self.partial_ratio * d))
+        self.idx = {}  # layer -> [B, Hkv, cols] partial index (per request)
+        self.pk = {}  # layer -> [B, Hkv, capacity, cols] partial (or 4-bit) skewed key cache, per store slot
+        self.spec = {}  # layer -> [B, Hkv, G, T, d] skewed speculative queries of the rows last seen
+        self.pending = {}  # layer -> selection computed one layer ahead (decode)
+
+    def speculated(self, layer: int) -> bool:
+        return layer in self.spec_layers
+
+    def _rotate(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """x [B, Hkv, ..., d] -> x A[layer, kv head] in float32 (computed in float64: the vectorized and the
+        row-by-row paths then agree to the last bit whatever the matmul shapes)."""
+        x = x.to(torch.float64)
+        if self.A is not None:
+            a = self.A[layer]
+            a = a.view(a.shape[0], *([1] * (x.dim() - 4)), *a.shape[1:])
+            x = x @ a
+        return x.float()
+
+    def _key_rows(self, k: torch.Tensor, layer: int) -> torch.Tensor:
+        """What the fast tier holds per token: the partial skewed key columns, or a 4-bit copy of all."""
+        ks = self._rotate(k, layer)
+        if self.key_mode == "int4":
+            return fake_int4(ks)
+        idx = self.idx[layer]
+        return ks.gather(-1, idx[:, :, None, :].expand(*ks.shape[:3], idx.shape[-1]))
+
+    # ---- hooks ----------------------------------------------------------------------------------
+    def on_prefill(self, layer, q, k, v, session):
+        if layer not in self.spec_layers:
+            return
+        b, h, t, d = q.shape
+        hkv = k.shape[1]
+        store = session.store
+        if self.key_mode == "partial":
+            w = store.valid[layer][:, :, :t, None].float()  # pad tokens of left-padded prompts do not vote
+            qs = self._rotate(q.view(b, hkv, h // hkv, t, d), layer).abs()
+            ks = self._rotate(k, layer).abs()
+            colsum = (qs * w[:, :, None]).sum((2, 3)) + (ks * w).sum(2)  # [B, Hkv, d]
+            self.idx[layer] = colsum.topk(self.cols, dim=-1).indices.sort(-1).values
+        pk = torch.zeros(b, hkv, store.capacity, self.cols, dtype=torch.float32, device=k.device)
+        pk[:, :, :t] = self._key_rows(k, layer)
+        self.pk[layer] = pk
+        self.pending.pop(layer, None)
+
+    def on_hidden(self, layer, point, x, session):
+        target = layer + 1
+        if point != self.spec_input or target not in self.spec_layers:
+            return
+        if point == "attn_out" and self.cfg.pre_norm:
+            x = self.model.layers[target].attn_norm(x)  # layer i's own input norm of the residual
+        q = self.model.query(target, x, session.positions)  # [B, H, T, d], post-RoPE
+        b, h, t, d = q.shape
+        hkv = self.cfg.num_kv_heads
+        for old in [i for i in self.spec if i < layer]:  # their attention has run
+            del self.spec[old]
+        self.spec[target] = self._rotate(q.view(b, hkv, h // hkv, t, d), target)
+        if t == 1 and target in self.pk:
+            # decoding: the selection is ready one layer ahead, so its transfer can start now;
+            # layer `target`'s partial keys do not change before its own attention
+            self.pending[target] = self._select_row(target, 0, session)
+
+    def select(self, layer, q, session):
+        if layer not in self.spec_layers:
+            return None
+        keep = self.pending.pop(layer, None)
+        return keep if keep is not None else self._select_row(layer, session.row, session)
+
+    def on_append(self, layer, slots, k, v, session):
+        if layer not in self.spec_layers:
+            return
+        rows = self._key_rows(k, layer)  # [B, Hkv, 1, cols]
+        pk = self.pk[layer]
+        pk.scatter_(2, slots[:, :, None, None].expand(*slots.shape, 1, pk.shape[-1]), rows)
+
+    # ---- selection ------------------------------------------------------------------------------
+    def _spec_rows(self, layer: int, rows: slice) -> torch.Tensor:
+        qs = self.spec.get(layer)
+        if qs is None:
+            raise RuntimeError(f"no speculation for layer {layer} (the hook of layer {layer - 1} did not run)")
+        qs = qs[:, :, :, rows]  # [B, Hkv, G, R, d]
+        if self.key_mode == "int4":
+            return qs
+        idx = self.idx[layer]
+        return qs.gather(-1, idx[:, :, None, None, :].expand(*qs.shape[:4], idx.shape[-1]))
+
+    def _window(self, valid, pos, cur):
+        w = self.cfg.sliding_window
+        return valid if w is None else valid & (cur - pos < w)
+
+    def _select_row(self, layer: int, row: int, session) -> torch.Tensor:
+        """Selection [B, Hkv, S] over the store's slots for decoding row `row`."""
+        store = session.store
+        n = store.length[layer]
+        qs = self._spec_rows(layer, slice(row, row + 1))  # [B, Hkv, G, 1, c]
+        pk = self.pk[layer][:, :, :n]  # [B, Hkv, S, c]
+        scores = qs.double() @ pk.double()[:, :, None].transpose(-1, -2)  # [B, Hkv, G, 1, S]
+        valid = store.valid[layer][:, :, :n]
+        cur = session.positions[:, row]
+        valid = self._window(valid, store.pos[layer][:, :, :n], cur[:, None, None])
+        keep = self._choose(scores * self.scale, valid[:, :, None, :])
+        return keep[:, :, 0]
+
+    def select_rows(self, layer, q, k, session):
+        """All decoding rows of `layer` at once (teacher-forced): the same selection as `_select_row`
+        makes for each row, with the keys of every earlier position in the partial key cache."""
+        if layer not in self.spec_layers:
+            return None
+        p, t = session.first_row, k.shape[2]
+        pk = self._key_rows(k, layer).double()  # [B, Hkv, T, c]
+        out = torch.zeros(k.shape[0], k.shape[1], t - p, t, dtype=torch.bool, device=k.device)
+        for s in range(p, t, ROW_CHUNK):
+            e = min(t, s + ROW_CHUNK)  # rows s..e-1 see at most columns 0..e-2
+            qs = self._spec_rows(layer, slice(s, e)).double()  # [B, Hkv, G, R, c]
+            scores = qs @ pk[:, :, None, :e].transpose(-1, -2)
+            cols = torch.arange(e, device=k.device)[None, :]
+            rows = torch.arange(s, e, device=k.device)[:, None]
+            valid = self._window(cols < rows, cols, rows)  # [R, e]
+            out[:, :, s - p:e - p, :e] = self._choose(scores * self.scale, valid[None, None])
+        return out
+
+    def _choose(self, s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Scores s [B, Hkv, G, R, S] (float64) of R rows over S slots, valid [B|1, Hkv|1, R, S] ->
+        keep [B, Hkv, R, S]: per query head, tokens above max - alpha, counted per `budget`, capped."""
+        # float64 scores agree between the vectorized and the row-by-row path up to ~1e-16; rounded to
+        # float32 they agree bit for bit, and the selection below is a deterministic function of them
+        rel = s.float().masked_fill_(~valid[:, :, None], float("-inf"))
+        rel -= rel.amax(-1, keepdim=True).clamp(min=torch.finfo(rel.dtype).min)  # relative to each head's max
+        length = valid.sum(-1)  # [B|1, Hkv|1, R] cached tokens
+        cap = (self.max_fetch_ratio * length).floor().clamp(min=1).long()
+        if self.budget == "union":
+            # a KV head fetches every token any of its query heads selects; the cap keeps the tokens
+            # closest to their head's max
+            u = rel.amax(2)  # [B, Hkv, R, S]
+            keep = u > -self._alpha
+            return self._cut(keep, u, cap.expand(u.shape[:-1]))
+        above = rel > -self._alpha  # [B, Hkv, G, R, S]
+        counts = above.sum(-1)  # [B, Hkv, G, R]
+        if self.budget == "mean":  # paper: every head of the layer fetches the mean count
+            n = counts.float().mean((1, 2), keepdim=True)
+        else:  # per_head: each KV head its own count, the mean over its query heads
+            n = counts.float().mean(2, keepdim=True)
+        n = torch.minimum(torch.ceil(n - 1e-6).long(), cap[:, :, None]).expand_as(counts)
+        # each query head its own top-n tokens: where n equals the head's count that is `above` itself
+        return self._cut(above, rel, n, exact=counts == n).any(2)
+
+    @staticmethod
+    def _cut(keep: torch.Tensor, score: torch.Tensor, n: torch.Tensor, exact: torch.Tensor | None = None):
+        """Per row (last dim), the top-n entries of `score` where `keep` holds more or fewer than n
+        (rows in `exact` keep `keep`): `score >= n-th largest`. Rows needing no cut are left as they are."""
+        if exact is None:
+            exact = keep.sum(-1) <= n  # fewer than n: nothing to cut
+        todo = (~exact).nonzero(as_tuple=True)
+        if todo[0].numel() == 0:
+            return keep
+        sc, nn = score[todo], n[todo]  # [N, S], [N]
+        kmax = min(int(nn.max()), sc.shape[-1])
+        thr = sc.topk(kmax, dim=-1, sorted=True).values.gather(-1, (nn.clamp(1, kmax) - 1)[:, None])
+        keep = keep.clone()
+        keep[todo] = (sc >= thr) & (sc > float("-inf"))
+        return keep

@@ -1,0 +1,263 @@
+"""Skewing (paper section 4.2): an orthogonal matrix per layer and KV head that concentrates the
+magnitude of queries and keys in a few columns, so a few columns predict the attention scores.
+
+A calibration pass runs the dense model over real text and accumulates, per layer and KV head, the
+Gram matrix C = X^T X of the queries attention actually uses (post-RoPE for the Llama family; the
+projection incl. bias for OPT; a constant scale does not change the basis). X stacks the queries of
+every query head of the group, `[tokens * G, d]`. The right singular vectors of X are the
+eigenvectors of C, so `A = V` (columns ordered by singular value) is the skewing matrix. Because A
+is orthogonal, `(qA)(kA)^T = qk^T`: skewing changes no score, only where the magnitude sits.
+
+Without RoPE (OPT) A can be folded into W_Q, W_K and their biases (`skew_model`); with RoPE it is
+applied after the rotary embedding at run time (the InfiniGen policy does that for both).
+Artifacts are safetensors files in `cache_dir()/skew`, keyed by a model fingerprint and the
+calibration text, so a second run reuses them.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import UserError
+from .policies.base import Policy
+
+DEFAULT_CALIB = "emma"  # evaluation defaults to Pride and Prejudice; calibrate on another novel
+DEFAULT_TOKENS = 4096
+FORMAT_VERSION = "1"
+
+
+# ---- text ------------------------------------------------------------------------------------------
+def data_dirs() -> list[Path]:
+    """Where bundled corpora live: $INFINIGEN_DATA, then ../shared/data next to the repo or the cwd."""
+    dirs = []
+    if os.environ.get("INFINIGEN_DATA"):
+        dirs.append(Path(os.environ["INFINIGEN_DATA"]))
+    repo = Path(__file__).resolve().parents[2]
+    dirs += [repo.parent / "shared" / "data", Path.cwd().parent / "shared" / "data", Path.cwd() / "data"]
+    return dirs
+
+
+def resolve_text(spec: str | os.PathLike | None) -> Path:
+    """A text file: a path, or a corpus name ("emma", "austen/emma", "prideprejudice.txt")."""
+    spec = str(spec or DEFAULT_CALIB)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path
+    name = spec if spec.endswith(".txt") else spec + ".txt"
+    for d in data_dirs():
+        for cand in (d / name, d / "austen" / name):
+            if cand.is_file():
+                return cand
+    raise UserError(f"text not found: {spec!r} (a file path, or a name in ../shared/data/austen such as 'emma')")
+
+
+def read_tokens(tokenizer, path: Path, n: int, offset: int = 0) -> list[int]:
+    """Token ids `offset .. offset+n` of a text file (tokenizes only the prefix it needs)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e}")
+    chars = 12 * (n + offset) + 1000  # ~4 chars per token in English; grow if that was not enough
+    while True:
+        ids = tokenizer(text[:chars], add_special_tokens=False)["input_ids"]
+        if len(ids) >= n + offset + 1 or chars >= len(text):
+            break
+        chars *= 2
+    ids = ids[offset:offset + n]
+    if not ids:
+        raise UserError(f"{path} holds no text to calibrate on")
+    return ids
+
+
+# ---- fingerprint -----------------------------------------------------------------------------------
+def model_fingerprint(model) -> str:
+    """Config plus a hash of a few weight tensors: tells models apart without hashing all weights."""
+    if getattr(model, "skew_folded", None) is not None:
+        raise ValueError("fingerprint of a skew-folded model: use the original model")
+    cfg = model.cfg
+    h = hashlib.sha256(json.dumps([cfg.arch, cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads,
+                                   cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size]).encode())
+    for layer in (0, cfg.num_layers - 1):
+        attn = model.layers[layer].attn
+        for w in (attn.q_proj.weight, attn.k_proj.weight):
+            h.update(w.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+# ---- calibration -----------------------------------------------------------------------------------
+class _QueryGram(Policy):
+    """Dense attention; accumulates X^T X of each layer's queries per KV head (float64)."""
+    name = "calibrate"
+
+    def __init__(self, num_layers: int, kv_heads: int, d: int):
+        self.gram = torch.zeros(num_layers, kv_heads, d, d, dtype=torch.float64)
+        self.tokens = 0
+
+    def on_prefill(self, layer, q, k, v, session):
+        b, h, t, d = q.shape
+        hkv = self.gram.shape[1]
+        x = q.detach().to(torch.float64).cpu().view(b, hkv, h // hkv, t, d).transpose(0, 1).reshape(hkv, -1, d)
+        self.gram[layer] += x.transpose(1, 2) @ x
+        if layer == 0:
+            self.tokens += b * t
+
+
+def query_gram(model, token_ids, window: int = 2048, progress=None) -> tuple[torch.Tensor, int]:
+    """Gram matrices [L, Hkv, d, d] of the queries over `token_ids` (1-D), in windows of `window` tokens."""
+    ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+    cfg = model.cfg
+    window = max(1, min(window, cfg.max_position))
+    pol = _QueryGram(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    chunks = [ids[s:s + window] for s in range(0, len(ids), window)]
+    for c in chunks:
+        sess = model.new_session(1, len(c), pol)
+        model.prefill(c[None].to(model.device), sess)
+        if progress:
+            progress(len(c))
+    return pol.gram, pol.tokens
+
+
+def skew_from_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A = V of the stacked queries (eigenvectors of X^T X, largest first) and the singular values^2."""
+    evals, evecs = torch.linalg.eigh(gram)  # ascending
+    return evecs.flip(-1).float().contiguous(), evals.flip(-1).clamp(min=0).float().contiguous()
+
+
+def column_share(gram: torch.Tensor, matrices: torch.Tensor | None, ratio: float = 0.3) -> torch.Tensor:
+    """Share of the queries' squared norm in their top ceil(ratio*d) columns, per layer (mean over KV heads).
+    `matrices` None: unskewed columns."""
+    g = gram if matrices is None else matrices.double().transpose(-1, -2) @ gram @ matrices.double()
+    energy = torch.diagonal(g, dim1=-2, dim2=-1)  # squared norm per column [L, Hkv, d]
+    k = math.ceil(ratio * energy.shape[-1])
+    top = energy.sort(-1, descending=True).values[..., :k].sum(-1)
+    return (top / energy.sum(-1).clamp(min=1e-30)).mean(-1).float()
+
+
+@dataclass
+class Skew:
+    """Skewing matrices [L, Hkv, d, d] (q~ = q @ A[layer, kv head]) and where they came from."""
+    matrices: torch.Tensor
+    sigma2: torch.Tensor  # [L, Hkv, d] squared singular values of the calibration queries
+    energy: torch.Tensor  # [L, Hkv, d] squared norm per unskewed column of the calibration queries
+    meta: dict = field(default_factory=dict)
+    path: Path | None = None
+
+    def share(self, ratio: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+        """(skewed, unskewed) share of the calibration queries' squared norm in the top `ratio` columns."""
+        k = math.ceil(ratio * self.energy.shape[-1])
+        def top(e):
+            return (e.sort(-1, descending=True).values[..., :k].sum(-1) / e.sum(-1).clamp(min=1e-30)).mean(-1)
+        return top(self.sigma2), top(self.energy)
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        save_file({"matrices": self.matrices.contiguous(), "sigma2": self.sigma2.contiguous(),
+                   "energy": self.energy.contiguous()}, str(tmp), metadata={k: str(v) for k, v in self.meta.items()})
+        os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
+        self.path = path
+
+    @classmethod
+    def load(cls, path: Path) -> "Skew":
+        from safetensors import safe_open
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = dict(f.metadata() or {})
+                t = {k: f.get_tensor(k) for k in ("matrices", "sigma2", "energy")}
+        except Exception as e:  # corrupt or truncated file
+            raise UserError(f"cannot read skew artifact {path}: {e}")
+        return cls(t["matrices"], t["sigma2"], t["energy"], meta, path)
+
+
+def compute_skew(model, token_ids, window: int = 2048, progress=None, **meta) -> Skew:
+    """Calibrate on `token_ids` (1-D) and return the skew (not saved)."""
+    gram, n = query_gram(model, token_ids, window, progress)
+    mats, sigma2 = skew_from_gram(gram)
+    energy = torch.diagonal(gram, dim1=-2, dim2=-1).float().contiguous()
+    cfg = model.cfg
+    info = {"format": FORMAT_VERSION, "fingerprint": model_fingerprint(model), "arch": cfg.arch,
+            "num_layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+            "tokens": n}
+    info.update(meta)
+    return Skew(mats, sigma2, energy, info)
+
+
+def skew_path(model, calib: Path, tokens: int) -> Path:
+    from .loading import cache_dir
+    text_hash = hashlib.sha256(calib.read_bytes()).hexdigest()[:10]
+    return cache_dir() / "skew" / f"{model_fingerprint(model)}-{calib.stem}-{text_hash}-{tokens}.safetensors"
+
+
+def load_or_compute_skew(model, tokenizer, calib: str | os.PathLike | None = None, tokens: int = DEFAULT_TOKENS,
+                         force: bool = False, progress: bool = False) -> Skew:
+    """The skew of `model` calibrated on the first `tokens` tokens of `calib` (path or corpus name):
+    read from the cache when it was computed before (and `force` is off), else computed and saved."""
+    if tokens < 1:
+        raise UserError("--tokens must be positive")
+    path_text = resolve_text(calib)
+    path = skew_path(model, path_text, tokens)
+    if path.exists() and not force:
+        skew = Skew.load(path)
+        if skew.matrices.shape == (model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim, model.cfg.head_dim):
+            skew.meta["reused"] = "1"
+            return skew
+    ids = read_tokens(tokenizer, path_text, tokens)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(ids), desc="calibrating skew", unit="tok")
+    skew = compute_skew(model, ids, progress=bar.update if bar else None,
+                        calibration=str(path_text), calibration_sha=path.stem.split("-")[-2])
+    if bar:
+        bar.close()
+    skew.save(path)
+    return skew
+
+
+def find_cached_skew(model) -> Skew | None:
+    """A skew artifact of this model already in the cache (the default calibration preferred), or None."""
+    from .loading import cache_dir
+    folder = cache_dir() / "skew"
+    if not folder.is_dir():
+        return None
+    fp = model_fingerprint(model)
+    found = sorted(folder.glob(f"{fp}-*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)
+    preferred = [p for p in found if p.name.startswith(f"{fp}-{DEFAULT_CALIB}-") and p.stem.endswith(f"-{DEFAULT_TOKENS}")]
+    for p in preferred + found:
+        try:
+            return Skew.load(p)
+        except UserError:
+            continue
+    return None
+
+
+# ---- folding into the weights (models without RoPE) ----------------------------------------------
+def skew_model(model, skew: Skew):
+    """A copy of an OPT-style (no RoPE) model with A folded into W_Q, W_K and their biases per head:
+    the copy computes q~ = qA and k~ = kA directly, its dense logits equal the original's.
+    The copy carries `skew_folded` so the InfiniGen policy does not rotate a second time."""
+    cfg = model.cfg
+    if cfg.uses_rope:
+        raise ValueError("skewing cannot be folded into the weights of a RoPE model; it is applied after RoPE at run time")
+    out = copy.deepcopy(model)
+    d, g = cfg.head_dim, cfg.group_size
+    with torch.no_grad():
+        for i, blk in enumerate(out.layers):
+            a = skew.matrices[i].to(torch.float64)  # [Hkv, d, d]
+            for proj, heads in ((blk.attn.q_proj, cfg.num_heads), (blk.attn.k_proj, cfg.num_kv_heads)):
+                per = a if heads == cfg.num_kv_heads else a.repeat_interleave(g, 0)  # query head h uses A[h // G]
+                w = proj.weight.to(torch.float64).view(heads, d, -1)
+                proj.weight.copy_((per.transpose(1, 2) @ w).reshape_as(proj.weight))  # rows: A^T W_h
+                if proj.bias is not None:
+                    b = proj.bias.to(torch.float64).view(heads, 1, d)
+                    proj.bias.copy_((b @ per).reshape_as(proj.bias))
+    out.skew_folded = skew
+    return out
