@@ -204,3 +204,64 @@ def test_disk_pool_file_lives_in_the_chosen_dir_and_goes(tiny_llama, tmp_path):
     assert files and sess.store.tier.files_bytes() == sess.store.slow_bytes()
     pl.close(sess)
     assert os.listdir(tmp_path / "kv") == []
+
+
+# ---- infinigen bench ---------------------------------------------------------------------------------
+def test_bench_cli_smoke(tiny_checkpoint, tmp_path, monkeypatch):
+    """`infinigen bench` on a tiny random checkpoint: every system runs, the JSON has the promised keys,
+    the offloaded full cache gives ideal's tokens, and the PNG is written."""
+    from infinigen.cli import main
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))  # InfiniGen's skew artifact goes here
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 40)
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    code = main(["bench", "-m", str(tiny_checkpoint), "--text", str(text), "--prompt-len", "24,40", "--batch-size", "1,2",
+                 "--gen-len", "4", "--policy", "full,infinigen,h2o,int4", "--kv-offload", "cpu,disk",
+                 "--pool-dir", str(tmp_path / "pool"), "--breakdown", "1", "--json", str(out), "--plot", str(png),
+                 "--knob", "infinigen.dense_layers=0"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    systems = {r["system"] for r in rows}
+    assert {"ideal", "full offload (cpu)", "full offload (disk)", "infinigen (cpu)", "h2o (disk)", "int4 (disk)",
+            "transformers DynamicCache"} <= systems
+    assert len(rows) == 2 * 2 * len(systems)
+    keys = {"prefill_s", "decode_ms_per_step", "decode_tokens_per_s", "bytes_moved_per_token", "peak_fast_bytes",
+            "peak_slow_bytes", "relative_kv", "x_vs_transformers", "x_vs_ideal", "x_vs_full_offload", "breakdown"}
+    for r in rows:
+        if r["policy"] != "transformers":
+            assert keys <= set(r), keys - set(r)
+            assert set(r["breakdown"]["per_block_ms"]) == {"speculation", "fetch wait", "attention", "mlp", "other"}
+        if r["system"].startswith("full offload"):
+            assert r["tokens_agree_with_ideal"] == 1.0
+            assert r["bytes_moved_per_token"] > 0 and r["peak_slow_bytes"] > 0
+        if r["policy"] == "infinigen":
+            assert "speculation_memory" in r and r["relative_kv"] < 1
+    int4 = next(r for r in rows if r["policy"] == "int4")
+    full = next(r for r in rows if r["system"] == "full offload (cpu)" and r["batch"] == int4["batch"]
+                and r["prompt_len"] == int4["prompt_len"])
+    assert int4["peak_slow_bytes"] < full["peak_slow_bytes"] / 2  # packed 4-bit pool (head_dim 8 here)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not any((tmp_path / "pool").iterdir())  # pool files removed
+
+
+def test_bench_cli_bad_input(tiny_checkpoint):
+    from infinigen.cli import main
+    assert main(["bench", "-m", str(tiny_checkpoint), "--kv-offload", "tape"]) == 2
+    assert main(["bench", "-m", str(tiny_checkpoint), "--batch-size", "0"]) == 2
+    assert main(["bench", "-m", str(tiny_checkpoint), "--pool-bytes", "lots"]) == 2
+    assert main(["bench", "--synthetic", "opt-6.7b", "--policy", "infinigen"]) == 2  # needs --fixed-ratio
+
+
+def test_bench_synthetic_fixed_ratio(tmp_path):
+    """A synthetic shape (random weights, few layers): InfiniGen reads the fixed share of the tokens."""
+    from infinigen.cli import main
+    out = tmp_path / "s.json"
+    code = main(["bench", "--synthetic", "smollm2-135m", "--layers", "3", "--prompt-len", "40", "--batch-size", "1",
+                 "--gen-len", "3", "--policy", "infinigen", "--fixed-ratio", "0.25", "--kv-offload", "cpu",
+                 "--knob", "dense_layers=0", "--no-transformers", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    ig = next(r for r in rows if r["policy"] == "infinigen")
+    assert json.loads(out.read_text())["synthetic"] is True
+    assert 0.2 <= ig["relative_kv_speculated"] <= 0.3

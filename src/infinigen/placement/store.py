@@ -40,7 +40,8 @@ class TransferStats:
     fetches: int = 0  # fetch jobs run (prefetched or on demand)
     on_demand: int = 0  # fetched when attention asked (nothing planned, or the plan differed)
     stale: int = 0  # prefetched but not what attention read (wasted)
-    gather_s: float = 0.0  # time gathering rows (worker or on demand)
+    gather_s: float = 0.0  # time spent in prefetch jobs (on the worker thread: overlapped with compute)
+    ondemand_s: float = 0.0  # time fetching on demand (main thread, not overlapped)
     wait_s: float = 0.0  # main thread waiting for a prefetch to finish
     peak_fast_bytes: int = 0  # staging + fetched rows + metadata held in the fast tier
 
@@ -336,13 +337,15 @@ class OffloadedKVStore(KVStore):
         self._discard(self._jobs.pop(layer, None))
 
     def _fetch(self, layer, idx, n) -> _Job:
+        t0 = time.perf_counter()
         job = _Job(layer, self._step, idx, n)
-        self._run(job)
+        self._run(job, ondemand=True)
         self._wait(job)
         self.stats.on_demand += 1
+        self.stats.ondemand_s += time.perf_counter() - t0
         return job
 
-    def _run(self, job: _Job, rows_host: torch.Tensor | None = None) -> None:
+    def _run(self, job: _Job, rows_host: torch.Tensor | None = None, ondemand: bool = False) -> None:
         """Bring job.layer's rows to the fast tier (on the worker thread, or inline)."""
         t0 = time.perf_counter()
         self._flush(job.layer)
@@ -357,7 +360,8 @@ class OffloadedKVStore(KVStore):
         self.stats.bytes_moved += 2 * total * self.layout.row_bytes
         self.stats.rows_moved += total
         self.stats.fetches += 1
-        self.stats.gather_s += time.perf_counter() - t0
+        if not ondemand:
+            self.stats.gather_s += time.perf_counter() - t0
 
     def _host_fetch(self, job, kind, rows, total) -> torch.Tensor:
         """CPU host: gather (or copy the whole used prefix of) one kind's planes into fast RAM buffers."""

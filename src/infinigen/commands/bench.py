@@ -1,0 +1,223 @@
+"""`infinigen bench`: decode speed of KV-cache systems side by side (FlexGen-like flags).
+
+    infinigen bench --prompt-len 2048 --gen-len 32 --batch-size 4,8 --policy full,infinigen,h2o,int4 \\
+        --kv-offload cpu --json out.json --plot out.png
+
+Systems: every --policy on every --kv-offload tier ("full" on a slow tier is FlexGen-style full offload),
+plus "ideal" (full cache in fast memory) and transformers' DynamicCache on the same weights (and its
+offloaded DynamicCache on CUDA). Policy settings: `--knob NAME=VALUE` (or POLICY.NAME=VALUE).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import UserError
+from .basic import MODEL_HELP, check_model_options, check_range
+
+
+def _int_list(name: str, text: str) -> list[int]:
+    try:
+        vals = [int(s) for s in text.replace(" ", "").split(",") if s]
+    except ValueError:
+        raise UserError(f"--{name} expects integers separated by commas, got {text!r}")
+    if not vals or any(v < 1 for v in vals):
+        raise UserError(f"--{name} values must be >= 1, got {text!r}")
+    return vals
+
+
+def parse_bytes(text: str | None) -> int | None:
+    """'2G', '512M', '1.5GiB', '1000000' -> bytes."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m:
+        raise UserError(f"--pool-bytes expects a size like 2G, 512M or 1000000, got {text!r}")
+    value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
+    if value < 1:
+        raise UserError(f"--pool-bytes must be positive, got {text!r}")
+    return int(value)
+
+
+def bench_cmd(
+    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
+    synthetic: Optional[str] = typer.Option(None, "--synthetic",
+                                            help="Random weights of a paper-size shape instead of --model: opt-6.7b, "
+                                                 "opt-13b, opt-30b, llama-2-7b, llama-2-13b, llama-3-8b, smollm2-135m."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="--synthetic: fewer layers than the real shape."),
+    fixed_ratio: Optional[float] = typer.Option(None, "--fixed-ratio",
+                                                help="--synthetic: InfiniGen fetches this share of the tokens per step "
+                                                     "(the relative KV size measured on the real model)."),
+    prompt_len: str = typer.Option("2048", "--prompt-len", help="Prompt lengths, comma separated (a sweep)."),
+    gen_len: int = typer.Option(32, "--gen-len", help="Tokens generated per sequence (the first comes from prefill)."),
+    batch_size: str = typer.Option("4", "--batch-size", help="Batch sizes, comma separated (a sweep)."),
+    policy: str = typer.Option("full,infinigen", "--policy", help="Policies, comma separated: full, infinigen, h2o, int4, streaming."),
+    kv_offload: str = typer.Option("cpu", "--kv-offload", help="KV tiers, comma separated: none, cpu, disk."),
+    knob: list[str] = typer.Option([], "--knob", help="Policy setting NAME=VALUE or POLICY.NAME=VALUE (repeatable)."),
+    ideal: bool = typer.Option(True, "--ideal/--no-ideal", help="Also run the full cache in fast memory."),
+    hf: bool = typer.Option(True, "--transformers/--no-transformers", help="Also run transformers' DynamicCache."),
+    capacity: Optional[int] = typer.Option(None, "--capacity", help="KV pool limit in tokens per sequence."),
+    pool_bytes: Optional[str] = typer.Option(None, "--pool-bytes", help="KV pool limit in bytes of the slow tier (e.g. 2G)."),
+    eviction: str = typer.Option("counter", "--eviction", help="Pool victim policy: counter, lru or fifo."),
+    pool_dir: Optional[Path] = typer.Option(None, "--pool-dir", help="Directory for the disk tier's pool file (removed after)."),
+    prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Fetch layer i+1's rows during layer i."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads (CPU)."),
+    breakdown: int = typer.Option(0, "--breakdown", help="Extra instrumented steps for a per-layer time breakdown (0: off)."),
+    text: str = typer.Option("prideprejudice", "--text", help="Prompt text: a file or a bundled corpus name."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write all rows to this JSON file."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: decode throughput vs batch size and vs length."),
+):
+    """Prefill/decode latency, throughput, bytes moved, peak memory: policies x KV tiers x sweeps."""
+    from .. import bench
+    from ..placement import KINDS
+    from ..policies import REGISTRY
+
+    prompt_lens = _int_list("prompt-len", prompt_len)
+    batch_sizes = _int_list("batch-size", batch_size)
+    check_range("gen-len", gen_len, lo=2)
+    check_range("capacity", capacity, lo=1)
+    check_range("breakdown", breakdown, lo=0)
+    check_range("threads", threads, lo=1)
+    check_range("layers", layers, lo=1)
+    check_range("fixed-ratio", fixed_ratio, lo=0, hi=1, lo_open=True)
+    check_model_options(device, dtype)
+    tiers = [s.strip() for s in kv_offload.split(",") if s.strip()]
+    for t in tiers:
+        if t not in KINDS:
+            raise UserError(f"--kv-offload must be among {', '.join(KINDS)}, got {t!r}")
+    if not tiers:
+        raise UserError("--kv-offload: no tier given")
+    if eviction not in ("counter", "lru", "fifo"):
+        raise UserError(f"unknown --eviction {eviction!r}; choose counter, lru or fifo")
+    limit = parse_bytes(pool_bytes)
+    names = [s.strip() for s in policy.split(",") if s.strip()]
+    for n in names:
+        if n.split("@")[0] not in REGISTRY:
+            raise UserError(f"unknown policy {n!r}; choose from {', '.join(REGISTRY)}")
+    if synthetic is None and (layers is not None or fixed_ratio is not None):
+        raise UserError("--layers and --fixed-ratio apply to --synthetic runs")
+    if synthetic is not None and synthetic not in bench.SYNTHETIC:
+        raise UserError(f"unknown --synthetic shape {synthetic!r}; choose from {', '.join(bench.SYNTHETIC)}")
+    if synthetic is not None and any(n.startswith("infinigen") for n in names) and fixed_ratio is None:
+        raise UserError("--synthetic with infinigen needs --fixed-ratio (speculation on random weights means nothing)")
+
+    from ..eval.policyset import parse_policies
+    policies = parse_policies(names, knob)
+
+    import torch
+    if threads:
+        torch.set_num_threads(threads)
+    from ..loading import DTYPES
+    max_len = max(prompt_lens) + gen_len + breakdown
+    body = None
+    if synthetic:
+        net, hf_model, name = bench.synthetic_models(synthetic, DTYPES[dtype], device, max_len, layers, hf=hf)
+        tok = None
+    else:
+        from ..eval.ppl import load_text
+        from .basic import load_model
+        body = load_text(text)
+        net, tok, name = load_model(model, dtype, device)
+        if max_len > net.cfg.max_position:
+            raise UserError(f"prompt + generated tokens ({max_len}) exceed the model's context ({net.cfg.max_position})")
+        hf_model = bench.hf_model_for(model, DTYPES[dtype], device) if hf else None
+    for label, pol in policies.items():
+        if pol.name == "infinigen" and getattr(pol, "skew", False):
+            if synthetic:
+                cfg = net.cfg
+                g = torch.Generator().manual_seed(0)
+                pol.with_skew(torch.linalg.qr(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                          cfg.head_dim, generator=g, dtype=torch.float64))[0])
+            else:
+                pol.calibrate(net, tok, progress=True)  # cached after the first run
+        if synthetic and pol.name == "infinigen":
+            pol.alpha, pol.max_fetch_ratio = 1e9, fixed_ratio  # every token qualifies; the cap picks the top share
+
+    systems = []
+    if ideal:
+        systems.append(bench.System("ideal", bench.make_full(), "none"))
+    for tier in tiers:
+        for label, pol in policies.items():
+            if pol.name == "full":
+                if tier == "none":
+                    if not ideal:
+                        systems.append(bench.System("ideal", pol, "none"))
+                    continue
+                systems.append(bench.System(f"full offload ({tier})", pol, tier))
+            else:
+                where = "fast memory" if tier == "none" else tier
+                systems.append(bench.System(f"{label} ({where})", pol, tier))
+    if hf:
+        systems.append(bench.System("transformers DynamicCache", hf_offloading=False))
+        if device.startswith("cuda"):
+            systems.append(bench.System("transformers DynamicCache(offloading)", hf_offloading=True))
+    settings = bench.BenchSettings(prompt_lens=prompt_lens, batch_sizes=batch_sizes, gen_len=gen_len, capacity=capacity,
+                                   pool_bytes=limit, eviction=eviction, pool_dir=str(pool_dir) if pool_dir else None,
+                                   prefetch=prefetch, breakdown_steps=breakdown)
+    from rich.console import Console
+    err = Console(stderr=True)
+    rows = bench.sweep(net, systems, settings, tokenizer=tok, text=body, hf_model=hf_model,
+                       progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    if not rows:
+        raise UserError("no system ran")
+    label = name + (f", InfiniGen fixed selection ratio {fixed_ratio}" if synthetic and fixed_ratio else "")
+    payload = {"model": label, "synthetic": bool(synthetic), "device": device, "dtype": dtype,
+               "machine": bench.machine(), "settings": {"prompt_lens": prompt_lens, "batch_sizes": batch_sizes,
+                                                        "gen_len": gen_len, "kv_offload": tiers, "policies": names,
+                                                        "knobs": knob, "capacity": capacity, "pool_bytes": limit,
+                                                        "eviction": eviction, "prefetch": prefetch,
+                                                        "text": None if synthetic else text},
+               "rows": bench.strip_private(rows)}
+    _print(payload)
+    if json_out is not None:
+        bench.write_json(json_out, payload)
+    if plot_out is not None:
+        dev = payload["machine"].get("gpu") if device.startswith("cuda") else payload["machine"]["cpu"]
+        bench.plot(rows, plot_out, title=f"{label} | {dev}")
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.1f}"
+
+
+def _print(p: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    c = Console()
+    m = p["machine"]
+    c.print(f"{p['model']} | {p['device']} ({m.get('gpu') or m['cpu']}), {p['dtype']} | torch {m['torch']}, "
+            f"{m['torch_threads']} threads")
+    t = Table(title="decoding, side by side")
+    for col in ("system", "batch", "prompt", "prefill s", "ms/step", "tokens/s", "x transformers", "x ideal",
+                "x full offload", "MB moved/token", "peak fast MB", "peak slow MB", "rel. KV"):
+        t.add_column(col, justify="left" if col == "system" else "right")
+    f2 = lambda v: "-" if v is None else f"{v:.2f}"
+    for r in p["rows"]:
+        t.add_row(r["system"], str(r["batch"]), str(r["prompt_len"]), f2(r["prefill_s"]), f"{r['decode_ms_per_step']:.1f}",
+                  f2(r["decode_tokens_per_s"]), f2(r.get("x_vs_transformers")), f2(r.get("x_vs_ideal")),
+                  f2(r.get("x_vs_full_offload")), _mb(r.get("bytes_moved_per_token")), _mb(r.get("peak_fast_bytes")),
+                  _mb(r.get("peak_slow_bytes")), f"{100 * r['relative_kv']:.1f}%" if r.get("relative_kv") is not None else "-")
+    c.print(t)
+    for r in p["rows"]:
+        mem = r.get("speculation_memory")
+        if mem:
+            kv = mem["partial_key_cache_vs_kv"]
+            c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}): partial key cache "
+                    f"{_mb(mem['partial_key_cache_bytes'])} MB = {100 * kv:.1f}% of the KV cache; skew matrices + indices "
+                    f"{100 * mem['skew_and_index_vs_weights']:.2f}% of the weights (a stored partial W_Q would be "
+                    f"{100 * mem['partial_query_weight_vs_weights']:.2f}%)")
+        bd = r.get("breakdown")
+        if bd:
+            blk = bd["per_block_ms"]
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in blk.items())
+            c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}) per-block ms: {parts}; "
+                    f"step {bd['step_ms']:.1f} ms; worker gather {bd['worker_gather_ms_per_step']:.1f} ms/step (overlapped)")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench_cmd)

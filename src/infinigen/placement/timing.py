@@ -1,0 +1,108 @@
+"""Optional per-layer time breakdown of decoding (the paper's Figure 18): speculation/selection, fetch
+wait (transfer), attention, MLP and the rest, per layer, averaged over steps.
+
+Instrumentation wraps instance methods of the model, its MLPs, the policy and the store with clocks
+(nested calls count once: a parent's time excludes its children's). On CUDA each clock reading
+synchronizes the device, which removes the overlap it measures: take throughput from uninstrumented
+runs and use this only to see where time goes. The worker thread's gather time is reported apart
+("gather (worker)"): it overlaps compute and is not part of the main thread's total.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+CATEGORIES = ("speculation", "fetch wait", "attention", "mlp", "other")
+
+
+class Breakdown:
+    def __init__(self, model, session):
+        self.model, self.session = model, session
+        self.device = model.device
+        self.totals = defaultdict(float)  # (layer, category) -> seconds (exclusive)
+        self.stack: list[list] = []  # [category, layer, start, child_time]
+        self.steps = 0
+        self.step_time = 0.0
+        self._undo = []
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _wrap(self, obj, name: str, category: str, layer_of=lambda args: args[0] if args else -1):
+        orig = getattr(obj, name)
+        had = name in vars(obj)
+
+        def timed(*args, **kwargs):
+            self.stack.append([category, layer_of(args), self._now(), 0.0])
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                cat, layer, start, child = self.stack.pop()
+                spent = self._now() - start
+                self.totals[(layer, cat)] += spent - child
+                if self.stack:
+                    self.stack[-1][3] += spent
+
+        setattr(obj, name, timed)
+        self._undo.append((obj, name, orig if had else None))
+
+    def __enter__(self):
+        pol, store, model = self.session.policy, self.session.store, self.model
+        for hook in ("on_hidden", "planned", "select", "observe", "on_append"):
+            self._wrap(pol, hook, "speculation")
+        for read in ("dense", "gather"):
+            self._wrap(store, read, "fetch wait")
+        self._wrap(model, "_step_attention", "attention")
+        for i, blk in enumerate(model.layers):
+            self._wrap(blk.mlp, "forward", "mlp", layer_of=lambda args, i=i: i)
+        self._stats0 = _store_gather(store)
+        return self
+
+    def __exit__(self, *exc):
+        for obj, name, orig in reversed(self._undo):
+            if orig is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, orig)
+        self._undo.clear()
+        self.worker_gather_s = _store_gather(self.session.store) - self._stats0
+
+    def step(self, tokens):
+        """One timed decoding step."""
+        t0 = self._now()
+        out = self.model.decode(tokens, self.session)
+        self.step_time += self._now() - t0
+        self.steps += 1
+        return out
+
+    def per_layer(self) -> list[dict]:
+        """Milliseconds per step for each layer and category; "other" is the layer's share of the rest."""
+        n = self.model.cfg.num_layers
+        steps = max(self.steps, 1)
+        rows = []
+        for layer in range(n):
+            row = {c: 1e3 * self.totals.get((layer, c), 0.0) / steps for c in CATEGORIES[:-1]}
+            rows.append(row)
+        accounted = sum(sum(r.values()) for r in rows) + 1e3 * sum(v for (l, _), v in self.totals.items() if l < 0) / steps
+        rest = max(1e3 * self.step_time / steps - accounted, 0.0)
+        for r in rows:
+            r["other"] = rest / n
+        return rows
+
+    def summary(self) -> dict:
+        """Per-block average (ms) by category, the step time, and the worker's overlapped gather time."""
+        rows = self.per_layer()
+        n = len(rows)
+        steps = max(self.steps, 1)
+        block = {c: sum(r[c] for r in rows) / n for c in CATEGORIES}
+        return {"per_block_ms": block, "step_ms": 1e3 * self.step_time / steps,
+                "worker_gather_ms_per_step": 1e3 * self.worker_gather_s / steps, "per_layer_ms": rows}
+
+
+def _store_gather(store) -> float:
+    stats = getattr(store, "stats", None)
+    return stats.gather_s if stats is not None else 0.0
