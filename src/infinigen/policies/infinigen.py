@@ -216,6 +216,13 @@ class InfiniGen(Policy):
             # layer `target`'s partial keys do not change before its own attention
             self.pending[target] = self._select_row(target, 0, session)
 
+    def planned(self, layer, session):
+        """What `select` will return, once this step's speculation for `layer` has run (placement fetches
+        it meanwhile); dense layers read everything."""
+        if layer not in self.spec_layers:
+            return None
+        return self.pending.get(layer, NotImplemented)
+
     def select(self, layer, q, session):
         if layer not in self.spec_layers:
             return None
