@@ -56,7 +56,7 @@ def fewshot_cmd(
         for t in tasks:
             bar.set_postfix_str(t.name)
             results += fs.evaluate_task(net, tok, t, pols, shots=shots, limit=lim, prefill_frac=prefill_frac,
-                                        seed=seed, progress=lambda: bar.update(1))
+                                        seed=seed, progress=bar.update)
     print(f"{model_name}, {shots}-shot, prefill fraction {prefill_frac:g}\n")
     print(fs.markdown_table(results))
     if len(tasks) > 1:

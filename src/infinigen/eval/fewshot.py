@@ -204,6 +204,61 @@ def score_continuations(model, ctx: list[int], conts: list[list[int]], policy=No
     return out
 
 
+@torch.inference_mode()
+def score_shared_prefill(model, ctx: list[int], conts: list[list[int]], policies: dict,
+                         max_len: int | None = None) -> dict:
+    """Like `score_continuations` with the whole context as prefill, for several policies at once: one
+    dense prefill of the context (`eval.fanout`), then each policy's session decodes every choice, one
+    batch row per choice (shorter choices are padded at the end: later tokens cannot change earlier
+    log-probabilities). Returns name -> [Scored] in the order of `conts`. The relative KV size counts
+    the padded steps too."""
+    from .fanout import prefill_shared
+    max_len = max_len or model.cfg.max_position
+    longest = max(len(c) for c in conts)
+    if len(ctx) + longest - 1 > max_len:
+        ctx = ctx[-(max_len - longest + 1):]
+    n = len(conts)
+    names = list(policies)
+    logits, sessions = prefill_shared(model, torch.tensor([ctx], device=model.device), [policies[k] for k in names],
+                                      len(ctx) + longest, repeat=n)
+    first = F.log_softmax(logits[0].float(), -1)
+    pad = [c + [c[-1]] * (longest - len(c)) for c in conts]
+    feed = torch.tensor(pad, dtype=torch.long, device=model.device)  # [n, longest]
+    out = {}
+    for name, sess in zip(names, sessions):
+        lps = [[first[c[0]].item()] for c in conts]
+        greedy = [int(first.argmax()) == c[0] for c in conts]
+        for t in range(longest - 1):
+            lp = F.log_softmax(model.decode(feed[:, t], sess).float(), -1)
+            best = lp.argmax(-1)
+            for i, c in enumerate(conts):
+                if t + 1 < len(c):
+                    lps[i].append(lp[i, c[t + 1]].item())
+                    greedy[i] = greedy[i] and int(best[i]) == c[t + 1]
+        kv = sess.stats.overall()
+        out[name] = [Scored(float(sum(x)), g, kv) for x, g in zip(lps, greedy)]
+        sess.store.close()
+    return out
+
+
+def score_item(model, pairs: list[tuple[list[int], list[int]]], policies: dict, prefill_frac: float = 1.0) -> dict:
+    """name -> [Scored] for each (context, continuation) pair; pairs sharing a context are scored together."""
+    by_ctx: dict[tuple, list[int]] = {}
+    for k, (cx, _) in enumerate(pairs):
+        by_ctx.setdefault(tuple(cx), []).append(k)
+    out = {n: [None] * len(pairs) for n in policies}
+    for cx, ks in by_ctx.items():
+        conts = [pairs[k][1] for k in ks]
+        if prefill_frac >= 1:
+            res = score_shared_prefill(model, list(cx), conts, policies)
+        else:
+            res = {n: score_continuations(model, list(cx), conts, p, prefill_frac) for n, p in policies.items()}
+        for n, scored in res.items():
+            for k, r in zip(ks, scored):
+                out[n][k] = r
+    return out
+
+
 @dataclass
 class TaskResult:
     task: str
@@ -246,19 +301,9 @@ def evaluate_task(model, tokenizer, task: Task, policies: dict, shots: int = 5, 
     for item in items:
         pairs = [encode_pair(tokenizer, item.context, c) for c in item.choices]
         byte_len = [max(1, len(c.encode("utf-8"))) for c in item.choices]
-        for name, pol in pols.items():
-            scores: list = [None] * len(pairs)
-            # group pairs by context (usually one) to batch continuations
-            by_ctx: dict[tuple, list[int]] = {}
-            for k, (cx, _) in enumerate(pairs):
-                by_ctx.setdefault(tuple(cx), []).append(k)
-            kv_parts = []
-            for cx, ks in by_ctx.items():
-                res = score_continuations(model, list(cx), [pairs[k][1] for k in ks], pol, prefill_frac)
-                for k, r in zip(ks, res):
-                    scores[k] = r
-                    if not math.isnan(r.kv):
-                        kv_parts.append(r.kv)
+        scored = score_item(model, pairs, pols, prefill_frac)
+        for name in pols:
+            scores = scored[name]
             ll = [s.loglik for s in scores]
             lln = [s.loglik / b for s, b in zip(scores, byte_len)]
             a, an = _argmax(ll), _argmax(lln)
@@ -266,10 +311,11 @@ def evaluate_task(model, tokenizer, task: Task, policies: dict, shots: int = 5, 
             preds[name][1].append(an)
             hits[name][0] += a in item.gold
             hits[name][1] += an in item.gold
+            kv_parts = [s.kv for s in scores if not math.isnan(s.kv)]
             if kv_parts:
                 kvs[name].append(sum(kv_parts) / len(kv_parts))
-            if progress is not None:
-                progress()
+        if progress is not None:
+            progress(len(pols))
     n = len(items)
     out = []
     full_a, full_an = preds["full"]
