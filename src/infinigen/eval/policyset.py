@@ -55,3 +55,14 @@ def parse_policies(spec: str | list[str], knobs: list[str] | None = None) -> dic
         except (TypeError, ValueError) as e:
             raise UserError(f"bad knob for policy {n!r}: {e}")
     return out
+
+
+def prepare(policies: dict, model, tokenizer, progress: bool = False) -> None:
+    """Give policies what they need from the model before use: InfiniGen's skew matrices (loaded from
+    the cache of `infinigen skew`, or calibrated once and cached)."""
+    for p in policies.values():
+        needs_skew = getattr(p, "skew", False) and getattr(p, "matrices", None) is None
+        if needs_skew and hasattr(p, "calibrate") and getattr(model, "skew_folded", None) is None:
+            from ..skew import find_cached_skew
+            if find_cached_skew(model) is None:  # else the policy picks the cached artifact up itself
+                p.calibrate(model, tokenizer, progress=progress)

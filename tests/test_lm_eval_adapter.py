@@ -1,0 +1,67 @@
+"""The lm-evaluation-harness adapter, on hand-made requests (lm_eval's task data is not reachable here)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("lm_eval", reason="lm_eval is an optional dependency")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from infinigen import load  # noqa: E402
+from infinigen.eval.lm_eval_adapter import InfiniGenLM  # noqa: E402
+
+
+def _req(kind, args, i=0):
+    return Instance(request_type=kind, doc={}, arguments=args, idx=i)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    model, tok, _ = load(str(tiny_checkpoint), progress=False)
+    return model, tok
+
+
+def _ll(model, ids, n_ctx):
+    sess = model.new_session(1, len(ids))
+    lp = F.log_softmax(model.prefill(torch.tensor([ids]), sess, all_logits=True)[0].float(), -1)
+    return sum(lp[t - 1, ids[t]].item() for t in range(n_ctx, len(ids)))
+
+
+def test_registered():
+    from lm_eval.api.registry import get_model
+    assert get_model("infinigen") is InfiniGenLM
+
+
+def test_loglikelihood_full_matches_manual(tiny):
+    model, tok = tiny
+    lm = InfiniGenLM(policy="full", model=model, tokenizer=tok)
+    reqs = [_req("loglikelihood", ("The family of Dashwood had long been", c), i)
+            for i, c in enumerate([" settled in Sussex.", " a heroine.", " settled"])]
+    out = lm.loglikelihood(reqs)
+    assert len(out) == 3 and all(isinstance(g, bool) for _, g in out)
+    for r, (ll, _) in zip(reqs, out):
+        ctx, cont = r.args
+        whole = tok(ctx + cont, add_special_tokens=False)["input_ids"]
+        n = len(tok(ctx, add_special_tokens=False)["input_ids"])
+        assert ll == pytest.approx(_ll(model, whole, n), abs=1e-4)
+    assert out[2][0] > out[0][0]  # a prefix of a continuation is more likely than the whole
+
+
+def test_policy_knobs_and_generation(tiny):
+    model, tok = tiny
+    lm = InfiniGenLM(policy="streaming", model=model, tokenizer=tok, sinks=1, window=2, batch_size="auto")
+    assert lm.policy.window == 2 and lm.policy.sinks == 1
+    ctx = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
+    (ll, _), = lm.loglikelihood([_req("loglikelihood", (ctx, ", must be in want of a wife."))])
+    full = InfiniGenLM(policy="full", model=model, tokenizer=tok)
+    (ll_full, _), = full.loglikelihood([_req("loglikelihood", (ctx, ", must be in want of a wife."))])
+    assert math.isfinite(ll) and ll != pytest.approx(ll_full, abs=1e-4)  # the policy acted on the continuation
+    rolling = full.loglikelihood_rolling([_req("loglikelihood_rolling", (ctx,))])[0]
+    ids = [tok.eos_token_id] + tok(ctx, add_special_tokens=False)["input_ids"]
+    assert rolling == pytest.approx(_ll(model, ids, 1), abs=1e-3)
+    text, = full.generate_until([_req("generate_until", (ctx, {"until": ["\n"], "max_gen_toks": 8}))])
+    assert isinstance(text, str) and "\n" not in text
