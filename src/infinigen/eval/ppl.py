@@ -1,0 +1,223 @@
+"""Perplexity with any KV-cache policy, in teacher-forced mode.
+
+A window of `ctx` tokens is split into a prompt (the first `prefill` tokens, dense attention) and a
+decoding part that `Transformer.teacher_forced` evaluates as if decoded one token at a time with the
+policy. Scored: the NLL of token t+1 from the logits at t for every t >= prefill - 1, so exactly the
+ctx - prefill tokens a decoder would produce (the first from the prompt's last logits). Reported per
+256-token decoding chunk too (the paper's Figure 12), with the relative KV size: the fraction of
+cached entries each layer's attention read, over all layers and over the speculated layers only.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UserError
+
+CHUNK = 256  # tokens per decoding chunk (the paper's Figure 12)
+SCORE_ROWS = 512  # logits rows turned into log-probabilities at once: bounds memory at large vocabularies
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+
+# ---- text ------------------------------------------------------------------------------------------
+def data_dirs() -> list[Path]:
+    """Where corpus names are looked up: $INFINIGEN_DATA (and its austen/), then ../shared/data/austen
+    beside the repository (the offline Austen novels) and beside the working directory."""
+    dirs = []
+    env = os.environ.get("INFINIGEN_DATA")
+    if env:
+        dirs += [Path(env), Path(env) / "austen"]
+    for base in (REPO_ROOT.parent, Path.cwd().parent):
+        dirs += [base / "shared" / "data" / "austen", base / "shared" / "data"]
+    return dirs
+
+
+def corpus_names() -> list[str]:
+    names = {p.stem for d in data_dirs() if d.is_dir() for p in d.glob("*.txt")}
+    return sorted(names)
+
+
+def resolve_text(text: str | os.PathLike) -> Path:
+    """A text file path, or a bundled corpus name ("prideprejudice", "emma", ...)."""
+    p = Path(text).expanduser()
+    if p.is_file():
+        return p
+    if p.exists():
+        raise UserError(f"{p} is not a text file")
+    s = str(text)
+    if "/" not in s and s:
+        name = s if s.endswith(".txt") else s + ".txt"
+        for d in data_dirs():
+            if (d / name).is_file():
+                return d / name
+    have = ", ".join(corpus_names()) or "none found (set INFINIGEN_DATA)"
+    raise UserError(f"text {s!r} is neither a file nor a bundled corpus name (available: {have})")
+
+
+def load_text(text: str | os.PathLike) -> str:
+    path = resolve_text(text)
+    try:
+        body = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}")
+    if not body.strip():
+        raise UserError(f"{path} is empty")
+    return body
+
+
+def token_windows(tokenizer, body: str, ctx: int, windows: int = 1) -> torch.Tensor:
+    """`windows` non-overlapping windows of `ctx` tokens from the start of the text: [windows, ctx]."""
+    need = ctx * windows
+    ids: list[int] = []
+    for chars in (need * 8, None):  # a prefix is enough for most texts; tokenize all when it is not
+        ids = tokenizer(body if chars is None else body[:chars], add_special_tokens=False, verbose=False)["input_ids"]
+        if len(ids) >= need or chars is None or chars >= len(body):
+            break
+    if len(ids) < need:
+        raise UserError(f"the text has {len(ids)} tokens; {windows} window(s) of {ctx} need {need}")
+    return torch.tensor(ids[:need], dtype=torch.long).view(windows, ctx)
+
+
+# ---- policy facts ----------------------------------------------------------------------------------
+def speculated_layers(policy, num_layers: int) -> list[int]:
+    """Layers where the policy selects entries (after `begin`): `policy.speculated(i)` when it has it,
+    else every layer not in `dense_layers` (a count of leading layers or a list of indices)."""
+    if hasattr(policy, "speculated"):
+        return [i for i in range(num_layers) if policy.speculated(i)]
+    d = getattr(policy, "dense_layers", None) or ()
+    dense = set(range(min(d, num_layers))) if isinstance(d, int) else {int(i) % num_layers for i in d}
+    return [i for i in range(num_layers) if i not in dense]
+
+
+def resolve_capacity(capacity, ctx: int, prefill: int) -> int | None:
+    """Pool capacity in tokens: an int, or a fraction of the context (0 < x <= 1, e.g. 0.8)."""
+    if capacity is None:
+        return None
+    cap = float(capacity)
+    if cap <= 0:
+        raise UserError(f"--capacity must be > 0 (tokens, or a fraction of the context), got {capacity}")
+    tokens = int(math.floor(cap * ctx)) if cap <= 1 else int(cap)
+    if cap > 1 and cap != int(cap):
+        raise UserError(f"--capacity above 1 is a token count and must be an integer, got {capacity}")
+    if tokens < prefill:
+        raise UserError(f"a KV pool of {tokens} tokens cannot hold the {prefill}-token prompt")
+    return tokens
+
+
+def make_allocator(eviction: str, **pool_kw):
+    """The pool's victim policy from `infinigen.pool` (counter, lru, fifo)."""
+    from ..pool import make_pool
+    return make_pool(eviction, **pool_kw)
+
+
+# ---- the measurement ---------------------------------------------------------------------------------
+@dataclass
+class PPLResult:
+    perplexity: float
+    nll: float  # mean negative log-likelihood per scored token (nats)
+    tokens: int  # scored tokens over all windows
+    chunks: list = field(default_factory=list)  # {"chunk", "start", "end", "perplexity", "tokens"}
+    kv_all: float = 1.0  # relative KV size over all layers (dense layers count as read in full)
+    kv_speculated: float = 1.0  # over the layers the policy does not keep dense
+    kv_per_layer: list = field(default_factory=list)
+    speculated_layers: list = field(default_factory=list)
+    window_perplexities: list = field(default_factory=list)
+    ctx: int = 0
+    prefill: int = 0
+    windows: int = 1
+    capacity: int | None = None
+    eviction: str | None = None
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _nll_rows(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-row NLL of targets [R] under logits [R, V] (float64 result), a few hundred rows at a time."""
+    out = torch.empty(targets.shape[0], dtype=torch.float64)
+    for s in range(0, targets.shape[0], SCORE_ROWS):
+        e = min(targets.shape[0], s + SCORE_ROWS)
+        out[s:e] = F.cross_entropy(logits[s:e].float(), targets[s:e], reduction="none").double().cpu()
+    return out
+
+
+class _LayerProgress:
+    """Advances a tqdm bar once per layer (hooks on each block's MLP, which runs once per layer per call)."""
+
+    def __init__(self, model, total: int, enabled: bool, desc: str):
+        from tqdm.auto import tqdm
+        self.bar = tqdm(total=total, desc=desc, unit="layer", disable=not enabled, leave=False)
+        self.hooks = [blk.mlp.register_forward_hook(self._tick) for blk in model.layers]
+
+    def _tick(self, *_):
+        self.bar.update(1)  # returns None: a forward hook's return value would replace the MLP output
+
+    def close(self):
+        for h in self.hooks:
+            h.remove()
+        self.bar.close()
+
+
+def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: int = 256, windows: int = 1,
+               capacity=None, eviction: str = "counter", progress: bool = False, tokens: torch.Tensor | None = None,
+               chunk: int = CHUNK, pool_kw: dict | None = None) -> PPLResult:
+    """Perplexity of `text` (path, corpus name or None with `tokens` [N, ctx]) under `policy`."""
+    from ..policies.base import FullCache
+    policy = policy or FullCache()
+    if tokens is None:
+        if windows < 1:
+            raise UserError(f"--windows must be >= 1, got {windows}")
+        tokens = token_windows(tokenizer, load_text(text), ctx, windows)
+    windows, ctx = tokens.shape
+    if ctx < 2 or prefill < 1 or prefill >= ctx:
+        raise UserError(f"need 1 <= --prefill < --ctx (got prefill {prefill}, ctx {ctx})")
+    limit = getattr(model.cfg, "max_position", None)
+    if limit and ctx > limit and model.cfg.arch == "opt":  # learned positions end there
+        raise UserError(f"--ctx {ctx} exceeds the model's {limit} positions")
+    cap = resolve_capacity(capacity, ctx, prefill)
+    use_pool = cap is not None and cap < ctx
+    n_layers = model.cfg.num_layers
+    n_chunks = -(-(ctx - prefill) // chunk)
+    chunk_nll = torch.zeros(n_chunks, dtype=torch.float64)
+    chunk_n = torch.zeros(n_chunks, dtype=torch.long)
+    per_layer = torch.zeros(n_layers, dtype=torch.float64)
+    kv_all = kv_spec = 0.0
+    window_ppl = []
+    bar = _LayerProgress(model, windows * n_layers, progress, f"ppl {getattr(policy, 'name', 'policy')}")
+    start = time.perf_counter()
+    try:
+        for w in range(windows):
+            row = tokens[w:w + 1].to(model.device)
+            alloc = make_allocator(eviction, **(pool_kw or {})) if use_pool else None
+            sess = model.new_session(1, ctx, policy, capacity=cap if use_pool else None, allocator=alloc)
+            logits = model.teacher_forced(row, prefill, sess)[0]
+            nll = _nll_rows(logits[prefill - 1:ctx - 1], row[0, prefill:])
+            del logits
+            window_ppl.append(math.exp(nll.mean().item()))
+            idx = torch.arange(nll.shape[0]) // chunk
+            chunk_nll.index_add_(0, idx, nll)
+            chunk_n.index_add_(0, idx, torch.ones_like(idx))
+            layers = sess.stats.per_layer()
+            per_layer += torch.tensor(layers, dtype=torch.float64)
+            kv_all += sess.stats.overall()
+            spec = speculated_layers(policy, n_layers)
+            kv_spec += sess.stats.overall(spec) if spec else float("nan")
+    finally:
+        bar.close()
+    total_nll, total_n = chunk_nll.sum().item(), int(chunk_n.sum())
+    chunks = [{"chunk": j, "start": prefill + j * chunk, "end": min(ctx, prefill + (j + 1) * chunk),
+               "tokens": int(chunk_n[j]), "perplexity": math.exp(chunk_nll[j].item() / int(chunk_n[j]))}
+              for j in range(n_chunks)]
+    return PPLResult(perplexity=math.exp(total_nll / total_n), nll=total_nll / total_n, tokens=total_n,
+                     chunks=chunks, kv_all=kv_all / windows, kv_speculated=kv_spec / windows,
+                     kv_per_layer=(per_layer / windows).tolist(), speculated_layers=spec,
+                     window_perplexities=window_ppl,
+                     ctx=ctx, prefill=prefill, windows=windows, capacity=cap,
+                     eviction=eviction if use_pool else None, seconds=time.perf_counter() - start)

@@ -1,0 +1,156 @@
+"""`infinigen ppl` and `infinigen.eval.ppl`: teacher-forced perplexity with any policy."""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from infinigen.cli import main
+from infinigen.eval import perplexity, resolve_text, token_windows
+from infinigen.policies import make_policy
+
+CTX, PREFILL = 64, 16
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    from conftest import _CORPUS
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("text") / "story.txt"
+    path.write_text(" ".join(rng.choice(_CORPUS) for _ in range(300)), encoding="utf-8")
+    return path
+
+
+def _run(args, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = main(["ppl", *args, "--json", str(out)])
+    captured = capsys.readouterr()
+    return rc, (json.loads(out.read_text()) if rc == 0 else None), captured
+
+
+def test_full_cache_perplexity_matches_dense_scoring(tiny_checkpoint, text_file, tmp_path, capsys):
+    rc, r, cap = _run(["--model", str(tiny_checkpoint), "--text", str(text_file), "--ctx", str(CTX),
+                       "--prefill", str(PREFILL), "--chunk", "16"], tmp_path, capsys)
+    assert rc == 0, cap.err
+    assert "perplexity:" in cap.out and "relative KV size: 100.00%" in cap.out
+    # independent: dense logits of the window, NLL of tokens PREFILL.. from the previous position
+    from infinigen.loading import load
+    model, tok, _ = load(str(tiny_checkpoint), progress=False)
+    ids = token_windows(tok, text_file.read_text(), CTX)
+    sess = model.new_session(1, CTX)
+    logits = model.prefill(ids, sess, all_logits=True)[0]
+    nll = torch.nn.functional.cross_entropy(logits[PREFILL - 1:-1], ids[0, PREFILL:], reduction="none").double()
+    assert r["tokens"] == CTX - PREFILL == nll.numel()
+    assert r["perplexity"] == pytest.approx(math.exp(nll.mean().item()), rel=1e-5)
+    assert [c["tokens"] for c in r["chunks"]] == [16, 16, 16]
+    for c, part in zip(r["chunks"], nll.split(16)):
+        assert c["perplexity"] == pytest.approx(math.exp(part.mean().item()), rel=1e-5)
+    assert r["kv_all"] == pytest.approx(1.0) and r["kv_speculated"] == pytest.approx(1.0)
+    assert r["policy"] == "full" and r["ctx"] == CTX and r["prefill"] == PREFILL
+
+
+@pytest.mark.parametrize("args,kv", [
+    (["--policy", "h2o", "--ratio", "0.5"], (0.3, 0.6)),
+    (["--policy", "h2o", "--heavy", "4", "--recent", "4"], (0.1, 0.5)),
+    (["--policy", "streaming", "--sinks", "2", "--window", "6"], (0.1, 0.5)),
+    (["--policy", "oracle", "--ratio", "0.25"], (0.15, 0.3)),
+    (["--policy", "oracle", "--alpha", "2"], (0.0, 1.0)),
+    (["--policy", "int4"], (1.0, 1.0)),
+    (["--policy", "int4", "--bits", "16"], (1.0, 1.0)),
+    (["--policy", "full", "--capacity", "0.8", "--eviction", "lru"], (0.9, 0.999)),
+    (["--policy", "full", "--capacity", "40", "--eviction", "fifo", "--protect-recent", "4"], (0.7, 0.99)),
+])
+def test_policies_and_pool_through_the_cli(tiny_checkpoint, text_file, tmp_path, capsys, args, kv):
+    rc, r, cap = _run(["--model", str(tiny_checkpoint), "--text", str(text_file), "--ctx", str(CTX),
+                       "--prefill", str(PREFILL), "--windows", "2", *args], tmp_path, capsys)
+    assert rc == 0, cap.err
+    assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1
+    assert r["windows"] == 2 and len(r["window_perplexities"]) == 2
+    # equal-length windows pool to the geometric mean of their perplexities
+    assert r["perplexity"] == pytest.approx(math.sqrt(r["window_perplexities"][0] * r["window_perplexities"][1]))
+    assert kv[0] <= r["kv_all"] <= kv[1]
+    if "--capacity" in args:
+        assert r["eviction"] == args[args.index("--eviction") + 1] and r["capacity"] in (51, 40)
+
+
+def test_json_to_stdout(tiny_checkpoint, text_file, capsys):
+    rc = main(["ppl", "--model", str(tiny_checkpoint), "--text", str(text_file), "--ctx", "32", "--prefill", "8",
+               "--policy", "streaming", "--ratio", "0.5", "--json", "-"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    r = json.loads(out)
+    assert r["settings"]["ratio"] == 0.5 and len(r["kv_per_layer"]) == 2
+
+
+def test_quantized_and_budgeted_policies_change_the_result(tiny_checkpoint, text_file):
+    from infinigen.loading import load
+    model, tok, _ = load(str(tiny_checkpoint), progress=False)
+    full = perplexity(model, tok, text_file, None, ctx=CTX, prefill=PREFILL)
+    same = perplexity(model, tok, text_file, make_policy("h2o", heavy=CTX, recent=CTX), ctx=CTX, prefill=PREFILL)
+    low = perplexity(model, tok, text_file, make_policy("int4", bits=2), ctx=CTX, prefill=PREFILL)
+    assert same.perplexity == pytest.approx(full.perplexity, rel=1e-6)
+    assert low.perplexity != pytest.approx(full.perplexity, rel=1e-4)
+
+
+def test_corpus_names_resolve_through_infinigen_data(tmp_path, monkeypatch):
+    (tmp_path / "mynovel.txt").write_text("text", encoding="utf-8")
+    monkeypatch.setenv("INFINIGEN_DATA", str(tmp_path))
+    assert resolve_text("mynovel") == tmp_path / "mynovel.txt"
+    assert resolve_text("mynovel.txt") == tmp_path / "mynovel.txt"
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--ctx", "16", "--prefill", "16"], "--prefill"),
+    (["--policy", "nope"], "unknown policy"),
+    (["--policy", "h2o", "--sinks", "3"], "--sinks does not apply"),
+    (["--policy", "full", "--alpha", "5"], "--alpha does not apply"),
+    (["--capacity", "0.1"], "cannot hold"),
+    (["--capacity", "-3"], "--capacity"),
+    (["--capacity", "0.8", "--eviction", "random"], "--eviction"),
+    (["--eviction", "lru"], "need a pool limit"),
+    (["--text", "no_such_novel"], "neither a file nor a bundled corpus"),
+    (["--policy", "oracle", "--ratio", "1.5"], "--ratio"),
+    (["--policy", "int4", "--bits", "12"], "--bits"),
+    (["--policy", "h2o", "--heavy", "2.5"], "token count"),
+    (["--policy", "h2o", "--knob", "nonsense=1"], "no knob"),
+    (["--windows", "0"], "--windows"),
+    (["--windows", "1000"], "window(s)"),
+])
+def test_bad_values_are_one_line_errors(tiny_checkpoint, text_file, capsys, args, msg):
+    rc = main(["ppl", "--model", str(tiny_checkpoint), "--text", str(text_file), "--ctx", str(CTX),
+               "--prefill", str(PREFILL), *args])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert msg in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.integration
+def test_default_model_short_context(default_model):
+    """Full cache vs H2O with an unlimited budget on the real model: identical; a 20% H2O budget costs."""
+    model, tok = default_model
+    full = perplexity(model, tok, "prideprejudice", None, ctx=384, prefill=128)
+    same = perplexity(model, tok, "prideprejudice", make_policy("h2o", heavy=384, recent=384), ctx=384, prefill=128)
+    small = perplexity(model, tok, "prideprejudice", make_policy("streaming", ratio=0.2), ctx=384, prefill=128)
+    assert 5 < full.perplexity < 60
+    assert same.perplexity == pytest.approx(full.perplexity, rel=1e-5)
+    assert small.perplexity > full.perplexity and small.kv_all == pytest.approx(0.2, abs=0.01)
+
+
+def test_progress_bar_does_not_touch_the_numbers(tiny_checkpoint, text_file, monkeypatch):
+    """tqdm's update() returns True when it redraws; the per-layer hook must not pass that on as the
+    MLP's output (a forward hook's return value replaces it)."""
+    from infinigen.eval import ppl as ppl_mod
+    from infinigen.loading import load
+    model, tok, _ = load(str(tiny_checkpoint), progress=False)
+    quiet = perplexity(model, tok, text_file, None, ctx=CTX, prefill=PREFILL)
+    real = ppl_mod._LayerProgress.__init__
+
+    def init(self, *a, **kw):
+        real(self, *a, **kw)
+        self.bar.update = lambda n=1: True  # as if it redrew at every layer
+    monkeypatch.setattr(ppl_mod._LayerProgress, "__init__", init)
+    loud = perplexity(model, tok, text_file, None, ctx=CTX, prefill=PREFILL, progress=True)
+    assert loud.perplexity == quiet.perplexity
