@@ -40,6 +40,7 @@ LIMITED = [
     ("oracle", dict(ratio=0.3)),
     ("oracle", dict(tokens=4)),
     ("oracle", dict(alpha=1.0)),
+    ("oracle", dict(ratio=0.2, dense_layers="0")),
 ]
 if HAVE_INFINIGEN:  # helper policies get random orthogonal skew matrices ("random") or none
     UNLIMITED += [("infinigen", dict(alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), skew=False)),
@@ -203,8 +204,9 @@ def test_h2o_heavy_hitters_are_the_highest_accumulated_scores(tiny):
     layer = 0
     colsum = pol.score[layer][:, :, :P].clone()
     # independent column sums of the prompt's causal attention (layer 0: input = embeddings)
-    x = tiny.layers[0].attn_norm(tiny.embed(tokens[:, :P], torch.arange(P)[None]))
-    q, k, _ = tiny.qkv(0, x, torch.arange(P)[None])
+    with torch.inference_mode():
+        x = tiny.layers[0].attn_norm(tiny.embed(tokens[:, :P], torch.arange(P)[None]))
+        q, k, _ = tiny.qkv(0, x, torch.arange(P)[None])
     g = q.shape[1] // k.shape[1]
     s = torch.matmul(q, k.repeat_interleave(g, 1).transpose(-1, -2)) * tiny.scale
     s = s.masked_fill(~torch.ones(P, P, dtype=torch.bool).tril(), float("-inf"))
@@ -331,7 +333,7 @@ def test_oracle_picks_the_true_top_tokens(tiny, knobs):
 @pytest.mark.parametrize("name,knobs", [
     ("h2o", dict(heavy=-1)), ("h2o", dict(recent_ratio=1.5)), ("int4", dict(bits=12)),
     ("streaming", dict(window=-2)), ("streaming", dict(ratio=2.0)), ("oracle", dict(ratio=0.1, alpha=3.0)),
-    ("oracle", dict(ratio=-0.1)),
+    ("oracle", dict(ratio=-0.1)), ("oracle", dict(dense_layers="0,x")),
 ])
 def test_bad_knobs_are_user_errors(name, knobs):
     with pytest.raises(UserError):
@@ -354,3 +356,9 @@ def test_planned_selection_matches_select(tiny, name, knobs):
     pol.select = select
     _decode_all(tiny, pol, _tokens(tiny))
     assert len(checked) == (T - P) * tiny.cfg.num_layers
+
+
+def test_oracle_dense_layers_read_everything(tiny):
+    _, sess = _teacher_forced(tiny, make_policy("oracle", ratio=0.2, dense_layers=(0,)), _tokens(tiny))
+    per = sess.stats.per_layer()
+    assert per[0] == pytest.approx(1.0) and per[1] < 0.25

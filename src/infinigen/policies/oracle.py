@@ -11,6 +11,7 @@ key columns. Per KV head the selection is the union over its group's query heads
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,6 +27,16 @@ class Oracle(Policy):
     ratio: float | None = None  # keep this fraction of the past tokens (count budget)
     tokens: int | None = None  # or this many
     alpha: float | None = None  # or the threshold rule
+    dense_layers: Any = ()  # layers read in full (e.g. "0,1": the same dense layers as InfiniGen)
+
+    def __post_init__(self):
+        d = self.dense_layers
+        if isinstance(d, str):
+            try:
+                d = [int(s) for s in d.replace(" ", "").split(",") if s]
+            except ValueError:
+                raise UserError(f"dense layers must be integers separated by commas, got {d!r}")
+        self.dense_layers = (d,) if isinstance(d, int) else tuple(int(i) for i in d)
 
     def validate(self):
         set_ = [x is not None for x in (self.ratio, self.tokens, self.alpha)]
@@ -37,13 +48,15 @@ class Oracle(Policy):
             raise UserError("oracle token budget must be >= 0")
         if self.alpha is not None and self.alpha < 0:
             raise UserError("--alpha must be >= 0")
+        if any(i < 0 for i in self.dense_layers):
+            raise UserError("dense layers must be non-negative")
 
     def begin(self, model, session):
         super().begin(model, session)
         self._x = {}
 
-    def _unlimited(self) -> bool:
-        return self.ratio is None and self.tokens is None and self.alpha is None
+    def _unlimited(self, layer: int | None = None) -> bool:
+        return (self.ratio is None and self.tokens is None and self.alpha is None) or layer in self.dense_layers
 
     # ---- selection from scores: shared by decoding and teacher-forced rows ---------------------------
     def _choose(self, s: torch.Tensor, past: torch.Tensor, s_cur: torch.Tensor, n_past: torch.Tensor):
@@ -66,7 +79,7 @@ class Oracle(Policy):
 
     # ---- decoding --------------------------------------------------------------------------------
     def on_hidden(self, layer, point, x, session):
-        if point == "attn_in" and not self._unlimited():
+        if point == "attn_in" and not self._unlimited(layer):
             self._x[layer] = x
 
     def _current_key(self, layer, session) -> torch.Tensor:
@@ -79,7 +92,7 @@ class Oracle(Policy):
         return m.rotary.apply(k, session.positions[:, r:r + 1]) if m.cfg.uses_rope else k
 
     def select(self, layer, q, session):
-        if self._unlimited():
+        if self._unlimited(layer):
             return None
         kp, _, valid, _ = session.store.past(layer)
         b, h, _, d = q.shape
@@ -93,7 +106,7 @@ class Oracle(Policy):
 
     # ---- teacher-forced rows -----------------------------------------------------------------------
     def select_rows(self, layer, q, k, session):
-        if self._unlimited():
+        if self._unlimited(layer):
             return None
         b, h, r, d = q.shape
         hkv, t = k.shape[1], k.shape[2]
