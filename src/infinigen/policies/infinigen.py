@@ -257,7 +257,8 @@ class InfiniGen(Policy):
         n = store.length[layer]
         qs = self._spec_rows(layer, slice(row, row + 1))  # [B, Hkv, G, 1, c]
         pk = self.pk[layer][:, :, :n]  # [B, Hkv, S, c]
-        scores = qs.double() @ pk.double()[:, :, None].transpose(-1, -2)  # [B, Hkv, G, 1, S]
+        # [B, Hkv, G, 1, S]; the G query heads as matmul rows: broadcasting pk over G copied it G times (10x slower)
+        scores = (qs[:, :, :, 0].double() @ pk.double().transpose(-1, -2))[:, :, :, None]
         valid = store.valid[layer][:, :, :n]
         cur = session.positions[:, row]
         valid = self._window(valid, store.pos[layer][:, :, :n], cur[:, None, None])
