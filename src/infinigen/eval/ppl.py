@@ -51,7 +51,7 @@ def resolve_text(text: str | os.PathLike) -> Path:
     if p.exists():
         raise UserError(f"{p} is not a text file")
     s = str(text)
-    if "/" not in s and s:
+    if s and not p.is_absolute():  # a corpus name, or a path relative to a data folder ("austen/emma")
         name = s if s.endswith(".txt") else s + ".txt"
         for d in data_dirs():
             if (d / name).is_file():
