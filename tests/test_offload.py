@@ -231,7 +231,8 @@ def test_bench_cli_smoke(tiny_checkpoint, tmp_path, monkeypatch):
     for r in rows:
         if r["policy"] != "transformers":
             assert keys <= set(r), keys - set(r)
-            assert set(r["breakdown"]["per_block_ms"]) == {"speculation", "fetch wait", "attention", "mlp", "other"}
+            assert set(r["breakdown"]["per_block_ms"]) == {"speculation", "prefetch issue", "fetch wait", "attention",
+                                                                 "mlp", "other"}
         if r["system"].startswith("full offload"):
             assert r["tokens_agree_with_ideal"] == 1.0
             assert r["bytes_moved_per_token"] > 0 and r["peak_slow_bytes"] > 0

@@ -1,5 +1,6 @@
-"""Optional per-layer time breakdown of decoding (the paper's Figure 18): speculation/selection, fetch
-wait (transfer), attention, MLP and the rest, per layer, averaged over steps.
+"""Optional per-layer time breakdown of decoding (the paper's Figure 18): speculation/selection, issuing
+the prefetch (row indices, job hand-off), fetch wait (transfer), attention, MLP and the rest, per layer,
+averaged over steps.
 
 Instrumentation wraps instance methods of the model, its MLPs, the policy and the store with clocks
 (nested calls count once: a parent's time excludes its children's). On CUDA each clock reading
@@ -14,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-CATEGORIES = ("speculation", "fetch wait", "attention", "mlp", "other")
+CATEGORIES = ("speculation", "prefetch issue", "fetch wait", "attention", "mlp", "other")
 
 
 class Breakdown:
@@ -56,6 +57,7 @@ class Breakdown:
             self._wrap(pol, hook, "speculation")
         for read in ("dense", "gather"):
             self._wrap(store, read, "fetch wait")
+        self._wrap(store, "ahead", "prefetch issue", layer_of=lambda args: args[0] + 1)
         self._wrap(model, "_step_attention", "attention")
         for i, blk in enumerate(model.layers):
             self._wrap(blk.mlp, "forward", "mlp", layer_of=lambda args, i=i: i)
