@@ -91,6 +91,8 @@ def test_offloaded_engine_same_tokens(tiny_llama, policy, kind, tmp_path):
     if policy in ("full", "int4", "h2o", "streaming", "planned-random", "infinigen"):
         # these know their selection one layer ahead: every fetch was a prefetch, none wasted
         assert st.on_demand == 0 and st.stale == 0
+    if policy in ("h2o", "streaming", "planned-random", "infinigen"):
+        assert st.reused > 0  # the runtime took the planned slot indices
     assert os.listdir(tmp_path) == []  # the pool file is gone
 
 

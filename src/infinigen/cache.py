@@ -35,6 +35,15 @@ class KVStore:
         n = self.length[layer]
         return self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.valid[layer][:, :, :n], self.pos[layer][:, :, :n]
 
+    def slots(self, layer: int, keep: torch.Tensor, valid: torch.Tensor):
+        """The slots a selection reads: keep [B,Hkv,S] & valid -> (that mask, idx [B,Hkv,n] with the
+        selected slots first, mask [B,Hkv,n] False on padding, counts [B,Hkv]); n = the largest count."""
+        keep = keep & valid
+        counts = keep.sum(-1)
+        n = int(counts.max()) if counts.numel() else 0
+        idx = keep.to(torch.uint8).topk(n, dim=-1, sorted=False).indices
+        return keep, idx, keep.gather(-1, idx), counts
+
     def gather(self, layer: int, idx: torch.Tensor):
         """Rows `idx` [B,Hkv,n] of the keys and values."""
         b, h, n = idx.shape

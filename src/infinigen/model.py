@@ -310,11 +310,7 @@ class Transformer(nn.Module):
             kp, vp = store.dense(layer)  # an offloaded store hands its fast-tier copy here
             sess.stats.record(layer, valid.sum(-1, keepdim=True), cur[:, None, None])
         else:
-            keep = keep & valid
-            counts = keep.sum(-1)
-            n = int(counts.max()) if counts.numel() else 0
-            idx = keep.to(torch.uint8).topk(n, dim=-1, sorted=False).indices  # selected slots first
-            mask = keep.gather(-1, idx)
+            keep, idx, mask, counts = store.slots(layer, keep, valid)  # an offloaded store planned them already
             kp, vp = store.gather(layer, idx)
             sess.stats.record(layer, counts[..., None], cur[:, None, None])
         out, probs = self._attend_one(q, kp, vp, mask, k, v)

@@ -40,6 +40,7 @@ class TransferStats:
     fetches: int = 0  # fetch jobs run (prefetched or on demand)
     on_demand: int = 0  # fetched when attention asked (nothing planned, or the plan differed)
     stale: int = 0  # prefetched but not what attention read (wasted)
+    reused: int = 0  # selections whose slot indices the runtime took from the plan (no second pass)
     gather_s: float = 0.0  # time spent in prefetch jobs (on the worker thread: overlapped with compute)
     ondemand_s: float = 0.0  # time fetching on demand (main thread, not overlapped)
     wait_s: float = 0.0  # main thread waiting for a prefetch to finish
@@ -57,6 +58,8 @@ class _Job:
     step: int
     idx: torch.Tensor | None  # [B,Hkv,n] slots read (fast device); None: every used slot
     n: int  # slots per (batch, KV head)
+    plan: object = None  # what the policy planned (bool [B,Hkv,S]), and what `slots` made of it
+    selection: tuple | None = None
     future: Future | None = None
     ready: object = None  # CUDA: event on the copy stream
     raw: list | None = None  # CUDA: fetched planes per kind, finished on the compute stream
@@ -258,10 +261,23 @@ class OffloadedKVStore(KVStore):
             job = self._fetch(layer, None, n)
         return self._views(job)
 
+    def slots(self, layer, keep, valid):
+        """The planned selection's slots when `keep` is what was planned (no second pass over the mask)."""
+        job = self._jobs.get(layer)
+        if job is not None and job.step == self._step and job.selection is not None:
+            n = self.length[layer]
+            mine = self.valid[layer]
+            same_valid = (valid.data_ptr() == mine.data_ptr() and valid.shape[-1] == n and valid.stride() == mine.stride())
+            plan = job.plan
+            if same_valid and (keep is plan or (keep.shape[-1] == n and torch.equal(keep, plan[:, :, :n]))):
+                self.stats.reused += 1
+                return job.selection
+        return super().slots(layer, keep, valid)
+
     def gather(self, layer, idx):
         """Rows `idx` [B,Hkv,n] (the runtime's own indices) in the fast tier."""
         job = self._take(layer)
-        if job is None or job.idx is None or job.idx.shape != idx.shape or not torch.equal(job.idx, idx):
+        if job is None or job.idx is None or (job.idx is not idx and (job.idx.shape != idx.shape or not torch.equal(job.idx, idx))):
             self._discard(job)
             job = self._fetch(layer, idx, idx.shape[-1])
         return self._views(job)
@@ -289,14 +305,13 @@ class OffloadedKVStore(KVStore):
         if plan is None:
             self._issue(nxt, None, n)
             return
-        keep = plan[:, :, :n] & self.valid[nxt][:, :, :n]
-        m = int(keep.sum(-1).max()) if keep.numel() else 0  # the runtime's own rule (model._step_attention)
-        idx = keep.to(torch.uint8).topk(m, dim=-1, sorted=False).indices
-        self._issue(nxt, idx, m)
+        selection = KVStore.slots(self, nxt, plan[:, :, :n], self.valid[nxt][:, :, :n])  # the runtime's own rule
+        idx = selection[1]
+        self._issue(nxt, idx, idx.shape[-1], plan, selection)
 
-    def _issue(self, layer, idx, n):
+    def _issue(self, layer, idx, n, plan=None, selection=None):
         self._drop(layer)
-        job = _Job(layer, self._step, idx, n)
+        job = _Job(layer, self._step, idx, n, plan=plan, selection=selection)
         if self._pool is None:
             self._run(job)
         else:
