@@ -82,11 +82,20 @@ class Rotary(nn.Module):
         ref = LlamaRotaryEmbedding(config=cfg.hf_config)
         self.register_buffer("inv_freq", ref.inv_freq.float().clone(), persistent=False)
         self.scaling = float(ref.attention_scaling)
+        self._last = None  # (positions, cos, sin): every layer of a step asks for the same positions
 
     def cos_sin(self, positions: torch.Tensor):
+        last, inference = self._last, torch.is_inference_mode_enabled()
+        if last is not None and last[3] == inference and last[0].shape == positions.shape \
+                and last[0].device == positions.device and torch.equal(last[0], positions):
+            return last[1], last[2]  # (inference tensors must not leak into autograd-mode calls)
         freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos() * self.scaling, emb.sin() * self.scaling
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        self._last = (positions.clone(), cos, sin, inference)
+        return cos, sin
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, d] at positions [B, T]."""
@@ -107,14 +116,30 @@ class KVStats:
     def __post_init__(self):
         self.read = [0.0] * self.num_layers
         self.steps = [0] * self.num_layers
+        self._pending = []  # (layer, selected, past): reduced in bulk, off the per-layer decode path
 
     def record(self, layer: int, selected: torch.Tensor, past: torch.Tensor) -> None:
         """selected [B, Hkv, R] entries read and past [B, 1|Hkv, R] tokens before each row."""
-        frac = selected.float() / past.float().clamp(min=1)
-        self.read[layer] += frac.mean(dim=(0, 1)).sum().item()
-        self.steps[layer] += frac.shape[-1]
+        self._pending.append((layer, selected, past.clone()))  # past may be a view of live positions
+        if len(self._pending) >= 2048:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Fold pending records into `read`/`steps`, one stacked computation per shape."""
+        pending, self._pending = self._pending, []
+        groups: dict = {}
+        for item in pending:
+            groups.setdefault((item[1].shape, item[2].shape, item[1].device), []).append(item)
+        for items in groups.values():
+            sel = torch.stack([s for _, s, _ in items]).float()
+            past = torch.stack([p for _, _, p in items]).float().clamp(min=1)
+            fracs = (sel / past).mean(dim=(1, 2)).sum(-1).tolist()
+            for (layer, s, _), f in zip(items, fracs):
+                self.read[layer] += f
+                self.steps[layer] += s.shape[-1]
 
     def per_layer(self) -> list[float]:
+        self._flush()
         return [r / s if s else float("nan") for r, s in zip(self.read, self.steps)]
 
     def overall(self, layers=None) -> float:
@@ -201,8 +226,8 @@ class Transformer(nn.Module):
         q = attn.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(b, t, cfg.num_kv_heads, cfg.head_dim).transpose(1, 2)
-        if cfg.uses_rope:
-            q, k = self.rotary.apply(q, positions), self.rotary.apply(k, positions)
+        if cfg.uses_rope:  # one rotation for queries and keys together: fewer small ops per decode step
+            q, k = self.rotary.apply(torch.cat([q, k], dim=1), positions).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         return q, k, v
 
     def query(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -327,7 +352,7 @@ class Transformer(nn.Module):
         hkv = kp.shape[1]
         qg = q.view(b, hkv, h // hkv, d)
         s_past = torch.matmul(qg, kp.transpose(-1, -2)).float() * self.scale
-        s_past = s_past.masked_fill(~mask[:, :, None, :], float("-inf"))
+        s_past = torch.where(mask[:, :, None, :], s_past, float("-inf"))
         s_cur = (qg.float() * kc.float()).sum(-1, keepdim=True) * self.scale
         probs = torch.softmax(torch.cat([s_past, s_cur], dim=-1), dim=-1)
         out = torch.matmul(probs[..., :-1].to(vp.dtype), vp) + probs[..., -1:].to(vc.dtype) * vc
