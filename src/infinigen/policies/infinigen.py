@@ -77,7 +77,7 @@ class InfiniGen(Policy):
     name = "infinigen"
 
     preset: str = "default"  # "default" (best measured) or "paper"; knobs left None come from it
-    alpha: float | None = None  # select tokens whose speculated score > max - alpha
+    alpha: float | None = None  # select tokens whose speculated score > max - alpha (None: the preset's, per arch)
     partial_ratio: float | None = None  # r: share of the d columns in the partial weights / key cache
     max_fetch_ratio: float | None = None  # at most this share of the cached tokens per KV head and step
     dense_layers: Any = None  # layers attending densely (layer 0 always does: nothing precedes it)
@@ -91,7 +91,7 @@ class InfiniGen(Policy):
         if self.preset not in PRESETS:
             raise UserError(f"unknown InfiniGen preset {self.preset!r}; choose from {', '.join(PRESETS)}")
         for k, v in PRESETS[self.preset].items():
-            if getattr(self, k) is None:
+            if k != "alpha" and getattr(self, k) is None:  # alpha depends on the architecture: see `begin`
                 setattr(self, k, v)
         self.dense_layers = _parse_layers(self.dense_layers)
 
@@ -101,9 +101,8 @@ class InfiniGen(Policy):
         return cls(preset="paper", **overrides)
 
     def validate(self) -> None:
-        a = self.alpha if not isinstance(self.alpha, dict) else min(self.alpha.values())
-        if not a > 0:
-            raise UserError(f"alpha must be positive, got {a}")
+        if self.alpha is not None and not self.alpha > 0:
+            raise UserError(f"alpha must be positive, got {self.alpha}")
         if not 0 < self.partial_ratio <= 1:
             raise UserError(f"partial ratio must be in (0, 1], got {self.partial_ratio}")
         if not 0 < self.max_fetch_ratio <= 1:
@@ -150,7 +149,7 @@ class InfiniGen(Policy):
         cfg = model.cfg
         self.cfg = cfg
         self.scale = model.scale
-        self._alpha = float(self.alpha[cfg.arch] if isinstance(self.alpha, dict) else self.alpha)
+        self._alpha = float(self.alpha if self.alpha is not None else PRESETS[self.preset]["alpha"][cfg.arch])
         self.spec_layers = {i for i in range(1, cfg.num_layers) if i not in self.dense_layers}
         self.A = self._skew_matrices(model)
         d = cfg.head_dim
@@ -310,16 +309,20 @@ class InfiniGen(Policy):
 
     @staticmethod
     def _cut(keep: torch.Tensor, score: torch.Tensor, n: torch.Tensor, exact: torch.Tensor | None = None):
-        """Per row (last dim), the top-n entries of `score` where `keep` holds more or fewer than n
-        (rows in `exact` keep `keep`): `score >= n-th largest`. Rows needing no cut are left as they are."""
+        """Per row (last dim), exactly the top-n entries of `score` (ties: lower slot first) where `keep`
+        holds more, or fewer, than n; rows in `exact` (or with at most n kept, when `exact` is None)
+        keep `keep`."""
         if exact is None:
-            exact = keep.sum(-1) <= n  # fewer than n: nothing to cut
+            exact = keep.sum(-1) <= n  # nothing to cut
         todo = (~exact).nonzero(as_tuple=True)
         if todo[0].numel() == 0:
             return keep
         sc, nn = score[todo], n[todo]  # [N, S], [N]
         kmax = min(int(nn.max()), sc.shape[-1])
         thr = sc.topk(kmax, dim=-1, sorted=True).values.gather(-1, (nn.clamp(1, kmax) - 1)[:, None])
+        above = sc > thr
+        tie = (sc == thr) & (sc > float("-inf"))
+        take = above | (tie & (tie.cumsum(-1) <= (nn[:, None] - above.sum(-1, keepdim=True))))
         keep = keep.clone()
-        keep[todo] = (sc >= thr) & (sc > float("-inf"))
+        keep[todo] = take
         return keep

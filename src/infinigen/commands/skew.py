@@ -1,0 +1,63 @@
+"""`infinigen skew`: calibrate (or reuse) the model's skewing matrices and show what they do.
+
+Prints where the artifact lives and, per layer, the share of the queries' squared norm held by the
+top 30% of the columns, skewed vs unskewed (on the calibration queries): the concentration that lets
+InfiniGen score tokens with a few columns.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from ..errors import UserError
+from .basic import MODEL_HELP, check_model_options, load_model
+
+
+def register(app: typer.Typer) -> None:
+    app.command("skew")(skew)
+
+
+def skew(
+    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
+    calib: Optional[str] = typer.Option(None, "--calib", help="Calibration text: a file, or a corpus name in ../shared/data/austen (default emma)."),
+    tokens: int = typer.Option(4096, "--tokens", help="Calibration tokens (from the start of the text)."),
+    ratio: float = typer.Option(0.3, "--ratio", help="Share of the columns whose squared-norm share is reported."),
+    force: bool = typer.Option(False, "--force", help="Recompute even when a cached artifact exists."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+):
+    """Compute (or reuse) the skew matrices of a model and report how much they concentrate the queries."""
+    if tokens < 1:
+        raise UserError("--tokens must be >= 1")
+    if not 0 < ratio <= 1:
+        raise UserError("--ratio must be in (0, 1]")
+    check_model_options(device, dtype)
+    from ..skew import load_or_compute_skew, resolve_text
+    resolve_text(calib)  # a bad text fails before the model loads
+    net, tok, name = load_model(model, dtype, device)
+    s = load_or_compute_skew(net, tok, calib, tokens, force=force, progress=not as_json and sys.stderr.isatty())
+    skewed, plain = s.share(ratio)
+    reused = s.meta.get("reused") == "1"
+    if as_json:
+        print(json.dumps({"model": name, "path": str(s.path), "reused": reused, "calibration": s.meta.get("calibration"),
+                          "tokens": int(s.meta.get("tokens", 0)), "fingerprint": s.meta.get("fingerprint"), "ratio": ratio,
+                          "share_skewed": [round(float(v), 4) for v in skewed],
+                          "share_unskewed": [round(float(v), 4) for v in plain],
+                          "mean_skewed": round(float(skewed.mean()), 4), "mean_unskewed": round(float(plain.mean()), 4)}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+    con = Console()
+    con.print(f"{'reused' if reused else 'saved'} skew artifact: {s.path}")
+    con.print(f"model {name}, calibration {s.meta.get('calibration')} ({s.meta.get('tokens')} tokens)")
+    t = Table(title=f"squared-norm share of the top {ratio:.0%} query columns")
+    for c in ("layer", "unskewed", "skewed"):
+        t.add_column(c, justify="right")
+    for i, (a, b) in enumerate(zip(plain.tolist(), skewed.tolist())):
+        t.add_row(str(i), f"{a:.3f}", f"{b:.3f}")
+    t.add_row("mean", f"{plain.mean():.3f}", f"{skewed.mean():.3f}", style="bold")
+    con.print(t)

@@ -1,0 +1,289 @@
+"""The InfiniGen policy: exact with an unlimited budget, the true top tokens when speculation is exact,
+GQA groups covered, and the vectorized teacher-forced path equal to row-by-row decoding."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from infinigen.errors import UserError
+from infinigen.policies import make_policy
+from infinigen.policies.infinigen import InfiniGen, fake_int4
+from infinigen.pool import KVPool
+
+T, P = 36, 12
+MODES = list(itertools.product(("mean", "per_head", "union"), ("attn_in", "attn_out"), ("partial", "int4")))
+
+
+def _mats(model, seed=3):
+    c = model.cfg
+    g = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, c.head_dim, generator=g,
+                                       dtype=torch.float64))[0]
+
+
+def _tokens(model, b=2, t=T, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.cfg.vocab_size, (b, t), generator=g)
+
+
+def _record(pol):
+    """Wrap select/select_rows so a run leaves its selections in `pol.seen`: layer -> list of masks."""
+    pol.seen = {}
+    sel, rows = pol.select, pol.select_rows
+
+    def select(layer, q, sess):
+        keep = sel(layer, q, sess)
+        if keep is not None:
+            pol.seen.setdefault(layer, []).append(keep.clone())
+        return keep
+
+    def select_rows(layer, q, k, sess):
+        keep = rows(layer, q, k, sess)
+        if keep is not None and keep is not NotImplemented:
+            pol.seen[layer] = [keep[:, :, r, :sess.first_row + r] for r in range(keep.shape[2])]
+        return keep
+    pol.select, pol.select_rows = select, select_rows
+    return pol
+
+
+def _decode(model, pol, tokens, p=P):
+    sess = model.new_session(tokens.shape[0], tokens.shape[1], pol)
+    logits = [model.prefill(tokens[:, :p], sess)]
+    for t in range(p, tokens.shape[1] - 1):
+        logits.append(model.decode(tokens[:, t], sess))
+    return torch.stack(logits, 1), sess
+
+
+# ---- unlimited budget = dense ------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", "opt"])
+@pytest.mark.parametrize("budget,spec_input,key_mode", MODES)
+def test_unlimited_budget_is_dense(make_tiny, kind, budget, spec_input, key_mode):
+    _, model = make_tiny(kind)
+    tokens = _tokens(model)
+    dense = model.teacher_forced(tokens, P, model.new_session(2, T))
+    for skew in (False, True):
+        pol = make_policy("infinigen", alpha=math.inf, max_fetch_ratio=1.0, dense_layers=(), budget=budget,
+                          spec_input=spec_input, key_mode=key_mode, skew=skew, matrices=_mats(model))
+        sess = model.new_session(2, T, pol)
+        out = model.teacher_forced(tokens, P, sess)
+        assert (out - dense).abs().max() <= 1e-4
+        assert sess.stats.overall() == pytest.approx(1.0)
+    dec, _ = _decode(model, make_policy("infinigen", alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), budget=budget,
+                                        spec_input=spec_input, key_mode=key_mode, matrices=_mats(model)), tokens)
+    assert (dec - dense[:, P - 1:-1]).abs().max() <= 1e-4
+
+
+# ---- selection semantics on constructed scores ------------------------------------------------------
+def _chooser(budget, alpha, cap=1.0):
+    pol = InfiniGen(budget=budget, max_fetch_ratio=cap)
+    pol._alpha = alpha
+    return pol
+
+
+def test_choose_constructed_scores():
+    # 1 row, 2 KV heads x 2 query heads, 8 cached tokens
+    s = torch.tensor([[[10, 9, 3, 2, 1, 0, 0, 0], [0, 0, 10, 9.5, 9.2, 1, 0, 0]],
+                      [[5, 5, 5, 5, 5, 5, 5, 4], [0, 1, 2, 3, 4, 5, 6, 20]]], dtype=torch.float64)[None, :, :, None]
+    valid = torch.ones(1, 1, 1, 8, dtype=torch.bool)
+    # union: every token within alpha of its head's max, per KV head the union of its query heads
+    keep = _chooser("union", 2.0)._choose(s, valid)[0, :, 0]
+    assert keep[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]
+    assert keep[1].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # query head 2 is flat: all > 3
+    # counts per query head: 2, 3, 8 (4 > 5 - 2), 1 -> mean 3.5 -> every head its top 4 (ties: lower slot)
+    keep = _chooser("mean", 2.0)._choose(s, valid)[0, :, 0]
+    assert keep[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]  # {0,1,2,3} | {2,3,4,5}
+    assert keep[1].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # {0,1,2,3} | {4,5,6,7}
+    # per_head: KV head 0 counts (2, 3) -> top 3 each; KV head 1 counts (8, 1) -> top 5 each
+    keep = _chooser("per_head", 2.0)._choose(s, valid)[0, :, 0]
+    assert keep[0].nonzero().flatten().tolist() == [0, 1, 2, 3, 4]  # {0,1,2} | {2,3,4}
+    assert keep[1].nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # {0..4} | {3..7}
+    # the cap: exactly floor(ratio * length) per KV head, the tokens closest to their head's max
+    keep = _chooser("union", 2.0, cap=0.25)._choose(s, valid)[0, :, 0]
+    assert keep[0].nonzero().flatten().tolist() == [0, 2]  # both query heads' maxima
+    assert keep[1].nonzero().flatten().tolist() == [0, 1]  # all tied at their head's max: lower slots
+    keep = _chooser("mean", 2.0, cap=0.25)._choose(s, valid)[0, :, 0]  # every head its top 2
+    assert keep[0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    # invalid slots are never selected, whatever their score
+    v = valid.clone()
+    v[..., 2] = False
+    for b in ("union", "mean", "per_head"):
+        assert not _chooser(b, 50.0)._choose(s, v)[0, :, 0, 2].any()
+
+
+def test_int4_copy():
+    x = torch.randn(3, 5, 64)
+    q = fake_int4(x)
+    g = x.view(3, 5, 2, 32)
+    step = (g.amax(-1) - g.amin(-1)) / 15
+    assert ((q - x).view(3, 5, 2, 32).abs() <= step[..., None] / 2 + 1e-6).all()
+    assert q.view(3, 5, 2, 32).unique(dim=-1).numel() > 0 and (q - x).abs().max() > 0
+
+
+# ---- exact speculation: the true top tokens --------------------------------------------------------
+def _pass_through(model):
+    """Every block but the last adds nothing to the residual and all input norms are equal: the hidden
+    state before layer i equals the one before layer i-1, so speculating from layer i-1 is exact."""
+    with torch.no_grad():
+        for blk in model.layers[:-1]:
+            blk.attn.o_proj.weight.zero_()
+            blk.mlp.down_proj.weight.zero_()
+            for lin in (blk.attn.o_proj, blk.mlp.down_proj):
+                if lin.bias is not None:
+                    lin.bias.zero_()
+        w = model.layers[0].attn_norm.weight.detach().clone()
+        for blk in model.layers:
+            blk.attn_norm.weight.copy_(w)
+            blk.attn.q_proj.weight.mul_(6.0)  # peaked scores: selections that really choose
+    return model
+
+
+@pytest.mark.parametrize("budget", ["union", "mean", "per_head"])
+@pytest.mark.parametrize("spec_input", ["attn_in", "attn_out"])
+def test_exact_speculation_selects_true_top_tokens(make_tiny, budget, spec_input):
+    _, model = make_tiny("llama", num_hidden_layers=4)
+    model = _pass_through(model)
+    alpha = 1.5
+    pol = make_policy("infinigen", alpha=alpha, max_fetch_ratio=1.0, dense_layers=(0,), budget=budget,
+                      spec_input=spec_input, key_mode="partial", partial_ratio=1.0, matrices=_mats(model))
+    c = model.cfg
+    checked = []
+    inner = pol.select
+
+    def select(layer, q, sess):
+        keep = inner(layer, q, sess)
+        if keep is None:
+            return keep
+        n = sess.store.length[layer]
+        k = sess.store.k[layer][:, :, :n].double()
+        qg = q.double().view(q.shape[0], c.num_kv_heads, c.group_size, c.head_dim)
+        true = qg @ k.transpose(-1, -2) * model.scale  # [B, Hkv, G, S]: the real scores of layer `layer`
+        rel = true - true.amax(-1, keepdim=True)
+        above = rel > -alpha
+        if budget == "union":
+            want = above.any(2)
+            assert torch.equal(keep, want)
+        else:
+            counts = above.sum(-1).double()
+            nn = counts.mean((1, 2), keepdim=True) if budget == "mean" else counts.mean(2, keepdim=True)
+            nn = torch.ceil(nn - 1e-6).long().expand_as(counts)
+            kth = true.sort(-1, descending=True).values.gather(-1, (nn - 1)[..., None])
+            want = (true >= kth).any(2)
+            assert torch.equal(keep, want)
+        # GQA: every query head's own selection lies inside its KV head's
+        assert (above.any(2) & ~keep).sum() == 0 or budget != "union"
+        checked.append((layer, keep.float().mean().item()))
+        return keep
+    pol.select = select
+    _decode(model, pol, _tokens(model, t=30), p=8)
+    assert {layer for layer, _ in checked} == {1, 2, 3}
+    assert sum(f for _, f in checked) / len(checked) < 0.8  # real choices were made
+
+
+def test_gqa_selection_covers_query_heads(make_tiny):
+    """Whatever the speculation error, a KV head's selection holds each of its query heads' picks."""
+    _, model = make_tiny("llama")
+    pol = make_policy("infinigen", alpha=1.0, dense_layers=(0,), budget="union", key_mode="partial",
+                      matrices=_mats(model), max_fetch_ratio=1.0)
+    seen = []
+    inner = pol._choose
+
+    def choose(s, valid):
+        keep = inner(s, valid)
+        rel = s.float().masked_fill(~valid[:, :, None], float("-inf"))
+        rel = rel - rel.amax(-1, keepdim=True)
+        per_query_head = rel > -1.0  # [B, Hkv, G, R, S]
+        assert (per_query_head & ~keep[:, :, None]).sum() == 0
+        seen.append(per_query_head.shape[2])
+        return keep
+    pol._choose = choose
+    model.teacher_forced(_tokens(model), P, model.new_session(2, T, pol))
+    assert seen and set(seen) == {model.cfg.group_size} and model.cfg.group_size > 1
+
+
+# ---- teacher-forced = row by row = real decoding -----------------------------------------------------
+@pytest.mark.parametrize("kind", ["llama", "opt"])
+@pytest.mark.parametrize("budget,spec_input,key_mode", MODES)
+def test_select_rows_equals_decoding(make_tiny, kind, budget, spec_input, key_mode):
+    _, model = make_tiny(kind)
+    tokens = _tokens(model)
+    knobs = dict(alpha=1.0, max_fetch_ratio=0.3, dense_layers=(0,), budget=budget, spec_input=spec_input,
+                 key_mode=key_mode, matrices=_mats(model))
+    vec = _record(make_policy("infinigen", **knobs))
+    s_vec = model.new_session(2, T, vec)
+    out_vec = model.teacher_forced(tokens, P, s_vec)
+    # the runtime replays row by row when a pool allocator is present (here one that never evicts)
+    rep = _record(make_policy("infinigen", **knobs))
+    s_rep = model.new_session(2, T, rep, allocator=KVPool())
+    out_rep = model.teacher_forced(tokens, P, s_rep)
+    dec = _record(make_policy("infinigen", **knobs))
+    out_dec, s_dec = _decode(model, dec, tokens)
+    assert (out_vec - out_rep).abs().max() <= 1e-5
+    assert (out_vec[:, P - 1:-1] - out_dec).abs().max() <= 1e-4
+    assert set(vec.seen) == set(rep.seen) == set(dec.seen) == set(range(1, model.cfg.num_layers))
+    frac = []
+    for layer in vec.seen:
+        assert len(vec.seen[layer]) == len(rep.seen[layer]) == T - P
+        for r in range(T - P - 1):  # real decoding stops before the last token
+            assert torch.equal(vec.seen[layer][r], rep.seen[layer][r]), (layer, r)
+            assert torch.equal(vec.seen[layer][r], dec.seen[layer][r]), (layer, r)
+            frac.append(vec.seen[layer][r].float().mean().item())
+    assert 0 < sum(frac) / len(frac) < 0.9  # entries really were dropped
+    assert s_vec.stats.per_layer() == pytest.approx(s_rep.stats.per_layer())
+
+
+def test_decode_selection_is_ready_one_layer_ahead(make_tiny):
+    """At decoding, layer i's selection exists right after layer i-1's hook, before layer i runs."""
+    _, model = make_tiny("llama", num_hidden_layers=3)
+    pol = make_policy("infinigen", alpha=1.0, dense_layers=(0,), matrices=_mats(model))
+    tokens = _tokens(model, b=1)
+    sess = model.new_session(1, T, pol)
+    model.prefill(tokens[:, :P], sess)
+    ready = []
+    hook = pol.on_hidden
+
+    def on_hidden(layer, point, x, s):
+        hook(layer, point, x, s)
+        if point == pol.spec_input and layer + 1 in pol.spec_layers:
+            ready.append(layer + 1 in pol.pending)
+    pol.on_hidden = on_hidden
+    model.decode(tokens[:, P], sess)
+    assert ready == [True, True]
+
+
+# ---- knobs ------------------------------------------------------------------------------------------
+def test_presets_and_knobs(make_tiny):
+    p = InfiniGen.paper()
+    assert (p.partial_ratio, p.max_fetch_ratio, p.dense_layers, p.budget, p.spec_input, p.key_mode, p.skew) == \
+        (0.3, 0.2, (0, 1), "mean", "attn_in", "partial", True)
+    _, llama = make_tiny("llama")
+    _, opt = make_tiny("opt")
+    for model, alpha in ((llama, 5.0), (opt, 4.0)):
+        pol = InfiniGen.paper(skew=False)
+        pol.begin(model, model.new_session(1, 8))
+        assert pol._alpha == alpha
+    d = make_policy("infinigen", dense_layers="0,1,2", alpha=6)
+    assert d.dense_layers == (0, 1, 2) and d.alpha == 6 and d.preset == "default"
+    assert make_policy("infinigen", dense_layers="").dense_layers == ()
+    for bad in (dict(alpha=0), dict(partial_ratio=0), dict(max_fetch_ratio=1.5), dict(budget="max"),
+                dict(spec_input="x"), dict(key_mode="int8"), dict(dense_layers="a")):
+        with pytest.raises(UserError):
+            make_policy("infinigen", **bad)
+    with pytest.raises(UserError):
+        InfiniGen(preset="nope")
+    pol = make_policy("infinigen", matrices=torch.zeros(2, 2, 2, 2))
+    with pytest.raises(UserError):
+        pol.begin(llama, llama.new_session(1, 8))
+
+
+def test_dense_layers_count_in_relative_kv(make_tiny):
+    _, model = make_tiny("llama", num_hidden_layers=4)
+    pol = make_policy("infinigen", alpha=0.5, max_fetch_ratio=0.2, dense_layers=(0, 1), matrices=_mats(model))
+    sess = model.new_session(2, T, pol)
+    model.teacher_forced(_tokens(model), P, sess)
+    per = sess.stats.per_layer()
+    assert per[0] == per[1] == pytest.approx(1.0)
+    assert all(f <= 0.25 for f in per[2:])
+    assert [pol.speculated(i) for i in range(4)] == [False, False, True, True]
