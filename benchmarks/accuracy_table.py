@@ -50,12 +50,59 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def source_hash(*modules) -> str:
+    """Hash of the code a run depends on beyond its settings, so --resume never reuses a stale number."""
+    import hashlib
+    import importlib
+    h = hashlib.sha256()
+    for name in modules:
+        h.update(Path(importlib.import_module(name).__file__).read_bytes())
+    return h.hexdigest()[:12]
+
+
 def _jsonable(x):
     if isinstance(x, dict):
         return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
     return x if isinstance(x, (int, float, str, bool)) or x is None else str(x)
+
+
+class MassMeter:
+    """How much of the true attention (softmax weight of the exact query over every past key, the token
+    itself included) the entries a policy reads hold, per layer: 1.0 for the full cache. Wraps the
+    policy's vectorized `select_rows`; policies replayed row by row (H2O, a pool limit) are not measured."""
+
+    def __init__(self, policy, scale: float, rows: int = 256):
+        self.sum, self.n, self.scale, self.rows = {}, {}, scale, rows
+        inner = policy.select_rows
+
+        def select_rows(layer, q, k, sess):
+            keep = inner(layer, q, k, sess)
+            if keep is not NotImplemented:
+                self._measure(layer, q, k, keep, sess.first_row)
+            return keep
+        policy.select_rows = select_rows
+
+    def _measure(self, layer, q, k, keep, p):
+        b, h, r, d = q.shape
+        hkv, t = k.shape[1], k.shape[2]
+        g = h // hkv
+        cols = torch.arange(t)
+        for s in range(0, r, self.rows):
+            e = min(r, s + self.rows)
+            rows = torch.arange(p + s, p + e)[:, None]
+            sc = torch.matmul(q[:, :, s:e].view(b, hkv, g, e - s, d), k[:, :, None].transpose(-1, -2)).float() * self.scale
+            sc = sc.masked_fill(cols[None, :] > rows, float("-inf"))
+            probs = torch.softmax(sc, dim=-1)
+            read = (cols[None, :] < rows) if keep is None else keep[:, :, None, s:e] & (cols[None, :] < rows)
+            mass = (probs * (read | (cols[None, :] == rows))).sum(-1)  # [B, Hkv, G, c]
+            self.sum[layer] = self.sum.get(layer, 0.0) + mass.sum().item()
+            self.n[layer] = self.n.get(layer, 0) + mass.numel()
+
+    def mean(self, layers) -> float:
+        vals = [self.sum[i] / self.n[i] for i in layers if self.n.get(i)]
+        return sum(vals) / len(vals) if vals else float("nan")
 
 
 class Runner:
@@ -74,18 +121,26 @@ class Runner:
         if policy == "infinigen" and pol.skew:
             pol.with_skew(self.skew)
         settings = {f.name: getattr(pol, f.name) for f in dataclasses.fields(pol) if f.name != "matrices"}
-        key = json.dumps(_jsonable([policy, settings, capacity, eviction if capacity else None]), sort_keys=True)
+        code = ["infinigen.model", "infinigen.cache", "infinigen.eval.ppl", type(pol).__module__]
+        code += ["infinigen.pool"] if capacity else []
+        code += ["infinigen.skew"] if policy == "infinigen" else []
+        key = json.dumps(_jsonable([policy, settings, capacity, eviction if capacity else None, self.args.ctx,
+                                    self.args.prefill, self.args.windows, self.args.text, self.args.calib,
+                                    source_hash(*code)]), sort_keys=True)
         if key in self.results:
             r = self.results[key]
             print(f"[reused] {label}: ppl {r['perplexity']:.3f}, KV {100 * r['kv_all']:.1f}%", file=sys.stderr)
             return r
         t0 = time.perf_counter()
+        meter = MassMeter(pol, self.model.scale)
         res = perplexity(self.model, self.tok, None, pol, prefill=self.args.prefill, tokens=self.ids,
                          capacity=capacity, eviction=eviction, progress=self.args.progress)
         r = {"key": key, "label": label, "policy": policy, "settings": _jsonable(settings), "capacity": res.capacity,
              "eviction": res.eviction, "perplexity": res.perplexity, "kv_all": res.kv_all,
              "kv_speculated": res.kv_speculated, "speculated_layers": res.speculated_layers,
              "kv_per_layer": res.kv_per_layer, "chunks": [c["perplexity"] for c in res.chunks],
+             "attention_mass": meter.mean(res.speculated_layers),
+             "attention_mass_per_layer": [meter.mean([i]) for i in range(self.model.cfg.num_layers)],
              "seconds": time.perf_counter() - t0}
         self.results[key] = r
         self.save()
@@ -155,7 +210,7 @@ def main(argv=None) -> int:
     def row(label, r, settings=""):
         d = 100 * (r["perplexity"] / base - 1)
         return (f"| {label} | {settings} | {pct(r['kv_all'])} | {pct(r['kv_speculated'])} | "
-                f"{r['perplexity']:.3f} | {d:+.2f}% |")
+                f"{pct(r.get('attention_mass'))} | {r['perplexity']:.3f} | {d:+.2f}% |")
 
     def knobs(r, names):
         s = r["settings"]
@@ -176,10 +231,12 @@ def main(argv=None) -> int:
         "Relative KV size: the share of cached entries that took part in attention, averaged over steps and "
         "KV heads, over all layers (dense layers count 100%) and over the layers that select "
         f"({len(ref['speculated_layers'])} of {model.cfg.num_layers} for InfiniGen; all layers for the other policies "
-        "unless dense layers are listed).",
+        "unless dense layers are listed). Attention mass read: the share of the true attention weight (exact "
+        "query, all past keys and the token itself) that falls on the entries read, averaged over query heads, "
+        "steps and the selecting layers (n/a for policies replayed row by row: H2O, a pool limit).",
         "",
-        "| method | settings | KV size, all layers | KV size, selecting layers | perplexity | vs full |",
-        "|---|---|---|---|---|---|",
+        "| method | settings | KV size, all layers | KV size, selecting layers | attention mass read | perplexity | vs full |",
+        "|---|---|---|---|---|---|---|",
         row("full cache", full),
     ]
     for a, r in ours.items():
@@ -232,8 +289,8 @@ def main(argv=None) -> int:
         "",
         f"## Skewing on and off (the paper's Figure 13), alpha {args.match_alpha:g}",
         "",
-        "| method | skew | KV size, all layers | KV size, selecting layers | perplexity | vs full |",
-        "|---|---|---|---|---|---|",
+        "| method | skew | KV size, all layers | KV size, selecting layers | attention mass read | perplexity | vs full |",
+        "|---|---|---|---|---|---|---|",
     ]
     for label, r in (("InfiniGen (ours)", ref), ("InfiniGen (ours)", noskew),
                      ("InfiniGen (paper)", paper_ref), ("InfiniGen (paper)", paper_noskew)):
