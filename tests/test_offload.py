@@ -268,3 +268,21 @@ def test_bench_synthetic_fixed_ratio(tmp_path):
     ig = next(r for r in rows if r["policy"] == "infinigen")
     assert json.loads(out.read_text())["synthetic"] is True
     assert 0.2 <= ig["relative_kv_speculated"] <= 0.3
+
+
+@pytest.mark.parametrize("fraction", [0.4, 1.0])
+@pytest.mark.parametrize("threaded", [True, False])
+def test_weights_streamed_from_the_slow_tier(make_tiny, fraction, threaded, tmp_path):
+    """Layers whose weights live in a memory-mapped file and stream per layer give the same tokens;
+    the weights are back in fast memory afterwards and the file is gone."""
+    from infinigen.placement.weights import WeightStreamer, streamed_layers
+    _, model = make_tiny("llama", num_hidden_layers=5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref_tokens, ref_logits, _ = _run(model, Placement("none"), _policy("infinigen", model))
+    with WeightStreamer(model, fraction, "disk", tmp_path, threaded=threaded) as ws:
+        assert ws.layers == streamed_layers(5, fraction) and ws.slow_bytes > 0
+        tokens, logits, _ = _run(model, Placement("disk", pool_dir=str(tmp_path)), _policy("infinigen", model))
+        assert ws.bytes_moved > 0
+    assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert os.listdir(tmp_path) == []

@@ -74,6 +74,7 @@ class BenchSettings:
     prefetch: bool = True
     threaded: bool = True
     breakdown_steps: int = 0  # extra instrumented decoding steps for the per-layer time breakdown
+    weights_offload: float = 0.0  # share of the layers whose weights stream from the slow tier
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -242,6 +243,16 @@ def fresh(policy):
 
 
 def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings) -> dict:
+    if not s.weights_offload:
+        return _run_ours(model, tokens, system, s)
+    from .placement.weights import WeightStreamer
+    kind = "disk" if system.kv_offload == "disk" else "cpu"
+    with WeightStreamer(model, s.weights_offload, kind, s.pool_dir) as ws:
+        row = _run_ours(model, tokens, system, s, ws)
+    return row
+
+
+def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, weights=None) -> dict:
     b, t = tokens.shape
     device = model.device
     pol = fresh(system.policy)
@@ -265,6 +276,7 @@ def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings) -> d
         _sync(device)
         prefill_s = time.perf_counter() - t0
         stats.reset()
+        w_moved = weights.bytes_moved if weights is not None else 0
         from .model import KVStats
         sess.stats = KVStats(model.cfg.num_layers)  # the relative KV size of decoding only
         tok = logits.argmax(-1)
@@ -281,7 +293,9 @@ def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings) -> d
         slow = store.slow_bytes() if hasattr(store, "slow_bytes") else 0
         kv_full = _kv_bytes(model, b, store.capacity)
         state = policy_state_bytes(pol)
-        fast_tracked = weight_bytes(model) + sum(state.values()) + (
+        fast_weights = weight_bytes(model) if weights is None else (
+            weight_bytes(model) - weights.slow_bytes + weights.fast_buffer_bytes())
+        fast_tracked = fast_weights + sum(state.values()) + (
             stats.peak_fast_bytes if hasattr(store, "slow_bytes") else store.nbytes())
         row = {
             "system": system.label, "policy": pol.name, "kv_offload": system.kv_offload, "batch": b, "prompt_len": t,
@@ -304,6 +318,11 @@ def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings) -> d
                                        if getattr(pol, "spec_layers", None) else None),
             "tokens_sha1": hashlib.sha1(generated.numpy().tobytes()).hexdigest()[:12],
         }
+        if weights is not None:
+            row["weights_offload"] = weights.fraction_of_weights()
+            row["weight_bytes_moved_per_token"] = (weights.bytes_moved - w_moved) / (b * steps) if steps else None
+            row["weight_fast_buffer_bytes"] = weights.fast_buffer_bytes()
+            row["weight_slow_bytes"] = weights.slow_bytes
         mem = speculation_memory(model, pol, kv_full)
         if mem:
             row["speculation_memory"] = mem

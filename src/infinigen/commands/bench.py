@@ -64,6 +64,8 @@ def bench_cmd(
     eviction: str = typer.Option("counter", "--eviction", help="Pool victim policy: counter, lru or fifo."),
     pool_dir: Optional[Path] = typer.Option(None, "--pool-dir", help="Directory for the disk tier's pool file (removed after)."),
     prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Fetch layer i+1's rows during layer i."),
+    weights_offload: float = typer.Option(0.0, "--weights-offload", help="Share of the layers whose weights stay in the "
+                                          "slow tier and stream per layer (FlexGen's weight percentage)."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads (CPU)."),
     breakdown: int = typer.Option(0, "--breakdown", help="Extra instrumented steps for a per-layer time breakdown (0: off)."),
     text: str = typer.Option("prideprejudice", "--text", help="Prompt text: a file or a bundled corpus name."),
@@ -85,6 +87,7 @@ def bench_cmd(
     check_range("threads", threads, lo=1)
     check_range("layers", layers, lo=1)
     check_range("fixed-ratio", fixed_ratio, lo=0, hi=1, lo_open=True)
+    check_range("weights-offload", weights_offload, lo=0, hi=1)
     check_model_options(device, dtype)
     tiers = [s.strip() for s in kv_offload.split(",") if s.strip()]
     for t in tiers:
@@ -158,7 +161,7 @@ def bench_cmd(
             systems.append(bench.System("transformers DynamicCache(offloading)", hf_offloading=True))
     settings = bench.BenchSettings(prompt_lens=prompt_lens, batch_sizes=batch_sizes, gen_len=gen_len, capacity=capacity,
                                    pool_bytes=limit, eviction=eviction, pool_dir=str(pool_dir) if pool_dir else None,
-                                   prefetch=prefetch, breakdown_steps=breakdown)
+                                   prefetch=prefetch, breakdown_steps=breakdown, weights_offload=weights_offload)
     from rich.console import Console
     err = Console(stderr=True)
     rows = bench.sweep(net, systems, settings, tokenizer=tok, text=body, hf_model=hf_model,
@@ -171,6 +174,7 @@ def bench_cmd(
                                                         "gen_len": gen_len, "kv_offload": tiers, "policies": names,
                                                         "knobs": knob, "capacity": capacity, "pool_bytes": limit,
                                                         "eviction": eviction, "prefetch": prefetch,
+                                                        "weights_offload": weights_offload,
                                                         "text": None if synthetic else text},
                "rows": bench.strip_private(rows)}
     _print(payload)
