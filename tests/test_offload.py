@@ -286,3 +286,24 @@ def test_weights_streamed_from_the_slow_tier(make_tiny, fraction, threaded, tmp_
     assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert os.listdir(tmp_path) == []
+
+
+def test_shared_prefill_replays_to_the_same_tokens(tiny_llama, tmp_path):
+    """The benchmark's shared prefill (one real prefill replayed into each session) decodes exactly as a
+    real prefill does, for stateful policies too."""
+    from infinigen.bench import BenchSettings, SharedPrefill, System, run_ours
+    _, model = tiny_llama
+    tokens, _ = _prompts(batch=2, length=30)
+    s = BenchSettings(prompt_lens=[30], batch_sizes=[2], gen_len=5, pool_dir=str(tmp_path))
+    shared = SharedPrefill(model, tokens, str(tmp_path))
+    try:
+        for name in ("full", "h2o", "infinigen"):
+            for tier in ("none", "disk"):
+                system = System(name, _policy(name, model), tier)
+                real = run_ours(model, tokens, system, s)
+                replayed = run_ours(model, tokens, system, s, shared)
+                assert torch.equal(real["_tokens"], replayed["_tokens"]), (name, tier)
+                assert replayed["prefill_shared"] and replayed["relative_kv"] == real["relative_kv"]
+    finally:
+        shared.close()
+    assert os.listdir(tmp_path) == []

@@ -75,6 +75,7 @@ class BenchSettings:
     threaded: bool = True
     breakdown_steps: int = 0  # extra instrumented decoding steps for the per-layer time breakdown
     weights_offload: float = 0.0  # share of the layers whose weights stream from the slow tier
+    share_prefill: bool = False  # one real prefill per cell, replayed into every system's session
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -232,6 +233,59 @@ def speculation_memory(model, policy, kv_bytes: int) -> dict | None:
 
 
 # ---- runs ------------------------------------------------------------------------------------------
+class SharedPrefill:
+    """One real prefill of a cell's prompts whose per-layer queries, keys and values are kept (in a
+    memory-mapped file, or pinned host memory behind a GPU), then replayed into each system's session:
+    the store writes and the policy's `on_prefill` run as in `Transformer.prefill`, the prompt's
+    attention and MLPs are not recomputed. For long prompts on a CPU, where one prefill takes minutes.
+    Every system then decodes from the same state; its prefill latency is the shared one."""
+
+    def __init__(self, model, tokens: torch.Tensor, directory=None):
+        from .placement.tiers import SlowTier
+        from .policies import make_policy
+        self.model = model
+        fast = model.device
+        self.tier = SlowTier("cpu" if fast.type == "cuda" else "disk", fast, directory)
+        self.qkv = []
+        rec = make_policy("full")
+
+        def keep(layer, q, k, v, session):
+            kept = []
+            for x in (q, k, v):
+                t = self.tier.empty(tuple(x.shape), x.dtype, name=f"p{layer}")
+                t.copy_(x)
+                kept.append(t)
+            self.qkv.append(kept)
+
+        rec.on_prefill = keep
+        sess = model.new_session(tokens.shape[0], tokens.shape[1], rec)
+        tokens = tokens.to(fast)
+        _sync(fast)
+        t0 = time.perf_counter()
+        self.logits = model.prefill(tokens, sess)
+        _sync(fast)
+        self.seconds = time.perf_counter() - t0
+        self.positions, self.next_pos = sess.positions, sess.next_pos
+        self.valid = torch.ones(tokens.shape, dtype=torch.bool, device=fast)
+        del sess
+
+    @torch.inference_mode()
+    def replay(self, sess) -> torch.Tensor:
+        fast = self.model.device
+        t = self.positions.shape[1]
+        sess.positions, sess.row, sess.mode = self.positions, t - 1, "prefill"
+        sess.next_pos = self.next_pos
+        for layer, (q, k, v) in enumerate(self.qkv):
+            q, k, v = q.to(fast), k.to(fast), v.to(fast)
+            sess.store.write_prompt(layer, k, v, self.valid, self.positions)
+            sess.policy.on_prefill(layer, q, k, v, sess)
+        return self.logits
+
+    def close(self) -> None:
+        self.qkv.clear()
+        self.tier.close()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -242,17 +296,18 @@ def fresh(policy):
     return dataclasses.replace(policy)
 
 
-def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings) -> dict:
+def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, shared: SharedPrefill | None = None) -> dict:
     if not s.weights_offload:
-        return _run_ours(model, tokens, system, s)
+        return _run_ours(model, tokens, system, s, shared=shared)
     from .placement.weights import WeightStreamer
     kind = "disk" if system.kv_offload == "disk" else "cpu"
     with WeightStreamer(model, s.weights_offload, kind, s.pool_dir) as ws:
-        row = _run_ours(model, tokens, system, s, ws)
+        row = _run_ours(model, tokens, system, s, ws, shared)
     return row
 
 
-def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, weights=None) -> dict:
+def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, weights=None,
+              shared: SharedPrefill | None = None) -> dict:
     b, t = tokens.shape
     device = model.device
     pol = fresh(system.policy)
@@ -272,9 +327,12 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
     try:
         _sync(device)
         t0 = time.perf_counter()
-        logits = model.prefill(tokens, sess)
+        logits = model.prefill(tokens, sess) if shared is None else shared.replay(sess)
         _sync(device)
         prefill_s = time.perf_counter() - t0
+        replay_s = None
+        if shared is not None:
+            prefill_s, replay_s = shared.seconds, prefill_s
         stats.reset()
         w_moved = weights.bytes_moved if weights is not None else 0
         from .model import KVStats
@@ -299,7 +357,8 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             stats.peak_fast_bytes if hasattr(store, "slow_bytes") else store.nbytes())
         row = {
             "system": system.label, "policy": pol.name, "kv_offload": system.kv_offload, "batch": b, "prompt_len": t,
-            "gen_len": s.gen_len, "prefill_s": prefill_s, "decode_s": decode_s,
+            "gen_len": s.gen_len, "prefill_s": prefill_s, "prefill_shared": shared is not None,
+            "prefill_replay_s": replay_s, "decode_s": decode_s,
             "decode_ms_per_step": 1e3 * decode_s / max(steps, 1),
             "decode_tokens_per_s": b * steps / decode_s if decode_s > 0 else None,
             "bytes_moved_per_token": stats.bytes_moved / (b * steps) if steps else None,
@@ -429,16 +488,25 @@ def sweep(model, systems: list[System], settings: BenchSettings, tokenizer=None,
     for t in settings.prompt_lens:
         for b in settings.batch_sizes:
             tokens = prompt_tokens(tokenizer, text, b, t, model.cfg.vocab_size, settings.seed)
-            for system in systems:
+            shared = None
+            if settings.share_prefill and any(sy.ours for sy in systems):
                 if progress:
-                    progress(f"prompt {t} x batch {b}: {system.label}")
-                if system.ours:
-                    row = run_ours(model, tokens, system, settings)
-                else:
-                    if hf_model is None:
-                        continue
-                    row = run_transformers(hf_model, tokens, system, settings)
-                rows.append(row)
+                    progress(f"prompt {t} x batch {b}: shared prefill")
+                shared = SharedPrefill(model, tokens, settings.pool_dir)
+            try:
+                for system in systems:
+                    if progress:
+                        progress(f"prompt {t} x batch {b}: {system.label}")
+                    if system.ours:
+                        row = run_ours(model, tokens, system, settings, shared)
+                    else:
+                        if hf_model is None:
+                            continue
+                        row = run_transformers(hf_model, tokens, system, settings)
+                    rows.append(row)
+            finally:
+                if shared is not None:
+                    shared.close()
     add_ratios(rows)
     return rows
 

@@ -66,6 +66,8 @@ def bench_cmd(
     prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Fetch layer i+1's rows during layer i."),
     weights_offload: float = typer.Option(0.0, "--weights-offload", help="Share of the layers whose weights stay in the "
                                           "slow tier and stream per layer (FlexGen's weight percentage)."),
+    share_prefill: bool = typer.Option(False, "--share-prefill", help="One real prefill per (length, batch), replayed into "
+                                       "every system (long prompts on a CPU); decoding is unchanged."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads (CPU)."),
     breakdown: int = typer.Option(0, "--breakdown", help="Extra instrumented steps for a per-layer time breakdown (0: off)."),
     text: str = typer.Option("prideprejudice", "--text", help="Prompt text: a file or a bundled corpus name."),
@@ -161,7 +163,8 @@ def bench_cmd(
             systems.append(bench.System("transformers DynamicCache(offloading)", hf_offloading=True))
     settings = bench.BenchSettings(prompt_lens=prompt_lens, batch_sizes=batch_sizes, gen_len=gen_len, capacity=capacity,
                                    pool_bytes=limit, eviction=eviction, pool_dir=str(pool_dir) if pool_dir else None,
-                                   prefetch=prefetch, breakdown_steps=breakdown, weights_offload=weights_offload)
+                                   prefetch=prefetch, breakdown_steps=breakdown, weights_offload=weights_offload,
+                                   share_prefill=share_prefill)
     from rich.console import Console
     err = Console(stderr=True)
     rows = bench.sweep(net, systems, settings, tokenizer=tok, text=body, hf_model=hf_model,
@@ -175,6 +178,7 @@ def bench_cmd(
                                                         "knobs": knob, "capacity": capacity, "pool_bytes": limit,
                                                         "eviction": eviction, "prefetch": prefetch,
                                                         "weights_offload": weights_offload,
+                                                        "share_prefill": share_prefill,
                                                         "text": None if synthetic else text},
                "rows": bench.strip_private(rows)}
     _print(payload)
@@ -183,6 +187,10 @@ def bench_cmd(
     if plot_out is not None:
         dev = payload["machine"].get("gpu") if device.startswith("cuda") else payload["machine"]["cpu"]
         bench.plot(rows, plot_out, title=f"{label} | {dev}")
+
+
+def _kb(x) -> str:
+    return "-" if x is None else f"{x / 2**10:.1f}"
 
 
 def _mb(x) -> str:
@@ -198,13 +206,13 @@ def _print(p: dict) -> None:
             f"{m['torch_threads']} threads")
     t = Table(title="decoding, side by side")
     for col in ("system", "batch", "prompt", "prefill s", "ms/step", "tokens/s", "x transformers", "x ideal",
-                "x full offload", "MB moved/token", "peak fast MB", "peak slow MB", "rel. KV"):
+                "x full offload", "KB moved/token", "peak fast MB", "peak slow MB", "rel. KV"):
         t.add_column(col, justify="left" if col == "system" else "right")
     f2 = lambda v: "-" if v is None else f"{v:.2f}"
     for r in p["rows"]:
         t.add_row(r["system"], str(r["batch"]), str(r["prompt_len"]), f2(r["prefill_s"]), f"{r['decode_ms_per_step']:.1f}",
                   f2(r["decode_tokens_per_s"]), f2(r.get("x_vs_transformers")), f2(r.get("x_vs_ideal")),
-                  f2(r.get("x_vs_full_offload")), _mb(r.get("bytes_moved_per_token")), _mb(r.get("peak_fast_bytes")),
+                  f2(r.get("x_vs_full_offload")), _kb(r.get("bytes_moved_per_token")), _mb(r.get("peak_fast_bytes")),
                   _mb(r.get("peak_slow_bytes")), f"{100 * r['relative_kv']:.1f}%" if r.get("relative_kv") is not None else "-")
     c.print(t)
     for r in p["rows"]:
