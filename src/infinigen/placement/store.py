@@ -18,6 +18,7 @@ waits on an event recorded when layer i's attention was done with the buffer.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -138,7 +139,11 @@ class OffloadedKVStore(KVStore):
         self._step = 0
         self._pending: list[list] = [[] for _ in range(num_layers)]  # CUDA: appends on their way to the pool
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch", initializer=_one_thread) if threaded else None
+        # The worker's own OpenMP team: one thread on a CPU host, where compute needs the cores; behind a GPU
+        # the host is otherwise idle and the row gather from pinned memory is the critical path.
+        n = max(1, min(8, (os.cpu_count() or 2) - 2)) if self.cuda else 1
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch", initializer=torch.set_num_threads,
+                                        initargs=(n,)) if threaded else None
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.fast)
             self._consumed = [None, None]  # per parity: compute-stream event once attention read the buffer
@@ -448,7 +453,3 @@ class OffloadedKVStore(KVStore):
         self.k = self.v = []
         self.tier.close()
 
-
-def _one_thread() -> None:
-    # the worker's own OpenMP team: one thread, so it does not fight the main thread's compute for cores
-    torch.set_num_threads(1)
