@@ -240,13 +240,15 @@ class OffloadedKVStore(KVStore):
             self._pending[layer].append((ev, host[0], [host[1:1 + p], host[1 + p:]]))
 
     def _flush(self, layer):
+        # under the lock throughout: a second caller (main thread vs worker) must not read the pool
+        # before the first has written the rows it took
         with self._lock:
-            pending, self._pending[layer] = self._pending[layer], []
-        for ev, rows, data in pending:
-            ev.synchronize()  # this copy only
-            for kind in KV:
-                for plane, d in zip(self.planes[layer][kind], data[kind]):
-                    plane.index_copy_(0, rows, d)
+            for ev, rows, data in self._pending[layer]:
+                ev.synchronize()  # this copy only
+                for kind in KV:
+                    for plane, d in zip(self.planes[layer][kind], data[kind]):
+                        plane.index_copy_(0, rows, d)
+            self._pending[layer] = []
 
     # ---- reads ------------------------------------------------------------------------------------
     def past(self, layer):
