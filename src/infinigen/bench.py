@@ -554,6 +554,7 @@ def plot(rows: list[dict], path, title: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
     rows = [r for r in rows if r.get("decode_tokens_per_s")]
     if not rows:
         raise UserError("nothing to plot: no run produced a decode throughput")
@@ -568,6 +569,7 @@ def plot(rows: list[dict], path, title: str = "") -> None:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_xlabel(xlabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("decode throughput (tokens/s)")
         ax.set_title(f"{'prompt' if fixed_key == 'prompt_len' else 'batch'} {fixed}")
         ax.grid(True, alpha=0.3)
