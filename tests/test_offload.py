@@ -307,3 +307,15 @@ def test_shared_prefill_replays_to_the_same_tokens(tiny_llama, tmp_path):
     finally:
         shared.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_generate_with_an_offloaded_pool(tiny_checkpoint, tmp_path):
+    """`generate` takes the placement through session_kw and gives the in-memory tokens."""
+    from infinigen.generate import generate
+    from infinigen.loading import load
+    model, tok, _ = load(str(tiny_checkpoint), progress=False)
+    prompts = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome"]
+    ref = generate(model, tok, prompts, max_new_tokens=6, policy=make_policy("h2o"))
+    got = generate(model, tok, prompts, max_new_tokens=6, policy=make_policy("h2o"),
+                   session_kw=Placement("disk", pool_dir=str(tmp_path)).session_kw(model))
+    assert got.tokens == ref.tokens

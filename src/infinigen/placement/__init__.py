@@ -76,6 +76,16 @@ class Placement:
             tier.close()
             raise
 
+    def session_kw(self, model) -> dict:
+        """Keyword arguments for `model.new_session` (and `generate(..., session_kw=...)`) that put the
+        KV pool in this placement's slow tier. A disk pool's directory goes when the store is closed or
+        garbage collected."""
+        self.validate()
+        if self.kv_offload == "none":
+            return {}
+        return dict(store_cls=OffloadedKVStore, tier=SlowTier(self.kv_offload, model.device, self.pool_dir),
+                    prefetch=self.prefetch, threaded=self.threaded, pack=self.pack)
+
     @staticmethod
     def close(session) -> None:
         session.store.close()
