@@ -24,6 +24,27 @@ def _value(text: str):
     return text.strip()
 
 
+def knob_dict(name: str, knobs: list[str] | None, base: dict | None = None) -> dict:
+    """`NAME=VALUE` settings of one policy as a dict (checked: the policy must have each knob and
+    accept the values)."""
+    from ..policies import make_policy, policy_class
+    fields = {f.name for f in dataclasses.fields(policy_class(name))}
+    out = dict(base or {})
+    for kv in knobs or []:
+        if "=" not in kv:
+            raise UserError(f"--knob expects NAME=VALUE, got {kv!r}")
+        key, text = kv.split("=", 1)
+        key = key.strip().replace("-", "_").removeprefix(f"{name}.")
+        if key not in fields:
+            raise UserError(f"policy {name!r} has no knob {key!r}")
+        out[key] = _value(text)
+    try:
+        make_policy(name, **out)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"bad knob for policy {name!r}: {e}")
+    return out
+
+
 def parse_policies(spec: str | list[str], knobs: list[str] | None = None) -> dict:
     """name -> Policy, in the order given (a name may carry a label: "h2o@small" is H2O labelled so)."""
     from ..policies import make_policy, policy_class
