@@ -198,20 +198,23 @@ def test_default_model_generate_matches_runtime(default_hf_model, default_model)
     from infinigen.policies import REGISTRY, make_policy
     hf = default_hf_model
     model, tok = default_model
-    text = open(_austen(), encoding="utf-8").read()[5000:7000]
+    text = open(_austen(), encoding="utf-8").read()[5000:6200]
     prompt = encode_prompts(tok, ["Summarize this passage in one sentence:\n\n" + text], chat=True)[0]
     ids = torch.tensor([prompt])
+    from infinigen.eval.policyset import prepare
     names = [n for n in REGISTRY if _available(n)]
-    assert "full" in names
+    assert "full" in names and "infinigen" in names
     for name in names:
-        policy = make_policy(name)
-        ref = generate_ids(model, [prompt], 24, policy=policy).tokens[0]
+        prepare({name: make_policy(name)}, model, tok)  # InfiniGen: skew matrices (cached once computed)
+        ref = generate_ids(model, [prompt], 20, policy=make_policy(name)).tokens[0]
         with enable(hf, make_policy(name)) as ig:
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
                               eos_token_id=None, pad_token_id=tok.eos_token_id)
         assert out[0, ids.shape[1]:].tolist()[:len(ref)] == ref, name
         if name == "full":
             assert ig.cache.stats.overall() == pytest.approx(1.0)
+        elif name in ("infinigen", "h2o"):
+            assert ig.cache.stats.overall() < 0.9, name
 
 
 def _available(name):

@@ -106,7 +106,7 @@ def test_cli_needle(long_checkpoint, tmp_path, capsys):
 @pytest.mark.integration
 def test_default_model_needle(default_model):
     model, tok = default_model
-    res = nd.evaluate(model, tok, parse_policies("full,h2o"), tasks=("niah",), lengths=(1024,), depths=(0.0, 0.5, 1.0))
+    res = nd.evaluate(model, tok, parse_policies("full,h2o"), tasks=("niah",), lengths=(1024,), depths=(0.5,))
     full = [r for r in res if r.policy == "full"]
-    assert len(res) == 6 and sum(r.score for r in full) > 0  # the full cache finds the needle somewhere
+    assert len(res) == 2 and sum(r.score for r in full) > 0  # the full cache finds the needle somewhere
     assert all(r.kv < 0.5 for r in res if r.policy == "h2o")
