@@ -57,10 +57,11 @@ class TransferStats:
 class _Job:
     layer: int
     step: int
-    idx: torch.Tensor | None  # [B,Hkv,n] slots read (fast device); None: every used slot
+    idx: torch.Tensor | None  # [B,Hkv,n] slots read (fast device); None: every used slot (or not derived yet)
     n: int  # slots per (batch, KV head)
     plan: object = None  # what the policy planned (bool [B,Hkv,S]), and what `slots` made of it
     selection: tuple | None = None
+    full: bool = False  # every used slot (full offload, dense layers)
     future: Future | None = None
     ready: object = None  # CUDA: event on the copy stream
     raw: list | None = None  # CUDA: fetched planes per kind, finished on the compute stream
@@ -263,7 +264,7 @@ class OffloadedKVStore(KVStore):
         """Every used slot, in the fast tier: the prefetched copy (full offload) or fetched now."""
         n = self.length[layer]
         job = self._take(layer)
-        if job is None or job.idx is not None or job.n != n:
+        if job is None or not job.full or job.n != n:
             self._discard(job)
             job = self._fetch(layer, None, n)
         return self._views(job)
@@ -271,7 +272,8 @@ class OffloadedKVStore(KVStore):
     def slots(self, layer, keep, valid):
         """The planned selection's slots when `keep` is what was planned (no second pass over the mask)."""
         job = self._jobs.get(layer)
-        if job is not None and job.step == self._step and job.selection is not None:
+        if job is not None and job.step == self._step and job.plan is not None:
+            self._settle(job)  # the worker derives the slots (and gathers their rows) off the main thread
             n = self.length[layer]
             mine = self.valid[layer]
             same_valid = (valid.data_ptr() == mine.data_ptr() and valid.shape[-1] == n and valid.stride() == mine.stride())
@@ -284,7 +286,7 @@ class OffloadedKVStore(KVStore):
     def gather(self, layer, idx):
         """Rows `idx` [B,Hkv,n] (the runtime's own indices) in the fast tier."""
         job = self._take(layer)
-        if job is None or job.idx is None or (job.idx is not idx and (job.idx.shape != idx.shape or not torch.equal(job.idx, idx))):
+        if job is None or job.full or (job.idx is not idx and (job.idx.shape != idx.shape or not torch.equal(job.idx, idx))):
             self._discard(job)
             job = self._fetch(layer, idx, idx.shape[-1])
         return self._views(job)
@@ -308,22 +310,17 @@ class OffloadedKVStore(KVStore):
         plan = session.policy.planned(nxt, session)
         if plan is NotImplemented:
             return
-        n = self.length[nxt]
-        if plan is None:
-            self._issue(nxt, None, n)
-            return
-        selection = KVStore.slots(self, nxt, plan[:, :, :n], self.valid[nxt][:, :, :n])  # the runtime's own rule
-        idx = selection[1]
-        self._issue(nxt, idx, idx.shape[-1], plan, selection)
+        self._issue(nxt, plan)
 
-    def _issue(self, layer, idx, n, plan=None, selection=None):
+    def _issue(self, layer, plan):
+        """Hand layer's fetch to the worker: for a selection, deriving its slot indices (the runtime's own
+        rule, `KVStore.slots`) is part of the job, so the main thread does not wait for it either."""
         self._drop(layer)
-        job = _Job(layer, self._step, idx, n, plan=plan, selection=selection)
+        job = _Job(layer, self._step, None, self.length[layer], plan=plan, full=plan is None)
         if self._pool is None:
             self._run(job)
         else:
-            rows_host = self._rows(idx).cpu() if idx is not None and self.cuda else None  # gathered on the host
-            job.future = self._pool.submit(self._run, job, rows_host)
+            job.future = self._pool.submit(self._run, job)
         self._jobs[layer] = job
 
     def _take(self, layer) -> _Job | None:
@@ -333,15 +330,22 @@ class OffloadedKVStore(KVStore):
         if job.step != self._step:
             self._discard(job)
             return None
-        t0 = time.perf_counter()
+        self._settle(job)
         self._wait(job)
-        self.stats.wait_s += time.perf_counter() - t0
         return job
 
-    def _wait(self, job: _Job) -> None:
+    def _settle(self, job: _Job) -> None:
+        """Wait for the worker's part of a job (host side)."""
         if job.future is not None:
-            job.future.result()  # re-raises a worker error here
-            job.future = None
+            t0 = time.perf_counter()
+            try:
+                job.future.result()  # re-raises a worker error here
+            finally:
+                job.future = None
+                self.stats.wait_s += time.perf_counter() - t0
+
+    def _wait(self, job: _Job) -> None:
+        self._settle(job)
         if job.raw is not None:  # CUDA: wait for this copy only, then finish on the compute stream
             torch.cuda.current_stream(self.fast).wait_event(job.ready)
             job.kv = tuple(self._finish(job, kind, planes) for kind, planes in zip(KV, job.raw))
@@ -360,21 +364,26 @@ class OffloadedKVStore(KVStore):
 
     def _fetch(self, layer, idx, n) -> _Job:
         t0 = time.perf_counter()
-        job = _Job(layer, self._step, idx, n)
+        job = _Job(layer, self._step, idx, n, full=idx is None)
         self._run(job, ondemand=True)
         self._wait(job)
         self.stats.on_demand += 1
         self.stats.ondemand_s += time.perf_counter() - t0
         return job
 
-    def _run(self, job: _Job, rows_host: torch.Tensor | None = None, ondemand: bool = False) -> None:
+    def _run(self, job: _Job, ondemand: bool = False) -> None:
         """Bring job.layer's rows to the fast tier (on the worker thread, or inline)."""
         t0 = time.perf_counter()
+        if job.plan is not None and job.idx is None:  # the slots of the plan, as the runtime derives them
+            n = job.n
+            job.selection = KVStore.slots(self, job.layer, job.plan[:, :, :n], self.valid[job.layer][:, :, :n])
+            job.idx = job.selection[1]
+            job.n = job.idx.shape[-1]
         self._flush(job.layer)
         total = job.n * self.bh
         rows = None
-        if job.idx is not None:
-            rows = rows_host if rows_host is not None else self._rows(job.idx.cpu() if self.cuda else job.idx)
+        if not job.full:
+            rows = self._rows(job.idx.cpu() if self.cuda else job.idx)  # behind a GPU the host gathers
         if self.cuda:
             self._run_cuda(job, rows, total)
         else:
@@ -434,7 +443,7 @@ class OffloadedKVStore(KVStore):
     def _finish(self, job, kind, planes) -> torch.Tensor:
         """CUDA, compute stream: reorder a full-layer copy to (b, h, i) and decode packed rows."""
         parity = job.layer % 2
-        if job.idx is None:
+        if job.full:
             out = []
             for p, pl in enumerate(planes):
                 shape = pl.shape[1:]

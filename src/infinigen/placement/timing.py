@@ -55,7 +55,7 @@ class Breakdown:
         pol, store, model = self.session.policy, self.session.store, self.model
         for hook in ("on_hidden", "planned", "select", "observe", "on_append"):
             self._wrap(pol, hook, "speculation")
-        for read in ("dense", "gather"):
+        for read in ("slots", "dense", "gather"):  # getting the rows: waiting for a prefetch, or gathering in place
             self._wrap(store, read, "fetch wait")
         self._wrap(store, "ahead", "prefetch issue", layer_of=lambda args: args[0] + 1)
         self._wrap(model, "_step_attention", "attention")
