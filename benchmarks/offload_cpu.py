@@ -112,6 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-baselines", action="store_true", help="skip full offload, H2O and INT4")
     ap.add_argument("--breakdown", type=int, default=2, help="instrumented steps for the per-block breakdown")
     ap.add_argument("--pool-dir", default=None, help="where the disk tier's files go")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--out", default=None, help="output folder (default: results/, or a temp dir with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (context 160, batch 1,2, 4 tokens)")
     args = ap.parse_args(argv)
@@ -119,6 +120,8 @@ def main(argv=None) -> int:
         args.context, args.batch, args.gen_len, args.breakdown = 160, "1,2", 4, 1
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="offload-smoke-")) if args.smoke else ROOT / "results")
     out.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from infinigen import bench
     from infinigen.eval.ppl import load_text
