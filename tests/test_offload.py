@@ -319,3 +319,29 @@ def test_generate_with_an_offloaded_pool(tiny_checkpoint, tmp_path):
     got = generate(model, tok, prompts, max_new_tokens=6, policy=make_policy("h2o"),
                    session_kw=Placement("disk", pool_dir=str(tmp_path)).session_kw(model))
     assert got.tokens == ref.tokens
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("policy", ["full", "h2o", "int4", "infinigen"])
+def test_default_model_offloaded_to_disk(default_model, policy, tmp_path):
+    """The default model on the disk tier generates what it generates with everything in RAM."""
+    model, tok = default_model
+    text = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+            "must be in want of a wife. However little known the feelings or views of such a man may be ") * 3
+    ids = tok(text)["input_ids"][:96]
+    tokens = torch.tensor([ids, ids[::-1]])
+    knobs = {"skew": False, "dense_layers": (0,)} if policy == "infinigen" else {}
+
+    def run(placement):
+        sess = placement.new_session(model, 2, 96 + 8, make_policy(policy, **knobs))
+        logits = model.prefill(tokens, sess)
+        out = []
+        for _ in range(8):
+            t = logits.argmax(-1)
+            out.append(t)
+            logits = model.decode(t, sess)
+        placement.close(sess)
+        return torch.stack(out, 1)
+
+    assert torch.equal(run(Placement("disk", pool_dir=str(tmp_path))), run(Placement("none")))
+    assert os.listdir(tmp_path) == []
