@@ -92,8 +92,8 @@ def main(argv=None) -> int:
                        "ppl": {"full": full_probe.perplexity, "infinigen": probe.perplexity, "h2o": h2o_probe.perplexity},
                        "h2o_ratios": {"heavy_ratio": kv / 2, "recent_ratio": kv / 2}}
 
-    ig_desc = f"alpha {getattr(infinigen, '_alpha', infinigen.alpha)}, " + ", ".join(f"{k} {getattr(infinigen, k)}" for k in ( "partial_ratio", "max_fetch_ratio", "dense_layers",
-                                                                "budget", "spec_input", "key_mode", "skew"))
+    knobs = ("partial_ratio", "max_fetch_ratio", "dense_layers", "budget", "spec_input", "key_mode", "skew")
+    ig_desc = ", ".join([f"alpha {getattr(infinigen, '_alpha', infinigen.alpha)}"] + [f"{k} {getattr(infinigen, k)}" for k in knobs])
     md = [f"# Evaluation: {name}", "",
           f"Machine: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"{platform.system()} {platform.release()}; {datetime.date.today().isoformat()}. "

@@ -65,3 +65,35 @@ def test_policy_knobs_and_generation(tiny):
     assert rolling == pytest.approx(_ll(model, ids, 1), abs=1e-3)
     text, = full.generate_until([_req("generate_until", (ctx, {"until": ["\n"], "max_gen_toks": 8}))])
     assert isinstance(text, str) and "\n" not in text
+
+
+def test_simple_evaluate_on_a_local_task(tiny, tmp_path, monkeypatch):
+    """lm_eval runs our model type end to end on a task whose data is a local file."""
+    import json
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    model, tok = tiny
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps(d) for d in [
+        {"question": "The family of Dashwood had long been", "choices": [" settled in Sussex.", " a fox."], "label": 0},
+        {"question": "Emma Woodhouse, handsome, clever, and", "choices": [" rich", " blue"], "label": 0}]))
+    (tmp_path / "tiny_mc.yaml").write_text(f"""task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+""")
+    lm = InfiniGenLM(policy="h2o", model=model, tokenizer=tok, heavy=2, recent=2)
+    res = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+                                  num_fewshot=1)
+    assert res["results"]["tiny_mc"]["acc,none"] in (0.0, 0.5, 1.0)

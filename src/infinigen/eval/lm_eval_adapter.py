@@ -128,3 +128,8 @@ class InfiniGenLM(LM):
 
 
 __all__ = ["InfiniGenLM"]
+
+
+if __name__ == "__main__":  # `python -m infinigen.eval.lm_eval_adapter --model infinigen --model_args ... --tasks ...`
+    from lm_eval.__main__ import cli_evaluate
+    cli_evaluate()
