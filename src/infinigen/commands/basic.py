@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
+from ..policies import REGISTRY
 
 DEVICES = ("cpu", "cuda")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -138,7 +139,7 @@ def generate_cmd(
     temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
-    policy: str = typer.Option("full", "--policy", help="KV-cache policy: full, infinigen, h2o, int4, streaming, oracle."),
+    policy: str = typer.Option("full", "--policy", help=f"KV-cache policy: {', '.join(REGISTRY)}."),
     knob: list[str] = typer.Option([], "--knob", help="A policy setting NAME=VALUE (repeatable), e.g. --knob alpha=5."),
 ):
     """Generate text with the runtime, streaming the first prompt's answer."""
