@@ -1,9 +1,8 @@
 """InfiniGen and the baselines on an unmodified `transformers` model.
 
     import infinigen.hf
-    from infinigen import make_policy
 
-    with infinigen.hf.enable(model, make_policy("infinigen")) as ig:
+    with infinigen.hf.enable(model, "infinigen", tokenizer=tok) as ig:
         out = model.generate(**inputs, max_new_tokens=64, do_sample=False)
     print(ig.cache.stats.overall())  # relative KV size of that generation
 
@@ -325,13 +324,19 @@ def _max_len(hf_model, args, kwargs) -> int:
 
 
 @contextlib.contextmanager
-def enable(hf_model, policy: Policy | str | None = None, capacity: int | None = None, allocator=None,
-           **knobs):
+def enable(hf_model, policy: Policy | str | None = None, tokenizer=None, capacity: int | None = None,
+           allocator=None, **knobs):
     """Within the block, `hf_model.generate()` (and `hf_model(..., past_key_values=ig.new_cache(n))`)
-    attend through our runtime with `policy` (a Policy, or a registry name plus knobs)."""
-    cfg = runtime_for(hf_model).cfg
+    attend through our runtime with `policy` (a Policy, or a registry name plus knobs). With `tokenizer`,
+    what the policy needs from the model is prepared first (InfiniGen: skew matrices, calibrated once on
+    a bundled novel and cached); without it, InfiniGen uses the cached ones (`infinigen skew`)."""
+    rt = runtime_for(hf_model)
+    cfg = rt.cfg
     if isinstance(policy, str) or policy is None:
         policy = make_policy(policy or "full", **knobs)
+    if tokenizer is not None:
+        from .eval.policyset import prepare
+        prepare({"policy": policy}, rt, tokenizer)
     register()
     handle = Enabled(hf_model, policy, capacity, allocator)
     previous = hf_model.config._attn_implementation
