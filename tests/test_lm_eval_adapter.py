@@ -94,6 +94,6 @@ metric_list:
   - metric: acc
 """)
     lm = InfiniGenLM(policy="h2o", model=model, tokenizer=tok, heavy=2, recent=2)
-    res = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+    res = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
                                   num_fewshot=1)
     assert res["results"]["tiny_mc"]["acc,none"] in (0.0, 0.5, 1.0)
