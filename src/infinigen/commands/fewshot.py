@@ -18,7 +18,7 @@ def fewshot_cmd(
     policy: str = typer.Option("full,infinigen", "--policy",
                                help="Comma-separated policies (the full cache is always scored, for agreement)."),
     knob: list[str] = typer.Option([], "--knob", help="NAME=VALUE for every policy that has it, or POLICY.NAME=VALUE."),
-    limit: Optional[int] = typer.Option(50, "--limit", help="Examples per task (0 = all)."),
+    limit: Optional[int] = typer.Option(10, "--limit", help="Examples per task (0 = all)."),
     prefill_frac: float = typer.Option(1.0, "--prefill-frac",
                                        help="Fraction of the prompt processed densely; the rest and the answer are decoded with the policy."),
     seed: int = typer.Option(1234, "--seed", help="Seed for the example order and the shots."),
