@@ -143,9 +143,12 @@ class InfiniGenCache(Cache):
         else:
             if positions.shape[0] != self.session.next_pos.shape[0]:
                 raise NotImplementedError("InfiniGenCache: the batch size changed between forward calls")
-            self.session.positions, self.session.row, self.session.mode = positions, 0, "decode"
+            # one token: as `Transformer.decode`; several: replayed one by one, as in teacher-forced mode
+            self.session.positions, self.session.row = positions, 0
+            self.session.mode = "decode" if t == 1 else "teacher"
             self.session.next_pos = positions[:, 0]  # as during `Transformer.decode`: the current token
-            self.session.store.ahead(-1, "embed", self.session)
+            if t == 1:
+                self.session.store.ahead(-1, "embed", self.session)
 
     def end_forward(self) -> None:
         s = self.session
