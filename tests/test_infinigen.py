@@ -14,7 +14,7 @@ from infinigen.policies.infinigen import InfiniGen, fake_int4
 from infinigen.pool import KVPool
 
 T, P = 36, 12
-MODES = list(itertools.product(("mean", "per_head", "union"), ("attn_in", "attn_out"), ("partial", "int4")))
+MODES = list(itertools.product(("mean", "per_head", "union", "layer"), ("attn_in", "attn_out"), ("partial", "int4")))
 
 
 def _mats(model, seed=3):
@@ -106,10 +106,14 @@ def test_choose_constructed_scores():
     assert keep[1].nonzero().flatten().tolist() == [0, 1]  # all tied at their head's max: lower slots
     keep = _chooser("mean", 2.0, cap=0.25)._choose(s, valid)[0, :, 0]  # every head its top 2
     assert keep[0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+    # layer: the cap pooled over KV heads (2 x 8 x 0.25 = 4 entries), by speculated mass summed over the group
+    keep = _chooser("layer", 2.0, cap=0.25)._choose(s, valid)[0, :, 0]
+    assert keep[0].nonzero().flatten().tolist() == [0, 2, 3] and keep[1].nonzero().flatten().tolist() == [7]
+    assert torch.equal(_chooser("layer", 2.0)._choose(s, valid), _chooser("union", 2.0)._choose(s, valid))
     # invalid slots are never selected, whatever their score
     v = valid.clone()
     v[..., 2] = False
-    for b in ("union", "mean", "per_head"):
+    for b in ("union", "mean", "per_head", "layer"):
         assert not _chooser(b, 50.0)._choose(s, v)[0, :, 0, 2].any()
 
 
@@ -140,7 +144,7 @@ def _pass_through(model):
     return model
 
 
-@pytest.mark.parametrize("budget", ["union", "mean", "per_head"])
+@pytest.mark.parametrize("budget", ["union", "mean", "per_head", "layer"])
 @pytest.mark.parametrize("spec_input", ["attn_in", "attn_out"])
 def test_exact_speculation_selects_true_top_tokens(make_tiny, budget, spec_input):
     _, model = make_tiny("llama", num_hidden_layers=4)
@@ -162,7 +166,7 @@ def test_exact_speculation_selects_true_top_tokens(make_tiny, budget, spec_input
         true = qg @ k.transpose(-1, -2) * model.scale  # [B, Hkv, G, S]: the real scores of layer `layer`
         rel = true - true.amax(-1, keepdim=True)
         above = rel > -alpha
-        if budget == "union":
+        if budget in ("union", "layer"):  # no cap here: the layer's union
             want = above.any(2)
             assert torch.equal(keep, want)
         else:
@@ -173,7 +177,7 @@ def test_exact_speculation_selects_true_top_tokens(make_tiny, budget, spec_input
             want = (true >= kth).any(2)
             assert torch.equal(keep, want)
         # GQA: every query head's own selection lies inside its KV head's
-        assert (above.any(2) & ~keep).sum() == 0 or budget != "union"
+        assert (above.any(2) & ~keep).sum() == 0 or budget not in ("union", "layer")
         checked.append((layer, keep.float().mean().item()))
         return keep
     pol.select = select

@@ -32,7 +32,7 @@ import torch
 from ..errors import UserError
 from .base import Policy
 
-BUDGETS = ("mean", "per_head", "union")
+BUDGETS = ("mean", "per_head", "union", "layer")
 SPEC_INPUTS = ("attn_in", "attn_out")
 KEY_MODES = ("partial", "int4")
 INT4_GROUP = 32
@@ -81,7 +81,7 @@ class InfiniGen(Policy):
     partial_ratio: float | None = None  # r: share of the d columns in the partial weights / key cache
     max_fetch_ratio: float | None = None  # at most this share of the cached tokens per KV head and step
     dense_layers: Any = None  # layers attending densely (layer 0 always does: nothing precedes it)
-    budget: str | None = None  # "mean" (paper) | "per_head" | "union"
+    budget: str | None = None  # "mean" (paper) | "per_head" | "union" | "layer" (see `_choose`)
     spec_input: str | None = None  # "attn_in" (paper) | "attn_out"
     key_mode: str | None = None  # "partial" (paper) | "int4"
     skew: bool | None = None  # rotate queries and keys with the skew matrices
@@ -284,19 +284,38 @@ class InfiniGen(Policy):
 
     def _choose(self, s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Scores s [B, Hkv, G, R, S] (float64) of R rows over S slots, valid [B|1, Hkv|1, R, S] ->
-        keep [B, Hkv, R, S]: per query head, tokens above max - alpha, counted per `budget`, capped."""
+        keep [B, Hkv, R, S]: per query head, the tokens above max - alpha, counted per `budget`:
+
+          mean      (paper) every query head of the layer takes its top-n, n the mean of the heads'
+                    counts, at most the cap; a KV head fetches the union of its query heads' picks
+          per_head  the same with n the mean over the KV head's own query heads
+          union     a KV head fetches every token any of its query heads selects; above the cap, the
+                    tokens closest to their head's max
+          layer     the union, with the cap pooled over the layer's KV heads (the transfer volume of a
+                    layer): above it, the entries with the most speculated attention mass (summed over
+                    the group's query heads) win, so peaked heads give up nothing to flat ones
+        The cap is `max_fetch_ratio` of the cached tokens (per KV head; per layer for "layer")."""
         # float64 scores agree between the vectorized and the row-by-row path up to ~1e-16; rounded to
         # float32 they agree bit for bit, and the selection below is a deterministic function of them
         rel = s.float().masked_fill_(~valid[:, :, None], float("-inf"))
         rel -= rel.amax(-1, keepdim=True).clamp(min=torch.finfo(rel.dtype).min)  # relative to each head's max
         length = valid.sum(-1)  # [B|1, Hkv|1, R] cached tokens
         cap = (self.max_fetch_ratio * length).floor().clamp(min=1).long()
-        if self.budget == "union":
-            # a KV head fetches every token any of its query heads selects; the cap keeps the tokens
-            # closest to their head's max
+        if self.budget in ("union", "layer"):
             u = rel.amax(2)  # [B, Hkv, R, S]
             keep = u > -self._alpha
-            return self._cut(keep, u, cap.expand(u.shape[:-1]))
+            if self.budget == "union":
+                return self._cut(keep, u, cap.expand(u.shape[:-1]))
+            b, hkv, r, n = keep.shape
+            total = (self.max_fetch_ratio * length.expand(b, hkv, r).sum(1)).floor().clamp(min=1).long()  # [B, R]
+            over = keep.sum((1, 3)) > total
+            if not over.any():
+                return keep
+            p = rel.double().exp()  # speculated attention weights per query head (float64: path-independent)
+            mass = (p / p.sum(-1, keepdim=True)).sum(2).float()  # [B, Hkv, R, S]
+            flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, r, hkv * n)  # noqa: E731 (KV head, slot) per row
+            cut = self._cut(flat(keep), flat(mass.masked_fill(~keep, -1.0)), total, exact=~over)
+            return cut.view(b, r, hkv, n).permute(0, 2, 1, 3)
         above = rel > -self._alpha  # [B, Hkv, G, R, S]
         counts = above.sum(-1)  # [B, Hkv, G, R]
         if self.budget == "mean":  # paper: every head of the layer fetches the mean count
