@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinigen.generate import Sampling, generate, generate_ids
+from infinigen.generate import Sampling, generate_ids
 
 TOL = 1e-4
 
@@ -120,14 +120,7 @@ def test_default_model_mixed_length_batch(default_model):
     from infinigen.generate import encode_prompts, stop_ids
     prompts = encode_prompts(tok, texts, chat=True)
     assert len({len(p) for p in prompts}) == 3
-    assert_batch_equals_alone(ours, prompts, new_tokens=12, pad_id=tok.pad_token_id, eos=stop_ids(ours, tok))
-
-
-@pytest.mark.integration
-def test_default_model_answers_a_chat_question(default_model):
-    ours, tok = default_model
-    g = generate(ours, tok, ["What is the capital of France? Answer in one word."], max_new_tokens=8, chat=True)
-    assert "Paris" in g.texts[0]
+    assert_batch_equals_alone(ours, prompts, new_tokens=8, pad_id=tok.pad_token_id, eos=stop_ids(ours, tok))
 
 
 # ---- sampling and stopping ----------------------------------------------------------------------------
