@@ -158,12 +158,12 @@ def generate_cmd(
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     sampling.validate()
 
-    net, tok, name = load_model(model, dtype, device)
-    streamer = TextStreamer(tok, row=0, write=_out)
     try:
+        net, tok, name = load_model(model, dtype, device)
+        streamer = TextStreamer(tok, row=0, write=_out)
         g = generate(net, tok, prompts, max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
                      chat=chat, on_token=streamer)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C: "aborted", exit 130, no traceback
         _out("\n")
         raise typer.Abort()
     _out(g.texts[0][len(streamer.shown):] + "\n")  # what the streamer held back (an incomplete character)
