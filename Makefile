@@ -27,5 +27,6 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/infinigen generate --chat --prompt "$(PROMPT)" --max-new-tokens 64
 
+# two workers on the two cores, one thread each (more threads per worker only oversubscribe)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
