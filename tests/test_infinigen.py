@@ -291,3 +291,31 @@ def test_dense_layers_count_in_relative_kv(make_tiny):
     assert per[0] == per[1] == pytest.approx(1.0)
     assert all(f <= 0.25 for f in per[2:])
     assert [pol.speculated(i) for i in range(4)] == [False, False, True, True]
+
+
+# ---- the default model ----------------------------------------------------------------------------
+@pytest.mark.integration
+def test_default_model_accuracy(default_model, tmp_path, monkeypatch):
+    """A short perplexity run: the default InfiniGen stays close to the full cache at <= 20% of the KV
+    (all layers), and beats the paper's configuration."""
+    from infinigen.skew import load_or_compute_skew, read_tokens, resolve_text
+    model, tok = default_model
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    skew = load_or_compute_skew(model, tok, "emma", tokens=1024)
+    ids = torch.tensor([read_tokens(tok, resolve_text("prideprejudice"), 768)])
+    p = 256
+
+    def ppl(pol):
+        sess = model.new_session(1, ids.shape[1], pol)
+        lg = model.teacher_forced(ids, p, sess)
+        nll = -torch.log_softmax(lg[0, p - 1:-1].double(), -1).gather(-1, ids[0, p:, None]).mean()
+        return math.exp(nll.item()), sess.stats.overall()
+
+    full, _ = ppl(None)
+    ours, kv = ppl(make_policy("infinigen").with_skew(skew))
+    paper, kv_paper = ppl(InfiniGen.paper().with_skew(skew))
+    print(f"\nfull {full:.3f}; infinigen default {ours:.3f} ({100 * (ours / full - 1):+.2f}%, KV {100 * kv:.1f}%); "
+          f"paper {paper:.3f} ({100 * (paper / full - 1):+.2f}%, KV {100 * kv_paper:.1f}%)")
+    assert kv <= 0.20
+    assert ours / full - 1 < 0.03
+    assert ours < paper
