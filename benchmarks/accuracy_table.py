@@ -184,25 +184,42 @@ def main(argv=None) -> int:
                 "windows": args.windows, "cpu": cpu_name(), "threads": torch.get_num_threads(),
                 "torch": torch.__version__, "date": datetime.date.today().isoformat()}
     alphas = [float(a) for a in args.alphas.split(",")]
+    from infinigen.policies.infinigen import PRESETS
+
+    def preset_alpha(preset):
+        a = PRESETS[preset]["alpha"]
+        return float(a[model.cfg.arch] if isinstance(a, dict) else a)
+    a_ours, a_paper = preset_alpha("default"), preset_alpha("paper")
     started = time.perf_counter()
 
     full = run.run("full cache", "full")
-    ours = {a: run.run(f"InfiniGen (defaults), alpha {a:g}", "infinigen", alpha=a) for a in alphas}
-    paper = {a: run.run(f"InfiniGen (paper), alpha {a:g}", "infinigen", preset="paper", alpha=a) for a in alphas}
-    ref = ours.get(args.match_alpha) or run.run("InfiniGen (defaults)", "infinigen", alpha=args.match_alpha)
-    size, size_spec = ref["kv_all"], ref["kv_speculated"]
-    dense = tuple(i for i in range(model.cfg.num_layers) if i not in set(ref["speculated_layers"]))
-    h2o = run.run("H2O", "h2o", heavy_ratio=size / 2, recent_ratio=size / 2)
-    stream = run.run("StreamingLLM", "streaming", sinks=4, ratio=size)
-    oracle = run.run("oracle (all layers)", "oracle", ratio=size)
-    oracle_d = run.run("oracle (InfiniGen's dense layers)", "oracle", ratio=size_spec, dense_layers=dense)
+    ours = {a: run.run(f"InfiniGen (ours), alpha {a:g}", "infinigen", alpha=a) for a in sorted(set(alphas) | {a_ours})}
+    paper = {a: run.run(f"InfiniGen (paper), alpha {a:g}", "infinigen", preset="paper", alpha=a)
+             for a in sorted(set(alphas) | {a_paper})}
+    dense = tuple(i for i in range(model.cfg.num_layers) if i not in set(ours[a_ours]["speculated_layers"]))
+    dense_txt = ",".join(map(str, dense))
+    matched = {}  # InfiniGen (ours) alpha -> baselines at its relative KV size
+    for a in sorted({args.match_alpha, a_ours}):
+        ref = ours.get(a) or run.run(f"InfiniGen (ours), alpha {a:g}", "infinigen", alpha=a)
+        ours[a] = ref
+        size, size_spec = ref["kv_all"], ref["kv_speculated"]
+        matched[a] = {
+            "H2O": (run.run(f"H2O at alpha {a:g} size", "h2o", heavy_ratio=size / 2, recent_ratio=size / 2),
+                    f"heavy {100 * size / 2:.1f}% + recent {100 * size / 2:.1f}% of the length"),
+            "StreamingLLM": (run.run(f"StreamingLLM at alpha {a:g} size", "streaming", sinks=4, ratio=size),
+                             f"4 sinks + recent, {100 * size:.1f}% of the length"),
+            "oracle (top tokens)": (run.run(f"oracle at alpha {a:g} size", "oracle", ratio=size),
+                                    f"true top {100 * size:.1f}% per KV head, all layers"),
+            "oracle (top tokens, same dense layers)": (
+                run.run(f"oracle (dense {dense_txt}) at alpha {a:g} size", "oracle", ratio=size_spec, dense_layers=dense),
+                f"true top {100 * size_spec:.1f}%, layers {dense_txt} dense"),
+        }
     oracle_t = {a: run.run(f"oracle threshold alpha {a:g}", "oracle", alpha=a, dense_layers=dense) for a in (5.0, 6.0, 7.0)}
     int4 = run.run("INT4", "int4", bits=4, group=64)
-    pool = {ev: run.run(f"InfiniGen pool {args.capacity:g} {ev}", "infinigen", alpha=args.match_alpha,
+    pool = {ev: run.run(f"InfiniGen (ours) pool {args.capacity:g} {ev}", "infinigen", alpha=a_ours,
                         capacity=args.capacity, eviction=ev) for ev in ("counter", "lru", "fifo")}
-    noskew = run.run("InfiniGen (defaults), no skew", "infinigen", alpha=args.match_alpha, skew=False)
-    paper_ref = paper.get(args.match_alpha) or run.run("InfiniGen (paper)", "infinigen", preset="paper", alpha=args.match_alpha)
-    paper_noskew = run.run("InfiniGen (paper), no skew", "infinigen", preset="paper", alpha=args.match_alpha, skew=False)
+    noskew = run.run("InfiniGen (ours), no skew", "infinigen", alpha=a_ours, skew=False)
+    paper_noskew = run.run("InfiniGen (paper), no skew", "infinigen", preset="paper", alpha=a_paper, skew=False)
     elapsed = time.perf_counter() - started
 
     base = full["perplexity"]
@@ -213,11 +230,14 @@ def main(argv=None) -> int:
                 f"{pct(r.get('attention_mass'))} | {r['perplexity']:.3f} | {d:+.2f}% |")
 
     def knobs(r, names):
-        s = r["settings"]
-        return ", ".join(f"{n} {s[n]}" for n in names if n in s)
+        st = r["settings"]
+        return ", ".join(f"{n} {st[n]}" for n in names if n in st)
 
     ig_names = ["budget", "spec_input", "key_mode", "partial_ratio", "max_fetch_ratio", "dense_layers", "skew"]
     m = run.meta
+    head = ("| method | settings | KV size, all layers | KV size, selecting layers | attention mass read | "
+            "perplexity | vs full |")
+    rule = "|---|---|---|---|---|---|---|"
     lines = [
         "# Accuracy: perplexity and relative KV size",
         "",
@@ -230,87 +250,90 @@ def main(argv=None) -> int:
         "",
         "Relative KV size: the share of cached entries that took part in attention, averaged over steps and "
         "KV heads, over all layers (dense layers count 100%) and over the layers that select "
-        f"({len(ref['speculated_layers'])} of {model.cfg.num_layers} for InfiniGen; all layers for the other policies "
-        "unless dense layers are listed). Attention mass read: the share of the true attention weight (exact "
-        "query, all past keys and the token itself) that falls on the entries read, averaged over query heads, "
-        "steps and the selecting layers (n/a for policies replayed row by row: H2O, a pool limit).",
+        f"({len(ours[a_ours]['speculated_layers'])} of {model.cfg.num_layers} for InfiniGen; all layers for the "
+        "other policies unless dense layers are listed). Attention mass read: the share of the true attention "
+        "weight (exact query, all past keys and the token itself) on the entries read, averaged over query "
+        "heads, steps and the selecting layers (n/a for policies replayed row by row: H2O, a pool limit).",
         "",
-        "| method | settings | KV size, all layers | KV size, selecting layers | attention mass read | perplexity | vs full |",
-        "|---|---|---|---|---|---|---|",
-        row("full cache", full),
+        f"InfiniGen (ours) is the default preset (alpha {a_ours:g}); InfiniGen (paper) is `InfiniGen.paper()` "
+        f"(alpha {a_paper:g} for Llama). Settings are listed on the first row of each.",
+        "",
+        head, rule, row("full cache", full),
     ]
-    for a, r in ours.items():
-        lines.append(row(f"InfiniGen (ours), alpha {a:g}", r, knobs(r, ig_names) if a == alphas[0] else ""))
-    for a, r in paper.items():
-        lines.append(row(f"InfiniGen (paper), alpha {a:g}", r, knobs(r, ig_names) if a == alphas[0] else ""))
-    lines += [
-        row("H2O", h2o, f"heavy {100 * size / 2:.1f}% + recent {100 * size / 2:.1f}% of the length"),
-        row("StreamingLLM", stream, f"4 sinks + recent, {100 * size:.1f}% of the length"),
-        row("oracle (top tokens)", oracle, f"true top {100 * size:.1f}% per KV head, all layers"),
-        row("oracle (top tokens)", oracle_d, f"true top {100 * size_spec:.1f}%, layers {','.join(map(str, dense))} dense"),
-    ]
+    for i, (a, r) in enumerate(ours.items()):
+        mark = " (default)" if a == a_ours else ""
+        lines.append(row(f"InfiniGen (ours), alpha {a:g}{mark}", r, knobs(r, ig_names) if i == 0 else ""))
+    for i, (a, r) in enumerate(paper.items()):
+        mark = " (paper's)" if a == a_paper else ""
+        lines.append(row(f"InfiniGen (paper), alpha {a:g}{mark}", r, knobs(r, ig_names) if i == 0 else ""))
+    for a, rows in matched.items():
+        lines.append(f"| *at the size of InfiniGen (ours), alpha {a:g}: {pct(ours[a]['kv_all'])} all layers, "
+                     f"{pct(ours[a]['kv_speculated'])} selecting layers* | | | | | | |")
+        for label, (r, st) in rows.items():
+            lines.append(row(label, r, st))
+    lines.append("| *oracle with a threshold (the issue's reference points)* | | | | | | |")
     for a, r in oracle_t.items():
         lines.append(row(f"oracle threshold, alpha {a:g}", r, f"true scores > max - {a:g} per query head, union; "
-                                                              f"layers {','.join(map(str, dense))} dense"))
+                                                              f"layers {dense_txt} dense"))
     lines += [
         row("INT4", int4, "4-bit K and V, groups of 64 (about 28% of the fp16 bytes with scales)"),
         "",
-        f"H2O, StreamingLLM and the first oracle row use the all-layer KV size of InfiniGen (ours) at alpha "
-        f"{args.match_alpha:g} ({pct(size)}); the second oracle row uses its selecting-layer size "
-        f"({pct(size_spec)}) with the same dense layers.",
+        "H2O, StreamingLLM and the first oracle row of each group get the all-layer KV size of that InfiniGen "
+        "row as a fraction of the current length (H2O: half heavy hitters, half recent tokens); the second "
+        "oracle row gets its selecting-layer size with the same dense layers.",
         "",
         "## Perplexity per 256-token decoding chunk (the paper's Figure 12)",
         "",
     ]
-    fig12 = [("full cache", full), (f"InfiniGen (ours), alpha {args.match_alpha:g}", ref),
-             (f"InfiniGen (paper), alpha {args.match_alpha:g}", paper_ref), ("H2O", h2o), ("StreamingLLM", stream),
-             ("oracle (top tokens)", oracle), ("INT4", int4)]
+    fig12 = [("full cache", full), (f"InfiniGen (ours), alpha {a_ours:g}", ours[a_ours]),
+             (f"InfiniGen (paper), alpha {a_paper:g}", paper[a_paper])]
+    fig12 += [(f"{label}, at InfiniGen (ours) alpha {a_ours:g} size", r)
+              for label, (r, _) in matched[a_ours].items() if label != "oracle (top tokens, same dense layers)"]
+    fig12.append(("INT4", int4))
     n = len(full["chunks"])
     starts = [args.prefill + 256 * j for j in range(n)]
-    lines.append("| method | " + " | ".join(f"{s}-{min(args.ctx, s + 256) - 1}" for s in starts) + " |")
+    lines.append("| method | " + " | ".join(f"{st}-{min(args.ctx, st + 256) - 1}" for st in starts) + " |")
     lines.append("|---|" + "---|" * n)
     for label, r in fig12:
         lines.append(f"| {label} | " + " | ".join(f"{c:.2f}" for c in r["chunks"]) + " |")
-    nolimit = ref
+    nolimit = ours[a_ours]
     lines += [
         "",
-        f"## KV pool limit (the paper's Table 2): InfiniGen (ours), alpha {args.match_alpha:g}",
+        f"## KV pool limit (the paper's Table 2): InfiniGen (ours), alpha {a_ours:g}",
         "",
-        "| pool | perplexity | vs no limit | KV size, all layers |",
-        "|---|---|---|---|",
-        f"| 100% (no limit) | {nolimit['perplexity']:.3f} | - | {pct(nolimit['kv_all'])} |",
+        "| pool | perplexity | vs no limit | vs full cache | KV size, all layers |",
+        "|---|---|---|---|---|",
+        f"| 100% (no limit) | {nolimit['perplexity']:.3f} | - | {100 * (nolimit['perplexity'] / base - 1):+.2f}% | "
+        f"{pct(nolimit['kv_all'])} |",
     ]
     for ev in ("fifo", "lru", "counter"):
         r = pool[ev]
         lines.append(f"| {100 * args.capacity:g}% {ev.upper() if ev != 'counter' else 'counter'} "
                      f"({r['capacity']} tokens) | {r['perplexity']:.3f} | "
-                     f"{100 * (r['perplexity'] / nolimit['perplexity'] - 1):+.2f}% | {pct(r['kv_all'])} |")
+                     f"{100 * (r['perplexity'] / nolimit['perplexity'] - 1):+.2f}% | "
+                     f"{100 * (r['perplexity'] / base - 1):+.2f}% | {pct(r['kv_all'])} |")
     lines += [
         "",
-        f"## Skewing on and off (the paper's Figure 13), alpha {args.match_alpha:g}",
+        "## Skewing on and off (the paper's Figure 13)",
         "",
-        "| method | skew | KV size, all layers | KV size, selecting layers | attention mass read | perplexity | vs full |",
-        "|---|---|---|---|---|---|---|",
+        head.replace("| settings |", "| skew |"), rule,
     ]
-    for label, r in (("InfiniGen (ours)", ref), ("InfiniGen (ours)", noskew),
-                     ("InfiniGen (paper)", paper_ref), ("InfiniGen (paper)", paper_noskew)):
+    for label, r in ((f"InfiniGen (ours), alpha {a_ours:g}", ours[a_ours]), (f"InfiniGen (ours), alpha {a_ours:g}", noskew),
+                     (f"InfiniGen (paper), alpha {a_paper:g}", paper[a_paper]),
+                     (f"InfiniGen (paper), alpha {a_paper:g}", paper_noskew)):
         lines.append(row(label, r, "on" if r["settings"].get("skew") else "off"))
     # the issue's targets, checked on these numbers
-    default_alpha = make_policy("infinigen").alpha
-    if default_alpha is None:  # the preset's, per architecture
-        from infinigen.policies.infinigen import PRESETS
-        default_alpha = PRESETS["default"]["alpha"]
-    default_alpha = default_alpha.get(model.cfg.arch) if isinstance(default_alpha, dict) else default_alpha
-    d = ours.get(float(default_alpha)) or ref
+    d = ours[a_ours]
+    h2o = matched[a_ours]["H2O"][0]
     gap = 100 * (d["perplexity"] / base - 1)
     lines += [
         "",
-        f"## Targets (issue 3), InfiniGen with its default settings (alpha {default_alpha:g})",
+        f"## Targets (issue 3), InfiniGen with its default settings (alpha {a_ours:g})",
         "",
         f"- relative KV size over all layers <= 20%: {pct(d['kv_all'])} -> {'met' if d['kv_all'] <= 0.20 else 'missed'}",
         f"- within 2% of full-cache perplexity: {gap:+.2f}% -> {'met' if gap <= 2 else 'missed'}",
-        f"- better than H2O at the same size: {d['perplexity']:.3f} vs {h2o['perplexity']:.3f} -> "
-        f"{'met' if d['perplexity'] < h2o['perplexity'] else 'missed'}",
+        f"- better than H2O at the same size: {d['perplexity']:.3f} vs {h2o['perplexity']:.3f} "
+        f"(H2O at {pct(h2o['kv_all'])}) -> {'met' if d['perplexity'] < h2o['perplexity'] else 'missed'}",
         "",
     ]
     out = Path(args.out)
