@@ -31,11 +31,12 @@ def _append(store: KVStore, pos: int) -> torch.Tensor:
 
 @settings(max_examples=40, deadline=None)
 @given(victim=st.sampled_from(["counter", "lru", "fifo"]), capacity=st.integers(2, 12), prompt=st.integers(1, 12),
-       steps=st.integers(1, 40), seed=st.integers(0, 2**16), protect=st.integers(0, 3))
-def test_capacity_never_exceeded(victim, capacity, prompt, steps, seed, protect):
+       steps=st.integers(1, 40), seed=st.integers(0, 2**16), protect=st.integers(0, 3), sinks=st.integers(0, 2))
+def test_capacity_never_exceeded(victim, capacity, prompt, steps, seed, protect, sinks):
     prompt = min(prompt, capacity)
     protect = min(protect, capacity - 1)
-    pool = make_pool(victim, protect_recent=protect)
+    sinks = min(sinks, capacity - 1 - protect, prompt)
+    pool = make_pool(victim, protect_recent=protect, protect_sinks=sinks)
     store = _store(pool, capacity, prompt)
     g = torch.Generator().manual_seed(seed)
     for t in range(prompt, prompt + steps):
@@ -52,6 +53,7 @@ def test_capacity_never_exceeded(victim, capacity, prompt, steps, seed, protect)
                 held = pos[b, h].tolist()
                 assert len(set(held)) == len(held)
                 assert set(range(max(0, t - protect + 1), t + 1)) <= set(held)
+                assert set(range(sinks)) <= set(held)
 
 
 def test_fifo_evicts_in_arrival_order():

@@ -8,7 +8,8 @@ Victims are chosen per layer, batch row and KV head (heads read different tokens
   lru                the slot read (or written) least recently
   fifo               the slot written first
 `protect_recent` keeps the newest N tokens out of reach of eviction (DESIGN 2.4: the authors'
-simulation only evicts from the older half). Invalid slots (left padding) always go first.
+simulation only evicts from the older half), `protect_sinks` the first N positions of the sequence
+(attention sinks, StreamingLLM). Invalid slots (left padding) always go first.
 
 The store calls `victims` when it is full, then `on_write` with the slots written, then `on_read`
 with the slots the step's attention read (`infinigen.cache.KVStore`, `infinigen.model`).
@@ -31,18 +32,20 @@ class KVPool:
     victim: str = "counter"  # "counter" | "lru" | "fifo"
     saturate: int = 255  # counter value that triggers halving (8-bit counters)
     protect_recent: int = 0  # the newest N tokens are never evicted
+    protect_sinks: int = 0  # nor the first N positions (attention sinks)
 
     def __post_init__(self):
         if self.victim not in VICTIM_POLICIES:
             raise UserError(f"eviction policy must be one of {', '.join(VICTIM_POLICIES)}, got {self.victim!r}")
         if self.saturate < 2:
             raise UserError("counter saturation must be at least 2")
-        if self.protect_recent < 0:
-            raise UserError("protected recent tokens must be >= 0")
+        if self.protect_recent < 0 or self.protect_sinks < 0:
+            raise UserError("protected recent and sink tokens must be >= 0")
 
     def begin(self, num_layers: int, batch: int, kv_heads: int, capacity: int, device) -> None:
-        if self.protect_recent >= capacity:
-            raise UserError(f"cannot protect {self.protect_recent} recent tokens in a pool of {capacity}")
+        if self.protect_recent + self.protect_sinks >= capacity:
+            raise UserError(f"cannot protect {self.protect_recent} recent and {self.protect_sinks} sink tokens "
+                            f"in a pool of {capacity}")
         self.capacity = capacity
         shape = (batch, kv_heads, capacity)
         # prompt tokens arrive in slot order before every decoded token: stamps -capacity .. -1
@@ -67,6 +70,9 @@ class KVPool:
         if self.protect_recent:
             newest = born.amax(-1, keepdim=True)
             key = key.masked_fill(born > newest - self.protect_recent, torch.iinfo(torch.long).max)
+        if self.protect_sinks:
+            sink = store.valid[layer] & (store.pos[layer] < self.protect_sinks)
+            key = key.masked_fill(sink, torch.iinfo(torch.long).max)
         self.evictions[layer] += 1
         return key.argmin(-1)
 
