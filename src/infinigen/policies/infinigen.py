@@ -256,14 +256,19 @@ class InfiniGen(Policy):
         w = self.cfg.sliding_window
         return valid if w is None else valid & (cur - pos < w)
 
+    def _scores(self, layer: int, row: int, pk: torch.Tensor) -> torch.Tensor:
+        """Speculated scores [B, Hkv, G, S] of decoding row `row` against the partial keys pk [B, Hkv, S, c].
+        One float32 matmul per row with the same shapes on both paths (decoding and `select_rows`), so
+        they agree bit for bit; the G query heads are the matmul rows (broadcasting pk over G copied it
+        G times)."""
+        qs = self._spec_rows(layer, slice(row, row + 1))[:, :, :, 0].contiguous()  # [B, Hkv, G, c]
+        return qs @ pk.transpose(-1, -2)
+
     def _select_row(self, layer: int, row: int, session) -> torch.Tensor:
         """Selection [B, Hkv, S] over the store's slots for decoding row `row`."""
         store = session.store
         n = store.length[layer]
-        qs = self._spec_rows(layer, slice(row, row + 1))  # [B, Hkv, G, 1, c]
-        pk = self.pk[layer][:, :, :n]  # [B, Hkv, S, c]
-        # [B, Hkv, G, 1, S]; the G query heads as matmul rows: broadcasting pk over G copied it G times (10x slower)
-        scores = (qs[:, :, :, 0].double() @ pk.double().transpose(-1, -2))[:, :, :, None]
+        scores = self._scores(layer, row, self.pk[layer][:, :, :n])[:, :, :, None]  # [B, Hkv, G, 1, S]
         valid = store.valid[layer][:, :, :n]
         cur = session.positions[:, row]
         valid = self._window(valid, store.pos[layer][:, :, :n], cur[:, None, None])
@@ -276,12 +281,14 @@ class InfiniGen(Policy):
         if layer not in self.spec_layers:
             return None
         p, t = session.first_row, k.shape[2]
-        pk = self._key_rows(k, layer).double()  # [B, Hkv, T, c]
+        pk = self._key_rows(k, layer)  # [B, Hkv, T, c]
         out = torch.zeros(k.shape[0], k.shape[1], t - p, t, dtype=torch.bool, device=k.device)
+        g = self.cfg.num_heads // self.cfg.num_kv_heads
         for s in range(p, t, ROW_CHUNK):
             e = min(t, s + ROW_CHUNK)  # rows s..e-1 see at most columns 0..e-2
-            qs = self._spec_rows(layer, slice(s, e)).double()  # [B, Hkv, G, R, c]
-            scores = qs @ pk[:, :, None, :e].transpose(-1, -2)
+            scores = torch.full((k.shape[0], k.shape[1], g, e - s, e), float("-inf"), device=k.device)
+            for r in range(s, e):  # row r sees the r cached tokens before it, as when decoding
+                scores[:, :, :, r - s, :r] = self._scores(layer, r, pk[:, :, :r])
             cols = torch.arange(e, device=k.device)[None, :]
             rows = torch.arange(s, e, device=k.device)[:, None]
             valid = self._window(cols < rows, cols, rows)  # [R, e]
@@ -289,7 +296,7 @@ class InfiniGen(Policy):
         return out
 
     def _choose(self, s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Scores s [B, Hkv, G, R, S] (float64) of R rows over S slots, valid [B|1, Hkv|1, R, S] ->
+        """Scores s [B, Hkv, G, R, S] (float32) of R rows over S slots, valid [B|1, Hkv|1, R, S] ->
         keep [B, Hkv, R, S]: per query head, the tokens above max - alpha, counted per `budget`:
 
           mean      (paper) every query head of the layer takes its top-n, n the mean of the heads'
@@ -301,8 +308,8 @@ class InfiniGen(Policy):
                     layer): above it, the entries with the most speculated attention mass (summed over
                     the group's query heads) win, so peaked heads give up nothing to flat ones
         The cap is `max_fetch_ratio` of the cached tokens (per KV head; per layer for "layer")."""
-        # float64 scores agree between the vectorized and the row-by-row path up to ~1e-16; rounded to
-        # float32 they agree bit for bit, and the selection below is a deterministic function of them
+        # the scores agree bit for bit between the paths (`_scores`); the selection below is a
+        # deterministic function of them, row by row
         rel = s.float().masked_fill_(~valid[:, :, None], float("-inf"))
         rel -= rel.amax(-1, keepdim=True).clamp(min=torch.finfo(rel.dtype).min)  # relative to each head's max
         length = valid.sum(-1)  # [B|1, Hkv|1, R] cached tokens
@@ -344,7 +351,10 @@ class InfiniGen(Policy):
             return keep
         sc, nn = score[todo], n[todo]  # [N, S], [N]
         kmax = min(int(nn.max()), sc.shape[-1])
-        thr = sc.topk(kmax, dim=-1, sorted=True).values.gather(-1, (nn.clamp(1, kmax) - 1)[:, None])
+        if bool((nn >= kmax).all()):  # one n for every row (the common case): no need to sort the top
+            thr = sc.topk(kmax, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+        else:
+            thr = sc.topk(kmax, dim=-1, sorted=True).values.gather(-1, (nn.clamp(1, kmax) - 1)[:, None])
         above = sc > thr
         tie = (sc == thr) & (sc > float("-inf"))
         take = above | (tie & (tie.cumsum(-1) <= (nn[:, None] - above.sum(-1, keepdim=True))))
