@@ -24,8 +24,6 @@ import dataclasses
 import datetime
 import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,17 +35,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from infinigen.eval.ppl import perplexity, resolve_text, token_windows  # noqa: E402
 from infinigen.loading import load  # noqa: E402
+from infinigen.bench import cpu_name  # noqa: E402
 from infinigen.policies import make_policy  # noqa: E402
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def source_hash(*modules) -> str:

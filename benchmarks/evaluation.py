@@ -31,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from infinigen.bench import cpu_name  # noqa: E402
 from infinigen.eval import analyze as an  # noqa: E402
 from infinigen.eval import fewshot as fs  # noqa: E402
 from infinigen.eval import needle as nd  # noqa: E402
@@ -42,16 +43,6 @@ from infinigen.policies import make_policy  # noqa: E402
 FEWSHOT_TASKS = ["cause_and_effect/one_sentence", "cause_and_effect/two_sentences", "general_knowledge",
                  "logical_deduction/three_objects", "social_iqa", "analytic_entailment"]
 FEWSHOT_HALF_TASKS = ["analytic_entailment", "entailed_polarity", "cause_and_effect/two_sentences"]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None) -> int:

@@ -513,7 +513,7 @@ def sweep(model, systems: list[System], settings: BenchSettings, tokenizer=None,
 
 def machine() -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "cpu": _cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+            "cpu": cpu_name(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     try:
@@ -524,7 +524,8 @@ def machine() -> dict:
     return info
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU model, for naming the machine under a result."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
