@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from infinigen.eval.ppl import perplexity, resolve_text, token_windows  # noqa: E402
+from infinigen.eval.ppl import jsonable, perplexity, resolve_text, token_windows  # noqa: E402
 from infinigen.loading import load  # noqa: E402
 from infinigen.bench import cpu_name  # noqa: E402
 from infinigen.policies import make_policy  # noqa: E402
@@ -47,14 +47,6 @@ def source_hash(*modules) -> str:
     for name in modules:
         h.update(Path(importlib.import_module(name).__file__).read_bytes())
     return h.hexdigest()[:12]
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x if isinstance(x, (int, float, str, bool)) or x is None else str(x)
 
 
 class MassMeter:
@@ -113,7 +105,7 @@ class Runner:
         code = ["infinigen.model", "infinigen.cache", "infinigen.eval.ppl", type(pol).__module__]
         code += ["infinigen.pool"] if capacity else []
         code += ["infinigen.skew"] if policy == "infinigen" else []
-        key = json.dumps(_jsonable([policy, settings, capacity, eviction if capacity else None, self.args.ctx,
+        key = json.dumps(jsonable([policy, settings, capacity, eviction if capacity else None, self.args.ctx,
                                     self.args.prefill, self.args.windows, self.args.text, self.args.calib,
                                     source_hash(*code)]), sort_keys=True)
         if key in self.results:
@@ -124,7 +116,7 @@ class Runner:
         meter = MassMeter(pol, self.model.scale)
         res = perplexity(self.model, self.tok, None, pol, prefill=self.args.prefill, tokens=self.ids,
                          capacity=capacity, eviction=eviction, progress=self.args.progress)
-        r = {"key": key, "label": label, "policy": policy, "settings": _jsonable(settings), "capacity": res.capacity,
+        r = {"key": key, "label": label, "policy": policy, "settings": jsonable(settings), "capacity": res.capacity,
              "eviction": res.eviction, "perplexity": res.perplexity, "kv_all": res.kv_all,
              "kv_speculated": res.kv_speculated, "speculated_layers": res.speculated_layers,
              "kv_per_layer": res.kv_per_layer, "chunks": [c["perplexity"] for c in res.chunks],
@@ -210,6 +202,7 @@ def main(argv=None) -> int:
     noskew = run.run("InfiniGen (ours), no skew", "infinigen", alpha=a_ours, skew=False)
     paper_noskew = run.run("InfiniGen (paper), no skew", "infinigen", preset="paper", alpha=a_paper, skew=False)
     elapsed = time.perf_counter() - started
+    compute = sum(r["seconds"] for r in run.results.values())  # rows reused with --resume keep their own time
 
     base = full["perplexity"]
 
@@ -235,7 +228,8 @@ def main(argv=None) -> int:
         f"{'' if args.windows == 1 else f' in {args.windows} windows'}), context {args.ctx}, the first "
         f"{args.prefill} tokens as a dense prompt, the other {args.ctx - args.prefill} scored teacher-forced "
         f"(identical to token-by-token decoding with the policy). Skew calibrated on {args.calib}. "
-        f"Machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; {elapsed / 60:.0f} min in all.",
+        f"Machine: {m['cpu']}, {m['threads']} threads, torch {m['torch']}; {compute / 60:.0f} min of compute for "
+        f"{len(run.results)} runs.",
         "",
         "Relative KV size: the share of cached entries that took part in attention, averaged over steps and "
         "KV heads, over all layers (dense layers count 100%) and over the layers that select "
@@ -328,7 +322,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines))
-    run.meta["minutes"] = elapsed / 60
+    run.meta["minutes_this_run"] = elapsed / 60
     run.save()
     print("\n".join(lines))
     return 0

@@ -10,7 +10,7 @@ import torch
 
 from infinigen.errors import UserError
 from infinigen.policies import make_policy
-from infinigen.policies.infinigen import InfiniGen, fake_int4
+from infinigen.policies.infinigen import BUDGETS, InfiniGen, fake_int4
 from infinigen.pool import KVPool
 
 T, P = 36, 12
@@ -78,9 +78,28 @@ def test_unlimited_budget_is_dense(make_tiny, kind, budget, spec_input, key_mode
 
 # ---- selection semantics on constructed scores ------------------------------------------------------
 def _chooser(budget, alpha, cap=1.0):
-    pol = InfiniGen(budget=budget, max_fetch_ratio=cap)
+    pol = InfiniGen(budget=budget, max_fetch_ratio=cap, min_fetch=0)
     pol._alpha = alpha
     return pol
+
+
+def test_min_fetch_floor_on_short_contexts():
+    """14% of 40 tokens is 5: the default's floor lets up to 32 per KV head through, the paper has none."""
+    s = torch.linspace(0, 1, 40, dtype=torch.float32).expand(1, 2, 2, 1, 40).clone()  # flat: all above max - alpha
+    valid = torch.ones(1, 1, 1, 40, dtype=torch.bool)
+    for budget in BUDGETS:
+        pol = InfiniGen(budget=budget, max_fetch_ratio=0.14)
+        pol._alpha = 7.0
+        assert pol.min_fetch == 32
+        assert pol._choose(s.clone(), valid).sum(-1).flatten().tolist() == [32, 32], budget
+        pol = InfiniGen(budget=budget, max_fetch_ratio=0.14, min_fetch=0)
+        pol._alpha = 7.0
+        counts = pol._choose(s.clone(), valid).sum(-1).flatten().tolist()
+        assert (sum(counts) == 11) if budget == "layer" else (counts == [5, 5]), (budget, counts)  # layer: 14% of 80
+        pol = InfiniGen(budget=budget, max_fetch_ratio=0.14, min_fetch=64)  # more than there is: all of it
+        pol._alpha = 7.0
+        assert pol._choose(s.clone(), valid).sum(-1).flatten().tolist() == [40, 40], budget
+    assert InfiniGen.paper().min_fetch == 0
 
 
 def test_choose_constructed_scores():
@@ -213,7 +232,7 @@ def test_gqa_selection_covers_query_heads(make_tiny):
 def test_select_rows_equals_decoding(make_tiny, kind, budget, spec_input, key_mode):
     _, model = make_tiny(kind)
     tokens = _tokens(model)
-    knobs = dict(alpha=1.0, max_fetch_ratio=0.3, dense_layers=(0,), budget=budget, spec_input=spec_input,
+    knobs = dict(alpha=1.0, max_fetch_ratio=0.3, min_fetch=0, dense_layers=(0,), budget=budget, spec_input=spec_input,
                  key_mode=key_mode, matrices=_mats(model))
     vec = _record(make_policy("infinigen", **knobs))
     s_vec = model.new_session(2, T, vec)
@@ -272,7 +291,8 @@ def test_presets_and_knobs(make_tiny):
     assert d.dense_layers == (0, 1, 2) and d.alpha == 6 and d.preset == "default"
     assert make_policy("infinigen", dense_layers="").dense_layers == ()
     for bad in (dict(alpha=0), dict(partial_ratio=0), dict(max_fetch_ratio=1.5), dict(budget="max"),
-                dict(spec_input="x"), dict(key_mode="int8"), dict(dense_layers="a")):
+                dict(spec_input="x"), dict(key_mode="int8"), dict(dense_layers="a"), dict(min_fetch=-1),
+                dict(min_fetch=2.5)):
         with pytest.raises(UserError):
             make_policy("infinigen", **bad)
     with pytest.raises(UserError):
@@ -284,7 +304,7 @@ def test_presets_and_knobs(make_tiny):
 
 def test_dense_layers_count_in_relative_kv(make_tiny):
     _, model = make_tiny("llama", num_hidden_layers=4)
-    pol = make_policy("infinigen", alpha=0.5, max_fetch_ratio=0.2, dense_layers=(0, 1), matrices=_mats(model))
+    pol = make_policy("infinigen", alpha=0.5, max_fetch_ratio=0.2, min_fetch=0, dense_layers=(0, 1), matrices=_mats(model))
     sess = model.new_session(2, T, pol)
     model.teacher_forced(_tokens(model), P, sess)
     per = sess.stats.per_layer()

@@ -220,7 +220,7 @@ def test_bench_cli_smoke(tiny_checkpoint, tmp_path, monkeypatch):
     code = main(["bench", "-m", str(tiny_checkpoint), "--text", str(text), "--prompt-len", "24,40", "--batch-size", "1,2",
                  "--gen-len", "4", "--policy", "full,infinigen,h2o,int4", "--kv-offload", "cpu,disk",
                  "--pool-dir", str(tmp_path / "pool"), "--breakdown", "1", "--json", str(out), "--plot", str(png),
-                 "--knob", "infinigen.dense_layers=0"])
+                 "--knob", "infinigen.dense_layers=0", "--knob", "infinigen.min_fetch=0"])
     assert code == 0
     data = json.loads(out.read_text())
     rows = data["rows"]

@@ -29,6 +29,7 @@ class KVStore:
         self.valid = [torch.zeros(shape[:3], dtype=torch.bool, device=device) for _ in range(num_layers)]
         self.pos = [torch.full(shape[:3], -1, dtype=torch.long, device=device) for _ in range(num_layers)]
         self.length = [0] * num_layers  # slots in use (the append pointer until the pool is full)
+        self.padded = False  # a prompt had padding: some used slots are not valid
 
     def past(self, layer: int):
         """Views of the used slots: k, v [B,Hkv,S,d], valid and pos [B,Hkv,S]."""
@@ -72,26 +73,41 @@ class KVStore:
         self.valid[layer][:, :, :t] = token_valid[:, None, :]
         self.pos[layer][:, :, :t] = positions[:, None, :]
         self.length[layer] = t
+        if layer == 0:
+            self.padded = not bool(token_valid.all())
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Store one token's k, v [B,Hkv,1,d]; returns the slot written per (batch, kv head) [B,Hkv]."""
-        n = self.length[layer]
         b, h = k.shape[:2]
-        if n < self.capacity:
-            slots = torch.full((b, h), n, dtype=torch.long, device=k.device)
-            self.length[layer] = n + 1
-        else:
-            if self.allocator is None:
-                raise RuntimeError("KV store is full and has no eviction policy")
-            slots = self.allocator.victims(layer, self)
+        slots = self._claim(layer, b, h, k.device)
         idx = slots[:, :, None, None].expand(b, h, 1, k.shape[-1])
         self.k[layer].scatter_(2, idx, self.codec.encode(k))
         self.v[layer].scatter_(2, idx, self.codec.encode(v))
+        self._mark(layer, slots, positions)
+        return slots
+
+    def _claim(self, layer: int, b: int, h: int, device) -> torch.Tensor:
+        """The slot [B,Hkv] each row's next token goes to: the append pointer, or a victim once full."""
+        n = self.length[layer]
+        if n < self.capacity:
+            self.length[layer] = n + 1
+            return torch.full((b, h), n, dtype=torch.long, device=device)
+        if self.allocator is None:
+            raise RuntimeError("KV store is full and has no eviction policy")
+        return self.allocator.victims(layer, self)
+
+    def _mark(self, layer: int, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Record that `slots` now hold the tokens at `positions` [B] (after their k and v are written)."""
+        b, h = slots.shape
         self.valid[layer].scatter_(2, slots[:, :, None], True)
         self.pos[layer].scatter_(2, slots[:, :, None], positions[:, None, None].expand(b, h, 1))
         if self.allocator is not None:
             self.allocator.on_write(layer, slots)
-        return slots
+
+    def attends_in_place(self) -> bool:
+        """Dense attention may read this store's used slots directly, the current token written first:
+        in fast memory, every used slot valid, no victims, values stored as computed."""
+        return type(self) is KVStore and self.allocator is None and not self.padded and type(self.codec) is KVCodec
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -23,6 +23,9 @@ from .policies.base import FullCache, Policy
 PREFILL_CHUNK = 1024  # query rows per attention call: bounds the score matrix at long contexts
 
 
+SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -272,9 +275,10 @@ class Transformer(nn.Module):
         hkv = k.shape[1]
         g = h // hkv
         if causal and t == k.shape[2]:
-            if g > 1:  # the GQA group's keys for every query head (a transient copy; fast and exact)
+            if g > 1 and not SDPA_GQA:  # the GQA group's keys for every query head (a transient copy)
                 k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+            kw = {"enable_gqa": True} if g > 1 and SDPA_GQA else {}  # no copy: 9% faster at 8192 tokens on CPU
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, **kw)
         qg = q.view(b, hkv, g, t, d)
         out = torch.empty_like(qg)
         for s in range(0, t, PREFILL_CHUNK):
@@ -330,6 +334,17 @@ class Transformer(nn.Module):
         if self.cfg.sliding_window is not None:
             valid = valid & (cur[:, None, None] - pos < self.cfg.sliding_window)
         keep = pol.select(layer, q, sess)
+        if keep is None and store.attends_in_place() and type(pol).observe is Policy.observe and (
+                self.cfg.sliding_window is None or store.length[layer] < self.cfg.sliding_window):
+            # the plain dense step: store the token, then one fused attention over all used slots
+            # (no mask, no separate current token, no weights kept for the policy)
+            sess.stats.record(layer, valid.sum(-1, keepdim=True), cur[:, None, None])
+            slots = store.append(layer, k, v, cur)
+            kp, vp, _, _ = store.past(layer)
+            b, h, _, d = q.shape
+            out = F.scaled_dot_product_attention(q.view(b, kp.shape[1], h // kp.shape[1], d), kp, vp, scale=self.scale)
+            pol.on_append(layer, slots, k, v, sess)
+            return out.view(b, h, 1, d)
         if keep is None:
             idx, mask = None, valid
             kp, vp = store.dense(layer)  # an offloaded store hands its fast-tier copy here

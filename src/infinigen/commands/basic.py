@@ -81,8 +81,9 @@ def parse_knobs(knobs: list[str]) -> dict:
     return out
 
 
-def make_policy_from_cli(name: str, knobs: list[str] | None = None):
-    """The policy `name` with `--knob` settings; unknown knob names are an error, not ignored."""
+def make_policy_from_cli(name: str, knobs: list[str] | None = None, base: dict | None = None):
+    """The policy `name` with `base` settings (from a command's own options) and `--knob` settings on
+    top; unknown knob names are an error, not ignored."""
     from ..policies import make_policy, policy_class
     cls = policy_class(name)
     values = parse_knobs(knobs or [])
@@ -92,7 +93,7 @@ def make_policy_from_cli(name: str, knobs: list[str] | None = None):
         have = ", ".join(sorted(f for f in fields if not f.startswith("_"))) or "none"
         raise UserError(f"policy {name!r} has no knob {unknown[0]!r}; its knobs: {have}")
     try:
-        return make_policy(name, **values)
+        return make_policy(name, **{**(base or {}), **values})
     except (TypeError, ValueError) as e:
         raise UserError(f"bad knob for policy {name!r}: {e}")
 

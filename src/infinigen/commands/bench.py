@@ -141,7 +141,7 @@ def bench_cmd(
             else:
                 pol.calibrate(net, tok, progress=True)  # cached after the first run
         if synthetic and pol.name == "infinigen":
-            pol.alpha, pol.max_fetch_ratio = 1e9, fixed_ratio  # every token qualifies; the cap picks the top share
+            pol.alpha, pol.max_fetch_ratio, pol.min_fetch = 1e9, fixed_ratio, 0  # every token qualifies; the cap picks the top share
 
     systems = []
     if ideal:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from ..errors import UserError
-from .basic import MODEL_HELP, check_model_options, check_range, load_model, parse_knobs
+from .basic import MODEL_HELP, check_model_options, check_range, load_model, make_policy_from_cli
 
 EVICTIONS = ("counter", "lru", "fifo")
 
@@ -70,7 +69,7 @@ def ppl_cmd(
     partial_ratio: Optional[float] = typer.Option(None, "--partial-ratio", help="infinigen: share of head_dim columns in the partial weights."),
     max_fetch: Optional[float] = typer.Option(None, "--max-fetch", help="infinigen: at most this share of the cached tokens per step."),
     dense_layers: Optional[str] = typer.Option(None, "--dense-layers", help="infinigen: layers attending densely, e.g. '0,1' ('' = none but layer 0)."),
-    budget: Optional[str] = typer.Option(None, "--budget", help="infinigen: token count per head: mean (paper), per_head or union."),
+    budget: Optional[str] = typer.Option(None, "--budget", help="infinigen: token count per head: mean (paper), per_head, union or layer."),
     spec_input: Optional[str] = typer.Option(None, "--spec-input", help="infinigen: attn_in (paper) or attn_out."),
     key_mode: Optional[str] = typer.Option(None, "--key-mode", help="infinigen: partial (paper) or int4."),
     preset: Optional[str] = typer.Option(None, "--preset", help="infinigen: 'default' (best measured) or 'paper'."),
@@ -94,8 +93,8 @@ def ppl_cmd(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file ('-': stdout only)."),
 ):
     """Perplexity with a KV-cache policy: overall, per 256-token decoding chunk, and the relative KV size."""
-    from ..eval.ppl import load_text, perplexity, resolve_capacity, resolve_text
-    from ..policies import REGISTRY, make_policy
+    from ..eval.ppl import jsonable, load_text, perplexity, resolve_capacity, resolve_text
+    from ..policies import REGISTRY
 
     if policy not in REGISTRY:
         raise UserError(f"unknown policy {policy!r}; choose from {', '.join(REGISTRY)}")
@@ -128,18 +127,7 @@ def ppl_cmd(
             "--dense-layers": dense_layers, "--budget": budget, "--spec-input": spec_input, "--key-mode": key_mode,
             "--preset": preset, "--no-skew": no_skew, "--heavy": heavy, "--recent": recent, "--sinks": sinks,
             "--window": window, "--ratio": ratio, "--tokens": tokens, "--bits": bits, "--group": group}
-    knobs = _policy_knobs(policy, opts)
-    extra = parse_knobs(knob)
-    from ..policies import policy_class
-    fields = {f.name for f in dataclasses.fields(policy_class(policy))}
-    unknown = sorted(set(extra) - fields)
-    if unknown:
-        raise UserError(f"policy {policy!r} has no knob {unknown[0]!r}; its knobs: {', '.join(sorted(fields)) or 'none'}")
-    knobs.update(extra)
-    try:
-        pol = make_policy(policy, **knobs)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"bad setting for policy {policy!r}: {e}")
+    pol = make_policy_from_cli(policy, knob, base=_policy_knobs(policy, opts))
     path = resolve_text(text)
     body = load_text(path)
     pool_kw = {"protect_recent": protect_recent} if protect_recent is not None else {}
@@ -152,7 +140,7 @@ def ppl_cmd(
     res = perplexity(net, tok, None, pol, prefill=prefill, capacity=capacity, eviction=eviction, progress=True,
                      tokens=ids, pool_kw=pool_kw, chunk=chunk)
     settings = {f.name: getattr(pol, f.name) for f in dataclasses.fields(pol) if f.name != "matrices"}
-    out = {"model": model_name, "text": str(path), "policy": policy, "settings": _jsonable(settings), **res.to_dict()}
+    out = {"model": model_name, "text": str(path), "policy": policy, "settings": jsonable(settings), **res.to_dict()}
     if json_out is not None and str(json_out) == "-":
         print(json.dumps(out, indent=2))
         return
@@ -162,16 +150,6 @@ def ppl_cmd(
             json_out.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
         except OSError as e:
             raise UserError(f"cannot write {json_out}: {e}")
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (int, float, str, bool)) or x is None:
-        return x
-    return str(x)
 
 
 def _print(r: dict) -> None:

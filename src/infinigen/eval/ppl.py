@@ -221,3 +221,14 @@ def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: in
                      window_perplexities=window_ppl,
                      ctx=ctx, prefill=prefill, windows=windows, capacity=cap,
                      eviction=eviction if use_pool else None, seconds=time.perf_counter() - start)
+
+
+def jsonable(x):
+    """Settings (tuples, tensors, paths...) as plain JSON values; anything else becomes its text."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, (int, float, str, bool)) or x is None:
+        return x
+    return str(x)

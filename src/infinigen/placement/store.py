@@ -197,15 +197,8 @@ class OffloadedKVStore(KVStore):
         self.length[layer] = t
 
     def append(self, layer, k, v, positions):
-        n = self.length[layer]
         b, h = k.shape[:2]
-        if n < self.capacity:
-            slots = torch.full((b, h), n, dtype=torch.long, device=k.device)
-            self.length[layer] = n + 1
-        else:
-            if self.allocator is None:
-                raise RuntimeError("KV store is full and has no eviction policy")
-            slots = self.allocator.victims(layer, self)
+        slots = self._claim(layer, b, h, k.device)
         self._drop(layer)  # an unused prefetched copy of this layer no longer matches the pool
         rows = (slots * self.bh + torch.arange(self.bh, device=k.device).view(b, h)).reshape(-1)
         data = [self.layout.encode(x.reshape(self.bh, self.head_dim)) for x in (k, v)]
@@ -215,10 +208,7 @@ class OffloadedKVStore(KVStore):
             for kind in KV:
                 for plane, d in zip(self.planes[layer][kind], data[kind]):
                     plane.index_copy_(0, rows, d)
-        self.valid[layer].scatter_(2, slots[:, :, None], True)
-        self.pos[layer].scatter_(2, slots[:, :, None], positions[:, None, None].expand(b, h, 1))
-        if self.allocator is not None:
-            self.allocator.on_write(layer, slots)
+        self._mark(layer, slots, positions)
         return slots
 
     def _write_async(self, layer, rows, data):
