@@ -327,28 +327,28 @@ class Transformer(nn.Module):
     # ---- decode ---------------------------------------------------------------------------------
     def _step_attention(self, layer: int, q, k, v, sess: Session) -> torch.Tensor:
         """Attention of one token per row (q [B,H,1,d]) over the past entries the policy selects plus
-        itself, then the token is stored. The current token is kept apart so nothing is copied."""
+        itself, then the token is stored. A plain dense step stores the token first and runs one fused
+        attention over the store; otherwise the current token is kept apart, so nothing is copied."""
         store, pol = sess.store, sess.policy
         kp, vp, valid, pos = store.past(layer)
         cur = sess.positions[:, sess.row]  # [B]
         if self.cfg.sliding_window is not None:
             valid = valid & (cur[:, None, None] - pos < self.cfg.sliding_window)
         keep = pol.select(layer, q, sess)
-        if keep is None and store.attends_in_place() and type(pol).observe is Policy.observe and (
-                self.cfg.sliding_window is None or store.length[layer] < self.cfg.sliding_window):
-            # the plain dense step: store the token, then one fused attention over all used slots
-            # (no mask, no separate current token, no weights kept for the policy)
-            sess.stats.record(layer, valid.sum(-1, keepdim=True), cur[:, None, None])
-            slots = store.append(layer, k, v, cur)
-            kp, vp, _, _ = store.past(layer)
-            b, h, _, d = q.shape
-            out = F.scaled_dot_product_attention(q.view(b, kp.shape[1], h // kp.shape[1], d), kp, vp, scale=self.scale)
-            pol.on_append(layer, slots, k, v, sess)
-            return out.view(b, h, 1, d)
         if keep is None:
+            sess.stats.record(layer, valid.sum(-1, keepdim=True), cur[:, None, None])
+            if store.attends_in_place() and type(pol).observe is Policy.observe and (
+                    self.cfg.sliding_window is None or store.length[layer] < self.cfg.sliding_window):
+                # no mask, no separate current token, no weights kept for the policy
+                slots = store.append(layer, k, v, cur)
+                kp, vp, _, _ = store.past(layer)
+                b, h, _, d = q.shape
+                out = F.scaled_dot_product_attention(q.view(b, kp.shape[1], h // kp.shape[1], d), kp, vp,
+                                                     scale=self.scale)
+                pol.on_append(layer, slots, k, v, sess)
+                return out.view(b, h, 1, d)
             idx, mask = None, valid
             kp, vp = store.dense(layer)  # an offloaded store hands its fast-tier copy here
-            sess.stats.record(layer, valid.sum(-1, keepdim=True), cur[:, None, None])
         else:
             keep, idx, mask, counts = store.slots(layer, keep, valid)  # an offloaded store planned them already
             kp, vp = store.gather(layer, idx)

@@ -288,13 +288,11 @@ class InfiniGen(Policy):
         pk = self._key_rows(k, layer)  # [B, Hkv, T, c]
         b, hkv = k.shape[:2]
         out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=k.device)
-        w = self.cfg.sliding_window
         for r in range(p, t):
             # row r sees the r cached tokens before it: the same shapes, so the same float32 numbers,
             # as `_select_row` when decoding (row by row: the selection's reductions depend on shapes)
-            valid = torch.ones(b, hkv, 1, r, dtype=torch.bool, device=k.device)
-            if w is not None:
-                valid &= r - torch.arange(r, device=k.device) < w
+            valid = self._window(torch.ones(b, hkv, 1, r, dtype=torch.bool, device=k.device),
+                                 torch.arange(r, device=k.device), r)
             scores = self._scores(layer, r, pk[:, :, :r])[:, :, :, None]  # [B, Hkv, G, 1, r]
             out[:, :, r - p, :r] = self._choose(scores * self.scale, valid)[:, :, 0]
         return out
