@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from infinigen.eval import fewshot as fs
 from infinigen.eval.policyset import parse_policies
 from infinigen.policies import make_policy
+from infinigen.placement import Placement
 
 TASK = {
     "task_prefix": "Answer yes or no.\n",
@@ -70,7 +71,7 @@ def test_encode_pair_moves_trailing_space(tiny_tokenizer):
 
 
 def _manual_loglik(model, ctx, cont):
-    sess = model.new_session(1, len(ctx) + len(cont))
+    sess = Placement().new_session(model, 1, len(ctx) + len(cont))
     logits = model.prefill(torch.tensor([ctx + cont]), sess, all_logits=True)[0]
     lp = F.log_softmax(logits.float(), -1)
     return sum(lp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont))

@@ -13,6 +13,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from infinigen import load  # noqa: E402
 from infinigen.eval.lm_eval_adapter import InfiniGenLM  # noqa: E402
+from infinigen.placement import Placement
 
 
 def _req(kind, args, i=0):
@@ -26,7 +27,7 @@ def tiny(tiny_checkpoint):
 
 
 def _ll(model, ids, n_ctx):
-    sess = model.new_session(1, len(ids))
+    sess = Placement().new_session(model, 1, len(ids))
     lp = F.log_softmax(model.prefill(torch.tensor([ids]), sess, all_logits=True)[0].float(), -1)
     return sum(lp[t - 1, ids[t]].item() for t in range(n_ctx, len(ids)))
 

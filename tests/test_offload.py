@@ -3,6 +3,7 @@ host buffer) gives the same tokens as the in-memory store with the same policy, 
 limit; the slow tier never holds more than the limit; the pool file is removed afterwards."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -47,7 +48,7 @@ def _policy(name, model=None):
         cfg = model.cfg  # random orthogonal skew matrices: no calibration needed, the maths is the same
         g = torch.Generator().manual_seed(5)
         a = torch.linalg.qr(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, generator=g))[0]
-        return make_policy("infinigen", dense_layers=(0,), matrices=a)
+        return make_policy("infinigen", dense_layers=(0,)).with_skew(a)
     return make_policy(name)
 
 
@@ -61,8 +62,8 @@ def _prompts(batch=B, length=PROMPT, seed=3):
 
 def _run(model, placement, policy, capacity=None, pool_bytes=None, allocator=None, gen=GEN, keep=False):
     tokens, pad = _prompts()
-    sess = placement.new_session(model, B, PROMPT + gen, policy, capacity=capacity, pool_bytes=pool_bytes,
-                                 allocator=allocator)
+    placement = dataclasses.replace(placement, capacity=capacity, pool_bytes=pool_bytes)
+    sess = placement.new_session(model, B, PROMPT + gen, policy, allocator=allocator)
     logits = model.prefill(tokens, sess, pad)
     out, steps = [], []
     for _ in range(gen):
@@ -257,7 +258,16 @@ def test_pool_bytes_too_small_is_a_user_error(tiny_llama):
     from infinigen.errors import UserError
     _, model = tiny_llama
     with pytest.raises(UserError):
-        Placement("cpu").new_session(model, B, 40, make_policy("full"), pool_bytes=10)
+        Placement("cpu", pool_bytes=10).new_session(model, B, 40, make_policy("full"))
+
+
+@pytest.mark.parametrize("kw", [dict(capacity=10), dict(capacity=0.25)], ids=str)
+def test_pool_smaller_than_the_prompt_is_a_user_error(tiny_llama, kw):
+    """Found when the store is made, before any work: a pool of 10 tokens cannot hold a 24-token prompt."""
+    from infinigen.errors import UserError
+    _, model = tiny_llama
+    with pytest.raises(UserError, match="cannot hold the 24-token prompt"):
+        Placement("disk", **kw).new_session(model, B, 40, make_policy("full"), prompt_len=PROMPT)
 
 
 def test_int4_pool_is_packed(tiny_llama):
@@ -276,7 +286,7 @@ def test_teacher_forced_on_offloaded_store(tiny_llama, tmp_path):
     """The replay path (stateful policy) reads through the same store methods."""
     _, model = tiny_llama
     tokens, _ = _prompts(batch=2, length=30)
-    ref = model.teacher_forced(tokens, 20, model.new_session(2, 30, make_policy("h2o")))
+    ref = model.teacher_forced(tokens, 20, Placement().new_session(model, 2, 30, make_policy("h2o")))
     pl = Placement("disk", pool_dir=str(tmp_path))
     sess = pl.new_session(model, 2, 30, make_policy("h2o"))
     got = model.teacher_forced(tokens, 20, sess)
@@ -398,15 +408,16 @@ def test_shared_prefill_replays_to_the_same_tokens(tiny_llama, tmp_path):
 
 
 def test_generate_with_an_offloaded_pool(tiny_checkpoint, tmp_path):
-    """`generate` takes the placement through session_kw and gives the in-memory tokens."""
+    """`generate` takes a placement and gives the in-memory tokens."""
     from infinigen.generate import generate
     from infinigen.loading import load
     model, tok, _ = load(str(tiny_checkpoint), progress=False)
     prompts = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome"]
     ref = generate(model, tok, prompts, max_new_tokens=6, policy=make_policy("h2o"))
     got = generate(model, tok, prompts, max_new_tokens=6, policy=make_policy("h2o"),
-                   session_kw=Placement("disk", pool_dir=str(tmp_path)).session_kw(model))
+                   placement=Placement("disk", pool_dir=str(tmp_path)))
     assert got.tokens == ref.tokens
+    assert os.listdir(tmp_path) == []  # the pool file went with the session
 
 
 @pytest.mark.integration

@@ -11,6 +11,7 @@ import torch
 from infinigen.cli import main
 from infinigen.eval import perplexity, resolve_text, token_windows
 from infinigen.policies import make_policy
+from infinigen.placement import Placement
 
 CTX, PREFILL = 64, 16
 
@@ -40,7 +41,7 @@ def test_full_cache_perplexity_matches_dense_scoring(tiny_checkpoint, text_file,
     from infinigen.loading import load
     model, tok, _ = load(str(tiny_checkpoint), progress=False)
     ids = token_windows(tok, text_file.read_text(), CTX)
-    sess = model.new_session(1, CTX)
+    sess = Placement().new_session(model, 1, CTX)
     logits = model.prefill(ids, sess, all_logits=True)[0]
     nll = torch.nn.functional.cross_entropy(logits[PREFILL - 1:-1], ids[0, PREFILL:], reduction="none").double()
     assert r["tokens"] == CTX - PREFILL == nll.numel()
@@ -122,7 +123,7 @@ def test_corpus_names_resolve_through_infinigen_data(tmp_path, monkeypatch):
     (["--policy", "full", "--alpha", "5"], "--alpha does not apply"),
     (["--capacity", "0.1"], "cannot hold"),
     (["--capacity", "-3"], "--capacity"),
-    (["--capacity", "0.8", "--eviction", "random"], "--eviction"),
+    (["--capacity", "0.8", "--eviction", "random"], "--evict"),
     (["--eviction", "lru"], "need a pool limit"),
     (["--text", "no_such_novel"], "neither a file nor a bundled corpus"),
     (["--policy", "oracle", "--ratio", "1.5"], "--ratio"),

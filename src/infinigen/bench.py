@@ -13,7 +13,6 @@ then fetches a fixed share of the tokens per step (`fixed_ratio`, measure it on 
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import hashlib
 import json
@@ -27,6 +26,7 @@ import torch
 from .errors import UserError
 from .placement import Placement, TransferStats
 from .placement.timing import Breakdown
+from .policies.base import Policy, tensor_bytes
 
 # paper-size shapes for --synthetic (random weights): (arch, transformers config fields)
 SYNTHETIC = {
@@ -179,28 +179,6 @@ class MemoryProbe:
         return None
 
 
-def _tensor_bytes(x) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size() if x.device.type != "meta" else 0
-    if isinstance(x, dict):
-        return sum(_tensor_bytes(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in x)
-    return 0
-
-
-def policy_state_bytes(policy) -> dict:
-    """Bytes of tensors a policy keeps (per attribute): e.g. InfiniGen's partial key cache `pk`."""
-    out = {}
-    for name, value in vars(policy).items():
-        if name in ("model", "cfg"):
-            continue
-        b = _tensor_bytes(value)
-        if b:
-            out[name] = b
-    return out
-
-
 def weight_bytes(model) -> int:
     seen, total = set(), 0
     for p in model.parameters():
@@ -210,75 +188,53 @@ def weight_bytes(model) -> int:
     return total
 
 
-def speculation_memory(model, policy, kv_bytes: int) -> dict | None:
-    """What InfiniGen's speculation state costs, relative to the weights and to the full KV cache: the
-    partial key cache (fast tier), the skew matrices and partial indices it keeps, and, for reference,
-    a separately stored partial query weight of ceil(r*d) columns (the paper's layout, 2.5% in the paper;
-    our runtime reads the columns from the full W_Q instead)."""
-    if getattr(policy, "name", "") != "infinigen":
-        return None
-    state = policy_state_bytes(policy)
-    pk = state.get("pk", 0)
-    weights = weight_bytes(model)
-    kept = sum(v for k, v in state.items() if k in ("A", "idx"))
-    cols = getattr(policy, "cols", None) or 0
-    d = model.cfg.head_dim
-    wq = sum(blk.attn.q_proj.weight.numel() * blk.attn.q_proj.weight.element_size() for blk in model.layers)
-    spec_layers = len(getattr(policy, "spec_layers", ())) or model.cfg.num_layers
-    paper_partial_w = int(wq * cols / d * spec_layers / model.cfg.num_layers) if cols else 0
-    return {"partial_key_cache_bytes": pk, "partial_key_cache_vs_kv": pk / kv_bytes if kv_bytes else None,
-            "skew_and_index_bytes": kept, "skew_and_index_vs_weights": kept / weights,
-            "partial_query_weight_bytes_if_stored": paper_partial_w,
-            "partial_query_weight_vs_weights": paper_partial_w / weights}
-
-
 # ---- runs ------------------------------------------------------------------------------------------
+class _Record(Policy):
+    """Dense attention that keeps each layer's prompt queries, keys and values in `tier`."""
+    name = "record"
+
+    def __init__(self, tier):
+        self.tier, self.qkv = tier, []
+
+    def on_prefill(self, layer, q, k, v, session):
+        kept = []
+        for x in (q, k, v):
+            t = self.tier.empty(tuple(x.shape), x.dtype, name=f"p{layer}")
+            t.copy_(x)
+            kept.append(t)
+        self.qkv.append(kept)
+
+
 class SharedPrefill:
     """One real prefill of a cell's prompts whose per-layer queries, keys and values are kept (in a
-    memory-mapped file, or pinned host memory behind a GPU), then replayed into each system's session:
-    the store writes and the policy's `on_prefill` run as in `Transformer.prefill`, the prompt's
-    attention and MLPs are not recomputed. For long prompts on a CPU, where one prefill takes minutes.
-    Every system then decodes from the same state; its prefill latency is the shared one."""
+    memory-mapped file, or pinned host memory behind a GPU), then replayed into each system's session
+    through `Session.start_prefill` / `prefill_layer`, as `Transformer.prefill` writes a session; the
+    prompt's attention and MLPs are not recomputed. For long prompts on a CPU, where one prefill takes
+    minutes. Every system then decodes from the same state; its prefill latency is the shared one."""
 
     def __init__(self, model, tokens: torch.Tensor, directory=None):
         from .placement.tiers import SlowTier
-        from .policies import make_policy
         self.model = model
         fast = model.device
         self.tier = SlowTier("cpu" if fast.type == "cuda" else "disk", fast, directory)
-        self.qkv = []
-        rec = make_policy("full")
-
-        def keep(layer, q, k, v, session):
-            kept = []
-            for x in (q, k, v):
-                t = self.tier.empty(tuple(x.shape), x.dtype, name=f"p{layer}")
-                t.copy_(x)
-                kept.append(t)
-            self.qkv.append(kept)
-
-        rec.on_prefill = keep
-        sess = model.new_session(tokens.shape[0], tokens.shape[1], rec)
+        rec = _Record(self.tier)
+        sess = Placement().new_session(model, tokens.shape[0], tokens.shape[1], rec)
         tokens = tokens.to(fast)
         _sync(fast)
         t0 = time.perf_counter()
         self.logits = model.prefill(tokens, sess)
         _sync(fast)
         self.seconds = time.perf_counter() - t0
-        self.positions, self.next_pos = sess.positions, sess.next_pos
-        self.valid = torch.ones(tokens.shape, dtype=torch.bool, device=fast)
+        self.qkv = rec.qkv
+        self.positions, self.valid = sess.positions, sess.prompt_valid
         del sess
 
     @torch.inference_mode()
     def replay(self, sess) -> torch.Tensor:
         fast = self.model.device
-        t = self.positions.shape[1]
-        sess.positions, sess.row, sess.mode = self.positions, t - 1, "prefill"
-        sess.next_pos = self.next_pos
+        sess.start_prefill(self.positions, self.valid)
         for layer, (q, k, v) in enumerate(self.qkv):
-            q, k, v = q.to(fast), k.to(fast), v.to(fast)
-            sess.store.write_prompt(layer, k, v, self.valid, self.positions)
-            sess.policy.on_prefill(layer, q, k, v, sess)
+            sess.prefill_layer(layer, q.to(fast), k.to(fast), v.to(fast))
         return self.logits
 
     def close(self) -> None:
@@ -289,11 +245,6 @@ class SharedPrefill:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def fresh(policy):
-    """A new instance with the same knobs (policies keep per-request state)."""
-    return dataclasses.replace(policy)
 
 
 def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, shared: SharedPrefill | None = None) -> dict:
@@ -310,19 +261,15 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
               shared: SharedPrefill | None = None) -> dict:
     b, t = tokens.shape
     device = model.device
-    pol = fresh(system.policy)
-    placement = Placement(system.kv_offload, pool_dir=s.pool_dir, prefetch=s.prefetch, threaded=s.threaded)
-    allocator = None
-    if s.capacity is not None or s.pool_bytes is not None:
-        from .pool import make_pool
-        allocator = make_pool(s.eviction)
+    pol = system.policy
+    placement = Placement(system.kv_offload, pool_dir=s.pool_dir, capacity=s.capacity, pool_bytes=s.pool_bytes,
+                          evict=s.eviction, prefetch=s.prefetch, threaded=s.threaded)
     max_len = t + s.gen_len + s.breakdown_steps
     probe = MemoryProbe(device)
     _collect(model, b, max_len)
     probe.reset()
     stats = TransferStats()
-    sess = placement.new_session(model, b, max_len, pol, capacity=s.capacity, pool_bytes=s.pool_bytes,
-                                 allocator=allocator, stats=stats)
+    sess = placement.new_session(model, b, max_len, pol, prompt_len=t, stats=stats)
     tokens = tokens.to(device)
     try:
         _sync(device)
@@ -350,13 +297,15 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
         store = sess.store
         slow = store.slow_bytes() if hasattr(store, "slow_bytes") else 0
         kv_full = _kv_bytes(model, b, store.capacity)
-        state = policy_state_bytes(pol)
+        spec = [i for i in range(model.cfg.num_layers) if pol.speculated(i)]
+        state = pol.fast_tier_bytes(sess.state)
         fast_weights = weight_bytes(model) if weights is None else (
             weight_bytes(model) - weights.slow_bytes + weights.fast_buffer_bytes())
         fast_tracked = fast_weights + sum(state.values()) + (
             stats.peak_fast_bytes if hasattr(store, "slow_bytes") else store.nbytes())
         row = {
-            "system": system.label, "policy": pol.name, "kv_offload": system.kv_offload, "batch": b, "prompt_len": t,
+            "system": system.label, "policy": pol.name, "settings": pol.settings(model),
+            "kv_offload": system.kv_offload, "batch": b, "prompt_len": t,
             "gen_len": s.gen_len, "prefill_s": prefill_s, "prefill_shared": shared is not None,
             "prefill_replay_s": replay_s, "decode_s": decode_s,
             "decode_ms_per_step": 1e3 * decode_s / max(steps, 1),
@@ -373,8 +322,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             "pool_capacity_tokens": store.capacity,
             "kv_bytes_full": kv_full,
             "relative_kv": sess.stats.overall(),
-            "relative_kv_speculated": (sess.stats.overall(getattr(pol, "spec_layers", None))
-                                       if getattr(pol, "spec_layers", None) else None),
+            "relative_kv_speculated": sess.stats.overall(spec) if spec else None,
             "tokens_sha1": hashlib.sha1(generated.numpy().tobytes()).hexdigest()[:12],
         }
         if weights is not None:
@@ -382,7 +330,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             row["weight_bytes_moved_per_token"] = (weights.bytes_moved - w_moved) / (b * steps) if steps else None
             row["weight_fast_buffer_bytes"] = weights.fast_buffer_bytes()
             row["weight_slow_bytes"] = weights.slow_bytes
-        mem = speculation_memory(model, pol, kv_full)
+        mem = pol.memory_report(model, sess.state, kv_full)
         if mem:
             row["speculation_memory"] = mem
         if s.breakdown_steps:
@@ -438,7 +386,7 @@ def run_transformers(hf_model, tokens: torch.Tensor, system: System, s: BenchSet
         decode_s = time.perf_counter() - t0
     steps = s.gen_len - 1
     generated = torch.stack(gen, 1).cpu()
-    kv = sum(_tensor_bytes([getattr(layer, "keys", None), getattr(layer, "values", None)]) for layer in cache.layers)
+    kv = sum(tensor_bytes([getattr(layer, "keys", None), getattr(layer, "values", None)]) for layer in cache.layers)
     tracked = weight_bytes(hf_model) + kv
     del cache, out
     _collect(hf_model, b, t)
@@ -484,6 +432,9 @@ def add_ratios(rows: list[dict]) -> None:
 def sweep(model, systems: list[System], settings: BenchSettings, tokenizer=None, text: str | None = None,
           hf_model=None, progress=None) -> list[dict]:
     """Every system at every (prompt length, batch size); rows in that order."""
+    for system in systems:
+        if system.ours:
+            system.policy.prepare(model, tokenizer)
     rows = []
     for t in settings.prompt_lens:
         for b in settings.batch_sizes:
@@ -585,7 +536,3 @@ def plot(rows: list[dict], path, title: str = "") -> None:
     finally:
         plt.close(fig)
 
-
-def make_full():
-    from .policies import make_policy
-    return make_policy("full")

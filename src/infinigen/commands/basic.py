@@ -15,6 +15,7 @@ import typer
 
 from ..errors import UserError
 from ..policies import REGISTRY
+from . import placement_opts
 
 DEVICES = ("cpu", "cuda")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
@@ -142,6 +143,11 @@ def generate_cmd(
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
     policy: str = typer.Option("full", "--policy", help=f"KV-cache policy: {', '.join(REGISTRY)}."),
     knob: list[str] = typer.Option([], "--knob", help="A policy setting NAME=VALUE (repeatable), e.g. --knob alpha=5."),
+    kv_offload: str = placement_opts.KV_OFFLOAD,
+    pool_bytes: Optional[str] = placement_opts.POOL_BYTES,
+    capacity: Optional[float] = placement_opts.CAPACITY,
+    pool_dir: Optional[Path] = placement_opts.POOL_DIR,
+    evict: str = placement_opts.EVICT,
 ):
     """Generate text with the runtime, streaming the first prompt's answer."""
     from ..generate import Sampling, TextStreamer, generate
@@ -156,6 +162,7 @@ def generate_cmd(
     prompts = read_prompts(prompt, prompt_file)
     prompts = [p for p in prompts for _ in range(batch_size)]
     pol = make_policy_from_cli(policy, knob)
+    placement = placement_opts.placement_from(kv_offload, pool_bytes, capacity, pool_dir, evict)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     sampling.validate()
 
@@ -163,7 +170,7 @@ def generate_cmd(
         net, tok, name = load_model(model, dtype, device)
         streamer = TextStreamer(tok, row=0, write=_out)
         g = generate(net, tok, prompts, max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
-                     chat=chat, on_token=streamer)
+                     chat=chat, on_token=streamer, placement=placement)
     except KeyboardInterrupt:  # Ctrl-C: "aborted", exit 130, no traceback
         _out("\n")
         raise typer.Abort()

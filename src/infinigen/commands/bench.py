@@ -108,11 +108,13 @@ def bench_cmd(
         raise UserError("--layers and --fixed-ratio apply to --synthetic runs")
     if synthetic is not None and synthetic not in bench.SYNTHETIC:
         raise UserError(f"unknown --synthetic shape {synthetic!r}; choose from {', '.join(bench.SYNTHETIC)}")
-    if synthetic is not None and any(n.startswith("infinigen") for n in names) and fixed_ratio is None:
-        raise UserError("--synthetic with infinigen needs --fixed-ratio (speculation on random weights means nothing)")
 
     from ..eval.policyset import parse_policies
+    from ..policies import make_policy
     policies = parse_policies(names, knob)
+    if synthetic:
+        for pol in policies.values():
+            pol.for_random_weights(None, fixed_ratio)  # checked before the random weights are built
 
     import torch
     if threads:
@@ -131,21 +133,15 @@ def bench_cmd(
         if max_len > net.cfg.max_position:
             raise UserError(f"prompt + generated tokens ({max_len}) exceed the model's context ({net.cfg.max_position})")
         hf_model = bench.hf_model_for(model, DTYPES[dtype], device) if hf else None
-    for label, pol in policies.items():
-        if pol.name == "infinigen" and getattr(pol, "skew", False):
-            if synthetic:
-                cfg = net.cfg
-                g = torch.Generator().manual_seed(0)
-                pol.with_skew(torch.linalg.qr(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                                          cfg.head_dim, generator=g, dtype=torch.float64))[0])
-            else:
-                pol.calibrate(net, tok, progress=True)  # cached after the first run
-        if synthetic and pol.name == "infinigen":
-            pol.alpha, pol.max_fetch_ratio, pol.min_fetch = 1e9, fixed_ratio, 0  # every token qualifies; the cap picks the top share
+    if synthetic:
+        policies = {label: pol.for_random_weights(net, fixed_ratio) for label, pol in policies.items()}
+    else:
+        for pol in policies.values():
+            pol.prepare(net, tok, progress=True)  # InfiniGen: skew from the cache, else calibrated once and cached
 
     systems = []
     if ideal:
-        systems.append(bench.System("ideal", bench.make_full(), "none"))
+        systems.append(bench.System("ideal", make_policy("full"), "none"))
     for tier in tiers:
         for label, pol in policies.items():
             if pol.name == "full":

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
+from . import placement_opts
 from .basic import MODEL_HELP, check_model_options, check_range, load_model
 
 
@@ -28,6 +29,11 @@ def fewshot_cmd(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results to this JSON file."),
     list_only: bool = typer.Option(False, "--list", help="List the available tasks and exit."),
+    kv_offload: str = placement_opts.KV_OFFLOAD,
+    pool_bytes: Optional[str] = placement_opts.POOL_BYTES,
+    capacity: Optional[float] = placement_opts.CAPACITY,
+    pool_dir: Optional[Path] = placement_opts.POOL_DIR,
+    evict: str = placement_opts.EVICT,
 ):
     """Few-shot accuracy (acc, acc_norm) and agreement with the full cache, per task and policy."""
     from tqdm.auto import tqdm
@@ -47,6 +53,7 @@ def fewshot_cmd(
     check_model_options(device, dtype)
     names = fs.resolve_tasks(task, root)
     pols = parse_policies(policy, knob)
+    placement = placement_opts.placement_from(kv_offload, pool_bytes, capacity, pool_dir, evict)
     tasks = [fs.Task.load(n, fs.list_tasks(root)[n]) for n in names]
     lim = limit or None
     total = sum(min(len(t.examples), lim or len(t.examples)) for t in tasks) * len(pols | {"full": None})
@@ -56,7 +63,7 @@ def fewshot_cmd(
         for t in tasks:
             bar.set_postfix_str(t.name)
             results += fs.evaluate_task(net, tok, t, pols, shots=shots, limit=lim, prefill_frac=prefill_frac,
-                                        seed=seed, progress=bar.update)
+                                        seed=seed, progress=bar.update, placement=placement)
     print(f"{model_name}, {shots}-shot, prefill fraction {prefill_frac:g}\n")
     print(fs.markdown_table(results))
     if len(tasks) > 1:

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
+from . import placement_opts
 from .basic import MODEL_HELP, check_model_options, load_model
 
 
@@ -53,6 +54,11 @@ def needle_cmd(
     model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    kv_offload: str = placement_opts.KV_OFFLOAD,
+    pool_bytes: Optional[str] = placement_opts.POOL_BYTES,
+    capacity: Optional[float] = placement_opts.CAPACITY,
+    pool_dir: Optional[Path] = placement_opts.POOL_DIR,
+    evict: str = placement_opts.EVICT,
 ):
     """Retrieval accuracy per policy over context lengths and needle depths; table and heat map."""
     from tqdm.auto import tqdm
@@ -69,6 +75,7 @@ def needle_cmd(
         raise UserError("--batch-tokens must be >= 1")
     check_model_options(device, dtype)
     pols = parse_policies(policy, knob)
+    placement = placement_opts.placement_from(kv_offload, pool_bytes, capacity, pool_dir, evict)
     if haystack not in (None, "filler", "pg"):
         nd.haystack_text(haystack)  # fail on a bad name before loading the model
     net, tok, model_name = load_model(model, dtype, device)
@@ -77,7 +84,8 @@ def needle_cmd(
     prepare(pols, net, tok, progress=True)
     total = len(tasks) * len(ls) * len(ds) * len(pols)
     with tqdm(total=total, desc="needle", unit="answer", file=sys.stderr) as bar:
-        results = nd.evaluate(net, tok, pols, tasks, ls, ds, haystack, chat, seed, batch_tokens, progress=bar.update)
+        results = nd.evaluate(net, tok, pols, tasks, ls, ds, haystack, chat, seed, batch_tokens, progress=bar.update,
+                              placement=placement)
     table = nd.markdown_tables(results)
     print(f"{model_name}: retrieval score (passkey: exact key; niah: share of key phrases)\n")
     print(table)

@@ -15,9 +15,8 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
+from . import placement_opts
 from .basic import MODEL_HELP, check_model_options, check_range, load_model, make_policy_from_cli
-
-EVICTIONS = ("counter", "lru", "fifo")
 
 
 def _policy_knobs(policy: str, opts: dict) -> dict:
@@ -51,7 +50,8 @@ def _policy_knobs(policy: str, opts: dict) -> dict:
             field = {"--alpha": "alpha", "--partial-ratio": "partial_ratio", "--max-fetch": "max_fetch_ratio",
                      "--dense-layers": "dense_layers", "--budget": "budget", "--spec-input": "spec_input",
                      "--key-mode": "key_mode", "--preset": "preset", "--sinks": "sinks", "--window": "window",
-                     "--ratio": "ratio", "--tokens": "tokens", "--bits": "bits", "--group": "group"}[option]
+                     "--ratio": "ratio", "--tokens": "tokens", "--bits": "bits", "--group": "group",
+                     "--calib": "calib"}[option]
             put(option, field, value)
     return out
 
@@ -75,8 +75,11 @@ def ppl_cmd(
     preset: Optional[str] = typer.Option(None, "--preset", help="infinigen: 'default' (best measured) or 'paper'."),
     no_skew: bool = typer.Option(False, "--no-skew", help="infinigen: do not skew queries and keys."),
     calib: Optional[str] = typer.Option(None, "--calib", help="infinigen: calibration text for the skew matrices (default emma)."),
-    capacity: Optional[float] = typer.Option(None, "--capacity", help="KV pool limit: tokens, or a fraction of --ctx (e.g. 0.8)."),
-    eviction: str = typer.Option("counter", "--eviction", help="Pool victim policy: counter, lru or fifo."),
+    kv_offload: str = placement_opts.KV_OFFLOAD,
+    pool_bytes: Optional[str] = placement_opts.POOL_BYTES,
+    capacity: Optional[float] = placement_opts.CAPACITY,
+    pool_dir: Optional[Path] = placement_opts.POOL_DIR,
+    eviction: str = placement_opts.EVICT,
     protect_recent: Optional[int] = typer.Option(None, "--protect-recent", help="Pool: never evict the newest N tokens."),
     heavy: Optional[float] = typer.Option(None, "--heavy", help="h2o: heavy hitters, tokens (>= 1) or a fraction of the length."),
     recent: Optional[float] = typer.Option(None, "--recent", help="h2o: recent tokens, tokens (>= 1) or a fraction of the length."),
@@ -93,7 +96,7 @@ def ppl_cmd(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file ('-': stdout only)."),
 ):
     """Perplexity with a KV-cache policy: overall, per 256-token decoding chunk, and the relative KV size."""
-    from ..eval.ppl import jsonable, load_text, perplexity, resolve_capacity, resolve_text
+    from ..eval.ppl import load_text, perplexity, resolve_text
     from ..policies import REGISTRY
 
     if policy not in REGISTRY:
@@ -114,33 +117,30 @@ def ppl_cmd(
     check_range("tokens", tokens, lo=0)
     check_range("group", group, lo=1)
     check_range("protect-recent", protect_recent, lo=0)
-    if eviction not in EVICTIONS:
-        raise UserError(f"unknown --eviction {eviction!r}; choose from {', '.join(EVICTIONS)}")
     check_model_options(device, dtype)
-    resolve_capacity(capacity, ctx, prefill)  # checked now, before loading
+    placement = placement_opts.placement_from(kv_offload, pool_bytes, capacity, pool_dir, eviction,
+                                              protect_recent=protect_recent or 0)
     check_range("chunk", chunk, lo=1)
-    if (protect_recent is not None or eviction != "counter") and capacity is None:
-        raise UserError("--eviction and --protect-recent need a pool limit (--capacity)")
+    if (protect_recent is not None or placement.evict != "counter") and not placement.limited:
+        raise UserError("--eviction and --protect-recent need a pool limit (--capacity or --pool-bytes)")
     if calib is not None and (policy != "infinigen" or no_skew):
         raise UserError("--calib applies to policy infinigen with skewing")
     opts = {"--alpha": alpha, "--partial-ratio": partial_ratio, "--max-fetch": max_fetch,
             "--dense-layers": dense_layers, "--budget": budget, "--spec-input": spec_input, "--key-mode": key_mode,
             "--preset": preset, "--no-skew": no_skew, "--heavy": heavy, "--recent": recent, "--sinks": sinks,
-            "--window": window, "--ratio": ratio, "--tokens": tokens, "--bits": bits, "--group": group}
+            "--window": window, "--ratio": ratio, "--tokens": tokens, "--bits": bits, "--group": group, "--calib": calib}
     pol = make_policy_from_cli(policy, knob, base=_policy_knobs(policy, opts))
     path = resolve_text(text)
     body = load_text(path)
-    pool_kw = {"protect_recent": protect_recent} if protect_recent is not None else {}
+    if placement.pool_bytes is None and placement.pool_tokens(None, 1, ctx) < prefill:  # checked before loading
+        raise UserError(f"a KV pool of {placement.pool_tokens(None, 1, ctx)} tokens cannot hold the {prefill}-token prompt")
 
     net, tok, model_name = load_model(model, dtype, device)
-    if policy == "infinigen" and getattr(pol, "skew", False):
-        pol.calibrate(net, tok, calib=calib, progress=True)  # cached artifact after the first run
+    pol.prepare(net, tok, progress=True)  # InfiniGen: skew from the cache, else calibrated once and cached
     from ..eval.ppl import token_windows
     ids = token_windows(tok, body, ctx, windows)
-    res = perplexity(net, tok, None, pol, prefill=prefill, capacity=capacity, eviction=eviction, progress=True,
-                     tokens=ids, pool_kw=pool_kw, chunk=chunk)
-    settings = {f.name: getattr(pol, f.name) for f in dataclasses.fields(pol) if f.name != "matrices"}
-    out = {"model": model_name, "text": str(path), "policy": policy, "settings": jsonable(settings), **res.to_dict()}
+    res = perplexity(net, tok, None, pol, prefill=prefill, placement=placement, progress=True, tokens=ids, chunk=chunk)
+    out = {"model": model_name, "text": str(path), "policy": policy, "settings": pol.settings(net), **res.to_dict()}
     if json_out is not None and str(json_out) == "-":
         print(json.dumps(out, indent=2))
         return

@@ -5,8 +5,6 @@ A knob `NAME=VALUE` goes to every listed policy that has a field NAME (an error 
 """
 from __future__ import annotations
 
-import dataclasses
-
 from ..errors import UserError
 
 
@@ -27,8 +25,8 @@ def _value(text: str):
 def knob_dict(name: str, knobs: list[str] | None, base: dict | None = None) -> dict:
     """`NAME=VALUE` settings of one policy as a dict (checked: the policy must have each knob and
     accept the values)."""
-    from ..policies import make_policy, policy_class
-    fields = {f.name for f in dataclasses.fields(policy_class(name))}
+    from ..policies import knob_types, make_policy
+    fields = set(knob_types(name))
     out = dict(base or {})
     for kv in knobs or []:
         if "=" not in kv:
@@ -47,12 +45,12 @@ def knob_dict(name: str, knobs: list[str] | None, base: dict | None = None) -> d
 
 def parse_policies(spec: str | list[str], knobs: list[str] | None = None) -> dict:
     """name -> Policy, in the order given (a name may carry a label: "h2o@small" is H2O labelled so)."""
-    from ..policies import make_policy, policy_class
+    from ..policies import knob_types, make_policy
     names = [s.strip() for part in ([spec] if isinstance(spec, str) else spec) for s in part.split(",") if s.strip()]
     if not names:
         raise UserError("no policy given")
     kinds = {n: n.split("@")[0] for n in names}
-    fields = {n: {f.name for f in dataclasses.fields(policy_class(k))} for n, k in kinds.items()}
+    fields = {n: set(knob_types(k)) for n, k in kinds.items()}
     values: dict[str, dict] = {n: {} for n in names}
     for kv in knobs or []:
         if "=" not in kv:
@@ -79,11 +77,6 @@ def parse_policies(spec: str | list[str], knobs: list[str] | None = None) -> dic
 
 
 def prepare(policies: dict, model, tokenizer, progress: bool = False) -> None:
-    """Give policies what they need from the model before use: InfiniGen's skew matrices (loaded from
-    the cache of `infinigen skew`, or calibrated once and cached)."""
+    """`Policy.prepare` for each (InfiniGen: skew matrices from the cache, or calibrated once and cached)."""
     for p in policies.values():
-        needs_skew = getattr(p, "skew", False) and getattr(p, "matrices", None) is None
-        if needs_skew and hasattr(p, "calibrate") and getattr(model, "skew_folded", None) is None:
-            from ..skew import find_cached_skew
-            if find_cached_skew(model) is None:  # else the policy picks the cached artifact up itself
-                p.calibrate(model, tokenizer, progress=progress)
+        p.prepare(model, tokenizer, progress=progress)
