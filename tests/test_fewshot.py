@@ -181,7 +181,7 @@ def test_evaluate_task_aggregates(task_dir, tiny_tokenizer, monkeypatch):
                  ([-1, -2, -3], [0.5, 0.5, 0.5])]
     calls = []
 
-    def score_item(model, pairs, policies, prefill_frac):
+    def score_item(model, pairs, policies, prefill_frac, placement=None):
         assert len(pairs) == 3 and prefill_frac == 0.5
         k = len(calls)
         calls.append(k)

@@ -62,11 +62,11 @@ def test_full_cache_perplexity_matches_dense_scoring(tiny_checkpoint, text_file,
     (["--policy", "int4"], (1.0, 1.0), ("int4", {}, {})),
     (["--policy", "int4", "--bits", "16"], (1.0, 1.0), ("full", {}, {})),  # no quantization: the full cache
     (["--policy", "full", "--capacity", "0.8", "--eviction", "lru"], (0.9, 0.999),
-     ("full", {}, dict(capacity=0.8, eviction="lru"))),
+     ("full", {}, dict(capacity=0.8, evict="lru"))),
     (["--policy", "full", "--capacity", "40", "--eviction", "lru", "--protect-recent", "12"], (0.7, 0.99),
-     ("full", {}, dict(capacity=40, eviction="lru", pool_kw={"protect_recent": 12}))),
+     ("full", {}, dict(capacity=40, evict="lru", protect_recent=12))),
     (["--policy", "full", "--capacity", "40", "--eviction", "fifo"], (0.7, 0.99),
-     ("full", {}, dict(capacity=40, eviction="fifo"))),
+     ("full", {}, dict(capacity=40, evict="fifo"))),
 ])
 def test_policies_and_pool_through_the_cli(tiny_checkpoint, text_file, tmp_path, capsys, args, kv, same):
     rc, r, cap = _run(["--model", str(tiny_checkpoint), "--text", str(text_file), "--ctx", str(CTX),
@@ -82,7 +82,8 @@ def test_policies_and_pool_through_the_cli(tiny_checkpoint, text_file, tmp_path,
     from infinigen.loading import load
     model, tok, _ = load(str(tiny_checkpoint), progress=False)
     name, knobs, pool = same
-    lib = perplexity(model, tok, text_file, make_policy(name, **knobs), ctx=CTX, prefill=PREFILL, windows=2, **pool)
+    lib = perplexity(model, tok, text_file, make_policy(name, **knobs), ctx=CTX, prefill=PREFILL, windows=2,
+                     placement=Placement(**pool))
     assert r["perplexity"] == pytest.approx(lib.perplexity, rel=1e-9)
     assert r["window_perplexities"] == pytest.approx(lib.window_perplexities, rel=1e-9)
     assert r["kv_all"] == pytest.approx(lib.kv_all, rel=1e-9)
