@@ -278,6 +278,44 @@ def test_decode_selection_is_ready_one_layer_ahead(make_tiny):
     assert ready == [True, True]
 
 
+@pytest.mark.parametrize("skew", [False, True])
+def test_partial_index_holds_the_heaviest_columns(make_tiny, skew):
+    """The paper's partial index (key_mode "partial"): per request and KV head, the ceil(r*d) columns with
+    the largest |Q~| + |K~| mass over the prompt, in skewed coordinates. Constructed so that a few raw
+    columns dominate, some through the queries (summed over the group's query heads), one through the
+    keys; the skew is a permutation per KV head, so where those columns land is known."""
+    _, model = make_tiny("llama")
+    c = model.cfg
+    b, t, d, g = 2, 10, c.head_dim, c.group_size
+    perm = [torch.randperm(d, generator=torch.Generator().manual_seed(11 + h)) for h in range(c.num_kv_heads)]
+    mats = torch.zeros(c.num_layers, c.num_kv_heads, d, d, dtype=torch.float64)
+    for h, pm in enumerate(perm):
+        mats[:, h, torch.arange(d), pm] = 1.0  # (x A)[:, pm[i]] = x[:, i]
+    pol = InfiniGen.paper(dense_layers=(0,), skew=skew).with_skew(mats)
+    cols = math.ceil(pol.partial_ratio * d)
+    assert cols == 3
+    gen = torch.Generator().manual_seed(4)
+    q = 0.05 * torch.randn(b, c.num_heads, t, d, generator=gen)
+    k = 0.05 * torch.randn(b, c.num_kv_heads, t, d, generator=gen)
+    heavy = {(0, 0): (1, 6, 3), (0, 1): (0, 2, 7), (1, 0): (5, 4, 2), (1, 1): (3, 1, 6)}  # via q, q, k
+    for (row, h), (qa, qb, kc) in heavy.items():
+        heads = slice(h * g, (h + 1) * g)
+        q[row, heads, :, qa] += 2.0
+        q[row, heads, :, qb] -= 1.5  # the magnitude counts, not the sign
+        k[row, h, :, kc] += 3.0 * g  # as heavy as a column of all the group's queries
+        q[row, h * g, :, (kc + 1) % d] += 1.0  # a lighter column, in one query head only
+    sess = Placement().new_session(model, b, t, pol)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    positions = torch.arange(t).expand(b, t)
+    sess.store.write_prompt(1, k, k, valid, positions)
+    pol.on_prefill(1, q, k, k, sess)
+    idx = sess.state.idx[1]
+    assert idx.shape == (b, c.num_kv_heads, cols)
+    for (row, h), raw in heavy.items():
+        want = sorted(perm[h][list(raw)].tolist()) if skew else sorted(raw)
+        assert idx[row, h].tolist() == want, (row, h)
+
+
 # ---- knobs ------------------------------------------------------------------------------------------
 def test_presets_and_knobs(make_tiny):
     p = InfiniGen.paper()
