@@ -165,13 +165,16 @@ class PackedKeys:
         s = slots[:, :, None]
         if self.layout == "rows":
             codes, scale, lo = quantize(rows, self.group)
-            for buf, val in ((self.codes, codes), (self.scale, scale), (self.lo, lo)):
+            # 16-bit floats moved as int16: scatter_ on float16/bfloat16 takes a slow path in torch 2.13
+            # (tens of ms for a [8, 3, 8192, 64] buffer, against 4 us for int16)
+            for buf, val in ((self.codes, codes), (self.scale.view(torch.int16), scale.view(torch.int16)),
+                             (self.lo.view(torch.int16), lo.view(torch.int16))):
                 buf.scatter_(2, s[..., None].expand(*s.shape, buf.shape[-1]), val)
             return
         codes, sz = _quantize_tinygemm(rows, self.group)  # [B, Hkv, 1, d], [B, Hkv, 1, ng, 2]
         ng = sz.shape[-2]
-        idx = s[:, :, None, :, None].expand(*s.shape[:2], ng, 1, 2)
-        self.sz.scatter_(3, idx, sz.permute(0, 1, 3, 2, 4))
+        val = sz.permute(0, 1, 3, 2, 4).contiguous().view(torch.int32)  # (scale, zero) as one int32: as above
+        self.sz.view(torch.int32).scatter_(3, s[:, :, None, :, None].expand(*s.shape[:2], ng, 1, 1), val)
         self._put_codes(s, codes)
 
     def _put_codes(self, slots: torch.Tensor, codes: torch.Tensor) -> None:
