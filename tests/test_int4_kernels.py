@@ -154,3 +154,55 @@ def test_bad_layouts_are_refused():
         PackedKeys(1, 1, 8, 64, layout="nope")
     with pytest.raises(ValueError):
         PackedKeys(1, 1, 8, 48, group=32, layout="tinygemm")  # 48 % 32: one group of 48, not a kernel size
+
+
+TRITON_CHECK = """
+import torch
+from infinigen.kernels import int4_triton
+from infinigen.kernels.int4 import PackedKeys, fake_quantize
+g = torch.Generator().manual_seed(9)
+b, h, G, d, n = 2, 3, 3, 64, 100
+k = torch.randn(b, h, n, d, generator=g) * torch.linspace(0.2, 4.0, d)
+q = torch.randn(b, h, G, d, generator=g)
+pk = PackedKeys(b, h, 128, d, layout="rows")
+pk.write(0, k)
+ref = q @ fake_quantize(k).transpose(-1, -2)
+s = pk.scores(q, n, "triton")
+assert s.shape == ref.shape and (s - ref).abs().max() <= 1e-5 * ref.abs().max(), (s - ref).abs().max()
+print("ok")
+"""
+
+
+def test_triton_scorer_interpreted_on_cpu():
+    """The CUDA kernel, run by triton's interpreter on CPU (skipped where triton is not installed). In a
+    subprocess: TRITON_INTERPRET must be set before triton is first imported."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_scores_do_not_depend_on_n_or_on_how_keys_were_written(layout):
+    """Decoding scores n cached slots, the teacher-forced path a prefix of them: with the default scorer
+    the first m scores are the same bits either way, and a token appended by `scatter` scores as if
+    written with the prompt (so `select_rows` may score all rows' prefixes from one write)."""
+    b, h, G, d, n = 2, 3, 3, 64, 200
+    k = keys(b, h, n, d, seed=11)
+    q = torch.randn(b, h, G, d, generator=torch.Generator().manual_seed(12))
+    bulk = PackedKeys(b, h, 256, d, layout=layout)
+    bulk.write(0, k)
+    step = PackedKeys(b, h, 256, d, layout=layout)
+    step.write(0, k[:, :, :150])
+    for t in range(150, n):
+        step.scatter(torch.full((b, h), t), k[:, :, t:t + 1])
+    full = bulk.scores(q, n)
+    assert torch.equal(step.scores(q, n), full)
+    if layout == "tinygemm":  # one kernel call per (batch, KV head); each score its own float32 dot
+        for m in (1, 63, 64, 65, 199):
+            assert torch.equal(bulk.scores(q, m), full[..., :m])

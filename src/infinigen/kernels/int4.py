@@ -96,6 +96,11 @@ def _quantize_tinygemm(x: torch.Tensor, group: int):
     return codes.flatten(-2).to(torch.uint8), torch.stack((scale, zero), -1)
 
 
+def _has_triton() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
+
+
 def tinygemm_ok(d: int, group: int = GROUP, device="cpu") -> bool:
     """Whether the CPU int4 kernel takes keys of this head_dim and group size."""
     return (torch.device(device).type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
@@ -204,17 +209,28 @@ class PackedKeys:
         zero = sz[..., 1].transpose(2, 3).repeat_interleave(d // ng, -1)
         return (c - 8) * scale + zero
 
+    def default_method(self) -> str:
+        """The fastest measured scorer for this layout and device (results/int4_scorer.md)."""
+        if self.layout == "tinygemm":
+            return "tinygemm"
+        if self.codes.is_cuda and _has_triton() and self.dim >= 4 and (self.dim // 2) & (self.dim // 2 - 1) == 0:
+            return "triton"
+        return "tiled"
+
     def scores(self, q: torch.Tensor, n: int, method: str | None = None) -> torch.Tensor:
         """q [B, Hkv, G, d] -> float32 [B, Hkv, G, n]: q . key of each of the first n slots.
-        method: None (the layout's fastest), "reference", and per layout "tiled" / "algebraic" / "bf16"
-        (rows) or "tinygemm"."""
-        method = method or ("tinygemm" if self.layout == "tinygemm" else "tiled")
+        method: None (`default_method()`), "reference", and per layout "tiled" / "algebraic" / "bf16" /
+        "triton" (rows; triton on CUDA, or on CPU under TRITON_INTERPRET=1) or "tinygemm"."""
+        method = method or self.default_method()
         if method == "reference":
             return q.float() @ self.dequantize(n).transpose(-1, -2)
         if self.layout == "tinygemm":
             if method != "tinygemm":
                 raise ValueError(f"the tinygemm layout has no {method!r} scorer")
             return _score_tinygemm(self, q, n)
+        if method == "triton":
+            from . import int4_triton  # optional dependency: only imported when asked for
+            return int4_triton.scores(self, q, n)
         fn = {"tiled": _score_tiled, "algebraic": _score_algebraic, "bf16": _score_bf16}.get(method)
         if fn is None:
             raise ValueError(f"the rows layout has no {method!r} scorer")
