@@ -206,3 +206,28 @@ def test_scores_do_not_depend_on_n_or_on_how_keys_were_written(layout):
     if layout == "tinygemm":  # one kernel call per (batch, KV head); each score its own float32 dot
         for m in (1, 63, 64, 65, 199):
             assert torch.equal(bulk.scores(q, m), full[..., :m])
+        # ... and of the other query rows in the call: many decoding rows score in one call
+        q2 = torch.cat((q, torch.randn(b, h, 5, d, generator=torch.Generator().manual_seed(13))), 2)
+        assert torch.equal(bulk.scores(q2, n)[:, :, :G], full)
+
+
+@pytest.mark.parametrize("capability", ["avx2"])
+def test_other_cpu_builds_fall_back_to_a_correct_layout(capability):
+    """torch's int4 kernel packs differently per CPU capability (we write the AVX512 layout in place):
+    under another dispatch, the self-check refuses it and the default layout still scores right."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import torch\n"
+        "from infinigen.kernels.int4 import PackedKeys, fake_quantize, tinygemm_ok\n"
+        "assert not tinygemm_ok(64)\n"
+        "k = torch.randn(1, 2, 100, 64); q = torch.randn(1, 2, 3, 64)\n"
+        "pk = PackedKeys(1, 2, 128, 64); pk.write(0, k)\n"
+        "assert pk.layout == 'rows'\n"
+        "ref = q @ fake_quantize(k).transpose(-1, -2)\n"
+        "assert (pk.scores(q, 100) - ref).abs().max() <= 1e-5 * ref.abs().max()\n"
+        "print('ok')\n")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -22,7 +22,7 @@ multiplies, and `fake_quantize(x, layout=...)` the same values straight from x (
 """
 from __future__ import annotations
 
-import math
+import functools
 
 import torch
 
@@ -102,9 +102,32 @@ def _has_triton() -> bool:
 
 
 def tinygemm_ok(d: int, group: int = GROUP, device="cpu") -> bool:
-    """Whether the CPU int4 kernel takes keys of this head_dim and group size."""
-    return (torch.device(device).type == "cpu" and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-            and group in (32, 64, 128, 256) and d % group == 0)
+    """Whether the CPU int4 kernel takes keys of this head_dim and group size, in the layout we write."""
+    return (torch.device(device).type == "cpu" and group in (32, 64, 128, 256) and d % group == 0
+            and _tinygemm_layout_matches())
+
+
+@functools.cache
+def _tinygemm_layout_matches() -> bool:
+    """The kernel's packed layout depends on the CPU build it dispatches to (blocks of 64 rows on AVX512,
+    32 on AVX2, row pairs otherwise). We write the AVX512 one in place: check once that torch packs the
+    same bytes and that the kernel reads them as we expect; anything else falls back to the rows layout."""
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 16, (2 * _BLOCK, 64), dtype=torch.int32, generator=g)
+        theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        c = codes.to(torch.uint8).view(-1, 2, 32, 64)  # [blocks, nibble, 32, K]
+        ours = (c[:, 0] | (c[:, 1] << 4)).transpose(1, 2).reshape(theirs.shape)
+        sz = torch.rand(2, 2 * _BLOCK, 2, generator=g).bfloat16()
+        x = torch.randn(3, 64, generator=g).bfloat16()
+        got = torch.ops.aten._weight_int4pack_mm_for_cpu(x, ours, 32, sz).float()
+        w = (codes.float().view(-1, 2, 32) - 8) * sz[..., 0].T[..., None].float() + sz[..., 1].T[..., None].float()
+        want = x.float() @ w.view(-1, 64).T
+        return torch.equal(theirs, ours) and bool((got - want).abs().max() <= 1e-2 * want.abs().max())
+    except RuntimeError:
+        return False
 
 
 # ---- the packed key cache -------------------------------------------------------------------------------
@@ -292,6 +315,8 @@ def _score_algebraic(pk: PackedKeys, q: torch.Tensor, n: int, tile: int = TILE) 
 def _score_tinygemm(pk: PackedKeys, q: torch.Tensor, n: int) -> torch.Tensor:
     """torch's AVX512 int4 kernel, one call per (batch, KV head): q [G, d] bf16 x W [n, d] int4."""
     b, h, G, d = q.shape
+    if n == 0:
+        return q.new_zeros(b, h, G, 0, dtype=torch.float32)
     nr = min(-(-n // _BLOCK) * _BLOCK, pk.codes.shape[2] * _BLOCK)  # whole blocks (tail slots ignored)
     qb = q.bfloat16().contiguous()
     sz = pk.sz[:, :, :, :nr]
