@@ -124,6 +124,15 @@ def test_bytes_within_16_percent_of_the_kv(layout):
     assert pk.nbytes <= 0.08 * 2 * kv16  # float32 KV
 
 
+@pytest.mark.parametrize("cap", [1, 36, 100, 1000, 2600, 2625, 8208, 8256])
+def test_auto_layout_keeps_the_bound_at_any_capacity(cap):
+    """The tinygemm layout pads to whole blocks of 64 tokens; "auto" takes it only within the bound."""
+    pk = PackedKeys(1, 3, cap, 64)
+    assert pk.nbytes <= 0.16 * 2 * 3 * cap * 64 * 2
+    if "tinygemm" in LAYOUTS and (cap % 64 == 0 or cap >= 2625):
+        assert pk.layout == "tinygemm"
+
+
 @pytest.mark.parametrize("layout,method", CASES)
 def test_topk_selection_matches_reference(layout, method):
     """The selection from packed scores equals the reference's: any index that differs scores within the

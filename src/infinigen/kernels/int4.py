@@ -8,7 +8,9 @@ K and V in 16 bits (15.6%) or 512 B in float32 (7.8%).
 `PackedKeys` keeps them for a [B, Hkv, capacity, d] cache in one of two layouts:
 
   rows      codes [B, Hkv, capacity, d/2] (low nibble first, token-major), float16 scale and min
-            [B, Hkv, capacity, d/group]. Any device. Scored by a tiled dequantize + matmul.
+            [B, Hkv, capacity, d/group]. Any device. Scored by a tiled dequantize + matmul in torch
+            (slower on CPU than today's float32 matmul: several passes per tile), or by a Triton kernel
+            on CUDA (`int4_triton`, when triton is installed).
   tinygemm  CPU only: the layout of `torch.ops.aten._weight_int4pack_mm_for_cpu` (x @ W^T with a 4-bit W,
             an AVX512 kernel that dequantizes in registers): per (batch, KV head), blocks of 64 tokens,
             codes [d, 32] per block, byte j holding token j (low nibble) and token j + 32 (high nibble);
@@ -16,6 +18,12 @@ K and V in 16 bits (15.6%) or 512 B in float32 (7.8%).
             codes are a column of nibbles, so appends are a masked read-modify-write of d bytes.
             The kernel takes bfloat16 queries and returns bfloat16 scores (accumulated in float32): the
             scores carry bf16 rounding (~0.4% relative), far below the 4-bit rounding of the keys.
+            Each score is its own float32 dot product: the same bits whatever n or the other query rows
+            of the call (decoding and teacher-forced selections agree). Used where torch packs this way
+            (checked once against `_convert_weight_to_int4pack_for_cpu`: AVX512 builds).
+
+layout="auto" takes tinygemm where it is usable and padding the capacity to whole 64-token blocks keeps
+the bytes within 2.4% (so under 16% of 16-bit K+V); a capacity that is a multiple of 64 always gets it.
 
 Both layouts are exact references of themselves: `dequantize(n)` gives the float32 keys the scorer
 multiplies, and `fake_quantize(x, layout=...)` the same values straight from x (what tests compare with).
@@ -27,7 +35,7 @@ import functools
 import torch
 
 GROUP = 32
-TILE = 1024  # tokens per tile of the tiled scorer: B*Hkv*TILE*d floats stay in L2 for small B*Hkv
+TILE = 1024  # tokens per tile of the torch scorers (measured: smaller tiles cost more in per-op overhead)
 _BLOCK = 64  # tokens per block of the tinygemm layout (BLOCK_N of the AVX512 kernel)
 _F16 = torch.finfo(torch.float16)
 
@@ -149,7 +157,11 @@ class PackedKeys:
             raise ValueError(f"packed keys need an even head_dim, got {dim}")
         group = _group(dim, group)
         if layout == "auto":
-            layout = "tinygemm" if tinygemm_ok(dim, group, device) else "rows"
+            # the kernel reads whole blocks of 64 tokens: pad only while the bytes stay within 2.4% of the
+            # unpadded ones (40 B/token at d 64 stays under 16% of 16-bit K+V); a store whose capacity is a
+            # multiple of 64 always gets the fast layout
+            padded = -(-capacity // _BLOCK) * _BLOCK
+            layout = "tinygemm" if tinygemm_ok(dim, group, device) and padded <= 1.024 * capacity else "rows"
         if layout == "tinygemm" and not tinygemm_ok(dim, group, device):
             raise ValueError(f"the tinygemm layout needs a CPU, group 32/64/128/256 dividing d (d={dim}, group={group})")
         if layout not in ("rows", "tinygemm"):
