@@ -206,24 +206,56 @@ def _mb(x) -> str:
     return "-" if x is None else f"{x / 2**20:.1f}"
 
 
+# Two narrow tables instead of one wide one: each fits 80 columns (a pipe, a small terminal); every
+# number is in the JSON too.
+SPEED_COLUMNS = [("ms/step", lambda r: _n(r["decode_ms_per_step"])), ("tok/s", lambda r: _n(r["decode_tokens_per_s"], 2)),
+                 ("x ideal", lambda r: _n(r.get("x_vs_ideal"), 2)), ("x HF", lambda r: _n(r.get("x_vs_transformers"), 2)),
+                 ("x offl.", lambda r: _n(r.get("x_vs_full_offload"), 2))]
+MEMORY_COLUMNS = [("prefill s", lambda r: _n(r["prefill_s"], 2)),
+                  ("KB/tok", lambda r: _n(_scaled(r.get("bytes_moved_per_token"), 2**10))),
+                  ("fast MB", lambda r: _n(_scaled(r.get("peak_fast_bytes"), 2**20))),
+                  ("slow MB", lambda r: _n(_scaled(r.get("peak_slow_bytes"), 2**20))),
+                  ("rel KV", lambda r: "-" if r.get("relative_kv") is None else f"{100 * r['relative_kv']:.1f}%")]
+
+
+def _scaled(x, unit):
+    return None if x is None else x / unit
+
+
+def _n(v, digits: int = 1) -> str:
+    """A short number: `digits` decimals below 100, fewer above (the JSON has them all)."""
+    if v is None:
+        return "-"
+    return f"{v:.{digits if abs(v) < 100 else 1 if abs(v) < 1000 else 0}f}"
+
+
+def tables(rows: list[dict]) -> list:
+    """The rows as two rich tables (speed; memory and traffic) that fit 80 columns: numbers never
+    truncate, long system names wrap."""
+    from rich import box
+    from rich.table import Table
+    out = []
+    for title, cols in (("decoding speed", SPEED_COLUMNS), ("prefill, memory and traffic", MEMORY_COLUMNS)):
+        t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), title_justify="left")
+        t.add_column("system", overflow="fold", ratio=1, min_width=10)
+        t.add_column("batch", justify="right", no_wrap=True)
+        t.add_column("prompt", justify="right", no_wrap=True)
+        for name, _ in cols:
+            t.add_column(name, justify="right", no_wrap=True)
+        for r in rows:
+            t.add_row(r["system"], str(r["batch"]), str(r["prompt_len"]), *(f(r) for _, f in cols))
+        out.append(t)
+    return out
+
+
 def _print(p: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
     c = Console()
     m = p["machine"]
     c.print(f"{p['model']} | {p['device']} ({m.get('gpu') or m['cpu']}), {p['dtype']} | torch {m['torch']}, "
             f"{m['torch_threads']} threads")
-    t = Table(title="decoding, side by side")
-    for col in ("system", "batch", "prompt", "prefill s", "ms/step", "tokens/s", "x transformers", "x ideal",
-                "x full offload", "KB moved/token", "peak fast MB", "peak slow MB", "rel. KV"):
-        t.add_column(col, justify="left" if col == "system" else "right")
-    f2 = lambda v: "-" if v is None else f"{v:.2f}"
-    for r in p["rows"]:
-        t.add_row(r["system"], str(r["batch"]), str(r["prompt_len"]), f2(r["prefill_s"]), f"{r['decode_ms_per_step']:.1f}",
-                  f2(r["decode_tokens_per_s"]), f2(r.get("x_vs_transformers")), f2(r.get("x_vs_ideal")),
-                  f2(r.get("x_vs_full_offload")), _kb(r.get("bytes_moved_per_token")), _mb(r.get("peak_fast_bytes")),
-                  _mb(r.get("peak_slow_bytes")), f"{100 * r['relative_kv']:.1f}%" if r.get("relative_kv") is not None else "-")
-    c.print(t)
+    for t in tables(p["rows"]):
+        c.print(t)
     for r in p["rows"]:
         mem = r.get("speculation_memory")
         if mem:
