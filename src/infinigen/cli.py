@@ -46,8 +46,8 @@ def _run(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         return _interrupted()
     except Exception as e:
-        if isinstance(e, _click_types("Abort")):  # click's own Ctrl-C / EOF
-            return _interrupted()
+        if isinstance(e, _click_types("Abort")) or _caused_by_interrupt(e):  # click's Ctrl-C; or one that a
+            return _interrupted()  # library turned into another error (transformers' lazy imports do)
         if type(e).__name__ == "NoArgsIsHelpError":  # the help is already printed
             return 2
         if isinstance(e, _click_types("ClickException")):  # usage errors: bad option values
@@ -60,6 +60,16 @@ def _run(argv: list[str] | None) -> int:
     # In non-standalone mode typer *returns* the code of an Exit (130 for a KeyboardInterrupt it caught);
     # our commands return None.
     return _exit_code(rv) if isinstance(rv, int) and not isinstance(rv, bool) else 0
+
+
+def _caused_by_interrupt(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _exit_code(code: int | None) -> int:
