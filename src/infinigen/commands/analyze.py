@@ -48,7 +48,7 @@ def analyze_cmd(
     from tqdm.auto import tqdm
 
     from ..eval import analyze as an
-    from ..eval.ppl import load_text, resolve_text
+    from ..paths import load_text, resolve_text
 
     sel = an.parse_which(which)
     check_range("tokens", tokens, lo=16)

@@ -131,7 +131,7 @@ def bench_cmd(
         net, hf_model, name = bench.synthetic_models(synthetic, DTYPES[dtype], device, max_len, layers, hf=hf)
         tok = None
     else:
-        from ..eval.ppl import load_text
+        from ..paths import load_text
         from .basic import load_model
         body = load_text(text)
         net, tok, name = load_model(model, dtype, device)

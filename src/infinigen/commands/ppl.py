@@ -41,7 +41,8 @@ def ppl_cmd(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file ('-': stdout only)."),
 ):
     """Perplexity with a KV-cache policy: overall, per 256-token decoding chunk, and the relative KV size."""
-    from ..eval.ppl import jsonable, load_text, perplexity, resolve_capacity, resolve_text
+    from ..eval.ppl import jsonable, perplexity, resolve_capacity
+    from ..paths import load_text, resolve_text
     from ..policies import REGISTRY
 
     if policy not in REGISTRY:
