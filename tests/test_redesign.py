@@ -158,3 +158,21 @@ def test_ppl_json_records_the_effective_settings(tiny_checkpoint, tmp_path, capf
     assert code == 0, capfd.readouterr().err
     r = json.loads(out.read_text())
     assert r["settings"]["alpha"] == 7.0 and r["kv_offload"] == "disk" and r["capacity"] == 48
+
+
+def test_hf_enable_takes_a_placement(tmp_path):
+    """transformers' generate() with the KV pool on disk gives the in-memory tokens; the file goes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import infinigen.hf
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=0)
+    m = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(1, 96, (2, 12))
+    outs = []
+    for placement in (None, Placement("disk", pool_dir=str(tmp_path))):
+        with infinigen.hf.enable(m, "h2o", placement=placement, heavy=3, recent=2), torch.no_grad():
+            outs.append(m.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
+    assert torch.equal(outs[0], outs[1]) and list(tmp_path.iterdir()) == []
