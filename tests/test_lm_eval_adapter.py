@@ -13,7 +13,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from infinigen import load  # noqa: E402
 from infinigen.eval.lm_eval_adapter import InfiniGenLM  # noqa: E402
-from infinigen.placement import Placement
+from infinigen.placement import Placement  # noqa: E402
 
 
 def _req(kind, args, i=0):
@@ -30,6 +30,15 @@ def _ll(model, ids, n_ctx):
     sess = Placement().new_session(model, 1, len(ids))
     lp = F.log_softmax(model.prefill(torch.tensor([ids]), sess, all_logits=True)[0].float(), -1)
     return sum(lp[t - 1, ids[t]].item() for t in range(n_ctx, len(ids)))
+
+
+def test_unknown_model_args_are_an_error(tiny):
+    from infinigen.errors import UserError
+    model, tok = tiny
+    with pytest.raises(UserError, match="no knob 'alhpa'"):
+        InfiniGenLM(model=model, tokenizer=tok, policy="infinigen", alhpa=5)
+    lm = InfiniGenLM(model=model, tokenizer=tok, policy="h2o", heavy_ratio=0.2, max_batch_size=None)
+    assert lm.policy.heavy_ratio == 0.2
 
 
 def test_registered():
