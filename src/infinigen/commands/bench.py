@@ -152,7 +152,7 @@ def bench_cmd(
         systems.append(bench.System("ideal", make_policy("full"), "none"))
     for tier in tiers:
         for label, pol in policies.items():
-            if pol.name == "full":
+            if pol.exact:  # the full cache: "ideal" in fast memory, FlexGen-style full offload elsewhere
                 if tier == "none":
                     if not ideal:
                         systems.append(bench.System("ideal", pol, "none"))
