@@ -100,6 +100,8 @@ def bench_cmd(
     if eviction not in ("counter", "lru", "fifo"):
         raise UserError(f"unknown --eviction {eviction!r}; choose counter, lru or fifo")
     limit = parse_bytes(pool_bytes)
+    if capacity is not None and capacity < max(prompt_lens):
+        raise UserError(f"--capacity {capacity} is smaller than the prompt ({max(prompt_lens)} tokens): the pool must hold it")
     names = [s.strip() for s in policy.split(",") if s.strip()]
     for n in names:
         if n.split("@")[0] not in REGISTRY:
@@ -131,6 +133,14 @@ def bench_cmd(
         if max_len > net.cfg.max_position:
             raise UserError(f"prompt + generated tokens ({max_len}) exceed the model's context ({net.cfg.max_position})")
         hf_model = bench.hf_model_for(model, DTYPES[dtype], device) if hf else None
+    if limit is not None:  # a pool of --pool-bytes must hold the longest prompt, on every tier and batch
+        from ..placement import kv_slot_bytes
+        for tier in tiers:
+            for pol in policies.values():
+                per = kv_slot_bytes(net, max(batch_sizes), pol, tier)
+                if limit // per < max(prompt_lens):
+                    raise UserError(f"--pool-bytes {pool_bytes} holds {limit // per} tokens at batch {max(batch_sizes)} "
+                                    f"({per} bytes each, {tier}), fewer than the prompt ({max(prompt_lens)} tokens)")
     for label, pol in policies.items():
         if pol.name == "infinigen" and getattr(pol, "skew", False):
             if synthetic:

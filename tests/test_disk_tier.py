@@ -1,0 +1,84 @@
+"""The disk tier fails early and in one line (issue 9, item 5): the pool file is preallocated, so a full
+filesystem is a UserError (CLI exit 2) before any work, never a SIGBUS from a write through a sparse
+mapping; a pool smaller than the prompt is refused when the arguments are checked."""
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+
+import pytest
+import torch
+
+from infinigen.errors import UserError
+from infinigen.placement import SlowTier
+
+
+def test_pool_file_is_preallocated(tmp_path):
+    tier = SlowTier("disk", directory=tmp_path)
+    t = tier.empty((64, 1024), torch.float32)
+    path = os.path.join(tier.dir, os.listdir(tier.dir)[0])
+    st = os.stat(path)
+    assert st.st_size == 64 * 1024 * 4
+    assert st.st_blocks * 512 >= st.st_size  # blocks reserved, not a sparse file
+    t.fill_(1.5)
+    assert float(t.sum()) == 1.5 * 64 * 1024
+    tier.close()
+
+
+def test_no_space_is_a_user_error(tmp_path, monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    tier = SlowTier("disk", directory=tmp_path)
+    with pytest.raises(UserError, match="cannot reserve 4096 bytes.*No space left"):
+        tier.empty((1024,), torch.float32)
+    assert os.listdir(tier.dir) == []  # the half-made file is gone
+    tier.close()
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 1 MiB tmpfs, filled up: the real ENOSPC path. Needs root (mount)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root?)")
+    try:
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+        try:  # fill it up: no room is left for a pool file
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        os.close(fd)
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_filesystem_in_the_tier(tiny_fs):
+    tier = SlowTier("disk", directory=tiny_fs)
+    with pytest.raises(UserError, match="cannot reserve"):
+        tier.empty((1 << 16,), torch.float32)
+    tier.close()
+
+
+def test_full_filesystem_in_the_cli(tiny_fs, tiny_checkpoint, capsys):
+    from infinigen.cli import main
+    code = main(["bench", "-m", str(tiny_checkpoint), "--kv-offload", "disk", "--pool-dir", str(tiny_fs),
+                 "--policy", "full", "--no-ideal", "--no-transformers", "--prompt-len", "40", "--gen-len", "3",
+                 "--batch-size", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("infinigen: error: cannot reserve")
+
+
+def test_pool_smaller_than_the_prompt(tiny_checkpoint, capsys):
+    from infinigen.cli import main
+    base = ["bench", "-m", str(tiny_checkpoint), "--prompt-len", "40", "--gen-len", "3", "--batch-size", "2",
+            "--kv-offload", "cpu", "--no-transformers"]
+    assert main(base + ["--capacity", "39"]) == 2
+    assert "smaller than the prompt" in capsys.readouterr().err
+    assert main(base + ["--pool-bytes", "4000"]) == 2
+    assert "fewer than the prompt (40 tokens)" in capsys.readouterr().err
