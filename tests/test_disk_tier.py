@@ -82,3 +82,31 @@ def test_pool_smaller_than_the_prompt(tiny_checkpoint, capsys):
     assert "smaller than the prompt" in capsys.readouterr().err
     assert main(base + ["--pool-bytes", "4000"]) == 2
     assert "fewer than the prompt (40 tokens)" in capsys.readouterr().err
+
+
+def test_memory_bound_caps_the_page_cache(tmp_path):
+    """A process in the bound that reads a file 3x the limit ends with at most the limit charged."""
+    import sys
+    from infinigen.membound import MemoryBound
+    limit = 32 << 20
+    try:
+        mb = MemoryBound(limit)
+    except UserError as e:
+        pytest.skip(f"no memory bound here: {e}")
+    with mb:
+        assert str(limit // 2**20) in mb.describe() and mb.info()["mechanism"] == mb.mechanism
+        if mb.group is None:
+            pytest.skip(f"{mb.mechanism}: no group to inspect")
+        path = tmp_path / "big"
+        with open(path, "wb") as f:
+            f.write(os.urandom(1 << 20) * 96)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the read below must fill the cache itself
+        os.close(fd)
+        read = (f"b = bytearray(1 << 20)\nfor _ in range(2):\n    f = open({str(path)!r}, 'rb', buffering=0)\n"
+                f"    while f.readinto(b): pass\n")  # small reads: the group's memory is page cache
+        code = mb.run([sys.executable, "-c", read])
+        assert code == 0
+        st = mb.stats()
+        assert 0 < st["file"] <= limit and st["peak"] <= limit
