@@ -110,3 +110,22 @@ def test_memory_bound_caps_the_page_cache(tmp_path):
         assert code == 0
         st = mb.stats()
         assert 0 < st["file"] <= limit and st["peak"] <= limit
+
+
+def test_bench_under_a_memory_limit(tiny_checkpoint, tmp_path):
+    """`infinigen bench --memory-limit` re-runs itself inside the bound and says which one in its JSON."""
+    import json
+    from infinigen.cli import main
+    from infinigen.membound import MemoryBound
+    try:
+        MemoryBound(512 << 20).close()
+    except UserError as e:
+        pytest.skip(f"no memory bound here: {e}")
+    out = tmp_path / "b.json"
+    code = main(["bench", "-m", str(tiny_checkpoint), "--kv-offload", "disk", "--policy", "full", "--no-ideal",
+                 "--no-transformers", "--prompt-len", "16", "--gen-len", "3", "--batch-size", "1",
+                 "--memory-limit", "512M", "--json", str(out)])
+    assert code == 0
+    mb = json.loads(out.read_text())["settings"]["memory_bound"]
+    assert mb["limit_bytes"] == 512 << 20 and mb["mechanism"] in ("cgroup2", "cgroup1", "systemd-run", "fadvise")
+    assert main(["bench", "-m", str(tiny_checkpoint), "--memory-limit", "lots"]) == 2

@@ -241,3 +241,46 @@ def parse_limit(text: str) -> int | None:
     if not m:
         raise UserError(f"--memory-limit expects auto, none or a size like 2G, 512M, got {text!r}")
     return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+
+
+BOUND_ENV = "INFINIGEN_MEMORY_BOUND"  # set in a re-executed command: the bound it runs under (JSON)
+
+
+def command_args(ctx) -> list[str]:
+    """The command line of a click/typer command, rebuilt from its parsed parameters (to re-run it)."""
+    args = []
+    for p in ctx.command.params:
+        v = ctx.params.get(p.name)
+        if v is None or not getattr(p, "opts", None) or p.param_type_name != "option":
+            continue
+        if getattr(p, "is_flag", False):
+            if getattr(p, "secondary_opts", None):
+                args.append(p.opts[0] if v else p.secondary_opts[0])
+            elif v:
+                args.append(p.opts[0])
+        elif getattr(p, "multiple", False):
+            for x in v:
+                args += [p.opts[0], str(x)]
+        else:
+            args += [p.opts[0], str(v)]
+    return args
+
+
+def rerun_bounded(ctx, module_argv: list[str], limit: int) -> int:
+    """Re-run this CLI command (`python -m infinigen.cli <module_argv> <its options>`) inside a memory
+    bound; the child finds the bound's description in BOUND_ENV. Returns the child's exit code."""
+    import json
+    with MemoryBound(limit) as mb:
+        print(f"infinigen: running under {mb.describe()}", file=sys.stderr, flush=True)
+        env = dict(os.environ, **{BOUND_ENV: json.dumps(mb.info())})
+        code = mb.run([sys.executable, "-m", "infinigen.cli", *module_argv, *command_args(ctx)], env=env)
+        if mb.group is not None:
+            print(f"infinigen: memory bound peak {mb.stats()['peak'] / 2**20:.0f} MiB", file=sys.stderr)
+    return code
+
+
+def current() -> dict | None:
+    """The bound this process runs under (set by rerun_bounded), or None."""
+    import json
+    text = os.environ.get(BOUND_ENV)
+    return json.loads(text) if text else None

@@ -29,20 +29,21 @@ def _int_list(name: str, text: str) -> list[int]:
     return vals
 
 
-def parse_bytes(text: str | None) -> int | None:
+def parse_bytes(text: str | None, name: str = "pool-bytes") -> int | None:
     """'2G', '512M', '1.5GiB', '1000000' -> bytes."""
     if text is None:
         return None
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
     if not m:
-        raise UserError(f"--pool-bytes expects a size like 2G, 512M or 1000000, got {text!r}")
+        raise UserError(f"--{name} expects a size like 2G, 512M or 1000000, got {text!r}")
     value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
     if value < 1:
-        raise UserError(f"--pool-bytes must be positive, got {text!r}")
+        raise UserError(f"--{name} must be positive, got {text!r}")
     return int(value)
 
 
 def bench_cmd(
+    ctx: typer.Context,
     model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
     synthetic: Optional[str] = typer.Option(None, "--synthetic",
                                             help="Random weights of a paper-size shape instead of --model: opt-6.7b, "
@@ -75,12 +76,20 @@ def bench_cmd(
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all rows to this JSON file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: decode throughput vs batch size and vs length."),
+    memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Run under this memory bound (e.g. 2G; a cgroup "
+                                               "as root) so the page cache cannot hold a disk pool; reported with the rows."),
 ):
     """Prefill/decode latency, throughput, bytes moved, peak memory: policies x KV tiers x sweeps."""
     from .. import bench
     from ..placement import KINDS
     from ..policies import REGISTRY
 
+    from .. import membound
+    if memory_limit is not None and membound.current() is None:
+        code = membound.rerun_bounded(ctx, ["bench"], parse_bytes(memory_limit, "memory-limit"))
+        if code:
+            raise typer.Exit(2 if code == 2 else 1)
+        return
     prompt_lens = _int_list("prompt-len", prompt_len)
     batch_sizes = _int_list("batch-size", batch_size)
     check_range("gen-len", gen_len, lo=2)
@@ -189,7 +198,8 @@ def bench_cmd(
                                                         "eviction": eviction, "prefetch": prefetch,
                                                         "weights_offload": weights_offload,
                                                         "share_prefill": share_prefill,
-                                                        "text": None if synthetic else text},
+                                                        "text": None if synthetic else text,
+                                                        "memory_bound": membound.current()},
                "rows": bench.strip_private(rows)}
     _print(payload)
     if json_out is not None:
@@ -225,6 +235,8 @@ def _print(p: dict) -> None:
                   f2(r.get("x_vs_full_offload")), _kb(r.get("bytes_moved_per_token")), _mb(r.get("peak_fast_bytes")),
                   _mb(r.get("peak_slow_bytes")), f"{100 * r['relative_kv']:.1f}%" if r.get("relative_kv") is not None else "-")
     c.print(t)
+    mb = p["settings"].get("memory_bound")
+    c.print(f"memory bound: {mb['describe']}" if mb else "no memory bound: a disk pool may sit in the page cache")
     for r in p["rows"]:
         mem = r.get("speculation_memory")
         if mem:
