@@ -129,8 +129,8 @@ def disk_child(model, tok, syst, settings, args, limit, progress) -> int:
     from infinigen.eval.ppl import load_text
     from infinigen.membound import MemoryBound
     mb = MemoryBound(limit)
-    if mb.mechanism == "systemd-run":  # bounds a command, not this running process
-        mb = MemoryBound(limit, "fadvise")
+    if mb.group is None:  # systemd-run bounds a command, not this running process
+        raise SystemExit(f"--memory-limit: {mb.describe()} cannot bound a running process; pass --memory-limit none")
     real = bench.SharedPrefill
 
     class BoundedPrefill(real):

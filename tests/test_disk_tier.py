@@ -127,5 +127,5 @@ def test_bench_under_a_memory_limit(tiny_checkpoint, tmp_path):
                  "--memory-limit", "512M", "--json", str(out)])
     assert code == 0
     mb = json.loads(out.read_text())["settings"]["memory_bound"]
-    assert mb["limit_bytes"] == 512 << 20 and mb["mechanism"] in ("cgroup2", "cgroup1", "systemd-run", "fadvise")
+    assert mb["limit_bytes"] == 512 << 20 and mb["mechanism"] in ("cgroup2", "cgroup1", "systemd-run")
     assert main(["bench", "-m", str(tiny_checkpoint), "--memory-limit", "lots"]) == 2

@@ -8,7 +8,9 @@ again from the device. Mechanisms, the first that works:
   cgroup2      a fresh group with memory.max (and memory.swap.max 0) on the unified hierarchy
   cgroup1      a fresh group with memory.limit_in_bytes on the v1 memory hierarchy
   systemd-run  `systemd-run --scope -p MemoryMax=` around a command (when systemd runs)
-  fadvise      no group: the disk tier syncs and drops its pages itself (INFINIGEN_DROP_PAGES=1)
+
+Where none works, MemoryBound raises a UserError saying why (dropping the pool's pages from the disk tier
+with posix_fadvise, the last resort, is not built yet: mapped pages need madvise(MADV_PAGEOUT) first).
 
 Root is needed for the cgroups. Every result states the mechanism and the limit (`MemoryBound.describe`).
 
@@ -29,8 +31,7 @@ from pathlib import Path
 
 from .errors import UserError
 
-MECHANISMS = ("cgroup2", "cgroup1", "systemd-run", "fadvise")
-DROP_ENV = "INFINIGEN_DROP_PAGES"
+MECHANISMS = ("cgroup2", "cgroup1", "systemd-run")
 _count = itertools.count()
 
 
@@ -139,17 +140,12 @@ class MemoryBound:
         if not _systemd():
             raise RuntimeError("systemd-run not found or systemd is not running")
 
-    def _make_fadvise(self) -> None:
-        pass
-
     # ---- using it ------------------------------------------------------------------------------------
     def describe(self) -> str:
         mib = f"{self.limit / 2**20:.0f} MiB"
         return {"cgroup2": f"cgroup v2 memory.max = {mib} ({self.group})",
                 "cgroup1": f"cgroup v1 memory.limit_in_bytes = {mib} ({self.group})",
-                "systemd-run": f"systemd-run --scope -p MemoryMax={self.limit} ({mib})",
-                "fadvise": f"no memory limit: the disk tier drops its pages with posix_fadvise(DONTNEED) "
-                           f"(limit {mib} not enforced)"}[self.mechanism]
+                "systemd-run": f"systemd-run --scope -p MemoryMax={self.limit} ({mib})"}[self.mechanism]
 
     def info(self) -> dict:
         """For tables and JSON."""
@@ -165,9 +161,6 @@ class MemoryBound:
             argv = ["systemd-run", "--scope", "--quiet", "-p", f"MemoryMax={self.limit}", "-p", "MemorySwapMax=0",
                     "--", *argv]
             return subprocess.run(argv, env=env, **popen_kw).returncode
-        if self.mechanism == "fadvise":
-            env[DROP_ENV] = "1"
-            return subprocess.run(argv, env=env, **popen_kw).returncode
         procs = str(self._procs())
 
         def join():  # in the child, before exec: everything it touches is charged to the group
@@ -180,9 +173,6 @@ class MemoryBound:
         """Move this process into the group: memory it touches from now on is charged to it (what it holds
         already stays charged where it was)."""
         if self.group is None:
-            if self.mechanism == "fadvise":
-                os.environ[DROP_ENV] = "1"
-                return
             raise UserError(f"{self.mechanism} can only bound a command, not a running process")
         self.home = self._root / (_own_path(None if self.mechanism == "cgroup2" else "memory") or "/").lstrip("/")
         _write(self._procs(), str(os.getpid()))
@@ -191,8 +181,6 @@ class MemoryBound:
         if self.home is not None:
             _write(self.home / "cgroup.procs", str(os.getpid()))
             self.home = None
-        elif self.mechanism == "fadvise":
-            os.environ.pop(DROP_ENV, None)
 
     def stats(self) -> dict:
         """Bytes charged now, the peak, and the page cache part (file pages) of the group."""
