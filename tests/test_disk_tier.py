@@ -79,7 +79,7 @@ def test_pool_smaller_than_the_prompt(tiny_checkpoint, capsys):
     base = ["bench", "-m", str(tiny_checkpoint), "--prompt-len", "40", "--gen-len", "3", "--batch-size", "2",
             "--kv-offload", "cpu", "--no-transformers"]
     assert main(base + ["--capacity", "39"]) == 2
-    assert "smaller than the prompt" in capsys.readouterr().err
+    assert "cannot hold the 40-token prompt" in capsys.readouterr().err
     assert main(base + ["--pool-bytes", "4000"]) == 2
     assert "fewer than the prompt (40 tokens)" in capsys.readouterr().err
 

@@ -53,13 +53,13 @@ def test_full_cache_perplexity_matches_dense_scoring(tiny_checkpoint, text_file,
 
 
 @pytest.mark.parametrize("args,kv", [
-    (["--policy", "h2o", "--ratio", "0.5"], (0.3, 0.6)),
-    (["--policy", "h2o", "--heavy", "4", "--recent", "4"], (0.1, 0.5)),
-    (["--policy", "streaming", "--sinks", "2", "--window", "6"], (0.1, 0.5)),
-    (["--policy", "oracle", "--ratio", "0.25"], (0.15, 0.3)),
-    (["--policy", "oracle", "--alpha", "2"], (0.0, 1.0)),
+    (["--policy", "h2o", "--knob", "heavy_ratio=0.25", "--knob", "recent_ratio=0.25"], (0.3, 0.6)),
+    (["--policy", "h2o", "--knob", "heavy=4", "--knob", "recent=4"], (0.1, 0.5)),
+    (["--policy", "streaming", "--knob", "sinks=2", "--knob", "window=6"], (0.1, 0.5)),
+    (["--policy", "oracle", "--knob", "ratio=0.25"], (0.15, 0.3)),
+    (["--policy", "oracle", "--knob", "alpha=2"], (0.0, 1.0)),
     (["--policy", "int4"], (1.0, 1.0)),
-    (["--policy", "int4", "--bits", "16"], (1.0, 1.0)),
+    (["--policy", "int4", "--knob", "bits=16"], (1.0, 1.0)),
     (["--policy", "full", "--capacity", "0.8", "--eviction", "lru"], (0.9, 0.999)),
     (["--policy", "full", "--capacity", "40", "--eviction", "fifo", "--protect-recent", "4"], (0.7, 0.99)),
 ])
@@ -78,7 +78,7 @@ def test_policies_and_pool_through_the_cli(tiny_checkpoint, text_file, tmp_path,
 
 def test_json_to_stdout(tiny_checkpoint, text_file, capsys):
     rc = main(["ppl", "--model", str(tiny_checkpoint), "--text", str(text_file), "--ctx", "32", "--prefill", "8",
-               "--policy", "streaming", "--ratio", "0.5", "--json", "-"])
+               "--policy", "streaming", "--knob", "ratio=0.5", "--json", "-"])
     out = capsys.readouterr().out
     assert rc == 0
     r = json.loads(out)
@@ -105,16 +105,16 @@ def test_corpus_names_resolve_through_infinigen_data(tmp_path, monkeypatch):
 @pytest.mark.parametrize("args,msg", [
     (["--ctx", "16", "--prefill", "16"], "--prefill"),
     (["--policy", "nope"], "unknown policy"),
-    (["--policy", "h2o", "--sinks", "3"], "--sinks does not apply"),
-    (["--policy", "full", "--alpha", "5"], "--alpha does not apply"),
+    (["--policy", "h2o", "--knob", "sinks=3"], "no knob 'sinks'"),
+    (["--policy", "full", "--knob", "alpha=5"], "no knob 'alpha'"),
     (["--capacity", "0.1"], "cannot hold"),
     (["--capacity", "-3"], "--capacity"),
     (["--capacity", "0.8", "--eviction", "random"], "--eviction"),
     (["--eviction", "lru"], "need a pool limit"),
     (["--text", "no_such_novel"], "neither a file nor a bundled corpus"),
-    (["--policy", "oracle", "--ratio", "1.5"], "--ratio"),
-    (["--policy", "int4", "--bits", "12"], "--bits"),
-    (["--policy", "h2o", "--heavy", "2.5"], "token count"),
+    (["--policy", "oracle", "--knob", "ratio=1.5"], "ratio"),
+    (["--policy", "int4", "--knob", "bits=12"], "bits"),
+    (["--policy", "h2o", "--knob", "heavy=2.5"], "whole number"),
     (["--policy", "h2o", "--knob", "nonsense=1"], "no knob"),
     (["--windows", "0"], "--windows"),
     (["--windows", "1000"], "window(s)"),

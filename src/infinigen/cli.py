@@ -1,48 +1,94 @@
 """The `infinigen` command. Each subcommand lives in `infinigen.commands.<module>` and registers
-itself on `app`; bad input (`UserError`) becomes one line on stderr and exit code 2."""
+itself on the app. Exit codes: 0 done, 2 bad input (one line `infinigen: error: ...` on stderr, no
+traceback), 130 interrupted (Ctrl-C, at any moment: also while torch is still importing).
+
+Nothing heavy is imported at module level: `main` imports the commands inside its own error handling,
+so an interrupt during the imports (torch takes seconds) is handled like any other.
+"""
 from __future__ import annotations
 
 import importlib
 import sys
 
-import typer
-
 from .errors import UserError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Long-context LLM inference with InfiniGen KV-cache speculation.")
-
 COMMAND_MODULES = ["basic", "skew", "ppl", "bench", "fewshot", "needle", "analyze"]
+INTERRUPTED = 130
 
-for _name in COMMAND_MODULES:
-    try:
-        _mod = importlib.import_module(f"infinigen.commands.{_name}")
-    except ModuleNotFoundError as e:  # a command still being written; any other import error surfaces
-        if e.name != f"infinigen.commands.{_name}":
-            raise
-        continue
-    _mod.register(app)
+_app = None
+
+
+def build_app():
+    """The typer app with every command registered (built once)."""
+    global _app
+    if _app is None:
+        import typer
+        app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                          help="Long-context LLM inference with InfiniGen KV-cache speculation.")
+        for name in COMMAND_MODULES:
+            importlib.import_module(f"infinigen.commands.{name}").register(app)
+        _app = app
+    return _app
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        app(args=argv, standalone_mode=False)
+        return _run(argv)
+    except KeyboardInterrupt:  # anywhere, including in our own handlers below
+        return _interrupted()
+
+
+def _run(argv: list[str] | None) -> int:
+    try:
+        rv = build_app()(args=argv, standalone_mode=False)
     except UserError as e:
-        print(f"infinigen: error: {e}", file=sys.stderr)
-        return 2
-    except typer.Abort:
-        print("infinigen: aborted", file=sys.stderr)
-        return 130
-    except Exception as e:  # click usage errors (bad option values) are bad input too
+        return _error(str(e))
+    except KeyboardInterrupt:
+        return _interrupted()
+    except Exception as e:
+        if isinstance(e, _click_types("Abort")) or _caused_by_interrupt(e):  # click's Ctrl-C; or one that a
+            return _interrupted()  # library turned into another error (transformers' lazy imports do)
         if type(e).__name__ == "NoArgsIsHelpError":  # the help is already printed
             return 2
-        if isinstance(e, _click_types("ClickException")):
-            print(f"infinigen: error: {' '.join(e.format_message().split())}", file=sys.stderr)
-            return 2
+        if isinstance(e, _click_types("ClickException")):  # usage errors: bad option values
+            return _error(e.format_message())
         if isinstance(e, _click_types("Exit")):
-            return e.exit_code
+            return _exit_code(e.exit_code)
+        if isinstance(e, OSError) and e.filename:  # disk full, permissions: the user's environment, not a bug
+            return _error(f"{e.filename}: {e.strerror or e}")
         raise
-    return 0
+    # In non-standalone mode typer *returns* the code of an Exit (130 for a KeyboardInterrupt it caught);
+    # our commands return None.
+    return _exit_code(rv) if isinstance(rv, int) and not isinstance(rv, bool) else 0
+
+
+def _caused_by_interrupt(e: BaseException) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _exit_code(code: int | None) -> int:
+    if code == INTERRUPTED:
+        return _interrupted()
+    return code or 0
+
+
+def _error(message: str) -> int:
+    print(f"infinigen: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return 2
+
+
+def _interrupted() -> int:
+    try:
+        print("\ninfinigen: interrupted", file=sys.stderr)
+    except Exception:
+        pass
+    return INTERRUPTED
 
 
 def _click_types(name: str) -> tuple[type, ...]:
@@ -57,5 +103,10 @@ def _click_types(name: str) -> tuple[type, ...]:
     return tuple(found)
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The console script: exit with `main`'s code."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

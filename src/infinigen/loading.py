@@ -21,6 +21,7 @@ import torch
 from .config import ModelConfig
 from .errors import UserError
 from .model import Rotary, Transformer
+from .paths import cache_dir, partial_name, remove_stale_partials, writable_cache  # noqa: F401 (cache_dir re-exported)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1)"
@@ -61,8 +62,11 @@ def _rename(name: str, arch: str) -> str | None:
 def build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
           device: str | torch.device = "cpu") -> Transformer:
     """A `Transformer` holding `tensors` (Hugging Face names)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    try:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+    except (ValueError, RuntimeError) as e:  # sizes that do not divide, and the like
+        raise UserError(f"config.json describes no valid model: {str(e).splitlines()[0]} ({_config_hint(cfg)})")
     state = {}
     for name, t in tensors.items():
         new = _rename(name, cfg.arch)
@@ -70,19 +74,40 @@ def build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype
             state[new] = t.to(device=device, dtype=dtype)
     if cfg.tie_embeddings or "lm_head.weight" not in state:
         state.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (k == "lm_head.weight" and cfg.tie_embeddings)}
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected = {k for k in shapes if not (k == "lm_head.weight" and cfg.tie_embeddings)}
+    _check_layers(cfg, tensors)
     missing = expected - set(state)
     if "lm_head.weight" in missing and not cfg.tie_embeddings:
         missing.discard("lm_head.weight")
         cfg.tie_embeddings = True  # checkpoints that ship no head share the embedding
     if missing:
         raise UserError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+    for k in sorted(state):  # weights that do not fit config.json: say which, not a state_dict traceback
+        if k not in shapes:
+            raise UserError(f"checkpoint weight {k!r} has no place in the model that config.json describes")
+        if tuple(state[k].shape) != shapes[k]:
+            raise UserError(f"checkpoint weight {k!r} has shape {list(state[k].shape)} but config.json implies "
+                            f"{list(shapes[k])}: the weights do not match the config ({_config_hint(cfg)})")
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if cfg.uses_rope:
         model.rotary = Rotary(cfg).to(device)
     return model.eval()
+
+
+def _check_layers(cfg: ModelConfig, tensors: dict) -> None:
+    """A checkpoint with more layers than config.json says would silently lose the extra ones."""
+    found = {int(m.group(1)) for name in tensors if (m := re.search(r"layers\.(\d+)\.", name))}
+    if found and max(found) + 1 != cfg.num_layers:
+        raise UserError(f"the checkpoint has {max(found) + 1} layers but config.json says num_hidden_layers="
+                        f"{cfg.num_layers}: the weights do not match the config")
+
+
+def _config_hint(cfg: ModelConfig) -> str:
+    return (f"config: vocab_size={cfg.vocab_size}, hidden_size={cfg.hidden_size}, num_attention_heads="
+            f"{cfg.num_heads}, num_key_value_heads={cfg.num_kv_heads}, intermediate_size={cfg.intermediate_size}")
 
 
 def from_transformers(hf_model, dtype: torch.dtype = torch.float32) -> Transformer:
@@ -103,10 +128,6 @@ def default_gguf() -> Path:
     return files[0]
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("INFINIGEN_CACHE", Path.home() / ".cache" / "infinigen"))
-
-
 def _fingerprint(path: Path) -> str:
     """Size plus the first and last MiB: tells files apart without hashing 100s of MB."""
     h = hashlib.sha256(str(path.stat().st_size).encode())
@@ -123,8 +144,10 @@ def _convert_gguf(path: Path, progress: bool) -> Path:
         if f.read(4) != b"GGUF":
             raise UserError(f"{path} is not a GGUF file")
     out = cache_dir() / "gguf" / f"{path.stem}-{_fingerprint(path)}"
+    remove_stale_partials(out.parent)  # what a killed conversion left (hundreds of MB)
     if (out / "config.json").exists():
         return out
+    writable_cache("gguf")  # a read-only cache fails now, not after the conversion
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     if not progress:
@@ -134,14 +157,13 @@ def _convert_gguf(path: Path, progress: bool) -> Path:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as e:  # the GGUF reader raises many types on truncated or corrupt files
         raise UserError(f"cannot read GGUF file {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".partial-"))
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=partial_name()))
     try:
         _save_checkpoint(hf, tok, tmp)
         tmp.rename(out)
-    except OSError:
+    except OSError as e:
         if not (out / "config.json").exists():
-            raise
+            raise UserError(f"cannot write the converted checkpoint to {out.parent}: {e.strerror or e}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # a race lost to another process, or a failed write
     return out
@@ -172,8 +194,17 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         try:
             tensors.update(load_file(f))
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            raise UserError(f"corrupt or truncated weight file {f.name}: {e}")
+            raise UserError(f"corrupt or truncated weight file {f}: {e}{_cached_hint(folder)}")
     return tensors
+
+
+def _cached_hint(folder: Path) -> str:
+    """For a checkpoint we converted into the cache: how to get a good one back."""
+    try:
+        ours = folder.resolve().is_relative_to((cache_dir() / "gguf").resolve())
+    except OSError:
+        ours = False
+    return f" (a cached conversion: delete {folder} to convert the GGUF file again)" if ours else ""
 
 
 def load(spec: str | os.PathLike | None = None, dtype: str | torch.dtype = "float32", device: str = "cpu",
@@ -207,11 +238,12 @@ def load(spec: str | os.PathLike | None = None, dtype: str | torch.dtype = "floa
     try:
         hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, json.JSONDecodeError) as e:
-        raise UserError(f"cannot read {path / 'config.json'}: {str(e).splitlines()[0]}")
+        raise UserError(f"cannot read {path / 'config.json'}: {str(e).splitlines()[0]}{_cached_hint(path)}")
     cfg = ModelConfig.from_hf(hf_cfg)
     model = build(cfg, _read_safetensors(path), dtype=dtype, device=device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise UserError(f"cannot load the tokenizer in {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        raise UserError(f"cannot load the tokenizer in {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                        f"{_cached_hint(path)}")
     return model, tokenizer, name

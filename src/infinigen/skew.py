@@ -34,28 +34,10 @@ FORMAT_VERSION = "1"
 
 
 # ---- text ------------------------------------------------------------------------------------------
-def data_dirs() -> list[Path]:
-    """Where bundled corpora live: $INFINIGEN_DATA, then ../shared/data next to the repo or the cwd."""
-    dirs = []
-    if os.environ.get("INFINIGEN_DATA"):
-        dirs.append(Path(os.environ["INFINIGEN_DATA"]))
-    repo = Path(__file__).resolve().parents[2]
-    dirs += [repo.parent / "shared" / "data", Path.cwd().parent / "shared" / "data", Path.cwd() / "data"]
-    return dirs
-
-
 def resolve_text(spec: str | os.PathLike | None) -> Path:
-    """A text file: a path, or a corpus name ("emma", "austen/emma", "prideprejudice.txt")."""
-    spec = str(spec or DEFAULT_CALIB)
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return path
-    name = spec if spec.endswith(".txt") else spec + ".txt"
-    for d in data_dirs():
-        for cand in (d / name, d / "austen" / name):
-            if cand.is_file():
-                return cand
-    raise UserError(f"text not found: {spec!r} (a file path, or a name in ../shared/data/austen such as 'emma')")
+    """The calibration text: a path or a corpus name (see `infinigen.paths`); None: DEFAULT_CALIB."""
+    from .paths import resolve_text as resolve
+    return resolve(spec, default=DEFAULT_CALIB)
 
 
 def read_tokens(tokenizer, path: Path, n: int, offset: int = 0) -> list[int]:
@@ -173,7 +155,8 @@ class Skew:
                 meta = dict(f.metadata() or {})
                 t = {k: f.get_tensor(k) for k in ("matrices", "sigma2", "energy")}
         except Exception as e:  # corrupt or truncated file
-            raise UserError(f"cannot read skew artifact {path}: {e}")
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UserError(f"corrupt skew artifact {path} ({first}); recompute it with `infinigen skew --force`")
         return cls(t["matrices"], t["sigma2"], t["energy"], meta, path)
 
 
@@ -191,7 +174,7 @@ def compute_skew(model, token_ids, window: int = 2048, progress=None, **meta) ->
 
 
 def skew_path(model, calib: Path, tokens: int) -> Path:
-    from .loading import cache_dir
+    from .paths import cache_dir
     text_hash = hashlib.sha256(calib.read_bytes()).hexdigest()[:10]
     return cache_dir() / "skew" / f"{model_fingerprint(model)}-{calib.stem}-{text_hash}-{tokens}.safetensors"
 
@@ -209,6 +192,8 @@ def load_or_compute_skew(model, tokenizer, calib: str | os.PathLike | None = Non
         if skew.matrices.shape == (model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim, model.cfg.head_dim):
             skew.meta["reused"] = "1"
             return skew
+    from .paths import writable_cache
+    writable_cache("skew")  # fail now, not after the calibration
     ids = read_tokens(tokenizer, path_text, tokens)
     bar = None
     if progress:
@@ -224,18 +209,21 @@ def load_or_compute_skew(model, tokenizer, calib: str | os.PathLike | None = Non
 
 def find_cached_skew(model) -> Skew | None:
     """A skew artifact of this model already in the cache (the default calibration preferred), or None."""
-    from .loading import cache_dir
+    from .paths import cache_dir
     folder = cache_dir() / "skew"
     if not folder.is_dir():
         return None
     fp = model_fingerprint(model)
     found = sorted(folder.glob(f"{fp}-*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)
     preferred = [p for p in found if p.name.startswith(f"{fp}-{DEFAULT_CALIB}-") and p.stem.endswith(f"-{DEFAULT_TOKENS}")]
+    corrupt = None
     for p in preferred + found:
         try:
             return Skew.load(p)
-        except UserError:
-            continue
+        except UserError as e:
+            corrupt = corrupt or e
+    if corrupt is not None:  # only unreadable artifacts: say which file, and how to replace it
+        raise corrupt
     return None
 
 

@@ -2,6 +2,7 @@
 plus a markdown report."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -9,7 +10,9 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
-from .basic import MODEL_HELP, check_model_options, check_range, load_model
+from .basic import load_model
+from .options import (FLOAT, check_context, check_model_options, check_out_dir, check_policies_fit, check_range,
+                      device_option, dtype_option, knob_dict, knob_option, model_option)
 
 
 def _numbers(text: str, name: str, cast=float) -> tuple:
@@ -19,6 +22,8 @@ def _numbers(text: str, name: str, cast=float) -> tuple:
         raise UserError(f"--{name}: expected comma-separated numbers, got {text!r}")
     if not out:
         raise UserError(f"--{name}: give at least one value")
+    if not all(math.isfinite(v) for v in out):
+        raise UserError(f"--{name}: expected finite numbers, got {text!r}")
     return out
 
 
@@ -29,22 +34,21 @@ def analyze_cmd(
     tokens: int = typer.Option(1024, "--tokens", help="Tokens of the text to analyse (one window)."),
     offset: int = typer.Option(0, "--offset", help="Skip this many tokens of the text first."),
     prefill: int = typer.Option(128, "--prefill", help="Dense prompt of the decoding analyses (fig3, fig13, fig17)."),
-    budget: float = typer.Option(0.1, "--budget", help="fig3: H2O/oracle token budget as a fraction of --tokens."),
+    budget: float = typer.Option(0.1, "--budget", **FLOAT, help="fig3: H2O/oracle token budget as a fraction of --tokens."),
     alphas: str = typer.Option("1,2,3,4,5,6,7,8,9", "--alphas", help="fig17: alpha values."),
     ratios: str = typer.Option("0.1,0.2,0.3,0.5,0.7,1.0", "--ratios", help="fig17: partial weight ratios."),
     count_alphas: str = typer.Option("3,5,7", "--count-alphas", help="alpha values of the tokens-above-threshold count."),
-    knob: list[str] = typer.Option([], "--knob", help="InfiniGen knob NAME=VALUE (default: the paper's preset)."),
-    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    knob: list[str] = knob_option("InfiniGen knob NAME=VALUE (default: the paper's preset)."),
+    model: str = model_option(),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
 ):
     """Reproduce the paper's analyses on a model; writes PNGs and analyze.md into --out."""
     import torch
     from tqdm.auto import tqdm
 
     from ..eval import analyze as an
-    from ..eval.policyset import knob_dict
-    from ..eval.ppl import load_text, resolve_text
+    from ..paths import load_text, resolve_text
 
     sel = an.parse_which(which)
     check_range("tokens", tokens, lo=16)
@@ -61,10 +65,12 @@ def analyze_cmd(
         raise UserError("--ratios must be in (0, 1]")
     if any(a <= 0 for a in st.alphas + st.count_alphas):
         raise UserError("alpha values must be positive")
+    check_out_dir(out, "--out")
     body = load_text(text)
     net, tok, name = load_model(model, dtype, device)
-    if tokens > net.cfg.max_position:
-        raise UserError(f"--tokens {tokens} exceeds the model's context of {net.cfg.max_position}")
+    check_context(net, tokens, "--tokens")
+    from ..policies import make_policy
+    check_policies_fit(make_policy("infinigen", **knobs), net)
     ids = tok(body[: 12 * (tokens + offset) + 1000], add_special_tokens=False)["input_ids"][offset:offset + tokens]
     if len(ids) < tokens:
         raise UserError(f"the text has fewer than {tokens + offset} tokens")

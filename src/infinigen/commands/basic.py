@@ -5,7 +5,6 @@ the first row streams to stdout; progress and the speed summary go to stderr, so
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,30 +14,12 @@ import typer
 
 from ..errors import UserError
 from ..policies import REGISTRY
-
-DEVICES = ("cpu", "cuda")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-MODEL_HELP = "'default' (SmolLM2-135M-Instruct, Q4_1), a .gguf file, or a Hugging Face checkpoint directory"
+from .options import (FLOAT, MAX_ROWS, MODEL_HELP, check_kv_fits, check_model_options,  # noqa: F401 (re-exported)
+                      check_policies_fit, check_range, device_option, dtype_option, knob_option,
+                      make_policy_from_cli, model_option, write_json)
 
 
 # ---- helpers shared with other commands ------------------------------------------------------------
-def check_range(name: str, value, lo=None, hi=None, lo_open: bool = False) -> None:
-    """UserError unless lo <= value <= hi (lo < value when lo_open); None bounds are unchecked."""
-    if value is None:
-        return
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise UserError(f"--{name} must be {'>' if lo_open else '>='} {lo} (got {value})")
-    if hi is not None and value > hi:
-        raise UserError(f"--{name} must be <= {hi} (got {value})")
-
-
-def check_model_options(device: str, dtype: str) -> None:
-    if device not in DEVICES and not device.startswith("cuda:"):
-        raise UserError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
-    if dtype not in DTYPE_NAMES:
-        raise UserError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPE_NAMES)}")
-
-
 @contextmanager
 def spinner(message: str):
     """A rich spinner on stderr while `message`'s work runs (silent when stderr is not a terminal)."""
@@ -57,45 +38,6 @@ def load_model(model: str, dtype: str = "float32", device: str = "cpu"):
     label = "the default model" if model in ("", "default") else model
     with spinner(f"Loading {label} ({dtype}, {device})..."):
         return load(model, dtype=dtype, device=device)
-
-
-def parse_knobs(knobs: list[str]) -> dict:
-    """`--knob name=value` pairs; values are read as int, float, bool or left as text."""
-    out = {}
-    for kv in knobs or []:
-        if "=" not in kv:
-            raise UserError(f"--knob expects NAME=VALUE, got {kv!r}")
-        name, text = (s.strip() for s in kv.split("=", 1))
-        value: object = text
-        low = text.lower()
-        if low in ("true", "false"):
-            value = low == "true"
-        else:
-            for cast in (int, float):
-                try:
-                    value = cast(text)
-                    break
-                except ValueError:
-                    pass
-        out[name.replace("-", "_")] = value
-    return out
-
-
-def make_policy_from_cli(name: str, knobs: list[str] | None = None, base: dict | None = None):
-    """The policy `name` with `base` settings (from a command's own options) and `--knob` settings on
-    top; unknown knob names are an error, not ignored."""
-    from ..policies import make_policy, policy_class
-    cls = policy_class(name)
-    values = parse_knobs(knobs or [])
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        have = ", ".join(sorted(f for f in fields if not f.startswith("_"))) or "none"
-        raise UserError(f"policy {name!r} has no knob {unknown[0]!r}; its knobs: {have}")
-    try:
-        return make_policy(name, **{**(base or {}), **values})
-    except (TypeError, ValueError) as e:
-        raise UserError(f"bad knob for policy {name!r}: {e}")
 
 
 def read_prompts(prompt: Optional[str], prompt_file: Optional[Path]) -> list[str]:
@@ -127,21 +69,21 @@ def _out(text: str) -> None:
 
 # ---- commands --------------------------------------------------------------------------------------
 def generate_cmd(
-    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
+    model: str = model_option(),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt text."),
     prompt_file: Optional[Path] = typer.Option(None, "--prompt-file", "-f",
                                                help="A text file with one prompt per line (a batch)."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens to generate per prompt."),
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Run every prompt this many times in one batch."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
     chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
-    temperature: float = typer.Option(0.0, "--temperature", "-t", help="0 = greedy."),
+    temperature: float = typer.Option(0.0, "--temperature", "-t", **FLOAT, help="0 = greedy."),
     top_k: int = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, in (0, 1]."),
+    top_p: float = typer.Option(1.0, "--top-p", **FLOAT, help="Nucleus sampling mass, in (0, 1]."),
     policy: str = typer.Option("full", "--policy", help=f"KV-cache policy: {', '.join(REGISTRY)}."),
-    knob: list[str] = typer.Option([], "--knob", help="A policy setting NAME=VALUE (repeatable), e.g. --knob alpha=5."),
+    knob: list[str] = knob_option(),
 ):
     """Generate text with the runtime, streaming the first prompt's answer."""
     from ..generate import Sampling, TextStreamer, generate
@@ -153,7 +95,9 @@ def generate_cmd(
     check_range("top-p", top_p, lo=0, hi=1, lo_open=True)
     check_range("seed", seed, lo=0, hi=2 ** 63 - 1)
     check_model_options(device, dtype)
+    check_range("batch-size", batch_size, hi=MAX_ROWS)
     prompts = read_prompts(prompt, prompt_file)
+    check_range("batch-size", len(prompts) * batch_size, hi=MAX_ROWS)  # rows, before building them
     prompts = [p for p in prompts for _ in range(batch_size)]
     pol = make_policy_from_cli(policy, knob)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -161,12 +105,15 @@ def generate_cmd(
 
     try:
         net, tok, name = load_model(model, dtype, device)
+        check_policies_fit(pol, net)
+        longest = max(len(tok(p)["input_ids"]) for p in dict.fromkeys(prompts))
+        check_kv_fits(net, len(prompts), longest + max_new_tokens, device)
         streamer = TextStreamer(tok, row=0, write=_out)
         g = generate(net, tok, prompts, max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
                      chat=chat, on_token=streamer)
-    except KeyboardInterrupt:  # Ctrl-C: "aborted", exit 130, no traceback
+    except KeyboardInterrupt:  # Ctrl-C: end the streamed line; the CLI exits 130 without a traceback
         _out("\n")
-        raise typer.Abort()
+        raise
     _out(g.texts[0][len(streamer.shown):] + "\n")  # what the streamer held back (an incomplete character)
     for i in range(1, len(prompts)):
         _out(f"--- [{i}] ---\n{g.texts[i]}\n")
@@ -182,9 +129,9 @@ def generate_cmd(
 
 
 def info_cmd(
-    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    model: str = model_option(),
+    dtype: str = dtype_option(),
+    device: str = device_option(),
     as_json: bool = typer.Option(False, "--json", help="Print the facts as one JSON object."),
 ):
     """Architecture, size and KV cache cost per token of a model."""

@@ -16,7 +16,9 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
-from .basic import MODEL_HELP, check_model_options, check_range
+from .options import (FLOAT, MAX_ROWS, check_kv_fits, check_model_options, check_out_file, check_policies_fit,
+                      check_range, device_option, dtype_option, knob_option, model_option, parse_policies,
+                      plot_formats, prepare_policies, write_json)
 
 
 def _int_list(name: str, text: str) -> list[int]:
@@ -44,12 +46,12 @@ def parse_bytes(text: str | None, name: str = "pool-bytes") -> int | None:
 
 def bench_cmd(
     ctx: typer.Context,
-    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
+    model: str = model_option(),
     synthetic: Optional[str] = typer.Option(None, "--synthetic",
                                             help="Random weights of a paper-size shape instead of --model: opt-6.7b, "
                                                  "opt-13b, opt-30b, llama-2-7b, llama-2-13b, llama-3-8b, smollm2-135m."),
     layers: Optional[int] = typer.Option(None, "--layers", help="--synthetic: fewer layers than the real shape."),
-    fixed_ratio: Optional[float] = typer.Option(None, "--fixed-ratio",
+    fixed_ratio: Optional[float] = typer.Option(None, "--fixed-ratio", **FLOAT,
                                                 help="--synthetic: InfiniGen fetches this share of the tokens per step "
                                                      "(the relative KV size measured on the real model)."),
     prompt_len: str = typer.Option("2048", "--prompt-len", help="Prompt lengths, comma separated (a sweep)."),
@@ -57,7 +59,7 @@ def bench_cmd(
     batch_size: str = typer.Option("4", "--batch-size", help="Batch sizes, comma separated (a sweep)."),
     policy: str = typer.Option("full,infinigen", "--policy", help="Policies, comma separated: full, infinigen, h2o, int4, streaming."),
     kv_offload: str = typer.Option("cpu", "--kv-offload", help="KV tiers, comma separated: none, cpu, disk."),
-    knob: list[str] = typer.Option([], "--knob", help="Policy setting NAME=VALUE or POLICY.NAME=VALUE (repeatable)."),
+    knob: list[str] = knob_option(),
     ideal: bool = typer.Option(True, "--ideal/--no-ideal", help="Also run the full cache in fast memory."),
     hf: bool = typer.Option(True, "--transformers/--no-transformers", help="Also run transformers' DynamicCache."),
     capacity: Optional[int] = typer.Option(None, "--capacity", help="KV pool limit in tokens per sequence."),
@@ -65,15 +67,15 @@ def bench_cmd(
     eviction: str = typer.Option("counter", "--eviction", help="Pool victim policy: counter, lru or fifo."),
     pool_dir: Optional[Path] = typer.Option(None, "--pool-dir", help="Directory for the disk tier's pool file (removed after)."),
     prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Fetch layer i+1's rows during layer i."),
-    weights_offload: float = typer.Option(0.0, "--weights-offload", help="Share of the layers whose weights stay in the "
+    weights_offload: float = typer.Option(0.0, "--weights-offload", **FLOAT, help="Share of the layers whose weights stay in the "
                                           "slow tier and stream per layer (FlexGen's weight percentage)."),
     share_prefill: bool = typer.Option(False, "--share-prefill", help="One real prefill per (length, batch), replayed into "
                                        "every system (long prompts on a CPU); decoding is unchanged."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads (CPU)."),
     breakdown: int = typer.Option(0, "--breakdown", help="Extra instrumented steps for a per-layer time breakdown (0: off)."),
     text: str = typer.Option("prideprejudice", "--text", help="Prompt text: a file or a bundled corpus name."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all rows to this JSON file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: decode throughput vs batch size and vs length."),
     memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Run under this memory bound (e.g. 2G; a cgroup "
@@ -92,8 +94,12 @@ def bench_cmd(
         return
     prompt_lens = _int_list("prompt-len", prompt_len)
     batch_sizes = _int_list("batch-size", batch_size)
+    check_range("batch-size", max(batch_sizes), hi=MAX_ROWS)
     check_range("gen-len", gen_len, lo=2)
     check_range("capacity", capacity, lo=1)
+    if capacity is not None and capacity < max(prompt_lens):
+        raise UserError(f"--capacity {capacity} cannot hold the {max(prompt_lens)}-token prompt (--prompt-len); "
+                        "the pool must hold at least the prompt")
     check_range("breakdown", breakdown, lo=0)
     check_range("threads", threads, lo=1)
     check_range("layers", layers, lo=1)
@@ -109,8 +115,6 @@ def bench_cmd(
     if eviction not in ("counter", "lru", "fifo"):
         raise UserError(f"unknown --eviction {eviction!r}; choose counter, lru or fifo")
     limit = parse_bytes(pool_bytes)
-    if capacity is not None and capacity < max(prompt_lens):
-        raise UserError(f"--capacity {capacity} is smaller than the prompt ({max(prompt_lens)} tokens): the pool must hold it")
     names = [s.strip() for s in policy.split(",") if s.strip()]
     for n in names:
         if n.split("@")[0] not in REGISTRY:
@@ -122,8 +126,9 @@ def bench_cmd(
     if synthetic is not None and any(n.startswith("infinigen") for n in names) and fixed_ratio is None:
         raise UserError("--synthetic with infinigen needs --fixed-ratio (speculation on random weights means nothing)")
 
-    from ..eval.policyset import parse_policies
     policies = parse_policies(names, knob)
+    check_out_file(json_out, "--json")
+    check_out_file(plot_out, "--plot", suffixes=plot_formats())
 
     import torch
     if threads:
@@ -135,7 +140,7 @@ def bench_cmd(
         net, hf_model, name = bench.synthetic_models(synthetic, DTYPES[dtype], device, max_len, layers, hf=hf)
         tok = None
     else:
-        from ..eval.ppl import load_text
+        from ..paths import load_text
         from .basic import load_model
         body = load_text(text)
         net, tok, name = load_model(model, dtype, device)
@@ -150,6 +155,8 @@ def bench_cmd(
                 if limit // per < max(prompt_lens):
                     raise UserError(f"--pool-bytes {pool_bytes} holds {limit // per} tokens at batch {max(batch_sizes)} "
                                     f"({per} bytes each, {tier}), fewer than the prompt ({max(prompt_lens)} tokens)")
+    check_policies_fit(policies, net)
+    check_kv_fits(net, max(batch_sizes), max_len, device)
     for label, pol in policies.items():
         if pol.name == "infinigen" and getattr(pol, "skew", False):
             if synthetic:
@@ -158,7 +165,7 @@ def bench_cmd(
                 pol.with_skew(torch.linalg.qr(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                                           cfg.head_dim, generator=g, dtype=torch.float64))[0])
             else:
-                pol.calibrate(net, tok, progress=True)  # cached after the first run
+                prepare_policies({label: pol}, net, tok)  # cached after the first run
         if synthetic and pol.name == "infinigen":
             pol.alpha, pol.max_fetch_ratio, pol.min_fetch = 1e9, fixed_ratio, 0  # every token qualifies; the cap picks the top share
 
@@ -203,7 +210,7 @@ def bench_cmd(
                "rows": bench.strip_private(rows)}
     _print(payload)
     if json_out is not None:
-        bench.write_json(json_out, payload)
+        write_json(json_out, payload)
     if plot_out is not None:
         dev = payload["machine"].get("gpu") if device.startswith("cuda") else payload["machine"]["cpu"]
         bench.plot(rows, plot_out, title=f"{label} | {dev}")
@@ -217,24 +224,56 @@ def _mb(x) -> str:
     return "-" if x is None else f"{x / 2**20:.1f}"
 
 
+# Two narrow tables instead of one wide one: each fits 80 columns (a pipe, a small terminal); every
+# number is in the JSON too.
+SPEED_COLUMNS = [("ms/step", lambda r: _n(r["decode_ms_per_step"])), ("tok/s", lambda r: _n(r["decode_tokens_per_s"], 2)),
+                 ("x ideal", lambda r: _n(r.get("x_vs_ideal"), 2)), ("x HF", lambda r: _n(r.get("x_vs_transformers"), 2)),
+                 ("x offl.", lambda r: _n(r.get("x_vs_full_offload"), 2))]
+MEMORY_COLUMNS = [("prefill s", lambda r: _n(r["prefill_s"], 2)),
+                  ("KB/tok", lambda r: _n(_scaled(r.get("bytes_moved_per_token"), 2**10))),
+                  ("fast MB", lambda r: _n(_scaled(r.get("peak_fast_bytes"), 2**20))),
+                  ("slow MB", lambda r: _n(_scaled(r.get("peak_slow_bytes"), 2**20))),
+                  ("rel KV", lambda r: "-" if r.get("relative_kv") is None else f"{100 * r['relative_kv']:.1f}%")]
+
+
+def _scaled(x, unit):
+    return None if x is None else x / unit
+
+
+def _n(v, digits: int = 1) -> str:
+    """A short number: `digits` decimals below 100, fewer above (the JSON has them all)."""
+    if v is None:
+        return "-"
+    return f"{v:.{digits if abs(v) < 100 else 1 if abs(v) < 1000 else 0}f}"
+
+
+def tables(rows: list[dict]) -> list:
+    """The rows as two rich tables (speed; memory and traffic) that fit 80 columns: numbers never
+    truncate, long system names wrap."""
+    from rich import box
+    from rich.table import Table
+    out = []
+    for title, cols in (("decoding speed", SPEED_COLUMNS), ("prefill, memory and traffic", MEMORY_COLUMNS)):
+        t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), title_justify="left")
+        t.add_column("system", overflow="fold", ratio=1, min_width=10)
+        t.add_column("batch", justify="right", no_wrap=True)
+        t.add_column("prompt", justify="right", no_wrap=True)
+        for name, _ in cols:
+            t.add_column(name, justify="right", no_wrap=True)
+        for r in rows:
+            t.add_row(r["system"], str(r["batch"]), str(r["prompt_len"]), *(f(r) for _, f in cols))
+        out.append(t)
+    return out
+
+
 def _print(p: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
     c = Console()
     m = p["machine"]
     c.print(f"{p['model']} | {p['device']} ({m.get('gpu') or m['cpu']}), {p['dtype']} | torch {m['torch']}, "
             f"{m['torch_threads']} threads")
-    t = Table(title="decoding, side by side")
-    for col in ("system", "batch", "prompt", "prefill s", "ms/step", "tokens/s", "x transformers", "x ideal",
-                "x full offload", "KB moved/token", "peak fast MB", "peak slow MB", "rel. KV"):
-        t.add_column(col, justify="left" if col == "system" else "right")
-    f2 = lambda v: "-" if v is None else f"{v:.2f}"
-    for r in p["rows"]:
-        t.add_row(r["system"], str(r["batch"]), str(r["prompt_len"]), f2(r["prefill_s"]), f"{r['decode_ms_per_step']:.1f}",
-                  f2(r["decode_tokens_per_s"]), f2(r.get("x_vs_transformers")), f2(r.get("x_vs_ideal")),
-                  f2(r.get("x_vs_full_offload")), _kb(r.get("bytes_moved_per_token")), _mb(r.get("peak_fast_bytes")),
-                  _mb(r.get("peak_slow_bytes")), f"{100 * r['relative_kv']:.1f}%" if r.get("relative_kv") is not None else "-")
-    c.print(t)
+    for t in tables(p["rows"]):
+        c.print(t)
     mb = p["settings"].get("memory_bound")
     c.print(f"memory bound: {mb['describe']}" if mb else "no memory bound: a disk pool may sit in the page cache")
     for r in p["rows"]:

@@ -9,7 +9,9 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
-from .basic import MODEL_HELP, check_model_options, check_range, load_model
+from .basic import load_model
+from .options import (FLOAT, check_model_options, check_out_file, check_policies_fit, check_range, device_option,
+                      dtype_option, knob_option, model_option, parse_policies, prepare_policies, write_json)
 
 
 def fewshot_cmd(
@@ -17,15 +19,15 @@ def fewshot_cmd(
     shots: int = typer.Option(5, "--shots", help="Solved examples in each prompt."),
     policy: str = typer.Option("full,infinigen", "--policy",
                                help="Comma-separated policies (the full cache is always scored, for agreement)."),
-    knob: list[str] = typer.Option([], "--knob", help="NAME=VALUE for every policy that has it, or POLICY.NAME=VALUE."),
+    knob: list[str] = knob_option("NAME=VALUE for every policy that has it, or POLICY.NAME=VALUE."),
     limit: Optional[int] = typer.Option(10, "--limit", help="Examples per task (0 = all)."),
-    prefill_frac: float = typer.Option(1.0, "--prefill-frac",
+    prefill_frac: float = typer.Option(1.0, "--prefill-frac", **FLOAT,
                                        help="Fraction of the prompt processed densely; the rest and the answer are decoded with the policy."),
     seed: int = typer.Option(1234, "--seed", help="Seed for the example order and the shots."),
     data: Optional[Path] = typer.Option(None, "--data", help="BIG-bench task folder (default ../shared/data/bigbench)."),
-    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    model: str = model_option(),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results to this JSON file."),
     list_only: bool = typer.Option(False, "--list", help="List the available tasks and exit."),
 ):
@@ -33,7 +35,6 @@ def fewshot_cmd(
     from tqdm.auto import tqdm
 
     from ..eval import fewshot as fs
-    from ..eval.policyset import parse_policies
 
     root = fs.find_root(data)
     if list_only:
@@ -47,10 +48,17 @@ def fewshot_cmd(
     check_model_options(device, dtype)
     names = fs.resolve_tasks(task, root)
     pols = parse_policies(policy, knob)
+    check_out_file(json_out, "--json")
     tasks = [fs.Task.load(n, fs.list_tasks(root)[n]) for n in names]
+    for t in tasks:  # the shots are other examples of the task
+        if shots > len(t.examples) - 1:
+            raise UserError(f"--shots {shots}: task {t.name} has {len(t.examples)} examples, so at most "
+                            f"{len(t.examples) - 1} shots")
     lim = limit or None
     total = sum(min(len(t.examples), lim or len(t.examples)) for t in tasks) * len(pols | {"full": None})
     net, tok, model_name = load_model(model, dtype, device)
+    check_policies_fit(pols, net)
+    prepare_policies(pols, net, tok)
     results = []
     with tqdm(total=total, desc="fewshot", unit="ex", file=sys.stderr) as bar:
         for t in tasks:
@@ -63,9 +71,8 @@ def fewshot_cmd(
         print()
         print(fs.markdown_table(fs.summarize(results)))
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps({"model": model_name, "shots": shots, "prefill_frac": prefill_frac,
-                                        "results": [r.to_dict(True) for r in results]}, indent=2))
+        write_json(json_out, {"model": model_name, "shots": shots, "prefill_frac": prefill_frac,
+                              "results": [r.to_dict(True) for r in results]})
 
 
 def register(app: typer.Typer) -> None:

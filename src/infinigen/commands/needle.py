@@ -1,7 +1,6 @@
 """`infinigen needle`: passkey and needle-in-a-haystack retrieval per policy, context x depth grid."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -9,7 +8,9 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
-from .basic import MODEL_HELP, check_model_options, load_model
+from .basic import load_model
+from .options import (check_model_options, check_out_dir, check_policies_fit, device_option, dtype_option,
+                      knob_option, model_option, parse_policies, prepare_policies, write_atomic, write_json)
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -40,7 +41,7 @@ def _fracs(text: str) -> list[float]:
 def needle_cmd(
     task: str = typer.Option("passkey,niah", "--task", help="passkey, niah, or both (comma-separated); 'all' = both."),
     policy: str = typer.Option("full,infinigen,h2o", "--policy", help="Comma-separated policies."),
-    knob: list[str] = typer.Option([], "--knob", help="NAME=VALUE for every policy that has it, or POLICY.NAME=VALUE."),
+    knob: list[str] = knob_option("NAME=VALUE for every policy that has it, or POLICY.NAME=VALUE."),
     lengths: str = typer.Option("1K,2K", "--lengths", help="Context lengths in tokens, e.g. 1K,2K,4K,8K."),
     depths: str = typer.Option("0,0.25,0.5,0.75,1", "--depths", help="Needle depths as fractions of the haystack."),
     haystack: Optional[str] = typer.Option(None, "--haystack",
@@ -50,15 +51,14 @@ def needle_cmd(
     seed: int = typer.Option(0, "--seed", help="Seed for the pass keys."),
     batch_tokens: int = typer.Option(8192, "--batch-tokens", help="Prompt tokens per batched prefill (memory bound)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for needle.md, needle.json and needle_heatmap.png."),
-    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    model: str = model_option(),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
 ):
     """Retrieval accuracy per policy over context lengths and needle depths; table and heat map."""
     from tqdm.auto import tqdm
 
     from ..eval import needle as nd
-    from ..eval.policyset import parse_policies, prepare
 
     tasks = list(nd.TASKS) if task == "all" else [t.strip() for t in task.split(",") if t.strip()]
     for t in tasks:
@@ -69,12 +69,14 @@ def needle_cmd(
         raise UserError("--batch-tokens must be >= 1")
     check_model_options(device, dtype)
     pols = parse_policies(policy, knob)
+    check_out_dir(out, "--out")
     if haystack not in (None, "filler", "pg"):
         nd.haystack_text(haystack)  # fail on a bad name before loading the model
     net, tok, model_name = load_model(model, dtype, device)
     if max(ls) + 32 > net.cfg.max_position:
         raise UserError(f"--lengths: {max(ls)} exceeds the model's context of {net.cfg.max_position}")
-    prepare(pols, net, tok, progress=True)
+    check_policies_fit(pols, net)
+    prepare_policies(pols, net, tok)
     total = len(tasks) * len(ls) * len(ds) * len(pols)
     with tqdm(total=total, desc="needle", unit="answer", file=sys.stderr) as bar:
         results = nd.evaluate(net, tok, pols, tasks, ls, ds, haystack, chat, seed, batch_tokens, progress=bar.update)
@@ -84,8 +86,8 @@ def needle_cmd(
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         png = nd.heatmap(results, out / "needle_heatmap.png")
-        (out / "needle.md").write_text(f"# Needle retrieval: {model_name}\n\n{table}\n\n![heat map]({png.name})\n")
-        (out / "needle.json").write_text(json.dumps({"model": model_name, "results": nd.to_json(results)}, indent=2))
+        write_atomic(out / "needle.md", f"# Needle retrieval: {model_name}\n\n{table}\n\n![heat map]({png.name})\n")
+        write_json(out / "needle.json", {"model": model_name, "results": nd.to_json(results)})
         print(f"\nwrote {out / 'needle.md'}, {png}", file=sys.stderr)
 
 

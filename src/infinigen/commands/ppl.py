@@ -1,59 +1,24 @@
 """`infinigen ppl`: perplexity of a text with one KV-cache policy (teacher-forced), per 256-token
 decoding chunk, with the relative KV size over all layers and over the speculated layers.
 
-Policy settings have their own options; each applies only to the policies that have it (--alpha:
-infinigen and oracle; --ratio: h2o, streaming, oracle; ...) and giving one to a policy without it is an
-error. Anything else goes through `--knob NAME=VALUE`. Every option is checked before the model loads.
+Policy settings go through `--knob NAME=VALUE`, typed by the policy's fields (the error for an unknown
+knob lists them); a knob the policy does not have is an error. Every option is
+checked before the model loads; the context and layer indices right after it, before the work.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from ..errors import UserError
-from .basic import MODEL_HELP, check_model_options, check_range, load_model, make_policy_from_cli
+from .basic import load_model
+from .options import (FLOAT, MODEL_HELP, check_context, device_option, dtype_option, model_option, check_model_options, check_out_file, check_policies_fit,
+                      check_range, knob_option, make_policy_from_cli, policy_settings, prepare_policies, json_text,
+                      write_json)
 
 EVICTIONS = ("counter", "lru", "fifo")
-
-
-def _policy_knobs(policy: str, opts: dict) -> dict:
-    """CLI options -> the policy's dataclass fields (an error for an option the policy does not have)."""
-    from ..policies import policy_class
-    fields = {f.name for f in dataclasses.fields(policy_class(policy))}
-    out = {}
-
-    def put(option, field, value):
-        if field not in fields:
-            raise UserError(f"{option} does not apply to policy {policy!r}")
-        out[field] = value
-
-    for option, value in opts.items():
-        if value is None or value is False:
-            continue
-        if option == "--no-skew":
-            put(option, "skew", False)
-        elif option == "--ratio" and policy == "h2o":  # half heavy hitters, half recent (H2O's split)
-            put(option, "heavy_ratio", value / 2)
-            put(option, "recent_ratio", value / 2)
-        elif option in ("--heavy", "--recent"):  # a fraction of the length below 1, else tokens
-            name = option[2:]
-            if value < 1:
-                put(option, f"{name}_ratio", float(value))
-            elif value != int(value):
-                raise UserError(f"{option} above 1 is a token count and must be an integer, got {value}")
-            else:
-                put(option, name, int(value))
-        else:
-            field = {"--alpha": "alpha", "--partial-ratio": "partial_ratio", "--max-fetch": "max_fetch_ratio",
-                     "--dense-layers": "dense_layers", "--budget": "budget", "--spec-input": "spec_input",
-                     "--key-mode": "key_mode", "--preset": "preset", "--sinks": "sinks", "--window": "window",
-                     "--ratio": "ratio", "--tokens": "tokens", "--bits": "bits", "--group": "group"}[option]
-            put(option, field, value)
-    return out
 
 
 def ppl_cmd(
@@ -65,35 +30,19 @@ def ppl_cmd(
     prefill: int = typer.Option(256, "--prefill", help="Prompt tokens per window (dense); the rest is decoded and scored."),
     windows: int = typer.Option(1, "--windows", help="Non-overlapping windows from the start of the text, pooled."),
     chunk: int = typer.Option(256, "--chunk", help="Decoding-chunk size of the per-chunk table (the paper's Figure 12: 256)."),
-    alpha: Optional[float] = typer.Option(None, "--alpha", help="infinigen/oracle: select tokens scoring above max - alpha."),
-    partial_ratio: Optional[float] = typer.Option(None, "--partial-ratio", help="infinigen: share of head_dim columns in the partial weights."),
-    max_fetch: Optional[float] = typer.Option(None, "--max-fetch", help="infinigen: at most this share of the cached tokens per step."),
-    dense_layers: Optional[str] = typer.Option(None, "--dense-layers", help="infinigen: layers attending densely, e.g. '0,1' ('' = none but layer 0)."),
-    budget: Optional[str] = typer.Option(None, "--budget", help="infinigen: token count per head: mean (paper), per_head, union or layer."),
-    spec_input: Optional[str] = typer.Option(None, "--spec-input", help="infinigen: attn_in (paper) or attn_out."),
-    key_mode: Optional[str] = typer.Option(None, "--key-mode", help="infinigen: partial (paper) or int4."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="infinigen: 'default' (best measured) or 'paper'."),
-    no_skew: bool = typer.Option(False, "--no-skew", help="infinigen: do not skew queries and keys."),
     calib: Optional[str] = typer.Option(None, "--calib", help="infinigen: calibration text for the skew matrices (default emma)."),
-    capacity: Optional[float] = typer.Option(None, "--capacity", help="KV pool limit: tokens, or a fraction of --ctx (e.g. 0.8)."),
+    capacity: Optional[float] = typer.Option(None, "--capacity", **FLOAT, help="KV pool limit: tokens, or a fraction of --ctx (e.g. 0.8)."),
     eviction: str = typer.Option("counter", "--eviction", help="Pool victim policy: counter, lru or fifo."),
     protect_recent: Optional[int] = typer.Option(None, "--protect-recent", help="Pool: never evict the newest N tokens."),
-    heavy: Optional[float] = typer.Option(None, "--heavy", help="h2o: heavy hitters, tokens (>= 1) or a fraction of the length."),
-    recent: Optional[float] = typer.Option(None, "--recent", help="h2o: recent tokens, tokens (>= 1) or a fraction of the length."),
-    sinks: Optional[int] = typer.Option(None, "--sinks", help="streaming: attention-sink tokens."),
-    window: Optional[int] = typer.Option(None, "--window", help="streaming: recent-window tokens."),
-    ratio: Optional[float] = typer.Option(None, "--ratio", help="h2o/streaming/oracle: keep this fraction of the past tokens."),
-    tokens: Optional[int] = typer.Option(None, "--tokens", help="oracle: keep this many tokens."),
-    bits: Optional[int] = typer.Option(None, "--bits", help="int4: bits per value (>= 16: no quantization)."),
-    group: Optional[int] = typer.Option(None, "--group", help="int4: values per quantization group."),
-    knob: list[str] = typer.Option([], "--knob", help="Any other policy field NAME=VALUE (repeatable)."),
-    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    knob: list[str] = knob_option("A policy setting NAME=VALUE (repeatable), e.g. --knob alpha=5, --knob heavy_ratio=0.1."),
+    model: str = model_option(),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file ('-': stdout only)."),
 ):
     """Perplexity with a KV-cache policy: overall, per 256-token decoding chunk, and the relative KV size."""
-    from ..eval.ppl import jsonable, load_text, perplexity, resolve_capacity, resolve_text
+    from ..eval.ppl import jsonable, perplexity, resolve_capacity
+    from ..paths import load_text, resolve_text
     from ..policies import REGISTRY
 
     if policy not in REGISTRY:
@@ -103,16 +52,6 @@ def ppl_cmd(
     if prefill >= ctx:
         raise UserError(f"--prefill ({prefill}) must be smaller than --ctx ({ctx})")
     check_range("windows", windows, lo=1)
-    check_range("alpha", alpha, lo=0, lo_open=True)
-    check_range("partial-ratio", partial_ratio, lo=0, hi=1, lo_open=True)
-    check_range("max-fetch", max_fetch, lo=0, hi=1, lo_open=True)
-    check_range("heavy", heavy, lo=0)
-    check_range("recent", recent, lo=0)
-    check_range("sinks", sinks, lo=0)
-    check_range("window", window, lo=0)
-    check_range("ratio", ratio, lo=0, hi=1)
-    check_range("tokens", tokens, lo=0)
-    check_range("group", group, lo=1)
     check_range("protect-recent", protect_recent, lo=0)
     if eviction not in EVICTIONS:
         raise UserError(f"unknown --eviction {eviction!r}; choose from {', '.join(EVICTIONS)}")
@@ -121,35 +60,30 @@ def ppl_cmd(
     check_range("chunk", chunk, lo=1)
     if (protect_recent is not None or eviction != "counter") and capacity is None:
         raise UserError("--eviction and --protect-recent need a pool limit (--capacity)")
-    if calib is not None and (policy != "infinigen" or no_skew):
-        raise UserError("--calib applies to policy infinigen with skewing")
-    opts = {"--alpha": alpha, "--partial-ratio": partial_ratio, "--max-fetch": max_fetch,
-            "--dense-layers": dense_layers, "--budget": budget, "--spec-input": spec_input, "--key-mode": key_mode,
-            "--preset": preset, "--no-skew": no_skew, "--heavy": heavy, "--recent": recent, "--sinks": sinks,
-            "--window": window, "--ratio": ratio, "--tokens": tokens, "--bits": bits, "--group": group}
-    pol = make_policy_from_cli(policy, knob, base=_policy_knobs(policy, opts))
+    pol = make_policy_from_cli(policy, knob)
+    if calib is not None and not getattr(pol, "skew", False):
+        raise UserError("--calib applies to policies that skew (infinigen)")
+    check_out_file(json_out, "--json")
     path = resolve_text(text)
     body = load_text(path)
     pool_kw = {"protect_recent": protect_recent} if protect_recent is not None else {}
 
     net, tok, model_name = load_model(model, dtype, device)
-    if policy == "infinigen" and getattr(pol, "skew", False):
-        pol.calibrate(net, tok, calib=calib, progress=True)  # cached artifact after the first run
+    check_context(net, ctx, "--ctx")
+    check_policies_fit(pol, net)
+    prepare_policies({policy: pol}, net, tok, calib=calib)
     from ..eval.ppl import token_windows
     ids = token_windows(tok, body, ctx, windows)
     res = perplexity(net, tok, None, pol, prefill=prefill, capacity=capacity, eviction=eviction, progress=True,
                      tokens=ids, pool_kw=pool_kw, chunk=chunk)
-    settings = {f.name: getattr(pol, f.name) for f in dataclasses.fields(pol) if f.name != "matrices"}
-    out = {"model": model_name, "text": str(path), "policy": policy, "settings": jsonable(settings), **res.to_dict()}
+    out = {"model": model_name, "text": str(path), "policy": policy, "settings": jsonable(policy_settings(pol)),
+           **res.to_dict()}
     if json_out is not None and str(json_out) == "-":
-        print(json.dumps(out, indent=2))
+        print(json_text(out), end="")
         return
     _print(out)
     if json_out is not None:
-        try:
-            json_out.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
-        except OSError as e:
-            raise UserError(f"cannot write {json_out}: {e}")
+        write_json(json_out, out)
 
 
 def _print(r: dict) -> None:

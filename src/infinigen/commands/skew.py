@@ -13,7 +13,8 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
-from .basic import MODEL_HELP, check_model_options, load_model
+from .basic import load_model
+from .options import FLOAT, check_model_options, device_option, dtype_option, model_option
 
 
 def register(app: typer.Typer) -> None:
@@ -21,14 +22,14 @@ def register(app: typer.Typer) -> None:
 
 
 def skew(
-    model: str = typer.Option("default", "--model", "-m", help=MODEL_HELP),
+    model: str = model_option(),
     calib: Optional[str] = typer.Option(None, "--calib", help="Calibration text: a file, or a corpus name in ../shared/data/austen (default emma)."),
     tokens: int = typer.Option(4096, "--tokens", help="Calibration tokens (from the start of the text)."),
-    ratio: float = typer.Option(0.3, "--ratio", help="Share of the columns whose squared-norm share is reported."),
+    ratio: float = typer.Option(0.3, "--ratio", **FLOAT, help="Share of the columns whose squared-norm share is reported."),
     force: bool = typer.Option(False, "--force", help="Recompute even when a cached artifact exists."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    device: str = device_option(),
+    dtype: str = dtype_option(),
 ):
     """Compute (or reuse) the skew matrices of a model and report how much they concentrate the queries."""
     if tokens < 1:

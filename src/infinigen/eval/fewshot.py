@@ -32,18 +32,10 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 # ---- tasks -------------------------------------------------------------------------------------------
-def bigbench_dirs() -> list[Path]:
-    dirs = []
-    env = os.environ.get("INFINIGEN_DATA")
-    if env:
-        dirs += [Path(env) / "bigbench", Path(env)]
-    for base in (REPO_ROOT.parent, Path.cwd().parent, Path.cwd()):
-        dirs.append(base / "shared" / "data" / "bigbench")
-    return dirs
+from ..paths import bigbench_dirs  # noqa: E402,F401  (one copy, in paths)
 
 
 def find_root(root: str | os.PathLike | None = None) -> Path:

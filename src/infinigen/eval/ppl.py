@@ -10,10 +10,8 @@ cached entries each layer's attention read, over all layers and over the specula
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -22,53 +20,10 @@ from ..errors import UserError
 
 CHUNK = 256  # tokens per decoding chunk (the paper's Figure 12)
 SCORE_ROWS = 512  # logits rows turned into log-probabilities at once: bounds memory at large vocabularies
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 # ---- text ------------------------------------------------------------------------------------------
-def data_dirs() -> list[Path]:
-    """Where corpus names are looked up: $INFINIGEN_DATA (and its austen/), then ../shared/data/austen
-    beside the repository (the offline Austen novels) and beside the working directory."""
-    dirs = []
-    env = os.environ.get("INFINIGEN_DATA")
-    if env:
-        dirs += [Path(env), Path(env) / "austen"]
-    for base in (REPO_ROOT.parent, Path.cwd().parent):
-        dirs += [base / "shared" / "data" / "austen", base / "shared" / "data"]
-    return dirs
-
-
-def corpus_names() -> list[str]:
-    names = {p.stem for d in data_dirs() if d.is_dir() for p in d.glob("*.txt")}
-    return sorted(names)
-
-
-def resolve_text(text: str | os.PathLike) -> Path:
-    """A text file path, or a bundled corpus name ("prideprejudice", "emma", ...)."""
-    p = Path(text).expanduser()
-    if p.is_file():
-        return p
-    if p.exists():
-        raise UserError(f"{p} is not a text file")
-    s = str(text)
-    if s and not p.is_absolute():  # a corpus name, or a path relative to a data folder ("austen/emma")
-        name = s if s.endswith(".txt") else s + ".txt"
-        for d in data_dirs():
-            if (d / name).is_file():
-                return d / name
-    have = ", ".join(corpus_names()) or "none found (set INFINIGEN_DATA)"
-    raise UserError(f"text {s!r} is neither a file nor a bundled corpus name (available: {have})")
-
-
-def load_text(text: str | os.PathLike) -> str:
-    path = resolve_text(text)
-    try:
-        body = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read {path}: {e}")
-    if not body.strip():
-        raise UserError(f"{path} is empty")
-    return body
+from ..paths import corpus_names, data_dirs, load_text, resolve_text  # noqa: E402,F401  (one copy, in paths)
 
 
 def token_windows(tokenizer, body: str, ctx: int, windows: int = 1) -> torch.Tensor:

@@ -1,0 +1,385 @@
+"""What every command shares: option types, the one `--knob` parser, output-path checks and atomic
+writes, and the checks that need the loaded model (run after loading, before the work).
+
+Float options use `FLOAT` (a parser that refuses NaN and inf); a knob's value is typed by the policy's
+dataclass field, so `--knob alpha=abc` and `--knob window=nan` are refused with one clear line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import tempfile
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import typer
+
+from ..errors import UserError
+
+DEVICES = ("cpu", "cuda")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+MODEL_HELP = "'default' (SmolLM2-135M-Instruct, Q4_1), a .gguf file, or a Hugging Face checkpoint directory"
+MAX_ROWS = 1 << 16  # sequences in one batch: far above what any memory holds, checked before building them
+
+
+# ---- option types ------------------------------------------------------------------------------------
+def finite_float(text) -> float:
+    """A float option's parser: a number, and neither NaN nor infinite."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        try:
+            value = float(str(text).strip())
+        except ValueError:
+            raise typer.BadParameter(f"expected a number, got {text!r}")
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"expected a finite number, got {text!r}")
+    return value
+
+
+FLOAT = {"parser": finite_float}  # typer.Option(..., **FLOAT)
+
+
+def model_option():
+    return typer.Option("default", "--model", "-m", help=MODEL_HELP)
+
+
+def device_option():
+    return typer.Option("cpu", "--device", help="cpu or cuda.")
+
+
+def dtype_option():
+    return typer.Option("float32", "--dtype", help="float32, bfloat16 or float16.")
+
+
+def knob_option(help: str = "A policy setting NAME=VALUE (repeatable), or POLICY.NAME=VALUE; e.g. --knob alpha=5."):
+    return typer.Option([], "--knob", help=help)
+
+
+def check_range(name: str, value, lo=None, hi=None, lo_open: bool = False) -> None:
+    """UserError unless lo <= value <= hi (lo < value when lo_open) and value is finite; None is unchecked."""
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"--{name} must be a finite number (got {value})")
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        raise UserError(f"--{name} must be {'>' if lo_open else '>='} {lo} (got {value})")
+    if hi is not None and value > hi:
+        raise UserError(f"--{name} must be <= {hi} (got {value})")
+
+
+def check_model_options(device: str, dtype: str) -> None:
+    if device not in DEVICES and not device.startswith("cuda:"):
+        raise UserError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
+    if dtype not in DTYPE_NAMES:
+        raise UserError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPE_NAMES)}")
+
+
+# ---- knobs ---------------------------------------------------------------------------------------------
+def knob_types(name: str) -> dict[str, Any]:
+    """Knob name -> its type (a class or a typing annotation) for policy `name`."""
+    from .. import policies
+    if hasattr(policies, "knob_types"):  # the policies package says it itself
+        return dict(policies.knob_types(name))
+    cls = policies.policy_class(name)
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)
+            if f.init and f.repr and not f.name.startswith("_")}  # repr=False: data, not a setting (skew matrices)
+
+
+def _type_name(tp) -> str:
+    if tp is bool:
+        return "true or false"
+    if tp is int:
+        return "a whole number"
+    if tp is float:
+        return "a finite number"
+    if tp is str:
+        return "text"
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(tp)))
+    if tp is tuple or typing.get_origin(tp) is tuple:
+        return "a comma-separated list"
+    return "a value"
+
+
+def parse_value(text: str, tp) -> Any:
+    """`text` as a value of type `tp`; ValueError with what was expected when it is not one."""
+    t = text.strip()
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if type(None) in args and t.lower() in ("none", "null"):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        errors = []
+        for a in sorted(inner, key=lambda a: a is str):  # text last: it accepts anything
+            try:
+                return parse_value(t, a)
+            except ValueError as e:
+                errors.append(str(e))
+        raise ValueError(" or ".join(errors))
+    if tp is bool:
+        if t.lower() in ("true", "yes", "on", "1"):
+            return True
+        if t.lower() in ("false", "no", "off", "0"):
+            return False
+        raise ValueError("true or false")
+    if tp is int:
+        try:
+            return int(t)
+        except ValueError:
+            raise ValueError("a whole number")
+    if tp is float:
+        try:
+            v = float(t)
+        except ValueError:
+            raise ValueError("a number")
+        if not math.isfinite(v):
+            raise ValueError("a finite number")
+        return v
+    if tp is str:
+        return t
+    if origin is Literal:
+        for a in args:
+            if str(a) == t:
+                return a
+        raise ValueError(_type_name(tp))
+    if tp is tuple or origin is tuple:
+        elem = args[0] if args and (len(args) == 1 or args[-1] is Ellipsis) else Any
+        return tuple(parse_value(s, elem) for s in t.split(",") if s.strip())
+    # untyped (Any): a bool, None, a number or a comma-separated list of numbers, else the text
+    if t.lower() in ("true", "false"):
+        return t.lower() == "true"
+    if t.lower() in ("none", "null"):
+        return None
+    for cast in (int, float):
+        try:
+            v = cast(t)
+        except ValueError:
+            continue
+        if not math.isfinite(v):
+            raise ValueError("a finite number")
+        return v
+    return t
+
+
+def _split(kv: str) -> tuple[str | None, str, str]:
+    if "=" not in kv:
+        raise UserError(f"--knob expects NAME=VALUE or POLICY.NAME=VALUE, got {kv!r}")
+    key, text = kv.split("=", 1)
+    key = key.strip().replace("-", "_")
+    target = None
+    if "." in key:
+        target, key = key.split(".", 1)
+    return target, key, text
+
+
+def _typed(policy: str, key: str, text: str, kv: str, types_: dict):
+    try:
+        return parse_value(text, types_[key])
+    except ValueError as e:
+        raise UserError(f"--knob {kv}: {key} of policy {policy!r} takes {e}, got {text.strip()!r}")
+
+
+def _make(kind: str, label: str, values: dict):
+    from ..policies import make_policy
+    try:
+        return make_policy(kind, **values)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"bad knob for policy {label!r}: {str(e).splitlines()[0]}")
+
+
+def knob_dict(name: str, knobs: list[str] | None, base: dict | None = None) -> dict:
+    """The `--knob` settings of the one policy `name`, typed and checked (the policy accepts them)."""
+    types_ = knob_types(name)
+    out = dict(base or {})
+    for kv in knobs or []:
+        target, key, text = _split(kv)
+        if target not in (None, name):
+            raise UserError(f"--knob {kv!r}: this command runs policy {name!r} only")
+        if key not in types_:
+            raise UserError(f"policy {name!r} has no knob {key!r}; its knobs: {', '.join(types_) or 'none'}")
+        out[key] = _typed(name, key, text, kv, types_)
+    _make(name, name, out)
+    return out
+
+
+def make_policy_from_cli(name: str, knobs: list[str] | None = None, base: dict | None = None):
+    """The policy `name` with `base` settings and `--knob` settings on top."""
+    from ..policies import policy_class
+    policy_class(name)  # an unknown name: the registry's message
+    return _make(name, name, knob_dict(name, knobs, base))
+
+
+def parse_policies(spec: str | list[str], knobs: list[str] | None = None) -> dict:
+    """name -> Policy for `--policy a,b,c` (a name may carry a label: "h2o@small"). A knob `NAME=VALUE`
+    goes to every listed policy that has NAME (an error when none has); `POLICY.NAME=VALUE` to that one."""
+    from ..policies import policy_class
+    names = [s.strip() for part in ([spec] if isinstance(spec, str) else spec) for s in part.split(",") if s.strip()]
+    if not names:
+        raise UserError("no policy given")
+    kinds = {n: n.split("@")[0] for n in names}
+    for k in kinds.values():
+        policy_class(k)
+    types_ = {n: knob_types(k) for n, k in kinds.items()}
+    values: dict[str, dict] = {n: {} for n in names}
+    for kv in knobs or []:
+        target, key, text = _split(kv)
+        if target is not None and target not in names and target not in kinds.values():
+            raise UserError(f"--knob {kv!r}: policy {target!r} is not among {', '.join(names)}")
+        hit = [n for n in names if (target is None or target in (n, kinds[n])) and key in types_[n]]
+        if not hit:
+            raise UserError(f"--knob {kv!r}: no listed policy has a knob {key!r}")
+        for n in hit:
+            values[n][key] = _typed(kinds[n], key, text, kv, types_[n])
+    return {n: _make(kinds[n], n, values[n]) for n in names}
+
+
+# ---- outputs -------------------------------------------------------------------------------------------
+def _probe_dir(folder: Path, option: str, target: Path) -> None:
+    """The nearest existing folder at or above `folder` takes new files (checked by making one)."""
+    d = folder
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    if not d.is_dir():
+        raise UserError(f"cannot write {option} {target}: {d} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".infinigen-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UserError(f"cannot write {option} {target}: {e.strerror or e}")
+
+
+def check_out_file(path: Path | None, option: str = "--json", suffixes: tuple[str, ...] | None = None) -> None:
+    """Before the work: `path` can be written (its folder exists or can be made and takes files; it is
+    not a folder), with one of `suffixes` when given. "-" (stdout) passes."""
+    if path is None or str(path) == "-":
+        return
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise UserError(f"{option} {path} is a folder; give a file name")
+    if suffixes is not None and path.suffix.lower().lstrip(".") not in suffixes:
+        raise UserError(f"{option} {path}: unsupported format {path.suffix or '(none)'!r}; use one of "
+                        + ", ".join("." + s for s in suffixes))
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UserError(f"cannot write {option} {path}: permission denied")
+    _probe_dir(path.parent, option, path)
+
+
+def check_out_dir(path: Path | None, option: str = "--out") -> None:
+    """Before the work: `path` is a folder we can write in, or can be made."""
+    if path is None:
+        return
+    path = Path(path).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{option} {path} exists and is not a folder")
+    _probe_dir(path, option, path)
+
+
+def plot_formats() -> tuple[str, ...]:
+    """File suffixes matplotlib can write."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    return tuple(sorted(FigureCanvasBase.get_supported_filetypes()))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` completely or not at all (a temp file beside it, renamed into place)."""
+    path = Path(path).expanduser()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}")
+
+
+def finite_json(obj):
+    """`obj` with NaN and inf replaced by None: they are not JSON (a layer-less mean, say, is null)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
+
+
+def json_text(obj) -> str:
+    import json
+    return json.dumps(finite_json(obj), indent=2, allow_nan=False) + "\n"
+
+
+def write_json(path: Path, obj) -> None:
+    """`obj` as JSON, atomically."""
+    write_atomic(path, json_text(obj))
+
+
+# ---- checks that need the loaded model -------------------------------------------------------------------
+def check_policies_fit(policies, model) -> None:
+    """Layer indices in the policies' settings exist in the model (`--knob dense_layers=99`)."""
+    n = model.cfg.num_layers
+    for label, pol in (policies.items() if isinstance(policies, dict) else [(getattr(policies, "name", "?"), policies)]):
+        layers = getattr(pol, "dense_layers", None)
+        if isinstance(layers, (tuple, list, set, frozenset)):
+            bad = sorted(i for i in layers if isinstance(i, int) and i >= n)
+            if bad:
+                raise UserError(f"policy {label!r}: dense layer {bad[0]} does not exist; the model has {n} layers (0-{n - 1})")
+
+
+def check_context(model, tokens: int, what: str) -> None:
+    """`tokens` positions fit the model (learned positions end there; RoPE models were not trained past it)."""
+    limit = model.cfg.max_position
+    if tokens > limit:
+        raise UserError(f"{what} ({tokens} tokens) exceeds the model's context of {limit} positions")
+
+
+def memory_bytes(device: str) -> int | None:
+    """Memory of the device the KV cache lives on (total, not free: a bound, not a forecast)."""
+    try:
+        if str(device).startswith("cuda"):
+            import torch
+            return torch.cuda.mem_get_info(torch.device(device))[1]
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return None
+
+
+def check_kv_fits(model, rows: int, tokens: int, device: str, what: str = "--batch-size") -> None:
+    """The dense KV cache of `rows` sequences of `tokens` tokens fits the device's memory at all."""
+    import torch
+    per_token = model.cfg.kv_bytes_per_token(torch.finfo(model.dtype).bits // 8)
+    need, have = rows * tokens * per_token, memory_bytes(device)
+    if have and need > have:
+        raise UserError(f"{what}: {rows} sequences x {tokens} tokens need {need / 2**30:.1f} GiB of KV cache; "
+                        f"the {str(device).split(':')[0]} has {have / 2**30:.1f} GiB")
+
+
+# ---- policies and the model ----------------------------------------------------------------------------
+def policy_settings(pol) -> dict:
+    """The policy's effective knob values (for JSON outputs)."""
+    if hasattr(pol, "settings"):
+        return pol.settings()
+    return {f.name: getattr(pol, f.name) for f in dataclasses.fields(pol) if f.repr}
+
+
+def prepare_policies(policies: dict, model, tokenizer, calib: str | None = None, progress: bool = True) -> None:
+    """Model-wide setup of each policy before use (InfiniGen: its skew matrices, cached after the first
+    run). `calib`: the calibration text of policies that calibrate."""
+    for pol in policies.values():
+        if calib is not None and hasattr(pol, "calibrate"):
+            pol.calibrate(model, tokenizer, calib=calib, progress=progress)
+        if hasattr(pol, "prepare"):
+            pol.prepare(model, tokenizer)
+        elif (getattr(pol, "skew", False) and getattr(pol, "matrices", None) is None and hasattr(pol, "calibrate")
+              and getattr(model, "skew_folded", None) is None):  # until every policy has `prepare`
+            pol.calibrate(model, tokenizer, progress=progress)
