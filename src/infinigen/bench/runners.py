@@ -182,6 +182,8 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             "pool_file_bytes": store.tier.files_bytes() if hasattr(store, "tier") else 0,
             "pool_capacity_tokens": store.capacity,
             "kv_bytes_full": kv_full,
+            "weight_bytes_fast": fast_weights,
+            "staging_bytes": stats.peak_fast_bytes if hasattr(store, "slow_bytes") else 0,
             "relative_kv": sess.stats.overall(),
             "relative_kv_speculated": sess.stats.overall(spec) if spec else None,
             "tokens_sha1": hashlib.sha1(generated.numpy().tobytes()).hexdigest()[:12],
