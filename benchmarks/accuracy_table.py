@@ -344,7 +344,8 @@ def main(argv=None) -> int:
         st = r["settings"]
         return ", ".join(f"{n} {st[n]}" for n in names if n in st)
 
-    ig_names = ["budget", "spec_input", "key_mode", "partial_ratio", "max_fetch_ratio", "dense_layers", "skew"]
+    ig_names = ["budget", "spec_input", "key_mode", "partial_ratio", "max_fetch_ratio", "kv_budget", "budget_power",
+                "exact_first", "dense_layers", "skew"]
     m = run.meta
     head = ("| method | settings | KV size, all layers | KV size, selecting layers | attention mass read | "
             "perplexity | vs full |")
