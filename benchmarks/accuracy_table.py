@@ -182,8 +182,7 @@ def validation(args, model, tok, name) -> int:
             ids = token_windows(tok, path.read_text(encoding="utf-8"), ctx, 1)
             run = Runner(a, model, tok, ids, None)
             run.json_path, run.meter, run.merge = json_path, False, True
-            if json_path.exists():
-                run.results = {r["key"]: r for r in json.loads(json_path.read_text())["runs"]}
+            run.results = {r["key"]: r for r in json.loads(json_path.read_text())["runs"]} if json_path.exists() else {}
             run.meta = {"model": name, "calib": args.calib, "cpu": cpu_name(), "threads": torch.get_num_threads(),
                         "torch": torch.__version__, "date": datetime.date.today().isoformat()}
             row = {"text": path.stem, "ctx": ctx, "prefill": prefill}
