@@ -89,7 +89,7 @@ class InfiniGenState:
     layout: str | None = None  # key_mode "int4": the PackedKeys layout
     key_dtype: torch.dtype | None = None  # key_mode "partial": dtype of the stored partial columns
     idx: dict = field(default_factory=dict)  # layer -> [B, Hkv, cols] partial index
-    proj: dict = field(default_factory=dict)  # layer -> [B, Hkv, d, cols] float32 partial weights A[:, idx]
+    proj: dict = field(default_factory=dict)  # layer -> [B, Hkv, d, cols] partial weights A[:, idx] (model dtype)
     pk: dict = field(default_factory=dict)  # layer -> PackedKeys (int4) | [B, Hkv, capacity, cols] partial keys
     spec: dict = field(default_factory=dict)  # layer -> [B, Hkv, G, T, d] post-RoPE queries (projected per row)
     pending: dict = field(default_factory=dict)  # layer -> selection computed one layer ahead (decode)
@@ -336,7 +336,8 @@ class InfiniGen(Policy):
         st.idx[layer] = idx
         if st.A is not None:  # the partial weights: the skew's columns idx, per (row, KV head)
             a = st.A[layer].expand(b, hkv, d, d)
-            st.proj[layer] = a.gather(-1, idx[:, :, None, :].expand(b, hkv, d, st.cols)).float()
+            # kept in the model's dtype, like W_Q (float32 would add cols/capacity of the KV bytes)
+            st.proj[layer] = a.gather(-1, idx[:, :, None, :].expand(b, hkv, d, st.cols)).to(st.key_dtype)
         pk = torch.zeros(b, hkv, store.capacity, st.cols, dtype=st.key_dtype, device=k.device)
         pk[:, :, :t] = self._project(st, k, layer).to(st.key_dtype)
         st.pk[layer] = pk
