@@ -148,3 +148,34 @@ def test_speculation_state_within_budget(make_tiny, preset, dtype):
     assert rep["speculation_vs_kv"] <= bound
     if preset == "paper" and dtype == torch.float32:
         assert rep["speculation_vs_kv"] > 0.08  # what the paper's layout costs in float32 (see the docstring)
+
+
+@pytest.mark.parametrize("budget", ["union", "layer", "mean", "per_head"])
+def test_host_caps_select_the_same(budget):
+    """With every row's token count known on the host (`same`), the selection is the one computed from the
+    valid mask (the synchronization-free path for union and layer)."""
+    g = torch.Generator().manual_seed(0)
+    for n, ratio in ((50, 0.14), (300, 0.05), (40, 1.0)):
+        s = (torch.randn(2, 3, 4, 1, n, generator=g) * 3).round()  # ties
+        valid = torch.ones(1, 1, 1, n, dtype=torch.bool)
+        pol = ig.InfiniGen(budget=budget, max_fetch_ratio=ratio, min_fetch=4)
+        want = pol._choose(s.clone(), valid, 7.0)
+        got = pol._choose(s.clone(), valid, 7.0, n)
+        assert torch.equal(got, want), (budget, n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_selection_needs_no_host_sync_on_cuda(make_tiny):
+    """The default's speculation and selection for a decoding step (scoring the packed keys, the cap, the
+    cut) run without a host synchronization on CUDA."""
+    model = _model(make_tiny).cuda()
+    pol = make_policy("infinigen", dense_layers=(0,), min_fetch=0, max_fetch_ratio=0.2).with_skew(_mats(model))
+    _, sess = _decode(model, pol, _tokens(model).cuda())
+    layer = model.cfg.num_layers - 1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        keep = pol._select_row(layer, 0, sess)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert keep.is_cuda and keep.shape[-1] == sess.store.length[layer]

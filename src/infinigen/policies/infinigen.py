@@ -423,7 +423,10 @@ class InfiniGen(Policy):
         valid = store.valid[layer][:, :, :n]
         cur = session.positions[:, row]
         valid = self._window(model.cfg, valid, store.pos[layer][:, :, :n], cur[:, None, None])
-        keep = self._choose(scores * model.scale, valid[:, :, None, :], st.alpha)
+        # every row has n valid tokens unless a prompt was padded or a window hides some: then the caps
+        # are known on the host and the selection needs no synchronization (see `_choose`)
+        same = n if not getattr(store, "padded", True) and model.cfg.sliding_window is None else None
+        keep = self._choose(scores * model.scale, valid[:, :, None, :], st.alpha, same)
         return keep[:, :, 0]
 
     def select_rows(self, layer, q, k, session):
@@ -457,10 +460,11 @@ class InfiniGen(Policy):
                 scores = every[:, :, :, r - p, None, :r]
             else:
                 scores = self._scores(st, layer, r, pk, r)[:, :, :, None]  # [B, Hkv, G, 1, r]
-            out[:, :, r - p, :r] = self._choose(scores * model.scale, valid, st.alpha)[:, :, 0]
+            same = r if model.cfg.sliding_window is None else None
+            out[:, :, r - p, :r] = self._choose(scores * model.scale, valid, st.alpha, same)[:, :, 0]
         return out
 
-    def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float, same: int | None = None) -> torch.Tensor:
         """Scores s [B, Hkv, G, R, S] (float32) of R rows over S slots, valid [B|1, Hkv|1, R, S] ->
         keep [B, Hkv, R, S]: per query head, the tokens above max - `alpha`, counted per `budget`:
 
@@ -473,22 +477,35 @@ class InfiniGen(Policy):
                     layer): above it, the entries with the most speculated attention mass (summed over
                     the group's query heads) win, so peaked heads give up nothing to flat ones
         The cap is `max_fetch_ratio` of the cached tokens (per KV head; per layer for "layer"), at least
-        `min_fetch` tokens per KV head."""
+        `min_fetch` tokens per KV head. `same`: every row's count of valid tokens, when the caller knows it
+        is one number (no padding, no window).
+
+        Host synchronizations per call (what a CUDA decoding step pays per speculated layer): "union" and
+        "layer" with `same` known: none (caps are host numbers, the cut is a top-k with a host k over every
+        row, kept rows restored with `where`); on CPU, "layer" checks once whether any row is over its cap
+        (a free check there, and it skips the cut). Otherwise (padding, a window; "mean" and "per_head",
+        whose counts are data) 3-4: the rows to cut (nonzero), the largest count (top-k size) and whether
+        the counts are all equal. The runtime's gather of the chosen slots adds 2 (`KVStore.slots`: the
+        largest count and nonzero, a data-dependent size)."""
         # both paths call this with the same shapes per row (`select_rows`), so float32 is exact enough
         rel = s.float().masked_fill_(~valid[:, :, None], float("-inf"))
         rel -= rel.amax(-1, keepdim=True).clamp(min=torch.finfo(rel.dtype).min)  # relative to each head's max
-        length = valid.sum(-1)  # [B|1, Hkv|1, R] cached tokens
         floor = max(1, self.min_fetch)
+        # host numbers when every row has `same` tokens; the same float32 arithmetic as on the device
+        length = valid.sum(-1) if same is None else torch.tensor(same).view(1, 1, 1)  # [B|1, Hkv|1, R] cached tokens
         cap = (self.max_fetch_ratio * length).floor().clamp(min=floor).long()
         if self.budget in ("union", "layer"):
             u = rel.amax(2)  # [B, Hkv, R, S]
             keep = u > -alpha
             if self.budget == "union":
-                return self._cut(keep, u, cap.expand(u.shape[:-1]))
+                return self._cut(keep, u, int(cap) if same is not None else cap.expand(u.shape[:-1]))
             b, hkv, r, n = keep.shape
-            total = (self.max_fetch_ratio * length.expand(b, hkv, r).sum(1)).floor().clamp(min=floor * hkv).long()  # [B, R]
+            if same is None:
+                total = (self.max_fetch_ratio * length.expand(b, hkv, r).sum(1)).floor().clamp(min=floor * hkv).long()  # [B, R]
+            else:
+                total = int((self.max_fetch_ratio * (length * hkv)).floor().clamp(min=floor * hkv))
             over = keep.sum((1, 3)) > total
-            if not over.any():
+            if not keep.is_cuda and not over.any():  # free on a CPU (and skips the cut); on CUDA a synchronization
                 return keep
             p = rel.exp()  # speculated attention weights per query head
             mass = (p / p.sum(-1, keepdim=True)).sum(2)  # [B, Hkv, R, S]
@@ -501,7 +518,7 @@ class InfiniGen(Policy):
             n = counts.float().mean((1, 2), keepdim=True)
         else:  # per_head: each KV head its own count, the mean over its query heads
             n = counts.float().mean(2, keepdim=True)
-        n = torch.minimum(torch.ceil(n - 1e-6).long(), cap[:, :, None]).expand_as(counts)
+        n = torch.minimum(torch.ceil(n - 1e-6).long(), cap[:, :, None].to(n.device)).expand_as(counts)
         # each query head its own top-n tokens: where n equals the head's count that is `above` itself
         return self._cut(above, rel, n, exact=counts == n).any(2)
 
@@ -509,9 +526,19 @@ class InfiniGen(Policy):
     def _cut(keep: torch.Tensor, score: torch.Tensor, n: torch.Tensor, exact: torch.Tensor | None = None):
         """Per row (last dim), exactly the top-n entries of `score` (ties: lower slot first) where `keep`
         holds more, or fewer, than n; rows in `exact` (or with at most n kept, when `exact` is None)
-        keep `keep`."""
+        keep `keep`. n: a tensor per row, or one host number for every row (then no synchronization: every
+        row is cut, a top-k with an unsorted k, and the exact rows are put back)."""
         if exact is None:
             exact = keep.sum(-1) <= n  # nothing to cut
+        if isinstance(n, int):
+            k = min(n, score.shape[-1])
+            if k == 0:
+                return keep & exact[..., None]
+            thr = score.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+            above = score > thr
+            tie = (score == thr) & (score > float("-inf"))
+            take = above | (tie & (tie.cumsum(-1) <= (n - above.sum(-1, keepdim=True))))
+            return torch.where(exact[..., None], keep, take)
         todo = (~exact).nonzero(as_tuple=True)
         if todo[0].numel() == 0:
             return keep
