@@ -292,11 +292,14 @@ class InfiniGen(Policy):
     def _rotate(st: InfiniGenState, x: torch.Tensor, layer: int) -> torch.Tensor:
         """x [B, Hkv, ..., d] -> x A[layer, kv head] in float32."""
         x = x.to(torch.float64)
-        if st.A is not None:
-            a = st.A[layer]
-            a = a.view(a.shape[0], *([1] * (x.dim() - 4)), *a.shape[1:])
-            x = x @ a
-        return x.float()
+        if st.A is None:
+            return x.float()
+        # one bmm per KV head over every row: broadcasting A over [B, ..., G] would copy it per row
+        # (measured at B 8, G 3, d 64: 0.2 ms against 1.3 ms per layer and step, on a loaded 2-core CPU;
+        # float32 would save another 0.09 ms but could round differently for other row counts)
+        b, h, d = x.shape[0], x.shape[1], x.shape[-1]
+        y = torch.bmm(x.reshape(b, h, -1, d).transpose(0, 1).reshape(h, -1, d), st.A[layer])
+        return y.view(h, b, -1, d).transpose(0, 1).reshape(x.shape).float()
 
     def _project(self, st: InfiniGenState, x: torch.Tensor, layer: int) -> torch.Tensor:
         """x [B, Hkv, ..., d] -> what speculation multiplies, float32: all skewed columns (int4), or the
@@ -311,8 +314,8 @@ class InfiniGen(Policy):
             idx = st.idx[layer]
             idx = idx.view(*idx.shape[:2], *([1] * (x.dim() - 3)), idx.shape[-1])
             return x.gather(-1, idx.expand(*x.shape[:-1], idx.shape[-1])).float()
-        w = w.view(*w.shape[:2], *([1] * (x.dim() - 4)), *w.shape[2:])
-        return (x.to(torch.float64) @ w.to(torch.float64)).float()
+        y = x.reshape(*x.shape[:2], -1, x.shape[-1]).to(torch.float64) @ w.to(torch.float64)  # [B, Hkv] batches
+        return y.view(*x.shape[:-1], w.shape[-1]).float()
 
     # ---- hooks ----------------------------------------------------------------------------------
     def on_prefill(self, layer, q, k, v, session):
