@@ -2,9 +2,10 @@
 
 Per request, at prefill, layer i >= 1 (except dense layers) gets a partial index: the top ceil(r*d)
 columns of |Q~| + |K~| summed over the prompt (Q~ = Q A, K~ = K A skewed, A from `infinigen.skew`),
-and a partial key cache K~[:, idx] of every cached token (rewritten in `on_append`, so it follows
-pool evictions). At decoding, when layer i-1's hook fires, the speculative query of layer i is
-computed from the hidden state available there and scored against the partial key cache; tokens
+the partial weights A[:, idx], and a partial key cache K~[:, idx] of every cached token in the model's
+dtype (rewritten in `on_append`, so it follows pool evictions). At decoding, when layer i-1's hook
+fires, the speculative query of layer i is computed from the hidden state available there, projected
+by the partial weights and scored against the partial key cache; tokens
 within `alpha` of each head's maximum are selected and counted per `budget`, at most
 `max_fetch_ratio` of the cached tokens. Layer i's attention then runs over those plus the current
 token (the runtime does that).
@@ -17,8 +18,9 @@ not applied twice. Per-request state (`InfiniGenState`) lives on the session.
 
 Modes beyond the paper (DESIGN.md section 5 measured why): `spec_input="attn_out"` speculates from
 LN_i(h_{i-1} + attn_out_{i-1}) (layer i's own input norm of the residual after layer i-1's attention);
-`key_mode="int4"` scores all columns against a 4-bit copy of the skewed keys (groups of 32), the
-same fast-tier memory as 30% of the columns in 16 bits; `budget="union"` lets a KV head fetch every
+`key_mode="int4"` scores all columns against packed 4-bit skewed keys (`kernels.int4.PackedKeys`:
+two codes per byte, a 16-bit scale and minimum per group of 32; 40 B per token and KV head at d 64, the
+same as 30% of the columns in 16 bits, 7.8% of float32 K+V) with torch's CPU int4 kernel where it fits; `budget="union"` lets a KV head fetch every
 token any of its query heads selects, and `budget="layer"` pools the cap over a layer's KV heads and
 spends it on the entries with the most speculated attention mass. The default preset combines the
 three (see PRESETS); `InfiniGen.paper()` is exactly the paper's method.
