@@ -342,22 +342,42 @@ def test_bad_knobs_are_user_errors(name, knobs):
         make_policy(name, **knobs)
 
 
-@pytest.mark.parametrize("name,knobs", [("h2o", dict(heavy=3, recent=2)), ("streaming", dict(sinks=2, window=3)),
-                                        ("int4", {}), ("full", {})])
+PLANNED = [("h2o", dict(heavy=3, recent=2)), ("streaming", dict(sinks=2, window=3)), ("int4", {}), ("full", {}),
+           ("infinigen", dict(dense_layers=(0,), matrices="random")),  # speculates from attn_out
+           ("infinigen", dict(preset="paper", alpha=1.0, dense_layers=(0,), matrices="random"))]  # from attn_in
+
+
+@pytest.mark.parametrize("name,knobs", PLANNED, ids=_ids(PLANNED))
 def test_planned_selection_matches_select(tiny, name, knobs):
-    """Policies that know their selection before the step (placement prefetches it) must agree with select."""
-    pol = make_policy(name, **knobs)
-    inner, checked = pol.select, []
+    """Policies that know their selection before the step must say so one layer early: `planned(layer)`
+    is ready right after layer-1's last hook (for layer 0, before the step's first hook), which is when
+    placement asks for it to start the transfer, and it is exactly what `select(layer)` then returns."""
+    pol = _policy(name, knobs, tiny)
+    inner_select, inner_hook = pol.select, pol.on_hidden
+    plans, checked = {}, []
+
+    def snapshot(layer, sess):
+        plan = pol.planned(layer, sess)
+        plans[layer] = plan.clone() if isinstance(plan, torch.Tensor) else plan
+
+    def on_hidden(layer, point, x, sess):
+        if sess.mode == "decode" and layer == 0 and point == "attn_in":
+            snapshot(0, sess)
+        inner_hook(layer, point, x, sess)
+        if sess.mode == "decode" and point == "attn_out" and layer + 1 < tiny.cfg.num_layers:
+            snapshot(layer + 1, sess)
 
     def select(layer, q, sess):
-        plan = pol.planned(layer, sess)
-        got = inner(layer, q, sess)
-        assert (plan is None and got is None) or torch.equal(plan, got)
+        plan = plans.pop(layer)
+        got = inner_select(layer, q, sess)
+        assert plan is not NotImplemented, f"layer {layer}: no plan one layer ahead"
+        assert (plan is None and got is None) or torch.equal(plan, got), layer
         checked.append(layer)
         return got
+    object.__setattr__(pol, "on_hidden", on_hidden)
     object.__setattr__(pol, "select", select)
     _decode_all(tiny, pol, _tokens(tiny))
-    assert len(checked) == (T - P) * tiny.cfg.num_layers
+    assert len(checked) == (T - P) * tiny.cfg.num_layers and not plans
 
 
 def test_oracle_dense_layers_read_everything(tiny):

@@ -21,9 +21,9 @@ def add_ratios(rows: list[dict]) -> None:
         for r in cell:
             if r["policy"] == "transformers" and r["kv_offload"] == "none":
                 ref["hf"] = r
-            elif r["policy"] == "full" and r["kv_offload"] == "none":
+            elif r.get("exact") and r["kv_offload"] == "none":
                 ref["ideal"] = r
-            elif r["policy"] == "full":
+            elif r.get("exact"):
                 ref.setdefault(("full", r["kv_offload"]), r)
         for r in cell:
             tps = r.get("decode_tokens_per_s")

@@ -165,7 +165,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
         fast_tracked = fast_weights + sum(state.values()) + (
             stats.peak_fast_bytes if hasattr(store, "slow_bytes") else store.nbytes())
         row = {
-            "system": system.label, "policy": pol.name, "settings": pol.settings(model),
+            "system": system.label, "policy": pol.name, "exact": pol.exact, "settings": pol.settings(model),
             "kv_offload": system.kv_offload, "batch": b, "prompt_len": t,
             "gen_len": s.gen_len, "prefill_s": prefill_s, "prefill_shared": shared is not None,
             "prefill_replay_s": replay_s, "decode_s": decode_s,
@@ -182,6 +182,8 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             "pool_file_bytes": store.tier.files_bytes() if hasattr(store, "tier") else 0,
             "pool_capacity_tokens": store.capacity,
             "kv_bytes_full": kv_full,
+            "weight_bytes_fast": fast_weights,
+            "staging_bytes": stats.peak_fast_bytes if hasattr(store, "slow_bytes") else 0,
             "relative_kv": sess.stats.overall(),
             "relative_kv_speculated": sess.stats.overall(spec) if spec else None,
             "tokens_sha1": hashlib.sha1(generated.numpy().tobytes()).hexdigest()[:12],

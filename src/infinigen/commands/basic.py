@@ -130,7 +130,7 @@ def generate_cmd(
     parts = [f"{name}: {g.prompt_tokens} prompt tokens in {rows} row{'s' * (rows > 1)}",
              f"prefill {g.prefill_s:.3f} s ({g.prompt_tokens / g.prefill_s:.0f} tokens/s)" if g.prefill_s > 0 else "",
              f"{new} new tokens, decode {g.decode_tokens_per_s:.1f} tokens/s" if g.decode_steps else f"{new} new tokens"]
-    if policy != "full" and g.stats is not None and g.decode_steps:
+    if not pol.exact and g.stats is not None and g.decode_steps:
         parts.append(f"policy {policy}: relative KV size {100 * g.stats.overall():.1f}%")
     print(" | ".join(p for p in parts if p), file=sys.stderr)
 

@@ -65,8 +65,8 @@ def ppl_cmd(
     pol = make_policy_from_cli(policy, knob)
     if calib is not None:
         from ..policies import knob_types
-        if "calib" not in knob_types(policy) or not getattr(pol, "skew", False):
-            raise UserError("--calib applies to policies that skew (infinigen)")
+        if "calib" not in knob_types(policy):
+            raise UserError(f"--calib applies to policies that calibrate on text; {policy!r} does not")
         pol = dataclasses.replace(pol, calib=calib)
     check_out_file(json_out, "--json")
     path = resolve_text(text)

@@ -73,6 +73,8 @@ def jsonable(x):
 @dataclass(frozen=True)
 class Policy:
     name: ClassVar[str] = "full"
+    # reads every cached entry at full precision: the dense reference that reports compare against
+    exact: ClassVar[bool] = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -158,6 +160,7 @@ class Policy:
 class FullCache(Policy):
     """Every cached entry, every step: the exact dense result."""
     name = "full"
+    exact = True
 
     def planned(self, layer, session):
         return None

@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UserError
+from ..kernels.colsum import attention_column_sums
 from .base import Policy
-
-PREFILL_ROWS = 512  # prompt query rows per chunk when summing the prompt's attention
 
 
 @dataclass
@@ -65,23 +64,9 @@ class H2O(Policy):
 
     def on_prefill(self, layer, q, k, v, session):
         """Column sums of the prompt's causal attention, over valid query rows and the group's heads."""
-        b, h, t, d = q.shape
-        hkv = k.shape[1]
-        g = h // hkv
+        t = q.shape[2]
         _, _, valid, _ = session.store.past(layer)  # [B,Hkv,t]
-        tok = valid[:, 0]  # [B,t] real (unpadded) tokens
-        qg = q.view(b, hkv, g, t, d)
-        total = torch.zeros(b, hkv, t, dtype=torch.float32, device=q.device)
-        cols = torch.arange(t, device=q.device)
-        for s in range(0, t, PREFILL_ROWS):
-            e = min(t, s + PREFILL_ROWS)
-            rows = torch.arange(s, e, device=q.device)
-            scores = torch.matmul(qg[:, :, :, s:e], k[:, :, None].transpose(-1, -2)).float() * session.model.scale
-            mask = (cols[None, :] <= rows[:, None])[None] & tok[:, None, :]  # [B,c,t]
-            scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-            probs = probs * tok[:, None, None, s:e, None]  # padding rows give nothing
-            total += probs.sum(dim=(2, 3))
+        total = attention_column_sums(q, k, valid[:, 0], session.model.scale)  # blocked: never [t, t] scores
         session.state.score[layer][:, :, :t] = total
         session.state.alive[layer][:, :, :t] = valid
 
