@@ -307,8 +307,11 @@ class InfiniGen(Policy):
         """x [B, Hkv, ..., d] -> what speculation multiplies, float32: all skewed columns (int4), or the
         partial ones: x @ A[layer][:, idx] with the precomputed partial weights (one d x cols matmul
         instead of a d x d rotation and a gather). For the Llama family RoPE sits between W_Q and A, so
-        the partial weights apply to the post-RoPE query: W_Q itself cannot be sliced exactly. (A model
-        with the skew folded into W_Q and W_K (`skew.skew_model`) has no A: its columns are gathered.)"""
+        the partial weights apply to the post-RoPE query: W_Q itself cannot be sliced exactly. A model with
+        the skew folded into W_Q and W_K (`skew.skew_model`, OPT) has no A: its query columns are gathered.
+        Slicing its W_Q~ instead would need a copy per request row (the index is per row and KV head):
+        [B, H, hidden, cols] in the model's dtype, at OPT-6.7B and batch 8 some 80 MB per layer, 30% of
+        a 2048-token KV cache, to save a projection that costs one hidden x d matmul per step."""
         if self.key_mode == "int4":
             return self._rotate(st, x, layer)
         w = st.proj.get(layer)
