@@ -45,7 +45,8 @@ def test_knob_types_follow_the_fields():
 
 def test_settings_show_the_values_in_effect(make_tiny):
     s = make_policy("infinigen").settings()
-    assert s["alpha"] == 7.0 and s["max_fetch_ratio"] == 0.14 and s["dense_layers"] == [0, 1]
+    assert s["alpha"] == 7.0 and s["kv_budget"] == 0.2 and s["max_fetch_ratio"] is None and s["dense_layers"] == []
+    assert s["exact_first"] is True and s["budget_power"] == 0.0
     json.dumps(s)  # JSON-able
     _, llama = make_tiny("llama")
     _, opt = make_tiny("opt")
