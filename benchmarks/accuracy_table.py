@@ -218,7 +218,10 @@ def write_validation(args, table, settings, name) -> None:
         "Each text: its first `context` tokens, the first `prefill` as a dense prompt, the rest scored "
         "teacher-forced. KV: the share of the cached entries read, over all layers (dense layers count 100%). "
         "The oracle (true top entries per KV head, every layer) and H2O (half heavy hitters, half recent) read "
-        "the size in their row.",
+        "the size in their row" + (
+            f" (fixed per context with --baseline-size {args.baseline_size}: the bound, at least what the "
+            "default read, so the comparison does not favour the default)." if args.baseline_size else
+            ": what the default read."),
         "",
         "Default preset: " + ", ".join(f"{k} {settings[k]}" for k in (
             "alpha", "kv_budget", "budget_power", "exact_first", "dense_layers", "budget", "spec_input",
@@ -455,6 +458,9 @@ def main(argv=None) -> int:
     ]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    old = out.read_text() if out.exists() else ""
+    if SECTION in old:  # the validation (--validation) keeps its section
+        lines += ["", SECTION + old.split(SECTION, 1)[1]]
     out.write_text("\n".join(lines))
     run.meta["minutes_this_run"] = elapsed / 60
     run.save()
