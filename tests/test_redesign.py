@@ -45,7 +45,7 @@ def test_knob_types_follow_the_fields():
 
 def test_settings_show_the_values_in_effect(make_tiny):
     s = make_policy("infinigen").settings()
-    assert s["alpha"] == 7.0 and s["kv_budget"] == 0.2 and s["max_fetch_ratio"] is None and s["dense_layers"] == []
+    assert s["alpha"] == 9.0 and s["kv_budget"] == 0.2 and s["max_fetch_ratio"] is None and s["dense_layers"] == []
     assert s["exact_first"] is True and s["budget_power"] == 0.0
     json.dumps(s)  # JSON-able
     _, llama = make_tiny("llama")
@@ -158,7 +158,7 @@ def test_ppl_json_records_the_effective_settings(tiny_checkpoint, tmp_path, capf
                  "--policy", "infinigen", "--kv-offload", "disk", "--capacity", "48", "--json", str(out)])
     assert code == 0, capfd.readouterr().err
     r = json.loads(out.read_text())
-    assert r["settings"]["alpha"] == 7.0 and r["kv_offload"] == "disk" and r["capacity"] == 48
+    assert r["settings"]["alpha"] == 9.0 and r["kv_offload"] == "disk" and r["capacity"] == 48
 
 
 def test_hf_enable_takes_a_placement(tmp_path):
