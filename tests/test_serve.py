@@ -259,3 +259,64 @@ def test_disconnect_mid_stream_frees_the_row(checkpoint_model, offload, tmp_path
         assert s.get("requests_cancelled", 0) == 1 and s["completion_tokens"] < 100
         assert not list(tmp_path.iterdir())
         assert httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 5}, timeout=60).status_code == 200
+
+
+# ---- item 6: Ray Serve -------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ray_serve_two_replicas(tiny_checkpoint, checkpoint_model):
+    """Two replicas behind Ray Serve's proxy on a local cluster this test starts and stops: the same routes,
+    both replicas answer, and every answer is the request's tokens run alone."""
+    ray = pytest.importorskip("ray")
+    serve = pytest.importorskip("ray.serve")
+    import functools
+
+    from infinigen.commands.serve import build
+    from infinigen.serve.ray import deployment
+    model, tok = checkpoint_model
+    spec = dict(model=str(tiny_checkpoint), policy="full", knob=[], kv_offload="none", pool_dir=None, max_batch=8,
+                max_queue=16, name=NAME, device="cpu", dtype="float32", fast_bytes=1 << 28, pool_bytes=None)
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(deployment(functools.partial(build, spec), 2, num_cpus=0.5), name="infinigen", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"] == NAME
+        prompts = _prompts(model, (5, 12, 20, 8, 15, 3), seed=11)
+        eos = {tok.eos_token_id}
+
+        def one(i):
+            body = {"model": NAME, "prompt": prompts[i], "max_tokens": 12, "temperature": 0, "stream": bool(i % 2)}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            if not body["stream"]:
+                return r.json()["choices"][0]["text"]
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(one, range(6)))
+        for i, text in enumerate(got):
+            assert text == tok.decode(_alone(model, "full", prompts[i], 12, eos=eos), skip_special_tokens=True)
+        assert _error(httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=30), 400)
+        pids = {httpx.get(f"{url}/health", timeout=30).json()["pid"] for _ in range(40)}
+        assert len(pids) == 2
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_serve_command_checks_options_before_loading(capsys):
+    from infinigen.cli import main
+    from infinigen.commands.serve import parse_bytes
+    assert parse_bytes("512M") == 512 << 20 and parse_bytes("2GiB") == 2 << 30 and parse_bytes("1000") == 1000
+    for argv in (["--kv-offload", "ssd"], ["--pool-bytes", "lots"], ["--fast-bytes", "0"], ["--max-batch", "0"],
+                 ["--max-queue", "-1"], ["--port", "70000"], ["--replicas", "0"], ["--knob", "nope=1"]):
+        assert main(["serve", "--model", "/nonexistent", *argv]) == 2, argv
+        assert capsys.readouterr().err.startswith("infinigen: error:")

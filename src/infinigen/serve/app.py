@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from typing import Literal, Optional, Union
@@ -154,7 +155,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_body: int = MAX_B
     @app.get("/health")
     async def health():
         s = engine.snapshot()
-        return {"status": "ok", "running": s["running"], "waiting": s["waiting"]}
+        return {"status": "ok", "running": s["running"], "waiting": s["waiting"], "pid": os.getpid()}
 
     @app.get("/v1/models")
     async def models():

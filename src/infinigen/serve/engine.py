@@ -433,6 +433,14 @@ class Engine:
             self._finish(req, "cancelled")
         self.waiting.clear()
 
+    def describe(self) -> str:
+        gib = 2 ** 30
+        where = self.placement.describe(self.model.device)
+        f1, s1 = self.cost.fast1, self.cost.slow1
+        slow = f", KV pool budget {self.slow_budget / gib:.2f} GiB ({s1:.0f} B/token)" if self.slow_budget else ""
+        return (f"policy {getattr(self.policy, 'name', '?')}, {where}; fast-memory budget {self.fast_budget / gib:.2f} GiB "
+                f"({f1:.0f} B/token){slow}; at most {self.max_batch} running, {self.max_queue} waiting")
+
     def idle(self) -> bool:
         return not self.running and not self.waiting
 
