@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import sys
 import threading
 import time
@@ -71,7 +70,6 @@ def load_run(model, tok, name, text_ids, policy, offload, args) -> dict:
     from infinigen.serve.app import BackgroundServer, create_app
     eng = make_engine(model, tok, policy, offload, max_batch=args.clients, max_queue=4 * args.clients)
     app = create_app(eng, tok, name)
-    rng = random.Random(0)
     lat, ttft, errors, tokens = [], [], [], 0
     lock = threading.Lock()
     with BackgroundServer(app) as url:
@@ -79,7 +77,7 @@ def load_run(model, tok, name, text_ids, policy, offload, args) -> dict:
 
         def request(prompt):
             t0 = time.perf_counter()
-            first, n, text = None, 0, ""
+            first, n = None, 0
             stream = client.completions.create(model=name, prompt=prompt, max_tokens=args.max_tokens, temperature=0,
                                                stream=True, stream_options={"include_usage": True})
             for chunk in stream:
@@ -114,32 +112,42 @@ def load_run(model, tok, name, text_ids, policy, offload, args) -> dict:
         with concurrent.futures.ThreadPoolExecutor(args.clients) as pool:
             list(pool.map(client_loop, range(args.clients)))
         wall = time.perf_counter() - t0
-        idle = [eng.idle()]
         deadline = time.monotonic() + 30
         while not eng.idle() and time.monotonic() < deadline:
             time.sleep(0.05)
         eng._measure()
         snap = eng.snapshot()
         after = rss_mib()
-    del rng
     return {"policy": policy, "kv": offload, "clients": args.clients, "seconds": round(wall, 1), "requests": len(lat),
             "errors": len(errors), "error_samples": errors[:3], "tokens": tokens, "tokens_per_s": tokens / wall,
             "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99), "ttft_p50_s": pct(ttft, 50),
-            "idle_after": eng.idle(), "idle_at_end_of_clients": idle[0],
+            "idle_after": eng.idle(),
             "reserved_bytes_after": snap["reserved_fast_bytes"] + snap["reserved_slow_bytes"],
             "kv_bytes_after": snap["kv_fast_bytes"] + snap["kv_slow_bytes"],
             "rss_baseline_mib": base, "rss_after_mib": after, "rss_delta_mib": after - base,
             "cost_fast_per_token": eng.cost.fast1, "cost_slow_per_token": eng.cost.slow1}
 
 
+def alone_run(model, tok, text_ids, args) -> dict:
+    from infinigen.generate import Sampling, generate_ids
+    n = (64 + args.prompt_tokens) // 2
+    g = generate_ids(model, [text_ids[:n]], args.max_tokens, Sampling())
+    return {"prompt": n, "new": len(g.tokens[0]), "prefill_s": g.prefill_s, "decode_tokens_per_s": g.decode_tokens_per_s}
+
+
 def capacity_run(model, tok, text_ids, policy, offload, args) -> dict:
     """Requests of args.long prompt tokens submitted at once; the engine admits what its budgets hold."""
+    from infinigen.errors import UserError
     from infinigen.serve.engine import Request
     eng = make_engine(model, tok, policy, offload, max_batch=1000, max_queue=1000, fast_bytes=args.fast_bytes)
     fast, slow = eng.request_cost(args.long, args.long_gen)
     by_rule = min(eng.fast_budget // fast, (eng.slow_budget // slow) if slow else 10 ** 9)
-    k = min(int(by_rule) + 2, args.max_live)
-    reqs = [eng.submit(Request(text_ids[i * 7:i * 7 + args.long], args.long_gen)) for i in range(k)]
+    k = min(int(by_rule) + 2, args.max_live) if by_rule else 1
+    try:
+        reqs = [eng.submit(Request(text_ids[i * 7:i * 7 + args.long], args.long_gen)) for i in range(k)]
+    except UserError:  # not even one fits: refused at once (HTTP 400)
+        assert by_rule == 0
+        reqs = []
     t0 = time.perf_counter()
     eng.step()  # admits and prefills what fits, then one decode step of them all
     live = eng.snapshot()
@@ -182,6 +190,8 @@ def main(argv=None) -> int:
     text_ids = tok(load_text("prideprejudice", default="prideprejudice"))["input_ids"][:20000]
     policies, kvs = args.policies.split(","), args.kv.split(",")
     loads, caps = [], []
+    alone = alone_run(model, tok, text_ids, args)
+    print(json.dumps(alone), file=sys.stderr, flush=True)
     for p in policies:
         for kv in kvs:
             r = load_run(model, tok, served, text_ids, p, kv, args)
@@ -196,14 +206,14 @@ def main(argv=None) -> int:
                "threads": torch.get_num_threads(), "load_avg": os.getloadavg()}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve.json").write_text(json.dumps({"model": name, "args": {k: str(v) for k, v in vars(args).items()},
-                                                     "machine": machine, "load": loads, "capacity": caps}, indent=2) + "\n")
-    (args.out / "serve.md").write_text(report(name, args, machine, loads, caps))
+                                                     "machine": machine, "alone": alone, "load": loads, "capacity": caps}, indent=2) + "\n")
+    (args.out / "serve.md").write_text(report(name, args, machine, alone, loads, caps))
     print(f"wrote {args.out / 'serve.md'}", file=sys.stderr)
     bad = [r for r in loads if r["errors"] or r["reserved_bytes_after"] or r["kv_bytes_after"] or not r["idle_after"]]
     return 1 if bad else 0
 
 
-def report(name, args, machine, loads, caps) -> str:
+def report(name, args, machine, alone, loads, caps) -> str:
     kvname = {"none": "RAM", "cpu": "host pool", "disk": "disk"}
     mib = 2 ** 20
     out = [f"# `infinigen serve` under load ({name})", "",
@@ -213,6 +223,10 @@ def report(name, args, machine, loads, caps) -> str:
            f"Command: `python benchmarks/serve_load.py` ({args.clients} concurrent `openai` clients for {args.seconds:g} s "
            f"per row, streamed completions of 64..{args.prompt_tokens} prompt tokens and {args.max_tokens} new tokens, "
            "greedy, server on 127.0.0.1 in the same process).", "",
+           f"For scale, one request alone through `generate` (no server; {alone['prompt']} prompt tokens, "
+           f"{alone['new']} new, full cache in RAM) in this run: prefill {alone['prefill_s']:.2f} s, decode "
+           f"{alone['decode_tokens_per_s']:.1f} tokens/s. Prefills are not chunked: a joining request's prefill "
+           "holds up the running batch for its duration, which is most of the latency at these prompt lengths.", "",
            "## Load", "",
            "| policy | KV | requests | errors | tokens/s | latency p50 | p99 | first token p50 | after: KV reserved / held | RSS vs baseline |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -224,7 +238,8 @@ def report(name, args, machine, loads, caps) -> str:
     out += ["", "## How many long requests fit", "",
             f"One fast-memory budget of {args.fast_bytes / mib:.0f} MiB; requests of {args.long} prompt tokens + "
             f"{args.long_gen} new ones. Per-request costs are measured (see below); 'live' is what the engine admitted "
-            f"when {'/'.join(str(c['submitted']) for c in caps)} such requests arrived at once (prefilled and running).", "",
+            f"when {'/'.join(str(c['submitted']) for c in caps)} such requests arrived at once (prefilled and running; "
+            "0 fit: the request is refused with 400, it could never run).", "",
             "| policy | KV | fast bytes / request | pool bytes / request | fit by the rule | running live |",
             "|---|---|---|---|---|---|"]
     for c in caps:

@@ -34,7 +34,7 @@ def _mats(model, seed=3):
 
 def _policy(name, model):
     if name == "infinigen":  # the paper's selection (a real subset on short prompts), layer 0 dense only
-        return make_policy("infinigen", preset="paper", dense_layers=(0,), matrices=_mats(model))
+        return make_policy("infinigen", preset="paper", dense_layers=(0,)).with_skew(_mats(model))
     return make_policy(name)
 
 

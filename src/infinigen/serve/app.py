@@ -233,7 +233,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_body: int = MAX_B
         queue: asyncio.Queue = asyncio.Queue()
 
         def sink(kind, value):  # engine thread -> this request's queue
-            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
 
         req = Request(ids, n, Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed), sink)
         try:
