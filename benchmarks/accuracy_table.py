@@ -20,7 +20,6 @@ Accuracy does not depend on timing, so this may run while other work shares the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
@@ -36,7 +35,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from infinigen.eval.ppl import jsonable, perplexity, resolve_text, token_windows  # noqa: E402
 from infinigen.loading import load  # noqa: E402
 from infinigen.bench import cpu_name  # noqa: E402
-from infinigen.policies import make_policy  # noqa: E402
+from infinigen.placement import Placement  # noqa: E402
+from infinigen.policies import knob_types, make_policy  # noqa: E402
 
 
 def source_hash(*modules) -> str:
@@ -98,13 +98,13 @@ class Runner:
         self.meta = {}
 
     def run(self, label: str, policy: str, capacity=None, eviction="counter", **knobs) -> dict:
-        pol = make_policy(policy, **knobs)
-        if policy == "infinigen" and pol.skew:
-            pol.with_skew(self.skew)
-        settings = {f.name: getattr(pol, f.name) for f in dataclasses.fields(pol) if f.name != "matrices"}
+        if "calib" in knob_types(policy):
+            knobs.setdefault("calib", self.args.calib)
+        pol = make_policy(policy, **knobs).prepare(self.model, self.tok)  # InfiniGen: the skew of --calib (cached)
+        settings = pol.settings(self.model)
         code = ["infinigen.model", "infinigen.cache", "infinigen.eval.ppl", type(pol).__module__]
         code += ["infinigen.pool"] if capacity else []
-        code += ["infinigen.skew"] if policy == "infinigen" else []
+        code += ["infinigen.skew"]
         key = json.dumps(jsonable([policy, settings, capacity, eviction if capacity else None, self.args.ctx,
                                     self.args.prefill, self.args.windows, self.args.text, self.args.calib,
                                     source_hash(*code)]), sort_keys=True)
@@ -115,7 +115,7 @@ class Runner:
         t0 = time.perf_counter()
         meter = MassMeter(pol, self.model.scale)
         res = perplexity(self.model, self.tok, None, pol, prefill=self.args.prefill, tokens=self.ids,
-                         capacity=capacity, eviction=eviction, progress=self.args.progress)
+                         placement=Placement(capacity=capacity, evict=eviction), progress=self.args.progress)
         r = {"key": key, "label": label, "policy": policy, "settings": jsonable(settings), "capacity": res.capacity,
              "eviction": res.eviction, "perplexity": res.perplexity, "kv_all": res.kv_all,
              "kv_speculated": res.kv_speculated, "speculated_layers": res.speculated_layers,

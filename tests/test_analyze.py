@@ -71,7 +71,7 @@ def test_attention_probe(tiny):
 def test_run_writes_every_figure(tiny, tmp_path):
     _, model, ids = tiny
     st = an.Settings(tokens=96, prefill=32, alphas=(1, 4), ratios=(0.25, 1.0), count_alphas=(2, 5),
-                     knobs={"preset": "paper", "matrices": _orthogonal(model)})
+                     knobs={"preset": "paper"}, matrices=_orthogonal(model))
     ticks = []
     report = an.run(model, None, ids, tmp_path, an.ANALYSES, st, "tiny", "random", progress=lambda n=1: ticks.append(n))
     assert sum(ticks) == an.steps(an.ANALYSES, st)

@@ -6,6 +6,7 @@ import torch
 
 from infinigen.eval.fanout import prefill_shared
 from infinigen.policies import REGISTRY, make_policy, policy_class
+from infinigen.placement import Placement
 
 SMALL = {"streaming": dict(sinks=1, window=3), "h2o": dict(heavy=3, recent=2), "oracle": dict(tokens=4),
          "infinigen": dict(alpha=1.0, skew=False, dense_layers=())}
@@ -34,13 +35,13 @@ def test_shared_prefill_equals_separate(make_tiny, kind):
     policies = [make_policy(n, **SMALL.get(n, {})) for n in names]
     logits, sessions = prefill_shared(model, tokens, policies, 40, pad_mask=pad)
     for name, pol, shared in zip(names, policies, sessions):
-        sess = model.new_session(2, 40, make_policy(name, **SMALL.get(name, {})))
+        sess = Placement().new_session(model, 2, 40, make_policy(name, **SMALL.get(name, {})))
         ref = model.prefill(tokens, sess, pad_mask=pad)
         torch.testing.assert_close(logits, ref)
         for t in steps:
             torch.testing.assert_close(model.decode(t, shared), model.decode(t, sess), msg=name)
         assert shared.stats.overall() == pytest.approx(sess.stats.overall())
-        assert shared.policy is not pol  # each session has its own copy
+        assert shared.policy is pol  # shared: the per-request state lives on the session
 
 
 def test_repeat_rows_equal_separate_prompts(make_tiny):
@@ -53,7 +54,7 @@ def test_repeat_rows_equal_separate_prompts(make_tiny):
     _, (sess,) = prefill_shared(model, prompt, [pol], 30, repeat=3)
     got = [model.decode(t, sess) for t in steps]
     for i in range(3):
-        ref_sess = model.new_session(1, 30, make_policy("h2o", heavy=3, recent=2))
+        ref_sess = Placement().new_session(model, 1, 30, make_policy("h2o", heavy=3, recent=2))
         model.prefill(prompt, ref_sess)
         for t, out in zip(steps, got):
             torch.testing.assert_close(out[i:i + 1], model.decode(t[i:i + 1], ref_sess))

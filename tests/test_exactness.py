@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from infinigen.generate import Sampling, generate_ids
+from infinigen.placement import Placement
 
 TOL = 1e-4
 
@@ -19,7 +20,7 @@ def assert_matches_transformers(hf, ours, prompt: torch.Tensor, steps: torch.Ten
     """Prefill `prompt` [B, P] and decode the tokens `steps` [B, N] one at a time in both
     implementations; every logit must agree. Returns the largest error seen."""
     b, p = prompt.shape
-    sess = ours.new_session(b, p + steps.shape[1])
+    sess = Placement().new_session(ours, b, p + steps.shape[1])
     with torch.no_grad():
         ref = hf(prompt, use_cache=True)
     got = ours.prefill(prompt, sess, all_logits=True)
@@ -74,7 +75,7 @@ def test_teacher_forced_full_cache_matches_transformers(tiny_llama):
     tokens = random_tokens(256, 2, 24)
     with torch.no_grad():
         ref = hf(tokens).logits
-    got = ours.teacher_forced(tokens, 10, ours.new_session(2, 24))
+    got = ours.teacher_forced(tokens, 10, Placement().new_session(ours, 2, 24))
     assert (got - ref).abs().max().item() <= TOL
 
 
@@ -93,9 +94,9 @@ def assert_batch_equals_alone(model, prompts: list[list[int]], new_tokens: int, 
     """Left-padded batch vs each prompt alone: same last-position logits and same greedy tokens."""
     from infinigen.generate import left_pad
     tokens, mask = left_pad(prompts, pad_id, model.device)
-    batch_logits = model.prefill(tokens, model.new_session(len(prompts), tokens.shape[1]), pad_mask=mask)
+    batch_logits = model.prefill(tokens, Placement().new_session(model, len(prompts), tokens.shape[1]), pad_mask=mask)
     for i, p in enumerate(prompts):
-        alone = model.prefill(torch.tensor([p]), model.new_session(1, len(p)))
+        alone = model.prefill(torch.tensor([p]), Placement().new_session(model, 1, len(p)))
         assert (batch_logits[i] - alone[0]).abs().max().item() <= TOL
     batch = generate_ids(model, prompts, new_tokens, eos=eos, pad_id=pad_id)
     for i, p in enumerate(prompts):

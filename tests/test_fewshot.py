@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from infinigen.eval import fewshot as fs
 from infinigen.eval.policyset import parse_policies
 from infinigen.policies import make_policy
+from infinigen.placement import Placement
 
 TASK = {
     "task_prefix": "Answer yes or no.\n",
@@ -70,7 +71,7 @@ def test_encode_pair_moves_trailing_space(tiny_tokenizer):
 
 
 def _manual_loglik(model, ctx, cont):
-    sess = model.new_session(1, len(ctx) + len(cont))
+    sess = Placement().new_session(model, 1, len(ctx) + len(cont))
     logits = model.prefill(torch.tensor([ctx + cont]), sess, all_logits=True)[0]
     lp = F.log_softmax(logits.float(), -1)
     return sum(lp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont))
@@ -115,18 +116,20 @@ def test_shared_prefill_equals_teacher_forced(make_tiny):
     conts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (1, 4, 4, 7)]
     pols = parse_policies("full,streaming,h2o,int4", ["streaming.window=3", "streaming.sinks=1", "h2o.heavy=3",
                                                       "h2o.recent=2"])
-    try:
-        pols["infinigen"] = make_policy("infinigen", skew=False, dense_layers=(), alpha=1.0)
-    except Exception:  # not written yet
-        pass
+    pols["infinigen"] = make_policy("infinigen", skew=False, dense_layers=(), alpha=1.0)
     shared = fs.score_shared_prefill(model, ctx, conts, pols)
+    longest = max(map(len, conts))
+    padded = [c + [c[-1]] * (longest - len(c)) for c in conts]  # what shared decoding feeds every row
     for name, pol in pols.items():
         ref = fs.score_continuations(model, ctx, conts, pol)
         for a, b in zip(shared[name], ref):
             assert a.loglik == pytest.approx(b.loglik, abs=1e-4), name
             assert a.greedy == b.greedy
-        # (the relative KV size differs: shared decoding also counts the padded steps of shorter choices)
-        assert 0 < shared[name][2].kv <= 1 and (shared[name][2].kv == 1) == (ref[2].kv == 1)
+        # the relative KV size counts the padded steps of shorter choices too: it is the teacher-forced
+        # size of the padded choices, read by every row at every step
+        kv = fs.score_continuations(model, ctx, padded, pol)[0].kv
+        assert all(s.kv == pytest.approx(kv, abs=1e-6) for s in shared[name]), (name, kv, shared[name][0].kv)
+    assert shared["full"][0].kv == 1 and shared["streaming"][0].kv < 0.2  # 4 of 30..35 entries
 
 
 def test_evaluate_task_agreement(task_dir, tiny_checkpoint):
@@ -137,14 +140,62 @@ def test_evaluate_task_agreement(task_dir, tiny_checkpoint):
     res = fs.evaluate_task(model, tok, t, pols, shots=2, limit=4, prefill_frac=0.5)
     assert [r.policy for r in res] == ["full", "streaming"]
     full, st = res
-    assert full.n == 4 and full.agreement is None
-    assert 0 <= st.agreement <= 1 and 0 <= st.acc <= 1 and st.kv < full.kv
+    assert full.n == 4 == st.n and full.agreement is None
+    # the aggregates, recomputed item by item from each choice's own teacher-forced score
+    picks, kvs = {"full": [], "streaming": []}, {"full": [], "streaming": []}
+    items = fs.make_items(t, shots=2, limit=4, seed=1234)
+    for it in items:
+        pairs = [fs.encode_pair(tok, it.context, c) for c in it.choices]
+        nbytes = [len(c.encode("utf-8")) for c in it.choices]
+        for name, pol in pols.items():
+            sc = [fs.score_continuations(model, cx, [ct], pol, prefill_frac=0.5)[0] for cx, ct in pairs]
+            ll = [s.loglik for s in sc]
+            picks[name].append((ll.index(max(ll)), max(range(len(ll)), key=lambda i: ll[i] / nbytes[i])))
+            kvs[name].append(sum(s.kv for s in sc) / len(sc))
+    for r in res:
+        mine = picks[r.policy]
+        assert r.predictions == mine
+        assert r.acc == sum(a in it.gold for (a, _), it in zip(mine, items)) / 4
+        assert r.acc_norm == sum(an in it.gold for (_, an), it in zip(mine, items)) / 4
+        assert r.kv == pytest.approx(sum(kvs[r.policy]) / 4, abs=1e-6)
+    assert st.agreement == sum(x[0] == y[0] for x, y in zip(picks["streaming"], picks["full"])) / 4
+    assert st.agreement_norm == sum(x[1] == y[1] for x, y in zip(picks["streaming"], picks["full"])) / 4
+    assert full.kv == 1 and st.kv < 0.5
     # the same policy object as "full" under another name agrees perfectly
     again = fs.evaluate_task(model, tok, t, {"full": make_policy("full"), "dense": make_policy("full")},
                              shots=2, limit=4)
     assert again[1].agreement == 1.0 and again[1].acc == again[0].acc
     table = fs.markdown_table(res + fs.summarize(res))
     assert "| fruit/easy | streaming | 4 |" in table and "| mean |" in table
+
+
+def test_evaluate_task_aggregates(task_dir, tiny_tokenizer, monkeypatch):
+    """acc, acc_norm, agreement and the relative KV size from designed scores where the policies disagree
+    (the tiny random model predicts the same choice for every item, whatever the policy)."""
+    t = fs.Task.load("fruit/easy", fs.list_tasks(task_dir)["fruit/easy"])  # choices: apple, pear, banana; gold 0
+    nan = float("nan")
+    full = [([-1, -2, -3], [1, 1, 1])] * 4  # picks apple (per byte: -1/9 > -3/13 > -2/8)
+    streaming = [([-1, -2, -3], [0.1, 0.1, 0.1]),  # apple, apple
+                 ([-3, -1, -2], [0.2, 0.4, nan]),  # pear, pear (per byte -1/8 > -2/13 > -3/9)
+                 ([-2, -2.1, -2.5], [nan, nan, nan]),  # apple; per byte banana (-2.5/13 > -2/9 > -2.1/8)
+                 ([-1, -2, -3], [0.5, 0.5, 0.5])]
+    calls = []
+
+    def score_item(model, pairs, policies, prefill_frac, placement=None):
+        assert len(pairs) == 3 and prefill_frac == 0.5
+        k = len(calls)
+        calls.append(k)
+        return {n: [fs.Scored(ll, False, kv) for ll, kv in zip(*table[k])]
+                for n, table in (("full", full), ("streaming", streaming)) if n in policies}
+    monkeypatch.setattr(fs, "score_item", score_item)
+    res = fs.evaluate_task(None, tiny_tokenizer, t, {"streaming": make_policy("streaming")}, shots=1, limit=4,
+                           prefill_frac=0.5)
+    f, st = res
+    assert len(calls) == 4 and [r.policy for r in res] == ["full", "streaming"]
+    assert (f.acc, f.acc_norm, f.agreement, f.kv) == (1.0, 1.0, None, 1.0)
+    assert st.predictions == [(0, 0), (1, 1), (0, 2), (0, 0)]
+    assert (st.acc, st.acc_norm, st.agreement, st.agreement_norm) == (0.75, 0.5, 0.75, 0.5)
+    assert st.kv == pytest.approx((0.1 + 0.3 + 0.5) / 3)  # nan parts left out; an all-nan item too
 
 
 def test_parse_policies_knobs():

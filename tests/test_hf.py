@@ -10,21 +10,20 @@ from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalL
 from infinigen.generate import generate_ids
 from infinigen.hf import InfiniGenCache, enable, runtime_for
 from infinigen.policies import FullCache, Policy
+from infinigen.placement import Placement
 
 
-@dataclass
+@dataclass(frozen=True)
 class TopK(Policy):
     """A stateful test policy: each KV head reads its `k` past entries with the highest accumulated
     attention (H2O-like, via observe) plus the true top scores of the current query, and it records
     every hook call so the two paths can be compared call by call."""
     k: int = 4
-    trace: list = field(default_factory=list)
+    trace: list = field(default_factory=list, compare=False)  # of the latest session
     name = "topk"
 
     def begin(self, model, session):
-        super().begin(model, session)
-        self.acc = None
-        self.trace = []
+        self.trace.clear()
 
     def on_prefill(self, layer, q, k, v, sess):
         self.trace.append(("prefill", layer, float(q.sum()), float(k.sum())))
@@ -121,7 +120,7 @@ def test_logits_match_runtime_step_by_step():
     m = tiny_llama(seed=3)
     rt = runtime_for(m)
     ids = torch.randint(2, 96, (1, 12))
-    sess = rt.new_session(1, 40, TopK(k=3))
+    sess = Placement().new_session(rt, 1, 40, TopK(k=3))
     ref = [rt.prefill(ids, sess)]
     nxt = ref[0].argmax(-1)
     toks = [nxt]
@@ -159,7 +158,7 @@ def test_multi_token_continuation_replays_decoding():
     rt = runtime_for(m)
     ids = torch.randint(2, 96, (1, 10))
     cont = torch.randint(2, 96, (1, 5))
-    sess = rt.new_session(1, 20, TopK(k=3))
+    sess = Placement().new_session(rt, 1, 20, TopK(k=3))
     rt.prefill(ids, sess)
     ref = [rt.decode(cont[:, i], sess) for i in range(5)]
     with enable(m, TopK(k=3)) as ig, torch.no_grad():

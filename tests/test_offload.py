@@ -3,11 +3,13 @@ host buffer) gives the same tokens as the in-memory store with the same policy, 
 limit; the slow tier never holds more than the limit; the pool file is removed afterwards."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from infinigen.placement import OffloadedKVStore, Placement, kv_slot_bytes
 from infinigen.policies import make_policy
@@ -46,7 +48,7 @@ def _policy(name, model=None):
         cfg = model.cfg  # random orthogonal skew matrices: no calibration needed, the maths is the same
         g = torch.Generator().manual_seed(5)
         a = torch.linalg.qr(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, generator=g))[0]
-        return make_policy("infinigen", dense_layers=(0,), matrices=a)
+        return make_policy("infinigen", dense_layers=(0,)).with_skew(a)
     return make_policy(name)
 
 
@@ -60,8 +62,8 @@ def _prompts(batch=B, length=PROMPT, seed=3):
 
 def _run(model, placement, policy, capacity=None, pool_bytes=None, allocator=None, gen=GEN, keep=False):
     tokens, pad = _prompts()
-    sess = placement.new_session(model, B, PROMPT + gen, policy, capacity=capacity, pool_bytes=pool_bytes,
-                                 allocator=allocator)
+    placement = dataclasses.replace(placement, capacity=capacity, pool_bytes=pool_bytes)
+    sess = placement.new_session(model, B, PROMPT + gen, policy, allocator=allocator)
     logits = model.prefill(tokens, sess, pad)
     out, steps = [], []
     for _ in range(gen):
@@ -86,14 +88,100 @@ def test_offloaded_engine_same_tokens(tiny_llama, policy, kind, tmp_path):
     tokens, logits, sess = _run(model, Placement(kind, pool_dir=str(tmp_path)), _policy(policy, model))
     assert torch.equal(tokens, ref_tokens)
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=0)
-    st = sess.store.stats
-    assert st.bytes_moved > 0 and st.fetches > 0
-    if policy in ("full", "int4", "h2o", "streaming", "planned-random", "infinigen"):
-        # these know their selection one layer ahead: every fetch was a prefetch, none wasted
-        assert st.on_demand == 0 and st.stale == 0
-    if policy in ("h2o", "streaming", "planned-random", "infinigen"):
-        assert st.reused > 0  # the runtime took the planned slot indices
+    st, layers = sess.store.stats, model.cfg.num_layers
+    # every policy here knows its selection one layer ahead: one fetch per layer and step, each a
+    # prefetch, none wasted (what the fetches read is counted at the tier in test_decode_reads_only_...)
+    assert st.fetches == GEN * layers and st.on_demand == 0 and st.stale == 0
+    assert st.bytes_moved == st.rows_moved * 2 * sess.store.layout.row_bytes > 0
+    # the runtime took the planned slot indices at every selecting layer (InfiniGen: layer 0 is dense)
+    selecting = {"full": 0, "int4": 0, "infinigen": layers - 1}.get(policy, layers)
+    assert st.reused == GEN * selecting
     assert os.listdir(tmp_path) == []  # the pool file is gone
+
+
+class SlowReads(TorchDispatchMode):
+    """Bytes that aten ops read from the slow tier's tensors, whatever code path reads them: an
+    index_select reads its rows of the pool, any other op (copy, clone, matmul, ...) every element of the
+    pool view it is given. Views are no reads, nor are writes (in-place targets, out=). Dispatch modes
+    are per thread: use it with an inline store (Placement(threaded=False))."""
+
+    def __init__(self, store):
+        super().__init__()
+        self.pool = {t.untyped_storage().data_ptr() for t in store.tier.tensors}
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        is_view = any(r.alias_info is not None for r in schema.returns) and not schema.is_mutable
+        if not is_view:
+            for i, a in enumerate(schema.arguments):
+                x = args[i] if i < len(args) else kwargs.get(a.name)
+                if not isinstance(x, torch.Tensor) or x.untyped_storage().data_ptr() not in self.pool:
+                    continue
+                if a.alias_info is not None and a.alias_info.is_write:
+                    continue  # written, not read
+                if func.overloadpacket is torch.ops.aten.index_select:
+                    dim = args[1] if len(args) > 1 else kwargs["dim"]
+                    index = args[2] if len(args) > 2 else kwargs["index"]
+                    self.bytes += index.numel() * (x.numel() // x.shape[dim]) * x.element_size()
+                else:
+                    self.bytes += x.numel() * x.element_size()
+        return func(*args, **kwargs)
+
+
+def _selective(name, model):
+    """Policies whose decode steps read a real subset (InfiniGen without its 32-token floor: the
+    prompts here are shorter)."""
+    if name == "infinigen":
+        return make_policy("infinigen", dense_layers=(0,), min_fetch=0).with_skew(_policy("infinigen", model).matrices)
+    if name == "infinigen-paper":
+        return make_policy("infinigen", preset="paper", dense_layers=(0,)).with_skew(_policy("infinigen", model).matrices)
+    if name == "streaming":
+        return make_policy("streaming", sinks=2, window=6)
+    return _policy(name, model)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming", "infinigen", "infinigen-paper", "full", "int4"])
+@pytest.mark.parametrize("kind", ["cpu", "disk"])
+def test_decode_reads_only_the_selected_rows(tiny_llama, policy, kind, tmp_path):
+    """What a decoding step reads from the slow tier, counted at the tier (not by the store's own
+    accounting): for each layer, the rows its selection names (B x Hkv x the largest per-head count, as
+    `KVStore.slots` lays them out), of key and value; the whole used layer only where every entry is read
+    (full cache, INT4, dense layers). A store that reads the layer and selects in fast memory fails."""
+    _, model = tiny_llama
+    pol = _selective(policy, model)
+    tokens, pad = _prompts()
+    pl = Placement(kind, pool_dir=str(tmp_path), threaded=False)
+    sess = pl.new_session(model, B, PROMPT + GEN, pol)
+    store = sess.store
+    row = 2 * store.layout.row_bytes  # one key and one value vector
+    want = [0]
+    inner = pol.select
+
+    def select(layer, q, s):
+        keep = inner(layer, q, s)
+        n = store.length[layer]
+        if keep is None:
+            want[0] += store.bh * n * row
+        else:
+            want[0] += store.bh * int((keep[:, :, :n] & store.valid[layer][:, :, :n]).sum(-1).max()) * row
+        return keep
+    object.__setattr__(pol, "select", select)  # policies are frozen: a test wrapper all the same
+    logits = model.prefill(tokens, sess, pad)
+    store.stats.reset()
+    measured, whole = 0, 0
+    for _ in range(GEN):
+        whole += sum(store.bh * n * row for n in store.length)
+        with SlowReads(store) as reads:
+            logits = model.decode(logits.argmax(-1), sess)
+        measured += reads.bytes
+    pl.close(sess)
+    assert measured == want[0] == sess.store.stats.bytes_moved
+    if policy in ("full", "int4"):
+        assert measured == whole
+    else:
+        assert measured < whole  # a real subset was read (layer 0 is dense for InfiniGen)
 
 
 @pytest.mark.parametrize("prefetch,threaded", [(False, True), (True, False)])
@@ -156,8 +244,9 @@ def test_pool_limit_same_tokens_and_bounded(tiny_llama, policy, alloc_name, allo
     tokens, logits, sess = _run(model, pl, _policy(policy, model), pool_bytes=limit, allocator=alloc(), keep=True)
     store = sess.store
     assert store.capacity == capacity
-    assert store.slow_bytes() <= limit
-    assert store.tier.files_bytes() <= limit  # what is really on disk
+    # the limit is exactly `capacity` slots: the pool is that big, no bigger and no smaller, on disk too
+    assert store.slow_bytes() == limit == sum(t.numel() * t.element_size() for t in store.tier.tensors)
+    assert store.tier.files_bytes() == limit  # the files' sizes
     assert all(n <= capacity for n in store.length)
     pl.close(sess)
     assert torch.equal(tokens, ref_tokens)
@@ -169,7 +258,16 @@ def test_pool_bytes_too_small_is_a_user_error(tiny_llama):
     from infinigen.errors import UserError
     _, model = tiny_llama
     with pytest.raises(UserError):
-        Placement("cpu").new_session(model, B, 40, make_policy("full"), pool_bytes=10)
+        Placement("cpu", pool_bytes=10).new_session(model, B, 40, make_policy("full"))
+
+
+@pytest.mark.parametrize("kw", [dict(capacity=10), dict(capacity=0.25)], ids=str)
+def test_pool_smaller_than_the_prompt_is_a_user_error(tiny_llama, kw):
+    """Found when the store is made, before any work: a pool of 10 tokens cannot hold a 24-token prompt."""
+    from infinigen.errors import UserError
+    _, model = tiny_llama
+    with pytest.raises(UserError, match="cannot hold the 24-token prompt"):
+        Placement("disk", **kw).new_session(model, B, 40, make_policy("full"), prompt_len=PROMPT)
 
 
 def test_int4_pool_is_packed(tiny_llama):
@@ -188,7 +286,7 @@ def test_teacher_forced_on_offloaded_store(tiny_llama, tmp_path):
     """The replay path (stateful policy) reads through the same store methods."""
     _, model = tiny_llama
     tokens, _ = _prompts(batch=2, length=30)
-    ref = model.teacher_forced(tokens, 20, model.new_session(2, 30, make_policy("h2o")))
+    ref = model.teacher_forced(tokens, 20, Placement().new_session(model, 2, 30, make_policy("h2o")))
     pl = Placement("disk", pool_dir=str(tmp_path))
     sess = pl.new_session(model, 2, 30, make_policy("h2o"))
     got = model.teacher_forced(tokens, 20, sess)
@@ -310,15 +408,16 @@ def test_shared_prefill_replays_to_the_same_tokens(tiny_llama, tmp_path):
 
 
 def test_generate_with_an_offloaded_pool(tiny_checkpoint, tmp_path):
-    """`generate` takes the placement through session_kw and gives the in-memory tokens."""
+    """`generate` takes a placement and gives the in-memory tokens."""
     from infinigen.generate import generate
     from infinigen.loading import load
     model, tok, _ = load(str(tiny_checkpoint), progress=False)
     prompts = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome"]
     ref = generate(model, tok, prompts, max_new_tokens=6, policy=make_policy("h2o"))
     got = generate(model, tok, prompts, max_new_tokens=6, policy=make_policy("h2o"),
-                   session_kw=Placement("disk", pool_dir=str(tmp_path)).session_kw(model))
+                   placement=Placement("disk", pool_dir=str(tmp_path)))
     assert got.tokens == ref.tokens
+    assert os.listdir(tmp_path) == []  # the pool file went with the session
 
 
 @pytest.mark.integration

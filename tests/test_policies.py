@@ -11,6 +11,7 @@ import torch
 from infinigen.errors import UserError
 from infinigen.policies import make_policy
 from infinigen.policies.quant import dequantize, fake_quantize, quantize
+from infinigen.placement import Placement
 
 T, P, B = 28, 9, 2  # sequence length, prefill length, batch
 
@@ -53,11 +54,11 @@ if HAVE_INFINIGEN:  # helper policies get random orthogonal skew matrices ("rand
 def _policy(name, knobs, model):
     """make_policy, with matrices="random" replaced by random orthogonal skew matrices for `model`."""
     knobs = dict(knobs)
-    if knobs.get("matrices") == "random":
+    if knobs.pop("matrices", None) == "random":
         c = model.cfg
         g = torch.Generator().manual_seed(3)
-        knobs["matrices"] = torch.linalg.qr(torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, c.head_dim,
-                                                        generator=g, dtype=torch.float64))[0]
+        return make_policy(name, **knobs).with_skew(torch.linalg.qr(torch.randn(
+            c.num_layers, c.num_kv_heads, c.head_dim, c.head_dim, generator=g, dtype=torch.float64))[0])
     return make_policy(name, **knobs)
 
 
@@ -129,12 +130,13 @@ class Recorder:
                 self.seen[(layer, sess.first_row + i)] = full[:, :, i]
             return keep
 
-        policy.select, policy.select_rows = select, select_rows
+        object.__setattr__(policy, "select", select)  # policies are frozen: an instance attribute all the same
+        object.__setattr__(policy, "select_rows", select_rows)
 
 
 def _decode_all(model, policy, tokens, capacity=None, allocator=None):
     """Real decoding: prefill P tokens, then one token at a time. Logits [B, T-P+1, V] for rows P-1.."""
-    sess = model.new_session(B, T, policy, capacity=capacity, allocator=allocator)
+    sess = Placement(capacity=capacity).new_session(model, B, T, policy, allocator=allocator)
     out = [model.prefill(tokens[:, :P], sess)]
     for t in range(P, T):
         out.append(model.decode(tokens[:, t], sess))
@@ -142,7 +144,7 @@ def _decode_all(model, policy, tokens, capacity=None, allocator=None):
 
 
 def _teacher_forced(model, policy, tokens, capacity=None, allocator=None):
-    sess = model.new_session(B, T, policy, capacity=capacity, allocator=allocator)
+    sess = Placement(capacity=capacity).new_session(model, B, T, policy, allocator=allocator)
     return model.teacher_forced(tokens, P, sess), sess
 
 
@@ -198,11 +200,11 @@ def test_h2o_keeps_heavy_plus_recent_and_evicts_for_good(tiny):
 def test_h2o_heavy_hitters_are_the_highest_accumulated_scores(tiny):
     """The first eviction after the prompt keeps the prompt tokens with the largest attention column sums."""
     pol = make_policy("h2o", heavy=2, recent=1)
-    sess = tiny.new_session(1, T, pol)
+    sess = Placement().new_session(tiny, 1, T, pol)
     tokens = _tokens(tiny)[:1]
     tiny.prefill(tokens[:, :P], sess)
     layer = 0
-    colsum = pol.score[layer][:, :, :P].clone()
+    colsum = sess.state.score[layer][:, :, :P].clone()
     # independent column sums of the prompt's causal attention (layer 0: input = embeddings)
     with torch.inference_mode():
         x = tiny.layers[0].attn_norm(tiny.embed(tokens[:, :P], torch.arange(P)[None]))
@@ -270,11 +272,11 @@ def test_int4_error_bounded_by_half_a_step():
 
 def test_int4_store_holds_quantized_values(tiny):
     pol = make_policy("int4")
-    sess = tiny.new_session(B, T, pol)
+    sess = Placement().new_session(tiny, B, T, pol)
     tokens = _tokens(tiny)
     tiny.prefill(tokens[:, :P], sess)
     tiny.decode(tokens[:, P], sess)
-    ref = tiny.new_session(B, T)
+    ref = Placement().new_session(tiny, B, T)
     tiny.prefill(tokens[:, :P], ref)
     tiny.decode(tokens[:, P], ref)
     for layer in range(tiny.cfg.num_layers):
@@ -300,7 +302,7 @@ class _QK:
             out = inner(layer, q, k, sess)
             self.qk[layer] += (out.clone(),)
             return out
-        policy.select_rows = select_rows
+        object.__setattr__(policy, "select_rows", select_rows)
 
 
 @pytest.mark.parametrize("knobs", [dict(ratio=0.3), dict(tokens=5), dict(alpha=1.5)], ids=str)
@@ -340,22 +342,42 @@ def test_bad_knobs_are_user_errors(name, knobs):
         make_policy(name, **knobs)
 
 
-@pytest.mark.parametrize("name,knobs", [("h2o", dict(heavy=3, recent=2)), ("streaming", dict(sinks=2, window=3)),
-                                        ("int4", {}), ("full", {})])
+PLANNED = [("h2o", dict(heavy=3, recent=2)), ("streaming", dict(sinks=2, window=3)), ("int4", {}), ("full", {}),
+           ("infinigen", dict(dense_layers=(0,), matrices="random")),  # speculates from attn_out
+           ("infinigen", dict(preset="paper", alpha=1.0, dense_layers=(0,), matrices="random"))]  # from attn_in
+
+
+@pytest.mark.parametrize("name,knobs", PLANNED, ids=_ids(PLANNED))
 def test_planned_selection_matches_select(tiny, name, knobs):
-    """Policies that know their selection before the step (placement prefetches it) must agree with select."""
-    pol = make_policy(name, **knobs)
-    inner, checked = pol.select, []
+    """Policies that know their selection before the step must say so one layer early: `planned(layer)`
+    is ready right after layer-1's last hook (for layer 0, before the step's first hook), which is when
+    placement asks for it to start the transfer, and it is exactly what `select(layer)` then returns."""
+    pol = _policy(name, knobs, tiny)
+    inner_select, inner_hook = pol.select, pol.on_hidden
+    plans, checked = {}, []
+
+    def snapshot(layer, sess):
+        plan = pol.planned(layer, sess)
+        plans[layer] = plan.clone() if isinstance(plan, torch.Tensor) else plan
+
+    def on_hidden(layer, point, x, sess):
+        if sess.mode == "decode" and layer == 0 and point == "attn_in":
+            snapshot(0, sess)
+        inner_hook(layer, point, x, sess)
+        if sess.mode == "decode" and point == "attn_out" and layer + 1 < tiny.cfg.num_layers:
+            snapshot(layer + 1, sess)
 
     def select(layer, q, sess):
-        plan = pol.planned(layer, sess)
-        got = inner(layer, q, sess)
-        assert (plan is None and got is None) or torch.equal(plan, got)
+        plan = plans.pop(layer)
+        got = inner_select(layer, q, sess)
+        assert plan is not NotImplemented, f"layer {layer}: no plan one layer ahead"
+        assert (plan is None and got is None) or torch.equal(plan, got), layer
         checked.append(layer)
         return got
-    pol.select = select
+    object.__setattr__(pol, "on_hidden", on_hidden)
+    object.__setattr__(pol, "select", select)
     _decode_all(tiny, pol, _tokens(tiny))
-    assert len(checked) == (T - P) * tiny.cfg.num_layers
+    assert len(checked) == (T - P) * tiny.cfg.num_layers and not plans
 
 
 def test_oracle_dense_layers_read_everything(tiny):

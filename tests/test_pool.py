@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from infinigen.cache import KVStore
 from infinigen.errors import UserError
 from infinigen.pool import KVPool, make_pool
+from infinigen.placement import Placement
 
 B, H, D = 2, 2, 4
 
@@ -156,10 +157,10 @@ def test_partial_keys_match_pool(victim, capacity, steps, key_mode, seed):
     g = torch.Generator().manual_seed(seed)
     mats = torch.linalg.qr(torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, c.head_dim, generator=g,
                                        dtype=torch.float64))[0]
-    pol = make_policy("infinigen", dense_layers=(0,), key_mode=key_mode, alpha=2.0, matrices=mats)
+    pol = make_policy("infinigen", dense_layers=(0,), key_mode=key_mode, alpha=2.0).with_skew(mats)
     pool = make_pool(victim)
     prompt = capacity - 2
-    sess = model.new_session(1, capacity + steps, pol, capacity=capacity, allocator=pool)
+    sess = Placement(capacity=capacity).new_session(model, 1, capacity + steps, pol, allocator=pool)
     tokens = torch.randint(0, c.vocab_size, (1, prompt + steps), generator=g)
     model.prefill(tokens[:, :prompt], sess)
     for t in range(prompt, prompt + steps):
@@ -168,4 +169,4 @@ def test_partial_keys_match_pool(victim, capacity, steps, key_mode, seed):
     for layer in range(1, c.num_layers):
         kp = sess.store.k[layer]  # [1, Hkv, capacity, d]
         # rows written one at a time vs all at once: equal up to float rounding of the rotation
-        torch.testing.assert_close(pol.pk[layer], pol._key_rows(kp, layer), rtol=0, atol=1e-5, msg=f"layer {layer}")
+        torch.testing.assert_close(sess.state.pk[layer], pol._key_rows(sess.state, kp, layer), rtol=0, atol=1e-5, msg=f"layer {layer}")

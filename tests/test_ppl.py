@@ -11,6 +11,7 @@ import torch
 from infinigen.cli import main
 from infinigen.eval import perplexity, resolve_text, token_windows
 from infinigen.policies import make_policy
+from infinigen.placement import Placement
 
 CTX, PREFILL = 64, 16
 
@@ -40,7 +41,7 @@ def test_full_cache_perplexity_matches_dense_scoring(tiny_checkpoint, text_file,
     from infinigen.loading import load
     model, tok, _ = load(str(tiny_checkpoint), progress=False)
     ids = token_windows(tok, text_file.read_text(), CTX)
-    sess = model.new_session(1, CTX)
+    sess = Placement().new_session(model, 1, CTX)
     logits = model.prefill(ids, sess, all_logits=True)[0]
     nll = torch.nn.functional.cross_entropy(logits[PREFILL - 1:-1], ids[0, PREFILL:], reduction="none").double()
     assert r["tokens"] == CTX - PREFILL == nll.numel()
@@ -52,28 +53,44 @@ def test_full_cache_perplexity_matches_dense_scoring(tiny_checkpoint, text_file,
     assert r["policy"] == "full" and r["ctx"] == CTX and r["prefill"] == PREFILL
 
 
-@pytest.mark.parametrize("args,kv", [
-    (["--policy", "h2o", "--knob", "heavy_ratio=0.25", "--knob", "recent_ratio=0.25"], (0.3, 0.6)),
-    (["--policy", "h2o", "--knob", "heavy=4", "--knob", "recent=4"], (0.1, 0.5)),
-    (["--policy", "streaming", "--knob", "sinks=2", "--knob", "window=6"], (0.1, 0.5)),
-    (["--policy", "oracle", "--knob", "ratio=0.25"], (0.15, 0.3)),
-    (["--policy", "oracle", "--knob", "alpha=2"], (0.0, 1.0)),
-    (["--policy", "int4"], (1.0, 1.0)),
-    (["--policy", "int4", "--knob", "bits=16"], (1.0, 1.0)),
-    (["--policy", "full", "--capacity", "0.8", "--eviction", "lru"], (0.9, 0.999)),
-    (["--policy", "full", "--capacity", "40", "--eviction", "fifo", "--protect-recent", "4"], (0.7, 0.99)),
+@pytest.mark.parametrize("args,kv,same", [
+    (["--policy", "h2o", "--knob", "heavy_ratio=0.25", "--knob", "recent_ratio=0.25"], (0.3, 0.6),
+     ("h2o", dict(heavy_ratio=0.25, recent_ratio=0.25), {})),
+    (["--policy", "h2o", "--knob", "heavy=4", "--knob", "recent=4"], (0.1, 0.5), ("h2o", dict(heavy=4, recent=4), {})),
+    (["--policy", "streaming", "--knob", "sinks=2", "--knob", "window=6"], (0.1, 0.5),
+     ("streaming", dict(sinks=2, window=6), {})),
+    (["--policy", "oracle", "--knob", "ratio=0.25"], (0.15, 0.3), ("oracle", dict(ratio=0.25), {})),
+    (["--policy", "oracle", "--knob", "alpha=0.2"], (0.15, 0.45), ("oracle", dict(alpha=0.2), {})),  # alpha 2 reads all
+    (["--policy", "int4"], (1.0, 1.0), ("int4", {}, {})),
+    (["--policy", "int4", "--knob", "bits=16"], (1.0, 1.0), ("full", {}, {})),  # no quantization: the full cache
+    (["--policy", "full", "--capacity", "0.8", "--eviction", "lru"], (0.9, 0.999),
+     ("full", {}, dict(capacity=0.8, evict="lru"))),
+    (["--policy", "full", "--capacity", "40", "--eviction", "lru", "--protect-recent", "12"], (0.7, 0.99),
+     ("full", {}, dict(capacity=40, evict="lru", protect_recent=12))),
+    (["--policy", "full", "--capacity", "40", "--eviction", "fifo"], (0.7, 0.99),
+     ("full", {}, dict(capacity=40, evict="fifo"))),
 ])
-def test_policies_and_pool_through_the_cli(tiny_checkpoint, text_file, tmp_path, capsys, args, kv):
+def test_policies_and_pool_through_the_cli(tiny_checkpoint, text_file, tmp_path, capsys, args, kv, same):
     rc, r, cap = _run(["--model", str(tiny_checkpoint), "--text", str(text_file), "--ctx", str(CTX),
                        "--prefill", str(PREFILL), "--windows", "2", *args], tmp_path, capsys)
     assert rc == 0, cap.err
-    assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1
     assert r["windows"] == 2 and len(r["window_perplexities"]) == 2
     # equal-length windows pool to the geometric mean of their perplexities
     assert r["perplexity"] == pytest.approx(math.sqrt(r["window_perplexities"][0] * r["window_perplexities"][1]))
     assert kv[0] <= r["kv_all"] <= kv[1]
     if "--capacity" in args:
         assert r["eviction"] == args[args.index("--eviction") + 1] and r["capacity"] in (51, 40)
+    # the options reached the policy and the pool: the library with those knobs gives the same numbers
+    from infinigen.loading import load
+    model, tok, _ = load(str(tiny_checkpoint), progress=False)
+    name, knobs, pool = same
+    lib = perplexity(model, tok, text_file, make_policy(name, **knobs), ctx=CTX, prefill=PREFILL, windows=2,
+                     placement=Placement(**pool))
+    assert r["perplexity"] == pytest.approx(lib.perplexity, rel=1e-9)
+    assert r["window_perplexities"] == pytest.approx(lib.window_perplexities, rel=1e-9)
+    assert r["kv_all"] == pytest.approx(lib.kv_all, rel=1e-9)
+    full = perplexity(model, tok, text_file, None, ctx=CTX, prefill=PREFILL, windows=2)
+    assert (r["perplexity"] == pytest.approx(full.perplexity, rel=1e-6)) == (args[-1] == "bits=16")
 
 
 def test_json_to_stdout(tiny_checkpoint, text_file, capsys):
@@ -109,7 +126,7 @@ def test_corpus_names_resolve_through_infinigen_data(tmp_path, monkeypatch):
     (["--policy", "full", "--knob", "alpha=5"], "no knob 'alpha'"),
     (["--capacity", "0.1"], "cannot hold"),
     (["--capacity", "-3"], "--capacity"),
-    (["--capacity", "0.8", "--eviction", "random"], "--eviction"),
+    (["--capacity", "0.8", "--eviction", "random"], "--evict"),
     (["--eviction", "lru"], "need a pool limit"),
     (["--text", "no_such_novel"], "neither a file nor a bundled corpus"),
     (["--policy", "oracle", "--knob", "ratio=1.5"], "ratio"),

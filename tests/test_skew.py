@@ -8,6 +8,7 @@ import torch
 
 from infinigen.errors import UserError
 from infinigen.policies import make_policy
+from infinigen.placement import Placement
 from infinigen.skew import (Skew, column_share, compute_skew, find_cached_skew, load_or_compute_skew,
                             model_fingerprint, query_gram, resolve_text, skew_model)
 
@@ -18,7 +19,7 @@ def _ids(model, n, seed=0):
 
 
 def _unlimited(skew, **kw):
-    return make_policy("infinigen", alpha=float("inf"), max_fetch_ratio=1.0, dense_layers=(), **kw).with_skew(skew)
+    return make_policy("infinigen", alpha=1e30, max_fetch_ratio=1.0, dense_layers=(), **kw).with_skew(skew)
 
 
 def test_matrices_orthogonal_and_sorted(make_tiny):
@@ -41,10 +42,10 @@ def test_skew_leaves_dense_logits_unchanged(make_tiny, kind):
     _, model = make_tiny(kind)
     s = compute_skew(model, _ids(model, 200))
     tokens = _ids(model, 40, seed=1)[None]
-    dense = model.teacher_forced(tokens, 12, model.new_session(1, 40))
+    dense = model.teacher_forced(tokens, 12, Placement().new_session(model, 1, 40))
     for key_mode in ("partial", "int4"):
         pol = _unlimited(s, key_mode=key_mode)
-        out = model.teacher_forced(tokens, 12, model.new_session(1, 40, pol))
+        out = model.teacher_forced(tokens, 12, Placement().new_session(model, 1, 40, pol))
         assert (out - dense).abs().max() <= 1e-4
     # and the skewed scores equal the plain ones: (qA)(kA)^T = qk^T
     q = torch.randn(2, model.cfg.num_kv_heads, 5, model.cfg.head_dim)
@@ -59,8 +60,8 @@ def test_fold_into_opt_weights(make_tiny):
     s = compute_skew(model, _ids(model, 200))
     folded = skew_model(model, s)
     tokens = _ids(model, 30, seed=2)[None]
-    a = model.prefill(tokens, model.new_session(1, 30), all_logits=True)
-    b = folded.prefill(tokens, folded.new_session(1, 30), all_logits=True)
+    a = model.prefill(tokens, Placement().new_session(model, 1, 30), all_logits=True)
+    b = folded.prefill(tokens, Placement().new_session(folded, 1, 30), all_logits=True)
     assert (a - b).abs().max() <= 1e-4
     x = torch.randn(1, 6, model.cfg.hidden_size)
     pos = torch.arange(6)[None]
@@ -75,7 +76,7 @@ def test_fold_into_opt_weights(make_tiny):
     runs = []
     for m, pol in ((model, make_policy("infinigen", dense_layers=(0,), alpha=1.0).with_skew(s)),
                    (folded, make_policy("infinigen", dense_layers=(0,), alpha=1.0))):
-        sess = m.new_session(1, 40, pol)
+        sess = Placement().new_session(m, 1, 40, pol)
         runs.append((m.teacher_forced(toks, 10, sess), sess.stats.per_layer()))
     assert (runs[0][0] - runs[1][0]).abs().max() <= 1e-4 and runs[0][1] == pytest.approx(runs[1][1])
     with pytest.raises(ValueError):
@@ -109,15 +110,20 @@ def test_artifact_saved_reused_and_found(tiny_checkpoint, tiny_tokenizer, tmp_pa
     assert found is not None and torch.equal(found.matrices, s3.matrices)
     # a policy without matrices picks the cached artifact
     pol = make_policy("infinigen", dense_layers=(0,))
-    model.teacher_forced(_ids(model, 24)[None], 8, model.new_session(1, 24, pol))
-    assert pol.matrices is not None
+    sess = Placement().new_session(model, 1, 24, pol)
+    model.teacher_forced(_ids(model, 24)[None], 8, sess)
+    assert torch.equal(sess.state.A, found.matrices.double())
+    # prepare() with a tokenizer calibrates what is missing (a fresh install), and caches it
+    assert make_policy("infinigen", calib=str(text)).prepare(model, tok) is not None
     # another model: another fingerprint, nothing cached for it
     other, _, _ = load(tiny_checkpoint, progress=False)
     with torch.no_grad():
         other.layers[0].attn.q_proj.weight.mul_(1.5)
     assert model_fingerprint(other) != model_fingerprint(model) and find_cached_skew(other) is None
     with pytest.raises(UserError, match="skew"):
-        other.teacher_forced(_ids(model, 24)[None], 8, other.new_session(1, 24, make_policy("infinigen", dense_layers=(0,))))
+        other.teacher_forced(_ids(model, 24)[None], 8, Placement().new_session(other, 1, 24, make_policy("infinigen", dense_layers=(0,))))
+    pol.prepare(other, tok)  # the same policy object calibrates for the other model, on the default text
+    assert find_cached_skew(other) is not None
 
 
 def test_corrupt_artifact_is_a_user_error(tmp_path):
@@ -173,6 +179,6 @@ def test_default_model_skew(default_model, tmp_path, monkeypatch):
     assert skewed.mean() > plain.mean() + 0.03
     assert (skewed > plain).float().mean() >= 0.9
     tokens = torch.tensor([held_out[:160]])
-    dense = model.teacher_forced(tokens, 96, model.new_session(1, 160))
-    out = model.teacher_forced(tokens, 96, model.new_session(1, 160, _unlimited(s)))
+    dense = model.teacher_forced(tokens, 96, Placement().new_session(model, 1, 160))
+    out = model.teacher_forced(tokens, 96, Placement().new_session(model, 1, 160, _unlimited(s)))
     assert (out - dense).abs().max() <= 1e-4

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import torch
 
-
-class KVCodec:
-    """Identity codec; `infinigen.policies.quant` provides a lossy one."""
-
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        return x
+from .codecs import KVCodec
+from .errors import UserError
 
 
 class KVStore:
@@ -67,7 +63,7 @@ class KVStore:
         """Store a prompt's keys and values [B,Hkv,T,d] in slots 0..T-1."""
         t = k.shape[2]
         if t > self.capacity:
-            raise ValueError(f"prompt of {t} tokens does not fit a KV pool of {self.capacity}")
+            raise UserError(f"a prompt of {t} tokens does not fit a KV pool of {self.capacity} tokens")
         self.k[layer][:, :, :t] = self.codec.encode(k)
         self.v[layer][:, :, :t] = self.codec.encode(v)
         self.valid[layer][:, :, :t] = token_valid[:, None, :]
@@ -120,8 +116,8 @@ class KVStore:
         return k, v
 
     def ahead(self, layer: int, point: str, session) -> None:
-        """Called by the runtime after the policy's `on_hidden(layer, point)` (and with layer -1, "embed",
-        at the start of a decoding step): an offloaded store may start moving what layer+1 will read."""
+        """Called by `Session.event` after the policy's `on_hidden(layer, point)` (and with layer -1,
+        "embed", at the start of a decoding step): an offloaded store may start moving what layer+1 reads."""
 
     def close(self) -> None:
         """Release what the store holds outside the Python heap (files, pinned buffers, threads)."""

@@ -8,7 +8,8 @@ from typing import Callable
 import torch
 
 from .errors import UserError
-from .policies import Policy
+from .placement import Placement
+from .policies import FullCache, Policy
 
 
 @dataclass
@@ -99,8 +100,11 @@ def stop_ids(model, tokenizer) -> set[int]:
 @torch.inference_mode()
 def generate_ids(model, prompt_ids: list[list[int]], max_new_tokens: int, sampling: Sampling | None = None,
                  policy: Policy | None = None, eos: set[int] = frozenset(), pad_id: int = 0,
-                 on_token: Callable[[int, int], None] | None = None, session_kw: dict | None = None) -> Generation:
-    """Generate for token-id prompts. `on_token(row, token)` sees every new token as it is chosen."""
+                 on_token: Callable[[int, int], None] | None = None, placement: Placement | None = None,
+                 tokenizer=None) -> Generation:
+    """Generate for token-id prompts. `on_token(row, token)` sees every new token as it is chosen.
+    `placement`: where the KV pool lives and how large it is (None: in fast memory, unlimited);
+    `tokenizer`: lets the policy calibrate what it needs (`Policy.prepare`) on a fresh install."""
     sampling = sampling or Sampling()
     sampling.validate()
     if max_new_tokens < 1:
@@ -113,7 +117,16 @@ def generate_ids(model, prompt_ids: list[list[int]], max_new_tokens: int, sampli
         gen = torch.Generator(device=model.device).manual_seed(sampling.seed)
     tokens, mask = left_pad(prompt_ids, pad_id, model.device)
     b = tokens.shape[0]
-    sess = model.new_session(b, longest + max_new_tokens, policy, **(session_kw or {}))
+    policy = (policy or FullCache()).prepare(model, tokenizer)
+    sess = (placement or Placement()).new_session(model, b, longest + max_new_tokens, policy, prompt_len=longest)
+    try:
+        return _generate(model, sess, tokens, mask, max_new_tokens, sampling, gen, eos, on_token)
+    finally:
+        sess.store.close()
+
+
+def _generate(model, sess, tokens, mask, max_new_tokens, sampling, gen, eos, on_token) -> Generation:
+    b = tokens.shape[0]
     t0 = time.perf_counter()
     logits = model.prefill(tokens, sess, pad_mask=mask)
     nxt = sample(logits, sampling, gen)
@@ -156,10 +169,12 @@ class TextStreamer:
 
 
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, sampling: Sampling | None = None,
-             policy: Policy | None = None, chat: bool = False, on_token=None, session_kw: dict | None = None) -> Generation:
+             policy: Policy | None = None, chat: bool = False, on_token=None,
+             placement: Placement | None = None) -> Generation:
     """Generate text for each prompt; see `generate_ids`."""
     ids = encode_prompts(tokenizer, prompts, chat)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (model.cfg.eos_token_ids or [0])[0]
-    g = generate_ids(model, ids, max_new_tokens, sampling, policy, stop_ids(model, tokenizer), pad, on_token, session_kw)
+    g = generate_ids(model, ids, max_new_tokens, sampling, policy, stop_ids(model, tokenizer), pad, on_token, placement,
+                     tokenizer)
     g.texts = [tokenizer.decode(t, skip_special_tokens=True) for t in g.tokens]
     return g

@@ -34,6 +34,7 @@ from .config import ModelConfig
 from .errors import UserError
 from .loading import build
 from .model import Transformer
+from .placement import Placement
 from .policies import Policy, make_policy
 
 ATTN_NAME = "infinigen"
@@ -99,20 +100,20 @@ class _PassLayer(CacheLayerMixin):
 class InfiniGenCache(Cache):
     """A `past_key_values` whose KV store and policy are those of our runtime.
 
-    max_len: tokens the store preallocates (prompt + new tokens); capacity/allocator: an optional KV
-    pool limit with its eviction policy (`infinigen.pool`), as in `Transformer.new_session`.
+    max_len: tokens the store preallocates (prompt + new tokens); placement: where the KV pool lives and
+    its limit (`infinigen.placement.Placement`; None: fast memory, unlimited).
     Use it inside `enable(model, ...)`, which installs the attention function and hooks it needs.
     """
 
     def __init__(self, hf_model, policy: Policy | str | None = None, max_len: int | None = None,
-                 capacity: int | None = None, allocator=None):
+                 placement: Placement | None = None):
         self.rt = runtime_for(hf_model)
         super().__init__(layers=[_PassLayer() for _ in range(self.rt.cfg.num_layers)])
         self.policy = make_policy(policy) if isinstance(policy, str) else (policy or make_policy("full"))
+        self.policy.prepare(self.rt)
         self.max_len = max_len or self.rt.cfg.max_position
-        self.capacity, self.allocator = capacity, allocator
+        self.placement = placement or Placement()
         self.session = None
-        self.prompt_valid = None  # [B, T] real (not padding) prompt tokens
         self.prompt_len = 0
 
     @property
@@ -132,14 +133,13 @@ class InfiniGenCache(Cache):
                 raise RuntimeError("InfiniGenCache: the first forward must start from an empty cache")
             if t > self.max_len:
                 raise UserError(f"prompt of {t} tokens exceeds the cache's max_len {self.max_len}")
-            self.session = self.rt.new_session(b, self.max_len, self.policy, capacity=self.capacity,
-                                               allocator=self.allocator)
-            self.prompt_valid = _valid_from_mask(mask, b, t, hidden.device)
+            self.session = self.placement.new_session(self.rt, b, self.max_len, self.policy, prompt_len=t)
+            valid = _valid_from_mask(mask, b, t, hidden.device)
             self.prompt_len = t
             # what `Transformer.prefill` computes: padded slots sit at position 0
-            positions = torch.where(self.prompt_valid, positions, torch.zeros_like(positions))
-            self.session.positions, self.session.row, self.session.mode = positions, t - 1, "prefill"
-            self.session.next_pos = positions[:, -1] + 1
+            positions = torch.where(valid, positions, torch.zeros_like(positions))
+            self.session.start_prefill(positions, valid)
+            self.prompt_mask = self.rt.prompt_mask(valid, positions)
         else:
             if positions.shape[0] != self.session.next_pos.shape[0]:
                 raise NotImplementedError("InfiniGenCache: the batch size changed between forward calls")
@@ -148,7 +148,7 @@ class InfiniGenCache(Cache):
             self.session.mode = "decode" if t == 1 else "teacher"
             self.session.next_pos = positions[:, 0]  # as during `Transformer.decode`: the current token
             if t == 1:
-                self.session.store.ahead(-1, "embed", self.session)
+                self.session.event(-1, "embed", hidden)
 
     def end_forward(self) -> None:
         s = self.session
@@ -157,12 +157,10 @@ class InfiniGenCache(Cache):
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
         """q [B,H,T,d] post-RoPE (unscaled), k, v [B,Hkv,T,d] of the new tokens -> attention output [B,H,T,d]."""
         rt, sess = self.rt, self.session
-        if sess.store.length[layer] == 0:  # the prompt: dense causal attention, as `Transformer.prefill`
-            t = q.shape[2]
-            sess.row = t - 1
-            sess.store.write_prompt(layer, k, v, self.prompt_valid, sess.positions)
-            sess.policy.on_prefill(layer, q, k, v, sess)
-            return rt._dense_attention(q, k, v, _prompt_mask(rt, self.prompt_valid, sess.positions))
+        if sess.store.length[layer] == 0:  # the prompt: exactly `Transformer.prefill`'s attention
+            sess.row = q.shape[2] - 1
+            mask, causal = self.prompt_mask
+            return rt._prompt_attention(layer, q, k, v, sess, mask, causal)
         # later tokens: exactly `Transformer.decode`, one token at a time (several: as if decoded in turn)
         out = []
         for r in range(q.shape[2]):
@@ -180,17 +178,6 @@ def _valid_from_mask(mask, b: int, t: int, device) -> torch.Tensor:
     if last.dtype != torch.bool:  # an additive float mask: 0 where allowed
         last = last == 0
     return last.expand(b, t).clone()
-
-
-def _prompt_mask(rt: Transformer, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """The prompt mask of `Transformer.prefill`: causal, padding hidden, padded rows see themselves."""
-    t = valid.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril()
-    mask = causal & valid[:, None, :]
-    window = rt._window(positions[:, :, None], positions[:, None, :])
-    if window is not None:
-        mask = mask & window
-    return (mask | torch.eye(t, dtype=torch.bool, device=valid.device))[:, None]
 
 
 # ---- the attention function ------------------------------------------------------------------------
@@ -257,10 +244,8 @@ class _Hooks:
         return None if c is None or c.session is None else c.session.policy
 
     def _hidden(self, i, point, x):
-        """`on_hidden` then the placement hook, as `Transformer._run_layer` calls them."""
-        sess = self.cache.session
-        sess.policy.on_hidden(i, point, x, sess)
-        sess.store.ahead(i, point, sess)
+        """The layer event, as `Transformer._run_layer` sends it."""
+        self.cache.session.event(i, point, x)
 
     def _block_in(self, i, module, args, kwargs):
         h = args[0] if args else kwargs["hidden_states"]
@@ -303,14 +288,13 @@ class Enabled:
     """What `enable` yields: the policy in use and the cache of the latest `generate` call."""
     model: object
     policy: Policy
-    capacity: int | None = None
-    allocator: object = None
+    placement: Placement | None = None
     cache: InfiniGenCache | None = None
 
     def new_cache(self, max_len: int | None = None) -> InfiniGenCache:
-        """A fresh cache for a manual `model(..., past_key_values=cache)` loop. The policy object is shared:
-        one request at a time."""
-        self.cache = InfiniGenCache(self.model, self.policy, max_len, self.capacity, self.allocator)
+        """A fresh cache for a manual `model(..., past_key_values=cache)` loop (each cache is one request;
+        the policy object is shared, its state is per cache)."""
+        self.cache = InfiniGenCache(self.model, self.policy, max_len, self.placement)
         return self.cache
 
 
@@ -327,21 +311,22 @@ def _max_len(hf_model, args, kwargs) -> int:
 
 
 @contextlib.contextmanager
-def enable(hf_model, policy: Policy | str | None = None, tokenizer=None, capacity: int | None = None,
-           allocator=None, **knobs):
+def enable(hf_model, policy: Policy | str | None = None, tokenizer=None, placement: Placement | None = None,
+           **knobs):
     """Within the block, `hf_model.generate()` (and `hf_model(..., past_key_values=ig.new_cache(n))`)
-    attend through our runtime with `policy` (a Policy, or a registry name plus knobs). With `tokenizer`,
-    what the policy needs from the model is prepared first (InfiniGen: skew matrices, calibrated once on
-    a bundled novel and cached); without it, InfiniGen uses the cached ones (`infinigen skew`)."""
+    attend through our runtime with `policy` (a Policy, or a registry name plus knobs; an unknown knob
+    is an error), its KV pool placed by `placement`. What the policy needs from the model is prepared
+    first (`Policy.prepare`; InfiniGen: skew matrices from the cache of `infinigen skew`, or, with
+    `tokenizer`, calibrated once on a bundled novel and cached)."""
     rt = runtime_for(hf_model)
     cfg = rt.cfg
     if isinstance(policy, str) or policy is None:
         policy = make_policy(policy or "full", **knobs)
-    if tokenizer is not None:
-        from .eval.policyset import prepare
-        prepare({"policy": policy}, rt, tokenizer)
+    elif knobs:
+        raise UserError(f"enable: knobs {', '.join(knobs)} given with a policy object (set them on the policy)")
+    policy.prepare(rt, tokenizer)
     register()
-    handle = Enabled(hf_model, policy, capacity, allocator)
+    handle = Enabled(hf_model, policy, placement)
     previous = hf_model.config._attn_implementation
     hooks = _Hooks(hf_model, cfg)
     original_generate = hf_model.generate

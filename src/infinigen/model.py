@@ -9,6 +9,7 @@ Prompts of different lengths are left-padded; `Session` carries the per-request 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -152,16 +153,40 @@ class KVStats:
 
 @dataclass
 class Session:
-    """One batch of requests in flight: its KV store, policy and positions."""
+    """One batch of requests in flight: the model, its KV store, the policy and the policy's state for
+    these requests (`policy.begin`), and where in the sequence each row is."""
+    model: "Transformer"
     store: KVStore
     policy: Policy
     stats: KVStats
     next_pos: torch.Tensor  # [B] position of the next token of each row
+    state: object = None  # the policy's per-request state
     positions: torch.Tensor | None = None  # [B, T] positions of the tokens being processed
     row: int = 0  # which of those tokens the current `select` is for (teacher-forced replay)
     first_row: int = 0  # first decoding row in teacher-forced mode
+    prompt_valid: torch.Tensor | None = None  # [B, T] real (unpadded) tokens of the prompt
     extra: dict = field(default_factory=dict)
     mode: str = ""  # "prefill" | "decode" | "teacher": placement prefetches KV rows only while decoding
+
+    def event(self, layer: int, point: str, x: torch.Tensor) -> None:
+        """A layer's hidden state at `point` ("attn_in", "attn_out"; layer -1 "embed" when a decoding step
+        starts) is ready: the policy sees it (speculation), then placement may start moving what layer+1
+        will read (the policy may have just decided it)."""
+        self.policy.on_hidden(layer, point, x, self)
+        self.store.ahead(layer, point, self)
+
+    def start_prefill(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """A prompt with positions [B, T] and real (unpadded) tokens valid [B, T] is about to be written."""
+        self.positions, self.row, self.mode = positions, positions.shape[1] - 1, "prefill"
+        self.next_pos = positions[:, -1] + 1
+        self.prompt_valid = valid
+
+    def prefill_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """What a prefill does to a session at `layer`, given the prompt's queries and keys/values: write
+        them to the store, then let the policy see them. Live prefills and replays alike go through here."""
+        t = k.shape[2]
+        self.store.write_prompt(layer, k, v, self.prompt_valid[:, :t], self.positions[:, :t])
+        self.policy.on_prefill(layer, q, k, v, self)
 
 
 class Transformer(nn.Module):
@@ -193,17 +218,12 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.dtype
 
     # ---- sessions -------------------------------------------------------------------------------
-    def new_session(self, batch: int, max_len: int, policy: Policy | None = None,
-                    capacity: int | None = None, allocator=None, store_cls=KVStore, **store_kw) -> Session:
+    def new_session(self, batch: int, policy: Policy | None, store: KVStore) -> Session:
+        """A session of `batch` rows over `store` (built by `infinigen.placement.Placement.new_store`)."""
         policy = policy or FullCache()
-        cfg = self.cfg
-        store = store_cls(cfg.num_layers, batch, cfg.num_kv_heads, capacity or max_len, cfg.head_dim,
-                          self.dtype, self.device, codec=policy.codec(), allocator=allocator, **store_kw)
-        sess = Session(store=store, policy=policy, stats=KVStats(cfg.num_layers),
+        sess = Session(model=self, store=store, policy=policy, stats=KVStats(self.cfg.num_layers),
                        next_pos=torch.zeros(batch, dtype=torch.long, device=self.device))
-        if allocator is not None:
-            allocator.begin(cfg.num_layers, batch, cfg.num_kv_heads, store.capacity, self.device)
-        policy.begin(self, sess)
+        sess.state = policy.begin(self, sess)
         return sess
 
     # ---- pieces shared by every path -------------------------------------------------------------
@@ -241,25 +261,21 @@ class Transformer(nn.Module):
         return self.rotary.apply(q, positions) if cfg.uses_rope else q
 
     def _run_layer(self, layer: int, h: torch.Tensor, sess: Session, attend) -> torch.Tensor:
-        """One block; `attend(layer, q, k, v)` is the only part that differs between the three paths."""
-        blk, pol = self.layers[layer], sess.policy
+        """One block; `attend(layer, q, k, v)` is the only part that differs between the three paths.
+        The session hears of the attention input and of the residual after attention (`Session.event`)."""
+        blk = self.layers[layer]
         if self.cfg.pre_norm:
             x = blk.attn_norm(h)
-            pol.on_hidden(layer, "attn_in", x, sess)
-            sess.store.ahead(layer, "attn_in", sess)  # placement: start fetching what layer+1 will read
+            sess.event(layer, "attn_in", x)
             q, k, v = self.qkv(layer, x, sess.positions)
-            a = attend(layer, q, k, v)
-            h = h + blk.attn.o_proj(a.transpose(1, 2).flatten(2))
-            pol.on_hidden(layer, "attn_out", h, sess)
-            sess.store.ahead(layer, "attn_out", sess)
+            h = h + blk.attn.o_proj(attend(layer, q, k, v).transpose(1, 2).flatten(2))
+            sess.event(layer, "attn_out", h)
             return h + blk.mlp(blk.mlp_norm(h))
         # OPT-350m style post-norm
-        pol.on_hidden(layer, "attn_in", h, sess)
-        sess.store.ahead(layer, "attn_in", sess)
+        sess.event(layer, "attn_in", h)
         q, k, v = self.qkv(layer, h, sess.positions)
         h = blk.attn_norm(h + blk.attn.o_proj(attend(layer, q, k, v).transpose(1, 2).flatten(2)))
-        pol.on_hidden(layer, "attn_out", h, sess)
-        sess.store.ahead(layer, "attn_out", sess)
+        sess.event(layer, "attn_out", h)
         return blk.mlp_norm(h + blk.mlp(h))
 
     def _window(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
@@ -299,30 +315,33 @@ class Transformer(nn.Module):
                 all_logits: bool = False) -> torch.Tensor:
         """tokens [B, T] left-padded (pad_mask True on real tokens). Returns logits of the last
         position [B, V], or of every position [B, T, V]."""
-        b, t = tokens.shape
         valid = torch.ones_like(tokens, dtype=torch.bool) if pad_mask is None else pad_mask.bool()
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        sess.positions, sess.row, sess.mode = positions, t - 1, "prefill"
-        sess.next_pos = positions[:, -1] + 1
-        # no padding and no window in reach: plain causal attention, no [B, T, T] mask to build
-        plain = bool(valid.all()) and (self.cfg.sliding_window is None or t <= self.cfg.sliding_window)
-        mask = None
-        if not plain:
-            mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril() & valid[:, None, :]
-            window = self._window(positions[:, :, None], positions[:, None, :])
-            if window is not None:
-                mask = mask & window
-            mask = (mask | torch.eye(t, dtype=torch.bool, device=tokens.device))[:, None]  # pad rows see themselves
-
-        def attend(layer, q, k, v):
-            sess.store.write_prompt(layer, k, v, valid, positions)
-            sess.policy.on_prefill(layer, q, k, v, sess)
-            return self._dense_attention(q, k, v, mask, causal=plain)
-
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # padding sits at position 0
+        sess.start_prefill(positions, valid)
+        mask, causal = self.prompt_mask(valid, positions)
+        attend = functools.partial(self._prompt_attention, sess=sess, mask=mask, causal=causal)
         h = self.embed(tokens, positions)
         for layer in range(self.cfg.num_layers):
             h = self._run_layer(layer, h, sess, attend)
         return self.head(h if all_logits else h[:, -1])
+
+    def prompt_mask(self, valid: torch.Tensor, positions: torch.Tensor):
+        """(mask [B,1,T,T] or None, causal) of a prompt with real tokens valid [B, T]: causal, padding
+        hidden, padded rows see themselves. No padding and no sliding window in reach: the plain causal
+        mask, not built (causal=True)."""
+        t = valid.shape[1]
+        if bool(valid.all()) and (self.cfg.sliding_window is None or t <= self.cfg.sliding_window):
+            return None, True
+        mask = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril() & valid[:, None, :]
+        window = self._window(positions[:, :, None], positions[:, None, :])
+        if window is not None:
+            mask = mask & window
+        return (mask | torch.eye(t, dtype=torch.bool, device=valid.device))[:, None], False
+
+    def _prompt_attention(self, layer: int, q, k, v, sess: Session, mask, causal: bool) -> torch.Tensor:
+        """Dense attention of the prompt; its keys and values go to the session first."""
+        sess.prefill_layer(layer, q, k, v)
+        return self._dense_attention(q, k, v, mask, causal=causal)
 
     # ---- decode ---------------------------------------------------------------------------------
     def _step_attention(self, layer: int, q, k, v, sess: Session) -> torch.Tensor:
@@ -378,9 +397,10 @@ class Transformer(nn.Module):
         """One new token per row, tokens [B]. Returns logits [B, V]."""
         sess.positions, sess.row, sess.mode = sess.next_pos[:, None], 0, "decode"
         h = self.embed(tokens[:, None], sess.positions)
-        sess.store.ahead(-1, "embed", sess)  # placement: layer 0's rows can start moving now
+        sess.event(-1, "embed", h)  # placement: layer 0's rows can start moving now
+        attend = functools.partial(self._step_attention, sess=sess)
         for layer in range(self.cfg.num_layers):
-            h = self._run_layer(layer, h, sess, lambda i, q, k, v: self._step_attention(i, q, k, v, sess))
+            h = self._run_layer(layer, h, sess, attend)
         sess.next_pos = sess.next_pos + 1
         return self.head(h[:, -1])
 
@@ -393,37 +413,35 @@ class Transformer(nn.Module):
         b, t = tokens.shape
         p = prefill_len
         positions = torch.arange(t, device=tokens.device).expand(b, t)
-        sess.positions, sess.first_row, sess.mode = positions, p, "teacher"
+        sess.start_prefill(positions, torch.ones(b, t, dtype=torch.bool, device=tokens.device))
+        sess.first_row, sess.mode = p, "teacher"
         sess.next_pos = torch.full((b,), t, dtype=torch.long, device=tokens.device)
-        prompt_mask = torch.ones(p, p, dtype=torch.bool, device=tokens.device).tril()
-        if self.cfg.sliding_window is not None:
-            prompt_mask &= self._window(positions[0, :p, None], positions[0, None, :p])
-        prompt_mask = prompt_mask[None, None]
-        valid_prompt = torch.ones(b, p, dtype=torch.bool, device=tokens.device)
-
-        def attend(layer, q, k, v):
-            out = torch.empty_like(q)
-            sess.row = p - 1
-            sess.store.write_prompt(layer, k[:, :, :p], v[:, :, :p], valid_prompt, positions[:, :p])
-            sess.policy.on_prefill(layer, q[:, :, :p], k[:, :, :p], v[:, :, :p], sess)
-            out[:, :, :p] = self._dense_attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], prompt_mask,
-                                                  causal=self.cfg.sliding_window is None or p <= self.cfg.sliding_window)
-            if p == t:
-                return out
-            if sess.store.allocator is None:
-                keep = sess.policy.select_rows(layer, q[:, :, p:], k, sess)
-                if keep is not NotImplemented:
-                    out[:, :, p:] = self._rows_attention(layer, q[:, :, p:], k, v, keep, sess)
-                    return out
-            for r in range(p, t):  # stateful policy: replay decoding row by row
-                sess.row = r
-                out[:, :, r:r + 1] = self._step_attention(layer, q[:, :, r:r + 1], k[:, :, r:r + 1], v[:, :, r:r + 1], sess)
-            return out
-
+        mask, causal = self.prompt_mask(torch.ones(1, p, dtype=torch.bool, device=tokens.device), positions[:1, :p])
+        attend = functools.partial(self._teacher_attention, sess=sess, mask=mask, causal=causal)
         h = self.embed(tokens, positions)
         for layer in range(self.cfg.num_layers):
             h = self._run_layer(layer, h, sess, attend)
         return self.head(h)
+
+    def _teacher_attention(self, layer: int, q, k, v, sess: Session, mask, causal: bool) -> torch.Tensor:
+        """The prompt rows densely (as `prefill`), then every later row as `decode` would attend: all rows
+        at once when the policy can say what each row reads (`select_rows`), else replayed row by row."""
+        p, t = sess.first_row, q.shape[2]
+        out = torch.empty_like(q)
+        sess.row = p - 1
+        out[:, :, :p] = self._prompt_attention(layer, q[:, :, :p], k[:, :, :p], v[:, :, :p], sess, mask, causal)
+        if p == t:
+            return out
+        keep = NotImplemented
+        if sess.store.allocator is None:  # a pool limit needs the replay: victims depend on every step
+            keep = sess.policy.select_rows(layer, q[:, :, p:], k, sess)
+        if keep is not NotImplemented:
+            out[:, :, p:] = self._rows_attention(layer, q[:, :, p:], k, v, keep, sess)
+            return out
+        for r in range(p, t):  # stateful policy: replay decoding row by row
+            sess.row = r
+            out[:, :, r:r + 1] = self._step_attention(layer, q[:, :, r:r + 1], k[:, :, r:r + 1], v[:, :, r:r + 1], sess)
+        return out
 
     def _rows_attention(self, layer, q, k, v, keep, sess: Session) -> torch.Tensor:
         """Decoding rows q [B,H,R,d] (positions first_row..) at once: each reads the past entries in

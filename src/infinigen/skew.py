@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .errors import UserError
+from .placement import Placement
 from .policies.base import Policy
 
 DEFAULT_CALIB = "emma"  # evaluation defaults to Pride and Prejudice; calibrate on another novel
@@ -99,7 +100,7 @@ def query_gram(model, token_ids, window: int = 2048, progress=None) -> tuple[tor
     pol = _QueryGram(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     chunks = [ids[s:s + window] for s in range(0, len(ids), window)]
     for c in chunks:
-        sess = model.new_session(1, len(c), pol)
+        sess = Placement().new_session(model, 1, len(c), pol)
         model.prefill(c[None].to(model.device), sess)
         if progress:
             progress(len(c))

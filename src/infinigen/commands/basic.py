@@ -17,6 +17,7 @@ from ..policies import REGISTRY
 from .options import (FLOAT, MAX_ROWS, MODEL_HELP, check_kv_fits, check_model_options,  # noqa: F401 (re-exported)
                       check_policies_fit, check_range, device_option, dtype_option, knob_option,
                       make_policy_from_cli, model_option, write_json)
+from . import placement_opts
 
 
 # ---- helpers shared with other commands ------------------------------------------------------------
@@ -84,6 +85,11 @@ def generate_cmd(
     top_p: float = typer.Option(1.0, "--top-p", **FLOAT, help="Nucleus sampling mass, in (0, 1]."),
     policy: str = typer.Option("full", "--policy", help=f"KV-cache policy: {', '.join(REGISTRY)}."),
     knob: list[str] = knob_option(),
+    kv_offload: str = placement_opts.KV_OFFLOAD,
+    pool_bytes: Optional[str] = placement_opts.POOL_BYTES,
+    capacity: Optional[float] = placement_opts.CAPACITY,
+    pool_dir: Optional[Path] = placement_opts.POOL_DIR,
+    evict: str = placement_opts.EVICT,
 ):
     """Generate text with the runtime, streaming the first prompt's answer."""
     from ..generate import Sampling, TextStreamer, generate
@@ -100,6 +106,7 @@ def generate_cmd(
     check_range("batch-size", len(prompts) * batch_size, hi=MAX_ROWS)  # rows, before building them
     prompts = [p for p in prompts for _ in range(batch_size)]
     pol = make_policy_from_cli(policy, knob)
+    placement = placement_opts.placement_from(kv_offload, pool_bytes, capacity, pool_dir, evict)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     sampling.validate()
 
@@ -110,7 +117,7 @@ def generate_cmd(
         check_kv_fits(net, len(prompts), longest + max_new_tokens, device)
         streamer = TextStreamer(tok, row=0, write=_out)
         g = generate(net, tok, prompts, max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
-                     chat=chat, on_token=streamer)
+                     chat=chat, on_token=streamer, placement=placement)
     except KeyboardInterrupt:  # Ctrl-C: end the streamed line; the CLI exits 130 without a traceback
         _out("\n")
         raise
@@ -123,7 +130,7 @@ def generate_cmd(
     parts = [f"{name}: {g.prompt_tokens} prompt tokens in {rows} row{'s' * (rows > 1)}",
              f"prefill {g.prefill_s:.3f} s ({g.prompt_tokens / g.prefill_s:.0f} tokens/s)" if g.prefill_s > 0 else "",
              f"{new} new tokens, decode {g.decode_tokens_per_s:.1f} tokens/s" if g.decode_steps else f"{new} new tokens"]
-    if policy != "full" and g.stats is not None and g.decode_steps:
+    if not pol.exact and g.stats is not None and g.decode_steps:
         parts.append(f"policy {policy}: relative KV size {100 * g.stats.overall():.1f}%")
     print(" | ".join(p for p in parts if p), file=sys.stderr)
 

@@ -31,20 +31,21 @@ def _int_list(name: str, text: str) -> list[int]:
     return vals
 
 
-def parse_bytes(text: str | None) -> int | None:
+def parse_bytes(text: str | None, name: str = "pool-bytes") -> int | None:
     """'2G', '512M', '1.5GiB', '1000000' -> bytes."""
     if text is None:
         return None
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
     if not m:
-        raise UserError(f"--pool-bytes expects a size like 2G, 512M or 1000000, got {text!r}")
+        raise UserError(f"--{name} expects a size like 2G, 512M or 1000000, got {text!r}")
     value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
     if value < 1:
-        raise UserError(f"--pool-bytes must be positive, got {text!r}")
+        raise UserError(f"--{name} must be positive, got {text!r}")
     return int(value)
 
 
 def bench_cmd(
+    ctx: typer.Context,
     model: str = model_option(),
     synthetic: Optional[str] = typer.Option(None, "--synthetic",
                                             help="Random weights of a paper-size shape instead of --model: opt-6.7b, "
@@ -77,12 +78,20 @@ def bench_cmd(
     dtype: str = dtype_option(),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all rows to this JSON file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: decode throughput vs batch size and vs length."),
+    memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Run under this memory bound (e.g. 2G; a cgroup "
+                                               "as root) so the page cache cannot hold a disk pool; reported with the rows."),
 ):
     """Prefill/decode latency, throughput, bytes moved, peak memory: policies x KV tiers x sweeps."""
     from .. import bench
     from ..placement import KINDS
     from ..policies import REGISTRY
 
+    from .. import membound
+    if memory_limit is not None and membound.current() is None:
+        code = membound.rerun_bounded(ctx, ["bench"], parse_bytes(memory_limit, "memory-limit"))
+        if code:
+            raise typer.Exit(2 if code == 2 else 1)
+        return
     prompt_lens = _int_list("prompt-len", prompt_len)
     batch_sizes = _int_list("batch-size", batch_size)
     check_range("batch-size", max(batch_sizes), hi=MAX_ROWS)
@@ -114,10 +123,12 @@ def bench_cmd(
         raise UserError("--layers and --fixed-ratio apply to --synthetic runs")
     if synthetic is not None and synthetic not in bench.SYNTHETIC:
         raise UserError(f"unknown --synthetic shape {synthetic!r}; choose from {', '.join(bench.SYNTHETIC)}")
-    if synthetic is not None and any(n.startswith("infinigen") for n in names) and fixed_ratio is None:
-        raise UserError("--synthetic with infinigen needs --fixed-ratio (speculation on random weights means nothing)")
 
+    from ..policies import make_policy
     policies = parse_policies(names, knob)
+    if synthetic:
+        for pol in policies.values():
+            pol.for_random_weights(None, fixed_ratio)  # checked before the random weights are built
     check_out_file(json_out, "--json")
     check_out_file(plot_out, "--plot", suffixes=plot_formats())
 
@@ -138,26 +149,27 @@ def bench_cmd(
         if max_len > net.cfg.max_position:
             raise UserError(f"prompt + generated tokens ({max_len}) exceed the model's context ({net.cfg.max_position})")
         hf_model = bench.hf_model_for(model, DTYPES[dtype], device) if hf else None
+    if limit is not None:  # a pool of --pool-bytes must hold the longest prompt, on every tier and batch
+        from ..placement import kv_slot_bytes
+        for tier in tiers:
+            for pol in policies.values():
+                per = kv_slot_bytes(net, max(batch_sizes), pol, tier)
+                if limit // per < max(prompt_lens):
+                    raise UserError(f"--pool-bytes {pool_bytes} holds {limit // per} tokens at batch {max(batch_sizes)} "
+                                    f"({per} bytes each, {tier}), fewer than the prompt ({max(prompt_lens)} tokens)")
     check_policies_fit(policies, net)
     check_kv_fits(net, max(batch_sizes), max_len, device)
-    for label, pol in policies.items():
-        if pol.name == "infinigen" and getattr(pol, "skew", False):
-            if synthetic:
-                cfg = net.cfg
-                g = torch.Generator().manual_seed(0)
-                pol.with_skew(torch.linalg.qr(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                                          cfg.head_dim, generator=g, dtype=torch.float64))[0])
-            else:
-                prepare_policies({label: pol}, net, tok)  # cached after the first run
-        if synthetic and pol.name == "infinigen":
-            pol.alpha, pol.max_fetch_ratio, pol.min_fetch = 1e9, fixed_ratio, 0  # every token qualifies; the cap picks the top share
+    if synthetic:
+        policies = {label: pol.for_random_weights(net, fixed_ratio) for label, pol in policies.items()}
+    else:
+        prepare_policies(policies, net, tok)  # InfiniGen: skew from the cache, else calibrated once and cached
 
     systems = []
     if ideal:
-        systems.append(bench.System("ideal", bench.make_full(), "none"))
+        systems.append(bench.System("ideal", make_policy("full"), "none"))
     for tier in tiers:
         for label, pol in policies.items():
-            if pol.name == "full":
+            if pol.exact:  # the full cache: "ideal" in fast memory, FlexGen-style full offload elsewhere
                 if tier == "none":
                     if not ideal:
                         systems.append(bench.System("ideal", pol, "none"))
@@ -188,7 +200,8 @@ def bench_cmd(
                                                         "eviction": eviction, "prefetch": prefetch,
                                                         "weights_offload": weights_offload,
                                                         "share_prefill": share_prefill,
-                                                        "text": None if synthetic else text},
+                                                        "text": None if synthetic else text,
+                                                        "memory_bound": membound.current()},
                "rows": bench.strip_private(rows)}
     _print(payload)
     if json_out is not None:
@@ -256,6 +269,8 @@ def _print(p: dict) -> None:
             f"{m['torch_threads']} threads")
     for t in tables(p["rows"]):
         c.print(t)
+    mb = p["settings"].get("memory_bound")
+    c.print(f"memory bound: {mb['describe']}" if mb else "no memory bound: a disk pool may sit in the page cache")
     for r in p["rows"]:
         mem = r.get("speculation_memory")
         if mem:

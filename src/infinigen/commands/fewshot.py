@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
+from . import placement_opts
 from .basic import load_model
 from .options import (FLOAT, check_model_options, check_out_file, check_policies_fit, check_range, device_option,
                       dtype_option, knob_option, model_option, parse_policies, prepare_policies, write_json)
@@ -30,6 +31,11 @@ def fewshot_cmd(
     dtype: str = dtype_option(),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the results to this JSON file."),
     list_only: bool = typer.Option(False, "--list", help="List the available tasks and exit."),
+    kv_offload: str = placement_opts.KV_OFFLOAD,
+    pool_bytes: Optional[str] = placement_opts.POOL_BYTES,
+    capacity: Optional[float] = placement_opts.CAPACITY,
+    pool_dir: Optional[Path] = placement_opts.POOL_DIR,
+    evict: str = placement_opts.EVICT,
 ):
     """Few-shot accuracy (acc, acc_norm) and agreement with the full cache, per task and policy."""
     from tqdm.auto import tqdm
@@ -48,6 +54,7 @@ def fewshot_cmd(
     check_model_options(device, dtype)
     names = fs.resolve_tasks(task, root)
     pols = parse_policies(policy, knob)
+    placement = placement_opts.placement_from(kv_offload, pool_bytes, capacity, pool_dir, evict)
     check_out_file(json_out, "--json")
     tasks = [fs.Task.load(n, fs.list_tasks(root)[n]) for n in names]
     for t in tasks:  # the shots are other examples of the task
@@ -64,7 +71,7 @@ def fewshot_cmd(
         for t in tasks:
             bar.set_postfix_str(t.name)
             results += fs.evaluate_task(net, tok, t, pols, shots=shots, limit=lim, prefill_frac=prefill_frac,
-                                        seed=seed, progress=bar.update)
+                                        seed=seed, progress=bar.update, placement=placement)
     print(f"{model_name}, {shots}-shot, prefill fraction {prefill_frac:g}\n")
     print(fs.markdown_table(results))
     if len(tasks) > 1:

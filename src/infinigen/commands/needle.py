@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import UserError
+from . import placement_opts
 from .basic import load_model
 from .options import (check_model_options, check_out_dir, check_policies_fit, device_option, dtype_option,
                       knob_option, model_option, parse_policies, prepare_policies, write_atomic, write_json)
@@ -54,6 +55,11 @@ def needle_cmd(
     model: str = model_option(),
     device: str = device_option(),
     dtype: str = dtype_option(),
+    kv_offload: str = placement_opts.KV_OFFLOAD,
+    pool_bytes: Optional[str] = placement_opts.POOL_BYTES,
+    capacity: Optional[float] = placement_opts.CAPACITY,
+    pool_dir: Optional[Path] = placement_opts.POOL_DIR,
+    evict: str = placement_opts.EVICT,
 ):
     """Retrieval accuracy per policy over context lengths and needle depths; table and heat map."""
     from tqdm.auto import tqdm
@@ -69,6 +75,7 @@ def needle_cmd(
         raise UserError("--batch-tokens must be >= 1")
     check_model_options(device, dtype)
     pols = parse_policies(policy, knob)
+    placement = placement_opts.placement_from(kv_offload, pool_bytes, capacity, pool_dir, evict)
     check_out_dir(out, "--out")
     if haystack not in (None, "filler", "pg"):
         nd.haystack_text(haystack)  # fail on a bad name before loading the model
@@ -79,7 +86,8 @@ def needle_cmd(
     prepare_policies(pols, net, tok)
     total = len(tasks) * len(ls) * len(ds) * len(pols)
     with tqdm(total=total, desc="needle", unit="answer", file=sys.stderr) as bar:
-        results = nd.evaluate(net, tok, pols, tasks, ls, ds, haystack, chat, seed, batch_tokens, progress=bar.update)
+        results = nd.evaluate(net, tok, pols, tasks, ls, ds, haystack, chat, seed, batch_tokens, progress=bar.update,
+                              placement=placement)
     table = nd.markdown_tables(results)
     print(f"{model_name}: retrieval score (passkey: exact key; niah: share of key phrases)\n")
     print(table)

@@ -6,14 +6,11 @@ dataclass field, so `--knob alpha=abc` and `--knob window=nan` are refused with 
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import tempfile
-import types
-import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any
 
 import typer
 
@@ -79,163 +76,31 @@ def check_model_options(device: str, dtype: str) -> None:
 
 
 # ---- knobs ---------------------------------------------------------------------------------------------
+# the one knob parser lives beside the policies (`infinigen.policies.knobs`); imported on use, so that
+# the CLI starts without importing torch
 def knob_types(name: str) -> dict[str, Any]:
-    """Knob name -> its type (a class or a typing annotation) for policy `name`."""
-    from .. import policies
-    if hasattr(policies, "knob_types"):  # the policies package says it itself
-        return dict(policies.knob_types(name))
-    cls = policies.policy_class(name)
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints.get(f.name, Any) for f in dataclasses.fields(cls)
-            if f.init and f.repr and not f.name.startswith("_")}  # repr=False: data, not a setting (skew matrices)
-
-
-def _type_name(tp) -> str:
-    if tp is bool:
-        return "true or false"
-    if tp is int:
-        return "a whole number"
-    if tp is float:
-        return "a finite number"
-    if tp is str:
-        return "text"
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(map(str, typing.get_args(tp)))
-    if tp is tuple or typing.get_origin(tp) is tuple:
-        return "a comma-separated list"
-    return "a value"
+    from ..policies.knobs import knob_types
+    return knob_types(name)
 
 
 def parse_value(text: str, tp) -> Any:
-    """`text` as a value of type `tp`; ValueError with what was expected when it is not one."""
-    t = text.strip()
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (Union, types.UnionType):
-        if type(None) in args and t.lower() in ("none", "null"):
-            return None
-        inner = [a for a in args if a is not type(None)]
-        errors = []
-        for a in sorted(inner, key=lambda a: a is str):  # text last: it accepts anything
-            try:
-                return parse_value(t, a)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(" or ".join(errors))
-    if tp is bool:
-        if t.lower() in ("true", "yes", "on", "1"):
-            return True
-        if t.lower() in ("false", "no", "off", "0"):
-            return False
-        raise ValueError("true or false")
-    if tp is int:
-        try:
-            return int(t)
-        except ValueError:
-            raise ValueError("a whole number")
-    if tp is float:
-        try:
-            v = float(t)
-        except ValueError:
-            raise ValueError("a number")
-        if not math.isfinite(v):
-            raise ValueError("a finite number")
-        return v
-    if tp is str:
-        return t
-    if origin is Literal:
-        for a in args:
-            if str(a) == t:
-                return a
-        raise ValueError(_type_name(tp))
-    if tp is tuple or origin is tuple:
-        elem = args[0] if args and (len(args) == 1 or args[-1] is Ellipsis) else Any
-        return tuple(parse_value(s, elem) for s in t.split(",") if s.strip())
-    # untyped (Any): a bool, None, a number or a comma-separated list of numbers, else the text
-    if t.lower() in ("true", "false"):
-        return t.lower() == "true"
-    if t.lower() in ("none", "null"):
-        return None
-    for cast in (int, float):
-        try:
-            v = cast(t)
-        except ValueError:
-            continue
-        if not math.isfinite(v):
-            raise ValueError("a finite number")
-        return v
-    return t
-
-
-def _split(kv: str) -> tuple[str | None, str, str]:
-    if "=" not in kv:
-        raise UserError(f"--knob expects NAME=VALUE or POLICY.NAME=VALUE, got {kv!r}")
-    key, text = kv.split("=", 1)
-    key = key.strip().replace("-", "_")
-    target = None
-    if "." in key:
-        target, key = key.split(".", 1)
-    return target, key, text
-
-
-def _typed(policy: str, key: str, text: str, kv: str, types_: dict):
-    try:
-        return parse_value(text, types_[key])
-    except ValueError as e:
-        raise UserError(f"--knob {kv}: {key} of policy {policy!r} takes {e}, got {text.strip()!r}")
-
-
-def _make(kind: str, label: str, values: dict):
-    from ..policies import make_policy
-    try:
-        return make_policy(kind, **values)
-    except (TypeError, ValueError) as e:
-        raise UserError(f"bad knob for policy {label!r}: {str(e).splitlines()[0]}")
+    from ..policies.knobs import parse_value
+    return parse_value(text, tp)
 
 
 def knob_dict(name: str, knobs: list[str] | None, base: dict | None = None) -> dict:
-    """The `--knob` settings of the one policy `name`, typed and checked (the policy accepts them)."""
-    types_ = knob_types(name)
-    out = dict(base or {})
-    for kv in knobs or []:
-        target, key, text = _split(kv)
-        if target not in (None, name):
-            raise UserError(f"--knob {kv!r}: this command runs policy {name!r} only")
-        if key not in types_:
-            raise UserError(f"policy {name!r} has no knob {key!r}; its knobs: {', '.join(types_) or 'none'}")
-        out[key] = _typed(name, key, text, kv, types_)
-    _make(name, name, out)
-    return out
+    from ..policies.knobs import knob_dict
+    return knob_dict(name, knobs, base)
 
 
 def make_policy_from_cli(name: str, knobs: list[str] | None = None, base: dict | None = None):
-    """The policy `name` with `base` settings and `--knob` settings on top."""
-    from ..policies import policy_class
-    policy_class(name)  # an unknown name: the registry's message
-    return _make(name, name, knob_dict(name, knobs, base))
+    from ..policies.knobs import make_policy_from_cli
+    return make_policy_from_cli(name, knobs, base)
 
 
 def parse_policies(spec: str | list[str], knobs: list[str] | None = None) -> dict:
-    """name -> Policy for `--policy a,b,c` (a name may carry a label: "h2o@small"). A knob `NAME=VALUE`
-    goes to every listed policy that has NAME (an error when none has); `POLICY.NAME=VALUE` to that one."""
-    from ..policies import policy_class
-    names = [s.strip() for part in ([spec] if isinstance(spec, str) else spec) for s in part.split(",") if s.strip()]
-    if not names:
-        raise UserError("no policy given")
-    kinds = {n: n.split("@")[0] for n in names}
-    for k in kinds.values():
-        policy_class(k)
-    types_ = {n: knob_types(k) for n, k in kinds.items()}
-    values: dict[str, dict] = {n: {} for n in names}
-    for kv in knobs or []:
-        target, key, text = _split(kv)
-        if target is not None and target not in names and target not in kinds.values():
-            raise UserError(f"--knob {kv!r}: policy {target!r} is not among {', '.join(names)}")
-        hit = [n for n in names if (target is None or target in (n, kinds[n])) and key in types_[n]]
-        if not hit:
-            raise UserError(f"--knob {kv!r}: no listed policy has a knob {key!r}")
-        for n in hit:
-            values[n][key] = _typed(kinds[n], key, text, kv, types_[n])
-    return {n: _make(kinds[n], n, values[n]) for n in names}
+    from ..policies.knobs import parse_policies
+    return parse_policies(spec, knobs)
 
 
 # ---- outputs -------------------------------------------------------------------------------------------
@@ -365,21 +230,13 @@ def check_kv_fits(model, rows: int, tokens: int, device: str, what: str = "--bat
 
 
 # ---- policies and the model ----------------------------------------------------------------------------
-def policy_settings(pol) -> dict:
-    """The policy's effective knob values (for JSON outputs)."""
-    if hasattr(pol, "settings"):
-        return pol.settings()
-    return {f.name: getattr(pol, f.name) for f in dataclasses.fields(pol) if f.repr}
+def policy_settings(pol, model=None) -> dict:
+    """The policy's effective knob values (for JSON outputs; with the model, also what depends on it)."""
+    return pol.settings(model)
 
 
-def prepare_policies(policies: dict, model, tokenizer, calib: str | None = None, progress: bool = True) -> None:
-    """Model-wide setup of each policy before use (InfiniGen: its skew matrices, cached after the first
-    run). `calib`: the calibration text of policies that calibrate."""
+def prepare_policies(policies: dict, model, tokenizer, progress: bool = True) -> None:
+    """Model-wide setup of each policy before use (`Policy.prepare`; InfiniGen: its skew matrices, from
+    the cache, else calibrated once on its `calib` text and cached)."""
     for pol in policies.values():
-        if calib is not None and hasattr(pol, "calibrate"):
-            pol.calibrate(model, tokenizer, calib=calib, progress=progress)
-        if hasattr(pol, "prepare"):
-            pol.prepare(model, tokenizer)
-        elif (getattr(pol, "skew", False) and getattr(pol, "matrices", None) is None and hasattr(pol, "calibrate")
-              and getattr(model, "skew_folded", None) is None):  # until every policy has `prepare`
-            pol.calibrate(model, tokenizer, progress=progress)
+        pol.prepare(model, tokenizer, progress=progress)

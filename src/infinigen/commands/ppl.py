@@ -7,18 +7,18 @@ checked before the model loads; the context and layer indices right after it, be
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from ..errors import UserError
+from . import placement_opts
 from .basic import load_model
 from .options import (FLOAT, MODEL_HELP, check_context, device_option, dtype_option, model_option, check_model_options, check_out_file, check_policies_fit,
                       check_range, knob_option, make_policy_from_cli, policy_settings, prepare_policies, json_text,
                       write_json)
-
-EVICTIONS = ("counter", "lru", "fifo")
 
 
 def ppl_cmd(
@@ -31,8 +31,11 @@ def ppl_cmd(
     windows: int = typer.Option(1, "--windows", help="Non-overlapping windows from the start of the text, pooled."),
     chunk: int = typer.Option(256, "--chunk", help="Decoding-chunk size of the per-chunk table (the paper's Figure 12: 256)."),
     calib: Optional[str] = typer.Option(None, "--calib", help="infinigen: calibration text for the skew matrices (default emma)."),
-    capacity: Optional[float] = typer.Option(None, "--capacity", **FLOAT, help="KV pool limit: tokens, or a fraction of --ctx (e.g. 0.8)."),
-    eviction: str = typer.Option("counter", "--eviction", help="Pool victim policy: counter, lru or fifo."),
+    kv_offload: str = placement_opts.KV_OFFLOAD,
+    pool_bytes: Optional[str] = placement_opts.POOL_BYTES,
+    capacity: Optional[float] = placement_opts.CAPACITY,
+    pool_dir: Optional[Path] = placement_opts.POOL_DIR,
+    eviction: str = placement_opts.EVICT,
     protect_recent: Optional[int] = typer.Option(None, "--protect-recent", help="Pool: never evict the newest N tokens."),
     knob: list[str] = knob_option("A policy setting NAME=VALUE (repeatable), e.g. --knob alpha=5, --knob heavy_ratio=0.1."),
     model: str = model_option(),
@@ -41,7 +44,7 @@ def ppl_cmd(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file ('-': stdout only)."),
 ):
     """Perplexity with a KV-cache policy: overall, per 256-token decoding chunk, and the relative KV size."""
-    from ..eval.ppl import jsonable, perplexity, resolve_capacity
+    from ..eval.ppl import perplexity
     from ..paths import load_text, resolve_text
     from ..policies import REGISTRY
 
@@ -53,30 +56,32 @@ def ppl_cmd(
         raise UserError(f"--prefill ({prefill}) must be smaller than --ctx ({ctx})")
     check_range("windows", windows, lo=1)
     check_range("protect-recent", protect_recent, lo=0)
-    if eviction not in EVICTIONS:
-        raise UserError(f"unknown --eviction {eviction!r}; choose from {', '.join(EVICTIONS)}")
     check_model_options(device, dtype)
-    resolve_capacity(capacity, ctx, prefill)  # checked now, before loading
+    placement = placement_opts.placement_from(kv_offload, pool_bytes, capacity, pool_dir, eviction,
+                                              protect_recent=protect_recent or 0)
     check_range("chunk", chunk, lo=1)
-    if (protect_recent is not None or eviction != "counter") and capacity is None:
-        raise UserError("--eviction and --protect-recent need a pool limit (--capacity)")
+    if (protect_recent is not None or placement.evict != "counter") and not placement.limited:
+        raise UserError("--eviction and --protect-recent need a pool limit (--capacity or --pool-bytes)")
     pol = make_policy_from_cli(policy, knob)
-    if calib is not None and not getattr(pol, "skew", False):
-        raise UserError("--calib applies to policies that skew (infinigen)")
+    if calib is not None:
+        from ..policies import knob_types
+        if "calib" not in knob_types(policy):
+            raise UserError(f"--calib applies to policies that calibrate on text; {policy!r} does not")
+        pol = dataclasses.replace(pol, calib=calib)
     check_out_file(json_out, "--json")
     path = resolve_text(text)
     body = load_text(path)
-    pool_kw = {"protect_recent": protect_recent} if protect_recent is not None else {}
+    if placement.pool_bytes is None and placement.pool_tokens(None, 1, ctx) < prefill:  # checked before loading
+        raise UserError(f"a KV pool of {placement.pool_tokens(None, 1, ctx)} tokens cannot hold the {prefill}-token prompt")
 
     net, tok, model_name = load_model(model, dtype, device)
     check_context(net, ctx, "--ctx")
     check_policies_fit(pol, net)
-    prepare_policies({policy: pol}, net, tok, calib=calib)
+    prepare_policies({policy: pol}, net, tok)  # InfiniGen: skew from the cache, else calibrated once and cached
     from ..eval.ppl import token_windows
     ids = token_windows(tok, body, ctx, windows)
-    res = perplexity(net, tok, None, pol, prefill=prefill, capacity=capacity, eviction=eviction, progress=True,
-                     tokens=ids, pool_kw=pool_kw, chunk=chunk)
-    out = {"model": model_name, "text": str(path), "policy": policy, "settings": jsonable(policy_settings(pol)),
+    res = perplexity(net, tok, None, pol, prefill=prefill, placement=placement, progress=True, tokens=ids, chunk=chunk)
+    out = {"model": model_name, "text": str(path), "policy": policy, "settings": policy_settings(pol, net),
            **res.to_dict()}
     if json_out is not None and str(json_out) == "-":
         print(json_text(out), end="")

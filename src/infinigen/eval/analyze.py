@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
+from ..placement import Placement
 from ..policies.base import Policy
 
 ANALYSES = ("table1", "fig3", "fig5", "alpha", "fig17", "fig13")
@@ -56,7 +57,7 @@ def block_similarity(model, ids: torch.Tensor) -> list[dict]:
         hooks.append(blk.attn.o_proj.register_forward_hook(lambda m, a, o, i=i: attn_out.__setitem__(i, o[0])))
         hooks.append(blk.mlp.register_forward_hook(lambda m, a, o, i=i: ffn_out.__setitem__(i, o[0])))
     try:
-        model.prefill(ids, model.new_session(1, ids.shape[1]))
+        model.prefill(ids, Placement().new_session(model, 1, ids.shape[1]))
     finally:
         for h in hooks:
             h.remove()
@@ -88,7 +89,7 @@ class _PromptStats(Policy):
         cols = torch.arange(t)
         for s in range(0, t, ROWS):
             e = min(t, s + ROWS)
-            scores = torch.matmul(qg[:, :, s:e], kk[:, None].transpose(-1, -2)) * self.model.scale  # [Hkv,G,R,T]
+            scores = torch.matmul(qg[:, :, s:e], kk[:, None].transpose(-1, -2)) * session.model.scale  # [Hkv,G,R,T]
             causal = cols[None, :] <= torch.arange(s, e)[:, None]
             scores = scores.masked_fill(~causal, float("-inf")).reshape(h, e - s, t)
             probs = scores.softmax(-1)
@@ -104,7 +105,7 @@ class _PromptStats(Policy):
 @torch.inference_mode()
 def prompt_statistics(model, ids: torch.Tensor, alphas=(3, 5, 7), mass: float = 0.9) -> _PromptStats:
     probe = _PromptStats(alphas, mass)
-    model.prefill(ids, model.new_session(1, ids.shape[1], probe))
+    model.prefill(ids, Placement().new_session(model, 1, ids.shape[1], probe))
     return probe
 
 
@@ -121,11 +122,17 @@ class AttentionProbe(Policy):
     def codec(self):
         return self.inner.codec()
 
+    def prepare(self, model, tokenizer=None, progress=False):
+        self.inner.prepare(model, tokenizer, progress)
+        return self
+
     def begin(self, model, session):
-        self.model = model
-        self.inner.begin(model, session)
         self.cos = [[] for _ in range(model.cfg.num_layers)]
         self._pending = {}
+        return self.inner.begin(model, session)  # the inner policy's hooks see their own state
+
+    def speculated(self, layer):
+        return self.inner.speculated(layer)
 
     def on_prefill(self, layer, q, k, v, session):
         self.inner.on_prefill(layer, q, k, v, session)
@@ -152,8 +159,9 @@ class AttentionProbe(Policy):
         b, h, _, d = q.shape
         hkv = kp.shape[1]
         qg = q.view(b, hkv, h // hkv, d).float()
-        s = torch.matmul(qg, kp.transpose(-1, -2)) * self.model.scale  # [B, Hkv, G, n]
-        cur = (qg * k[:, :, 0, None].float()).sum(-1, keepdim=True) * self.model.scale
+        scale = session.model.scale
+        s = torch.matmul(qg, kp.transpose(-1, -2)) * scale  # [B, Hkv, G, n]
+        cur = (qg * k[:, :, 0, None].float()).sum(-1, keepdim=True) * scale
         full = torch.cat([s.masked_fill(~valid[:, :, None], float("-inf")), cur], -1).softmax(-1)
         if keep is None:
             sim = torch.ones(())
@@ -170,7 +178,7 @@ def attention_similarity(model, ids: torch.Tensor, policies: dict, prefill: int,
     out = {}
     for name, pol in policies.items():
         probe = AttentionProbe(pol)
-        sess = model.new_session(1, ids.shape[1], probe)
+        sess = Placement().new_session(model, 1, ids.shape[1], probe)
         model.teacher_forced(ids, prefill, sess)
         out[name] = torch.tensor(probe.cos)
         if progress:
@@ -194,12 +202,19 @@ def _ppl(model, tok, ids, policy, prefill):
     return perplexity(model, tok, None, policy, prefill=prefill, tokens=ids)
 
 
-def sweep(model, tok, ids, prefill: int, base: dict, name: str, values, knob: str, progress=None) -> list[SweepPoint]:
+def _infinigen(knobs: dict, matrices=None):
+    """InfiniGen with these knobs, and these skew matrices when given (else `prepare` finds them)."""
     from ..policies import make_policy
+    pol = make_policy("infinigen", **knobs)
+    return pol if matrices is None else pol.with_skew(matrices)
+
+
+def sweep(model, tok, ids, prefill: int, base: dict, name: str, values, knob: str, progress=None,
+          matrices=None) -> list[SweepPoint]:
     out = []
     for v in values:
         knobs = {**base, knob: v}
-        r = _ppl(model, tok, ids, make_policy("infinigen", **knobs), prefill)
+        r = _ppl(model, tok, ids, _infinigen(knobs, matrices), prefill)
         out.append(SweepPoint(name, v, r.perplexity, r.kv_all, r.kv_speculated, knobs))
         if progress:
             progress(1)
@@ -216,6 +231,7 @@ class Settings:
     ratios: tuple = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0)  # fig17
     count_alphas: tuple = (3, 5, 7)  # tokens above max - alpha
     knobs: dict = field(default_factory=lambda: {"preset": "paper"})  # InfiniGen knobs
+    matrices: object = None  # InfiniGen's skew matrices (None: the model's, from `Policy.prepare`)
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -317,7 +333,7 @@ def run(model, tok, ids: torch.Tensor, out: Path, which=ANALYSES, settings: Sett
     if "fig3" in which:
         b = max(2, int(round(st.budget * T)))
         pols = {"h2o": make_policy("h2o", heavy=b // 2, recent=b - b // 2), "oracle": make_policy("oracle", tokens=b),
-                "infinigen": make_policy("infinigen", **ig_knobs)}
+                "infinigen": _infinigen(ig_knobs, st.matrices)}
         from .policyset import prepare
         prepare(pols, model, tok)
         sims = attention_similarity(model, ids, pols, st.prefill, progress=tick)
@@ -353,15 +369,16 @@ def run(model, tok, ids: torch.Tensor, out: Path, which=ANALYSES, settings: Sett
     if "fig17" in which or "fig13" in which:
         from ..policies import make_policy as mk
         from .policyset import prepare
-        prepare({"infinigen": mk("infinigen", **ig_knobs)}, model, tok)
+        prepare({"infinigen": _infinigen(ig_knobs, st.matrices)}, model, tok)
         full = _ppl(model, tok, ids, mk("full"), st.prefill)
         tick(1)
         md += [f"Full-cache perplexity on this window (prefill {st.prefill}, {T - st.prefill} decoded tokens): "
                f"{full.perplexity:.3f}", ""]
 
     if "fig17" in which:
-        a_pts = sweep(model, tok, ids, st.prefill, ig_knobs, "alpha", st.alphas, "alpha", tick)
-        r_pts = sweep(model, tok, ids, st.prefill, ig_knobs, "partial_ratio", st.ratios, "partial_ratio", tick)
+        a_pts = sweep(model, tok, ids, st.prefill, ig_knobs, "alpha", st.alphas, "alpha", tick, st.matrices)
+        r_pts = sweep(model, tok, ids, st.prefill, ig_knobs, "partial_ratio", st.ratios, "partial_ratio", tick,
+                      st.matrices)
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), constrained_layout=True)
         for ax, pts, label in ((axes[0], a_pts, "alpha"), (axes[1], r_pts, "partial weight ratio")):
             xs = [p.value for p in pts]
@@ -387,7 +404,7 @@ def run(model, tok, ids: torch.Tensor, out: Path, which=ANALYSES, settings: Sett
         for budget, extra in (("dynamic (alpha)", {}), ("fixed 20%", {"alpha": 1e9, "max_fetch_ratio": 0.2})):
             for skew in (True, False):
                 knobs = {**ig_knobs, **extra, "skew": skew}
-                r = _ppl(model, tok, ids, make_policy("infinigen", **knobs), st.prefill)
+                r = _ppl(model, tok, ids, _infinigen(knobs, st.matrices), st.prefill)
                 tick(1)
                 rows.append([budget, "on" if skew else "off", r.perplexity,
                              f"{100 * (r.perplexity / full.perplexity - 1):+.2f}%", r.kv_all, r.kv_speculated])

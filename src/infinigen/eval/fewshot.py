@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
+from ..placement import Placement
 
 
 
@@ -167,11 +168,12 @@ class Scored:
 
 
 def score_continuations(model, ctx: list[int], conts: list[list[int]], policy=None, prefill_frac: float = 1.0,
-                        max_len: int | None = None) -> list[Scored]:
-    """Log-likelihood of each continuation after `ctx`, with `policy` on the decoded part. Continuations
-    of equal length share one batched teacher-forced pass."""
+                        max_len: int | None = None, placement: Placement | None = None) -> list[Scored]:
+    """Log-likelihood of each continuation after `ctx`, with `policy` (prepared) on the decoded part.
+    Continuations of equal length share one batched teacher-forced pass."""
     from ..policies.base import FullCache
     policy = policy or FullCache()
+    placement = placement or Placement()
     max_len = max_len or model.cfg.max_position
     out: list[Scored | None] = [None] * len(conts)
     groups: dict[int, list[int]] = {}
@@ -183,8 +185,11 @@ def score_continuations(model, ctx: list[int], conts: list[list[int]], policy=No
             raise UserError("a continuation is longer than the model's context")
         p = max(1, min(len(c_ids), round(prefill_frac * len(c_ids))))
         rows = torch.tensor([c_ids + conts[i][:-1] for i in members], dtype=torch.long, device=model.device)
-        sess = model.new_session(len(members), rows.shape[1], policy)
-        logits = model.teacher_forced(rows, p, sess)
+        sess = placement.new_session(model, len(members), rows.shape[1], policy, prompt_len=p)
+        try:
+            logits = model.teacher_forced(rows, p, sess)
+        finally:
+            sess.store.close()
         # logits at position t predict token t+1: the continuation's tokens are predicted from len(c_ids)-1 on
         lp = F.log_softmax(logits[:, len(c_ids) - 1:].float(), dim=-1)
         target = torch.tensor([conts[i] for i in members], dtype=torch.long, device=lp.device)
@@ -198,7 +203,7 @@ def score_continuations(model, ctx: list[int], conts: list[list[int]], policy=No
 
 @torch.inference_mode()
 def score_shared_prefill(model, ctx: list[int], conts: list[list[int]], policies: dict,
-                         max_len: int | None = None) -> dict:
+                         max_len: int | None = None, placement: Placement | None = None) -> dict:
     """Like `score_continuations` with the whole context as prefill, for several policies at once: one
     dense prefill of the context (`eval.fanout`), then each policy's session decodes every choice, one
     batch row per choice (shorter choices are padded at the end: later tokens cannot change earlier
@@ -212,7 +217,7 @@ def score_shared_prefill(model, ctx: list[int], conts: list[list[int]], policies
     n = len(conts)
     names = list(policies)
     logits, sessions = prefill_shared(model, torch.tensor([ctx], device=model.device), [policies[k] for k in names],
-                                      len(ctx) + longest, repeat=n)
+                                      len(ctx) + longest, repeat=n, placement=placement)
     first = F.log_softmax(logits[0].float(), -1)
     pad = [c + [c[-1]] * (longest - len(c)) for c in conts]
     feed = torch.tensor(pad, dtype=torch.long, device=model.device)  # [n, longest]
@@ -233,7 +238,8 @@ def score_shared_prefill(model, ctx: list[int], conts: list[list[int]], policies
     return out
 
 
-def score_item(model, pairs: list[tuple[list[int], list[int]]], policies: dict, prefill_frac: float = 1.0) -> dict:
+def score_item(model, pairs: list[tuple[list[int], list[int]]], policies: dict, prefill_frac: float = 1.0,
+               placement: Placement | None = None) -> dict:
     """name -> [Scored] for each (context, continuation) pair; pairs sharing a context are scored together."""
     by_ctx: dict[tuple, list[int]] = {}
     for k, (cx, _) in enumerate(pairs):
@@ -242,9 +248,10 @@ def score_item(model, pairs: list[tuple[list[int], list[int]]], policies: dict, 
     for cx, ks in by_ctx.items():
         conts = [pairs[k][1] for k in ks]
         if prefill_frac >= 1:
-            res = score_shared_prefill(model, list(cx), conts, policies)
+            res = score_shared_prefill(model, list(cx), conts, policies, placement=placement)
         else:
-            res = {n: score_continuations(model, list(cx), conts, p, prefill_frac) for n, p in policies.items()}
+            res = {n: score_continuations(model, list(cx), conts, p, prefill_frac, placement=placement)
+                   for n, p in policies.items()}
         for n, scored in res.items():
             for k, r in zip(ks, scored):
                 out[n][k] = r
@@ -275,9 +282,10 @@ def _argmax(xs):
 
 
 def evaluate_task(model, tokenizer, task: Task, policies: dict, shots: int = 5, limit: int | None = None,
-                  prefill_frac: float = 1.0, seed: int = 1234, progress=None) -> list[TaskResult]:
-    """Accuracy of each policy in `policies` (name -> Policy) on `task`; the full cache is always scored
-    (agreement is measured against it) and reported first."""
+                  prefill_frac: float = 1.0, seed: int = 1234, progress=None,
+                  placement: Placement | None = None) -> list[TaskResult]:
+    """Accuracy of each policy in `policies` (name -> Policy) on `task`, KV pools placed by `placement`;
+    the full cache is always scored (agreement is measured against it) and reported first."""
     from ..policies import make_policy
     if not 0 < prefill_frac <= 1:
         raise UserError(f"--prefill-frac must be in (0, 1], got {prefill_frac}")
@@ -286,6 +294,8 @@ def evaluate_task(model, tokenizer, task: Task, policies: dict, shots: int = 5, 
         pols = {"full": make_policy("full"), **pols}
     else:
         pols = {"full": pols.pop("full"), **pols}
+    for p in pols.values():
+        p.prepare(model, tokenizer)
     items = make_items(task, shots, limit, seed)
     preds = {name: ([], []) for name in pols}
     kvs = {name: [] for name in pols}
@@ -293,7 +303,7 @@ def evaluate_task(model, tokenizer, task: Task, policies: dict, shots: int = 5, 
     for item in items:
         pairs = [encode_pair(tokenizer, item.context, c) for c in item.choices]
         byte_len = [max(1, len(c.encode("utf-8"))) for c in item.choices]
-        scored = score_item(model, pairs, pols, prefill_frac)
+        scored = score_item(model, pairs, pols, prefill_frac, placement)
         for name in pols:
             scores = scored[name]
             ll = [s.loglik for s in scores]

@@ -10,11 +10,9 @@ Importing this module registers the type; it needs `lm_eval` installed (not a de
 Scoring follows `infinigen.eval.fewshot`: a request's context is the dense prefill and the
 continuation is decoded under the policy (`prefill_frac` < 1 decodes the context's tail as well);
 requests sharing a context (the choices of one question) share one prefill. Model arguments other
-than the ones below that name a field of the policy are its knobs (alpha, heavy_ratio, ...).
+than the ones below are the policy's knobs (alpha, heavy_ratio, ...); an unknown name is an error.
 """
 from __future__ import annotations
-
-import dataclasses
 
 try:
     from lm_eval.api.model import LM
@@ -33,20 +31,21 @@ def _bool(v) -> bool:
 class InfiniGenLM(LM):
     def __init__(self, pretrained: str = "default", policy: str = "infinigen", dtype: str = "float32",
                  device: str = "cpu", batch_size=1, max_length: int | None = None, prefill_frac: float = 1.0,
-                 model=None, tokenizer=None, **kwargs):
+                 model=None, tokenizer=None, placement=None, max_batch_size=None, **knobs):
+        """Model arguments that are not the ones above are the policy's knobs; an unknown one is an error
+        (before the model loads). `placement`: an `infinigen.placement.Placement` for the KV pool."""
         super().__init__()
         from ..loading import load
-        from ..policies import make_policy, policy_class
-        from .policyset import prepare
+        from ..placement import Placement
+        from ..policies import make_policy
+        self.policy = make_policy(policy, **knobs)  # checks the knob names
+        self.placement = placement or Placement()
         if model is None:
             model, tokenizer, _ = load(pretrained, dtype=dtype, device=str(device or "cpu"), progress=False)
         elif tokenizer is None:
             raise UserError("InfiniGenLM(model=...) needs its tokenizer too")
         self.model, self.tok = model, tokenizer
-        fields = {f.name for f in dataclasses.fields(policy_class(policy))}
-        knobs = {k: v for k, v in kwargs.items() if k in fields}
-        self.policy = make_policy(policy, **knobs)
-        prepare({policy: self.policy}, model, tokenizer)
+        self.policy.prepare(model, tokenizer)
         self.prefill_frac = float(prefill_frac)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
         self.max_length = int(max_length) if max_length else model.cfg.max_position
@@ -84,7 +83,7 @@ class InfiniGenLM(LM):
                 else:
                     cx, ct = encode_pair(self.tok, ctx, args[i][1])
                 pairs.append((cx[-(self.max_length - 1):], ct[-(self.max_length - 1):]))
-            scored = score_item(self.model, pairs, {"p": self.policy}, self.prefill_frac)["p"]
+            scored = score_item(self.model, pairs, {"p": self.policy}, self.prefill_frac, self.placement)["p"]
             for i, s in zip(idx, scored):
                 out[i] = (s.loglik, s.greedy)
             bar.update(len(idx))
@@ -102,7 +101,7 @@ class InfiniGenLM(LM):
             for window in get_rolling_token_windows(tokens, self.eot_token_id, self.max_length, 1):
                 ctx, cont = make_disjoint_window(window)
                 total += score_continuations(self.model, list(ctx), [list(cont)], self.policy, 1.0,
-                                             self.max_length)[0].loglik
+                                             self.max_length, self.placement)[0].loglik
             out.append(total)
         return out
 
@@ -120,7 +119,8 @@ class InfiniGenLM(LM):
                                 top_p=float(kw.get("top_p", 1.0) or 1.0), seed=kw.get("seed"))
             ids = self.tok_encode(ctx)[-(self.max_length - max_new):]
             pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eot_token_id
-            g = generate_ids(self.model, [ids], max_new, sampling, self.policy, stop_ids(self.model, self.tok), pad)
+            g = generate_ids(self.model, [ids], max_new, sampling, self.policy, stop_ids(self.model, self.tok), pad,
+                             placement=self.placement)
             text = self.tok.decode(g.tokens[0], skip_special_tokens=True)
             for s in until:
                 if s and s in text:

@@ -184,14 +184,17 @@ class NeedleResult:
 
 @torch.inference_mode()
 def run_cases(model, tokenizer, cases: list[Case], policies: dict, max_new_tokens: int | None = None,
-              batch_tokens: int = 8192, progress=None) -> list[NeedleResult]:
-    """Greedy answers for every case under every policy. Cases of one length are batched (at most
-    `batch_tokens` prompt tokens per prefill); the prefill is shared by the policies."""
+              batch_tokens: int = 8192, progress=None, placement=None) -> list[NeedleResult]:
+    """Greedy answers for every case under every policy, KV pools placed by `placement`. Cases of one
+    length are batched (at most `batch_tokens` prompt tokens per prefill); the prefill is shared by the
+    policies."""
     from ..generate import left_pad, stop_ids
     from .fanout import prefill_shared
     eos = stop_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (model.cfg.eos_token_ids or [0])[0]
     names = list(policies)
+    for p in policies.values():
+        p.prepare(model, tokenizer)
     out = []
     i = 0
     while i < len(cases):
@@ -202,7 +205,8 @@ def run_cases(model, tokenizer, cases: list[Case], policies: dict, max_new_token
         tokens, mask = left_pad([c.ids for c in batch], pad, model.device)
         if tokens.shape[1] + new > model.cfg.max_position:
             raise UserError(f"context {tokens.shape[1]} + {new} new tokens exceeds the model's {model.cfg.max_position}")
-        logits, sessions = prefill_shared(model, tokens, [policies[n] for n in names], tokens.shape[1] + new, mask)
+        logits, sessions = prefill_shared(model, tokens, [policies[n] for n in names], tokens.shape[1] + new, mask,
+                                          placement=placement)
         first = logits.argmax(-1)
         for name, sess in zip(names, sessions):
             gen = [[t] for t in first.tolist()]
@@ -229,7 +233,7 @@ def run_cases(model, tokenizer, cases: list[Case], policies: dict, max_new_token
 
 def evaluate(model, tokenizer, policies: dict, tasks=("passkey",), lengths=(1024, 2048), depths=(0.0, 0.25, 0.5, 0.75, 1.0),
              haystack: str | None = None, chat: bool | None = None, seed: int = 0, batch_tokens: int = 8192,
-             progress=None) -> list[NeedleResult]:
+             progress=None, placement=None) -> list[NeedleResult]:
     if chat is None:
         chat = bool(getattr(tokenizer, "chat_template", None))
     elif chat and not getattr(tokenizer, "chat_template", None):
@@ -238,7 +242,8 @@ def evaluate(model, tokenizer, policies: dict, tasks=("passkey",), lengths=(1024
         if not 0 <= d <= 1:
             raise UserError(f"depths are fractions in [0, 1], got {d}")
     cases = [c for t in tasks for c in make_cases(tokenizer, t, list(lengths), list(depths), haystack, chat, seed)]
-    return run_cases(model, tokenizer, cases, policies, batch_tokens=batch_tokens, progress=progress)
+    return run_cases(model, tokenizer, cases, policies, batch_tokens=batch_tokens, progress=progress,
+                     placement=placement)
 
 
 # ---- reports -------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UserError
+from ..placement import Placement
 
 CHUNK = 256  # tokens per decoding chunk (the paper's Figure 12)
 SCORE_ROWS = 512  # logits rows turned into log-probabilities at once: bounds memory at large vocabularies
@@ -41,34 +42,8 @@ def token_windows(tokenizer, body: str, ctx: int, windows: int = 1) -> torch.Ten
 
 # ---- policy facts ----------------------------------------------------------------------------------
 def speculated_layers(policy, num_layers: int) -> list[int]:
-    """Layers where the policy selects entries (after `begin`): `policy.speculated(i)` when it has it,
-    else every layer not in `dense_layers` (a count of leading layers or a list of indices)."""
-    if hasattr(policy, "speculated"):
-        return [i for i in range(num_layers) if policy.speculated(i)]
-    d = getattr(policy, "dense_layers", None) or ()
-    dense = set(range(min(d, num_layers))) if isinstance(d, int) else {int(i) % num_layers for i in d}
-    return [i for i in range(num_layers) if i not in dense]
-
-
-def resolve_capacity(capacity, ctx: int, prefill: int) -> int | None:
-    """Pool capacity in tokens: an int, or a fraction of the context (0 < x <= 1, e.g. 0.8)."""
-    if capacity is None:
-        return None
-    cap = float(capacity)
-    if cap <= 0:
-        raise UserError(f"--capacity must be > 0 (tokens, or a fraction of the context), got {capacity}")
-    tokens = int(math.floor(cap * ctx)) if cap <= 1 else int(cap)
-    if cap > 1 and cap != int(cap):
-        raise UserError(f"--capacity above 1 is a token count and must be an integer, got {capacity}")
-    if tokens < prefill:
-        raise UserError(f"a KV pool of {tokens} tokens cannot hold the {prefill}-token prompt")
-    return tokens
-
-
-def make_allocator(eviction: str, **pool_kw):
-    """The pool's victim policy from `infinigen.pool` (counter, lru, fifo)."""
-    from ..pool import make_pool
-    return make_pool(eviction, **pool_kw)
+    """Layers where the policy selects entries (the others it reads in full)."""
+    return [i for i in range(num_layers) if policy.speculated(i)]
 
 
 # ---- the measurement ---------------------------------------------------------------------------------
@@ -86,8 +61,9 @@ class PPLResult:
     ctx: int = 0
     prefill: int = 0
     windows: int = 1
-    capacity: int | None = None
+    capacity: int | None = None  # KV pool tokens, when a limit below the window applies
     eviction: str | None = None
+    kv_offload: str = "none"
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -121,11 +97,13 @@ class _LayerProgress:
 
 
 def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: int = 256, windows: int = 1,
-               capacity=None, eviction: str = "counter", progress: bool = False, tokens: torch.Tensor | None = None,
-               chunk: int = CHUNK, pool_kw: dict | None = None) -> PPLResult:
-    """Perplexity of `text` (path, corpus name or None with `tokens` [N, ctx]) under `policy`."""
+               placement: Placement | None = None, progress: bool = False, tokens: torch.Tensor | None = None,
+               chunk: int = CHUNK) -> PPLResult:
+    """Perplexity of `text` (path, corpus name or None with `tokens` [N, ctx]) under `policy`, the KV pool
+    placed and limited by `placement` (its capacity may be a fraction of the window, e.g. 0.8)."""
     from ..policies.base import FullCache
-    policy = policy or FullCache()
+    policy = (policy or FullCache()).prepare(model, tokenizer, progress=progress)
+    placement = placement or Placement()
     if tokens is None:
         if windows < 1:
             raise UserError(f"--windows must be >= 1, got {windows}")
@@ -136,8 +114,10 @@ def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: in
     limit = getattr(model.cfg, "max_position", None)
     if limit and ctx > limit and model.cfg.arch == "opt":  # learned positions end there
         raise UserError(f"--ctx {ctx} exceeds the model's {limit} positions")
-    cap = resolve_capacity(capacity, ctx, prefill)
-    use_pool = cap is not None and cap < ctx
+    cap = placement.pool_tokens(model, 1, ctx, policy)
+    if cap < prefill:
+        raise UserError(f"a KV pool of {cap} tokens cannot hold the {prefill}-token prompt")
+    use_pool = cap < ctx
     n_layers = model.cfg.num_layers
     n_chunks = -(-(ctx - prefill) // chunk)
     chunk_nll = torch.zeros(n_chunks, dtype=torch.float64)
@@ -150,9 +130,11 @@ def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: in
     try:
         for w in range(windows):
             row = tokens[w:w + 1].to(model.device)
-            alloc = make_allocator(eviction, **(pool_kw or {})) if use_pool else None
-            sess = model.new_session(1, ctx, policy, capacity=cap if use_pool else None, allocator=alloc)
-            logits = model.teacher_forced(row, prefill, sess)[0]
+            sess = placement.new_session(model, 1, ctx, policy, prompt_len=prefill)
+            try:
+                logits = model.teacher_forced(row, prefill, sess)[0]
+            finally:
+                sess.store.close()
             nll = _nll_rows(logits[prefill - 1:ctx - 1], row[0, prefill:])
             del logits
             window_ppl.append(math.exp(nll.mean().item()))
@@ -174,16 +156,9 @@ def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: in
                      chunks=chunks, kv_all=kv_all / windows, kv_speculated=kv_spec / windows,
                      kv_per_layer=(per_layer / windows).tolist(), speculated_layers=spec,
                      window_perplexities=window_ppl,
-                     ctx=ctx, prefill=prefill, windows=windows, capacity=cap,
-                     eviction=eviction if use_pool else None, seconds=time.perf_counter() - start)
+                     ctx=ctx, prefill=prefill, windows=windows, capacity=cap if placement.limited else None,
+                     eviction=placement.evict if use_pool else None, kv_offload=placement.kv_offload,
+                     seconds=time.perf_counter() - start)
 
 
-def jsonable(x):
-    """Settings (tuples, tensors, paths...) as plain JSON values; anything else becomes its text."""
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, (int, float, str, bool)) or x is None:
-        return x
-    return str(x)
+from ..policies.base import jsonable  # noqa: E402,F401 (re-exported for the commands)

@@ -1,14 +1,15 @@
-"""Placement: which memory tier the KV pool (and optionally part of the weights) lives in, and how the
-rows a policy selects travel to the fast tier. Independent of the policy: any policy runs on any
-placement and produces the same tokens.
+"""Placement: which memory tier the KV pool (and optionally part of the weights) lives in, how large the
+pool is, and how the rows a policy selects travel to the fast tier. Independent of the policy: any
+policy runs on any placement and produces the same tokens.
 
-    placement = Placement(kv_offload="disk")             # or "cpu" (pinned host memory behind a GPU), "none"
-    sess = placement.new_session(model, batch, max_len, policy, pool_bytes=2**30)
-    ...                                                  # model.prefill / model.decode as usual
-    placement.close(sess)                                # removes the pool file
+    placement = Placement(kv_offload="disk", pool_bytes=2**30)    # or "cpu" (pinned host memory behind a GPU), "none"
+    sess = placement.new_session(model, batch, max_len, policy)   # = model.new_session(batch, policy, placement.new_store(...))
+    ...                                                           # model.prefill / model.decode as usual
+    placement.close(sess)                                         # removes the pool file
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ from .store import OffloadedKVStore, TransferStats
 from .tiers import KINDS, SlowTier
 
 __all__ = ["Placement", "OffloadedKVStore", "TransferStats", "SlowTier", "KINDS", "kv_slot_bytes"]
+
+EVICTIONS = ("counter", "lru", "fifo")
 
 
 def kv_slot_bytes(model, batch: int, policy=None, kv_offload: str = "none", pack: bool = True) -> int:
@@ -31,64 +34,100 @@ def kv_slot_bytes(model, batch: int, policy=None, kv_offload: str = "none", pack
     return OffloadedKVStore.slot_bytes(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, model.dtype, codec, pack)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Placement:
     kv_offload: str = "none"  # none | cpu | disk
     pool_dir: str | None = None  # where the disk tier's file goes (default: the system temp dir)
+    capacity: int | float | None = None  # pool limit: tokens per sequence, or a float in (0, 1]: that share of max_len
+    pool_bytes: int | None = None  # pool limit in bytes (of the slow tier when offloaded)
+    evict: str = "counter"  # victim choice once the pool is full: counter | lru | fifo (`infinigen.pool`)
     prefetch: bool = True  # fetch layer i+1's rows during layer i (False: on demand, no overlap)
     threaded: bool = True  # a worker thread does the gathers (False: inline, for debugging)
     pack: bool = True  # a quantizing policy's KV is packed in the slow tier (INT4: 4 bits per value)
+    protect_recent: int = 0  # the pool never evicts the newest N tokens
 
-    def validate(self) -> None:
+    def __post_init__(self):
         if self.kv_offload not in KINDS:
             raise UserError(f"--kv-offload must be one of {', '.join(KINDS)}, got {self.kv_offload!r}")
+        if self.evict not in EVICTIONS:
+            raise UserError(f"--evict must be one of {', '.join(EVICTIONS)}, got {self.evict!r}")
+        c = self.capacity
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+                raise UserError(f"--capacity must be a positive number of tokens (or a fraction in (0, 1]), got {c!r}")
+            if isinstance(c, float) and c > 1 and c != int(c):
+                raise UserError(f"--capacity above 1 is a token count and must be an integer, got {c}")
+        if self.pool_bytes is not None and (isinstance(self.pool_bytes, bool) or not isinstance(self.pool_bytes, int)
+                                            or self.pool_bytes < 1):
+            raise UserError(f"--pool-bytes must be a positive whole number of bytes, got {self.pool_bytes!r}")
+        if self.protect_recent < 0:
+            raise UserError(f"--protect-recent must be >= 0, got {self.protect_recent}")
 
-    def capacity(self, model, batch: int, max_len: int, policy=None, capacity: int | None = None,
-                 pool_bytes: int | None = None) -> int | None:
-        """Token slots of the pool: `capacity` tokens, or as many as `pool_bytes` holds (at most max_len)."""
-        if pool_bytes is not None:
+    @property
+    def limited(self) -> bool:
+        return self.capacity is not None or self.pool_bytes is not None
+
+    def pool_tokens(self, model, batch: int, max_len: int, policy=None) -> int:
+        """Token slots of the pool (the one capacity resolver): max_len, or fewer when `capacity` (tokens,
+        or a share of max_len) or `pool_bytes` (as many slots as fit) says so."""
+        cap = max_len
+        c = self.capacity
+        if c is not None:
+            cap = min(cap, math.floor(c * max_len) if isinstance(c, float) and c <= 1 else int(c))
+            if cap < 1:
+                raise UserError(f"a KV pool of capacity {c} holds no token of a {max_len}-token sequence")
+        if self.pool_bytes is not None:
             per = kv_slot_bytes(model, batch, policy, self.kv_offload, self.pack)
-            by_bytes = pool_bytes // per
+            by_bytes = self.pool_bytes // per
             if by_bytes < 1:
-                raise UserError(f"a KV pool of {pool_bytes} bytes holds no token (one token costs {per} bytes)")
-            capacity = by_bytes if capacity is None else min(capacity, by_bytes)
-        if capacity is not None:
-            if capacity < 1:
-                raise UserError(f"pool capacity must be >= 1 token, got {capacity}")
-            capacity = min(capacity, max_len)
-        return capacity
+                raise UserError(f"a KV pool of {self.pool_bytes} bytes holds no token (one token costs {per} bytes)")
+            cap = min(cap, by_bytes)
+        return cap
 
-    def new_session(self, model, batch: int, max_len: int, policy=None, capacity: int | None = None,
-                    pool_bytes: int | None = None, allocator=None, stats: TransferStats | None = None):
-        self.validate()
-        cap = self.capacity(model, batch, max_len, policy, capacity, pool_bytes)
-        if cap is not None and cap < max_len and allocator is None:
-            from ..pool import make_pool  # the pool manager's default victim policy (counter)
-            allocator = make_pool()
+    def new_store(self, model, batch: int, max_len: int, policy=None, prompt_len: int | None = None,
+                  stats: TransferStats | None = None, allocator=None) -> KVStore:
+        """The KV store of a session of `batch` rows and up to `max_len` tokens each, with this placement's
+        tier and pool limit. `prompt_len`: fail now if the prompt cannot fit. `allocator`: a victim policy
+        of `infinigen.pool` instead of `evict`'s (also without a limit, e.g. to count reads)."""
+        cfg = model.cfg
+        cap = self.pool_tokens(model, batch, max_len, policy)
+        if prompt_len is not None and prompt_len > cap:
+            raise UserError(f"a KV pool of {cap} tokens cannot hold the {prompt_len}-token prompt")
+        if allocator is None and cap < max_len:
+            from ..pool import make_pool
+            allocator = make_pool(self.evict, protect_recent=self.protect_recent)
+        if allocator is not None:
+            allocator.begin(cfg.num_layers, batch, cfg.num_kv_heads, cap, model.device)
+        codec = policy.codec() if policy is not None else None
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, cap, cfg.head_dim, model.dtype, model.device)
         if self.kv_offload == "none":
-            return model.new_session(batch, max_len, policy, capacity=cap, allocator=allocator, store_cls=KVStore)
+            return KVStore(*shape, codec=codec, allocator=allocator)
         tier = SlowTier(self.kv_offload, model.device, self.pool_dir)
         try:
-            return model.new_session(batch, max_len, policy, capacity=cap, allocator=allocator,
-                                     store_cls=OffloadedKVStore, tier=tier, prefetch=self.prefetch,
-                                     threaded=self.threaded, pack=self.pack, stats=stats)
+            return OffloadedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
+                                    threaded=self.threaded, pack=self.pack, stats=stats)
         except BaseException:
             tier.close()
             raise
 
-    def session_kw(self, model) -> dict:
-        """Keyword arguments for `model.new_session` (and `generate(..., session_kw=...)`) that put the
-        KV pool in this placement's slow tier. A disk pool's directory goes when the store is closed or
-        garbage collected."""
-        self.validate()
-        if self.kv_offload == "none":
-            return {}
-        return dict(store_cls=OffloadedKVStore, tier=SlowTier(self.kv_offload, model.device, self.pool_dir),
-                    prefetch=self.prefetch, threaded=self.threaded, pack=self.pack)
+    def new_session(self, model, batch: int, max_len: int, policy=None, prompt_len: int | None = None,
+                    stats: TransferStats | None = None, allocator=None):
+        """`model.new_session` over a store of this placement (see `new_store`)."""
+        store = self.new_store(model, batch, max_len, policy, prompt_len, stats, allocator)
+        try:
+            return model.new_session(batch, policy, store)
+        except BaseException:
+            store.close()
+            raise
 
     @staticmethod
     def close(session) -> None:
         session.store.close()
+
+    def settings(self) -> dict:
+        """The placement as JSON-able values (for results)."""
+        return {"kv_offload": self.kv_offload, "capacity": self.capacity, "pool_bytes": self.pool_bytes,
+                "evict": self.evict, "protect_recent": self.protect_recent}
 
     def describe(self, device: torch.device | str) -> str:
         device = torch.device(device)

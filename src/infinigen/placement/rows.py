@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..codecs import dequantize, quantize
+
 
 def _numel(shape) -> int:
     n = 1
@@ -46,24 +48,21 @@ class PlainRows:
 class PackedRows(PlainRows):
     """Group-wise asymmetric quantization packed for real (two 4-bit codes per byte): a codes plane
     [rows, groups, ceil(g/2)] uint8 and a parameter plane [rows, groups, 2] (scale, minimum) in float32.
-    Decoding gives exactly what `policies.quant.fake_quantize` writes into an in-memory store."""
+    Decoding gives exactly what `codecs.fake_quantize` writes into an in-memory store."""
 
     packed = True
 
     def __init__(self, head_dim: int, dtype: torch.dtype, bits: int, group: int):
-        from ..policies.quant import quantize
         self.d, self.dtype, self.codec, self.bits, self.group = head_dim, dtype, None, bits, group
         codes, scale, _ = quantize(torch.zeros(1, head_dim), bits, group)
         groups, per = codes.shape[-2:]
         self.planes = [((groups, per), torch.uint8), ((groups, 2), scale.dtype)]
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
-        from ..policies.quant import quantize
         codes, scale, lo = quantize(x, self.bits, self.group)
         return [codes, torch.cat([scale, lo], dim=-1)]
 
     def decode(self, planes: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-        from ..policies.quant import dequantize
         codes, par = planes
         x = dequantize(codes, par[..., 0:1], par[..., 1:2], self.bits, self.d, self.dtype, self.group)
         if out is not None:

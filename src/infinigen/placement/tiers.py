@@ -21,6 +21,25 @@ def _remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _preallocate(path: str, nbytes: int) -> None:
+    """Reserve the file's blocks now. A sparse file gets blocks only when a page is first written, and a
+    write through the mapping into a full filesystem is a SIGBUS that kills the process mid-run; with the
+    blocks reserved up front, a full disk is an error here, before any work."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.close(fd)
+        fd = -1
+        os.unlink(path)
+        free = shutil.disk_usage(os.path.dirname(path)).free
+        raise UserError(f"cannot reserve {nbytes} bytes for the KV pool in {os.path.dirname(path)} "
+                        f"({free} bytes free): {e.strerror or e}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 class SlowTier:
     """Allocates slow-tier tensors and accounts for their bytes.
 
@@ -55,11 +74,12 @@ class SlowTier:
             numel *= s
         if self.kind == "disk":
             path = os.path.join(self.dir, f"{name}-{len(self.tensors)}.bin")
+            nbytes = max(numel, 1) * torch.empty((), dtype=dtype).element_size()
+            _preallocate(path, nbytes)
             try:
-                # a sparse file: pages get disk blocks only when written
                 t = torch.from_file(path, shared=True, size=max(numel, 1), dtype=dtype)[:numel].view(shape)
             except RuntimeError as e:
-                raise UserError(f"cannot map a {numel * torch.empty((), dtype=dtype).element_size()} byte KV pool file in {self.dir}: {e}")
+                raise UserError(f"cannot map a {nbytes} byte KV pool file in {self.dir}: {e}")
         else:
             t = torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
         self.tensors.append(t)

@@ -48,7 +48,7 @@ class Breakdown:
                 if self.stack:
                     self.stack[-1][3] += spent
 
-        setattr(obj, name, timed)
+        object.__setattr__(obj, name, timed)  # policies are frozen dataclasses: an instance attribute all the same
         self._undo.append((obj, name, orig if had else None))
 
     def __enter__(self):
@@ -67,9 +67,9 @@ class Breakdown:
     def __exit__(self, *exc):
         for obj, name, orig in reversed(self._undo):
             if orig is None:
-                delattr(obj, name)
+                object.__delattr__(obj, name)
             else:
-                setattr(obj, name, orig)
+                object.__setattr__(obj, name, orig)
         self._undo.clear()
         self.worker_gather_s = _store_gather(self.session.store) - self._stats0
 

@@ -1,6 +1,13 @@
 """The one interface every KV-cache method implements.
 
-A policy decides, at every decoding step and layer, which cached entries attention reads.
+A policy is two things kept apart:
+  * its knobs: the fields of a frozen dataclass, checked in `__post_init__` (a bad value is a
+    `UserError`), presets resolved there, so `settings()` shows the values in effect;
+  * its per-request state: whatever `begin(model, session)` returns, kept on `session.state`.
+The hooks read and write `session.state`, never the policy, so one policy object serves any number
+of sessions, one after the other or side by side. Model-wide resources (InfiniGen's skew matrices)
+are loaded or computed once by `prepare(model, tokenizer)`, which every entry point calls first.
+
 The runtime calls these hooks in this order for each layer of a decoding step:
 
     on_hidden(layer, "attn_in", x)      normed attention input of `layer` (speculation point of the paper)
@@ -9,29 +16,91 @@ The runtime calls these hooks in this order for each layer of a decoding step:
     on_append(layer, slots, k, v)       the current token was stored in `slots`
     on_hidden(layer, "attn_out", h)     residual stream after `layer`'s attention
 
-`on_prefill` runs once per layer after the prompt. Selection is per KV head: every query head
-of a GQA group attends over the same entries. State is per request and lives on the policy,
-which `begin` resets. Policies never move data: placement (`infinigen.placement`) does.
+(and `on_hidden(-1, "embed", h)` once at the start of a decoding step). `on_prefill` runs once per
+layer after the prompt. Selection is per KV head: every query head of a GQA group attends over the
+same entries. Policies never move data: placement (`infinigen.placement`) does.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..cache import KVCodec
+from ..codecs import KVCodec
+from ..errors import UserError
 
 
-@dataclass
+def _finite(owner: str, name: str, value) -> None:
+    """UserError for NaN or infinity in a knob (a tuple's items too)."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    for v in items:
+        if isinstance(v, float) and not math.isfinite(v):
+            raise UserError(f"{owner} knob {name} must be a finite number, got {v}")
+
+
+def parse_layers(v) -> tuple[int, ...]:
+    """Layer indices from a tuple, a single int or text like "0,1" ("" is none)."""
+    if isinstance(v, str):
+        parts = [s for s in v.replace(" ", "").split(",") if s]
+        try:
+            return tuple(int(s) for s in parts)
+        except ValueError:
+            raise UserError(f"dense layers must be integers separated by commas, got {v!r}")
+    if v is None:
+        return ()
+    if isinstance(v, int):
+        return (v,)
+    try:
+        return tuple(int(i) for i in v)
+    except (TypeError, ValueError):
+        raise UserError(f"dense layers must be integers, got {v!r}")
+
+
+def jsonable(x):
+    """Knob values (tuples, tensors, paths...) as plain JSON values; anything else becomes its text."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, (int, float, str, bool)) or x is None:
+        return x
+    return str(x)
+
+
+@dataclass(frozen=True)
 class Policy:
-    name = "full"
+    name: ClassVar[str] = "full"
+    # reads every cached entry at full precision: the dense reference that reports compare against
+    exact: ClassVar[bool] = False
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if f.init:
+                _finite(self.name, f.name, getattr(self, f.name))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise UserError for knob values out of range (called at construction)."""
+
+    def settings(self, model=None) -> dict:
+        """The knob values in effect, JSON-able (with `model`: also what depends on its architecture)."""
+        return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init}
 
     def codec(self) -> KVCodec | None:
         """How keys and values are stored (None: as computed)."""
         return None
 
-    def begin(self, model, session) -> None:
-        self.model = model
+    def prepare(self, model, tokenizer=None, progress: bool = False) -> "Policy":
+        """Model-wide setup before the first session (InfiniGen: load or compute the skew matrices).
+        Idempotent; returns self."""
+        return self
+
+    def begin(self, model, session) -> object:
+        """The per-request state of a new session (kept as `session.state`)."""
+        return None
 
     def on_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, session) -> None:
         pass
@@ -65,14 +134,47 @@ class Policy:
         """
         return NotImplemented
 
+    def speculated(self, layer: int) -> bool:
+        """Whether the policy selects entries at `layer` (False: it reads them all there)."""
+        return True
 
-@dataclass
+    def for_random_weights(self, model, fixed_ratio: float | None) -> "Policy":
+        """This policy for a model with random weights (`infinigen bench --synthetic`), where choices made
+        from the weights mean nothing: a policy that would make them fetches `fixed_ratio` instead.
+        With model None, only checks that it can (a UserError otherwise), before a large model is built."""
+        return self
+
+    def memory_report(self, model, state, kv_bytes: int) -> dict | None:
+        """What the policy's own state costs next to the weights and the KV cache (`infinigen bench`);
+        None when it keeps nothing worth reporting."""
+        return None
+
+    def fast_tier_bytes(self, state) -> dict:
+        """Bytes of the tensors a session's state keeps in the fast tier, by attribute (memory accounting)."""
+        fields = vars(state) if hasattr(state, "__dict__") else {}
+        out = {k: tensor_bytes(v) for k, v in fields.items() if k != "model"}
+        return {k: v for k, v in out.items() if v}
+
+
+@dataclass(frozen=True)
 class FullCache(Policy):
     """Every cached entry, every step: the exact dense result."""
     name = "full"
+    exact = True
 
     def planned(self, layer, session):
         return None
 
     def select_rows(self, layer, q, k, session):
         return None
+
+
+def tensor_bytes(x) -> int:
+    """Bytes of the tensors in x (nested in dicts, lists and tuples)."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size() if x.device.type != "meta" else 0
+    if isinstance(x, dict):
+        return sum(tensor_bytes(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(tensor_bytes(v) for v in x)
+    return 0

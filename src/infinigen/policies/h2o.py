@@ -6,21 +6,29 @@ the group's query heads (prompt rows included, from `on_prefill`). Before each d
 cache is cut to the budget: the `recent` newest positions stay, the remaining room goes to the
 highest scores. An evicted entry never comes back, which is what distinguishes H2O from InfiniGen's
 per-step selection. Budgets are token counts (`heavy`, `recent`) or fractions of the current length
-(`heavy_ratio`, `recent_ratio`, H2O's own setting). Stateful, so teacher-forced runs replay decoding.
+(`heavy_ratio`, `recent_ratio`, H2O's own setting). Stateful (`H2OState`), so teacher-forced runs replay decoding.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import UserError
+from ..kernels.colsum import attention_column_sums
 from .base import Policy
-
-PREFILL_ROWS = 512  # prompt query rows per chunk when summing the prompt's attention
 
 
 @dataclass
+class H2OState:
+    """Per layer [B, Hkv, capacity]: attention received so far, whether the entry is still cached; and
+    the current token's own share of this step's attention, until it is stored."""
+    score: list
+    alive: list
+    own: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class H2O(Policy):
     name = "h2o"
     heavy: int | None = None  # tokens; wins over heavy_ratio
@@ -46,49 +54,34 @@ class H2O(Policy):
             return (ratio * cur.double()).floor().long()
         return one(self.heavy, self.heavy_ratio), one(self.recent, self.recent_ratio)
 
-    def begin(self, model, session):
-        super().begin(model, session)
+    def begin(self, model, session) -> H2OState:
         store = session.store
         shape = (store.k[0].shape[0], store.k[0].shape[1], store.capacity)
         dev = store.k[0].device
         n = model.cfg.num_layers
-        self.score = [torch.zeros(shape, dtype=torch.float32, device=dev) for _ in range(n)]
-        self.alive = [torch.zeros(shape, dtype=torch.bool, device=dev) for _ in range(n)]
-        self._own = [None] * n
+        return H2OState(score=[torch.zeros(shape, dtype=torch.float32, device=dev) for _ in range(n)],
+                        alive=[torch.zeros(shape, dtype=torch.bool, device=dev) for _ in range(n)], own=[None] * n)
 
     def on_prefill(self, layer, q, k, v, session):
         """Column sums of the prompt's causal attention, over valid query rows and the group's heads."""
-        b, h, t, d = q.shape
-        hkv = k.shape[1]
-        g = h // hkv
+        t = q.shape[2]
         _, _, valid, _ = session.store.past(layer)  # [B,Hkv,t]
-        tok = valid[:, 0]  # [B,t] real (unpadded) tokens
-        qg = q.view(b, hkv, g, t, d)
-        total = torch.zeros(b, hkv, t, dtype=torch.float32, device=q.device)
-        cols = torch.arange(t, device=q.device)
-        for s in range(0, t, PREFILL_ROWS):
-            e = min(t, s + PREFILL_ROWS)
-            rows = torch.arange(s, e, device=q.device)
-            scores = torch.matmul(qg[:, :, :, s:e], k[:, :, None].transpose(-1, -2)).float() * self.model.scale
-            mask = (cols[None, :] <= rows[:, None])[None] & tok[:, None, :]  # [B,c,t]
-            scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-            probs = probs * tok[:, None, None, s:e, None]  # padding rows give nothing
-            total += probs.sum(dim=(2, 3))
-        self.score[layer][:, :, :t] = total
-        self.alive[layer][:, :, :t] = valid
+        total = attention_column_sums(q, k, valid[:, 0], session.model.scale)  # blocked: never [t, t] scores
+        session.state.score[layer][:, :, :t] = total
+        session.state.alive[layer][:, :, :t] = valid
 
     def _keep(self, layer, session) -> torch.Tensor:
         """The entries this step reads: the recent window plus the best scores, within the budget."""
         store = session.store
         n = store.length[layer]
         _, _, valid, pos = store.past(layer)
-        alive = self.alive[layer][:, :, :n] & valid
+        st = session.state
+        alive = st.alive[layer][:, :, :n] & valid
         cur = session.positions[:, session.row][:, None, None]  # [B,1,1] tokens before this one
         heavy, recent = self.budgets(cur)
         is_recent = alive & (pos >= cur - recent)
         room = (heavy + recent - is_recent.sum(-1, keepdim=True)).clamp(min=0)  # [B,Hkv,1]
-        score = self.score[layer][:, :, :n].masked_fill(~alive | is_recent, float("-inf"))
+        score = st.score[layer][:, :, :n].masked_fill(~alive | is_recent, float("-inf"))
         order = score.argsort(dim=-1, descending=True, stable=True)
         ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
         return is_recent | ((ranks < room) & alive & ~is_recent)
@@ -98,18 +91,20 @@ class H2O(Policy):
 
     def select(self, layer, q, session):
         keep = self._keep(layer, session)
-        self.alive[layer][:, :, :keep.shape[-1]] = keep  # eviction is permanent
+        session.state.alive[layer][:, :, :keep.shape[-1]] = keep  # eviction is permanent
         return keep
 
     def observe(self, layer, probs, idx, session):
         got = probs[..., :-1].sum(2)  # [B,Hkv,n]: attention each read entry received, group summed
-        score = self.score[layer]
+        st = session.state
+        score = st.score[layer]
         if idx is None:
             score[:, :, :got.shape[-1]] += got
         else:
             score.scatter_add_(2, idx, got)
-        self._own[layer] = probs[..., -1].sum(2)  # [B,Hkv]: the current token's own share
+        st.own[layer] = probs[..., -1].sum(2)  # [B,Hkv]: the current token's own share
 
     def on_append(self, layer, slots, k, v, session):
-        self.score[layer].scatter_(2, slots[..., None], self._own[layer][..., None])
-        self.alive[layer].scatter_(2, slots[..., None], True)
+        st = session.state
+        st.score[layer].scatter_(2, slots[..., None], st.own[layer][..., None])
+        st.alive[layer].scatter_(2, slots[..., None], True)

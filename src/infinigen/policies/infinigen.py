@@ -9,11 +9,11 @@ within `alpha` of each head's maximum are selected and counted per `budget`, at 
 `max_fetch_ratio` of the cached tokens. Layer i's attention then runs over those plus the current
 token (the runtime does that).
 
-Skew matrices: set them with `with_skew(skew)` (an `infinigen.skew.Skew` or a tensor [L,Hkv,d,d])
-or `calibrate(model, tokenizer)`; otherwise `begin` reuses an artifact of `infinigen skew` from the
-cache, and fails with a clear message if there is none. The rotation is applied at run time (after
-RoPE for the Llama family); for a model whose weights already hold it (`skew.skew_model`) it is not
-applied twice.
+Skew matrices are a model-wide resource: `prepare(model, tokenizer)` loads the artifact of `infinigen
+skew` from the cache, or calibrates on `calib` (default: a bundled novel) and caches it; `with_skew(skew)`
+(an `infinigen.skew.Skew` or a tensor [L,Hkv,d,d]) sets them by hand. The rotation is applied at run time
+(after RoPE for the Llama family); for a model whose weights already hold it (`skew.skew_model`) it is
+not applied twice. Per-request state (`InfiniGenState`) lives on the session.
 
 Modes beyond the paper (DESIGN.md section 5 measured why): `spec_input="attn_out"` speculates from
 LN_i(h_{i-1} + attn_out_{i-1}) (layer i's own input norm of the residual after layer i-1's attention);
@@ -25,14 +25,15 @@ three (see PRESETS); `InfiniGen.paper()` is exactly the paper's method.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from ..errors import UserError
-from .base import Policy
+from .base import Policy, parse_layers, tensor_bytes
 
 BUDGETS = ("mean", "per_head", "union", "layer")
 SPEC_INPUTS = ("attn_in", "attn_out")
@@ -50,7 +51,7 @@ PRESETS = {
     # OPT: no checkpoint was available to measure; 7 is the conservative choice (more tokens, up to the cap).
     # The cap never drops below 32 tokens per KV head: 14% of a short chat prompt is a handful of tokens.
     # (It does not bind from 229 cached tokens on, so the measurements above, prefill 256, hold.)
-    "default": dict(alpha={"opt": 7.0, "llama": 7.0}, partial_ratio=0.3, max_fetch_ratio=0.14, min_fetch=32,
+    "default": dict(alpha=7.0, partial_ratio=0.3, max_fetch_ratio=0.14, min_fetch=32,
                     dense_layers=(0, 1), budget="layer", spec_input="attn_out", key_mode="int4", skew=True),
 }
 
@@ -67,19 +68,35 @@ def fake_int4(x: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
     return (q * scale + lo).reshape(x.shape)
 
 
-def _parse_layers(v) -> tuple[int, ...]:
-    if isinstance(v, str):
-        v = [s for s in v.replace(" ", "").split(",") if s]
-        try:
-            return tuple(int(s) for s in v)
-        except ValueError:
-            raise UserError(f"dense layers must be integers separated by commas, got {v!r}")
-    if isinstance(v, int):
-        return (v,)
-    return tuple(int(i) for i in v)
-
-
 @dataclass
+class InfiniGenState:
+    """Per request: the skew in use and, per layer, the partial index, the partial (or 4-bit) key cache
+    per store slot, the speculative queries of the rows last seen and the selection made a layer ahead."""
+    A: torch.Tensor | None  # [L, Hkv, d, d] float64, or None (no rotation)
+    alpha: float
+    spec_layers: set
+    cols: int
+    idx: dict = field(default_factory=dict)  # layer -> [B, Hkv, cols] partial index
+    pk: dict = field(default_factory=dict)  # layer -> [B, Hkv, capacity, cols] skewed key rows, per store slot
+    spec: dict = field(default_factory=dict)  # layer -> [B, Hkv, G, T, d] skewed speculative queries
+    pending: dict = field(default_factory=dict)  # layer -> selection computed one layer ahead (decode)
+
+
+def _weight_bytes(model) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+# Skew matrices are a model-wide resource: loaded or computed once per (model, calibration text) by
+# `prepare`, shared by every policy object and session on that model.
+_SKEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
 class InfiniGen(Policy):
     name = "infinigen"
 
@@ -88,20 +105,28 @@ class InfiniGen(Policy):
     partial_ratio: float | None = None  # r: share of the d columns in the partial weights / key cache
     max_fetch_ratio: float | None = None  # at most this share of the cached tokens per step (per KV head; per layer for budget "layer")
     min_fetch: int | None = None  # ... but the cap is never below this many tokens per KV head (short prompts)
-    dense_layers: Any = None  # layers attending densely (layer 0 always does: nothing precedes it)
+    dense_layers: tuple[int, ...] | None = None  # layers attending densely (layer 0 always does: nothing precedes it)
     budget: str | None = None  # "mean" (paper) | "per_head" | "union" | "layer" (see `_choose`)
     spec_input: str | None = None  # "attn_in" (paper) | "attn_out"
     key_mode: str | None = None  # "partial" (paper) | "int4"
     skew: bool | None = None  # rotate queries and keys with the skew matrices
-    matrices: Any = field(default=None, repr=False, compare=False)  # Skew or tensor [L, Hkv, d, d]
+    calib: str | None = None  # calibration text of the skew (file or corpus name; None: the cached or default one)
+    # explicit skew matrices (`with_skew`): a resource, not a knob
+    matrices: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise UserError(f"unknown InfiniGen preset {self.preset!r}; choose from {', '.join(PRESETS)}")
-        for k, v in PRESETS[self.preset].items():
-            if k != "alpha" and getattr(self, k) is None:  # alpha depends on the architecture: see `begin`
-                setattr(self, k, v)
-        self.dense_layers = _parse_layers(self.dense_layers)
+        preset = PRESETS[self.preset]
+        for k, v in preset.items():
+            if getattr(self, k) is None:
+                if k == "alpha" and isinstance(v, dict):
+                    if len(set(v.values())) > 1:
+                        continue  # depends on the architecture: `alpha_for` resolves it
+                    v = next(iter(v.values()))
+                object.__setattr__(self, k, v)
+        object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
+        super().__post_init__()
 
     @classmethod
     def paper(cls, **overrides) -> "InfiniGen":
@@ -125,28 +150,73 @@ class InfiniGen(Policy):
             raise UserError(f"key mode must be one of {', '.join(KEY_MODES)}, got {self.key_mode!r}")
         if any(i < 0 for i in self.dense_layers):
             raise UserError("dense layers must be non-negative")
+        if not isinstance(self.skew, bool):
+            raise UserError(f"skew must be true or false, got {self.skew!r}")
+
+    def alpha_for(self, cfg) -> float:
+        """The threshold in effect on a model of this config (the paper's preset depends on the architecture)."""
+        return float(self.alpha if self.alpha is not None else PRESETS[self.preset]["alpha"][cfg.arch])
+
+    def settings(self, model=None) -> dict:
+        out = super().settings()
+        if model is not None:
+            out["alpha"] = self.alpha_for(model.cfg)
+        elif self.alpha is None:
+            out["alpha"] = dict(PRESETS[self.preset]["alpha"])  # per architecture
+        return out
+
+    def for_random_weights(self, model, fixed_ratio: float | None) -> "InfiniGen":
+        """Every token qualifies (alpha 1e9) and the cap picks the top `fixed_ratio` of them; random
+        orthogonal skew matrices stand in for calibrated ones."""
+        if fixed_ratio is None:
+            raise UserError("InfiniGen on random weights needs a fixed selection ratio (--fixed-ratio): "
+                            "speculation on random weights means nothing")
+        if model is None:
+            return self
+        cfg = model.cfg
+        g = torch.Generator().manual_seed(0)
+        rand = torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, generator=g, dtype=torch.float64)
+        pol = dataclasses.replace(self, alpha=1e9, max_fetch_ratio=fixed_ratio, min_fetch=0)
+        return pol.with_skew(torch.linalg.qr(rand)[0]) if pol.skew else pol
 
     # ---- skew matrices ----------------------------------------------------------------------------
     def with_skew(self, skew) -> "InfiniGen":
-        """Use these skew matrices (an `infinigen.skew.Skew` or a tensor [L, Hkv, d, d]); returns self."""
-        self.matrices = skew
+        """Use these skew matrices (an `infinigen.skew.Skew` or a tensor [L, Hkv, d, d]) on any model
+        instead of calibrated ones; returns self."""
+        object.__setattr__(self, "matrices", skew)
         return self
 
-    def calibrate(self, model, tokenizer, calib=None, tokens=None, progress=False) -> "InfiniGen":
-        """Load (or compute and cache) the model's skew calibrated on `calib` and use it; returns self."""
-        from ..skew import DEFAULT_TOKENS, load_or_compute_skew
-        return self.with_skew(load_or_compute_skew(model, tokenizer, calib, tokens or DEFAULT_TOKENS, progress=progress))
+    def _needs_skew(self, model) -> bool:
+        # no rotation, or the weights already produce q~ and k~ (`skew.skew_model`)
+        return bool(self.skew) and getattr(model, "skew_folded", None) is None
+
+    def prepare(self, model, tokenizer=None, progress: bool = False) -> "InfiniGen":
+        """Make the model's skew matrices ready: those of `infinigen skew` (or of an earlier `prepare`)
+        from the cache, else calibrated on `calib` (default: a bundled novel) with `tokenizer` and cached."""
+        if not self._needs_skew(model) or self.matrices is not None:
+            return self
+        cached = _SKEWS.setdefault(model, {})
+        if self.calib in cached:
+            return self
+        from ..skew import find_cached_skew, load_or_compute_skew
+        skew = find_cached_skew(model) if self.calib is None else None
+        if skew is None:
+            if tokenizer is None:
+                raise UserError("InfiniGen needs this model's skew matrices: run `infinigen skew` once, or give "
+                                "prepare() the tokenizer to calibrate them (or set the knob skew=false)")
+            skew = load_or_compute_skew(model, tokenizer, self.calib, progress=progress)
+        cached[self.calib] = skew
+        return self
 
     def _skew_matrices(self, model):
-        if not self.skew or getattr(model, "skew_folded", None) is not None:
-            return None  # no rotation, or the weights already produce q~ and k~
+        if not self._needs_skew(model):
+            return None
         m = self.matrices
         if m is None:
-            from ..skew import find_cached_skew
-            m = find_cached_skew(model)
+            m = _SKEWS.get(model, {}).get(self.calib)
             if m is None:
-                raise UserError("InfiniGen needs the model's skew matrices: run `infinigen skew` once (or pass skew=False)")
-            self.matrices = m
+                self.prepare(model)  # the cached artifact, or a clear error
+                m = _SKEWS[model][self.calib]
         m = getattr(m, "matrices", m)
         cfg = model.cfg
         if tuple(m.shape) != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim):
@@ -154,152 +224,175 @@ class InfiniGen(Policy):
         return m.to(device=model.device, dtype=torch.float64)
 
     # ---- per-request state ----------------------------------------------------------------------
-    def begin(self, model, session) -> None:
-        self.model = model
+    def begin(self, model, session) -> InfiniGenState:
         cfg = model.cfg
-        self.cfg = cfg
-        self.scale = model.scale
-        self._alpha = float(self.alpha if self.alpha is not None else PRESETS[self.preset]["alpha"][cfg.arch])
-        self.spec_layers = {i for i in range(1, cfg.num_layers) if i not in self.dense_layers}
-        self.A = self._skew_matrices(model)
         d = cfg.head_dim
-        self.cols = d if self.key_mode == "int4" else max(1, math.ceil(self.partial_ratio * d))
-        self.idx = {}  # layer -> [B, Hkv, cols] partial index (per request)
-        self.pk = {}  # layer -> [B, Hkv, capacity, cols] partial (or 4-bit) skewed key cache, per store slot
-        self.spec = {}  # layer -> [B, Hkv, G, T, d] skewed speculative queries of the rows last seen
-        self.pending = {}  # layer -> selection computed one layer ahead (decode)
+        return InfiniGenState(
+            A=self._skew_matrices(model), alpha=self.alpha_for(cfg),
+            spec_layers={i for i in range(1, cfg.num_layers) if i not in self.dense_layers},
+            cols=d if self.key_mode == "int4" else max(1, math.ceil(self.partial_ratio * d)))
+
+    def fast_tier_bytes(self, state) -> dict:
+        """The speculation state: partial key cache `pk`, skew `A`, partial indices `idx`, queries, plans."""
+        return {k: tensor_bytes(getattr(state, k)) for k in ("A", "idx", "pk", "spec", "pending")
+                if tensor_bytes(getattr(state, k))}
 
     def speculated(self, layer: int) -> bool:
-        return layer in self.spec_layers
+        return layer >= 1 and layer not in self.dense_layers
 
-    def _rotate(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+    def memory_report(self, model, state: InfiniGenState, kv_bytes: int) -> dict:
+        """The speculation state relative to the weights and to the full KV cache: the partial key cache
+        (fast tier), the skew matrices and partial indices, and, for reference, a separately stored partial
+        query weight of ceil(r*d) columns (the paper's layout, 2.5% in the paper; this runtime reads the
+        columns from the full W_Q instead)."""
+        pk = tensor_bytes(state.pk)
+        weights = _weight_bytes(model)
+        kept = tensor_bytes(state.A) + tensor_bytes(state.idx)
+        cfg = model.cfg
+        wq = sum(blk.attn.q_proj.weight.numel() * blk.attn.q_proj.weight.element_size() for blk in model.layers)
+        spec = len(state.spec_layers) or cfg.num_layers
+        partial_w = int(wq * state.cols / cfg.head_dim * spec / cfg.num_layers)
+        return {"partial_key_cache_bytes": pk, "partial_key_cache_vs_kv": pk / kv_bytes if kv_bytes else None,
+                "skew_and_index_bytes": kept, "skew_and_index_vs_weights": kept / weights,
+                "partial_query_weight_bytes_if_stored": partial_w,
+                "partial_query_weight_vs_weights": partial_w / weights}
+
+    @staticmethod
+    def _rotate(st: InfiniGenState, x: torch.Tensor, layer: int) -> torch.Tensor:
         """x [B, Hkv, ..., d] -> x A[layer, kv head] in float32 (computed in float64: the vectorized and the
         row-by-row paths then agree to the last bit whatever the matmul shapes)."""
         x = x.to(torch.float64)
-        if self.A is not None:
-            a = self.A[layer]
+        if st.A is not None:
+            a = st.A[layer]
             a = a.view(a.shape[0], *([1] * (x.dim() - 4)), *a.shape[1:])
             x = x @ a
         return x.float()
 
-    def _key_rows(self, k: torch.Tensor, layer: int) -> torch.Tensor:
+    def _key_rows(self, st: InfiniGenState, k: torch.Tensor, layer: int) -> torch.Tensor:
         """What the fast tier holds per token: the partial skewed key columns, or a 4-bit copy of all."""
-        ks = self._rotate(k, layer)
+        ks = self._rotate(st, k, layer)
         if self.key_mode == "int4":
             return fake_int4(ks)
-        idx = self.idx[layer]
+        idx = st.idx[layer]
         return ks.gather(-1, idx[:, :, None, :].expand(*ks.shape[:3], idx.shape[-1]))
 
     # ---- hooks ----------------------------------------------------------------------------------
     def on_prefill(self, layer, q, k, v, session):
-        if layer not in self.spec_layers:
+        st = session.state
+        if layer not in st.spec_layers:
             return
         b, h, t, d = q.shape
         hkv = k.shape[1]
         store = session.store
         if self.key_mode == "partial":
             w = store.valid[layer][:, :, :t, None].float()  # pad tokens of left-padded prompts do not vote
-            qs = self._rotate(q.view(b, hkv, h // hkv, t, d), layer).abs()
-            ks = self._rotate(k, layer).abs()
+            qs = self._rotate(st, q.view(b, hkv, h // hkv, t, d), layer).abs()
+            ks = self._rotate(st, k, layer).abs()
             colsum = (qs * w[:, :, None]).sum((2, 3)) + (ks * w).sum(2)  # [B, Hkv, d]
-            self.idx[layer] = colsum.topk(self.cols, dim=-1).indices.sort(-1).values
-        pk = torch.zeros(b, hkv, store.capacity, self.cols, dtype=torch.float32, device=k.device)
-        pk[:, :, :t] = self._key_rows(k, layer)
-        self.pk[layer] = pk
-        self.pending.pop(layer, None)
+            st.idx[layer] = colsum.topk(st.cols, dim=-1).indices.sort(-1).values
+        pk = torch.zeros(b, hkv, store.capacity, st.cols, dtype=torch.float32, device=k.device)
+        pk[:, :, :t] = self._key_rows(st, k, layer)
+        st.pk[layer] = pk
+        st.pending.pop(layer, None)
 
     def on_hidden(self, layer, point, x, session):
+        st, model = session.state, session.model
         target = layer + 1
-        if point != self.spec_input or target not in self.spec_layers:
+        if point != self.spec_input or target not in st.spec_layers:
             return
-        if point == "attn_out" and self.cfg.pre_norm:
-            x = self.model.layers[target].attn_norm(x)  # layer i's own input norm of the residual
-        q = self.model.query(target, x, session.positions)  # [B, H, T, d], post-RoPE
+        if point == "attn_out" and model.cfg.pre_norm:
+            x = model.layers[target].attn_norm(x)  # layer i's own input norm of the residual
+        q = model.query(target, x, session.positions)  # [B, H, T, d], post-RoPE
         b, h, t, d = q.shape
-        hkv = self.cfg.num_kv_heads
-        for old in [i for i in self.spec if i < layer]:  # their attention has run
-            del self.spec[old]
-        self.spec[target] = self._rotate(q.view(b, hkv, h // hkv, t, d), target)
-        if t == 1 and target in self.pk:
+        hkv = model.cfg.num_kv_heads
+        for old in [i for i in st.spec if i < layer]:  # their attention has run
+            del st.spec[old]
+        st.spec[target] = self._rotate(st, q.view(b, hkv, h // hkv, t, d), target)
+        if t == 1 and target in st.pk:
             # decoding: the selection is ready one layer ahead, so its transfer can start now;
             # layer `target`'s partial keys do not change before its own attention
-            self.pending[target] = self._select_row(target, 0, session)
+            st.pending[target] = self._select_row(target, 0, session)
 
     def planned(self, layer, session):
         """What `select` will return, once this step's speculation for `layer` has run (placement fetches
         it meanwhile); dense layers read everything."""
-        if layer not in self.spec_layers:
+        st = session.state
+        if layer not in st.spec_layers:
             return None
-        return self.pending.get(layer, NotImplemented)
+        return st.pending.get(layer, NotImplemented)
 
     def select(self, layer, q, session):
-        if layer not in self.spec_layers:
+        st = session.state
+        if layer not in st.spec_layers:
             return None
-        keep = self.pending.pop(layer, None)
+        keep = st.pending.pop(layer, None)
         return keep if keep is not None else self._select_row(layer, session.row, session)
 
     def on_append(self, layer, slots, k, v, session):
-        if layer not in self.spec_layers:
+        st = session.state
+        if layer not in st.spec_layers:
             return
-        rows = self._key_rows(k, layer)  # [B, Hkv, 1, cols]
-        pk = self.pk[layer]
+        rows = self._key_rows(st, k, layer)  # [B, Hkv, 1, cols]
+        pk = st.pk[layer]
         pk.scatter_(2, slots[:, :, None, None].expand(*slots.shape, 1, pk.shape[-1]), rows)
 
     # ---- selection ------------------------------------------------------------------------------
-    def _spec_rows(self, layer: int, rows: slice) -> torch.Tensor:
-        qs = self.spec.get(layer)
+    def _spec_rows(self, st: InfiniGenState, layer: int, rows: slice) -> torch.Tensor:
+        qs = st.spec.get(layer)
         if qs is None:
             raise RuntimeError(f"no speculation for layer {layer} (the hook of layer {layer - 1} did not run)")
         qs = qs[:, :, :, rows]  # [B, Hkv, G, R, d]
         if self.key_mode == "int4":
             return qs
-        idx = self.idx[layer]
+        idx = st.idx[layer]
         return qs.gather(-1, idx[:, :, None, None, :].expand(*qs.shape[:4], idx.shape[-1]))
 
-    def _window(self, valid, pos, cur):
-        w = self.cfg.sliding_window
+    @staticmethod
+    def _window(cfg, valid, pos, cur):
+        w = cfg.sliding_window
         return valid if w is None else valid & (cur - pos < w)
 
-    def _scores(self, layer: int, row: int, pk: torch.Tensor) -> torch.Tensor:
+    def _scores(self, st: InfiniGenState, layer: int, row: int, pk: torch.Tensor) -> torch.Tensor:
         """Speculated scores [B, Hkv, G, S] of decoding row `row` against the partial keys pk [B, Hkv, S, c].
         One float32 matmul per row with the same shapes on both paths (decoding and `select_rows`), so
         they agree bit for bit; the G query heads are the matmul rows (broadcasting pk over G copied it
         G times)."""
-        qs = self._spec_rows(layer, slice(row, row + 1))[:, :, :, 0].contiguous()  # [B, Hkv, G, c]
+        qs = self._spec_rows(st, layer, slice(row, row + 1))[:, :, :, 0].contiguous()  # [B, Hkv, G, c]
         return qs @ pk.transpose(-1, -2)
 
     def _select_row(self, layer: int, row: int, session) -> torch.Tensor:
         """Selection [B, Hkv, S] over the store's slots for decoding row `row`."""
-        store = session.store
+        st, store, model = session.state, session.store, session.model
         n = store.length[layer]
-        scores = self._scores(layer, row, self.pk[layer][:, :, :n])[:, :, :, None]  # [B, Hkv, G, 1, S]
+        scores = self._scores(st, layer, row, st.pk[layer][:, :, :n])[:, :, :, None]  # [B, Hkv, G, 1, S]
         valid = store.valid[layer][:, :, :n]
         cur = session.positions[:, row]
-        valid = self._window(valid, store.pos[layer][:, :, :n], cur[:, None, None])
-        keep = self._choose(scores * self.scale, valid[:, :, None, :])
+        valid = self._window(model.cfg, valid, store.pos[layer][:, :, :n], cur[:, None, None])
+        keep = self._choose(scores * model.scale, valid[:, :, None, :], st.alpha)
         return keep[:, :, 0]
 
     def select_rows(self, layer, q, k, session):
         """All decoding rows of `layer` at once (teacher-forced): the same selection as `_select_row`
         makes for each row, with the keys of every earlier position in the partial key cache."""
-        if layer not in self.spec_layers:
+        st, model = session.state, session.model
+        if layer not in st.spec_layers:
             return None
         p, t = session.first_row, k.shape[2]
-        pk = self._key_rows(k, layer)  # [B, Hkv, T, c]
+        pk = self._key_rows(st, k, layer)  # [B, Hkv, T, c]
         b, hkv = k.shape[:2]
         out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=k.device)
         for r in range(p, t):
             # row r sees the r cached tokens before it: the same shapes, so the same float32 numbers,
             # as `_select_row` when decoding (row by row: the selection's reductions depend on shapes)
-            valid = self._window(torch.ones(b, hkv, 1, r, dtype=torch.bool, device=k.device),
+            valid = self._window(model.cfg, torch.ones(b, hkv, 1, r, dtype=torch.bool, device=k.device),
                                  torch.arange(r, device=k.device), r)
-            scores = self._scores(layer, r, pk[:, :, :r])[:, :, :, None]  # [B, Hkv, G, 1, r]
-            out[:, :, r - p, :r] = self._choose(scores * self.scale, valid)[:, :, 0]
+            scores = self._scores(st, layer, r, pk[:, :, :r])[:, :, :, None]  # [B, Hkv, G, 1, r]
+            out[:, :, r - p, :r] = self._choose(scores * model.scale, valid, st.alpha)[:, :, 0]
         return out
 
-    def _choose(self, s: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
         """Scores s [B, Hkv, G, R, S] (float32) of R rows over S slots, valid [B|1, Hkv|1, R, S] ->
-        keep [B, Hkv, R, S]: per query head, the tokens above max - alpha, counted per `budget`:
+        keep [B, Hkv, R, S]: per query head, the tokens above max - `alpha`, counted per `budget`:
 
           mean      (paper) every query head of the layer takes its top-n, n the mean of the heads'
                     counts, at most the cap; a KV head fetches the union of its query heads' picks
@@ -319,7 +412,7 @@ class InfiniGen(Policy):
         cap = (self.max_fetch_ratio * length).floor().clamp(min=floor).long()
         if self.budget in ("union", "layer"):
             u = rel.amax(2)  # [B, Hkv, R, S]
-            keep = u > -self._alpha
+            keep = u > -alpha
             if self.budget == "union":
                 return self._cut(keep, u, cap.expand(u.shape[:-1]))
             b, hkv, r, n = keep.shape
@@ -332,7 +425,7 @@ class InfiniGen(Policy):
             flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, r, hkv * n)  # noqa: E731 (KV head, slot) per row
             cut = self._cut(flat(keep), flat(mass.masked_fill(~keep, -1.0)), total, exact=~over)
             return cut.view(b, r, hkv, n).permute(0, 2, 1, 3)
-        above = rel > -self._alpha  # [B, Hkv, G, R, S]
+        above = rel > -alpha  # [B, Hkv, G, R, S]
         counts = above.sum(-1)  # [B, Hkv, G, R]
         if self.budget == "mean":  # paper: every head of the layer fetches the mean count
             n = counts.float().mean((1, 2), keepdim=True)

@@ -11,32 +11,26 @@ key columns. Per KV head the selection is the union over its group's query heads
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ..errors import UserError
-from .base import Policy
+from .base import Policy, parse_layers
 
 ROW_CHUNK = 256  # decoding rows scored at once in teacher-forced mode: bounds [B,H,rows,T] scores
 
 
-@dataclass
+@dataclass(frozen=True)
 class Oracle(Policy):
     name = "oracle"
     ratio: float | None = None  # keep this fraction of the past tokens (count budget)
     tokens: int | None = None  # or this many
     alpha: float | None = None  # or the threshold rule
-    dense_layers: Any = ()  # layers read in full (e.g. "0,1": the same dense layers as InfiniGen)
+    dense_layers: tuple[int, ...] = ()  # layers read in full (e.g. (0, 1): the same dense layers as InfiniGen)
 
     def __post_init__(self):
-        d = self.dense_layers
-        if isinstance(d, str):
-            try:
-                d = [int(s) for s in d.replace(" ", "").split(",") if s]
-            except ValueError:
-                raise UserError(f"dense layers must be integers separated by commas, got {d!r}")
-        self.dense_layers = (d,) if isinstance(d, int) else tuple(int(i) for i in d)
+        object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
+        super().__post_init__()
 
     def validate(self):
         set_ = [x is not None for x in (self.ratio, self.tokens, self.alpha)]
@@ -51,9 +45,11 @@ class Oracle(Policy):
         if any(i < 0 for i in self.dense_layers):
             raise UserError("dense layers must be non-negative")
 
-    def begin(self, model, session):
-        super().begin(model, session)
-        self._x = {}
+    def begin(self, model, session) -> dict:
+        return {}  # layer -> this step's attention input (for the current token's key)
+
+    def speculated(self, layer: int) -> bool:
+        return layer not in self.dense_layers
 
     def _unlimited(self, layer: int | None = None) -> bool:
         return (self.ratio is None and self.tokens is None and self.alpha is None) or layer in self.dense_layers
@@ -80,12 +76,12 @@ class Oracle(Policy):
     # ---- decoding --------------------------------------------------------------------------------
     def on_hidden(self, layer, point, x, session):
         if point == "attn_in" and not self._unlimited(layer):
-            self._x[layer] = x
+            session.state[layer] = x
 
     def _current_key(self, layer, session) -> torch.Tensor:
         """The current token's key [B,Hkv,1,d] (select only receives the query)."""
-        m, r = self.model, session.row
-        x = self._x[layer][:, r:r + 1]
+        m, r = session.model, session.row
+        x = session.state[layer][:, r:r + 1]
         attn = m.layers[layer].attn
         b = x.shape[0]
         k = attn.k_proj(x).view(b, 1, m.cfg.num_kv_heads, m.cfg.head_dim).transpose(1, 2)
@@ -98,9 +94,9 @@ class Oracle(Policy):
         b, h, _, d = q.shape
         hkv = kp.shape[1]
         qg = q.view(b, hkv, h // hkv, 1, d)
-        s = torch.matmul(qg, kp[:, :, None].transpose(-1, -2)).float() * self.model.scale  # [B,Hkv,G,1,S]
+        s = torch.matmul(qg, kp[:, :, None].transpose(-1, -2)).float() * session.model.scale  # [B,Hkv,G,1,S]
         kc = self._current_key(layer, session)
-        s_cur = (qg.float() * kc[:, :, None].float()).sum(-1) * self.model.scale  # [B,Hkv,G,1]
+        s_cur = (qg.float() * kc[:, :, None].float()).sum(-1) * session.model.scale  # [B,Hkv,G,1]
         n_past = session.positions[:, session.row][:, None, None]  # [B,1,1] tokens before this one
         return self._choose(s, valid[:, :, None, None], s_cur, n_past)[:, :, 0]
 
@@ -118,7 +114,7 @@ class Oracle(Policy):
             e = min(r, s0 + ROW_CHUNK)
             rows = torch.arange(p + s0, p + e, device=q.device)
             qc = qg[:, :, :, s0:e]
-            s = torch.matmul(qc, k[:, :, None].transpose(-1, -2)).float() * self.model.scale  # [B,Hkv,G,c,T]
+            s = torch.matmul(qc, k[:, :, None].transpose(-1, -2)).float() * session.model.scale  # [B,Hkv,G,c,T]
             s_cur = s.gather(-1, rows.view(1, 1, 1, -1, 1).expand(*s.shape[:-1], 1))[..., 0]
             past = (cols[None, :] < rows[:, None])[None, None, None]  # [1,1,1,c,T]
             out[:, :, s0:e] = self._choose(s, past, s_cur, rows)

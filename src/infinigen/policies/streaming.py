@@ -14,7 +14,7 @@ from ..errors import UserError
 from .base import Policy
 
 
-@dataclass
+@dataclass(frozen=True)
 class StreamingLLM(Policy):
     name = "streaming"
     sinks: int = 4

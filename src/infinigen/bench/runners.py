@@ -1,0 +1,283 @@
+"""Running one system on one cell: a policy on a placement (ours), or transformers with its DynamicCache;
+a shared prefill replayed into every system's session; the sweep over (prompt length, batch size)."""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..placement import Placement, TransferStats
+from ..placement.timing import Breakdown
+from ..policies.base import Policy, tensor_bytes
+from .memory import MemoryProbe, _collect, _kv_bytes, weight_bytes
+from .models import prompt_tokens
+from .report import add_ratios
+
+
+@dataclass
+class System:
+    """One line of the plots: a policy on a placement, or transformers with one of its caches."""
+    label: str
+    policy: object = None  # a Policy (ours) or None (transformers)
+    kv_offload: str = "none"
+    hf_offloading: bool | None = None  # transformers baseline: DynamicCache(offloading=...)
+
+    @property
+    def ours(self) -> bool:
+        return self.hf_offloading is None
+
+
+@dataclass
+class BenchSettings:
+    prompt_lens: list[int]
+    batch_sizes: list[int]
+    gen_len: int = 32
+    capacity: int | None = None  # pool limit in tokens (a victim is overwritten when full)
+    pool_bytes: int | None = None  # pool limit in bytes of the slow tier
+    eviction: str = "counter"
+    pool_dir: str | None = None
+    prefetch: bool = True
+    threaded: bool = True
+    breakdown_steps: int = 0  # extra instrumented decoding steps for the per-layer time breakdown
+    weights_offload: float = 0.0  # share of the layers whose weights stream from the slow tier
+    share_prefill: bool = False  # one real prefill per cell, replayed into every system's session
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+# ---- models ----------------------------------------------------------------------------------------
+
+
+class _Record(Policy):
+    """Dense attention that keeps each layer's prompt queries, keys and values in `tier`."""
+    name = "record"
+
+    def __init__(self, tier):
+        self.tier, self.qkv = tier, []
+
+    def on_prefill(self, layer, q, k, v, session):
+        kept = []
+        for x in (q, k, v):
+            t = self.tier.empty(tuple(x.shape), x.dtype, name=f"p{layer}")
+            t.copy_(x)
+            kept.append(t)
+        self.qkv.append(kept)
+
+
+class SharedPrefill:
+    """One real prefill of a cell's prompts whose per-layer queries, keys and values are kept (in a
+    memory-mapped file, or pinned host memory behind a GPU), then replayed into each system's session
+    through `Session.start_prefill` / `prefill_layer`, as `Transformer.prefill` writes a session; the
+    prompt's attention and MLPs are not recomputed. For long prompts on a CPU, where one prefill takes
+    minutes. Every system then decodes from the same state; its prefill latency is the shared one."""
+
+    def __init__(self, model, tokens: torch.Tensor, directory=None):
+        from ..placement.tiers import SlowTier
+        self.model = model
+        fast = model.device
+        self.tier = SlowTier("cpu" if fast.type == "cuda" else "disk", fast, directory)
+        rec = _Record(self.tier)
+        sess = Placement().new_session(model, tokens.shape[0], tokens.shape[1], rec)
+        tokens = tokens.to(fast)
+        _sync(fast)
+        t0 = time.perf_counter()
+        self.logits = model.prefill(tokens, sess)
+        _sync(fast)
+        self.seconds = time.perf_counter() - t0
+        self.qkv = rec.qkv
+        self.positions, self.valid = sess.positions, sess.prompt_valid
+        del sess
+
+    @torch.inference_mode()
+    def replay(self, sess) -> torch.Tensor:
+        fast = self.model.device
+        sess.start_prefill(self.positions, self.valid)
+        for layer, (q, k, v) in enumerate(self.qkv):
+            sess.prefill_layer(layer, q.to(fast), k.to(fast), v.to(fast))
+        return self.logits
+
+    def close(self) -> None:
+        self.qkv.clear()
+        self.tier.close()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, shared: SharedPrefill | None = None) -> dict:
+    if not s.weights_offload:
+        return _run_ours(model, tokens, system, s, shared=shared)
+    from ..placement.weights import WeightStreamer
+    kind = "disk" if system.kv_offload == "disk" else "cpu"
+    with WeightStreamer(model, s.weights_offload, kind, s.pool_dir) as ws:
+        row = _run_ours(model, tokens, system, s, ws, shared)
+    return row
+
+
+def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, weights=None,
+              shared: SharedPrefill | None = None) -> dict:
+    b, t = tokens.shape
+    device = model.device
+    pol = system.policy
+    placement = Placement(system.kv_offload, pool_dir=s.pool_dir, capacity=s.capacity, pool_bytes=s.pool_bytes,
+                          evict=s.eviction, prefetch=s.prefetch, threaded=s.threaded)
+    max_len = t + s.gen_len + s.breakdown_steps
+    probe = MemoryProbe(device)
+    _collect(model, b, max_len)
+    probe.reset()
+    stats = TransferStats()
+    sess = placement.new_session(model, b, max_len, pol, prompt_len=t, stats=stats)
+    tokens = tokens.to(device)
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        logits = model.prefill(tokens, sess) if shared is None else shared.replay(sess)
+        _sync(device)
+        prefill_s = time.perf_counter() - t0
+        replay_s = None
+        if shared is not None:
+            prefill_s, replay_s = shared.seconds, prefill_s
+        stats.reset()
+        w_moved = weights.bytes_moved if weights is not None else 0
+        from ..model import KVStats
+        sess.stats = KVStats(model.cfg.num_layers)  # the relative KV size of decoding only
+        tok = logits.argmax(-1)
+        out = [tok]
+        t0 = time.perf_counter()
+        for _ in range(s.gen_len - 1):
+            tok = model.decode(tok, sess).argmax(-1)
+            out.append(tok)
+        _sync(device)
+        decode_s = time.perf_counter() - t0
+        steps = s.gen_len - 1
+        generated = torch.stack(out, 1).cpu()
+        store = sess.store
+        slow = store.slow_bytes() if hasattr(store, "slow_bytes") else 0
+        kv_full = _kv_bytes(model, b, store.capacity)
+        spec = [i for i in range(model.cfg.num_layers) if pol.speculated(i)]
+        state = pol.fast_tier_bytes(sess.state)
+        fast_weights = weight_bytes(model) if weights is None else (
+            weight_bytes(model) - weights.slow_bytes + weights.fast_buffer_bytes())
+        fast_tracked = fast_weights + sum(state.values()) + (
+            stats.peak_fast_bytes if hasattr(store, "slow_bytes") else store.nbytes())
+        row = {
+            "system": system.label, "policy": pol.name, "exact": pol.exact, "settings": pol.settings(model),
+            "kv_offload": system.kv_offload, "batch": b, "prompt_len": t,
+            "gen_len": s.gen_len, "prefill_s": prefill_s, "prefill_shared": shared is not None,
+            "prefill_replay_s": replay_s, "decode_s": decode_s,
+            "decode_ms_per_step": 1e3 * decode_s / max(steps, 1),
+            "decode_tokens_per_s": b * steps / decode_s if decode_s > 0 else None,
+            "bytes_moved_per_token": stats.bytes_moved / (b * steps) if steps else None,
+            "fetch_on_demand": stats.on_demand, "fetch_stale": stats.stale, "fetch_jobs": stats.fetches,
+            "fetch_wait_ms_per_step": 1e3 * stats.wait_s / max(steps, 1),
+            "gather_ms_per_step": 1e3 * (stats.gather_s + stats.ondemand_s) / max(steps, 1),
+            "peak_fast_bytes": probe.peak() if device.type == "cuda" else fast_tracked,
+            "peak_fast_bytes_tracked": fast_tracked,
+            "peak_rss_bytes": probe.peak() if device.type != "cuda" else None,
+            "peak_slow_bytes": slow,
+            "pool_file_bytes": store.tier.files_bytes() if hasattr(store, "tier") else 0,
+            "pool_capacity_tokens": store.capacity,
+            "kv_bytes_full": kv_full,
+            "weight_bytes_fast": fast_weights,
+            "staging_bytes": stats.peak_fast_bytes if hasattr(store, "slow_bytes") else 0,
+            "relative_kv": sess.stats.overall(),
+            "relative_kv_speculated": sess.stats.overall(spec) if spec else None,
+            "tokens_sha1": hashlib.sha1(generated.numpy().tobytes()).hexdigest()[:12],
+        }
+        if weights is not None:
+            row["weights_offload"] = weights.fraction_of_weights()
+            row["weight_bytes_moved_per_token"] = (weights.bytes_moved - w_moved) / (b * steps) if steps else None
+            row["weight_fast_buffer_bytes"] = weights.fast_buffer_bytes()
+            row["weight_slow_bytes"] = weights.slow_bytes
+        mem = pol.memory_report(model, sess.state, kv_full)
+        if mem:
+            row["speculation_memory"] = mem
+        if s.breakdown_steps:
+            with Breakdown(model, sess) as bd:
+                for _ in range(s.breakdown_steps):
+                    tok = bd.step(tok).argmax(-1)
+            row["breakdown"] = bd.summary()
+        row["_tokens"] = generated
+        return row
+    finally:
+        placement.close(sess)
+        del sess
+        _collect(model, b, max_len)
+
+
+
+def run_transformers(hf_model, tokens: torch.Tensor, system: System, s: BenchSettings) -> dict:
+    from transformers import DynamicCache
+    device = hf_model.device
+    b, t = tokens.shape
+    tokens = tokens.to(device)
+    probe = MemoryProbe(device)
+    _collect(hf_model, b, t)
+    probe.reset()
+    cache = DynamicCache(offloading=bool(system.hf_offloading))
+    with torch.inference_mode():
+        _sync(device)
+        t0 = time.perf_counter()
+        out = hf_model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        _sync(device)
+        prefill_s = time.perf_counter() - t0
+        tok = out.logits[:, -1].argmax(-1)
+        gen = [tok]
+        t0 = time.perf_counter()
+        for _ in range(s.gen_len - 1):
+            out = hf_model(input_ids=tok[:, None], past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1)
+            gen.append(tok)
+        _sync(device)
+        decode_s = time.perf_counter() - t0
+    steps = s.gen_len - 1
+    generated = torch.stack(gen, 1).cpu()
+    kv = sum(tensor_bytes([getattr(layer, "keys", None), getattr(layer, "values", None)]) for layer in cache.layers)
+    tracked = weight_bytes(hf_model) + kv
+    del cache, out
+    _collect(hf_model, b, t)
+    return {"system": system.label, "policy": "transformers", "kv_offload": "cpu" if system.hf_offloading else "none",
+            "batch": b, "prompt_len": t, "gen_len": s.gen_len, "prefill_s": prefill_s, "decode_s": decode_s,
+            "decode_ms_per_step": 1e3 * decode_s / max(steps, 1),
+            "decode_tokens_per_s": b * steps / decode_s if decode_s > 0 else None,
+            "peak_fast_bytes": probe.peak() if device.type == "cuda" else tracked, "peak_fast_bytes_tracked": tracked,
+            "peak_rss_bytes": probe.peak() if device.type != "cuda" else None,
+            "relative_kv": 1.0, "tokens_sha1": hashlib.sha1(generated.numpy().tobytes()).hexdigest()[:12],
+            "_tokens": generated}
+
+
+def sweep(model, systems: list[System], settings: BenchSettings, tokenizer=None, text: str | None = None,
+          hf_model=None, progress=None) -> list[dict]:
+    """Every system at every (prompt length, batch size); rows in that order."""
+    for system in systems:
+        if system.ours:
+            system.policy.prepare(model, tokenizer)
+    rows = []
+    for t in settings.prompt_lens:
+        for b in settings.batch_sizes:
+            tokens = prompt_tokens(tokenizer, text, b, t, model.cfg.vocab_size, settings.seed)
+            shared = None
+            if settings.share_prefill and any(sy.ours for sy in systems):
+                if progress:
+                    progress(f"prompt {t} x batch {b}: shared prefill")
+                shared = SharedPrefill(model, tokens, settings.pool_dir)
+            try:
+                for system in systems:
+                    if progress:
+                        progress(f"prompt {t} x batch {b}: {system.label}")
+                    if system.ours:
+                        row = run_ours(model, tokens, system, settings, shared)
+                    else:
+                        if hf_model is None:
+                            continue
+                        row = run_transformers(hf_model, tokens, system, settings)
+                    rows.append(row)
+            finally:
+                if shared is not None:
+                    shared.close()
+    add_ratios(rows)
+    return rows

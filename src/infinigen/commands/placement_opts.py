@@ -1,0 +1,55 @@
+"""The KV placement options shared by `generate`, `ppl`, `needle` and `fewshot`: one definition of each
+option, and `placement_from` that turns their values into an `infinigen.placement.Placement`.
+
+    def cmd(..., kv_offload: str = KV_OFFLOAD, pool_bytes: Optional[str] = POOL_BYTES, capacity: Optional[float] = CAPACITY,
+            pool_dir: Optional[Path] = POOL_DIR, evict: str = EVICT):
+        placement = placement_from(kv_offload, pool_bytes, capacity, pool_dir, evict)
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import typer
+
+from ..errors import UserError
+
+KV_OFFLOAD = typer.Option("none", "--kv-offload",
+                          help="Where the KV pool lives: none (fast memory), cpu (host memory behind a GPU) or disk "
+                               "(a memory-mapped file); the selected rows are fetched to fast memory.")
+POOL_BYTES = typer.Option(None, "--pool-bytes", help="KV pool limit in bytes, e.g. 2G or 512M (victims are overwritten when full).")
+CAPACITY = typer.Option(None, "--capacity", help="KV pool limit: tokens per sequence, or a fraction in (0, 1] of the sequence.")
+POOL_DIR = typer.Option(None, "--pool-dir", help="Directory of the disk pool's file (default: the system temp dir; removed after).")
+EVICT = typer.Option("counter", "--evict", "--eviction", help="Victim choice when the pool is full: counter, lru or fifo.")
+
+
+def parse_bytes(text: str | None) -> int | None:
+    """'2G', '512M', '1.5GiB', '1000000' -> bytes."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
+    if not m:
+        raise UserError(f"--pool-bytes expects a size like 2G, 512M or 1000000, got {text!r}")
+    value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
+    if value < 1:
+        raise UserError(f"--pool-bytes must be positive, got {text!r}")
+    return int(value)
+
+
+def placement_from(kv_offload: str = "none", pool_bytes: str | None = None, capacity: float | None = None,
+                   pool_dir: Path | None = None, evict: str = "counter", **extra):
+    """The Placement these options ask for (every value checked: a bad one is a UserError). `capacity`
+    above 1 is a token count; at most 1, a fraction of the sequence."""
+    from ..placement import Placement
+    if capacity is not None:
+        if not math.isfinite(capacity) or capacity <= 0:
+            raise UserError(f"--capacity must be a positive number of tokens or a fraction in (0, 1], got {capacity}")
+        if capacity > 1:
+            if capacity != int(capacity):
+                raise UserError(f"--capacity above 1 is a token count and must be an integer, got {capacity}")
+            capacity = int(capacity)
+        else:
+            capacity = float(capacity)
+    return Placement(kv_offload=kv_offload.strip().lower(), pool_dir=str(pool_dir) if pool_dir else None,
+                     capacity=capacity, pool_bytes=parse_bytes(pool_bytes), evict=evict.strip().lower(), **extra)
