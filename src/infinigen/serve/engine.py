@@ -16,7 +16,6 @@ pool when it is offloaded. A request that does not fit yet waits in a bounded FI
 from __future__ import annotations
 
 import collections
-import copy
 import itertools
 import logging
 import os
@@ -39,23 +38,9 @@ class QueueFull(Exception):
     """The waiting queue is full: try again later (HTTP 429)."""
 
 
-# ---- the runtime's session API, before and after the redesign (issue 10 A) --------------------------------
 def open_session(model, placement, policy, max_len: int):
-    """A batch-1 session of up to `max_len` tokens in `placement`'s tier."""
-    if hasattr(placement, "new_store"):  # the policy keeps its per-request state on the session
-        return placement.new_session(model, 1, max_len, policy)
-    return placement.new_session(model, 1, max_len, copy.copy(policy))  # the state lives on the policy object
-
-
-def _event(sess, layer: int, point: str, x: torch.Tensor) -> None:
-    """What model.decode tells a session when a hidden state is ready (policy hook, then placement)."""
-    event = getattr(sess, "event", None)
-    if event is not None:
-        event(layer, point, x)
-        return
-    if layer >= 0:
-        sess.policy.on_hidden(layer, point, x, sess)
-    sess.store.ahead(layer, point, sess)
+    """A batch-1 session of up to `max_len` tokens in `placement`'s tier (its own store and policy state)."""
+    return placement.new_session(model, 1, max_len, policy, prompt_len=None)
 
 
 @torch.inference_mode()
@@ -71,7 +56,7 @@ def batched_decode(model, sessions: list, tokens: torch.Tensor) -> torch.Tensor:
     positions = torch.cat([s.positions for s in sessions])  # [N, 1]: every row at its own position
     h = model.embed(tokens[:, None], positions)
     for i, s in enumerate(sessions):
-        _event(s, -1, "embed", h[i:i + 1])  # placement: layer 0's rows can start moving now
+        s.event(-1, "embed", h[i:i + 1])  # placement: layer 0's rows can start moving now
 
     def attend(layer, q, k, v):
         return torch.cat([model._step_attention(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], s)
@@ -82,19 +67,19 @@ def batched_decode(model, sessions: list, tokens: torch.Tensor) -> torch.Tensor:
         if cfg.pre_norm:
             x = blk.attn_norm(h)
             for i, s in enumerate(sessions):
-                _event(s, layer, "attn_in", x[i:i + 1])
+                s.event(layer, "attn_in", x[i:i + 1])
             q, k, v = model.qkv(layer, x, positions)
             h = h + blk.attn.o_proj(attend(layer, q, k, v).transpose(1, 2).flatten(2))
             for i, s in enumerate(sessions):
-                _event(s, layer, "attn_out", h[i:i + 1])
+                s.event(layer, "attn_out", h[i:i + 1])
             h = h + blk.mlp(blk.mlp_norm(h))
         else:  # OPT-350m style post-norm
             for i, s in enumerate(sessions):
-                _event(s, layer, "attn_in", h[i:i + 1])
+                s.event(layer, "attn_in", h[i:i + 1])
             q, k, v = model.qkv(layer, h, positions)
             h = blk.attn_norm(h + blk.attn.o_proj(attend(layer, q, k, v).transpose(1, 2).flatten(2)))
             for i, s in enumerate(sessions):
-                _event(s, layer, "attn_out", h[i:i + 1])
+                s.event(layer, "attn_out", h[i:i + 1])
             h = blk.mlp_norm(h + blk.mlp(h))
     for s in sessions:
         s.next_pos = s.next_pos + 1
@@ -138,7 +123,7 @@ def session_bytes(sess, shared: dict | None = None) -> tuple[int, int]:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         fast, slow = sum(seen.values()), 0
     state: dict = {}
-    _storages(sess.state if getattr(sess, "state", None) is not None else sess.policy, state)
+    _storages(sess.state, state)
     if store.allocator is not None:
         _storages(store.allocator, state)
     fast += sum(b for p, b in state.items() if not shared or p not in shared)
