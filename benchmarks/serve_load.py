@@ -261,6 +261,17 @@ def report(name, args, machine, alone, loads, caps) -> str:
     for c in caps:
         out.append(f"| {c['policy']} | {kvname[c['kv']]} | {c['fast_per_request'] / mib:.1f} MiB | "
                    f"{c['slow_per_request'] / mib:.1f} MiB | {c['fit_by_rule']} | {c['running_live']} / {c['submitted']} |")
+    by = {(c["policy"], c["kv"]): c for c in caps}
+    lines = []
+    for p in dict.fromkeys(c["policy"] for c in caps):
+        ram, disk = by.get((p, "none")), by.get((p, "disk"))
+        if ram and disk:
+            lines.append(f"{p} {ram['fit_by_rule']} -> {disk['fit_by_rule']}")
+    out += ["", "With the KV on disk, more long requests fit in the same fast memory: " + ", ".join(lines)
+            + " (RAM -> disk). The live check admitted exactly the rule's count (up to the arrivals), and the fast "
+            "bytes the running requests then held stayed within their reservations: "
+            + ", ".join(f"{c['policy']}/{kvname[c['kv']]} {c['kv_fast_live'] / mib:.0f} of "
+                        f"{c['running_live'] * c['fast_per_request'] / mib:.0f} MiB" for c in caps if c["running_live"]) + "."]
     out += ["", ADMISSION, ""]
     return "\n".join(out) + "\n"
 
