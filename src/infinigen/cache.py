@@ -12,6 +12,15 @@ from .codecs import KVCodec
 from .errors import UserError
 
 
+def _scatter_rows(buf: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> None:
+    """buf.scatter_(2, idx, rows), 16-bit floats moved as int16 (the same bits): scatter_ on bfloat16 or
+    float16 takes a slow path in torch 2.13 on CPU (55 ms for one token into a [8, 3, 8192, 64] buffer,
+    against 7 us as int16)."""
+    if buf.dtype in (torch.bfloat16, torch.float16) and rows.dtype == buf.dtype:
+        buf, rows = buf.view(torch.int16), rows.view(torch.int16)
+    buf.scatter_(2, idx, rows)
+
+
 class KVStore:
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
@@ -77,8 +86,8 @@ class KVStore:
         b, h = k.shape[:2]
         slots = self._claim(layer, b, h, k.device)
         idx = slots[:, :, None, None].expand(b, h, 1, k.shape[-1])
-        self.k[layer].scatter_(2, idx, self.codec.encode(k))
-        self.v[layer].scatter_(2, idx, self.codec.encode(v))
+        for buf, x in ((self.k[layer], self.codec.encode(k)), (self.v[layer], self.codec.encode(v))):
+            _scatter_rows(buf, idx, x)
         self._mark(layer, slots, positions)
         return slots
 

@@ -196,6 +196,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
         mem = pol.memory_report(model, sess.state, kv_full)
         if mem:
             row["speculation_memory"] = mem
+            row["speculation_bytes"] = mem.get("speculation_bytes")
         if s.breakdown_steps:
             with Breakdown(model, sess) as bd:
                 for _ in range(s.breakdown_steps):

@@ -228,6 +228,7 @@ MEMORY_COLUMNS = [("prefill s", lambda r: _n(r["prefill_s"], 2)),
                   ("KB/tok", lambda r: _n(_scaled(r.get("bytes_moved_per_token"), 2**10))),
                   ("fast MB", lambda r: _n(_scaled(r.get("peak_fast_bytes"), 2**20))),
                   ("slow MB", lambda r: _n(_scaled(r.get("peak_slow_bytes"), 2**20))),
+                  ("spec MB", lambda r: _n(_scaled(r.get("speculation_bytes"), 2**20))),
                   ("rel KV", lambda r: "-" if r.get("relative_kv") is None else f"{100 * r['relative_kv']:.1f}%")]
 
 
@@ -274,11 +275,10 @@ def _print(p: dict) -> None:
     for r in p["rows"]:
         mem = r.get("speculation_memory")
         if mem:
-            kv = mem["partial_key_cache_vs_kv"]
-            c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}): partial key cache "
-                    f"{_mb(mem['partial_key_cache_bytes'])} MB = {100 * kv:.1f}% of the KV cache; skew matrices + indices "
-                    f"{100 * mem['skew_and_index_vs_weights']:.2f}% of the weights (a stored partial W_Q would be "
-                    f"{100 * mem['partial_query_weight_vs_weights']:.2f}%)")
+            kv = mem["speculation_vs_kv"]
+            c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}): speculation state "
+                    f"{_mb(mem['speculation_bytes'])} MB = {100 * (kv or 0):.1f}% of the KV cache of the layers it covers "
+                    f"(int4 layout {mem['int4_layout']}); skew matrices {100 * mem['skew_vs_weights']:.2f}% of the weights")
         bd = r.get("breakdown")
         if bd:
             blk = bd["per_block_ms"]

@@ -2,9 +2,10 @@
 
 Per request, at prefill, layer i >= 1 (except dense layers) gets a partial index: the top ceil(r*d)
 columns of |Q~| + |K~| summed over the prompt (Q~ = Q A, K~ = K A skewed, A from `infinigen.skew`),
-and a partial key cache K~[:, idx] of every cached token (rewritten in `on_append`, so it follows
-pool evictions). At decoding, when layer i-1's hook fires, the speculative query of layer i is
-computed from the hidden state available there and scored against the partial key cache; tokens
+the partial weights A[:, idx], and a partial key cache K~[:, idx] of every cached token in the model's
+dtype (rewritten in `on_append`, so it follows pool evictions). At decoding, when layer i-1's hook
+fires, the speculative query of layer i is computed from the hidden state available there, projected
+by the partial weights and scored against the partial key cache; tokens
 within `alpha` of each head's maximum are selected and counted per `budget`, at most
 `max_fetch_ratio` of the cached tokens. Layer i's attention then runs over those plus the current
 token (the runtime does that).
@@ -17,8 +18,9 @@ not applied twice. Per-request state (`InfiniGenState`) lives on the session.
 
 Modes beyond the paper (DESIGN.md section 5 measured why): `spec_input="attn_out"` speculates from
 LN_i(h_{i-1} + attn_out_{i-1}) (layer i's own input norm of the residual after layer i-1's attention);
-`key_mode="int4"` scores all columns against a 4-bit copy of the skewed keys (groups of 32), the
-same fast-tier memory as 30% of the columns in 16 bits; `budget="union"` lets a KV head fetch every
+`key_mode="int4"` scores all columns against packed 4-bit skewed keys (`kernels.int4.PackedKeys`:
+two codes per byte, a 16-bit scale and minimum per group of 32; 40 B per token and KV head at d 64, the
+same as 30% of the columns in 16 bits, 7.8% of float32 K+V) with torch's CPU int4 kernel where it fits; `budget="union"` lets a KV head fetch every
 token any of its query heads selects, and `budget="layer"` pools the cap over a layer's KV heads and
 spends it on the entries with the most speculated attention mass. The default preset combines the
 three (see PRESETS); `InfiniGen.paper()` is exactly the paper's method.
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import UserError
+from ..kernels.int4 import PackedKeys, tinygemm_ok
 from .base import Policy, parse_layers, tensor_bytes
 
 BUDGETS = ("mean", "per_head", "union", "layer")
@@ -68,17 +71,29 @@ def fake_int4(x: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
     return (q * scale + lo).reshape(x.shape)
 
 
+def int4_layout(d: int, capacity: int, device) -> str:
+    """The `PackedKeys` layout of a request's 4-bit speculation keys, chosen once in `begin` so that decoding
+    and `select_rows` quantize the same way: torch's CPU int4 kernel where it takes this head_dim and padding
+    the capacity to its 64-token blocks keeps the bytes within 2.4% (40 B/token/head then stays under 8% of
+    float32 K+V), else the portable rows layout."""
+    padded = -(-capacity // 64) * 64
+    return "tinygemm" if tinygemm_ok(d, INT4_GROUP, device) and padded <= 1.024 * capacity else "rows"
+
+
 @dataclass
 class InfiniGenState:
-    """Per request: the skew in use and, per layer, the partial index, the partial (or 4-bit) key cache
-    per store slot, the speculative queries of the rows last seen and the selection made a layer ahead."""
-    A: torch.Tensor | None  # [L, Hkv, d, d] float64, or None (no rotation)
+    """Per request: the skew in use and, per layer, the partial index and weights, the partial (or 4-bit)
+    key cache per store slot, the queries of the rows last seen and the selection made a layer ahead."""
+    A: torch.Tensor | None  # [L, Hkv, d, d] float64, or None (no rotation); model-wide, shared
     alpha: float
     spec_layers: set
     cols: int
+    layout: str | None = None  # key_mode "int4": the PackedKeys layout
+    key_dtype: torch.dtype | None = None  # key_mode "partial": dtype of the stored partial columns
     idx: dict = field(default_factory=dict)  # layer -> [B, Hkv, cols] partial index
-    pk: dict = field(default_factory=dict)  # layer -> [B, Hkv, capacity, cols] skewed key rows, per store slot
-    spec: dict = field(default_factory=dict)  # layer -> [B, Hkv, G, T, d] skewed speculative queries
+    proj: dict = field(default_factory=dict)  # layer -> [B, Hkv, d, cols] partial weights A[:, idx] (model dtype)
+    pk: dict = field(default_factory=dict)  # layer -> PackedKeys (int4) | [B, Hkv, capacity, cols] partial keys
+    spec: dict = field(default_factory=dict)  # layer -> [B, Hkv, G, T, d] post-RoPE queries (projected per row)
     pending: dict = field(default_factory=dict)  # layer -> selection computed one layer ahead (decode)
 
 
@@ -227,54 +242,85 @@ class InfiniGen(Policy):
     def begin(self, model, session) -> InfiniGenState:
         cfg = model.cfg
         d = cfg.head_dim
-        return InfiniGenState(
+        st = InfiniGenState(
             A=self._skew_matrices(model), alpha=self.alpha_for(cfg),
             spec_layers={i for i in range(1, cfg.num_layers) if i not in self.dense_layers},
             cols=d if self.key_mode == "int4" else max(1, math.ceil(self.partial_ratio * d)))
+        if self.key_mode == "int4":
+            st.layout = int4_layout(d, session.store.capacity, model.device)
+        else:
+            # the model's dtype (the keys' own precision: at r = 1 the speculation is exact). In float32 the
+            # partial columns are 30% of K, 15.6% of K+V: the paper's 8% budget assumes 16-bit models, and
+            # storing them in bfloat16 would make float32 speculation inexact; the int4 default meets it.
+            st.key_dtype = model.dtype
+        return st
+
+    @staticmethod
+    def speculation_bytes(state) -> int:
+        """The per-request speculation state kept for the whole request: the partial or packed key cache
+        (codes, scales, minima), the partial indices and the partial weights."""
+        pk = sum(p.nbytes if isinstance(p, PackedKeys) else tensor_bytes(p) for p in state.pk.values())
+        return pk + tensor_bytes(state.idx) + tensor_bytes(state.proj)
 
     def fast_tier_bytes(self, state) -> dict:
-        """The speculation state: partial key cache `pk`, skew `A`, partial indices `idx`, queries, plans."""
-        return {k: tensor_bytes(getattr(state, k)) for k in ("A", "idx", "pk", "spec", "pending")
-                if tensor_bytes(getattr(state, k))}
+        """The speculation state (`speculation_bytes`), the skew `A` (model-wide) and the transient
+        queries and plans."""
+        out = {"speculation": self.speculation_bytes(state)}
+        out.update({k: tensor_bytes(getattr(state, k)) for k in ("A", "spec", "pending")})
+        return {k: v for k, v in out.items() if v}
 
     def speculated(self, layer: int) -> bool:
         return layer >= 1 and layer not in self.dense_layers
 
     def memory_report(self, model, state: InfiniGenState, kv_bytes: int) -> dict:
-        """The speculation state relative to the weights and to the full KV cache: the partial key cache
-        (fast tier), the skew matrices and partial indices, and, for reference, a separately stored partial
-        query weight of ceil(r*d) columns (the paper's layout, 2.5% in the paper; this runtime reads the
-        columns from the full W_Q instead)."""
-        pk = tensor_bytes(state.pk)
-        weights = _weight_bytes(model)
-        kept = tensor_bytes(state.A) + tensor_bytes(state.idx)
+        """The speculation state relative to the KV bytes of the layers it covers (`kv_bytes` is the full
+        cache of every layer) and the skew matrices and partial weights relative to the weights."""
+        spec = self.speculation_bytes(state)
         cfg = model.cfg
-        wq = sum(blk.attn.q_proj.weight.numel() * blk.attn.q_proj.weight.element_size() for blk in model.layers)
-        spec = len(state.spec_layers) or cfg.num_layers
-        partial_w = int(wq * state.cols / cfg.head_dim * spec / cfg.num_layers)
-        return {"partial_key_cache_bytes": pk, "partial_key_cache_vs_kv": pk / kv_bytes if kv_bytes else None,
-                "skew_and_index_bytes": kept, "skew_and_index_vs_weights": kept / weights,
-                "partial_query_weight_bytes_if_stored": partial_w,
-                "partial_query_weight_vs_weights": partial_w / weights}
+        covered = kv_bytes * len(state.spec_layers) / cfg.num_layers if kv_bytes else 0
+        weights = _weight_bytes(model)
+        skew = tensor_bytes(state.A)
+        return {"speculation_bytes": spec, "speculation_vs_kv": spec / covered if covered else None,
+                "partial_key_cache_bytes": spec - tensor_bytes(state.idx) - tensor_bytes(state.proj),
+                "partial_weight_bytes": tensor_bytes(state.proj), "index_bytes": tensor_bytes(state.idx),
+                "skew_bytes": skew, "skew_vs_weights": skew / weights, "int4_layout": state.layout}
 
+    # ---- projections ------------------------------------------------------------------------------
+    # Everything the speculation multiplies is computed in float64 and rounded to float32 once: the
+    # vectorized (teacher-forced) and the row-by-row (decoding) paths then agree to the last bit whatever
+    # the matmul shapes. The operands are small (a token's key, a step's query: [B, Hkv, G, d] against
+    # d x d or d x cols), so float64 costs microseconds per layer next to the scoring.
     @staticmethod
     def _rotate(st: InfiniGenState, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """x [B, Hkv, ..., d] -> x A[layer, kv head] in float32 (computed in float64: the vectorized and the
-        row-by-row paths then agree to the last bit whatever the matmul shapes)."""
+        """x [B, Hkv, ..., d] -> x A[layer, kv head] in float32."""
         x = x.to(torch.float64)
-        if st.A is not None:
-            a = st.A[layer]
-            a = a.view(a.shape[0], *([1] * (x.dim() - 4)), *a.shape[1:])
-            x = x @ a
-        return x.float()
+        if st.A is None:
+            return x.float()
+        # one bmm per KV head over every row: broadcasting A over [B, ..., G] would copy it per row
+        # (measured at B 8, G 3, d 64: 0.2 ms against 1.3 ms per layer and step, on a loaded 2-core CPU;
+        # float32 would save another 0.09 ms but could round differently for other row counts)
+        b, h, d = x.shape[0], x.shape[1], x.shape[-1]
+        y = torch.bmm(x.reshape(b, h, -1, d).transpose(0, 1).reshape(h, -1, d), st.A[layer])
+        return y.view(h, b, -1, d).transpose(0, 1).reshape(x.shape).float()
 
-    def _key_rows(self, st: InfiniGenState, k: torch.Tensor, layer: int) -> torch.Tensor:
-        """What the fast tier holds per token: the partial skewed key columns, or a 4-bit copy of all."""
-        ks = self._rotate(st, k, layer)
+    def _project(self, st: InfiniGenState, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """x [B, Hkv, ..., d] -> what speculation multiplies, float32: all skewed columns (int4), or the
+        partial ones: x @ A[layer][:, idx] with the precomputed partial weights (one d x cols matmul
+        instead of a d x d rotation and a gather). For the Llama family RoPE sits between W_Q and A, so
+        the partial weights apply to the post-RoPE query: W_Q itself cannot be sliced exactly. A model with
+        the skew folded into W_Q and W_K (`skew.skew_model`, OPT) has no A: its query columns are gathered.
+        Slicing its W_Q~ instead would need a copy per request row (the index is per row and KV head):
+        [B, H, hidden, cols] in the model's dtype, at OPT-6.7B and batch 8 some 80 MB per layer, 30% of
+        a 2048-token KV cache, to save a projection that costs one hidden x d matmul per step."""
         if self.key_mode == "int4":
-            return fake_int4(ks)
-        idx = st.idx[layer]
-        return ks.gather(-1, idx[:, :, None, :].expand(*ks.shape[:3], idx.shape[-1]))
+            return self._rotate(st, x, layer)
+        w = st.proj.get(layer)
+        if w is None:
+            idx = st.idx[layer]
+            idx = idx.view(*idx.shape[:2], *([1] * (x.dim() - 3)), idx.shape[-1])
+            return x.gather(-1, idx.expand(*x.shape[:-1], idx.shape[-1])).float()
+        y = x.reshape(*x.shape[:2], -1, x.shape[-1]).to(torch.float64) @ w.to(torch.float64)  # [B, Hkv] batches
+        return y.view(*x.shape[:-1], w.shape[-1]).float()
 
     # ---- hooks ----------------------------------------------------------------------------------
     def on_prefill(self, layer, q, k, v, session):
@@ -284,16 +330,25 @@ class InfiniGen(Policy):
         b, h, t, d = q.shape
         hkv = k.shape[1]
         store = session.store
-        if self.key_mode == "partial":
-            w = store.valid[layer][:, :, :t, None].float()  # pad tokens of left-padded prompts do not vote
-            qs = self._rotate(st, q.view(b, hkv, h // hkv, t, d), layer).abs()
-            ks = self._rotate(st, k, layer).abs()
-            colsum = (qs * w[:, :, None]).sum((2, 3)) + (ks * w).sum(2)  # [B, Hkv, d]
-            st.idx[layer] = colsum.topk(st.cols, dim=-1).indices.sort(-1).values
-        pk = torch.zeros(b, hkv, store.capacity, st.cols, dtype=torch.float32, device=k.device)
-        pk[:, :, :t] = self._key_rows(st, k, layer)
-        st.pk[layer] = pk
         st.pending.pop(layer, None)
+        if self.key_mode == "int4":
+            pk = PackedKeys(b, hkv, store.capacity, d, group=INT4_GROUP, layout=st.layout, device=k.device)
+            pk.write(0, self._rotate(st, k, layer))
+            st.pk[layer] = pk
+            return
+        w = store.valid[layer][:, :, :t, None].float()  # pad tokens of left-padded prompts do not vote
+        qs = self._rotate(st, q.view(b, hkv, h // hkv, t, d), layer).abs()
+        ks = self._rotate(st, k, layer)
+        colsum = (qs * w[:, :, None]).sum((2, 3)) + (ks.abs() * w).sum(2)  # [B, Hkv, d]
+        idx = colsum.topk(st.cols, dim=-1).indices.sort(-1).values
+        st.idx[layer] = idx
+        if st.A is not None:  # the partial weights: the skew's columns idx, per (row, KV head)
+            a = st.A[layer].expand(b, hkv, d, d)
+            # kept in the model's dtype, like W_Q (float32 would add cols/capacity of the KV bytes)
+            st.proj[layer] = a.gather(-1, idx[:, :, None, :].expand(b, hkv, d, st.cols)).to(st.key_dtype)
+        pk = torch.zeros(b, hkv, store.capacity, st.cols, dtype=st.key_dtype, device=k.device)
+        pk[:, :, :t] = self._project(st, k, layer).to(st.key_dtype)
+        st.pk[layer] = pk
 
     def on_hidden(self, layer, point, x, session):
         st, model = session.state, session.model
@@ -307,7 +362,8 @@ class InfiniGen(Policy):
         hkv = model.cfg.num_kv_heads
         for old in [i for i in st.spec if i < layer]:  # their attention has run
             del st.spec[old]
-        st.spec[target] = self._rotate(st, q.view(b, hkv, h // hkv, t, d), target)
+        # kept as is and projected per row when scored: at prefill the partial weights do not exist yet
+        st.spec[target] = q.view(b, hkv, h // hkv, t, d)
         if t == 1 and target in st.pk:
             # decoding: the selection is ready one layer ahead, so its transfer can start now;
             # layer `target`'s partial keys do not change before its own attention
@@ -332,65 +388,91 @@ class InfiniGen(Policy):
         st = session.state
         if layer not in st.spec_layers:
             return
-        rows = self._key_rows(st, k, layer)  # [B, Hkv, 1, cols]
         pk = st.pk[layer]
-        pk.scatter_(2, slots[:, :, None, None].expand(*slots.shape, 1, pk.shape[-1]), rows)
+        if self.key_mode == "int4":
+            pk.scatter(slots, self._rotate(st, k, layer))
+            return
+        rows = self._project(st, k, layer).to(st.key_dtype)  # [B, Hkv, 1, cols]
+        idx = slots[:, :, None, None].expand(*slots.shape, 1, pk.shape[-1])
+        if pk.element_size() == 2:  # 16-bit floats moved as int16: scatter_ on them is slow in torch 2.13
+            pk, rows = pk.view(torch.int16), rows.view(torch.int16)
+        pk.scatter_(2, idx, rows)
 
     # ---- selection ------------------------------------------------------------------------------
     def _spec_rows(self, st: InfiniGenState, layer: int, rows: slice) -> torch.Tensor:
+        """Projected speculative queries [B, Hkv, G, R, c] (float32) of decoding rows `rows`."""
         qs = st.spec.get(layer)
         if qs is None:
             raise RuntimeError(f"no speculation for layer {layer} (the hook of layer {layer - 1} did not run)")
-        qs = qs[:, :, :, rows]  # [B, Hkv, G, R, d]
-        if self.key_mode == "int4":
-            return qs
-        idx = st.idx[layer]
-        return qs.gather(-1, idx[:, :, None, None, :].expand(*qs.shape[:4], idx.shape[-1]))
+        return self._project(st, qs[:, :, :, rows], layer)
 
     @staticmethod
     def _window(cfg, valid, pos, cur):
         w = cfg.sliding_window
         return valid if w is None else valid & (cur - pos < w)
 
-    def _scores(self, st: InfiniGenState, layer: int, row: int, pk: torch.Tensor) -> torch.Tensor:
-        """Speculated scores [B, Hkv, G, S] of decoding row `row` against the partial keys pk [B, Hkv, S, c].
-        One float32 matmul per row with the same shapes on both paths (decoding and `select_rows`), so
-        they agree bit for bit; the G query heads are the matmul rows (broadcasting pk over G copied it
-        G times)."""
+    def _scores(self, st: InfiniGenState, layer: int, row: int, pk, n: int) -> torch.Tensor:
+        """Speculated scores [B, Hkv, G, n] (float32) of decoding row `row` against the first n slots of
+        the partial or packed keys, the same calls on both paths (decoding and `select_rows`), so they
+        agree bit for bit. int4: torch's int4 kernel or the tiled scorer read the packed codes (no float
+        copy of the context). partial: one matmul per row in the keys' 16-bit dtype; the G query heads
+        are the matmul rows (broadcasting the keys over G copied them G times)."""
         qs = self._spec_rows(st, layer, slice(row, row + 1))[:, :, :, 0].contiguous()  # [B, Hkv, G, c]
-        return qs @ pk.transpose(-1, -2)
+        if isinstance(pk, PackedKeys):
+            return pk.scores(qs, n)
+        k = pk[:, :, :n]
+        return (qs.to(k.dtype) @ k.transpose(-1, -2)).float()
 
     def _select_row(self, layer: int, row: int, session) -> torch.Tensor:
         """Selection [B, Hkv, S] over the store's slots for decoding row `row`."""
         st, store, model = session.state, session.store, session.model
         n = store.length[layer]
-        scores = self._scores(st, layer, row, st.pk[layer][:, :, :n])[:, :, :, None]  # [B, Hkv, G, 1, S]
+        scores = self._scores(st, layer, row, st.pk[layer], n)[:, :, :, None]  # [B, Hkv, G, 1, S]
         valid = store.valid[layer][:, :, :n]
         cur = session.positions[:, row]
         valid = self._window(model.cfg, valid, store.pos[layer][:, :, :n], cur[:, None, None])
-        keep = self._choose(scores * model.scale, valid[:, :, None, :], st.alpha)
+        # every row has n valid tokens unless a prompt was padded or a window hides some: then the caps
+        # are known on the host and the selection needs no synchronization (see `_choose`)
+        same = n if not getattr(store, "padded", True) and model.cfg.sliding_window is None else None
+        keep = self._choose(scores * model.scale, valid[:, :, None, :], st.alpha, same)
         return keep[:, :, 0]
 
     def select_rows(self, layer, q, k, session):
         """All decoding rows of `layer` at once (teacher-forced): the same selection as `_select_row`
-        makes for each row, with the keys of every earlier position in the partial key cache."""
+        makes for each row, with the keys of every earlier position in the partial or packed key cache."""
         st, model = session.state, session.model
         if layer not in st.spec_layers:
             return None
         p, t = session.first_row, k.shape[2]
-        pk = self._key_rows(st, k, layer)  # [B, Hkv, T, c]
-        b, hkv = k.shape[:2]
-        out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=k.device)
+        b, hkv, _, d = k.shape
+        dev = k.device
+        if self.key_mode == "int4":
+            pk = PackedKeys(b, hkv, t, d, group=INT4_GROUP, layout=st.layout, device=dev)
+            pk.write(0, self._rotate(st, k, layer))
+        else:
+            pk = self._project(st, k, layer).to(st.key_dtype)  # [B, Hkv, T, c]
+        every = None
+        if isinstance(pk, PackedKeys) and pk.layout == "tinygemm":
+            # each score of the int4 kernel is its own dot product, the same bits whatever the other rows
+            # of the call: score every row in one call and cut per row
+            qs = self._spec_rows(st, layer, slice(p, t))  # [B, Hkv, G, R, d]
+            g = qs.shape[2]
+            every = pk.scores(qs.reshape(b, hkv, g * (t - p), d).contiguous(), t).view(b, hkv, g, t - p, t)
+        out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=dev)
         for r in range(p, t):
             # row r sees the r cached tokens before it: the same shapes, so the same float32 numbers,
             # as `_select_row` when decoding (row by row: the selection's reductions depend on shapes)
-            valid = self._window(model.cfg, torch.ones(b, hkv, 1, r, dtype=torch.bool, device=k.device),
-                                 torch.arange(r, device=k.device), r)
-            scores = self._scores(st, layer, r, pk[:, :, :r])[:, :, :, None]  # [B, Hkv, G, 1, r]
-            out[:, :, r - p, :r] = self._choose(scores * model.scale, valid, st.alpha)[:, :, 0]
+            valid = self._window(model.cfg, torch.ones(b, hkv, 1, r, dtype=torch.bool, device=dev),
+                                 torch.arange(r, device=dev), r)
+            if every is not None:
+                scores = every[:, :, :, r - p, None, :r]
+            else:
+                scores = self._scores(st, layer, r, pk, r)[:, :, :, None]  # [B, Hkv, G, 1, r]
+            same = r if model.cfg.sliding_window is None else None
+            out[:, :, r - p, :r] = self._choose(scores * model.scale, valid, st.alpha, same)[:, :, 0]
         return out
 
-    def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float, same: int | None = None) -> torch.Tensor:
         """Scores s [B, Hkv, G, R, S] (float32) of R rows over S slots, valid [B|1, Hkv|1, R, S] ->
         keep [B, Hkv, R, S]: per query head, the tokens above max - `alpha`, counted per `budget`:
 
@@ -403,22 +485,39 @@ class InfiniGen(Policy):
                     layer): above it, the entries with the most speculated attention mass (summed over
                     the group's query heads) win, so peaked heads give up nothing to flat ones
         The cap is `max_fetch_ratio` of the cached tokens (per KV head; per layer for "layer"), at least
-        `min_fetch` tokens per KV head."""
+        `min_fetch` tokens per KV head. `same`: every row's count of valid tokens, when the caller knows it
+        is one number (no padding, no window).
+
+        Host synchronizations per call (what a CUDA decoding step pays per speculated layer): "union" and
+        "layer" with `same` known: none (caps are host numbers, the cut is a top-k with a host k over every
+        row, kept rows restored with `where`); on CPU, "layer" checks once whether any row is over its cap
+        (a free check there, and it skips the cut). Otherwise (padding, a window; "mean" and "per_head",
+        whose counts are data) 3-4: the rows to cut (nonzero), the largest count (top-k size) and whether
+        the counts are all equal. The runtime's gather of the chosen slots adds 2 (`KVStore.slots`: the
+        largest count and nonzero, a data-dependent size)."""
         # both paths call this with the same shapes per row (`select_rows`), so float32 is exact enough
-        rel = s.float().masked_fill_(~valid[:, :, None], float("-inf"))
+        rel = s.float()
+        if same is None:  # else every slot is valid
+            rel = rel.masked_fill_(~valid[:, :, None], float("-inf"))
         rel -= rel.amax(-1, keepdim=True).clamp(min=torch.finfo(rel.dtype).min)  # relative to each head's max
-        length = valid.sum(-1)  # [B|1, Hkv|1, R] cached tokens
         floor = max(1, self.min_fetch)
+        # host numbers when every row has `same` tokens; the same float32 arithmetic as on the device
+        length = valid.sum(-1) if same is None else torch.tensor(same).view(1, 1, 1)  # [B|1, Hkv|1, R] cached tokens
         cap = (self.max_fetch_ratio * length).floor().clamp(min=floor).long()
         if self.budget in ("union", "layer"):
-            u = rel.amax(2)  # [B, Hkv, R, S]
+            u = rel[:, :, 0].clone()  # [B, Hkv, R, S]: the max over the group, slice by slice (a strided
+            for g in range(1, rel.shape[2]):  # amax over dim 2 takes 20x longer on a CPU)
+                torch.maximum(u, rel[:, :, g], out=u)
             keep = u > -alpha
             if self.budget == "union":
-                return self._cut(keep, u, cap.expand(u.shape[:-1]))
+                return self._cut(keep, u, int(cap) if same is not None else cap.expand(u.shape[:-1]))
             b, hkv, r, n = keep.shape
-            total = (self.max_fetch_ratio * length.expand(b, hkv, r).sum(1)).floor().clamp(min=floor * hkv).long()  # [B, R]
+            if same is None:
+                total = (self.max_fetch_ratio * length.expand(b, hkv, r).sum(1)).floor().clamp(min=floor * hkv).long()  # [B, R]
+            else:
+                total = int((self.max_fetch_ratio * (length * hkv)).floor().clamp(min=floor * hkv))
             over = keep.sum((1, 3)) > total
-            if not over.any():
+            if not keep.is_cuda and not over.any():  # free on a CPU (and skips the cut); on CUDA a synchronization
                 return keep
             p = rel.exp()  # speculated attention weights per query head
             mass = (p / p.sum(-1, keepdim=True)).sum(2)  # [B, Hkv, R, S]
@@ -431,7 +530,7 @@ class InfiniGen(Policy):
             n = counts.float().mean((1, 2), keepdim=True)
         else:  # per_head: each KV head its own count, the mean over its query heads
             n = counts.float().mean(2, keepdim=True)
-        n = torch.minimum(torch.ceil(n - 1e-6).long(), cap[:, :, None]).expand_as(counts)
+        n = torch.minimum(torch.ceil(n - 1e-6).long(), cap[:, :, None].to(n.device)).expand_as(counts)
         # each query head its own top-n tokens: where n equals the head's count that is `above` itself
         return self._cut(above, rel, n, exact=counts == n).any(2)
 
@@ -439,9 +538,21 @@ class InfiniGen(Policy):
     def _cut(keep: torch.Tensor, score: torch.Tensor, n: torch.Tensor, exact: torch.Tensor | None = None):
         """Per row (last dim), exactly the top-n entries of `score` (ties: lower slot first) where `keep`
         holds more, or fewer, than n; rows in `exact` (or with at most n kept, when `exact` is None)
-        keep `keep`."""
+        keep `keep`. n: a tensor per row, or one host number for every row (then no synchronization: every
+        row is cut, a top-k with an unsorted k, and the exact rows are put back)."""
         if exact is None:
             exact = keep.sum(-1) <= n  # nothing to cut
+        if isinstance(n, int):
+            k = min(n, score.shape[-1])
+            if k == 0:
+                return keep & exact[..., None]
+            # (kthvalue is no faster on a CPU: the unselected entries tie at -1; the top-k is the cut's main
+            # cost, 0.5 ms per row of 12288 entries)
+            thr = score.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+            above = score > thr
+            tie = (score == thr) & (score > float("-inf"))
+            take = above | (tie & (tie.cumsum(-1) <= (n - above.sum(-1, keepdim=True))))
+            return torch.where(exact[..., None], keep, take)
         todo = (~exact).nonzero(as_tuple=True)
         if todo[0].numel() == 0:
             return keep
