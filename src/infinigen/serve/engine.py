@@ -54,33 +54,19 @@ def batched_decode(model, sessions: list, tokens: torch.Tensor) -> torch.Tensor:
     for s in sessions:
         s.positions, s.row, s.mode = s.next_pos[:, None], 0, "decode"
     positions = torch.cat([s.positions for s in sessions])  # [N, 1]: every row at its own position
-    h = model.embed(tokens[:, None], positions)
-    for i, s in enumerate(sessions):
-        s.event(-1, "embed", h[i:i + 1])  # placement: layer 0's rows can start moving now
+
+    def event(layer, point, x):  # each session hears of its own row
+        for i, s in enumerate(sessions):
+            s.event(layer, point, x[i:i + 1])
 
     def attend(layer, q, k, v):
         return torch.cat([model._step_attention(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], s)
                           for i, s in enumerate(sessions)])
 
+    h = model.embed(tokens[:, None], positions)
+    event(-1, "embed", h)  # placement: layer 0's rows can start moving now
     for layer in range(cfg.num_layers):
-        blk = model.layers[layer]
-        if cfg.pre_norm:
-            x = blk.attn_norm(h)
-            for i, s in enumerate(sessions):
-                s.event(layer, "attn_in", x[i:i + 1])
-            q, k, v = model.qkv(layer, x, positions)
-            h = h + blk.attn.o_proj(attend(layer, q, k, v).transpose(1, 2).flatten(2))
-            for i, s in enumerate(sessions):
-                s.event(layer, "attn_out", h[i:i + 1])
-            h = h + blk.mlp(blk.mlp_norm(h))
-        else:  # OPT-350m style post-norm
-            for i, s in enumerate(sessions):
-                s.event(layer, "attn_in", h[i:i + 1])
-            q, k, v = model.qkv(layer, h, positions)
-            h = blk.attn_norm(h + blk.attn.o_proj(attend(layer, q, k, v).transpose(1, 2).flatten(2)))
-            for i, s in enumerate(sessions):
-                s.event(layer, "attn_out", h[i:i + 1])
-            h = blk.mlp_norm(h + blk.mlp(h))
+        h = model._run_layer(layer, h, positions, event, attend)
     for s in sessions:
         s.next_pos = s.next_pos + 1
     return model.head(h[:, -1])
