@@ -268,7 +268,7 @@ def test_bench_tables_fit_80_columns():
     row = dict(system="transformers DynamicCache(offloading)", batch=64, prompt_len=32768, prefill_s=123.456,
                decode_ms_per_step=1234.5, decode_tokens_per_s=51.84, x_vs_ideal=0.97, x_vs_transformers=2.31,
                x_vs_full_offload=12.5, bytes_moved_per_token=98765, peak_fast_bytes=3 << 30, peak_slow_bytes=40 << 30,
-               relative_kv=0.0734)
+               relative_kv=0.0734, speculation_bytes=25 << 20)
     buf = io.StringIO()
     console = Console(file=buf, width=80, force_terminal=False)
     for t in tables([row, dict(row, system="infinigen (cpu)")]):
@@ -276,5 +276,5 @@ def test_bench_tables_fit_80_columns():
     text = buf.getvalue()
     assert max(len(line) for line in text.splitlines()) <= 80
     assert "…" not in text
-    for cell in ("1234", "51.84", "0.97", "2.31", "12.50", "123.5", "96.5", "3072", "40960", "7.3%"):
+    for cell in ("1234", "51.84", "0.97", "2.31", "12.50", "123.5", "96.5", "3072", "40960", "7.3%", "25.0"):
         assert cell in text, (cell, text)

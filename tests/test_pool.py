@@ -169,4 +169,11 @@ def test_partial_keys_match_pool(victim, capacity, steps, key_mode, seed):
     for layer in range(1, c.num_layers):
         kp = sess.store.k[layer]  # [1, Hkv, capacity, d]
         # rows written one at a time vs all at once: equal up to float rounding of the rotation
-        torch.testing.assert_close(sess.state.pk[layer], pol._key_rows(sess.state, kp, layer), rtol=0, atol=1e-5, msg=f"layer {layer}")
+        st = sess.state
+        if key_mode == "int4":  # the packed 4-bit copy of every slot's rotated key, dequantized
+            from infinigen.kernels.int4 import fake_quantize
+            got = st.pk[layer].dequantize(capacity)
+            want = fake_quantize(pol._rotate(st, kp, layer), layout=st.layout)
+        else:
+            got, want = st.pk[layer], pol._project(st, kp, layer).to(st.key_dtype)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"layer {layer}")

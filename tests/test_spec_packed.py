@@ -179,3 +179,16 @@ def test_decode_selection_needs_no_host_sync_on_cuda(make_tiny):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert keep.is_cuda and keep.shape[-1] == sess.store.length[layer]
+
+
+def test_kth_largest_is_the_top_k_threshold():
+    """The cut's threshold (numpy's partition on a CPU) is exactly torch's k-th largest value, with the
+    ties at -1 of unselected entries and -inf of invalid slots that the cut sees."""
+    from infinigen.policies.infinigen import _kth_largest
+    g = torch.Generator().manual_seed(0)
+    score = torch.rand(4, 3, 500, generator=g)
+    score[torch.rand(4, 3, 500, generator=g) < 0.4] = -1.0
+    score[..., :7] = float("-inf")
+    for k in (1, 17, 250, 493):
+        want = score.topk(k, dim=-1).values[..., -1:]
+        assert torch.equal(_kth_largest(score, k), want)

@@ -12,7 +12,7 @@ import sys
 
 from .errors import UserError
 
-COMMAND_MODULES = ["basic", "skew", "ppl", "bench", "fewshot", "needle", "analyze"]
+COMMAND_MODULES = ["basic", "skew", "ppl", "bench", "fewshot", "needle", "analyze", "serve"]
 INTERRUPTED = 130
 
 _app = None

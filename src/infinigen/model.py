@@ -260,22 +260,23 @@ class Transformer(nn.Module):
         q = attn.q_proj(x).view(b, t, cfg.num_heads, cfg.head_dim).transpose(1, 2)
         return self.rotary.apply(q, positions) if cfg.uses_rope else q
 
-    def _run_layer(self, layer: int, h: torch.Tensor, sess: Session, attend) -> torch.Tensor:
+    def _run_layer(self, layer: int, h: torch.Tensor, positions: torch.Tensor, event, attend) -> torch.Tensor:
         """One block; `attend(layer, q, k, v)` is the only part that differs between the three paths.
-        The session hears of the attention input and of the residual after attention (`Session.event`)."""
+        `event(layer, point, x)` hears of the attention input and of the residual after attention
+        (`Session.event`; the server's engine fans it out to the sessions of a stacked batch)."""
         blk = self.layers[layer]
         if self.cfg.pre_norm:
             x = blk.attn_norm(h)
-            sess.event(layer, "attn_in", x)
-            q, k, v = self.qkv(layer, x, sess.positions)
+            event(layer, "attn_in", x)
+            q, k, v = self.qkv(layer, x, positions)
             h = h + blk.attn.o_proj(attend(layer, q, k, v).transpose(1, 2).flatten(2))
-            sess.event(layer, "attn_out", h)
+            event(layer, "attn_out", h)
             return h + blk.mlp(blk.mlp_norm(h))
         # OPT-350m style post-norm
-        sess.event(layer, "attn_in", h)
-        q, k, v = self.qkv(layer, h, sess.positions)
+        event(layer, "attn_in", h)
+        q, k, v = self.qkv(layer, h, positions)
         h = blk.attn_norm(h + blk.attn.o_proj(attend(layer, q, k, v).transpose(1, 2).flatten(2)))
-        sess.event(layer, "attn_out", h)
+        event(layer, "attn_out", h)
         return blk.mlp_norm(h + blk.mlp(h))
 
     def _window(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
@@ -322,7 +323,7 @@ class Transformer(nn.Module):
         attend = functools.partial(self._prompt_attention, sess=sess, mask=mask, causal=causal)
         h = self.embed(tokens, positions)
         for layer in range(self.cfg.num_layers):
-            h = self._run_layer(layer, h, sess, attend)
+            h = self._run_layer(layer, h, sess.positions, sess.event, attend)
         return self.head(h if all_logits else h[:, -1])
 
     def prompt_mask(self, valid: torch.Tensor, positions: torch.Tensor):
@@ -400,7 +401,7 @@ class Transformer(nn.Module):
         sess.event(-1, "embed", h)  # placement: layer 0's rows can start moving now
         attend = functools.partial(self._step_attention, sess=sess)
         for layer in range(self.cfg.num_layers):
-            h = self._run_layer(layer, h, sess, attend)
+            h = self._run_layer(layer, h, sess.positions, sess.event, attend)
         sess.next_pos = sess.next_pos + 1
         return self.head(h[:, -1])
 
@@ -420,7 +421,7 @@ class Transformer(nn.Module):
         attend = functools.partial(self._teacher_attention, sess=sess, mask=mask, causal=causal)
         h = self.embed(tokens, positions)
         for layer in range(self.cfg.num_layers):
-            h = self._run_layer(layer, h, sess, attend)
+            h = self._run_layer(layer, h, sess.positions, sess.event, attend)
         return self.head(h)
 
     def _teacher_attention(self, layer: int, q, k, v, sess: Session, mask, causal: bool) -> torch.Tensor:

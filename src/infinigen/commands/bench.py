@@ -229,7 +229,7 @@ MEMORY_COLUMNS = [("prefill s", lambda r: _n(r["prefill_s"], 2)),
                   ("fast MB", lambda r: _n(_scaled(r.get("peak_fast_bytes"), 2**20))),
                   ("slow MB", lambda r: _n(_scaled(r.get("peak_slow_bytes"), 2**20))),
                   ("spec MB", lambda r: _n(_scaled(r.get("speculation_bytes"), 2**20))),
-                  ("rel KV", lambda r: "-" if r.get("relative_kv") is None else f"{100 * r['relative_kv']:.1f}%")]
+                 ("rel KV", lambda r: "-" if r.get("relative_kv") is None else f"{100 * r['relative_kv']:.1f}%")]
 
 
 def _scaled(x, unit):
@@ -249,15 +249,17 @@ def tables(rows: list[dict]) -> list:
     from rich import box
     from rich.table import Table
     out = []
-    for title, cols in (("decoding speed", SPEED_COLUMNS), ("prefill, memory and traffic", MEMORY_COLUMNS)):
+    # the prompt length only in the first table: the second has the more columns
+    for title, cols, prompt in (("decoding speed", SPEED_COLUMNS, True), ("prefill, memory and traffic", MEMORY_COLUMNS, False)):
         t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1), title_justify="left")
         t.add_column("system", overflow="fold", ratio=1, min_width=10)
         t.add_column("batch", justify="right", no_wrap=True)
-        t.add_column("prompt", justify="right", no_wrap=True)
+        if prompt:
+            t.add_column("prompt", justify="right", no_wrap=True)
         for name, _ in cols:
             t.add_column(name, justify="right", no_wrap=True)
         for r in rows:
-            t.add_row(r["system"], str(r["batch"]), str(r["prompt_len"]), *(f(r) for _, f in cols))
+            t.add_row(r["system"], str(r["batch"]), *([str(r["prompt_len"])] if prompt else []), *(f(r) for _, f in cols))
         out.append(t)
     return out
 

@@ -41,6 +41,7 @@ import math
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..errors import UserError
@@ -85,6 +86,17 @@ def fake_int4(x: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
     scale = ((hi - lo) / 15).clamp(min=1e-12)
     q = ((g - lo) / scale).round().clamp(0, 15)
     return (q * scale + lo).reshape(x.shape)
+
+
+def _kth_largest(score: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest value of each row (last dim) of `score`, [..., 1]: the cut's threshold. On a CPU,
+    numpy's introselect (a partition, no sort) is 10x faster than torch's top-k, which sorts partially:
+    0.6 against 5.6 ms for 8 rows of 3 x 8192 entries at k = 14%, one thread. Both give the same value."""
+    if score.device.type == "cpu":
+        a = score.contiguous().numpy()
+        n = a.shape[-1]
+        return torch.from_numpy(np.partition(a, n - k, axis=-1)[..., n - k:n - k + 1])
+    return score.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
 
 
 def int4_layout(d: int, capacity: int, device) -> str:
@@ -614,9 +626,7 @@ class InfiniGen(Policy):
             k = min(n, score.shape[-1])
             if k == 0:
                 return keep & exact[..., None]
-            # (kthvalue is no faster on a CPU: the unselected entries tie at -1; the top-k is the cut's main
-            # cost, 0.5 ms per row of 12288 entries)
-            thr = score.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+            thr = _kth_largest(score, k)
             above = score > thr
             tie = (score == thr) & (score > float("-inf"))
             take = above | (tie & (tie.cumsum(-1) <= (n - above.sum(-1, keepdim=True))))
@@ -627,7 +637,7 @@ class InfiniGen(Policy):
         sc, nn = score[todo], n[todo]  # [N, S], [N]
         kmax = min(int(nn.max()), sc.shape[-1])
         if bool((nn >= kmax).all()):  # one n for every row (the common case): no need to sort the top
-            thr = sc.topk(kmax, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+            thr = _kth_largest(sc, kmax)
         else:
             thr = sc.topk(kmax, dim=-1, sorted=True).values.gather(-1, (nn.clamp(1, kmax) - 1)[:, None])
         above = sc > thr

@@ -1,0 +1,422 @@
+"""Continuous batching over the KV pool.
+
+Every request has its own `Session` (batch 1): its own KV store, policy state and positions. One engine
+step decodes every running request at once: everything that is per token (embedding, norms, the q/k/v
+and output projections, the MLP, the LM head) runs on the rows stacked into one batch, and attention
+runs per request on that request's session (vLLM's idea: batched weights, per-sequence KV). Joining and
+leaving is then trivial: a new request is prefilled alone between steps and joins the next one; a
+finished or cancelled request closes its store, which frees its pool.
+
+Admission: the KV memory is the limit. A request reserves what its session will hold in each tier for
+prompt + max_tokens tokens (measured per token at start-up with a probe session, see `KVCost`) from two
+budgets: the fast tier (RAM on a CPU host, GPU memory behind a GPU) and the slow tier that holds the
+pool when it is offloaded. A request that does not fit yet waits in a bounded FIFO queue; beyond it,
+`QueueFull` (the HTTP layer answers 429).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import UserError
+from ..generate import Sampling, sample
+
+log = logging.getLogger("infinigen.serve")
+
+
+class QueueFull(Exception):
+    """The waiting queue is full: try again later (HTTP 429)."""
+
+
+def open_session(model, placement, policy, max_len: int):
+    """A batch-1 session of up to `max_len` tokens in `placement`'s tier (its own store and policy state)."""
+    return placement.new_session(model, 1, max_len, policy, prompt_len=None)
+
+
+@torch.inference_mode()
+def batched_decode(model, sessions: list, tokens: torch.Tensor) -> torch.Tensor:
+    """One new token for each session (batch 1 each), tokens [N]: logits [N, V].
+
+    The same per-layer order as `Transformer.decode` for every session (its hooks and placement calls see
+    that session's row), with the per-token work batched over all of them; a session's tokens are those
+    of `model.decode` on it alone."""
+    cfg = model.cfg
+    for s in sessions:
+        s.positions, s.row, s.mode = s.next_pos[:, None], 0, "decode"
+    positions = torch.cat([s.positions for s in sessions])  # [N, 1]: every row at its own position
+
+    def event(layer, point, x):  # each session hears of its own row
+        for i, s in enumerate(sessions):
+            s.event(layer, point, x[i:i + 1])
+
+    def attend(layer, q, k, v):
+        return torch.cat([model._step_attention(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], s)
+                          for i, s in enumerate(sessions)])
+
+    h = model.embed(tokens[:, None], positions)
+    event(-1, "embed", h)  # placement: layer 0's rows can start moving now
+    for layer in range(cfg.num_layers):
+        h = model._run_layer(layer, h, positions, event, attend)
+    for s in sessions:
+        s.next_pos = s.next_pos + 1
+    return model.head(h[:, -1])
+
+
+# ---- what a session holds ----------------------------------------------------------------------------------
+def _storages(obj, out: dict, depth: int = 0) -> None:
+    """Tensor storages reachable from a policy's per-request state: data_ptr -> bytes."""
+    if depth > 4 or obj is None:
+        return
+    if isinstance(obj, torch.Tensor):
+        st = obj.untyped_storage()
+        if st.device.type != "meta" and st.nbytes():
+            out[st.data_ptr()] = st.nbytes()
+        return
+    if isinstance(obj, torch.nn.Module):
+        return  # the model's weights are shared by every request
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)
+    elif type(obj).__module__.startswith(("infinigen.policies", "infinigen.pool")) and hasattr(obj, "__dict__"):
+        items = list(vars(obj).values())
+    else:
+        return
+    for x in items:
+        _storages(x, out, depth + 1)
+
+
+def session_bytes(sess, shared: dict | None = None) -> tuple[int, int]:
+    """(fast-tier, slow-tier) bytes a live session holds: its KV store (an offloaded store: metadata and
+    fetched rows in the fast tier, the pool in the slow one) and its policy's per-request tensors
+    (storages in `shared`, e.g. skew matrices every request reads, are not counted)."""
+    store = sess.store
+    if hasattr(store, "fast_bytes") and hasattr(store, "slow_bytes"):
+        fast, slow = store.fast_bytes(), store.slow_bytes()
+    else:
+        seen: dict = {}
+        for t in list(store.k) + list(store.v) + list(store.valid) + list(store.pos):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        fast, slow = sum(seen.values()), 0
+    state: dict = {}
+    _storages(sess.state, state)
+    if store.allocator is not None:
+        _storages(store.allocator, state)
+    fast += sum(b for p, b in state.items() if not shared or p not in shared)
+    return fast, slow
+
+
+@dataclass(frozen=True)
+class KVCost:
+    """Bytes a request of n tokens (prompt + max_tokens) holds: fast = fast0 + n * fast1, slow likewise.
+    Measured on probe sessions filled to two lengths (so every per-token buffer, fetched rows and policy
+    state included, has grown to its size at that length)."""
+    fast0: int
+    fast1: float
+    slow0: int
+    slow1: float
+
+    def of(self, tokens: int) -> tuple[int, int]:
+        return (int(self.fast0 + self.fast1 * tokens + 0.999), int(self.slow0 + self.slow1 * tokens + 0.999))
+
+    @classmethod
+    def measure(cls, model, placement, policy, shared: dict | None = None) -> "KVCost":
+        ctx = model.cfg.max_position
+        n2 = min(256, ctx)
+        n1 = max(8, n2 // 2)
+        g = torch.Generator().manual_seed(0)
+        pts = []
+        for n in (n1, n2):
+            sess = open_session(model, placement, policy, n)
+            try:
+                prompt = torch.randint(0, model.cfg.vocab_size, (1, n - 2), generator=g).to(model.device)
+                logits = model.prefill(prompt, sess)
+                for _ in range(2):  # decoding fetches rows: their fast-tier buffers grow to this length
+                    logits = model.decode(logits.argmax(-1), sess)
+                pts.append(session_bytes(sess, shared))
+            finally:
+                sess.store.close()
+        (f1, s1), (f2, s2) = pts
+        df, ds = max(0.0, (f2 - f1) / (n2 - n1)), max(0.0, (s2 - s1) / (n2 - n1))
+        return cls(max(0, int(f1 - df * n1)), df, max(0, int(s1 - ds * n1)), ds)
+
+
+def default_budgets(placement, device) -> tuple[int, int]:
+    """(fast, slow) budgets when none is given: a quarter of the fast memory; for an offloaded pool, half of
+    the host memory ("cpu") or half of the free disk where the pool files go ("disk")."""
+    from ..commands.options import memory_bytes
+    fast_total = memory_bytes(str(device)) or (8 << 30)
+    fast = fast_total // 4
+    kind = placement.kv_offload
+    if kind == "none":
+        return fast, fast
+    if kind == "cpu":
+        return fast, (memory_bytes("cpu") or (8 << 30)) // 2
+    where = placement.pool_dir or tempfile.gettempdir()
+    while where and not os.path.isdir(where):
+        where = os.path.dirname(where)
+    return fast, shutil.disk_usage(where or "/").free // 2
+
+
+# ---- requests ----------------------------------------------------------------------------------------------
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. `sink(kind, value)` is called from the engine thread: ("token", id) for every new
+    token, then once ("done", finish_reason) with "stop" (EOS), "length" or "cancelled", or ("error", msg)."""
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    sink: Callable[[str, object], None] = lambda kind, value: None
+    id: int = field(default_factory=lambda: next(_ids))
+    # engine side
+    tokens: list[int] = field(default_factory=list)
+    cost: tuple[int, int] = (0, 0)
+    session: object = None
+    generator: object = None
+    cancelled: bool = False
+    finish: str | None = None
+    arrived: float = field(default_factory=time.monotonic)
+
+
+class Engine:
+    """The scheduler and the decoding loop (its own thread, `start`); `submit` and `cancel` are thread-safe."""
+
+    def __init__(self, model, policy=None, placement=None, eos: set[int] | frozenset = frozenset(),
+                 max_batch: int = 16, max_queue: int = 64, fast_bytes: int | None = None,
+                 pool_bytes: int | None = None, cost: KVCost | None = None):
+        from ..placement import Placement
+        from ..policies import FullCache
+        if max_batch < 1:
+            raise UserError(f"--max-batch must be >= 1, got {max_batch}")
+        if max_queue < 0:
+            raise UserError(f"--max-queue must be >= 0, got {max_queue}")
+        self.model, self.policy = model, policy or FullCache()
+        self.placement = placement or Placement()
+        self.eos = frozenset(eos)
+        self.max_batch, self.max_queue = max_batch, max_queue
+        # tensors every request shares (skew matrices): not part of a request's cost
+        self.shared: dict = {}
+        _storages(self.policy, self.shared)
+        self.cost = cost or KVCost.measure(model, self.placement, self.policy, self.shared)
+        fast_default, slow_default = default_budgets(self.placement, model.device)
+        self.fast_budget = fast_bytes if fast_bytes is not None else fast_default
+        if self.placement.kv_offload == "none":  # the pool is in the fast tier: one budget
+            self.fast_budget = min(self.fast_budget, pool_bytes) if pool_bytes is not None else self.fast_budget
+            self.slow_budget = 0
+        else:
+            self.slow_budget = pool_bytes if pool_bytes is not None else slow_default
+        self.running: list[Request] = []
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.reserved = [0, 0]  # fast, slow bytes reserved by running requests
+        self.in_use = [0, 0]  # measured after each step
+        self.counters = collections.Counter()  # requests by outcome, tokens
+        self._recent: collections.deque = collections.deque()  # (time, tokens) of the last steps
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # ---- admission -----------------------------------------------------------------------------------
+    def request_cost(self, prompt_len: int, max_tokens: int) -> tuple[int, int]:
+        fast, slow = self.cost.of(prompt_len + max_tokens)
+        return fast, (slow if self.placement.kv_offload != "none" else 0)
+
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """UserError when the request could never run, even alone."""
+        fast, slow = self.request_cost(prompt_len, max_tokens)
+        if fast > self.fast_budget or slow > self.slow_budget and self.placement.kv_offload != "none":
+            raise UserError(f"a request of {prompt_len} prompt tokens and max_tokens {max_tokens} needs {fast} bytes of "
+                            f"fast memory and {slow} of KV pool; the server has {self.fast_budget} and {self.slow_budget}")
+
+    def _fits(self, req: Request) -> bool:
+        f, s = req.cost
+        return (len(self.running) < self.max_batch and self.reserved[0] + f <= self.fast_budget
+                and self.reserved[1] + s <= self.slow_budget)
+
+    def submit(self, req: Request) -> Request:
+        """Queue a request; QueueFull when `max_queue` requests wait already, UserError when it can never fit."""
+        if req.max_tokens < 1:
+            raise UserError("max_tokens must be >= 1")
+        if not req.prompt:
+            raise UserError("the prompt is empty")
+        if len(req.prompt) + req.max_tokens > self.model.cfg.max_position:
+            raise UserError(f"prompt ({len(req.prompt)} tokens) + max_tokens ({req.max_tokens}) exceeds the model's "
+                            f"context of {self.model.cfg.max_position} tokens")
+        req.sampling.validate()
+        self.check_fits(len(req.prompt), req.max_tokens)
+        req.cost = self.request_cost(len(req.prompt), req.max_tokens)
+        with self._cv:
+            # --max-queue 0: a request runs if it fits now, and is refused otherwise
+            if len(self.waiting) >= self.max_queue and not (not self.waiting and self._fits(req)):
+                self.counters["rejected"] += 1
+                raise QueueFull(f"{len(self.waiting)} requests are waiting already (--max-queue {self.max_queue})")
+            self.waiting.append(req)
+            self._cv.notify_all()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stop a request (a client went away): it leaves before the next step and frees its slots."""
+        with self._cv:
+            req.cancelled = True
+            self._cv.notify_all()
+
+    # ---- the loop --------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Drop cancelled requests, admit and prefill what fits, decode one token for every running request.
+        Returns whether there was anything to do."""
+        with self._cv:
+            for req in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(req)
+                self._finish(req, "cancelled")
+            admitted = []
+            while self.waiting and self._fits(self.waiting[0]):  # FIFO: a long request is not starved
+                req = self.waiting.popleft()
+                self.reserved[0] += req.cost[0]
+                self.reserved[1] += req.cost[1]
+                self.running.append(req)
+                admitted.append(req)
+        for req in [r for r in self.running if r.cancelled]:
+            self._finish(req, "cancelled")
+        for req in admitted:
+            if not req.cancelled:
+                self._prefill(req)
+        live = [r for r in self.running if r.finish is None]
+        if live:
+            try:
+                logits = batched_decode(self.model, [r.session for r in live],
+                                        torch.tensor([r.tokens[-1] for r in live], device=self.model.device))
+            except Exception as e:  # the batch fails, the server goes on
+                log.exception("decode step failed")
+                for r in live:
+                    self._finish(r, "error", f"decode failed: {e}")
+            else:
+                self._take(live, logits)
+        self._measure()
+        return bool(admitted or live)
+
+    def _prefill(self, req: Request) -> None:
+        try:
+            if req.sampling.seed is not None:
+                req.generator = torch.Generator(device=self.model.device).manual_seed(req.sampling.seed)
+            req.session = open_session(self.model, self.placement, self.policy, len(req.prompt) + req.max_tokens)
+            logits = self.model.prefill(torch.tensor([req.prompt], device=self.model.device), req.session)
+            self.counters["prompt_tokens"] += len(req.prompt)
+            self._take([req], logits)
+        except Exception as e:
+            if not isinstance(e, UserError):
+                log.exception("prefill failed")
+            self._finish(req, "error", f"prefill failed: {e}")
+
+    def _take(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Sample each request's next token (greedy rows at once), hand it over, retire finished requests."""
+        greedy = logits.argmax(-1).tolist()
+        for i, req in enumerate(reqs):
+            s = req.sampling
+            tok = greedy[i] if s.temperature == 0 else int(sample(logits[i:i + 1], s, req.generator)[0])
+            req.tokens.append(tok)
+            self.counters["completion_tokens"] += 1
+            req.sink("token", tok)
+            if tok in self.eos:
+                self._finish(req, "stop")
+            elif len(req.tokens) >= req.max_tokens:
+                self._finish(req, "length")
+        now = time.monotonic()
+        self._recent.append((now, len(reqs)))
+        while self._recent and self._recent[0][0] < now - 10:
+            self._recent.popleft()
+
+    def _finish(self, req: Request, reason: str, message: str | None = None) -> None:
+        if req.finish is not None:
+            return
+        req.finish = reason
+        if req.session is not None:
+            try:
+                req.session.store.close()
+            finally:
+                req.session = None
+        with self._cv:
+            if req in self.running:
+                self.running.remove(req)
+                self.reserved[0] -= req.cost[0]
+                self.reserved[1] -= req.cost[1]
+            self._cv.notify_all()
+        self.counters["requests_" + reason] += 1
+        req.sink("error" if reason == "error" else "done", message if reason == "error" else reason)
+
+    def _measure(self) -> None:
+        fast = slow = 0
+        for r in self.running:
+            if r.session is not None:
+                f, s = session_bytes(r.session, self.shared)
+                fast, slow = fast + f, slow + s
+        self.in_use = [fast, slow]
+
+    def tokens_per_s(self) -> float:
+        recent = list(self._recent)
+        if len(recent) < 2:
+            return 0.0
+        span = time.monotonic() - recent[0][0]
+        return sum(n for _, n in recent) / span if span > 0 else 0.0
+
+    def start(self) -> "Engine":
+        with self._cv:
+            if self._thread is None or not self._thread.is_alive():
+                self._stop = False
+                self._thread = threading.Thread(target=self._loop, name="infinigen-engine", daemon=True)
+                self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._cv:
+                while not self._stop and not self.running and not self.waiting:
+                    self._cv.wait()
+                if self._stop:
+                    break
+            try:
+                if not self.step():
+                    with self._cv:  # waiting requests that do not fit yet: sleep until something changes
+                        self._cv.wait(timeout=0.05)
+            except Exception:
+                log.exception("engine step failed")
+
+    def stop(self) -> None:
+        """Stop the loop and cancel every request (their stores are closed)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        for req in list(self.waiting) + list(self.running):
+            self._finish(req, "cancelled")
+        self.waiting.clear()
+
+    def describe(self) -> str:
+        gib = 2 ** 30
+        where = self.placement.describe(self.model.device)
+        f1, s1 = self.cost.fast1, self.cost.slow1
+        slow = f", KV pool budget {self.slow_budget / gib:.2f} GiB ({s1:.0f} B/token)" if self.slow_budget else ""
+        return (f"policy {getattr(self.policy, 'name', '?')}, {where}; fast-memory budget {self.fast_budget / gib:.2f} GiB "
+                f"({f1:.0f} B/token){slow}; at most {self.max_batch} running, {self.max_queue} waiting")
+
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def snapshot(self) -> dict:
+        return {"running": len(self.running), "waiting": len(self.waiting), "reserved_fast_bytes": self.reserved[0],
+                "reserved_slow_bytes": self.reserved[1], "kv_fast_bytes": self.in_use[0], "kv_slow_bytes": self.in_use[1],
+                "fast_budget_bytes": self.fast_budget, "slow_budget_bytes": self.slow_budget,
+                "tokens_per_s": self.tokens_per_s(), **dict(self.counters)}
