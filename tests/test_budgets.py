@@ -134,7 +134,8 @@ def test_bound_holds_with_dense_layers(make_tiny, dense):
     assert max(per[i] for i in range(30) if i not in dense) <= cap + 1e-9
 
 
-def test_exact_first_selects_layer_zero_with_its_own_query(make_tiny):
+@pytest.mark.parametrize("key_mode", ["int4", "partial"])
+def test_exact_first_selects_layer_zero_with_its_own_query(make_tiny, key_mode):
     """exact_first: layer 0 reads its cap (no prefetch plan: `planned` is NotImplemented there), decoding
     row by row picks what the teacher-forced path picks, and with no cap and every entry qualifying the
     logits are the dense ones."""
@@ -146,9 +147,9 @@ def test_exact_first_selects_layer_zero_with_its_own_query(make_tiny):
                                        generator=g, dtype=torch.float64))[0]
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 200), generator=g)
     dense = model.teacher_forced(tokens, 40, Placement().new_session(model, 1, 200))
-    every = make_policy("infinigen", alpha=1e30, kv_budget=1.0).with_skew(mats)
+    every = make_policy("infinigen", alpha=1e30, kv_budget=1.0, key_mode=key_mode, partial_ratio=1.0).with_skew(mats)
     assert (model.teacher_forced(tokens, 40, Placement().new_session(model, 1, 200, every)) - dense).abs().max() <= 1e-4
-    pol = make_policy("infinigen", alpha=1.0, kv_budget=0.3, min_fetch=0).with_skew(mats)
+    pol = make_policy("infinigen", alpha=1.0, kv_budget=0.3, min_fetch=0, key_mode=key_mode).with_skew(mats)
     sess = Placement().new_session(model, 1, 200, pol)
     tf = model.teacher_forced(tokens, 40, sess)
     assert 0 < sess.stats.per_layer()[0] <= 0.3 + 1e-9 and pol.speculated(0)

@@ -147,9 +147,11 @@ class InfiniGen(Policy):
     preset: str = "default"  # "default" (best measured) or "paper"; knobs left None come from it
     alpha: float | None = None  # select tokens whose speculated score > max - alpha (None: the preset's, per arch)
     partial_ratio: float | None = None  # r: share of the d columns in the partial weights / key cache
-    max_fetch_ratio: float | None = None  # at most this share of the cached tokens per step and selecting layer (per KV head; per layer for budget "layer"); only without kv_budget
+    # at most this share of the cached tokens per step and selecting layer (per KV head; per layer for budget
+    # "layer"): the paper's cap, instead of kv_budget
+    max_fetch_ratio: float | None = None
     min_fetch: int | None = None  # ... but the cap is never below this many tokens per KV head (short prompts)
-    dense_layers: tuple[int, ...] | None = None  # layers attending densely (layer 0 always does: nothing precedes it)
+    dense_layers: tuple[int, ...] | None = None  # layers attending densely (layer 0 too unless exact_first: nothing precedes it)
     budget: str | None = None  # "mean" (paper) | "per_head" | "union" | "layer" (see `_choose`)
     spec_input: str | None = None  # "attn_in" (paper) | "attn_out"
     key_mode: str | None = None  # "partial" (paper) | "int4"
@@ -564,8 +566,8 @@ class InfiniGen(Policy):
                     layer): above it, the entries with the most speculated attention mass (summed over
                     the group's query heads) win, so peaked heads give up nothing to flat ones
         The cap is `ratio` (the layer's cap, `layer_caps`; None: `max_fetch_ratio`) of the cached tokens
-        (per KV head; per layer for "layer"), at least `min_fetch` tokens per KV head. `same`: every row's count of valid tokens, when the caller knows it
-        is one number (no padding, no window).
+        (per KV head; per layer for "layer"), at least `min_fetch` tokens per KV head. `same`: every row's
+        count of valid tokens, when the caller knows it is one number (no padding, no window).
 
         Host synchronizations per call (what a CUDA decoding step pays per speculated layer): "union" and
         "layer" with `same` known: none (caps are host numbers, the cut is a top-k with a host k over every
