@@ -15,6 +15,14 @@ Rows:
     python benchmarks/accuracy_table.py --ctx 512 --prefill 128 --out /tmp/acc.md   # a quick smoke run
     python benchmarks/accuracy_table.py --resume                      # reuse runs already in the .json
 
+Out-of-sample validation (issue 12): `--validation` runs the full cache, the default preset, and the
+oracle and H2O at the same all-layer size on texts nothing was tuned on (Pride and Prejudice, Northanger
+Abbey, Sense and Sensibility; the tuning is `benchmarks/budget_tuning.py` on Emma and Mansfield Park) at
+contexts 2048 and 8192 (prefill 1/8), and rewrites the last section of results/accuracy.md:
+
+    python benchmarks/accuracy_table.py --validation --val-ctx 2048 --val-parts ours       # split over processes
+    python benchmarks/accuracy_table.py --validation --val-ctx 8192 --val-long-texts northangerabbey  # one text at 8192
+
 Accuracy does not depend on timing, so this may run while other work shares the machine.
 """
 from __future__ import annotations

@@ -176,3 +176,21 @@ def test_budget_knobs():
                 dict(budget_power=-1.0), dict(exact_first="yes")):
         with pytest.raises(UserError):
             make_policy("infinigen", **bad)
+
+
+def test_cli_knobs(tiny_checkpoint, tmp_path, capfd):
+    """`--knob kv_budget=...`, `exact_first=...`, `budget_power=...` reach the policy and the JSON record."""
+    import json
+
+    from infinigen.cli import main
+    text = tmp_path / "t.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 20)
+    out = tmp_path / "r.json"
+    code = main(["ppl", "--model", str(tiny_checkpoint), "--text", str(text), "--ctx", "64", "--prefill", "16",
+                 "--policy", "infinigen", "--knob", "kv_budget=0.5", "--knob", "exact_first=false",
+                 "--knob", "budget_power=0.5", "--knob", "skew=false", "--json", str(out)])
+    assert code == 0, capfd.readouterr().err
+    st = json.loads(out.read_text())["settings"]
+    assert (st["kv_budget"], st["exact_first"], st["budget_power"], st["max_fetch_ratio"]) == (0.5, False, 0.5, None)
+    assert main(["ppl", "--model", str(tiny_checkpoint), "--text", str(text), "--ctx", "64", "--prefill", "16",
+                 "--policy", "infinigen", "--knob", "kv_budget=0.5", "--knob", "max_fetch_ratio=0.2"]) == 2
