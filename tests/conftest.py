@@ -169,3 +169,27 @@ def default_hf_model(default_model):
     from infinigen.loading import _convert_gguf, default_gguf
     path = _convert_gguf(default_gguf(), progress=False)  # the cache the default_model fixture filled
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+@pytest.fixture
+def cli(capfd):
+    """run(*argv) -> (exit code, stdout, stderr), in-process; stderr is captured at the fd level so
+    warnings printed by libraries count too."""
+    from infinigen.cli import main
+
+    def run(*argv):
+        capfd.readouterr()
+        code = main([str(a) for a in argv])
+        out, err = capfd.readouterr()
+        return code, out, err
+    return run
+
+
+def one_line_error(code, err, *needles):
+    """Bad input: exit code 2 and one line on stderr, `infinigen: error: ...` naming each needle."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
+    assert lines[0].startswith("infinigen: error: ") and "Traceback" not in err
+    for n in needles:
+        assert n.lower() in lines[0].lower(), lines[0]

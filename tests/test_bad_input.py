@@ -15,26 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from infinigen.cli import main
+from conftest import one_line_error
 
 
-@pytest.fixture
-def cli(capfd):
-    def run(*argv):
-        capfd.readouterr()
-        code = main([str(a) for a in argv])
-        out, err = capfd.readouterr()
-        return code, out, err
-    return run
 
 
-def one_line_error(code, err, *needles):
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    assert lines[0].startswith("infinigen: error: ") and "Traceback" not in err
-    for n in needles:
-        assert n.lower() in lines[0].lower(), lines[0]
 
 
 @pytest.fixture(scope="module")

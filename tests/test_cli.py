@@ -13,28 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from infinigen.cli import main
+from conftest import one_line_error as assert_one_line_error
 
 
-@pytest.fixture
-def cli(capfd):
-    """run(*argv) -> (exit code, stdout, stderr), in-process; stderr is captured at the fd level so
-    warnings printed by libraries count too."""
-    def run(*argv):
-        capfd.readouterr()
-        code = main([str(a) for a in argv])
-        out, err = capfd.readouterr()
-        return code, out, err
-    return run
 
 
-def assert_one_line_error(code, err, *needles):
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    assert lines[0].startswith("infinigen: error: ") and "Traceback" not in err
-    for n in needles:
-        assert n.lower() in lines[0].lower(), lines[0]
 
 
 def copy_checkpoint(src: Path, dst: Path) -> Path:

@@ -16,6 +16,13 @@ COMMAND_MODULES = ["basic", "skew", "ppl", "bench", "fewshot", "needle", "analyz
 INTERRUPTED = 130
 
 _app = None
+_sigint_seen = False  # set by our SIGINT handler: libraries may turn the KeyboardInterrupt into another error
+
+
+def _on_sigint(signum, frame):
+    global _sigint_seen
+    _sigint_seen = True
+    raise KeyboardInterrupt
 
 
 def build_app():
@@ -32,10 +39,20 @@ def build_app():
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    import threading
+    global _sigint_seen
+    _sigint_seen = False
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, _on_sigint)
     try:
         return _run(argv)
     except KeyboardInterrupt:  # anywhere, including in our own handlers below
         return _interrupted()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _run(argv: list[str] | None) -> int:
@@ -63,12 +80,19 @@ def _run(argv: list[str] | None) -> int:
 
 
 def _caused_by_interrupt(e: BaseException) -> bool:
-    seen = set()
-    while e is not None and id(e) not in seen:
+    """A SIGINT arrived, or a KeyboardInterrupt is anywhere in the error's causes and contexts (transformers'
+    lazy imports re-raise one as ModuleNotFoundError, with the interrupt two links down)."""
+    if _sigint_seen:
+        return True
+    todo, seen = [e], set()
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
         if isinstance(e, KeyboardInterrupt):
             return True
         seen.add(id(e))
-        e = e.__cause__ or e.__context__
+        todo += [e.__cause__, e.__context__]
     return False
 
 

@@ -126,15 +126,6 @@ class InfiniGenState:
     pending: dict = field(default_factory=dict)  # layer -> selection computed one layer ahead (decode)
 
 
-def _weight_bytes(model) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
-
-
 # Skew matrices are a model-wide resource: loaded or computed once per (model, calibration text) by
 # `prepare`, shared by every policy object and session on that model.
 _SKEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -350,7 +341,8 @@ class InfiniGen(Policy):
         spec = self.speculation_bytes(state)
         cfg = model.cfg
         covered = kv_bytes * len(state.spec_layers) / cfg.num_layers if kv_bytes else 0
-        weights = _weight_bytes(model)
+        from ..bench.memory import weight_bytes  # tied weights counted once
+        weights = weight_bytes(model)
         skew = tensor_bytes(state.A)
         return {"speculation_bytes": spec, "speculation_vs_kv": spec / covered if covered else None,
                 "partial_key_cache_bytes": spec - tensor_bytes(state.idx) - tensor_bytes(state.proj),
