@@ -139,12 +139,13 @@ def disk_child(model, tok, syst, settings, args, limit, progress) -> int:
     RAM once, by design) to the end of the cell's decoding: the pool file's page cache, the staging and
     the speculation state all count against the limit."""
     from infinigen import bench
+    from infinigen.bench import runners
     from infinigen.eval.ppl import load_text
     from infinigen.membound import MemoryBound
     mb = MemoryBound(limit)
     if mb.group is None:  # systemd-run bounds a command, not this running process
         raise SystemExit(f"--memory-limit: {mb.describe()} cannot bound a running process; pass --memory-limit none")
-    real = bench.SharedPrefill
+    real = runners.SharedPrefill  # what `sweep` builds (patched in its own module)
 
     class BoundedPrefill(real):
         def __init__(self, *a, **kw):
@@ -153,14 +154,16 @@ def disk_child(model, tok, syst, settings, args, limit, progress) -> int:
             mb.enter()
             progress(f"bounded: {mb.describe()}")
 
-    bench.SharedPrefill = BoundedPrefill
+    runners.SharedPrefill = BoundedPrefill
     try:
         rows = bench.sweep(model, syst, settings, tokenizer=tok, text=load_text(args.text), progress=progress)
         info = dict(mb.info(), scope="disk rows, after the shared prefill", **{f"group_{k}_bytes": v
                                                                              for k, v in mb.stats().items()})
     finally:
-        bench.SharedPrefill = real
+        runners.SharedPrefill = real
         mb.close()
+    if not info.get("group_peak_bytes"):  # nothing was charged: the rows ran outside the bound
+        raise SystemExit("the memory bound was never applied to the disk rows (nothing charged to the group)")
     Path(args.disk_child).write_text(json.dumps({"memory_bound": info, "rows": bench.strip_private(rows)}) + "\n")
     return 0
 
@@ -201,6 +204,8 @@ def main(argv=None) -> int:
                     help="our runtime's dtype (weights, KV); transformers runs with its own defaults")
     ap.add_argument("--disk-child", default=None, help=argparse.SUPPRESS)  # internal: run the disk rows, write JSON here
     ap.add_argument("--hf-child", default=None, help=argparse.SUPPRESS)  # internal: run transformers, write JSON here
+    ap.add_argument("--disk-only", action="store_true",
+                    help="re-run only the disk rows (bounded) into the offload_cpu.json already in --out")
     args = ap.parse_args(argv)
     if args.smoke:
         args.context, args.batch, args.gen_len, args.breakdown = 160, "1,2", 4, 1
@@ -236,8 +241,13 @@ def main(argv=None) -> int:
     if args.disk_child:
         return disk_child(model, tok, syst, settings, args, limit, progress)
     hf_sys = [s for s in syst if not s.ours]
-    rows = bench.sweep(model, [s for s in syst if s.ours], settings, tokenizer=tok, text=load_text(args.text),
-                       progress=progress)
+    if args.disk_only:  # keep the other rows of an earlier run with the same settings
+        before = json.loads((out / "offload_cpu.json").read_text())
+        rows = [r for r in before["rows"] if r["kv_offload"] != "disk" and r["batch"] in batches]
+        hf_sys = []
+    else:
+        rows = bench.sweep(model, [s for s in syst if s.ours], settings, tokenizer=tok, text=load_text(args.text),
+                           progress=progress)
     if hf_sys:  # transformers as a user runs it: a fresh process, its default dtype and attention
         rows_file = out / "hf_rows.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:]),

@@ -215,8 +215,8 @@ def test_gqa_selection_covers_query_heads(make_tiny):
     seen = []
     inner = pol._choose
 
-    def choose(s, valid, alpha, same=None):
-        keep = inner(s, valid, alpha, same)
+    def choose(s, valid, alpha, same=None, ratio=None):
+        keep = inner(s, valid, alpha, same, ratio)
         rel = s.float().masked_fill(~valid[:, :, None], float("-inf"))
         rel = rel - rel.amax(-1, keepdim=True)
         per_query_head = rel > -1.0  # [B, Hkv, G, R, S]

@@ -126,6 +126,40 @@ def test_artifact_saved_reused_and_found(tiny_checkpoint, tiny_tokenizer, tmp_pa
     assert find_cached_skew(other) is not None
 
 
+def test_sparsity_recorded_saved_and_old_artifacts_load(tiny_checkpoint, tiny_tokenizer, tmp_path, monkeypatch):
+    """The calibration records each layer's attention sparsity (the share of entries holding 90% of the
+    mass, as computed from the dense attention), it survives a save and load; an artifact of format 1
+    (no sparsity) still loads (uniform budgets) and `load_or_compute_skew` upgrades it."""
+    from safetensors.torch import save_file
+
+    from infinigen.loading import load
+    from infinigen.policies.budgets import attention_sparsity
+    from infinigen.skew import attention_rows_sparsity, skew_path
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    model, tok, _ = load(tiny_checkpoint, progress=False)
+    text = tmp_path / "calib.txt"
+    text.write_text("Catherine Morland, in her infancy, would not have been supposed a heroine. " * 30)
+    s = load_or_compute_skew(model, tok, str(text), tokens=100)
+    assert s.sparsity is not None and s.sparsity.shape == (model.cfg.num_layers,)
+    assert bool(((s.sparsity > 0) & (s.sparsity <= 1)).all())
+    assert torch.equal(Skew.load(s.path).sparsity, s.sparsity)
+    # the sampled rows' sparsity is that of the full causal softmax
+    q, k = torch.randn(1, 4, 40, 8), torch.randn(1, 2, 40, 8)
+    sp = attention_rows_sparsity(q, k, 0.5, rows=200)  # every row of the later 3/4
+    scores = (q.view(1, 2, 2, 40, 8) @ k[:, :, None].transpose(-1, -2)) * 0.5
+    p = torch.softmax(scores.masked_fill(~torch.ones(40, 40, dtype=torch.bool).tril(), float("-inf")), -1)
+    torch.testing.assert_close(sp, attention_sparsity(p[:, :, :, 10:]))
+    # format 1: no sparsity tensor
+    old = tmp_path / "old.safetensors"
+    save_file({"matrices": s.matrices, "sigma2": s.sigma2, "energy": s.energy}, str(old), metadata={"format": "1"})
+    assert Skew.load(old).sparsity is None and torch.equal(Skew.load(old).matrices, s.matrices)
+    path = skew_path(model, text, 100)
+    path.write_bytes(old.read_bytes())
+    again = load_or_compute_skew(model, tok, str(text), tokens=100)
+    assert again.meta.get("reused") is None and again.sparsity is not None  # recomputed, with sparsity
+    assert Skew.load(path).sparsity is not None
+
+
 def test_corrupt_artifact_is_a_user_error(tmp_path):
     bad = tmp_path / "x.safetensors"
     bad.write_bytes(b"not a safetensors file")

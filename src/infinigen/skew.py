@@ -12,6 +12,11 @@ Without RoPE (OPT) A can be folded into W_Q, W_K and their biases (`skew_model`)
 applied after the rotary embedding at run time (the InfiniGen policy does that for both).
 Artifacts are safetensors files in `cache_dir()/skew`, keyed by a model fingerprint and the
 calibration text, so a second run reuses them.
+
+The same pass records each layer's attention sparsity (`policies.budgets.attention_sparsity`: the
+share of the entries that holds 90% of the attention mass, averaged over query heads and a sample of
+rows); InfiniGen spends its all-layer KV budget by it (`policies.budgets.layer_caps`). Artifacts
+written before it was recorded load with `sparsity` None (uniform budgets).
 """
 from __future__ import annotations
 
@@ -31,7 +36,9 @@ from .policies.base import Policy
 
 DEFAULT_CALIB = "emma"  # evaluation defaults to Pride and Prejudice; calibrate on another novel
 DEFAULT_TOKENS = 4096
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # 2: per-layer attention sparsity
+SPARSITY_MASS = 0.9  # a layer's sparsity: the share of its entries holding this much attention mass
+SPARSITY_ROWS = 128  # rows per calibration window whose attention is measured (the later 3/4 of it)
 
 
 # ---- text ------------------------------------------------------------------------------------------
@@ -76,12 +83,15 @@ def model_fingerprint(model) -> str:
 
 # ---- calibration -----------------------------------------------------------------------------------
 class _QueryGram(Policy):
-    """Dense attention; accumulates X^T X of each layer's queries per KV head (float64)."""
+    """Dense attention; accumulates X^T X of each layer's queries per KV head (float64) and the
+    attention sparsity of a sample of rows."""
     name = "calibrate"
 
     def __init__(self, num_layers: int, kv_heads: int, d: int):
         self.gram = torch.zeros(num_layers, kv_heads, d, d, dtype=torch.float64)
         self.tokens = 0
+        self.sparsity_sum = torch.zeros(num_layers, dtype=torch.float64)
+        self.sparsity_n = torch.zeros(num_layers, dtype=torch.float64)
 
     def on_prefill(self, layer, q, k, v, session):
         b, h, t, d = q.shape
@@ -90,10 +100,41 @@ class _QueryGram(Policy):
         self.gram[layer] += x.transpose(1, 2) @ x
         if layer == 0:
             self.tokens += b * t
+        sp = attention_rows_sparsity(q, k, session.model.scale, session.model.cfg.sliding_window)
+        if sp is not None:
+            self.sparsity_sum[layer] += sp.double().sum().cpu()
+            self.sparsity_n[layer] += sp.numel()
+
+    def sparsity(self) -> torch.Tensor | None:
+        """Mean share of the entries holding 90% of the attention, per layer (None: no row measured)."""
+        if not bool((self.sparsity_n > 0).all()):
+            return None
+        return (self.sparsity_sum / self.sparsity_n).float()
 
 
-def query_gram(model, token_ids, window: int = 2048, progress=None) -> tuple[torch.Tensor, int]:
-    """Gram matrices [L, Hkv, d, d] of the queries over `token_ids` (1-D), in windows of `window` tokens."""
+def attention_rows_sparsity(q, k, scale: float, window: int | None = None, rows: int = SPARSITY_ROWS):
+    """Sparsity (`policies.budgets.attention_sparsity`) of the causal attention of up to `rows` rows of
+    the later 3/4 of a prompt (the first rows see too few entries to say anything), per (batch, query
+    head, row): q [B, H, T, d], k [B, Hkv, T, d]. None for prompts under 8 tokens."""
+    from .policies.budgets import attention_sparsity
+    b, h, t, d = q.shape
+    if t < 8:
+        return None
+    hkv = k.shape[1]
+    r = torch.linspace(t // 4, t - 1, min(rows, t - t // 4), device=q.device).round().long().unique()
+    qg = q[:, :, r].float().view(b, hkv, h // hkv, len(r), d)
+    s = (qg @ k.float()[:, :, None].transpose(-1, -2)) * scale  # [B, Hkv, G, R, T]
+    cols = torch.arange(t, device=q.device)
+    past = cols[None, :] <= r[:, None]
+    if window is not None:
+        past &= r[:, None] - cols[None, :] < window
+    p = torch.softmax(s.masked_fill(~past, float("-inf")), dim=-1)
+    return attention_sparsity(p, SPARSITY_MASS)
+
+
+def query_gram(model, token_ids, window: int = 2048, progress=None, with_sparsity: bool = False):
+    """Gram matrices [L, Hkv, d, d] of the queries over `token_ids` (1-D), in windows of `window` tokens,
+    and the token count (and, `with_sparsity`, the per-layer attention sparsity or None)."""
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     cfg = model.cfg
     window = max(1, min(window, cfg.max_position))
@@ -104,6 +145,8 @@ def query_gram(model, token_ids, window: int = 2048, progress=None) -> tuple[tor
         model.prefill(c[None].to(model.device), sess)
         if progress:
             progress(len(c))
+    if with_sparsity:
+        return pol.gram, pol.tokens, pol.sparsity()
     return pol.gram, pol.tokens
 
 
@@ -131,6 +174,7 @@ class Skew:
     energy: torch.Tensor  # [L, Hkv, d] squared norm per unskewed column of the calibration queries
     meta: dict = field(default_factory=dict)
     path: Path | None = None
+    sparsity: torch.Tensor | None = None  # [L] share of the entries holding 90% of the attention (None: not recorded)
 
     def share(self, ratio: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
         """(skewed, unskewed) share of the calibration queries' squared norm in the top `ratio` columns."""
@@ -143,8 +187,11 @@ class Skew:
         from safetensors.torch import save_file
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        save_file({"matrices": self.matrices.contiguous(), "sigma2": self.sigma2.contiguous(),
-                   "energy": self.energy.contiguous()}, str(tmp), metadata={k: str(v) for k, v in self.meta.items()})
+        tensors = {"matrices": self.matrices.contiguous(), "sigma2": self.sigma2.contiguous(),
+                   "energy": self.energy.contiguous()}
+        if self.sparsity is not None:
+            tensors["sparsity"] = self.sparsity.float().contiguous()
+        save_file(tensors, str(tmp), metadata={k: str(v) for k, v in self.meta.items()})
         os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
         self.path = path
 
@@ -155,15 +202,19 @@ class Skew:
             with safe_open(str(path), framework="pt") as f:
                 meta = dict(f.metadata() or {})
                 t = {k: f.get_tensor(k) for k in ("matrices", "sigma2", "energy")}
+                sparsity = f.get_tensor("sparsity") if "sparsity" in f.keys() else None  # format 1: none
         except Exception as e:  # corrupt or truncated file
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(f"corrupt skew artifact {path} ({first}); recompute it with `infinigen skew --force`")
-        return cls(t["matrices"], t["sigma2"], t["energy"], meta, path)
+        if sparsity is not None and tuple(sparsity.shape) != (t["matrices"].shape[0],):
+            raise UserError(f"corrupt skew artifact {path} (sparsity of shape {tuple(sparsity.shape)}); "
+                            "recompute it with `infinigen skew --force`")
+        return cls(t["matrices"], t["sigma2"], t["energy"], meta, path, sparsity)
 
 
 def compute_skew(model, token_ids, window: int = 2048, progress=None, **meta) -> Skew:
     """Calibrate on `token_ids` (1-D) and return the skew (not saved)."""
-    gram, n = query_gram(model, token_ids, window, progress)
+    gram, n, sparsity = query_gram(model, token_ids, window, progress, with_sparsity=True)
     mats, sigma2 = skew_from_gram(gram)
     energy = torch.diagonal(gram, dim1=-2, dim2=-1).float().contiguous()
     cfg = model.cfg
@@ -171,7 +222,7 @@ def compute_skew(model, token_ids, window: int = 2048, progress=None, **meta) ->
             "num_layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
             "tokens": n}
     info.update(meta)
-    return Skew(mats, sigma2, energy, info)
+    return Skew(mats, sigma2, energy, info, sparsity=sparsity)
 
 
 def skew_path(model, calib: Path, tokens: int) -> Path:
@@ -190,7 +241,9 @@ def load_or_compute_skew(model, tokenizer, calib: str | os.PathLike | None = Non
     path = skew_path(model, path_text, tokens)
     if path.exists() and not force:
         skew = Skew.load(path)
-        if skew.matrices.shape == (model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim, model.cfg.head_dim):
+        # an artifact of format 1 has no layer sparsity: recompute it (the matrices come out the same)
+        if skew.sparsity is not None and skew.matrices.shape == (
+                model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim, model.cfg.head_dim):
             skew.meta["reused"] = "1"
             return skew
     from .paths import writable_cache
