@@ -11,6 +11,7 @@ from infinigen.kernels.int4 import fake_quantize, tinygemm_ok
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
 from infinigen.pool import KVPool
+from test_infinigen import _decode, _record  # the same recorders and decoding loop (P = 12 in both)
 
 T, P = 40, 12
 LAYOUTS = ["rows", pytest.param("tinygemm", marks=pytest.mark.skipif(
@@ -40,34 +41,6 @@ def _tokens(model, b=2, t=T, seed=1):
 def layout(request, monkeypatch):
     monkeypatch.setattr(ig, "int4_layout", lambda d, capacity, device: request.param)
     return request.param
-
-
-def _record(pol):
-    object.__setattr__(pol, "seen", {})
-    sel, rows = pol.select, pol.select_rows
-
-    def select(layer, q, sess):
-        keep = sel(layer, q, sess)
-        if keep is not None:
-            pol.seen.setdefault(layer, []).append(keep.clone())
-        return keep
-
-    def select_rows(layer, q, k, sess):
-        keep = rows(layer, q, k, sess)
-        if keep is not None and keep is not NotImplemented:
-            pol.seen[layer] = [keep[:, :, r, :sess.first_row + r] for r in range(keep.shape[2])]
-        return keep
-    object.__setattr__(pol, "select", select)
-    object.__setattr__(pol, "select_rows", select_rows)
-    return pol
-
-
-def _decode(model, pol, tokens, p=P):
-    sess = Placement().new_session(model, tokens.shape[0], tokens.shape[1], pol)
-    logits = [model.prefill(tokens[:, :p], sess)]
-    for t in range(p, tokens.shape[1] - 1):
-        logits.append(model.decode(tokens[:, t], sess))
-    return torch.stack(logits, 1), sess
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, indirect=True)
