@@ -23,6 +23,7 @@ reach the device; the table states the mechanism and the limit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -139,28 +140,24 @@ def disk_child(model, tok, syst, settings, args, limit, progress) -> int:
     RAM once, by design) to the end of the cell's decoding: the pool file's page cache, the staging and
     the speculation state all count against the limit."""
     from infinigen import bench
-    from infinigen.bench import runners
     from infinigen.eval.ppl import load_text
     from infinigen.membound import MemoryBound
     mb = MemoryBound(limit)
     if mb.group is None:  # systemd-run bounds a command, not this running process
         raise SystemExit(f"--memory-limit: {mb.describe()} cannot bound a running process; pass --memory-limit none")
-    real = runners.SharedPrefill  # what `sweep` builds (patched in its own module)
+    @contextlib.contextmanager
+    def outside_bound():  # the shared prefill holds the whole KV once, by design: not charged
+        mb.leave()
+        yield
+        mb.enter()
+        progress(f"bounded: {mb.describe()}")
 
-    class BoundedPrefill(real):
-        def __init__(self, *a, **kw):
-            mb.leave()
-            super().__init__(*a, **kw)
-            mb.enter()
-            progress(f"bounded: {mb.describe()}")
-
-    runners.SharedPrefill = BoundedPrefill
     try:
-        rows = bench.sweep(model, syst, settings, tokenizer=tok, text=load_text(args.text), progress=progress)
+        rows = bench.sweep(model, syst, settings, tokenizer=tok, text=load_text(args.text), progress=progress,
+                           around_prefill=outside_bound)
         info = dict(mb.info(), scope="disk rows, after the shared prefill", **{f"group_{k}_bytes": v
                                                                              for k, v in mb.stats().items()})
     finally:
-        runners.SharedPrefill = real
         mb.close()
     if not info.get("group_peak_bytes"):  # nothing was charged: the rows ran outside the bound
         raise SystemExit("the memory bound was never applied to the disk rows (nothing charged to the group)")

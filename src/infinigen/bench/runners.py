@@ -2,6 +2,8 @@
 a shared prefill replayed into every system's session; the sweep over (prompt length, batch size)."""
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -252,8 +254,9 @@ def run_transformers(hf_model, tokens: torch.Tensor, system: System, s: BenchSet
 
 
 def sweep(model, systems: list[System], settings: BenchSettings, tokenizer=None, text: str | None = None,
-          hf_model=None, progress=None) -> list[dict]:
-    """Every system at every (prompt length, batch size); rows in that order."""
+          hf_model=None, progress=None, around_prefill=None) -> list[dict]:
+    """Every system at every (prompt length, batch size); rows in that order. `around_prefill`: a
+    context manager factory wrapped around each shared prefill (a memory bound steps aside for it)."""
     for system in systems:
         if system.ours:
             system.policy.prepare(model, tokenizer)
@@ -265,7 +268,8 @@ def sweep(model, systems: list[System], settings: BenchSettings, tokenizer=None,
             if settings.share_prefill and any(sy.ours for sy in systems):
                 if progress:
                     progress(f"prompt {t} x batch {b}: shared prefill")
-                shared = SharedPrefill(model, tokens, settings.pool_dir)
+                with (around_prefill or contextlib.nullcontext)():
+                    shared = SharedPrefill(model, tokens, settings.pool_dir)
             try:
                 for system in systems:
                     if progress:
