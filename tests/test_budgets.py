@@ -103,6 +103,7 @@ def test_budget_preset_bound_holds_on_any_depth(make_tiny, layers, power):
     _, model = make_tiny("llama", num_hidden_layers=layers)
     sparsity = [0.5] + [0.02 + 0.3 * (i % 3) for i in range(1, layers)]  # flat and peaked layers
     knobs = dict(budget_power=power, min_fetch=0) if power else {}
+    knobs.update(kv_budget=0.2, budget_growth=1.0)  # the flat bound (the preset's own grows with the length)
     pol = make_policy("infinigen", preset="budget", alpha=1e9, **knobs).with_skew(_skew_with_sparsity(model, sparsity))
     assert pol.kv_budget == 0.2 and pol.exact_first and pol.dense_layers == ()
     sess = _run(model, pol)
@@ -125,7 +126,8 @@ def test_bound_holds_with_dense_layers(make_tiny, dense):
     g = torch.Generator().manual_seed(0)
     mats = torch.linalg.qr(torch.randn(30, model.cfg.num_kv_heads, model.cfg.head_dim, model.cfg.head_dim,
                                        generator=g, dtype=torch.float64))[0]
-    pol = make_policy("infinigen", preset="budget", alpha=1e9, dense_layers=dense, min_fetch=0).with_skew(mats)
+    pol = make_policy("infinigen", preset="budget", alpha=1e9, dense_layers=dense, min_fetch=0,
+                      kv_budget=0.2, budget_growth=1.0).with_skew(mats)
     sess = _run(model, pol)
     per = sess.stats.per_layer()
     assert all(per[i] == pytest.approx(1.0) for i in dense)
@@ -149,7 +151,8 @@ def test_exact_first_selects_layer_zero_with_its_own_query(make_tiny, key_mode):
     dense = model.teacher_forced(tokens, 40, Placement().new_session(model, 1, 200))
     every = make_policy("infinigen", preset="budget", alpha=1e30, kv_budget=1.0, key_mode=key_mode, partial_ratio=1.0).with_skew(mats)
     assert (model.teacher_forced(tokens, 40, Placement().new_session(model, 1, 200, every)) - dense).abs().max() <= 1e-4
-    pol = make_policy("infinigen", preset="budget", alpha=1.0, kv_budget=0.3, min_fetch=0, key_mode=key_mode).with_skew(mats)
+    pol = make_policy("infinigen", preset="budget", alpha=1.0, kv_budget=0.3, budget_growth=1.0, min_fetch=0,
+                      key_mode=key_mode).with_skew(mats)
     sess = Placement().new_session(model, 1, 200, pol)
     tf = model.teacher_forced(tokens, 40, sess)
     assert 0 < sess.stats.per_layer()[0] <= 0.3 + 1e-9 and pol.speculated(0)
@@ -165,8 +168,8 @@ def test_exact_first_selects_layer_zero_with_its_own_query(make_tiny, key_mode):
 def test_budget_knobs():
     from infinigen.policies import make_policy
     d = make_policy("infinigen", preset="budget")
-    assert (d.kv_budget, d.max_fetch_ratio, d.exact_first) == (0.2, None, True)
-    assert d.settings()["kv_budget"] == 0.2
+    assert (d.kv_budget, d.max_fetch_ratio, d.exact_first, d.budget_growth) == (0.13, None, True, 0.5)
+    assert d.settings()["kv_budget"] == 0.13 and d.settings()["budget_growth"] == 0.5
     m = make_policy("infinigen", preset="budget", max_fetch_ratio=0.3)  # a per-layer cap replaces the all-layer one
     assert (m.kv_budget, m.max_fetch_ratio) == (None, 0.3)
     p = make_policy("infinigen", preset="paper", kv_budget=0.1)  # and the reverse
@@ -194,3 +197,66 @@ def test_cli_knobs(tiny_checkpoint, tmp_path, capfd):
     assert (st["kv_budget"], st["exact_first"], st["budget_power"], st["max_fetch_ratio"]) == (0.5, False, 0.5, None)
     assert main(["ppl", "--model", str(tiny_checkpoint), "--text", str(text), "--ctx", "64", "--prefill", "16",
                  "--policy", "infinigen", "--knob", "kv_budget=0.5", "--knob", "max_fetch_ratio=0.2"]) == 2
+
+
+def test_budget_growth_shrinks_the_share_with_length():
+    """budget_growth q: the tokens read grow as n ** q, kv_budget being the share at budget_ref tokens; q = 1
+    is the same share at every length (the reduction to the flat bound); never more than everything."""
+    from infinigen.policies import make_policy
+    flat = make_policy("infinigen", preset="budget", kv_budget=0.2, budget_growth=1.0)
+    assert [flat.budget_at(n) for n in (100, 2048, 8192)] == [0.2, 0.2, 0.2]
+    g = make_policy("infinigen", preset="budget", kv_budget=0.2, budget_growth=0.5, budget_ref=2048)
+    assert g.budget_at(2048) == pytest.approx(0.2) and g.budget_at(8192) == pytest.approx(0.1)
+    assert g.budget_at(512) == pytest.approx(0.4) and g.budget_at(1) == 1.0
+    for bad in (dict(budget_growth=0.0), dict(budget_growth=1.5), dict(budget_ref=0),
+                dict(kv_budget=None, max_fetch_ratio=0.2, budget_growth=0.5)):
+        with pytest.raises(UserError):
+            make_policy("infinigen", preset="budget", **bad)
+
+
+@pytest.mark.parametrize("layers", [4, 30])
+def test_budget_growth_bound_holds_per_row_and_decoding_agrees(make_tiny, monkeypatch, layers):
+    """With growth 0.5 every row reads at most its own length's share in every layer (the caps bind: every
+    entry qualifies), the all-layer mean is the mean of those shares, and decoding token by token makes
+    the same selections (same logits) as the teacher-forced pass."""
+    from infinigen.placement import Placement
+    from infinigen.policies import make_policy
+    from infinigen.policies.infinigen import InfiniGen
+    _, model = make_tiny("llama", num_hidden_layers=layers)
+    g = torch.Generator().manual_seed(0)
+    c = model.cfg
+    mats = torch.linalg.qr(torch.randn(layers, c.num_kv_heads, c.head_dim, c.head_dim, generator=g,
+                                       dtype=torch.float64))[0]
+    pol = make_policy("infinigen", preset="budget", alpha=1e9, kv_budget=0.3, budget_growth=0.5, budget_ref=64,
+                      min_fetch=0).with_skew(mats)
+    t, p = 200, 40
+    seen = {}
+    orig = InfiniGen.select_rows
+
+    def record(self, layer, q, k, session):
+        out = orig(self, layer, q, k, session)
+        seen[layer] = out
+        return out
+    monkeypatch.setattr(InfiniGen, "select_rows", record)
+    tokens = torch.randint(0, c.vocab_size, (1, t), generator=g)
+    sess = Placement().new_session(model, 1, t, pol)
+    tf = model.teacher_forced(tokens, p, sess)
+    assert sorted(seen) == list(range(layers))
+    shares = []
+    for r in range(p, t):
+        share = pol.budget_at(r)
+        assert share < 0.3 * (64 / p) ** 0.5 + 1e-9 and (r <= 64) == (share >= 0.3 - 1e-12)
+        for i in range(layers):
+            read = seen[i][:, :, r - p, :r].sum().item() / (c.num_kv_heads * r)
+            assert read <= share + 1e-9 and read >= share - 1.0 / r - 1e-9  # the floor of share * r tokens
+        shares.append(share)
+    assert sess.stats.overall() == pytest.approx(sum(shares) / len(shares), abs=1.0 / p)
+    if layers > 4:
+        # 30 random layers: decoding's attention sums in another order, and the last-ulp differences reach
+        # near-ties of the cut (every entry qualifies) by row ~100, with the flat budget too
+        return
+    sess = Placement().new_session(model, 1, t, pol)
+    out = [model.prefill(tokens[:, :p], sess)]
+    for j in range(p, t - 1):
+        out.append(model.decode(tokens[:, j], sess))
+    assert (torch.stack(out, 1) - tf[:, p - 1:t - 1]).abs().max() <= 1e-4

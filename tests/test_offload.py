@@ -92,7 +92,10 @@ def test_offloaded_engine_same_tokens(tiny_llama, policy, kind, tmp_path):
     # every policy here knows its selection one layer ahead: one fetch per layer and step, each a
     # prefetch, none wasted (what the fetches read is counted at the tier in test_decode_reads_only_...)
     assert st.fetches == GEN * layers and st.on_demand == 0 and st.stale == 0
-    assert st.bytes_moved == st.rows_moved * 2 * sess.store.layout.row_bytes > 0
+    if st.bulk == 0:
+        assert st.bytes_moved == st.rows_moved * 2 * sess.store.layout.row_bytes > 0
+    else:  # disk: selections touching most pages read their whole used layer (counted as such)
+        assert kind == "disk" and st.bytes_moved >= st.rows_moved * 2 * sess.store.layout.row_bytes
     # the runtime took the planned slot indices at every selecting layer (InfiniGen: layer 0 is dense)
     selecting = {"full": 0, "int4": 0, "infinigen": layers - 1}.get(policy, layers)
     assert st.reused == GEN * selecting
@@ -148,11 +151,12 @@ def test_decode_reads_only_the_selected_rows(tiny_llama, policy, kind, tmp_path)
     """What a decoding step reads from the slow tier, counted at the tier (not by the store's own
     accounting): for each layer, the rows its selection names (B x Hkv x the largest per-head count, as
     `KVStore.slots` lays them out), of key and value; the whole used layer only where every entry is read
-    (full cache, INT4, dense layers). A store that reads the layer and selects in fast memory fails."""
+    (full cache, INT4, dense layers). A store that reads the layer and selects in fast memory fails.
+    (The disk tier's whole-layer reads of selections that touch most pages are off here: the next test.)"""
     _, model = tiny_llama
     pol = _selective(policy, model)
     tokens, pad = _prompts()
-    pl = Placement(kind, pool_dir=str(tmp_path), threaded=False)
+    pl = Placement(kind, pool_dir=str(tmp_path), threaded=False, disk_bulk_share=1.0)
     sess = pl.new_session(model, B, PROMPT + GEN, pol)
     store = sess.store
     row = 2 * store.layout.row_bytes  # one key and one value vector
@@ -182,6 +186,52 @@ def test_decode_reads_only_the_selected_rows(tiny_llama, policy, kind, tmp_path)
         assert measured == whole
     else:
         assert measured < whole  # a real subset was read (layer 0 is dense for InfiniGen)
+
+
+def test_touched_page_share():
+    from infinigen.placement.store import touched_page_share
+    rows = torch.tensor
+    assert touched_page_share(rows([0]), 256, 64) == 0.25  # 64 rows of 256 B: 4 pages
+    assert touched_page_share(rows([0, 1, 15]), 256, 64) == 0.25  # one page
+    assert touched_page_share(rows([0, 16, 63]), 256, 64) == 0.75
+    assert touched_page_share(rows([1]), 3000, 4) == pytest.approx(2 / 3)  # bytes 3000-5999: pages 0 and 1 of 3
+    assert touched_page_share(rows([], dtype=torch.long), 256, 0) == 0.0
+
+
+@pytest.mark.parametrize("share,expect", [(0.0, "bulk"), (0.25, "bulk"), (1.0, "rows")])
+def test_disk_reads_whole_layers_when_a_selection_touches_most_pages(tiny_llama, tmp_path, share, expect):
+    """Disk tier: a selection whose rows lie on more than `disk_bulk_share` of the used layer's pages is
+    read as the whole used layer (one sequential pass, counted at the tier and in bytes_moved) and selected
+    in RAM; the tokens and logits are those of the in-memory store either way. On this tiny model (rows of
+    64 B) every selection touches every page, so the default (0.25) reads whole layers."""
+    _, model = tiny_llama
+    pol = _selective("infinigen", model)
+    ref_tokens, ref_logits, _ = _run(model, Placement("none"), pol)
+    pl = Placement("disk", pool_dir=str(tmp_path), threaded=False, disk_bulk_share=share)
+    tokens, pad = _prompts()
+    sess = pl.new_session(model, B, PROMPT + GEN, pol)
+    store = sess.store
+    logits = model.prefill(tokens, sess, pad)
+    store.stats.reset()
+    measured, whole, out, steps = 0, 0, [], []
+    for _ in range(GEN):
+        whole += sum(store.bh * n * 2 * store.layout.row_bytes for n in store.length)
+        t = logits.argmax(-1)
+        out.append(t)
+        with SlowReads(store) as reads:
+            logits = model.decode(t, sess)
+        steps.append(logits)
+        measured += reads.bytes
+    st = store.stats
+    pl.close(sess)
+    assert torch.equal(torch.stack(out, 1), ref_tokens)
+    assert torch.allclose(torch.stack(steps, 1), ref_logits, atol=1e-5, rtol=0)
+    assert measured == st.bytes_moved
+    selecting = GEN * (model.cfg.num_layers - 1)  # layer 0 is dense here
+    if expect == "bulk":
+        assert st.bulk == selecting and measured == whole
+    else:
+        assert st.bulk == 0 and measured < whole
 
 
 @pytest.mark.parametrize("prefetch,threaded", [(False, True), (True, False)])

@@ -45,6 +45,9 @@ class Placement:
     threaded: bool = True  # a worker thread does the gathers (False: inline, for debugging)
     pack: bool = True  # a quantizing policy's KV is packed in the slow tier (INT4: 4 bits per value)
     protect_recent: int = 0  # the pool never evicts the newest N tokens
+    # disk tier: a selection touching more than this share of a layer's file pages is read as the whole
+    # used layer, sequentially, and selected in RAM (`OffloadedKVStore`; 1: always only the rows)
+    disk_bulk_share: float = 0.25
 
     def __post_init__(self):
         if self.kv_offload not in KINDS:
@@ -60,6 +63,9 @@ class Placement:
         if self.pool_bytes is not None and (isinstance(self.pool_bytes, bool) or not isinstance(self.pool_bytes, int)
                                             or self.pool_bytes < 1):
             raise UserError(f"--pool-bytes must be a positive whole number of bytes, got {self.pool_bytes!r}")
+        b = self.disk_bulk_share
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 1:
+            raise UserError(f"disk bulk share must be in [0, 1], got {b!r}")
         if self.protect_recent < 0:
             raise UserError(f"--protect-recent must be >= 0, got {self.protect_recent}")
 
@@ -105,7 +111,7 @@ class Placement:
         tier = SlowTier(self.kv_offload, model.device, self.pool_dir)
         try:
             return OffloadedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
-                                    threaded=self.threaded, pack=self.pack, stats=stats)
+                                    threaded=self.threaded, pack=self.pack, stats=stats, bulk_share=self.disk_bulk_share)
         except BaseException:
             tier.close()
             raise
