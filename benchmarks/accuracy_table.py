@@ -213,7 +213,7 @@ def validation(args, model, tok, name) -> int:
         print("validation: some rows were not run in this process; run with --val-parts full,ours,oracle,h2o "
               "(reusing the others) to write the table", file=sys.stderr)
         return 0
-    write_validation(args, table, InfiniGen().settings(model), name)
+    write_validation(args, table, InfiniGen(preset=VALIDATION_PRESET).settings(model), name)
     return 0
 
 
@@ -235,10 +235,10 @@ def write_validation(args, table, settings, name) -> None:
             ": what the default read."),
         "",
         f"Preset `{VALIDATION_PRESET}` (`--knob preset={VALIDATION_PRESET}`): " + ", ".join(f"{k} {settings[k]}" for k in (
-            "alpha", "kv_budget", "budget_power", "exact_first", "dense_layers", "budget", "spec_input",
+            "alpha", "kv_budget", "budget_growth", "budget_ref", "budget_power", "exact_first", "dense_layers", "budget", "spec_input",
             "key_mode", "min_fetch") if k in settings) + ".",
         "",
-        "| text | context (prefill) | full | InfiniGen (default): KV all layers | ppl | vs full | oracle: KV | ppl | "
+        f"| text | context (prefill) | full | InfiniGen ({VALIDATION_PRESET} preset): KV all layers | ppl | vs full | oracle: KV | ppl | "
         "vs full | H2O: KV | ppl | vs full |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -263,7 +263,7 @@ def write_validation(args, table, settings, name) -> None:
     missing = [f"{t} at {c}" for c in TARGETS for t in VALIDATION_TEXTS if (t, c) not in done]
     lines += ["", "Targets (issue 12):", ""] + verdicts + [""]
     if missing:
-        lines += [f"Not measured yet (CPU time: a context of 8192 costs about 16 times one of 2048): "
+        lines += [f"Not measured yet (CPU time: a context of 8192 costs 10 to 15 times one of 2048 per run): "
                   f"{', '.join(missing)}. `--val-ctx 8192 --val-long-texts TEXT` adds them.", ""]
     out = Path(args.out)
     old = out.read_text() if out.exists() else ""
