@@ -9,7 +9,6 @@ offloaded DynamicCache on CUDA). Policy settings: `--knob NAME=VALUE` (or POLICY
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Optional
 
@@ -19,6 +18,7 @@ from ..errors import UserError
 from .options import (FLOAT, MAX_ROWS, check_kv_fits, check_model_options, check_out_file, check_policies_fit,
                       check_range, device_option, dtype_option, knob_option, model_option, parse_policies,
                       plot_formats, prepare_policies, write_json)
+from .placement_opts import EVICT, POOL_BYTES, POOL_DIR, parse_bytes
 
 
 def _int_list(name: str, text: str) -> list[int]:
@@ -29,19 +29,6 @@ def _int_list(name: str, text: str) -> list[int]:
     if not vals or any(v < 1 for v in vals):
         raise UserError(f"--{name} values must be >= 1, got {text!r}")
     return vals
-
-
-def parse_bytes(text: str | None, name: str = "pool-bytes") -> int | None:
-    """'2G', '512M', '1.5GiB', '1000000' -> bytes."""
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not m:
-        raise UserError(f"--{name} expects a size like 2G, 512M or 1000000, got {text!r}")
-    value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
-    if value < 1:
-        raise UserError(f"--{name} must be positive, got {text!r}")
-    return int(value)
 
 
 def bench_cmd(
@@ -63,9 +50,9 @@ def bench_cmd(
     ideal: bool = typer.Option(True, "--ideal/--no-ideal", help="Also run the full cache in fast memory."),
     hf: bool = typer.Option(True, "--transformers/--no-transformers", help="Also run transformers' DynamicCache."),
     capacity: Optional[int] = typer.Option(None, "--capacity", help="KV pool limit in tokens per sequence."),
-    pool_bytes: Optional[str] = typer.Option(None, "--pool-bytes", help="KV pool limit in bytes of the slow tier (e.g. 2G)."),
-    eviction: str = typer.Option("counter", "--eviction", help="Pool victim policy: counter, lru or fifo."),
-    pool_dir: Optional[Path] = typer.Option(None, "--pool-dir", help="Directory for the disk tier's pool file (removed after)."),
+    pool_bytes: Optional[str] = POOL_BYTES,
+    eviction: str = EVICT,
+    pool_dir: Optional[Path] = POOL_DIR,
     prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Fetch layer i+1's rows during layer i."),
     weights_offload: float = typer.Option(0.0, "--weights-offload", **FLOAT, help="Share of the layers whose weights stay in the "
                                           "slow tier and stream per layer (FlexGen's weight percentage)."),

@@ -24,16 +24,16 @@ POOL_DIR = typer.Option(None, "--pool-dir", help="Directory of the disk pool's f
 EVICT = typer.Option("counter", "--evict", "--eviction", help="Victim choice when the pool is full: counter, lru or fifo.")
 
 
-def parse_bytes(text: str | None) -> int | None:
-    """'2G', '512M', '1.5GiB', '1000000' -> bytes."""
+def parse_bytes(text: str | None, name: str = "pool-bytes") -> int | None:
+    """'2G', '512M', '1.5GiB', '1000000' -> bytes (`name`: the option, for the error)."""
     if text is None:
         return None
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
     if not m:
-        raise UserError(f"--pool-bytes expects a size like 2G, 512M or 1000000, got {text!r}")
+        raise UserError(f"--{name} expects a size like 2G, 512M or 1000000, got {text!r}")
     value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
     if value < 1:
-        raise UserError(f"--pool-bytes must be positive, got {text!r}")
+        raise UserError(f"--{name} must be positive, got {text!r}")
     return int(value)
 
 

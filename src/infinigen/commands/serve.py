@@ -14,24 +14,9 @@ from ..errors import UserError
 from ..policies import REGISTRY
 from .options import (check_model_options, check_policies_fit, check_range, device_option, dtype_option,
                       knob_option, make_policy_from_cli, model_option, prepare_policies)
+from .placement_opts import parse_bytes
 
 OFFLOADS = ("none", "cpu", "disk")
-
-
-def parse_bytes(text: str | None) -> int | None:
-    """'1073741824', '512M', '2GiB', '1.5G' -> bytes (binary units)."""
-    if text is None:
-        return None
-    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:] if t else "", 1)
-    num = t[:-1] if mult > 1 else t
-    try:
-        value = float(num)
-    except ValueError:
-        raise UserError(f"expected a size in bytes such as 512M or 2G, got {text!r}")
-    if not value == value or value in (float("inf"), float("-inf")) or value < 1:
-        raise UserError(f"a size must be at least one byte, got {text!r}")
-    return int(value * mult)
 
 
 def serve_cmd(
@@ -66,7 +51,7 @@ def serve_cmd(
     check_range("max-queue", max_queue, lo=0)
     check_range("port", port, lo=0, hi=65535)
     check_range("replicas", replicas, lo=1)
-    budgets = dict(pool_bytes=parse_bytes(pool_bytes), fast_bytes=parse_bytes(fast_bytes))
+    budgets = dict(pool_bytes=parse_bytes(pool_bytes), fast_bytes=parse_bytes(fast_bytes, "fast-bytes"))
     make_policy_from_cli(policy, knob)  # knobs checked now, before loading
     try:
         import fastapi  # noqa: F401
