@@ -260,3 +260,47 @@ def test_budget_growth_bound_holds_per_row_and_decoding_agrees(make_tiny, monkey
     for j in range(p, t - 1):
         out.append(model.decode(tokens[:, j], sess))
     assert (torch.stack(out, 1) - tf[:, p - 1:t - 1]).abs().max() <= 1e-4
+
+
+def test_block_selection_reads_whole_blocks_within_the_cap(make_tiny, monkeypatch):
+    """block=16: every slot read lies in a block whose other (cached) slots are read too, each layer
+    reads at most its cap, decoding picks what the teacher-forced pass picks, and block=1 is the token
+    selection itself."""
+    from infinigen.placement import Placement
+    from infinigen.policies import make_policy
+    from infinigen.policies.infinigen import InfiniGen
+    _, model = make_tiny("llama", num_hidden_layers=4)
+    g = torch.Generator().manual_seed(0)
+    c = model.cfg
+    mats = torch.linalg.qr(torch.randn(4, c.num_kv_heads, c.head_dim, c.head_dim, generator=g, dtype=torch.float64))[0]
+    seen = {}
+    orig = InfiniGen.select_rows
+
+    def record(self, layer, q, k, session):
+        seen[layer] = orig(self, layer, q, k, session)
+        return seen[layer]
+    monkeypatch.setattr(InfiniGen, "select_rows", record)
+    t, p = 200, 40
+    tokens = torch.randint(0, c.vocab_size, (1, t), generator=g)
+    pol = make_policy("infinigen", alpha=1e9, max_fetch_ratio=0.25, min_fetch=0, block=16, dense_layers=(0,)).with_skew(mats)
+    sess = Placement().new_session(model, 1, t, pol)
+    tf = model.teacher_forced(tokens, p, sess)
+    for layer in (1, 2, 3):
+        for r in range(p, t):
+            keep = seen[layer][0, :, r - p, :r]  # [Hkv, r]
+            assert keep.sum() <= int(0.25 * r * c.num_kv_heads)
+            padded = torch.nn.functional.pad(keep, (0, -r % 16)).view(c.num_kv_heads, -1, 16)
+            whole = padded.all(-1) | ~padded.any(-1)
+            last = r // 16  # the last block is cut by the row's length: only its cached slots
+            assert bool(whole[:, :last].all())
+            if r % 16:
+                tail = padded[:, last, : r % 16]
+                assert bool((tail.all(-1) | ~tail.any(-1)).all())
+    sess = Placement().new_session(model, 1, t, pol)
+    out = [model.prefill(tokens[:, :p], sess)]
+    for j in range(p, t - 1):
+        out.append(model.decode(tokens[:, j], sess))
+    assert (torch.stack(out, 1) - tf[:, p - 1:t - 1]).abs().max() <= 1e-4
+    for bad in (dict(block=0), dict(block=16, budget="mean")):
+        with pytest.raises(UserError):
+            make_policy("infinigen", **bad)
