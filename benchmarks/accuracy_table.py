@@ -22,6 +22,7 @@ contexts 2048 and 8192 (prefill 1/8), and rewrites the last section of results/a
 
     python benchmarks/accuracy_table.py --validation --val-ctx 2048 --val-parts ours       # split over processes
     python benchmarks/accuracy_table.py --validation --val-ctx 8192 --val-long-texts northangerabbey  # one text at 8192
+    python benchmarks/accuracy_table.py --validation --val-report-only   # the section from the runs in the JSON
 
 Accuracy does not depend on timing, so this may run while other work shares the machine.
 """
@@ -181,6 +182,8 @@ def validation(args, model, tok, name) -> int:
     setups = [(int(c), int(c) // 8) for c in args.val_ctx.split(",")]  # prefill: 1/8 of the context
     fixed = dict(x.split(":") for x in args.baseline_size.split(",")) if args.baseline_size else {}
     texts = args.val_texts.split(",")
+    if args.val_report_only:
+        return report_validation(args, json_path, setups, texts, InfiniGen(preset=VALIDATION_PRESET), model, name)
     table = []
     for ctx, prefill in setups:
         for text in texts:
@@ -217,6 +220,42 @@ def validation(args, model, tok, name) -> int:
     return 0
 
 
+def report_validation(args, json_path, setups, texts, pol, model, name) -> int:
+    """The validation section from the runs already in the JSON, without running the model: for each
+    text and context the latest full-cache run, the latest run of the preset whose recorded settings agree
+    with today's (a knob added since is missing from an older record, not different), and the oracle and
+    H2O runs at the size that run read. Runs of several processes (and of code that changed only where
+    these settings cannot see) are thus put together; a missing row is an error."""
+    runs = json.loads(json_path.read_text())["runs"] if json_path.exists() else []
+    want = jsonable(pol.settings(model))
+    want["calib"] = args.calib
+    table = []
+    for ctx, prefill in setups:
+        for text in texts:
+            if ctx > 2048 and text not in args.val_long_texts.split(","):
+                continue
+            tail = f", {resolve_text(text).stem} {ctx}"
+            tail_arg = f", {text} {ctx}"
+            mine = [r for r in runs if r["label"].endswith(tail) or r["label"].endswith(tail_arg)]
+            pick = lambda ok: next((r for r in reversed(mine) if ok(r)), None)  # noqa: E731
+            row = {"text": resolve_text(text).stem, "ctx": ctx, "prefill": prefill,
+                   "full": pick(lambda r: r["policy"] == "full"),
+                   "ours": pick(lambda r: r["policy"] == "infinigen" and all(
+                       want.get(k) == v for k, v in r["settings"].items() if k in want) and
+                       all(k in r["settings"] for k in ("kv_budget", "budget_growth")))}
+            if row["ours"] is not None:
+                size = row["ours"]["kv_all"]
+                row["oracle"] = pick(lambda r: r["policy"] == "oracle" and abs(r["settings"]["ratio"] - size) < 1e-12)
+                row["h2o"] = pick(lambda r: r["policy"] == "h2o" and abs(r["settings"]["heavy_ratio"] - size / 2) < 1e-12)
+            missing = [k for k in ("full", "ours", "oracle", "h2o") if row.get(k) is None]
+            if missing:
+                print(f"validation: no {', '.join(missing)} run for {text} at {ctx} in {json_path}", file=sys.stderr)
+                return 2
+            table.append(row)
+    write_validation(args, table, pol.settings(model), name)
+    return 0
+
+
 def write_validation(args, table, settings, name) -> None:
     def gap(r, base):
         return 100 * (r["perplexity"] / base["perplexity"] - 1)
@@ -232,7 +271,7 @@ def write_validation(args, table, settings, name) -> None:
         "the size in their row" + (
             f" (fixed per context with --baseline-size {args.baseline_size}: the bound, at least what the "
             "default read, so the comparison does not favour the default)." if args.baseline_size else
-            ": what the default read."),
+            f": what the {VALIDATION_PRESET} preset read."),
         "",
         f"Preset `{VALIDATION_PRESET}` (`--knob preset={VALIDATION_PRESET}`): " + ", ".join(f"{k} {settings[k]}" for k in (
             "alpha", "kv_budget", "budget_growth", "budget_ref", "budget_power", "exact_first", "dense_layers", "budget", "spec_input",
@@ -295,6 +334,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-size", default="",
                     help="CTX:SIZE,... the oracle's and H2O's all-layer size per context (default: what the "
                          "default preset read, which needs its run first)")
+    ap.add_argument("--val-report-only", action="store_true",
+                    help="write the validation section from the runs in accuracy_validation.json (no model runs)")
     ap.add_argument("--resume-any-code", action="store_true",
                     help="reuse runs with the same settings computed by other code (baselines across a merge)")
     args = ap.parse_args(argv)
