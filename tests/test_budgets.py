@@ -8,6 +8,7 @@ import torch
 
 from infinigen.errors import UserError
 from infinigen.policies.budgets import attention_sparsity, layer_caps, water_fill
+from test_infinigen import _decode, _mats, _record, _tokens
 
 
 @pytest.mark.parametrize("layers,dense", [(4, ()), (4, (0,)), (30, ()), (30, (0,)), (30, (0, 1)), (24, (0, 1, 2))])
@@ -123,11 +124,8 @@ def test_bound_holds_with_dense_layers(make_tiny, dense):
     (min_fetch off: 32 tokens are over their 14% of these short contexts)."""
     from infinigen.policies import make_policy
     _, model = make_tiny("llama", num_hidden_layers=30)
-    g = torch.Generator().manual_seed(0)
-    mats = torch.linalg.qr(torch.randn(30, model.cfg.num_kv_heads, model.cfg.head_dim, model.cfg.head_dim,
-                                       generator=g, dtype=torch.float64))[0]
     pol = make_policy("infinigen", preset="budget", alpha=1e9, dense_layers=dense, min_fetch=0,
-                      kv_budget=0.2, budget_growth=1.0).with_skew(mats)
+                      kv_budget=0.2, budget_growth=1.0).with_skew(_mats(model, seed=0))
     sess = _run(model, pol)
     per = sess.stats.per_layer()
     assert all(per[i] == pytest.approx(1.0) for i in dense)
@@ -144,10 +142,8 @@ def test_exact_first_selects_layer_zero_with_its_own_query(make_tiny, key_mode):
     from infinigen.placement import Placement
     from infinigen.policies import make_policy
     _, model = make_tiny("llama", num_hidden_layers=3)
-    g = torch.Generator().manual_seed(0)
-    mats = torch.linalg.qr(torch.randn(3, model.cfg.num_kv_heads, model.cfg.head_dim, model.cfg.head_dim,
-                                       generator=g, dtype=torch.float64))[0]
-    tokens = torch.randint(0, model.cfg.vocab_size, (1, 200), generator=g)
+    mats = _mats(model, seed=0)
+    tokens = _tokens(model, b=1, t=200, seed=0)
     dense = model.teacher_forced(tokens, 40, Placement().new_session(model, 1, 200))
     every = make_policy("infinigen", preset="budget", alpha=1e30, kv_budget=1.0, key_mode=key_mode, partial_ratio=1.0).with_skew(mats)
     assert (model.teacher_forced(tokens, 40, Placement().new_session(model, 1, 200, every)) - dense).abs().max() <= 1e-4
@@ -215,39 +211,27 @@ def test_budget_growth_shrinks_the_share_with_length():
 
 
 @pytest.mark.parametrize("layers", [4, 30])
-def test_budget_growth_bound_holds_per_row_and_decoding_agrees(make_tiny, monkeypatch, layers):
+def test_budget_growth_bound_holds_per_row_and_decoding_agrees(make_tiny, layers):
     """With growth 0.5 every row reads at most its own length's share in every layer (the caps bind: every
     entry qualifies), the all-layer mean is the mean of those shares, and decoding token by token makes
     the same selections (same logits) as the teacher-forced pass."""
     from infinigen.placement import Placement
     from infinigen.policies import make_policy
-    from infinigen.policies.infinigen import InfiniGen
     _, model = make_tiny("llama", num_hidden_layers=layers)
-    g = torch.Generator().manual_seed(0)
     c = model.cfg
-    mats = torch.linalg.qr(torch.randn(layers, c.num_kv_heads, c.head_dim, c.head_dim, generator=g,
-                                       dtype=torch.float64))[0]
-    pol = make_policy("infinigen", preset="budget", alpha=1e9, kv_budget=0.3, budget_growth=0.5, budget_ref=64,
-                      min_fetch=0).with_skew(mats)
+    pol = _record(make_policy("infinigen", preset="budget", alpha=1e9, kv_budget=0.3, budget_growth=0.5,
+                              budget_ref=64, min_fetch=0).with_skew(_mats(model, seed=0)))
     t, p = 200, 40
-    seen = {}
-    orig = InfiniGen.select_rows
-
-    def record(self, layer, q, k, session):
-        out = orig(self, layer, q, k, session)
-        seen[layer] = out
-        return out
-    monkeypatch.setattr(InfiniGen, "select_rows", record)
-    tokens = torch.randint(0, c.vocab_size, (1, t), generator=g)
+    tokens = _tokens(model, b=1, t=t, seed=0)
     sess = Placement().new_session(model, 1, t, pol)
     tf = model.teacher_forced(tokens, p, sess)
-    assert sorted(seen) == list(range(layers))
+    assert sorted(pol.seen) == list(range(layers))
     shares = []
     for r in range(p, t):
         share = pol.budget_at(r)
         assert share < 0.3 * (64 / p) ** 0.5 + 1e-9 and (r <= 64) == (share >= 0.3 - 1e-12)
         for i in range(layers):
-            read = seen[i][:, :, r - p, :r].sum().item() / (c.num_kv_heads * r)
+            read = pol.seen[i][r - p].sum().item() / (c.num_kv_heads * r)
             assert read <= share + 1e-9 and read >= share - 1.0 / r - 1e-9  # the floor of share * r tokens
         shares.append(share)
     assert sess.stats.overall() == pytest.approx(sum(shares) / len(shares), abs=1.0 / p)
@@ -255,39 +239,26 @@ def test_budget_growth_bound_holds_per_row_and_decoding_agrees(make_tiny, monkey
         # 30 random layers: decoding's attention sums in another order, and the last-ulp differences reach
         # near-ties of the cut (every entry qualifies) by row ~100, with the flat budget too
         return
-    sess = Placement().new_session(model, 1, t, pol)
-    out = [model.prefill(tokens[:, :p], sess)]
-    for j in range(p, t - 1):
-        out.append(model.decode(tokens[:, j], sess))
-    assert (torch.stack(out, 1) - tf[:, p - 1:t - 1]).abs().max() <= 1e-4
+    logits, _ = _decode(model, pol, tokens, p)
+    assert (logits - tf[:, p - 1:t - 1]).abs().max() <= 1e-4
 
 
-def test_block_selection_reads_whole_blocks_within_the_cap(make_tiny, monkeypatch):
+def test_block_selection_reads_whole_blocks_within_the_cap(make_tiny):
     """block=16: every slot read lies in a block whose other (cached) slots are read too, each layer
-    reads at most its cap, decoding picks what the teacher-forced pass picks, and block=1 is the token
-    selection itself."""
+    reads at most its cap, and decoding picks what the teacher-forced pass picks."""
     from infinigen.placement import Placement
     from infinigen.policies import make_policy
-    from infinigen.policies.infinigen import InfiniGen
     _, model = make_tiny("llama", num_hidden_layers=4)
-    g = torch.Generator().manual_seed(0)
     c = model.cfg
-    mats = torch.linalg.qr(torch.randn(4, c.num_kv_heads, c.head_dim, c.head_dim, generator=g, dtype=torch.float64))[0]
-    seen = {}
-    orig = InfiniGen.select_rows
-
-    def record(self, layer, q, k, session):
-        seen[layer] = orig(self, layer, q, k, session)
-        return seen[layer]
-    monkeypatch.setattr(InfiniGen, "select_rows", record)
     t, p = 200, 40
-    tokens = torch.randint(0, c.vocab_size, (1, t), generator=g)
-    pol = make_policy("infinigen", alpha=1e9, max_fetch_ratio=0.25, min_fetch=0, block=16, dense_layers=(0,)).with_skew(mats)
+    tokens = _tokens(model, b=1, t=t, seed=0)
+    pol = _record(make_policy("infinigen", alpha=1e9, max_fetch_ratio=0.25, min_fetch=0, block=16,
+                              dense_layers=(0,)).with_skew(_mats(model, seed=0)))
     sess = Placement().new_session(model, 1, t, pol)
     tf = model.teacher_forced(tokens, p, sess)
     for layer in (1, 2, 3):
         for r in range(p, t):
-            keep = seen[layer][0, :, r - p, :r]  # [Hkv, r]
+            keep = pol.seen[layer][r - p][0]  # [Hkv, r]
             assert keep.sum() <= int(0.25 * r * c.num_kv_heads)
             padded = torch.nn.functional.pad(keep, (0, -r % 16)).view(c.num_kv_heads, -1, 16)
             whole = padded.all(-1) | ~padded.any(-1)
@@ -296,11 +267,8 @@ def test_block_selection_reads_whole_blocks_within_the_cap(make_tiny, monkeypatc
             if r % 16:
                 tail = padded[:, last, : r % 16]
                 assert bool((tail.all(-1) | ~tail.any(-1)).all())
-    sess = Placement().new_session(model, 1, t, pol)
-    out = [model.prefill(tokens[:, :p], sess)]
-    for j in range(p, t - 1):
-        out.append(model.decode(tokens[:, j], sess))
-    assert (torch.stack(out, 1) - tf[:, p - 1:t - 1]).abs().max() <= 1e-4
+    logits, _ = _decode(model, pol, tokens, p)
+    assert (logits - tf[:, p - 1:t - 1]).abs().max() <= 1e-4
     for bad in (dict(block=0), dict(block=16, budget="mean")):
         with pytest.raises(UserError):
             make_policy("infinigen", **bad)

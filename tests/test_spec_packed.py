@@ -11,7 +11,7 @@ from infinigen.kernels.int4 import fake_quantize, tinygemm_ok
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
 from infinigen.pool import KVPool
-from test_infinigen import _decode, _record  # the same recorders and decoding loop (P = 12 in both)
+from test_infinigen import _decode, _mats, _record, _tokens  # the same helpers (P = 12 in both)
 
 T, P = 40, 12
 LAYOUTS = ["rows", pytest.param("tinygemm", marks=pytest.mark.skipif(
@@ -25,18 +25,6 @@ def _model(make_tiny, dtype=torch.float32, **kw):
     return make_tiny("llama", **cfg)[1].to(dtype)
 
 
-def _mats(model, seed=3):
-    c = model.cfg
-    g = torch.Generator().manual_seed(seed)
-    return torch.linalg.qr(torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, c.head_dim, generator=g,
-                                       dtype=torch.float64))[0]
-
-
-def _tokens(model, b=2, t=T, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.cfg.vocab_size, (b, t), generator=g)
-
-
 @pytest.fixture
 def layout(request, monkeypatch):
     monkeypatch.setattr(ig, "int4_layout", lambda d, capacity, device: request.param)
@@ -47,7 +35,7 @@ def layout(request, monkeypatch):
 def test_packed_scores_equal_fake_quantization(make_tiny, layout):
     model = _model(make_tiny)
     pol = make_policy("infinigen", dense_layers=(0,)).with_skew(_mats(model))
-    _, sess = _decode(model, pol, _tokens(model))
+    _, sess = _decode(model, pol, _tokens(model, t=T))
     st, store = sess.state, sess.store
     assert st.layout == layout and isinstance(st.pk[2], ig.PackedKeys) and st.pk[2].layout == layout
     layer = model.cfg.num_layers - 1
@@ -73,7 +61,7 @@ def test_selections_identical_teacher_replay_decode(make_tiny, layout, key_mode)
         pytest.skip("the layout only concerns int4 keys")
     dtype = torch.float64
     model = _model(make_tiny, dtype)
-    tokens = _tokens(model)
+    tokens = _tokens(model, t=T)
     knobs = dict(alpha=1.0, max_fetch_ratio=0.3, min_fetch=0, dense_layers=(0,), key_mode=key_mode)
     vec = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))
     model.teacher_forced(tokens, P, Placement().new_session(model, 2, T, vec))
@@ -143,7 +131,7 @@ def test_decode_selection_needs_no_host_sync_on_cuda(make_tiny):
     cut) run without a host synchronization on CUDA."""
     model = _model(make_tiny).cuda()
     pol = make_policy("infinigen", dense_layers=(0,), min_fetch=0, max_fetch_ratio=0.2).with_skew(_mats(model))
-    _, sess = _decode(model, pol, _tokens(model).cuda())
+    _, sess = _decode(model, pol, _tokens(model, t=T).cuda())
     layer = model.cfg.num_layers - 1
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
