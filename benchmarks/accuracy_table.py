@@ -234,9 +234,7 @@ def report_validation(args, json_path, setups, texts, pol, model, name) -> int:
         for text in texts:
             if ctx > 2048 and text not in args.val_long_texts.split(","):
                 continue
-            tail = f", {resolve_text(text).stem} {ctx}"
-            tail_arg = f", {text} {ctx}"
-            mine = [r for r in runs if r["label"].endswith(tail) or r["label"].endswith(tail_arg)]
+            mine = [r for r in runs if r["label"].endswith(f", {text} {ctx}")]  # the labels `validation` writes
             pick = lambda ok: next((r for r in reversed(mine) if ok(r)), None)  # noqa: E731
             row = {"text": resolve_text(text).stem, "ctx": ctx, "prefill": prefill,
                    "full": pick(lambda r: r["policy"] == "full"),

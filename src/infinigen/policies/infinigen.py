@@ -80,8 +80,8 @@ PRESETS = {
     # The tokens read grow as the square root of the cached length (budget_growth 0.5), 13% of them at 2048:
     # the mean over a run whose prompt is 1/8 of the context is then 19.1% at context 2048 and 9.6% at
     # 8192 (measured: 19.0-19.1% and 9.4% on the validation texts), the two bounds from one rule (a
-    # flat 20% reads 20% at 8192 too). On the calibration
-    # split at 2048 it measured +1.53% / +1.58% at 19.1%, against +1.28% / +1.99% at 19.8% for a flat 20%.
+    # flat 20% reads 20% at 8192 too). On the calibration split at 2048 it measured +1.53% / +1.58% at
+    # 19.1%, against +1.28% / +1.99% at 19.8% for a flat 20%.
     # OPT: no checkpoint was available to measure; the same alpha (more tokens, up to the cap).
     # The cap never drops below 32 tokens per KV head: a share of a short chat prompt is a handful of tokens
     # (it does not bind from 160 cached tokens on, so the bound holds at the measured lengths).
@@ -682,9 +682,7 @@ class InfiniGen(Policy):
             mass = torch.nn.functional.pad(mass, (0, pad))
         kb = keep.view(b, hkv, r, nb, k).any(-1)
         mb = mass.view(b, hkv, r, nb, k).sum(-1).masked_fill(~kb, -1.0)
-        nblocks = total // k if isinstance(total, int) else (total // k).clamp(min=1)
-        if isinstance(nblocks, int):
-            nblocks = max(1, nblocks)
+        nblocks = max(1, total // k) if isinstance(total, int) else (total // k).clamp(min=1)
         flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, r, hkv * nb)  # noqa: E731
         cut = self._cut(flat(kb), flat(mb), nblocks).view(b, r, hkv, nb).permute(0, 2, 1, 3)
         out = cut[..., None].expand(b, hkv, r, nb, k).reshape(b, hkv, r, nb * k)[..., :n]
