@@ -126,14 +126,16 @@ def markdown(payload: dict, context: int) -> str:
 
 def auto_limit(model, syst, batches, max_len) -> int:
     """A bound below the pool: what the disk rows may need to hold in fast memory (16% of the KV for
-    speculation state, two layers of staging, 64 MiB of activations) plus slack that is a quarter of the
-    pool at most, so the page cache can never hold the whole pool. The weights are not in it: they are
-    loaded before the bound applies (see disk_child)."""
+    speculation state; four layers of staging: per parity, the fetched rows and the whole-layer buffer of
+    the disk tier's sequential reads; 128 MiB of activations and kernel scratch: bfloat16 runs at the
+    smoke sizes charged 87-95 MiB, over the 64 MiB this allowed before) plus slack that is a quarter of
+    the pool at most, so the page cache can never hold the whole pool. The weights are not in it: they
+    are loaded before the bound applies (see disk_child)."""
     from infinigen.placement import kv_slot_bytes
     pool = max(kv_slot_bytes(model, b, s.policy, "disk") * max_len for s in syst if s.kv_offload == "disk"
                for b in batches)
     layers = model.cfg.num_layers
-    return int(0.16 * pool + 2 * pool / layers + (64 << 20) + min(256 << 20, pool / 4))
+    return int(0.16 * pool + 4 * pool / layers + (128 << 20) + min(256 << 20, pool / 4))
 
 
 def disk_child(model, tok, syst, settings, args, limit, progress) -> int:
@@ -210,6 +212,17 @@ def main(argv=None) -> int:
     if args.smoke:
         args.context, args.batch, args.gen_len, args.breakdown = 160, "1,2", 4, 1
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="offload-smoke-")) if args.smoke else ROOT / "results")
+    before = None
+    if args.disk_only and not args.disk_child:  # checked before any work: the table the disk rows go into
+        table = out / "offload_cpu.json"
+        if not table.exists():
+            print(f"offload_cpu: --disk-only needs an earlier run's {table}", file=sys.stderr)
+            return 2
+        before = json.loads(table.read_text())
+        if before["settings"].get("dtype", "float32") != args.dtype:
+            print(f"offload_cpu: --disk-only: the table in {out} was measured in {before['settings'].get('dtype', 'float32')}, "
+                  f"not {args.dtype} (give --dtype)", file=sys.stderr)
+            return 2
     out.mkdir(parents=True, exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -242,11 +255,6 @@ def main(argv=None) -> int:
         return disk_child(model, tok, syst, settings, args, limit, progress)
     hf_sys = [s for s in syst if not s.ours]
     if args.disk_only:  # keep the other rows of an earlier run with the same settings
-        before = json.loads((out / "offload_cpu.json").read_text())
-        if before["settings"].get("dtype", "float32") != args.dtype:
-            print(f"offload_cpu: --disk-only: the table in {out} was measured in {before['settings'].get('dtype', 'float32')}, "
-                  f"not {args.dtype} (give --dtype)", file=sys.stderr)
-            return 2
         rows = [r for r in before["rows"] if r["kv_offload"] != "disk" and r["batch"] in batches]
         hf_sys = []
     else:
