@@ -112,7 +112,8 @@ def test_hf_enable_rejects_unknown_knobs():
 # ---- placement ---------------------------------------------------------------------------------------
 def test_placement_checks_its_values():
     for bad in (dict(kv_offload="tape"), dict(evict="random"), dict(capacity=0), dict(capacity=math.nan),
-                dict(capacity=2.5), dict(pool_bytes=0), dict(protect_recent=-1)):
+                dict(capacity=2.5), dict(pool_bytes=0), dict(protect_recent=-1), dict(disk_bulk_share=1.5),
+                dict(disk_bulk_share=-0.1), dict(disk_bulk_share=True)):
         with pytest.raises(UserError):
             Placement(**bad)
 
