@@ -129,3 +129,101 @@ def test_bench_under_a_memory_limit(tiny_checkpoint, tmp_path):
     mb = json.loads(out.read_text())["settings"]["memory_bound"]
     assert mb["limit_bytes"] == 512 << 20 and mb["mechanism"] in ("cgroup2", "cgroup1", "systemd-run")
     assert main(["bench", "-m", str(tiny_checkpoint), "--memory-limit", "lots"]) == 2
+
+
+# ---- issue 16, item 5: a selection on few pages reads those pages, not the layer ------------------------------
+def _few_pages_share(store, layer, keep):
+    """Share of the used layer's file pages the rows `keep` selects lie on (the store's own measure)."""
+    from infinigen.placement.store import touched_page_share
+    n = store.length[layer]
+    sel = keep[:, :, :n] & store.valid[layer][:, :, :n]
+    b, h, s = sel.nonzero(as_tuple=True)
+    rows = s * store.bh + b * store.kv_heads + h  # slot-major rows, (b, h) within a slot
+    return touched_page_share(rows, store.layout.row_bytes, n * store.bh)  # plain layout: one plane
+
+
+def test_disk_selection_on_few_pages_reads_only_its_rows(make_tiny, tmp_path):
+    """At the default disk_bulk_share (0.25), a selection whose rows lie on under a quarter of the layer's
+    file pages (attention sinks and a recent window over a 200-token cache, rows of 256 B: a page holds 4
+    slots of 2 sequences x 2 KV heads) is read row by row: the bytes read at the tier (every aten read of
+    the pool's storage, counted by `SlowReads`) and the store's own `bytes_moved` are those of the selected
+    rows, a small part of the used layers, and the tokens are the in-memory store's. A store that always
+    read the whole layer (`bulk` forced on) reads every used row and fails."""
+    from test_offload import SlowReads
+
+    from infinigen.placement import Placement
+    from infinigen.policies import make_policy
+    _, model = make_tiny("llama", head_dim=64)  # 256 B rows in float32
+    assert model.cfg.head_dim == 64
+    batch, prompt, gen = 2, 200, 6
+    tokens = torch.randint(3, model.cfg.vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(4))
+
+    def policy():
+        return make_policy("streaming", sinks=2, window=8)
+
+    ref = Placement().new_session(model, batch, prompt + gen, policy())
+    ref_logits = [model.prefill(tokens, ref)]
+    pl = Placement("disk", pool_dir=str(tmp_path), threaded=False)  # inline: SlowReads sees the fetches
+    assert pl.disk_bulk_share == 0.25  # the default is what this test is about
+    pol = policy()
+    sess = pl.new_session(model, batch, prompt + gen, pol)
+    store = sess.store
+    row = 2 * store.layout.row_bytes  # a key and a value vector
+    want, shares = [0], []
+    inner = pol.select
+
+    def select(layer, q, s):
+        keep = inner(layer, q, s)
+        n = store.length[layer]
+        want[0] += store.bh * int((keep[:, :, :n] & store.valid[layer][:, :, :n]).sum(-1).max()) * row
+        shares.append(_few_pages_share(store, layer, keep))
+        return keep
+    object.__setattr__(pol, "select", select)  # policies are frozen: a test wrapper all the same
+    logits = model.prefill(tokens, sess)
+    assert torch.allclose(logits, ref_logits[0], atol=1e-5, rtol=0)
+    store.stats.reset()
+    measured, whole = 0, 0
+    for _ in range(gen):
+        t = logits.argmax(-1)
+        whole += sum(store.bh * n * row for n in store.length)
+        with SlowReads(store) as reads:
+            logits = model.decode(t, sess)
+        measured += reads.bytes
+        ref_logits.append(model.decode(t, ref))
+        assert torch.allclose(logits, ref_logits[-1], atol=1e-5, rtol=0)
+    st = store.stats
+    pl.close(sess)
+    assert len(shares) == gen * model.cfg.num_layers and max(shares) < 0.25  # the premise: few pages each time
+    assert measured == want[0] == st.bytes_moved  # the selected rows, counted at the tier
+    assert measured < 0.25 * whole and st.bulk == 0
+
+
+def test_disk_store_reads_scattered_page_rows(tmp_path):
+    """The store alone, rows of one page each (head_dim 1024, float32): four scattered slots of 64 touch
+    1/16 of the layer's pages, so `gather` reads those rows (counted at the tier and in `bytes_moved`),
+    never the whole used layer, and returns exactly the rows written there."""
+    from test_offload import SlowReads
+
+    from infinigen.placement import OffloadedKVStore, SlowTier
+    from infinigen.placement.store import PAGE, touched_page_share
+    layers, batch, heads, cap, d = 2, 1, 2, 64, 1024
+    store = OffloadedKVStore(layers, batch, heads, cap, d, torch.float32, tier=SlowTier("disk", directory=tmp_path),
+                             threaded=False)
+    assert store.bulk_share == 0.25 and store.layout.row_bytes == PAGE  # plain layout: one plane
+    g = torch.Generator().manual_seed(2)
+    k, v = torch.randn(2, batch, heads, cap, d, generator=g)
+    for layer in range(layers):
+        store.write_prompt(layer, k, v, torch.ones(batch, cap, dtype=torch.bool), torch.arange(cap)[None])
+    idx = torch.tensor([[[3, 17, 40, 60], [5, 22, 41, 63]]])  # [B, Hkv, n]: per KV head its own slots
+    rows = idx * store.bh + torch.arange(heads)[None, :, None]  # slot-major rows (batch 1)
+    assert touched_page_share(rows.flatten(), PAGE, cap * store.bh) == 1 / 16
+    store.stats.reset()
+    with SlowReads(store) as reads:
+        gk, gv = store.gather(1, idx)
+    expect = 2 * idx.numel() * PAGE
+    assert reads.bytes == store.stats.bytes_moved == expect and store.stats.bulk == 0
+    assert expect * 16 == 2 * cap * store.bh * PAGE  # the whole used layer is 16 times as much
+    pick = idx[..., None].expand(-1, -1, -1, d)
+    assert torch.equal(gk, k.gather(2, pick)) and torch.equal(gv, v.gather(2, pick))
+    store.close()
+    assert os.listdir(tmp_path) == []

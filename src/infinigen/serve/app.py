@@ -370,7 +370,7 @@ class _Text:
 def _registry(engine: Engine):
     """A Prometheus registry of its own (several apps may live in one process) reading the engine's numbers."""
     from prometheus_client import CollectorRegistry
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     class Collector:
         def collect(self):
@@ -386,6 +386,12 @@ def _registry(engine: Engine):
                                     value=s["tokens_per_s"])
             yield GaugeMetricFamily("infinigen_requests_running", "Requests in the decoding batch", value=s["running"])
             yield GaugeMetricFamily("infinigen_requests_waiting", "Requests waiting for KV memory", value=s["waiting"])
+            sizes = dict(engine.batch_sizes)  # a copy: the engine thread may add a size meanwhile
+            bounds = sorted({1 << i for i in range(engine.max_batch.bit_length())} | {engine.max_batch})
+            yield HistogramMetricFamily("infinigen_decode_batch_size", "Requests decoded together per step",
+                                        buckets=[(str(b), sum(c for n, c in sizes.items() if n <= b)) for b in bounds]
+                                        + [("+Inf", sum(sizes.values()))],
+                                        sum_value=sum(n * c for n, c in sizes.items()))
             for name, what, key in (("infinigen_kv_bytes", "KV bytes held by running requests", "kv_{}_bytes"),
                                     ("infinigen_kv_reserved_bytes", "KV bytes reserved by running requests", "reserved_{}_bytes"),
                                     ("infinigen_kv_budget_bytes", "KV bytes the server admits requests up to", "{}_budget_bytes")):

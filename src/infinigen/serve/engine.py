@@ -223,6 +223,7 @@ class Engine:
         self.reserved = [0, 0]  # fast, slow bytes reserved by running requests
         self.in_use = [0, 0]  # measured after each step
         self.counters = collections.Counter()  # requests by outcome, tokens
+        self.batch_sizes = collections.Counter()  # decode steps by how many requests each decoded together
         self._recent: collections.deque = collections.deque()  # (time, tokens) of the last steps
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -294,6 +295,7 @@ class Engine:
                 self._prefill(req)
         live = [r for r in self.running if r.finish is None]
         if live:
+            self.batch_sizes[len(live)] += 1
             try:
                 logits = batched_decode(self.model, [r.session for r in live],
                                         torch.tensor([r.tokens[-1] for r in live], device=self.model.device))
