@@ -226,6 +226,5 @@ def _available(name):
 
 
 def _austen():
-    from pathlib import Path
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data" / "austen" / sorted(
-        p.name for p in (Path(__file__).resolve().parents[1].parent / "shared" / "data" / "austen").iterdir())[0]
+    from infinigen.paths import resolve_text
+    return resolve_text("emma")  # the package's own copy, from any working directory

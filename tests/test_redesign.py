@@ -152,8 +152,9 @@ def test_placement_options_on_every_command(tiny_checkpoint, cmd, capfd):
     assert code == 2 and "--kv-offload" in err and "Traceback" not in err
 
 
-def test_ppl_json_records_the_effective_settings(tiny_checkpoint, tmp_path, capfd):
+def test_ppl_json_records_the_effective_settings(tiny_checkpoint, tmp_path, monkeypatch, capfd):
     from infinigen.cli import main
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))  # InfiniGen calibrates: not in the user's cache
     text = tmp_path / "t.txt"
     text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 20)
     out = tmp_path / "r.json"
@@ -162,6 +163,7 @@ def test_ppl_json_records_the_effective_settings(tiny_checkpoint, tmp_path, capf
     assert code == 0, capfd.readouterr().err
     r = json.loads(out.read_text())
     assert r["settings"]["alpha"] == 7.0 and r["kv_offload"] == "disk" and r["capacity"] == 48
+    assert list((tmp_path / "cache" / "skew").glob("*.safetensors"))  # calibrated into the test's cache
 
 
 def test_hf_enable_takes_a_placement(tmp_path):

@@ -12,7 +12,9 @@ from pathlib import Path
 
 from .errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # src/infinigen/paths.py -> the checkout
+# The texts shipped inside the package (in the wheel; sources and licences in data/SOURCES.md). Found
+# beside this module, so an installed package and a checkout read the same files from any directory.
+PACKAGE_DATA = Path(__file__).resolve().parent / "data"
 
 
 # ---- the cache -------------------------------------------------------------------------------------
@@ -74,32 +76,25 @@ def _alive(pid: int) -> bool:
 
 
 # ---- data --------------------------------------------------------------------------------------------
-def data_dirs() -> list[Path]:
-    """Where text names are looked up, in order: $INFINIGEN_DATA (and its austen/), then shared/data/austen
-    and shared/data beside the repository, beside the working directory, and in it; then ./data."""
-    dirs = []
+def _user_data() -> Path | None:
     env = os.environ.get("INFINIGEN_DATA")
-    if env:
-        dirs += [Path(env).expanduser(), Path(env).expanduser() / "austen"]
-    for base in (REPO_ROOT.parent, Path.cwd().parent, Path.cwd()):
-        dirs += [base / "shared" / "data" / "austen", base / "shared" / "data"]
-    dirs.append(Path.cwd() / "data")
-    out = []
-    for d in dirs:  # keep the order, drop repeats
-        if d not in out:
-            out.append(d)
-    return out
+    return Path(env).expanduser() if env else None
+
+
+def data_dirs() -> list[Path]:
+    """Where text names are looked up, in order: $INFINIGEN_DATA and its austen/, then the package's own
+    data (data/austen, data). Nothing else: not the working directory, not beside the checkout."""
+    user = _user_data()
+    dirs = [user, user / "austen"] if user else []
+    return dirs + [PACKAGE_DATA / "austen", PACKAGE_DATA]
 
 
 def bigbench_dirs() -> list[Path]:
-    """Candidate BIG-bench task folders: $INFINIGEN_DATA/bigbench, $INFINIGEN_DATA, shared/data/bigbench."""
-    dirs = []
-    env = os.environ.get("INFINIGEN_DATA")
-    if env:
-        dirs += [Path(env).expanduser() / "bigbench", Path(env).expanduser()]
-    for base in (REPO_ROOT.parent, Path.cwd().parent, Path.cwd()):
-        dirs.append(base / "shared" / "data" / "bigbench")
-    return dirs
+    """Candidate BIG-bench task folders, in order: $INFINIGEN_DATA/bigbench, $INFINIGEN_DATA, then the
+    package's own data/bigbench."""
+    user = _user_data()
+    dirs = [user / "bigbench", user] if user else []
+    return dirs + [PACKAGE_DATA / "bigbench"]
 
 
 def corpus_names() -> list[str]:
@@ -122,7 +117,7 @@ def resolve_text(text: str | os.PathLike | None, default: str | None = None) -> 
         for d in data_dirs():
             if (d / name).is_file():
                 return d / name
-    have = ", ".join(corpus_names()) or "none found (set INFINIGEN_DATA)"
+    have = ", ".join(corpus_names()) or f"none found: the package data {PACKAGE_DATA} is missing"
     raise UserError(f"text {s!r} is neither a file nor a bundled corpus name (available: {have})")
 
 

@@ -25,7 +25,7 @@ def fewshot_cmd(
     prefill_frac: float = typer.Option(1.0, "--prefill-frac", **FLOAT,
                                        help="Fraction of the prompt processed densely; the rest and the answer are decoded with the policy."),
     seed: int = typer.Option(1234, "--seed", help="Seed for the example order and the shots."),
-    data: Optional[Path] = typer.Option(None, "--data", help="BIG-bench task folder (default ../shared/data/bigbench)."),
+    data: Optional[Path] = typer.Option(None, "--data", help="BIG-bench task folder (default: $INFINIGEN_DATA/bigbench, else the 13 tasks shipped with the package)."),
     model: str = model_option(),
     device: str = device_option(),
     dtype: str = dtype_option(),

@@ -25,7 +25,7 @@ def ppl_cmd(
     policy: str = typer.Option("full", "--policy", help="full, infinigen, h2o, int4, streaming or oracle."),
     text: str = typer.Option("prideprejudice", "--text",
                              help="A text file, or a bundled corpus name (prideprejudice, emma, mansfieldpark, "
-                                  "northangerabbey, sensesensibility; looked up in $INFINIGEN_DATA and ../shared/data/austen)."),
+                                  "northangerabbey, sensesensibility: shipped with the package; $INFINIGEN_DATA is searched first)."),
     ctx: int = typer.Option(2048, "--ctx", help="Tokens per window."),
     prefill: int = typer.Option(256, "--prefill", help="Prompt tokens per window (dense); the rest is decoded and scored."),
     windows: int = typer.Option(1, "--windows", help="Non-overlapping windows from the start of the text, pooled."),

@@ -23,7 +23,7 @@ def register(app: typer.Typer) -> None:
 
 def skew(
     model: str = model_option(),
-    calib: Optional[str] = typer.Option(None, "--calib", help="Calibration text: a file, or a corpus name in ../shared/data/austen (default emma)."),
+    calib: Optional[str] = typer.Option(None, "--calib", help="Calibration text: a file, or a bundled corpus name (default emma, shipped with the package)."),
     tokens: int = typer.Option(4096, "--tokens", help="Calibration tokens (from the start of the text)."),
     ratio: float = typer.Option(0.3, "--ratio", **FLOAT, help="Share of the columns whose squared-norm share is reported."),
     force: bool = typer.Option(False, "--force", help="Recompute even when a cached artifact exists."),

@@ -48,7 +48,8 @@ def find_root(root: str | os.PathLike | None = None) -> Path:
     for d in bigbench_dirs():
         if d.is_dir() and any(d.glob("*/task.json")):
             return d
-    raise UserError("no BIG-bench task folder found (../shared/data/bigbench); pass --data DIR or set INFINIGEN_DATA")
+    looked = ", ".join(str(d) for d in bigbench_dirs())
+    raise UserError(f"no BIG-bench task folder (*/task.json) in {looked}; give a task folder or set INFINIGEN_DATA")
 
 
 def list_tasks(root: Path) -> dict[str, Path]:
