@@ -9,6 +9,7 @@ import random
 import shutil
 import signal
 import subprocess
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -40,8 +41,11 @@ def no_model_load(monkeypatch):
         raise AssertionError("the model was loaded before the bad input was noticed")
     monkeypatch.setattr(basic, "load_model", refuse)
     for mod in ("ppl", "fewshot", "needle", "analyze", "skew"):
-        m = sys.modules.get(f"infinigen.commands.{mod}")
-        if m is not None and hasattr(m, "load_model"):
+        # imported now, before the patch: a module first imported under the patch would bind the stub in
+        # its `from .basic import load_model` and keep it after the test (the next test in this worker
+        # would then "load the model before the bad input" with a valid input)
+        m = importlib.import_module(f"infinigen.commands.{mod}")
+        if hasattr(m, "load_model"):
             monkeypatch.setattr(m, "load_model", refuse)
 
 
