@@ -39,12 +39,12 @@ def no_model_load(monkeypatch):
 
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the bad input was noticed")
+    # the command modules are imported before anything is patched: a module first imported under the patch
+    # would bind the stub in its `from .basic import load_model` and keep it after the test (the next test
+    # in this worker would then "load the model before the bad input" with a valid input)
+    commands = [importlib.import_module(f"infinigen.commands.{mod}") for mod in ("ppl", "fewshot", "needle", "analyze", "skew")]
     monkeypatch.setattr(basic, "load_model", refuse)
-    for mod in ("ppl", "fewshot", "needle", "analyze", "skew"):
-        # imported now, before the patch: a module first imported under the patch would bind the stub in
-        # its `from .basic import load_model` and keep it after the test (the next test in this worker
-        # would then "load the model before the bad input" with a valid input)
-        m = importlib.import_module(f"infinigen.commands.{mod}")
+    for m in commands:
         if hasattr(m, "load_model"):
             monkeypatch.setattr(m, "load_model", refuse)
 
