@@ -71,6 +71,14 @@ def test_knob_out_of_int64_is_refused_before_loading(cli, tiny_checkpoint, text_
     one_line_error(*cli(*argv, "--model", tiny_checkpoint, *text)[::2], needle, "64-bit")
 
 
+def test_a_knob_of_thousands_of_digits(cli, tiny_checkpoint, no_model_load):  # noqa: F811
+    """Beyond what Python parses as an int: the same one line, and it is not 5000 digits long."""
+    code, _, err = cli("generate", "-p", "hi", "--policy", "streaming", "--knob", "sinks=" + "9" * 5000,
+                       "--model", tiny_checkpoint)
+    one_line_error(code, err, "sinks", "whole number", "5000 characters")
+    assert len(err) < 300
+
+
 def _int_knobs():
     from infinigen.policies import REGISTRY, knob_types
     return [(name, knob) for name in REGISTRY for knob, tp in knob_types(name).items() if tp in (int, tuple)]
@@ -179,6 +187,15 @@ def test_cli_refuses_a_batch_beyond_ulimit_v(tiny_checkpoint):
                         "--model", str(tiny_checkpoint)], capture_output=True, text=True, env=_env(), timeout=300)
     one_line_error(p.returncode, p.stderr, "address space", "logits", "65536 prompts")
     assert p.stdout == ""
+
+
+@pytest.mark.integration
+def test_issue_repro_default_model_under_ulimit_v():
+    """The issue's command on the default model: `ulimit -v 6000000; infinigen generate -p hi -b 65536 -n 1`."""
+    cmd = " ".join(_cli_process("generate", "-p", "hi", "-b", "65536", "-n", "1"))
+    p = subprocess.run(["bash", "-c", f"ulimit -v 6000000; exec {cmd}"], capture_output=True, text=True, env=_env(),
+                       timeout=600)
+    one_line_error(p.returncode, p.stderr, "65536 prompts", "logits", "GiB")
 
 
 # ---- a BIG-bench folder with broken tasks ---------------------------------------------------------------------
