@@ -317,11 +317,11 @@ def test_stdout_closed_by_the_reader(tiny_checkpoint):
 
 
 # ---- misleading messages --------------------------------------------------------------------------------------------
-def test_the_right_option_is_blamed(cli, tiny_checkpoint, text_file, tmp_path, no_model_load):  # noqa: F811
+def test_the_right_option_is_blamed(cli, tiny_checkpoint, text_file, bigbench, tmp_path, no_model_load):  # noqa: F811
     m = ["--model", tiny_checkpoint]
     one_line_error(*cli("generate", "-f", tmp_path, *m)[::2], str(tmp_path), "folder")
     for argv in (["generate", "-p", "hi"], ["ppl", "--text", text_file], ["needle"],
-                 ["fewshot", "--task", "cause_and_effect"]):
+                 ["fewshot", "--data", bigbench[0], "--task", "good_task"]):
         code, out, err = cli(*argv, "--pool-dir", tmp_path / "pool", *m)
         one_line_error(code, err, "--pool-dir", "--kv-offload disk")
     assert not (tmp_path / "pool").exists()
