@@ -241,10 +241,11 @@ def test_bounds_that_need_the_model(cli, tiny_checkpoint, text_file, tmp_path):
 
 def test_generate_rows_beyond_memory(cli, tiny_checkpoint, monkeypatch):
     """Rows that fit the static bound but not the machine's memory: refused after loading, before the work."""
-    from infinigen.commands import options
-    monkeypatch.setattr(options, "memory_bytes", lambda device: 1 << 20)
+    import importlib
+    generate = importlib.import_module("infinigen.generate")  # the one check, the Python API's too
+    monkeypatch.setattr(generate, "free_memory", lambda device: {"ram": 1 << 20})
     one_line_error(*cli("generate", "-p", "hi", "-n", "100", "--batch-size", "4096", "--model", tiny_checkpoint)[::2],
-                   "batch-size", "GiB")
+                   "4096 prompts", "GiB")
 
 
 # ---- the bench table ----------------------------------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """The `infinigen` command. Each subcommand lives in `infinigen.commands.<module>` and registers
 itself on the app. Exit codes: 0 done, 2 bad input (one line `infinigen: error: ...` on stderr, no
-traceback), 130 interrupted (Ctrl-C, at any moment: also while torch is still importing).
+traceback), 130 interrupted (Ctrl-C, at any moment: also while torch is still importing). Standard output
+that cannot be written (`> /dev/full`) is exit 2 with one line; a reader that went away (`| head`) ends the
+command quietly with exit 1, as click does when that happens in the middle of a command.
 
 Nothing heavy is imported at module level: `main` imports the commands inside its own error handling,
 so an interrupt during the imports (torch takes seconds) is handled like any other.
 """
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 import sys
 
 from .errors import UserError
@@ -46,18 +50,56 @@ def main(argv: list[str] | None = None) -> int:
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, _on_sigint)
+    stdout = sys.stdout
+    guard = sys.stdout = _GuardedStdout(stdout) if stdout is not None else None
     try:
         return _run(argv)
     except KeyboardInterrupt:  # anywhere, including in our own handlers below
         return _interrupted()
     finally:
+        if sys.stdout is guard or type(sys.stdout).__name__ == "PacifyFlushWrapper":  # click's, after a broken pipe
+            sys.stdout = stdout
+        if guard is not None and guard.failed is not None:
+            _drain_to_devnull(stdout)  # the interpreter's last flush would fail again, with a message
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+
+
+class _StdoutError(OSError):
+    """Writing standard output failed (a full disk, a closed pipe): not a bug, the user's environment."""
+
+
+class _GuardedStdout:
+    """sys.stdout while a command runs: its write errors are `_StdoutError`s, so they are told apart from
+    the other OSErrors without a file name, and remembered."""
+
+    def __init__(self, inner):
+        self._inner, self.failed = inner, None
+
+    def _call(self, name, *args):
+        try:
+            return getattr(self._inner, name)(*args)
+        except OSError as e:
+            self.failed = e
+            raise _StdoutError(e.errno, e.strerror or str(e)) from e
+
+    def write(self, text):
+        return self._call("write", text)
+
+    def writelines(self, lines):
+        return self._call("writelines", lines)
+
+    def flush(self):
+        return self._call("flush")
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
 
 
 def _run(argv: list[str] | None) -> int:
     try:
         rv = build_app()(args=argv, standalone_mode=False)
+        _flush_stdout()  # what is still buffered: a full disk or a closed pipe shows here, not at exit
     except UserError as e:
         return _error(str(e))
     except KeyboardInterrupt:
@@ -71,12 +113,43 @@ def _run(argv: list[str] | None) -> int:
             return _error(e.format_message())
         if isinstance(e, _click_types("Exit")):
             return _exit_code(e.exit_code)
+        if isinstance(e, OSError) and _from_stdout(e):
+            return _stdout_failed(e)
         if isinstance(e, OSError) and e.filename:  # disk full, permissions: the user's environment, not a bug
             return _error(f"{e.filename}: {e.strerror or e}")
         raise
     # In non-standalone mode typer *returns* the code of an Exit (130 for a KeyboardInterrupt it caught);
     # our commands return None.
     return _exit_code(rv) if isinstance(rv, int) and not isinstance(rv, bool) else 0
+
+
+def _flush_stdout() -> None:
+    flush = getattr(sys.stdout, "flush", None)
+    if flush is not None:
+        flush()
+
+
+def _from_stdout(e: OSError) -> bool:
+    return isinstance(e, _StdoutError) or isinstance(e.__cause__, _StdoutError)
+
+
+def _drain_to_devnull(stream) -> None:
+    """Point `stream`'s file descriptor at /dev/null, so that the text still buffered drains there."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _stdout_failed(e: OSError) -> int:
+    """Standard output cannot take our text: say so, unless the reader simply left (`| head`)."""
+    if e.errno == errno.EPIPE:
+        return 1
+    return _error(f"cannot write to standard output: {e.strerror or e}")
 
 
 def _caused_by_interrupt(e: BaseException) -> bool:

@@ -63,6 +63,26 @@ def remove_stale_partials(folder: Path, max_age_s: float = 3600.0) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def remove_dead_owners(folder: Path, prefix: str) -> None:
+    """Remove the entries `<prefix><pid>-...` of `folder` (files or folders) whose process is gone: what a
+    killed run left behind, told from a live run's by the pid in the name."""
+    try:
+        entries = list(Path(folder).glob(f"{prefix}*"))
+    except OSError:
+        return
+    for p in entries:
+        pid = p.name[len(prefix):].split("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        except OSError:  # another user's (a shared temp dir): theirs to remove
+            pass
+
+
 def _alive(pid: int) -> bool:
     if pid == os.getpid():
         return True

@@ -48,12 +48,41 @@ def resolve_text(spec: str | os.PathLike | None) -> Path:
     return resolve(spec, default=DEFAULT_CALIB)
 
 
-def read_tokens(tokenizer, path: Path, n: int, offset: int = 0) -> list[int]:
-    """Token ids `offset .. offset+n` of a text file (tokenizes only the prefix it needs)."""
+def read_calibration_text(path: Path) -> str:
+    """The text of a calibration file: UTF-8 text, or a UserError naming the file (a binary file would
+    calibrate on whatever its bytes decode to, and save an artifact as if it were text)."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        data = Path(path).read_bytes()
     except OSError as e:
-        raise UserError(f"cannot read {path}: {e}")
+        raise UserError(f"cannot read {path}: {e.strerror or e}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"calibration text {path} is not UTF-8 text (byte {e.start} is not): give a text file")
+    if "\0" in text:
+        raise UserError(f"calibration text {path} holds NUL bytes, so it is binary, not text: give a text file")
+    if not text.strip():
+        raise UserError(f"calibration text {path} is empty")
+    return text
+
+
+def calibration_text(spec: str | os.PathLike | None) -> Path:
+    """The calibration file of `spec` (see `resolve_text`), checked to be text: before a model loads."""
+    path = resolve_text(spec)
+    read_calibration_text(path)
+    return path
+
+
+def min_calibration_tokens(cfg) -> int:
+    """Tokens the calibration needs at least: a KV head's [d, d] Gram matrix has d meaningful directions
+    only from d query rows or more (and a layer's sparsity is measured from 8 rows on)."""
+    return max(cfg.head_dim, 8)
+
+
+def read_tokens(tokenizer, path: Path, n: int, offset: int = 0) -> list[int]:
+    """Token ids `offset .. offset+n` of a text file (tokenizes only the prefix it needs); fewer when the
+    text is shorter."""
+    text = read_calibration_text(path)
     chars = 12 * (n + offset) + 1000  # ~4 chars per token in English; grow if that was not enough
     while True:
         ids = tokenizer(text[:chars], add_special_tokens=False)["input_ids"]
@@ -197,6 +226,8 @@ class Skew:
 
     @classmethod
     def load(cls, path: Path) -> "Skew":
+        """The artifact at `path`, checked: readable, shapes that agree, finite values, orthogonal matrices
+        (a UserError naming the file otherwise: a broken artifact would skew every score silently)."""
         from safetensors import safe_open
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -206,10 +237,33 @@ class Skew:
         except Exception as e:  # corrupt or truncated file
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UserError(f"corrupt skew artifact {path} ({first}); recompute it with `infinigen skew --force`")
-        if sparsity is not None and tuple(sparsity.shape) != (t["matrices"].shape[0],):
-            raise UserError(f"corrupt skew artifact {path} (sparsity of shape {tuple(sparsity.shape)}); "
-                            "recompute it with `infinigen skew --force`")
+        problem = _artifact_problem(t["matrices"], t["sigma2"], t["energy"], sparsity)
+        if problem:
+            raise UserError(f"corrupt skew artifact {path} ({problem}); recompute it with `infinigen skew --force`")
         return cls(t["matrices"], t["sigma2"], t["energy"], meta, path, sparsity)
+
+
+ORTHOGONAL_TOL = 1e-3  # |A^T A - I|: float32 storage of a float64 eigenbasis is ~1e-6 off
+
+
+def _artifact_problem(matrices, sigma2, energy, sparsity) -> str | None:
+    """What is wrong with an artifact's tensors, or None."""
+    m = matrices
+    if m.dim() != 4 or m.shape[-1] != m.shape[-2] or 0 in m.shape:
+        return f"matrices of shape {tuple(m.shape)}, not [layers, KV heads, d, d]"
+    for name, x in (("sigma2", sigma2), ("energy", energy)):
+        if tuple(x.shape) != tuple(m.shape[:3]):
+            return f"{name} of shape {tuple(x.shape)} for matrices of shape {tuple(m.shape)}"
+    if sparsity is not None and tuple(sparsity.shape) != (m.shape[0],):
+        return f"sparsity of shape {tuple(sparsity.shape)}"
+    for name, x in (("matrices", m), ("sigma2", sigma2), ("energy", energy), ("sparsity", sparsity)):
+        if x is not None and not bool(torch.isfinite(x).all()):
+            return f"{name} hold NaN or infinite values"
+    a = m.double()
+    err = float((a.transpose(-1, -2) @ a - torch.eye(a.shape[-1], dtype=a.dtype)).abs().amax())
+    if err > ORTHOGONAL_TOL:
+        return f"matrices are not orthogonal: |A^T A - I| reaches {err:.3g}"
+    return None
 
 
 def compute_skew(model, token_ids, window: int = 2048, progress=None, **meta) -> Skew:
@@ -231,14 +285,24 @@ def skew_path(model, calib: Path, tokens: int) -> Path:
     return cache_dir() / "skew" / f"{model_fingerprint(model)}-{calib.stem}-{text_hash}-{tokens}.safetensors"
 
 
-def load_or_compute_skew(model, tokenizer, calib: str | os.PathLike | None = None, tokens: int = DEFAULT_TOKENS,
+def load_or_compute_skew(model, tokenizer, calib: str | os.PathLike | None = None, tokens: int | None = None,
                          force: bool = False, progress: bool = False) -> Skew:
-    """The skew of `model` calibrated on the first `tokens` tokens of `calib` (path or corpus name):
-    read from the cache when it was computed before (and `force` is off), else computed and saved."""
-    if tokens < 1:
-        raise UserError("--tokens must be positive")
+    """The skew of `model` calibrated on the first `tokens` tokens of `calib` (path or corpus name; None:
+    DEFAULT_TOKENS, or all the text holds when it is shorter): read from the cache when it was computed
+    before (and `force` is off), else computed and saved. The text must be UTF-8 and hold at least
+    `min_calibration_tokens` tokens (and `tokens`, when given), so an artifact's name says what it holds."""
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise UserError(f"tokens must be a whole number >= 1, got {tokens!r}")
+    minimum = min_calibration_tokens(model.cfg)
+    if tokens is not None and tokens < minimum:
+        raise UserError(f"calibrating this model takes at least {minimum} tokens (head_dim {model.cfg.head_dim}), "
+                        f"got tokens={tokens}")
     path_text = resolve_text(calib)
-    path = skew_path(model, path_text, tokens)
+    ids = read_tokens(tokenizer, path_text, tokens or DEFAULT_TOKENS)
+    if len(ids) < (tokens or minimum):
+        asked = f"the {tokens} asked for" if tokens else f"the {minimum} the calibration needs (head_dim {model.cfg.head_dim})"
+        raise UserError(f"calibration text {path_text} holds {len(ids)} tokens, fewer than {asked}; give a longer text")
+    path = skew_path(model, path_text, len(ids))
     if path.exists() and not force:
         skew = Skew.load(path)
         # an artifact of format 1 has no layer sparsity: recompute it (the matrices come out the same)
@@ -248,7 +312,6 @@ def load_or_compute_skew(model, tokenizer, calib: str | os.PathLike | None = Non
             return skew
     from .paths import writable_cache
     writable_cache("skew")  # fail now, not after the calibration
-    ids = read_tokens(tokenizer, path_text, tokens)
     bar = None
     if progress:
         from tqdm import tqdm

@@ -11,8 +11,8 @@ import typer
 
 from ..errors import UserError
 from .basic import load_model
-from .options import (FLOAT, check_context, check_model_options, check_out_dir, check_policies_fit, check_range,
-                      device_option, dtype_option, knob_dict, knob_option, model_option)
+from .options import (FLOAT, atomic_folder, check_context, check_model_options, check_out_dir, check_policies_fit,
+                      check_range, device_option, dtype_option, knob_dict, knob_option, model_option)
 
 
 def _numbers(text: str, name: str, cast=float) -> tuple:
@@ -75,8 +75,10 @@ def analyze_cmd(
     if len(ids) < tokens:
         raise UserError(f"the text has fewer than {tokens + offset} tokens")
     ids = torch.tensor([ids], device=net.device)
-    with tqdm(total=an.steps(sel, st), desc="analyze", unit="run", file=sys.stderr) as bar:
-        report = an.run(net, tok, ids, out, sel, st, model_name=name, text_name=resolve_text(text).name,
+    # the PNGs and analyze.md appear together at the end: an interrupted run leaves no figure without its report
+    with atomic_folder(out, last=("analyze.md",)) as partial, \
+            tqdm(total=an.steps(sel, st), desc="analyze", unit="run", file=sys.stderr) as bar:
+        report = an.run(net, tok, ids, partial, sel, st, model_name=name, text_name=resolve_text(text).name,
                         progress=bar.update)
     print(report)
     print(f"\nwrote {out / 'analyze.md'} and its PNGs", file=sys.stderr)

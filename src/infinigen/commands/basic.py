@@ -51,8 +51,10 @@ def read_prompts(prompt: Optional[str], prompt_file: Optional[Path]) -> list[str
             raise UserError("the prompt is empty")
         return [prompt]
     path = Path(prompt_file).expanduser()
+    if path.is_dir():
+        raise UserError(f"--prompt-file {path} is a folder; give a text file with one prompt per line")
     if not path.is_file():
-        raise UserError(f"prompt file not found: {path}")
+        raise UserError(f"prompt file not found: {path}" if not path.exists() else f"--prompt-file {path} is not a regular file")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
@@ -113,8 +115,8 @@ def generate_cmd(
     try:
         net, tok, name = load_model(model, dtype, device)
         check_policies_fit(pol, net)
-        longest = max(len(tok(p)["input_ids"]) for p in dict.fromkeys(prompts))
-        check_kv_fits(net, len(prompts), longest + max_new_tokens, device)
+        # the context and the memory the batch needs (KV, logits, activations) are checked by `generate`
+        # itself, before it allocates anything: the same check as for a caller of the Python API
         streamer = TextStreamer(tok, row=0, write=_out)
         g = generate(net, tok, prompts, max_new_tokens=max_new_tokens, sampling=sampling, policy=pol,
                      chat=chat, on_token=streamer, placement=placement)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +168,41 @@ def write_atomic(path: Path, text: str) -> None:
             raise
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror or e}")
+
+
+PARTIAL_FOLDER = ".infinigen-partial-"  # + pid: a folder being written by `atomic_folder`
+
+
+@contextmanager
+def atomic_folder(folder: Path, last: tuple[str, ...] = ()):
+    """Write a folder's files all together or not at all: yields a fresh folder beside `folder` to write
+    into; when the block ends normally its files go into place (the whole folder renamed, when `folder`
+    does not exist yet; else file by file, each replaced atomically, the names in `last` after the others,
+    e.g. the report that refers to the figures). On an error or Ctrl-C nothing moves and the temporary
+    folder is removed; one left by a killed run (its pid in the name) is removed by the next."""
+    from ..paths import remove_dead_owners
+    folder = Path(folder).expanduser()
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        remove_dead_owners(folder.parent, PARTIAL_FOLDER)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{PARTIAL_FOLDER}{os.getpid()}-{folder.name}-", dir=folder.parent))
+    except OSError as e:
+        raise UserError(f"cannot write {folder}: {e.strerror or e}")
+    try:
+        yield tmp
+        try:
+            if not folder.exists():
+                os.rename(tmp, folder)
+                return
+            if not folder.is_dir():
+                raise UserError(f"cannot write {folder}: it is not a folder")
+            names = sorted(p.name for p in tmp.iterdir())
+            for name in [n for n in names if n not in last] + [n for n in last if n in names]:
+                os.replace(tmp / name, folder / name)
+        except OSError as e:
+            raise UserError(f"cannot write {folder}: {e.strerror or e}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def finite_json(obj):

@@ -20,7 +20,8 @@ KV_OFFLOAD = typer.Option("none", "--kv-offload",
                                "(a memory-mapped file); the selected rows are fetched to fast memory.")
 POOL_BYTES = typer.Option(None, "--pool-bytes", help="KV pool limit in bytes, e.g. 2G or 512M (victims are overwritten when full).")
 CAPACITY = typer.Option(None, "--capacity", help="KV pool limit: tokens per sequence, or a fraction in (0, 1] of the sequence.")
-POOL_DIR = typer.Option(None, "--pool-dir", help="Directory of the disk pool's file (default: the system temp dir; removed after).")
+POOL_DIR = typer.Option(None, "--pool-dir", help="With --kv-offload disk: the folder of the pool's file (default: the "
+                                                  "system temp dir; the file has no name there, so nothing is left behind).")
 EVICT = typer.Option("counter", "--evict", "--eviction", help="Victim choice when the pool is full: counter, lru or fifo.")
 
 
@@ -42,6 +43,8 @@ def placement_from(kv_offload: str = "none", pool_bytes: str | None = None, capa
     """The Placement these options ask for (every value checked: a bad one is a UserError). `capacity`
     above 1 is a token count; at most 1, a fraction of the sequence."""
     from ..placement import Placement
+    if pool_dir is not None and kv_offload.strip().lower() != "disk":
+        raise UserError(f"--pool-dir is the disk pool's folder and needs --kv-offload disk (got --kv-offload {kv_offload})")
     if capacity is not None:
         if not math.isfinite(capacity) or capacity <= 0:
             raise UserError(f"--capacity must be a positive number of tokens or a fraction in (0, 1], got {capacity}")

@@ -23,8 +23,9 @@ def register(app: typer.Typer) -> None:
 
 def skew(
     model: str = model_option(),
-    calib: Optional[str] = typer.Option(None, "--calib", help="Calibration text: a file, or a bundled corpus name (default emma, shipped with the package)."),
-    tokens: int = typer.Option(4096, "--tokens", help="Calibration tokens (from the start of the text)."),
+    calib: Optional[str] = typer.Option(None, "--calib", help="Calibration text (UTF-8): a file, or a bundled corpus name (default emma, shipped with the package)."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Calibration tokens from the start of the text "
+                                         "(default 4096, or all of a shorter text); the text must hold them."),
     ratio: float = typer.Option(0.3, "--ratio", **FLOAT, help="Share of the columns whose squared-norm share is reported."),
     force: bool = typer.Option(False, "--force", help="Recompute even when a cached artifact exists."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
@@ -32,13 +33,13 @@ def skew(
     dtype: str = dtype_option(),
 ):
     """Compute (or reuse) the skew matrices of a model and report how much they concentrate the queries."""
-    if tokens < 1:
+    if tokens is not None and tokens < 1:
         raise UserError("--tokens must be >= 1")
     if not 0 < ratio <= 1:
         raise UserError("--ratio must be in (0, 1]")
     check_model_options(device, dtype)
-    from ..skew import load_or_compute_skew, resolve_text
-    resolve_text(calib)  # a bad text fails before the model loads
+    from ..skew import calibration_text, load_or_compute_skew
+    calibration_text(calib)  # a missing, binary or empty text fails before the model loads
     net, tok, name = load_model(model, dtype, device)
     s = load_or_compute_skew(net, tok, calib, tokens, force=force, progress=not as_json and sys.stderr.isatty())
     skewed, plain = s.share(ratio)

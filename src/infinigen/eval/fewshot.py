@@ -52,31 +52,116 @@ def find_root(root: str | os.PathLike | None = None) -> Path:
     raise UserError(f"no BIG-bench task folder (*/task.json) in {looked}; give a task folder or set INFINIGEN_DATA")
 
 
-def list_tasks(root: Path) -> dict[str, Path]:
-    """name -> task.json for every task with examples (subtasks as "task/subtask")."""
-    out = {}
+class BadTask(ValueError):
+    """A task.json that cannot be used, and why."""
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def read_task(path: Path) -> dict | None:
+    """The parsed task.json of a multiple-choice task (examples with `input` text and `target_scores`
+    mapping choice texts to finite numbers), None for a task of another kind (no `target_scores` at all);
+    BadTask for a file that is not such a task (not UTF-8 JSON, not an object, a malformed example)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise BadTask(f"cannot be read ({e.strerror or e})")
+    except UnicodeDecodeError:
+        raise BadTask("is not UTF-8 text")
+    except json.JSONDecodeError as e:
+        raise BadTask(f"is not valid JSON ({e.msg}, line {e.lineno})")
+    if not isinstance(data, dict):
+        raise BadTask(f"holds a JSON {type(data).__name__}, not an object with examples")
+    if "examples" not in data:
+        return None  # a task of subtasks: they are tasks of their own
+    examples = data["examples"]
+    if not isinstance(examples, list):
+        raise BadTask(f"examples is a JSON {type(examples).__name__}, not a list")
+    if not any(isinstance(e, dict) and "target_scores" in e for e in examples):
+        return None
+    for i, e in enumerate(examples):
+        if not isinstance(e, dict):
+            raise BadTask(f"example {i} is not an object")
+        if "target_scores" not in e:
+            continue  # scored by another metric: not used here
+        ts = e["target_scores"]
+        if not isinstance(e.get("input"), str):
+            raise BadTask(f"example {i} has no input text")
+        if not isinstance(ts, dict) or not all(isinstance(k, str) and _number(v) for k, v in ts.items()):
+            raise BadTask(f"example {i}: target_scores must map choice texts to numbers, got {json.dumps(ts)[:60]}")
+    for key in ("task_prefix", "example_input_prefix", "example_output_prefix", "choice_prefix",
+                "few_shot_example_separator"):
+        if key in data and not isinstance(data[key], str):
+            raise BadTask(f"{key} is not text")
+    if "append_choices_to_input" in data and not isinstance(data["append_choices_to_input"], bool):
+        raise BadTask("append_choices_to_input is not true or false")
+    if not any(isinstance(e, dict) and e.get("target_scores") for e in examples):
+        return None
+    return data
+
+
+def scan_tasks(root: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """(name -> task.json of every multiple-choice task, name -> what is wrong, naming the file, for each
+    task.json that is broken); subtasks are "task/subtask"."""
+    good, bad = {}, {}
     for f in sorted(root.glob("*/task.json")) + sorted(root.glob("*/*/task.json")):
+        name = str(f.parent.relative_to(root))
         try:
-            data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            continue
-        if data.get("examples") and any("target_scores" in e for e in data["examples"]):
-            out[str(f.parent.relative_to(root))] = f
-    return out
+            if read_task(f) is not None:
+                good[name] = f
+        except BadTask as e:
+            bad[name] = f"{f} {e}"
+    return good, bad
+
+
+_WARNED: set = set()
+
+
+def _warn_skipped(root: Path, bad: dict[str, str]) -> None:
+    """One line on stderr per broken task (once per process and file version: a command lists the tasks
+    more than once): the others still run."""
+    import sys
+    for name, why in bad.items():
+        path = root / name / "task.json"
+        try:
+            key = (str(path), path.stat().st_mtime_ns)
+        except OSError:
+            key = (str(path), None)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            print(f"infinigen: warning: skipping BIG-bench task {name}: {why}", file=sys.stderr)
+
+
+def list_tasks(root: Path) -> dict[str, Path]:
+    """name -> task.json for every multiple-choice task (subtasks as "task/subtask"); a broken task.json
+    is skipped with a warning naming it."""
+    good, bad = scan_tasks(root)
+    _warn_skipped(root, bad)
+    return good
 
 
 def resolve_tasks(spec: str, root: Path) -> list[str]:
-    """Task names for "all", a name, a task with subtasks (all of them), or a comma-separated list."""
-    tasks = list_tasks(root)
+    """Task names for "all", a name, a task with subtasks (all of them), or a comma-separated list. A broken
+    task asked for by name is a UserError naming it; broken tasks among "all" are skipped with a warning."""
+    tasks, bad = scan_tasks(root)
+    parts = [s.strip() for s in spec.split(",") if s.strip()] if spec != "all" else []
+    for part in parts:  # asked for by name, or all of a task's subtasks broken: nothing to skip to
+        broken = [n for n in bad if n == part or n.startswith(part + "/")]
+        if part in bad or (broken and not any(n == part or n.startswith(part + "/") for n in tasks)):
+            raise UserError(f"BIG-bench task {broken[0]}: {bad[broken[0]]}")
     if not tasks:
-        raise UserError(f"no multiple-choice tasks under {root}")
+        raise UserError(f"no multiple-choice tasks under {root}" + (f" ({len(bad)} broken)" if bad else ""))
     if spec == "all":
+        _warn_skipped(root, bad)
         return list(tasks)
     names = []
-    for part in (s.strip() for s in spec.split(",") if s.strip()):
+    for part in parts:
         hit = [n for n in tasks if n == part or n.startswith(part + "/")]
         if not hit:
             raise UserError(f"unknown task {part!r}; available: {', '.join(tasks)}")
+        _warn_skipped(root, {n: why for n, why in bad.items() if n.startswith(part + "/")})
         names += [n for n in hit if n not in names]
     return names
 
@@ -94,8 +179,13 @@ class Task:
 
     @classmethod
     def load(cls, name: str, path: Path) -> "Task":
-        d = json.loads(path.read_text(encoding="utf-8"))
-        ex = [e for e in d["examples"] if "target_scores" in e and e["target_scores"]]
+        try:
+            d = read_task(path)
+        except BadTask as e:
+            raise UserError(f"BIG-bench task {name}: {path} {e}")
+        if d is None:
+            raise UserError(f"BIG-bench task {name} ({path}) has no multiple-choice examples (target_scores)")
+        ex = [e for e in d["examples"] if e.get("target_scores")]
         return cls(name=name, examples=ex, task_prefix=d.get("task_prefix", ""),
                    input_prefix=d.get("example_input_prefix", "\nQ: "),
                    output_prefix=d.get("example_output_prefix", "\nA: "),

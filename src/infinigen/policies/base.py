@@ -23,7 +23,11 @@ same entries. Policies never move data: placement (`infinigen.placement`) does.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import sys
+import types
+import typing
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -33,12 +37,63 @@ from ..codecs import KVCodec
 from ..errors import UserError
 
 
+# Integer knobs end up in int64 tensors and index arithmetic (token counts, layer indices, positions):
+# a value outside int64 is refused at construction rather than overflowing in the first decoding step.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
 def _finite(owner: str, name: str, value) -> None:
     """UserError for NaN or infinity in a knob (a tuple's items too)."""
     items = value if isinstance(value, (tuple, list)) else (value,)
     for v in items:
         if isinstance(v, float) and not math.isfinite(v):
             raise UserError(f"{owner} knob {name} must be a finite number, got {v}")
+
+
+@functools.cache
+def _field_kinds(cls) -> dict[str, tuple[type | None, bool]]:
+    """Knob name -> (int, float, bool or None for any other type; whether None is allowed), read from the
+    dataclass's annotations; a tuple of ints counts as int (each item is checked)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        tp, optional = hints[f.name], False
+        if typing.get_origin(tp) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            optional = len(args) < len(typing.get_args(tp))
+            tp = args[0] if len(args) == 1 else None
+        if typing.get_origin(tp) is tuple and typing.get_args(tp)[:1] == (int,):
+            tp = int
+        out[f.name] = (tp if tp in (int, float, bool) else None, optional)
+    return out
+
+
+def _typed_in_range(owner: str, name: str, kind: type | None, optional: bool, value) -> None:
+    """UserError unless `value` is a value of the knob's type that the runtime can hold: a whole number
+    in int64 (each item of a tuple of them), a number a float can hold, true or false."""
+    if kind is None or (value is None and optional):
+        return
+    items = value if kind is int and isinstance(value, (tuple, list)) else (value,)
+    for v in items:
+        if kind is bool:
+            if not isinstance(v, bool):
+                raise UserError(f"{owner} knob {name} must be true or false, got {v!r}")
+        elif isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int):
+            what = "a number" if kind is float else "a whole number"
+            raise UserError(f"{owner} knob {name} must be {what}, got {v!r}")
+        elif kind is int and not INT64_MIN <= v <= INT64_MAX:
+            bound = f"at most {INT64_MAX}" if v > 0 else f"at least {INT64_MIN}"
+            raise UserError(f"{owner} knob {name} must be {bound} (a 64-bit integer), got {_shown(v)}")
+        elif kind is float and isinstance(v, int) and abs(v) > sys.float_info.max:
+            raise UserError(f"{owner} knob {name} must be a finite number, got {_shown(v)}")
+
+
+def _shown(v: int) -> str:
+    """An integer for a one-line message: its digits, or their count when there are hundreds."""
+    text = str(v)
+    return text if len(text) <= 40 else f"a {len(text.lstrip('-'))}-digit number"
 
 
 def parse_layers(v) -> tuple[int, ...]:
@@ -77,9 +132,11 @@ class Policy:
     exact: ClassVar[bool] = False
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            if f.init:
-                _finite(self.name, f.name, getattr(self, f.name))
+        # generic checks, for every policy from its annotations, before its own `validate` compares values
+        for name, (kind, optional) in _field_kinds(type(self)).items():
+            value = getattr(self, name)
+            _finite(self.name, name, value)
+            _typed_in_range(self.name, name, kind, optional, value)
         self.validate()
 
     def validate(self) -> None:

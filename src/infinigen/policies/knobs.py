@@ -88,9 +88,14 @@ def parse_value(text: str, tp) -> Any:
     return t
 
 
+def _shown(text: str, limit: int = 40) -> str:
+    """Text for a one-line message: as is, or its start and its length when it is long (a 5000-digit number)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 def _split(kv: str) -> tuple[str | None, str, str]:
     if "=" not in kv:
-        raise UserError(f"--knob expects NAME=VALUE or POLICY.NAME=VALUE, got {kv!r}")
+        raise UserError(f"--knob expects NAME=VALUE or POLICY.NAME=VALUE, got {_shown(kv)}")
     key, text = kv.split("=", 1)
     key = key.strip().replace("-", "_")
     target = None
@@ -103,7 +108,8 @@ def _typed(policy: str, key: str, text: str, kv: str, types_: dict):
     try:
         return parse_value(text, types_[key])
     except ValueError as e:
-        raise UserError(f"--knob {kv}: {key} of policy {policy!r} takes {e}, got {text.strip()!r}")
+        raise UserError(f"--knob {kv if len(kv) <= 40 else key}: {key} of policy {policy!r} takes {e}, "
+                        f"got {_shown(text.strip())}")
 
 
 def _make(kind: str, label: str, values: dict):
@@ -120,7 +126,7 @@ def knob_dict(name: str, knobs: list[str] | None, base: dict | None = None) -> d
     for kv in knobs or []:
         target, key, text = _split(kv)
         if target not in (None, name):
-            raise UserError(f"--knob {kv!r}: this command runs policy {name!r} only")
+            raise UserError(f"--knob {_shown(kv)}: this command runs policy {name!r} only")
         if key not in types_:
             raise UserError(f"policy {name!r} has no knob {key!r}; its knobs: {', '.join(types_) or 'none'}")
         out[key] = _typed(name, key, text, kv, types_)
@@ -148,10 +154,10 @@ def parse_policies(spec: str | list[str], knobs: list[str] | None = None) -> dic
     for kv in knobs or []:
         target, key, text = _split(kv)
         if target is not None and target not in names and target not in kinds.values():
-            raise UserError(f"--knob {kv!r}: policy {target!r} is not among {', '.join(names)}")
+            raise UserError(f"--knob {_shown(kv)}: policy {target!r} is not among {', '.join(names)}")
         hit = [n for n in names if (target is None or target in (n, kinds[n])) and key in types_[n]]
         if not hit:
-            raise UserError(f"--knob {kv!r}: no listed policy has a knob {key!r}")
+            raise UserError(f"--knob {_shown(kv)}: no listed policy has a knob {key!r}")
         for n in hit:
             values[n][key] = _typed(kinds[n], key, text, kv, types_[n])
     return {n: _make(kinds[n], n, values[n]) for n in names}
