@@ -45,12 +45,35 @@ NAME = "tiny"
 
 @dataclasses.dataclass(frozen=True)
 class Opened:
-    """A session a placement opened: weak references (they die once nothing holds it) and where its pool
-    files are (None: not on disk)."""
+    """A session a placement opened: weak references (they die once nothing holds it) and the identities
+    (device, inode) of its pool files (empty: not on disk). The files have no name in the pool folder, so
+    they are found through this process's open descriptors and mappings."""
     session: weakref.ref
     store: weakref.ref
     capacity: int
-    pool_dir: str | None
+    pool_files: frozenset
+
+    def files_open(self) -> bool:
+        """Whether any of its pool files is still open or mapped by this process."""
+        return bool(self.pool_files & _live_files())
+
+
+def _live_files() -> set:
+    """(device, inode) of every file this process has open or mapped."""
+    live = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            st = os.stat(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        live.add((st.st_dev, st.st_ino))
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 5 and parts[4] != "0":
+                major, minor = (int(x, 16) for x in parts[3].split(":"))
+                live.add((os.makedev(major, minor), int(parts[4])))
+    return live
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +84,8 @@ class RecordingPlacement(Placement):
     def new_session(self, *args, **kwargs):
         sess = super().new_session(*args, **kwargs)
         tier = getattr(sess.store, "tier", None)
-        self.opened.append(Opened(weakref.ref(sess), weakref.ref(sess.store), sess.store.capacity,
-                                  getattr(tier, "dir", None)))
+        files = frozenset((st.st_dev, st.st_ino) for st in tier.file_stats()) if tier is not None else frozenset()
+        self.opened.append(Opened(weakref.ref(sess), weakref.ref(sess.store), sess.store.capacity, files))
         return sess
 
     def session_of(self, req: Request) -> Opened:
@@ -113,13 +136,13 @@ def test_cancelled_request_releases_its_store(make_tiny, offload, tmp_path):
     sa, sb = pl.session_of(a), pl.session_of(b)
     assert a.tokens and b.tokens and sa.store() is not None and sb.store() is not None  # both running
     if offload == "disk":
-        assert os.listdir(sa.pool_dir) and os.listdir(sb.pool_dir)
+        assert sa.pool_files and sa.files_open() and sb.files_open()
     before = len(b.tokens)
     eng.cancel(a)
     eng.step()
     assert a.finish == "cancelled" and b.finish is None and len(b.tokens) == before + 1
     if offload == "disk":  # removed as the request leaves, not whenever the collector runs
-        assert not os.path.exists(sa.pool_dir) and os.listdir(sb.pool_dir)
+        assert not sa.files_open() and sb.files_open()
     gc.collect()
     assert sa.session() is None and sa.store() is None, "the cancelled request's session is still referenced"
     assert sb.store() is not None
@@ -127,7 +150,7 @@ def test_cancelled_request_releases_its_store(make_tiny, offload, tmp_path):
         eng.step()
     assert b.finish == "length" and len(b.tokens) == 41
     gc.collect()
-    assert all(o.session() is None and o.store() is None for o in pl.opened)
+    assert all(o.session() is None and o.store() is None and not o.files_open() for o in pl.opened)
     assert os.listdir(tmp_path) == []
 
 
@@ -151,16 +174,16 @@ def test_disconnected_client_releases_its_store(checkpoint_model, tmp_path):
         while b"data: " not in got:
             got += sock.recv(4096)
         [opened] = pl.opened[probes:]
-        assert opened.store() is not None and os.listdir(opened.pool_dir)
+        assert opened.store() is not None and opened.pool_files and opened.files_open()
         sock.close()
         assert _wait(lambda: eng.snapshot().get("requests_cancelled", 0) == 1)
-        assert not os.path.exists(opened.pool_dir)
+        assert not opened.files_open()
         gc.collect()
         assert opened.session() is None and opened.store() is None
         r = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 5}, timeout=60)
         assert r.status_code == 200
     gc.collect()
-    assert all(o.store() is None for o in pl.opened) and os.listdir(tmp_path) == []
+    assert all(o.store() is None and not o.files_open() for o in pl.opened) and os.listdir(tmp_path) == []
 
 
 # ---- the default InfiniGen preset through the batched decode ------------------------------------------------
