@@ -274,6 +274,29 @@ def test_malformed_bodies_get_400_and_the_connection_keeps_serving(server):
     assert _wait(lambda: _kv_free(eng))
 
 
+def test_a_bug_is_a_json_500_and_the_connection_keeps_serving(server, monkeypatch):
+    """What no route turned into an answer (a bug, here injected once): a 500 with OpenAI's error body, not
+    Starlette's plain text, and the keep-alive connection goes on."""
+    url, _ = server
+    real, calls = app_module._usage, []
+
+    def usage(ids, req):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected bug")
+        return real(ids, req)
+    monkeypatch.setattr(app_module, "_usage", usage)
+    conn = _connection(url)
+    r, data = _post(conn, C, OK)
+    assert r.status == 500 and r.getheader("content-type") == "application/json"
+    assert _error_shape(json.loads(data))["type"] == "server_error"
+    sock = conn.sock
+    assert sock is not None and not r.will_close
+    r, data = _post(conn, C, OK)
+    assert r.status == 200 and conn.sock is sock
+    conn.close()
+
+
 UNSUPPORTED = [  # (route, field, value): refused, naming the field
     (CHAT, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     (CHAT, "tool_choice", "auto"),
@@ -451,7 +474,8 @@ def test_echo_with_logprobs_scores_the_prompt(server, checkpoint_model, monkeypa
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     for j in range(1, n):
         assert lp["token_logprobs"][j] == pytest.approx(float(ref[j - 1, prompt[j]]), abs=1e-4)
-        assert sorted(lp["top_logprobs"][j].values(), reverse=True)[:2] == pytest.approx(ref[j - 1].topk(2).values.tolist(), abs=1e-4)
+        top = sorted(lp["top_logprobs"][j].values(), reverse=True)[:2]
+        assert top == pytest.approx(ref[j - 1].topk(2).values.tolist(), abs=1e-4)
     # the same completion (its first token's numbers from a prefill that kept every position's logits)
     assert lp["tokens"][n:] == plain["logprobs"]["tokens"]
     assert lp["token_logprobs"][n:] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-5)

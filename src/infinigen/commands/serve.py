@@ -2,8 +2,8 @@
 
 Every option is checked before the model is loaded: the port is bound first (uvicorn serves on that socket)
 and the KV budgets must hold a token of this model. SIGTERM stops accepting connections, lets the running
-requests finish (up to `infinigen.serve.app.DRAIN_S` seconds) and exits 0; SIGINT cancels them and exits 130 (a second signal
-exits at once). See `infinigen.serve` for the engine and the API.
+requests finish (streams for up to `infinigen.serve.app.DRAIN_S` seconds) and exits 0; SIGINT cancels them
+and exits 130; a second signal exits at once. See `infinigen.serve` for the engine and the API.
 """
 from __future__ import annotations
 

@@ -2,11 +2,22 @@
 
 Routes: GET /health, /metrics (Prometheus), /v1/models; POST /v1/completions, /v1/chat/completions
 (`stream: true` answers with server-sent events, `data: {...}` chunks and a final `data: [DONE]`).
-Errors carry OpenAI's body: {"error": {"message", "type", "param", "code"}}; every input error is a 400,
-a body over `max_body` bytes a 413, a full waiting queue a 429.
+
+Errors carry OpenAI's body: {"error": {"message", "type", "param", "code"}}. Every malformed body is a 400
+whose `param` names the field at fault; so is a field OpenAI does not know, and an OpenAI field this server
+does not implement (`UNSUPPORTED`: tools, response_format, logit_bias, ...) unless it holds its no-op value.
+A body over `max_body` bytes is a 413, a full waiting queue a 429; a bug is a JSON 500, and the connection
+serves on.
+
+`logprobs` / `top_logprobs` (both routes) and `echo` (completions) are OpenAI's shapes; the numbers are the
+model's own log-probabilities (log_softmax of the raw logits, before temperature and top_p). echo with
+logprobs scores the prompt from a prefill that keeps every position's logits (`ECHO_LOGITS_BYTES` bounds it).
 
 The engine loop runs in its own thread; a request's tokens come back through an asyncio queue fed with
-`loop.call_soon_threadsafe`. A client that goes away cancels its request, which frees its KV slots.
+`loop.call_soon_threadsafe`. A client that goes away cancels its request before the engine's next step,
+which frees its KV: a stream's generator is cancelled, a plain request watches the ASGI receive channel for
+`http.disconnect`. An error ends a stream: its error event is the last one. A server told to stop at once
+(SIGINT) cancels the running requests: their clients get a 503, or an error event.
 """
 from __future__ import annotations
 
@@ -22,7 +33,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -402,7 +413,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_body: int = MAX_B
 
         sampling = Sampling(temperature=1.0 if body.temperature is None else body.temperature,
                             top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
-        req = Request(ids, n, sampling, sink, logprobs=logprobs, prompt_logprobs=echo is not None and logprobs is not None)
+        scores_prompt = echo is not None and logprobs is not None
+        req = Request(ids, n, sampling, sink, logprobs=logprobs, prompt_logprobs=scores_prompt)
         try:
             engine.start()
             engine.submit(req)
