@@ -1,11 +1,19 @@
 """`infinigen serve`: the OpenAI-compatible server (one process with uvicorn, or N replicas on Ray Serve).
 
-Every option is checked before the model is loaded. See `infinigen.serve` for the engine and the API.
+Every option is checked before the model is loaded: the port is bound first (uvicorn serves on that socket)
+and the KV budgets must hold a token of this model. SIGTERM stops accepting connections, lets the running
+requests finish (streams for up to `infinigen.serve.app.DRAIN_S` seconds) and exits 0; SIGINT cancels them
+and exits 130; a second signal exits at once. See `infinigen.serve` for the engine and the API.
 """
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
+import socket
 import sys
+import threading
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -61,15 +69,130 @@ def serve_cmd(
         raise UserError(f"serving needs the 'serve' extra: pip install 'infinigen[serve]' ({e.name} is missing)")
     spec = dict(model=model, policy=policy, knob=list(knob), kv_offload=kv_offload, pool_dir=pool_dir,
                 max_batch=max_batch, max_queue=max_queue, name=name, device=device, dtype=dtype, **budgets)
-    if replicas > 1:
-        from ..serve.ray import run
-        run(spec, replicas=replicas, host=host, port=port)
-        return
-    import uvicorn
-    app = build(spec)
-    engine = app.state.engine
+    listener = _listen(host, port)
+    with _sigterm_exits():
+        try:
+            _check_budgets(spec)
+            if replicas > 1:
+                listener.close()  # Ray Serve's proxy binds the port itself
+                from ..serve.ray import run
+                run(spec, replicas=replicas, host=host, port=port)
+                return
+            app = build(spec)
+            engine = app.state.engine
+            try:
+                engine.check_fits(1, 1)
+            except UserError as e:
+                raise UserError(f"the KV budgets cannot hold a request of one prompt token and one new token: {e}")
+        except BaseException:
+            listener.close()
+            raise
+    port = listener.getsockname()[1]  # --port 0: the one the system chose
     print(f"infinigen: serving {app.state.model_name} on http://{host}:{port}/v1 ({engine.describe()})", file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    if _serve(app, listener, host, port) == signal.SIGINT:
+        raise KeyboardInterrupt  # the CLI's Ctrl-C: exit 130
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not listening yet: nobody connects to a server that is still loading), as
+    uvicorn would bind it; a busy or unbindable address is a UserError before anything is loaded."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free
+        sock.bind((host, port))
+    except OSError as e:  # in use, not an address of this machine, privileged, unknown host name
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}")
+    return sock
+
+
+def _check_budgets(spec: dict) -> None:
+    """--fast-bytes and --pool-bytes must hold one token's KV of this model (read from its config, before the
+    weights): a server that can never admit a request is refused. What a request holds beyond its KV (policy
+    state, fetched rows) is measured once the model is loaded (`Engine.check_fits`)."""
+    if spec["fast_bytes"] is None and spec["pool_bytes"] is None:
+        return
+    from types import SimpleNamespace
+
+    from ..loading import DTYPES
+    from ..placement import kv_slot_bytes
+    cfg = _model_config(spec["model"])
+    if cfg is None:
+        return  # loading says what is wrong with the model
+    pol = make_policy_from_cli(spec["policy"], spec["knob"])
+    offload = spec["kv_offload"]
+    per = kv_slot_bytes(SimpleNamespace(cfg=cfg, dtype=DTYPES[spec["dtype"]]), 1, pol, offload)
+    if offload == "none":  # the pool is in fast memory: both limits bound it
+        given = [(name, spec[key]) for name, key in (("fast-bytes", "fast_bytes"), ("pool-bytes", "pool_bytes"))
+                 if spec[key] is not None]
+    else:
+        given = [("pool-bytes", spec["pool_bytes"])] if spec["pool_bytes"] is not None else []
+    for name, value in given:
+        if value < per:
+            where = "fast memory" if offload == "none" else f"the {offload} pool"
+            raise UserError(f"--{name} {value} bytes cannot hold one token's KV in {where}: a token takes {per} "
+                            f"bytes with this model ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads of "
+                            f"{cfg.head_dim}, {spec['dtype']})")
+
+
+def _model_config(model: str):
+    """The model's shape from its config.json, without its weights (a GGUF file: its cached conversion, made
+    now if needed, as loading would); None when there is none to read."""
+    from transformers import AutoConfig
+
+    from ..config import ModelConfig
+    from ..loading import _convert_gguf, default_gguf
+    path = default_gguf() if model in ("", "default") else Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").exists():
+        path = next(iter(sorted(path.glob("*.gguf"))), path)
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            path = _convert_gguf(path, progress=False)
+        return ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
+    except (OSError, ValueError, UserError):
+        return None
+
+
+@contextlib.contextmanager
+def _sigterm_exits():
+    """SIGTERM before serving starts (the model loading): exit 0 now, there is nothing to drain."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(0)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _serve(app, listener: socket.socket, host: str, port: int) -> int | None:
+    """uvicorn on `listener` until a signal stops it; returns that signal. SIGTERM drains: no new connections,
+    running requests finish (streams are cut after DRAIN_S). SIGINT cancels the running requests at once (their
+    clients get an error). A second signal stops without waiting."""
+    import uvicorn
+
+    from ..serve.app import DRAIN_S
+    engine = app.state.engine
+    received: list[int] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # uvicorn's, without re-raising the signal once it has stopped
+            received.append(sig)
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+            if sig == signal.SIGINT:
+                engine.cancel_all()
+
+    # the streams' own grace period (DRAIN_S) ends first: they are cut by the app, not by uvicorn
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=DRAIN_S + 5)
+    Server(config).run(sockets=[listener])
+    return received[0] if received else None
 
 
 def build(spec: dict):

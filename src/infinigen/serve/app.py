@@ -2,63 +2,169 @@
 
 Routes: GET /health, /metrics (Prometheus), /v1/models; POST /v1/completions, /v1/chat/completions
 (`stream: true` answers with server-sent events, `data: {...}` chunks and a final `data: [DONE]`).
-Errors carry OpenAI's body: {"error": {"message", "type", "param", "code"}}; every input error is a 400,
-a body over `max_body` bytes a 413, a full waiting queue a 429.
+
+Errors carry OpenAI's body: {"error": {"message", "type", "param", "code"}}. Every malformed body is a 400
+whose `param` names the field at fault; so is a field OpenAI does not know, and an OpenAI field this server
+does not implement (`UNSUPPORTED`: tools, response_format, logit_bias, ...) unless it holds its no-op value.
+A body over `max_body` bytes is a 413, a full waiting queue a 429; a bug is a JSON 500, and the connection
+serves on.
+
+`logprobs` / `top_logprobs` (both routes) and `echo` (completions) are OpenAI's shapes; the numbers are the
+model's own log-probabilities (log_softmax of the raw logits, before temperature and top_p). echo with
+logprobs scores the prompt from a prefill that keeps every position's logits (`ECHO_LOGITS_BYTES` bounds it).
 
 The engine loop runs in its own thread; a request's tokens come back through an asyncio queue fed with
-`loop.call_soon_threadsafe`. A client that goes away cancels its request, which frees its KV slots.
+`loop.call_soon_threadsafe`. A client that goes away cancels its request before the engine's next step,
+which frees its KV: a stream's generator is cancelled, a plain request watches the ASGI receive channel for
+`http.disconnect`. An error ends a stream: its error event is the last one. A server told to stop at once
+(SIGINT) cancels the running requests: their clients get a 503, or an error event.
 """
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
+import logging
 import os
+import re
 import time
 import uuid
-from typing import Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import Response
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import UserError
 from ..generate import Sampling
 from .engine import Engine, QueueFull, Request
 
+log = logging.getLogger("infinigen.serve")
+
 MAX_BODY = 1 << 20  # bytes
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 CHAT_MAX_TOKENS = 512  # chat requests without max_tokens: this many, or what the context leaves
+ECHO_LOGITS_BYTES = 256 << 20  # echo + logprobs: float32 logits of every prompt position, at most this many bytes
+DRAIN_S = 30  # server shutdown (SIGTERM): how long running streams may go on before they are cut
 
 
 # ---- request bodies ---------------------------------------------------------------------------------------
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, n=1, ...)
-    model: str
-    max_tokens: Optional[int] = None
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: Optional[int] = Field(None, ge=0, le=2 ** 63 - 1)
-    stop: Union[str, list[str], None] = None
-    stream: bool = False
-    stream_options: Optional[dict] = None
-    n: int = Field(1, ge=1, le=1)
+def _unicode(text: str) -> str:
+    """JSON's \ud800 escapes decode to lone surrogates, which no tokenizer (or UTF-8 encoder) takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PydanticCustomError("invalid_unicode", "the text holds a lone surrogate (not valid Unicode)")
+    return text
 
 
-class CompletionBody(_Body):
-    prompt: Union[str, list[int], list[str]]
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # OpenAI refuses arguments it does not know; so do we
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = None
+    include_obfuscation: Optional[bool] = None  # accepted and ignored: padding against length side channels
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: Text
+
+    @field_validator("type")
+    @classmethod
+    def _only_text(cls, v: str) -> str:
+        if v != "text":
+            raise PydanticCustomError("unsupported_content", "content parts of type '{t}' are not supported; only "
+                                      "'text' parts are", {"t": v})
+        return v
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # clients replay whole messages (name, refusal: null, ...)
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Union[str, list[dict]]
+    content: Union[Text, list[TextPart]]
+
+
+# OpenAI fields this server does not implement: refused (400 naming the field) unless null or their no-op value
+UNSUPPORTED = {"tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+               "parallel_tool_calls": (), "response_format": ({"type": "text"},), "logit_bias": ({},),
+               "presence_penalty": (0,), "frequency_penalty": (0,), "best_of": (1,), "suffix": ("",),
+               "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
+               "web_search_options": ()}
+
+
+class _Body(_Strict):
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    seed: Optional[int] = Field(None, ge=0, le=2 ** 63 - 1)
+    stop: Union[Text, list[Text], None] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = Field(None, ge=1, le=1)
+    # accepted and ignored: they do not change the answer
+    user: Optional[str] = None
+    metadata: Optional[dict] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    # refused unless neutral (UNSUPPORTED)
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+
+
+class CompletionBody(_Body):
+    prompt: Union[Text, list[int], list[Text], list[list[int]]]
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=5)
+    echo: Optional[bool] = None
+    best_of: Any = None
+    suffix: Any = None
 
 
 class ChatBody(_Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+
+def _field_names(*models) -> frozenset:
+    """Every field name of these body models and the models inside them (what an error's `param` may name)."""
+    names, todo = set(), list(models)
+    while todo:
+        m = todo.pop()
+        for name, f in m.model_fields.items():
+            names.add(name)
+            todo += [t for t in _types(f.annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+    return frozenset(names)
+
+
+def _types(tp) -> list:
+    args = getattr(tp, "__args__", None) or ()
+    return [tp] + [x for a in args for x in _types(a)]
+
+
+FIELDS = _field_names(CompletionBody, ChatBody)
 
 
 # ---- errors ------------------------------------------------------------------------------------------------
@@ -69,8 +175,63 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
+def error_body(message: str, type_: str = "invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status_code=status)
+    # ASCII-escaped: a message quoting the client's text is sent whatever that text holds
+    return Response(json.dumps(error_body(message, type_, param, code)), status_code=status,
+                    media_type="application/json")
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """One 400 for a body that does not validate: the most specific error of the first field at fault. Its
+    `param` is the path of field names and list indices (pydantic's union branch labels left out)."""
+    if not errors:
+        return APIError(400, "invalid request")
+
+    def path(err):
+        loc = [x for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "extra_forbidden":  # the unknown name itself is the last element
+            return [x for x in loc[:-1] if isinstance(x, int) or x in FIELDS] + loc[-1:]
+        return [x for x in loc if isinstance(x, int) or x in FIELDS]
+
+    first = path(errors[0])[:1]
+    err = max((e for e in errors if path(e)[:1] == first), key=lambda e: len(e.get("loc", ())))  # first of the deepest
+    param = ".".join(str(x) for x in path(err)) or None
+    if err.get("type") == "json_invalid":
+        return APIError(400, "the request body is not valid JSON", code="invalid_json")
+    if err.get("type") == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument supplied: {param}", param=param, code="unknown_parameter")
+    msg = err.get("msg", "invalid request")
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param, code=err.get("type"))
+
+
+class ServerErrors:
+    """ASGI middleware: an exception the routes did not turn into an answer is logged and answered with a JSON
+    500 (OpenAI's body), and the connection stays usable (Starlette's own handler re-raises, and uvicorn then
+    drops the connection). After the response started (a stream), the stream just ends."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            log.exception("unhandled error serving %s", scope.get("path"))
+            if not started:
+                await error_response(500, "internal server error", "server_error")(scope, receive, send)
 
 
 class BodyLimit:
@@ -129,10 +290,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_body: int = MAX_B
 
     app = FastAPI(title="infinigen", lifespan=lifespan)
     app.add_middleware(BodyLimit, limit=max_body)
+    app.add_middleware(ServerErrors)  # added last: outside BodyLimit
     app.state.engine = engine
     created = int(time.time())
-    context = engine.model.cfg.max_position
+    context, vocab = engine.model.cfg.max_position, engine.model.cfg.vocab_size
     registry = _registry(engine)
+    pieces = _Pieces(tokenizer)
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
@@ -140,13 +303,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_body: int = MAX_B
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, e: RequestValidationError):
-        err = (e.errors() or [{}])[0]
-        if err.get("type") == "json_invalid":
-            return error_response(400, "the request body is not valid JSON", code="invalid_json")
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        msg = err.get("msg", "invalid request")
-        return error_response(400, f"{param}: {msg}" if param else msg, param=param, code=err.get("type"))
+        return await _api_error(request, validation_error(e.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e: StarletteHTTPException):
@@ -167,10 +324,14 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_body: int = MAX_B
         from prometheus_client import generate_latest
         return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def check_model(body: _Body):
+    def check_body(body: _Body):
         if body.model != model_name:
             raise APIError(400, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
                            param="model", code="model_not_found")
+        for name, neutral in UNSUPPORTED.items():
+            value = getattr(body, name, None)
+            if value is not None and not any(value == x for x in neutral):
+                raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported_parameter")
 
     def max_tokens(body: _Body, prompt_len: int, default: int) -> int:
         n = body.max_tokens if body.max_tokens is not None else getattr(body, "max_completion_tokens", None)
@@ -192,9 +353,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_body: int = MAX_B
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: HTTPRequest):
-        check_model(body)
+        check_body(body)
         p = body.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str):
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
                 raise APIError(400, "one prompt per request", param="prompt")
             p = p[0]
@@ -204,21 +365,30 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_body: int = MAX_B
             ids = list(tokenizer(p)["input_ids"])
         else:
             ids = list(p)
-            if any(i < 0 or i >= engine.model.cfg.vocab_size for i in ids):
+            if any(i < 0 or i >= vocab for i in ids):
                 raise APIError(400, "a prompt token id is out of the vocabulary", param="prompt")
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
-        return await serve(body, http, ids, max_tokens(body, len(ids), DEFAULT_MAX_TOKENS), stops(body), chat=False)
+        echo = None
+        if body.echo:
+            echo = p if isinstance(p, str) else tokenizer.decode(ids)
+            if body.logprobs is not None and len(ids) * vocab * 4 > ECHO_LOGITS_BYTES:
+                raise APIError(400, f"echo with logprobs keeps the logits of every prompt position: at most "
+                                    f"{ECHO_LOGITS_BYTES // (vocab * 4)} prompt tokens with this model's vocabulary, "
+                                    f"the prompt has {len(ids)}", param="echo")
+        n = max_tokens(body, len(ids), DEFAULT_MAX_TOKENS)
+        return await serve(body, http, ids, n, stops(body), chat=False, logprobs=body.logprobs, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, http: HTTPRequest):
-        check_model(body)
+        check_body(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, f"the model {model_name!r} has no chat template; use /v1/completions", param="messages")
         messages = []
         for m in body.messages:
-            content = m.content if isinstance(m.content, str) else "".join(
-                part.get("text", "") for part in m.content if part.get("type") == "text")
+            content = m.content if isinstance(m.content, str) else "".join(part.text for part in m.content)
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -226,9 +396,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_body: int = MAX_B
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages")
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
-        return await serve(body, http, list(ids), max_tokens(body, len(ids), CHAT_MAX_TOKENS), stops(body), chat=True)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await serve(body, http, list(ids), max_tokens(body, len(ids), CHAT_MAX_TOKENS), stops(body), chat=True,
+                           logprobs=logprobs)
 
-    async def serve(body: _Body, http: HTTPRequest, ids: list[int], n: int, stop: list[str], chat: bool):
+    async def serve(body: _Body, http: HTTPRequest, ids: list[int], n: int, stop: list[str], chat: bool,
+                    logprobs: int | None = None, echo: str | None = None):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -238,7 +411,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_body: int = MAX_B
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 pass
 
-        req = Request(ids, n, Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed), sink)
+        sampling = Sampling(temperature=1.0 if body.temperature is None else body.temperature,
+                            top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+        scores_prompt = echo is not None and logprobs is not None
+        req = Request(ids, n, sampling, sink, logprobs=logprobs, prompt_logprobs=scores_prompt)
         try:
             engine.start()
             engine.submit(req)
@@ -246,76 +422,90 @@ def create_app(engine: Engine, tokenizer, model_name: str, max_body: int = MAX_B
             raise APIError(429, f"the server is busy: {e}", "rate_limit_error", code="rate_limit_exceeded")
         except UserError as e:
             raise APIError(400, str(e))
+        out = _Answer(req, tokenizer, pieces, stop, chat, echo)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        text = _Text(tokenizer, stop)
         if body.stream:
             from sse_starlette.sse import EventSourceResponse
-            usage = bool((body.stream_options or {}).get("include_usage"))
-            return EventSourceResponse(stream(req, queue, text, rid, chat, usage), ping=15)
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            # sse-starlette cuts every stream as soon as uvicorn is told to exit; a draining server lets them end
+            return EventSourceResponse(stream(req, queue, out, rid, usage), ping=15, shutdown_grace_period=DRAIN_S)
+        watcher = asyncio.create_task(cancel_on_disconnect(http, req))
         try:
-            while True:
-                try:
-                    kind, value = await asyncio.wait_for(queue.get(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    if await http.is_disconnected():
-                        return Response(status_code=499)  # nobody to answer; `finally` frees the row
-                    continue
-                if kind == "token":
-                    if text.add(value):
-                        break
-                elif kind == "error":
-                    raise APIError(500, str(value), "server_error")
-                else:
-                    break
-        finally:
-            engine.cancel(req)  # a no-op once finished
-        reason = "stop" if text.stopped or req.finish == "stop" else "length"
-        return response(rid, chat, text.finish(), reason, _usage(ids, req))
-
-    def response(rid, chat, content, reason, usage):
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                      "finish_reason": reason}
-            return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                    "choices": [choice], "usage": usage}
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                "choices": [{"index": 0, "text": content, "logprobs": None, "finish_reason": reason}], "usage": usage}
-
-    def chunk(rid, chat, delta: str | None, reason=None, first=False):
-        if chat:
-            d = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
-        return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": model_name, "choices": [choice]}
-
-    async def stream(req: Request, queue: asyncio.Queue, text: "_Text", rid: str, chat: bool, usage: bool):
-        """SSE events; the generator is cancelled when the client goes away, which cancels the request."""
-        try:
-            if chat:
-                yield {"data": json.dumps(chunk(rid, chat, None, first=True))}
             while True:
                 kind, value = await queue.get()
                 if kind == "token":
-                    stopped = text.add(value)
-                    delta = text.take()
-                    if delta:
-                        yield {"data": json.dumps(chunk(rid, chat, delta))}
-                    if stopped:
-                        engine.cancel(req)
+                    if out.text.add(value):
+                        engine.cancel(req, "stop")
                         break
                 elif kind == "error":
-                    yield {"data": json.dumps({"error": {"message": str(value), "type": "server_error",
-                                                         "param": None, "code": None}})}
-                    break
+                    raise APIError(500, str(value), "server_error")
+                elif value == "cancelled":  # the client went away (nobody reads this), or the server is stopping
+                    raise APIError(503, "the request was cancelled: the server is shutting down", "server_error",
+                                   code="server_shutting_down")
                 else:
                     break
+        finally:
+            watcher.cancel()
+            engine.cancel(req)  # a no-op once finished
+        text = (echo or "") + out.text.finish()
+        lp = out.logprobs(len(out.text.text), prompt=echo is not None)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                      "finish_reason": out.reason()}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": out.reason()}
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model_name, "choices": [choice], "usage": _usage(ids, req)}
+
+    async def cancel_on_disconnect(http: HTTPRequest, req: Request):
+        """A non-streamed request: the client going away (http.disconnect on the ASGI receive channel, once the
+        body is read) cancels it at once; the engine drops it before its next step."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        engine.cancel(req)
+
+    def chunk(rid, chat, delta: str | None, reason=None, first=False, logprobs=None):
+        if chat:
+            d = {"role": "assistant", "content": ""} if first else ({} if delta is None else {"content": delta})
+            choice = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": reason}
+        return {"data": json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                    "created": int(time.time()), "model": model_name, "choices": [choice]})}
+
+    async def stream(req: Request, queue: asyncio.Queue, out: "_Answer", rid: str, usage: bool):
+        """SSE events; the generator is cancelled when the client goes away, which cancels the request. An error
+        ends the stream: its event is the last (no finish chunk, no [DONE])."""
+        chat, text = out.chat, out.text
+        try:
+            if chat:
+                yield chunk(rid, chat, None, first=True)
+            while True:
+                kind, value = await queue.get()
+                if kind == "error":
+                    yield {"data": json.dumps(error_body(str(value), "server_error"))}
+                    return
+                if kind == "done" and value == "cancelled":  # not the client (its generator is gone): a shutdown
+                    yield {"data": json.dumps(error_body("the request was cancelled: the server is shutting down",
+                                                         "server_error", code="server_shutting_down"))}
+                    return
+                if out.echo is not None and not out.echoed:  # the prompt's log-probabilities came with the first token
+                    out.echoed = True
+                    yield chunk(rid, chat, out.echo, logprobs=out.logprobs(0, prompt=True))
+                if kind == "done":
+                    break
+                stopped = text.add(value)
+                delta = text.take()
+                if delta:
+                    yield chunk(rid, chat, delta, logprobs=out.logprobs(text.shown))
+                if stopped:
+                    engine.cancel(req, "stop")
+                    break
             rest = text.finish()
-            if rest:
-                yield {"data": json.dumps(chunk(rid, chat, rest))}
-            reason = "stop" if text.stopped or req.finish == "stop" else "length"
-            yield {"data": json.dumps(chunk(rid, chat, None, reason))}
+            lp = out.logprobs(len(text.text))
+            if rest or out.has_entries(lp):
+                yield chunk(rid, chat, rest, logprobs=lp)
+            yield chunk(rid, chat, None, out.reason())
             if usage:
                 yield {"data": json.dumps({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                            "created": int(time.time()), "model": model_name, "choices": [],
@@ -331,13 +521,121 @@ def _usage(ids, req: Request) -> dict:
     return {"prompt_tokens": len(ids), "completion_tokens": len(req.tokens), "total_tokens": len(ids) + len(req.tokens)}
 
 
+class _Pieces:
+    """Each token's own bytes (a byte-level BPE token is a byte sequence; a SentencePiece one a piece or a
+    <0xNN> byte) and its text as OpenAI shows it: "bytes:\\xe2\\x80" for a piece of a character."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        decoder = repr(getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None))
+        self.bytes_of_char = None
+        if "ByteLevel" in decoder:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+            self.bytes_of_char = {c: b for b, c in bytes_to_unicode().items()}
+        self.metaspace = "Metaspace" in decoder or "▁" in decoder
+        self.added = {i: t.content for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+        self._bytes: dict[int, bytes] = {}
+
+    def bytes(self, token: int) -> bytes:
+        b = self._bytes.get(token)
+        if b is None:
+            b = self._bytes[token] = self._find_bytes(token)
+        return b
+
+    def _find_bytes(self, token: int) -> bytes:
+        if token in self.added:
+            return self.added[token].encode("utf-8")
+        piece = self.tok.convert_ids_to_tokens(token)
+        if not isinstance(piece, str):
+            return self.tok.decode([token]).encode("utf-8")
+        if self.bytes_of_char is not None and all(c in self.bytes_of_char for c in piece):
+            return bytes(self.bytes_of_char[c] for c in piece)
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if self.metaspace:
+            return piece.replace("▁", " ").encode("utf-8")
+        return self.tok.decode([token]).encode("utf-8")
+
+    def text(self, token: int) -> str:
+        b = self.bytes(token)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+
+    def offsets(self, tokens: list[int]) -> list[int]:
+        """Character offset of each token in the text the tokens spell (a character split over tokens counts
+        at the token that completes it)."""
+        dec, n, out = codecs.getincrementaldecoder("utf-8")("replace"), 0, []
+        for t in tokens:
+            out.append(n)
+            n += len(dec.decode(self.bytes(t)))
+        return out
+
+
+class _Answer:
+    """A request's answer as it is sent: its text (`_Text`) and the log-probabilities of the tokens whose
+    text has been sent (a token is in once its text starts before what was shown; the tokens of a stop
+    string and the tokens after it never are)."""
+
+    def __init__(self, req: Request, tokenizer, pieces: _Pieces, stop: list[str], chat: bool, echo: str | None):
+        self.req, self.pieces, self.chat, self.echo = req, pieces, chat, echo
+        self.text = _Text(tokenizer, stop)
+        self.echoed = False
+        self.sent = 0  # tokens whose log-probabilities went out
+
+    def reason(self) -> str:
+        return "stop" if self.text.stopped or self.req.finish == "stop" else "length"
+
+    def logprobs(self, shown: int, prompt: bool = False) -> dict | None:
+        """The log-probabilities not sent yet of the tokens whose text starts before character `shown` of the
+        answer (and, with `prompt`, of the echoed prompt's tokens first); None when the request asked for none."""
+        req = self.req
+        if req.logprobs is None:
+            return None
+        t = self.text
+        end = self.sent
+        while end < len(t.starts) and end < len(req.token_logprobs) and t.starts[end] < shown:
+            end += 1
+        ids, entries = t.ids[self.sent:end], req.token_logprobs[self.sent:end]
+        base = len(self.echo) if self.echo is not None else 0
+        offsets = [base + x for x in t.starts[self.sent:end]]
+        self.sent = end
+        if prompt and req.prompt_token_logprobs is not None:
+            ids, entries = req.prompt + ids, req.prompt_token_logprobs + entries
+            offsets = self.pieces.offsets(req.prompt) + offsets
+        p = self.pieces
+        if self.chat:
+            def alt(tok, lp):
+                return {"token": p.text(tok), "logprob": lp, "bytes": list(p.bytes(tok))}
+            return {"content": [{**alt(tok, lp), "top_logprobs": [alt(a, v) for a, v in top]}
+                                for tok, (lp, top) in zip(ids, entries)], "refusal": None}
+        out = {"tokens": [p.text(tok) for tok in ids], "token_logprobs": [], "top_logprobs": [], "text_offset": offsets}
+        for tok, e in zip(ids, entries):
+            if e is None:  # the first prompt token: nothing before it predicts it
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            lp, top = e
+            alts = {p.text(a): v for a, v in top}
+            alts.setdefault(p.text(tok), lp)  # OpenAI: the top `logprobs`, and the sampled token always
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(alts)
+        return out
+
+    @staticmethod
+    def has_entries(lp: dict | None) -> bool:
+        return bool(lp) and bool(lp.get("content") or lp.get("tokens"))
+
+
 class _Text:
     """A request's text as tokens arrive: decoded whole (multi-token characters come out right), cut at
     the first stop string; `take` hands out what is safe to show (a possible start of a stop string and
-    an incomplete character are held back)."""
+    an incomplete character are held back). `starts[i]`: where token i's text begins."""
 
     def __init__(self, tokenizer, stop: list[str]):
-        self.tok, self.stop, self.ids = tokenizer, stop, []
+        self.tok, self.stop, self.ids, self.starts = tokenizer, stop, [], []
         self.text, self.shown, self.stopped = "", 0, False
         self.hold = max((len(s) for s in stop), default=1) - 1
 
@@ -345,6 +643,7 @@ class _Text:
         """Add a token; True once a stop string appeared (the text then ends before it)."""
         if self.stopped:
             return True
+        self.starts.append(len(self.text.rstrip("\ufffd")))
         self.ids.append(token)
         self.text = self.tok.decode(self.ids, skip_special_tokens=True)
         cut = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]

@@ -168,6 +168,20 @@ def default_budgets(placement, device) -> tuple[int, int]:
     return fast, shutil.disk_usage(where or "/").free // 2
 
 
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """For each row of logits [N, V] and its token: (the token's log-probability, the k likeliest tokens with
+    theirs). The model's own distribution (log_softmax of the raw logits): no temperature or top-p, as OpenAI
+    reports them."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(-1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    if k == 0:
+        return [(c, []) for c in chosen]
+    top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    return [(c, list(zip(ids, vals))) for c, ids, vals in zip(chosen, top.indices.tolist(), top.values.tolist())]
+
+
 # ---- requests ----------------------------------------------------------------------------------------------
 _ids = itertools.count(1)
 
@@ -175,18 +189,29 @@ _ids = itertools.count(1)
 @dataclass(eq=False)
 class Request:
     """One generation. `sink(kind, value)` is called from the engine thread: ("token", id) for every new
-    token, then once ("done", finish_reason) with "stop" (EOS), "length" or "cancelled", or ("error", msg)."""
+    token, then once ("done", finish_reason) with "stop" (EOS, or `cancel(req, "stop")`), "length" or
+    "cancelled", or ("error", msg).
+
+    `logprobs`: None, or how many alternatives to report per token: each new token's
+    (log-probability, [(token, log-probability)] of the `logprobs` likeliest) is appended to `token_logprobs`
+    before the sink hears of the token. `prompt_logprobs`: the same for every prompt token after the first
+    (`prompt_token_logprobs`, None for the first), from a prefill that keeps every position's logits."""
     prompt: list[int]
     max_tokens: int
     sampling: Sampling = field(default_factory=Sampling)
     sink: Callable[[str, object], None] = lambda kind, value: None
     id: int = field(default_factory=lambda: next(_ids))
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+    token_logprobs: list = field(default_factory=list)
+    prompt_token_logprobs: list | None = None
     # engine side
     tokens: list[int] = field(default_factory=list)
     cost: tuple[int, int] = (0, 0)
     session: object = None
     generator: object = None
     cancelled: bool = False
+    cancel_reason: str = "cancelled"
     finish: str | None = None
     arrived: float = field(default_factory=time.monotonic)
 
@@ -267,11 +292,19 @@ class Engine:
             self._cv.notify_all()
         return req
 
-    def cancel(self, req: Request) -> None:
-        """Stop a request (a client went away): it leaves before the next step and frees its slots."""
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """Stop a request: it leaves before the next step and frees its slots, counted as `reason` ("cancelled":
+        the client went away; "stop": a stop string ended it). A no-op once it finished."""
         with self._cv:
-            req.cancelled = True
+            if not req.cancelled:
+                req.cancelled, req.cancel_reason = True, reason
             self._cv.notify_all()
+
+    def cancel_all(self) -> None:
+        """Cancel every running and waiting request (the server is stopping)."""
+        with self._cv:
+            for req in list(self.running) + list(self.waiting):
+                self.cancel(req)
 
     # ---- the loop --------------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -280,7 +313,7 @@ class Engine:
         with self._cv:
             for req in [r for r in self.waiting if r.cancelled]:
                 self.waiting.remove(req)
-                self._finish(req, "cancelled")
+                self._finish(req, req.cancel_reason)
             admitted = []
             while self.waiting and self._fits(self.waiting[0]):  # FIFO: a long request is not starved
                 req = self.waiting.popleft()
@@ -289,7 +322,7 @@ class Engine:
                 self.running.append(req)
                 admitted.append(req)
         for req in [r for r in self.running if r.cancelled]:
-            self._finish(req, "cancelled")
+            self._finish(req, req.cancel_reason)
         for req in admitted:
             if not req.cancelled:
                 self._prefill(req)
@@ -313,7 +346,11 @@ class Engine:
             if req.sampling.seed is not None:
                 req.generator = torch.Generator(device=self.model.device).manual_seed(req.sampling.seed)
             req.session = open_session(self.model, self.placement, self.policy, len(req.prompt) + req.max_tokens)
-            logits = self.model.prefill(torch.tensor([req.prompt], device=self.model.device), req.session)
+            logits = self.model.prefill(torch.tensor([req.prompt], device=self.model.device), req.session,
+                                        all_logits=req.prompt_logprobs)
+            if req.prompt_logprobs:  # position j's logits predict prompt token j + 1
+                req.prompt_token_logprobs = [None] + token_logprobs(logits[0, :-1], req.prompt[1:], req.logprobs or 0)
+                logits = logits[:, -1]
             self.counters["prompt_tokens"] += len(req.prompt)
             self._take([req], logits)
         except Exception as e:
@@ -326,7 +363,14 @@ class Engine:
         greedy = logits.argmax(-1).tolist()
         for i, req in enumerate(reqs):
             s = req.sampling
-            tok = greedy[i] if s.temperature == 0 else int(sample(logits[i:i + 1], s, req.generator)[0])
+            try:  # what fails for one request (its sampling, its log-probabilities) ends that request only
+                tok = greedy[i] if s.temperature == 0 else int(sample(logits[i:i + 1], s, req.generator)[0])
+                if req.logprobs is not None:
+                    req.token_logprobs += token_logprobs(logits[i:i + 1], [tok], req.logprobs)
+            except Exception as e:
+                log.exception("sampling failed")
+                self._finish(req, "error", f"sampling failed: {e}")
+                continue
             req.tokens.append(tok)
             self.counters["completion_tokens"] += 1
             req.sink("token", tok)
