@@ -454,6 +454,7 @@ def gguf_row_order(arch: str, cfg: ModelConfig, gguf_name: str, rows: int):
 
 
 _BLOCKS_FILE = "gguf-blocks.safetensors"
+_BLOCKS_FORMAT = "1"  # bump when what the file holds changes (names, row order): older files are rewritten
 _NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
@@ -464,16 +465,16 @@ def _gguf_blocks(path: Path, folder: Path, cfg: ModelConfig) -> tuple[dict, dict
     the blocks file loads in a fraction of a second)."""
     from safetensors import SafetensorError, safe_open
     cached = folder / _BLOCKS_FILE
-    if not cached.exists():
-        types, blocks = _read_gguf_blocks(path, cfg)
-        _write_blocks(cached, types, blocks)
-        return types, blocks
-    try:
-        with safe_open(cached, framework="pt") as st:
-            types = json.loads(st.metadata()["types"])
-            blocks = {name: st.get_tensor(name) for name in st.keys()}
-    except (SafetensorError, OSError, ValueError, KeyError, RuntimeError) as e:
-        raise UserError(f"corrupt cached GGUF blocks {cached}: {e} (delete it to read the GGUF file again)")
+    if cached.exists():
+        try:
+            with safe_open(cached, framework="pt") as st:
+                meta = st.metadata() or {}
+                if meta.get("format") == _BLOCKS_FORMAT:
+                    return json.loads(meta["types"]), {name: st.get_tensor(name) for name in st.keys()}
+        except (SafetensorError, OSError, ValueError, KeyError, RuntimeError):
+            pass  # a damaged or older file: read the GGUF file again and replace it
+    types, blocks = _read_gguf_blocks(path, cfg)
+    _write_blocks(cached, types, blocks)
     return types, blocks
 
 
@@ -509,7 +510,7 @@ def _write_blocks(cached: Path, types: dict, blocks: dict) -> None:
     from safetensors.torch import save_file
     tmp = cached.parent / f"{partial_name()}{cached.name}"
     try:
-        save_file(blocks, tmp, metadata={"types": json.dumps(types)})
+        save_file(blocks, tmp, metadata={"types": json.dumps(types), "format": _BLOCKS_FORMAT})
         os.replace(tmp, cached)
     except OSError:
         pass

@@ -44,6 +44,13 @@ _CPU_BLOCK_N = 64  # output rows per block of the AVX512 packed layout
 # ---- what the kernels take --------------------------------------------------------------------------
 def int4_problem(out_features: int, in_features: int, group: int, device) -> str | None:
     """Why the int4 kernel cannot take a weight of this shape on `device` (None: it can)."""
+    problem = _int4_shape_problem(out_features, in_features, group, device)
+    if problem is None and torch.device(device).type == "cuda" and not _cuda_int4_ok():
+        return "the CUDA int4 kernel did not reproduce a reference product with our packing"
+    return problem
+
+
+def _int4_shape_problem(out_features: int, in_features: int, group: int, device) -> str | None:
     dev = torch.device(device).type
     if dev == "cuda" and not hasattr(torch.ops.aten, "_weight_int4pack_mm"):
         return "this torch build has no CUDA int4 kernel"
@@ -60,6 +67,26 @@ def int4_problem(out_features: int, in_features: int, group: int, device) -> str
     if dev == "cuda" and (out_features % 8 or in_features % 32):
         return f"the CUDA kernel needs out_features % 8 == 0 and in_features % 32 == 0 (got {out_features}, {in_features})"
     return None
+
+
+@functools.cache
+def _cuda_int4_ok() -> bool:
+    """The CUDA packing (nibble order, tiles) has changed across torch versions: pack known codes once and
+    compare the kernel's product with the dequantized reference; any mismatch keeps int4 off CUDA."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 16, (64, 128), dtype=torch.uint8, generator=g)
+        scale = torch.rand(64, 4, generator=g) / 8 + 0.01
+        zero = torch.randn(64, 4, generator=g) / 8
+        m = Int4Linear.from_codes(codes, scale, zero, torch.bfloat16, "cuda")
+        sz = m.scale_zero.float().cpu()
+        w = (codes.float().view(64, 4, 32) - 8) * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]
+        x = torch.randn(2, 128, generator=g).bfloat16()
+        want = x.float() @ w.view(64, 128).T
+        got = m._kernel(x.cuda()).float().cpu()
+        return bool((got - want).abs().max() <= 1e-2 * want.abs().max())
+    except (RuntimeError, NotImplementedError, ValueError):
+        return False
 
 
 def int8_problem(device) -> str | None:
@@ -136,7 +163,7 @@ class Int4Linear(nn.Module):
         w[n, k] = (codes[n, k] - 8) * scale[n, k // group] + zero[n, k // group]."""
         n, k = codes.shape
         group = k // scale.shape[1]
-        problem = int4_problem(n, k, group, device)
+        problem = _int4_shape_problem(n, k, group, device)
         if problem:
             raise ValueError(f"int4 kernel cannot take a [{n}, {k}] weight: {problem}")
         device = torch.device(device)
@@ -189,9 +216,9 @@ class Int4Linear(nn.Module):
         dtype = dtype or self.scale_zero.dtype
         n, k, g = self.out_features, self.in_features, self.group
         if self.packed.device.type == "cpu" and _cpu_layout_known():
-            # code * scale is exact in float32 and one rounding adds the base: the kernel's float32
-            # weight (its fused multiply-add rounds once too); in-place ops, ~3x faster than addcmul
-            # broadcasting a scale over each group here
+            # code * scale is exact in float32 and one rounding adds the base (zero - 8 scale: a GGUF's m):
+            # a Q4_1 file's own d * q + m, within a float32 ulp of the kernel's (code - 8) * scale + zero.
+            # In-place ops: ~3x faster here than an addcmul broadcasting a scale over each group
             sz = self.scale_zero.float()
             scale = sz[..., 0].T.contiguous()[..., None]
             base = (sz[..., 1] - 8 * sz[..., 0]).T.contiguous()[..., None]
