@@ -300,6 +300,25 @@ def test_quantized_checkpoint_runs_its_dequantized_weights(tiny_checkpoint, mode
     assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
 
 
+def test_bfloat16_quantized_model_is_quantized_from_float32_and_all_bfloat16(tmp_path):
+    """Codes come from the checkpoint's float32 weights (not from weights rounded to bfloat16 first);
+    every other floating parameter (norms, biases) ends up in bfloat16, so no float32 leaks into a layer."""
+    tok = make_tokenizer()
+    hf, _ = build_tiny("llama", attention_bias=True, vocab_size=len(tok))
+    folder = tmp_path / "biased"
+    hf.save_pretrained(folder, safe_serialization=True)
+    tok.save_pretrained(folder)
+    q, _, _ = load(folder, dtype="bfloat16", weights="int4", progress=False)
+    ref = Int4Linear.quantize(hf.model.layers[1].self_attn.k_proj.weight, 32, torch.bfloat16)
+    assert torch.equal(q.layers[1].attn.k_proj.codes(), ref.codes())
+    assert torch.equal(q.layers[1].attn.k_proj.scale_zero, ref.scale_zero)
+    floats = [(n, p.dtype) for n, p in q.named_parameters() if p.is_floating_point()]
+    assert floats and all(dt == torch.bfloat16 for _, dt in floats), floats
+    assert q.layers[0].attn.q_proj.bias is not None
+    logits = _prefill(q, torch.tensor([[5, 9, 30]]))
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+
+
 def test_fallback_for_shapes_the_kernel_cannot_take(tmp_path, cli):
     """One KV head of dim 8: k/v projections have 8 output rows, which the CPU int4 kernel's packing
     refuses (multiples of 16): they run in int8, with the reason, and the CLI names them."""

@@ -363,9 +363,12 @@ def load(spec: str | os.PathLike | None = None, dtype: str | torch.dtype | None 
         new = _rename(hf_name, cfg.arch)
         return new in held or (new == "lm_head.weight" and "lm_head" in native)
 
-    model = build(cfg, _read_safetensors(path, skip=skip if native else None), dtype=dtype, device=device,
+    # quantized from float32 (not from weights already rounded to the compute dtype), the rest cast after
+    source = torch.float32 if mode != "dense" else dtype
+    model = build(cfg, _read_safetensors(path, skip=skip if native else None), dtype=source, device=device,
                   modules=native)
     quantize_model(model, mode, dtype, device, info)
+    _cast_parameters(model, dtype)
     model.weights_info = info
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -586,6 +589,15 @@ def quantize_model(model: Transformer, mode: str, dtype: torch.dtype, device, in
             continue
         info.kinds.setdefault(name, "dense")
     return model
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point parameters (norms, dense weights, biases) to the compute dtype; quantized codes
+    stay integers and buffers stay as built (the rotary frequencies are float32 on purpose)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
 
 
 def _quantized(weight, bias, kind: str, dtype, device, name: str, info: WeightsInfo):
