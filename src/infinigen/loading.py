@@ -363,8 +363,12 @@ def load(spec: str | os.PathLike | None = None, dtype: str | torch.dtype | None 
         new = _rename(hf_name, cfg.arch)
         return new in held or (new == "lm_head.weight" and "lm_head" in native)
 
-    # quantized from float32 (not from weights already rounded to the compute dtype), the rest cast after
-    source = torch.float32 if mode != "dense" else dtype
+    # what is re-quantized here is quantized from float32 (not from weights already rounded to the
+    # compute dtype); the rest is cast after. Nothing to re-quantize: built in the compute dtype directly.
+    tables = ("embed_tokens", "lm_head")
+    requant = mode in ("int4", "int8") or any(
+        _wanted(mode, n in tables, t) != "dense" and n not in native for n, t in info.file_types.items())
+    source = torch.float32 if requant else dtype
     model = build(cfg, _read_safetensors(path, skip=skip if native else None), dtype=source, device=device,
                   modules=native)
     quantize_model(model, mode, dtype, device, info)
@@ -439,7 +443,6 @@ def gguf_row_order(arch: str, cfg: ModelConfig, gguf_name: str, rows: int):
     """The row order `transformers` gives a GGUF matrix when it dequantizes it (Llama's q/k rows are
     un-permuted from llama.cpp's RoPE layout), found by running its own tensor processor on row indices:
     an index array [rows], or None where the processor does more than reorder rows."""
-    import numpy as np
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
     hf = cfg.hf_config
     config = {"num_attention_heads": hf.num_attention_heads,
@@ -458,7 +461,6 @@ def gguf_row_order(arch: str, cfg: ModelConfig, gguf_name: str, rows: int):
 
 _BLOCKS_FILE = "gguf-blocks.safetensors"
 _BLOCKS_FORMAT = "1"  # bump when what the file holds changes (names, row order): older files are rewritten
-_NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def _gguf_blocks(path: Path, folder: Path, cfg: ModelConfig) -> tuple[dict, dict]:
@@ -496,7 +498,7 @@ def _read_gguf_blocks(path: Path, cfg: ModelConfig) -> tuple[dict, dict]:
             continue
         qtype = t.tensor_type.name
         types[target] = qtype
-        if qtype not in _NATIVE_TYPES:
+        if qtype not in ("Q4_0", "Q4_1", "Q8_0"):  # the types the kernels take as they are
             continue
         rows = int(t.shape[1])  # GGUF lists the inner (input) dimension first
         order = gguf_row_order(arch, cfg, t.name, rows)
@@ -527,7 +529,7 @@ def _gguf_modules(path: Path, folder: Path, cfg: ModelConfig, dtype: torch.dtype
     the row order of the dequantized checkpoint. Anything else is left to `quantize_model`."""
     if mode == "dense" or cfg.arch != "llama":
         return {}
-    from .kernels.qlinear import Int4Linear, Int8Embedding, Int8Linear, int4_problem, int8_problem
+    from .kernels.qlinear import BLOCK_BYTES, Int4Linear, Int8Embedding, Int8Linear, int4_problem, int8_problem
     types, blocks = _gguf_blocks(path, folder, cfg)
     info.file_types.update(types)
     tied = cfg.tie_embeddings or "lm_head" not in types  # a GGUF without output.weight reads the embedding
@@ -535,7 +537,7 @@ def _gguf_modules(path: Path, folder: Path, cfg: ModelConfig, dtype: torch.dtype
     for target, raw in blocks.items():
         qtype = types[target]
         kind = _wanted(mode, target in ("embed_tokens", "lm_head"), qtype)
-        rows, cols = raw.shape[0], raw.shape[1] // (20 if qtype == "Q4_1" else 18 if qtype == "Q4_0" else 34) * 32
+        rows, cols = raw.shape[0], raw.shape[1] // BLOCK_BYTES[qtype] * 32  # 32 weights per block
         if kind == "int4" and qtype in ("Q4_0", "Q4_1") and int4_problem(rows, cols, GROUP, device) is None:
             modules[target] = Int4Linear.from_gguf_blocks(raw, qtype, dtype, device)
         elif kind == "int8" and qtype == "Q8_0" and int8_problem(device) is None:

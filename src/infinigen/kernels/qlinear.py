@@ -382,8 +382,9 @@ class Int8Embedding(nn.Module):
 # ---- GGUF blocks ---------------------------------------------------------------------------------------
 # ggml block layouts (little-endian): Q4_0 = f16 d, 16 bytes of nibbles; Q4_1 = f16 d, f16 m, 16 bytes;
 # Q8_0 = f16 d, 32 int8. In a 4-bit block, byte j holds element j (low nibble) and element j + 16 (high).
-_Q4_BYTES = {"Q4_0": 18, "Q4_1": 20}
-_Q8_0_BYTES = 34
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # per block of 32 weights
+_Q4_BYTES = {k: v for k, v in BLOCK_BYTES.items() if k != "Q8_0"}
+_Q8_0_BYTES = BLOCK_BYTES["Q8_0"]
 
 
 def _rows(raw) -> torch.Tensor:
