@@ -106,7 +106,7 @@ def resolve_precision(dtype, weights: str, device: str | torch.device = "cpu") -
     the dtype a dense `weights` names."""
     if not isinstance(weights, str) or weights.lower() not in WEIGHTS:
         raise UserError(f"unknown weights {weights!r}; choose from {', '.join(WEIGHT_CHOICES)}")
-    weights = WEIGHTS[weights.lower()]
+    asked, weights = weights, WEIGHTS[weights.lower()]
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise UserError(f"unsupported dtype {dtype}; choose from {', '.join(DTYPE_CHOICES)}")
@@ -119,8 +119,8 @@ def resolve_precision(dtype, weights: str, device: str | torch.device = "cpu") -
         dtype = weights if weights in DTYPES else auto_dtype(device)
     if weights in DTYPES:
         if weights != dtype:
-            raise UserError(f"weights={weights!r} holds dense {weights} weights but dtype is {dtype!r}: "
-                            f"dense weights are held in the compute dtype (give the same, or weights='auto')")
+            raise UserError(f"weights {asked!r} means dense {weights} weights, but the dtype is {dtype!r}: dense "
+                            f"weights are held in the compute dtype (give the same dtype, or weights 'auto')")
         return DTYPES[dtype], "dense"
     if weights == "auto":
         return DTYPES[dtype], ("file" if dtype == "bfloat16" else "dense")

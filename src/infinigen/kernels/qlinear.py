@@ -122,11 +122,9 @@ class DequantizedView(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for spec, arg in zip(func._schema.arguments, args):
-            if isinstance(arg, cls) and spec.alias_info is not None and spec.alias_info.is_write:
-                raise RuntimeError(f"{func}: quantized weights are read-only (dequantize into a dense module to edit them)")
-        for name, arg in kwargs.items():
-            spec = next((a for a in func._schema.arguments if a.name == name), None)
+        specs = func._schema.arguments
+        passed = list(zip(specs, args)) + [(next((a for a in specs if a.name == k), None), v) for k, v in kwargs.items()]
+        for spec, arg in passed:
             if isinstance(arg, cls) and spec is not None and spec.alias_info is not None and spec.alias_info.is_write:
                 raise RuntimeError(f"{func}: quantized weights are read-only (dequantize into a dense module to edit them)")
         unwrap = lambda t: t.dequantize() if isinstance(t, cls) else t  # noqa: E731
