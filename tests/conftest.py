@@ -20,7 +20,7 @@ are non-trivial and a wrong mapping shows up in the logits):
 The default model (SmolLM2-135M-Instruct, Q4_1), loaded once per test session; use only in tests
 marked `@pytest.mark.integration` (deselect them with `-m "not integration"`):
 
-  default_model     (our_model, tokenizer) in float32 on CPU.
+  default_model     (our_model, tokenizer) in float32 on CPU, the GGUF's weights dequantized (dense).
   default_hf_model  the `transformers` LlamaForCausalLM with the same (dequantized) weights, loaded from
                     the converted checkpoint that `infinigen.loading` caches; float32, sdpa attention (its default).
 
@@ -158,7 +158,7 @@ def tiny_tokenizer(tiny_checkpoint):
 @pytest.fixture(scope="session")
 def default_model():
     from infinigen.loading import load
-    model, tokenizer, _ = load("default", dtype="float32", device="cpu", progress=False)
+    model, tokenizer, _ = load("default", dtype="float32", device="cpu", progress=False, weights="fp32")
     return model, tokenizer
 
 

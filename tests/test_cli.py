@@ -171,7 +171,7 @@ def test_console_script_exit_code(argv):
 # ---- working commands on a tiny checkpoint ---------------------------------------------------------
 def test_info_on_a_checkpoint(cli, tiny_checkpoint):
     from transformers import AutoModelForCausalLM
-    code, out, err = cli("info", "--model", tiny_checkpoint)
+    code, out, err = cli("info", "--model", tiny_checkpoint, "--dtype", "float32")  # the default is "auto"
     assert code == 0, err
     facts = dict(line.split(":", 1) for line in out.splitlines())
     facts = {k.strip(): v.strip() for k, v in facts.items()}
@@ -196,7 +196,7 @@ def test_generate_streams_the_greedy_text(cli, tiny_checkpoint, tiny_tokenizer):
     before = tree_digest(tiny_checkpoint)
     code, out, err = cli("generate", "--model", tiny_checkpoint, "-p", "It is a truth", "-n", "12")
     assert code == 0, err
-    model, tok, _ = load(tiny_checkpoint)
+    model, tok, _ = load(tiny_checkpoint, dtype="auto")  # the CLI's default dtype
     expected = generate(model, tok, ["It is a truth"], max_new_tokens=12).texts[0]
     assert out == expected + "\n"
     assert "prompt tokens" in err and "tokens/s" in err

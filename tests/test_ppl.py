@@ -27,7 +27,8 @@ def text_file(tmp_path_factory):
 
 def _run(args, tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = main(["ppl", *args, "--json", str(out)])
+    dtype = [] if "--dtype" in args else ["--dtype", "float32"]  # the library's default (the CLI's is "auto")
+    rc = main(["ppl", *args, *dtype, "--json", str(out)])
     captured = capsys.readouterr()
     return rc, (json.loads(out.read_text()) if rc == 0 else None), captured
 

@@ -15,8 +15,8 @@ import typer
 from ..errors import UserError
 from ..policies import REGISTRY
 from .options import (FLOAT, MAX_ROWS, MODEL_HELP, check_kv_fits, check_model_options,  # noqa: F401 (re-exported)
-                      check_policies_fit, check_range, device_option, dtype_option, knob_option,
-                      make_policy_from_cli, model_option, write_json)
+                      check_policies_fit, check_range, check_weights_option, device_option, dtype_option,
+                      knob_option, make_policy_from_cli, model_option, resolve_dtype, weights_option, write_json)
 from . import placement_opts
 
 
@@ -33,12 +33,20 @@ def spinner(message: str):
         yield
 
 
-def load_model(model: str, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer, name), with a spinner while loading."""
+def load_model(model: str, dtype: str = "auto", device: str = "cpu", weights: str = "auto"):
+    """(model, tokenizer, name), with a spinner while loading; a weight the quantized kernels cannot
+    take is named on stderr (it runs in int8 or dense instead)."""
     from ..loading import load
     label = "the default model" if model in ("", "default") else model
+    dtype = resolve_dtype(dtype, device)
     with spinner(f"Loading {label} ({dtype}, {device})..."):
-        return load(model, dtype=dtype, device=device)
+        net, tok, name = load(model, dtype=dtype, device=device, weights=weights)
+    fallbacks = net.weights_info.fallbacks
+    if fallbacks:
+        print(f"note: {len(fallbacks)} weights not in the asked format: " + "; ".join(
+            f"{n} as {kind} ({why})" for n, kind, why in fallbacks[:3]) + ("; ..." if len(fallbacks) > 3 else ""),
+            file=sys.stderr)
+    return net, tok, name
 
 
 def read_prompts(prompt: Optional[str], prompt_file: Optional[Path]) -> list[str]:
@@ -80,6 +88,7 @@ def generate_cmd(
     batch_size: int = typer.Option(1, "--batch-size", "-b", help="Run every prompt this many times in one batch."),
     device: str = device_option(),
     dtype: str = dtype_option(),
+    weights: str = weights_option(),
     chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap the prompt in the model's chat template."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     temperature: float = typer.Option(0.0, "--temperature", "-t", **FLOAT, help="0 = greedy."),
@@ -103,6 +112,7 @@ def generate_cmd(
     check_range("top-p", top_p, lo=0, hi=1, lo_open=True)
     check_range("seed", seed, lo=0, hi=2 ** 63 - 1)
     check_model_options(device, dtype)
+    check_weights_option(weights)
     check_range("batch-size", batch_size, hi=MAX_ROWS)
     prompts = read_prompts(prompt, prompt_file)
     check_range("batch-size", len(prompts) * batch_size, hi=MAX_ROWS)  # rows, before building them
@@ -113,7 +123,7 @@ def generate_cmd(
     sampling.validate()
 
     try:
-        net, tok, name = load_model(model, dtype, device)
+        net, tok, name = load_model(model, dtype, device, weights)
         check_policies_fit(pol, net)
         # the context and the memory the batch needs (KV, logits, activations) are checked by `generate`
         # itself, before it allocates anything: the same check as for a caller of the Python API
@@ -141,13 +151,16 @@ def info_cmd(
     model: str = model_option(),
     dtype: str = dtype_option(),
     device: str = device_option(),
+    weights: str = weights_option(),
     as_json: bool = typer.Option(False, "--json", help="Print the facts as one JSON object."),
 ):
     """Architecture, size and KV cache cost per token of a model."""
     import json
 
     check_model_options(device, dtype)
-    net, tok, name = load_model(model, dtype, device)
+    check_weights_option(weights)
+    dtype = resolve_dtype(dtype, device)
+    net, tok, name = load_model(model, dtype, device, weights)
     facts = model_facts(net, name)
     if as_json:
         print(json.dumps(facts, indent=2))
@@ -166,7 +179,7 @@ def info_cmd(
         ("context", f"{cfg.max_position} tokens"),
         ("positions", facts["positions"]),
         ("parameters", f"{facts['parameters']:,} ({facts['parameters'] / 1e6:.1f} M)"),
-        ("weights", f"{facts['weight_bytes'] / mib:.1f} MiB in {dtype}"),
+        ("weights", f"{facts['weight_bytes'] / mib:.1f} MiB ({facts['weights']})"),
         ("KV cache per token", f"{facts['kv_bytes_per_token']['float16']:,} B in float16, "
                                f"{facts['kv_bytes_per_token'][dtype]:,} B in {dtype} (one sequence, all layers)"),
         ("KV cache, full context", f"{facts['kv_bytes_per_token']['float16'] * cfg.max_position / mib:.1f} MiB in float16 "
@@ -180,8 +193,10 @@ def info_cmd(
 def model_facts(net, name: str) -> dict:
     """The numbers `info` prints, as a dict (also used by benchmarks)."""
     import torch
+
+    from ..kernels.qlinear import parameter_count
     cfg = net.cfg
-    params = sum(p.numel() for p in net.parameters())  # tied weights are counted once
+    params = parameter_count(net)  # tied weights are counted once; a quantized weight as its N x K entries
     if cfg.uses_rope:
         rp = getattr(cfg.hf_config, "rope_parameters", None) or {}
         theta = rp.get("rope_theta", getattr(cfg.hf_config, "rope_theta", None))
@@ -200,6 +215,7 @@ def model_facts(net, name: str) -> dict:
         "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
         "context": cfg.max_position, "positions": positions, "parameters": params,
         "weight_bytes": sum(p.numel() * p.element_size() for p in net.parameters()), "dtype": loaded,
+        "weights": info.summary() if (info := getattr(net, "weights_info", None)) else f"dense, {loaded}",
         "kv_bytes_per_token": {k: cfg.kv_bytes_per_token(v) for k, v in sizes.items()},
     }
 

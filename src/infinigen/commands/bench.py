@@ -123,6 +123,8 @@ def bench_cmd(
     if threads:
         torch.set_num_threads(threads)
     from ..loading import DTYPES
+    from .options import resolve_dtype
+    dtype = resolve_dtype(dtype, device)  # "auto": what this machine computes fastest in
     max_len = max(prompt_lens) + gen_len + breakdown
     body = None
     if synthetic:

@@ -19,7 +19,8 @@ import typer
 from ..errors import UserError
 
 DEVICES = ("cpu", "cuda")
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+WEIGHT_NAMES = ("auto", "int4", "int8", "bf16", "fp32", "bfloat16", "float32", "float16", "fp16")
 MODEL_HELP = "'default' (SmolLM2-135M-Instruct, Q4_1), a .gguf file, or a Hugging Face checkpoint directory"
 MAX_ROWS = 1 << 16  # sequences in one batch: far above what any memory holds, checked before building them
 
@@ -51,7 +52,27 @@ def device_option():
 
 
 def dtype_option():
-    return typer.Option("float32", "--dtype", help="float32, bfloat16 or float16.")
+    return typer.Option("auto", "--dtype", help="auto (bfloat16 where the CPU has AVX512-BF16 or AMX, and on "
+                                                "CUDA; else float32), float32, bfloat16 or float16.")
+
+
+def weights_option():
+    return typer.Option("auto", "--weights",
+                        help="auto (as a GGUF stores them: Q4_0/Q4_1 as int4, Q8_0 as int8, when computing in "
+                             "bfloat16; else dense), int4 (group 32), int8 (per row), bf16 or fp32 (dense).")
+
+
+def check_weights_option(weights: str) -> None:
+    if weights.lower() not in WEIGHT_NAMES:
+        raise UserError(f"unknown --weights {weights!r}; choose from auto, int4, int8, bf16, fp32")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The dtype name "auto" stands for on `device` (other names as they are)."""
+    if dtype != "auto":
+        return dtype
+    from ..loading import auto_dtype
+    return auto_dtype("cuda" if device.startswith("cuda") else "cpu")
 
 
 def knob_option(help: str = "A policy setting NAME=VALUE (repeatable), or POLICY.NAME=VALUE; e.g. --knob alpha=5."):

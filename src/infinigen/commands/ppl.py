@@ -19,6 +19,7 @@ from .basic import load_model
 from .options import (FLOAT, MODEL_HELP, check_context, device_option, dtype_option, model_option, check_model_options, check_out_file, check_policies_fit,
                       check_range, knob_option, make_policy_from_cli, policy_settings, prepare_policies, json_text,
                       write_json)
+from .options import check_weights_option, weights_option
 
 
 def ppl_cmd(
@@ -41,6 +42,7 @@ def ppl_cmd(
     model: str = model_option(),
     device: str = device_option(),
     dtype: str = dtype_option(),
+    weights: str = weights_option(),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the result to this JSON file ('-': stdout only)."),
 ):
     """Perplexity with a KV-cache policy: overall, per 256-token decoding chunk, and the relative KV size."""
@@ -57,6 +59,7 @@ def ppl_cmd(
     check_range("windows", windows, lo=1)
     check_range("protect-recent", protect_recent, lo=0)
     check_model_options(device, dtype)
+    check_weights_option(weights)
     placement = placement_opts.placement_from(kv_offload, pool_bytes, capacity, pool_dir, eviction,
                                               protect_recent=protect_recent or 0)
     check_range("chunk", chunk, lo=1)
@@ -74,7 +77,7 @@ def ppl_cmd(
     if placement.pool_bytes is None and placement.pool_tokens(None, 1, ctx) < prefill:  # checked before loading
         raise UserError(f"a KV pool of {placement.pool_tokens(None, 1, ctx)} tokens cannot hold the {prefill}-token prompt")
 
-    net, tok, model_name = load_model(model, dtype, device)
+    net, tok, model_name = load_model(model, dtype, device, weights)
     check_context(net, ctx, "--ctx")
     check_policies_fit(pol, net)
     prepare_policies({policy: pol}, net, tok)  # InfiniGen: skew from the cache, else calibrated once and cached
