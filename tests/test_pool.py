@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from infinigen import runtime
 from infinigen.cache import KVStore
 from infinigen.errors import UserError
 from infinigen.pool import KVPool, make_pool
@@ -162,9 +163,9 @@ def test_partial_keys_match_pool(victim, capacity, steps, key_mode, seed):
     prompt = capacity - 2
     sess = Placement(capacity=capacity).new_session(model, 1, capacity + steps, pol, allocator=pool)
     tokens = torch.randint(0, c.vocab_size, (1, prompt + steps), generator=g)
-    model.prefill(tokens[:, :prompt], sess)
+    runtime.prefill(model, tokens[:, :prompt], sess)
     for t in range(prompt, prompt + steps):
-        model.decode(tokens[:, t], sess)
+        runtime.decode(model, tokens[:, t], sess)
     assert sess.store.length[1] == capacity and sum(pool.evictions) > 0
     for layer in range(1, c.num_layers):
         kp = sess.store.k[layer]  # [1, Hkv, capacity, d]

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from infinigen import runtime
 from infinigen.errors import UserError
 from infinigen.placement import Placement
 from infinigen.policies import REGISTRY, knob_types, make_policy
@@ -66,15 +67,15 @@ def test_one_policy_object_serves_sessions_side_by_side(make_tiny):
 
     def alone(tokens):
         s = Placement().new_session(model, 1, 30, make_policy("h2o", heavy=4, recent=3))
-        out = [model.prefill(tokens[:, :20], s)]
-        out += [model.decode(tokens[:, t], s) for t in range(20, 29)]
+        out = [runtime.prefill(model, tokens[:, :20], s)]
+        out += [runtime.decode(model, tokens[:, t], s) for t in range(20, 29)]
         return torch.stack(out)
 
     sa, sb = Placement().new_session(model, 1, 30, shared), Placement().new_session(model, 1, 30, shared)
-    out_a, out_b = [model.prefill(a[:, :20], sa)], [model.prefill(b[:, :20], sb)]
+    out_a, out_b = [runtime.prefill(model, a[:, :20], sa)], [runtime.prefill(model, b[:, :20], sb)]
     for t in range(20, 29):
-        out_a.append(model.decode(a[:, t], sa))
-        out_b.append(model.decode(b[:, t], sb))
+        out_a.append(runtime.decode(model, a[:, t], sa))
+        out_b.append(runtime.decode(model, b[:, t], sb))
     assert torch.equal(torch.stack(out_a), alone(a)) and torch.equal(torch.stack(out_b), alone(b))
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import infinigen.policies.infinigen as ig
+from infinigen import runtime
 from infinigen.kernels.int4 import fake_quantize, tinygemm_ok
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
@@ -64,9 +65,9 @@ def test_selections_identical_teacher_replay_decode(make_tiny, layout, key_mode)
     tokens = _tokens(model, t=T)
     knobs = dict(alpha=1.0, max_fetch_ratio=0.3, min_fetch=0, dense_layers=(0,), key_mode=key_mode)
     vec = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))
-    model.teacher_forced(tokens, P, Placement().new_session(model, 2, T, vec))
+    runtime.teacher_forced(model, tokens, P, Placement().new_session(model, 2, T, vec))
     rep = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))
-    model.teacher_forced(tokens, P, Placement().new_session(model, 2, T, rep, allocator=KVPool()))
+    runtime.teacher_forced(model, tokens, P, Placement().new_session(model, 2, T, rep, allocator=KVPool()))
     dec = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))
     _, s_dec = _decode(model, dec, tokens)
     if key_mode == "partial":
@@ -93,8 +94,8 @@ def test_speculation_state_within_budget(make_tiny, preset, dtype):
     cap, b = 4096, 1
     pol = make_policy("infinigen", preset=preset).with_skew(_mats(model))
     sess = Placement().new_session(model, b, cap, pol)
-    model.prefill(_tokens(model, b, 3000), sess)
-    model.decode(_tokens(model, b, 1)[:, 0], sess)
+    runtime.prefill(model, _tokens(model, b, 3000), sess)
+    runtime.decode(model, _tokens(model, b, 1)[:, 0], sess)
     c = model.cfg
     kv = c.num_layers * 2 * b * c.num_kv_heads * cap * c.head_dim * model.dtype.itemsize
     rep = pol.memory_report(model, sess.state, kv)

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import runtime
 from ..placement import Placement, TransferStats
 from ..placement.timing import Breakdown
-from ..policies.base import Policy, tensor_bytes
+from ..policies.base import tensor_bytes
 from .memory import MemoryProbe, _collect, _kv_bytes, weight_bytes
 from .models import prompt_tokens
 from .report import add_ratios
@@ -52,9 +53,8 @@ class BenchSettings:
 # ---- models ----------------------------------------------------------------------------------------
 
 
-class _Record(Policy):
-    """Dense attention that keeps each layer's prompt queries, keys and values in `tier`."""
-    name = "record"
+class _Record(runtime.Listener):
+    """Keeps each layer's prompt queries, keys and values in `tier`."""
 
     def __init__(self, tier):
         self.tier, self.qkv = tier, []
@@ -71,7 +71,7 @@ class _Record(Policy):
 class SharedPrefill:
     """One real prefill of a cell's prompts whose per-layer queries, keys and values are kept (in a
     memory-mapped file, or pinned host memory behind a GPU), then replayed into each system's session
-    through `Session.start_prefill` / `prefill_layer`, as `Transformer.prefill` writes a session; the
+    through `Session.begin_prefill` / `prefill_layer`, as `runtime.prefill` writes a session; the
     prompt's attention and MLPs are not recomputed. For long prompts on a CPU, where one prefill takes
     minutes. Every system then decodes from the same state; its prefill latency is the shared one."""
 
@@ -81,11 +81,11 @@ class SharedPrefill:
         fast = model.device
         self.tier = SlowTier("cpu" if fast.type == "cuda" else "disk", fast, directory)
         rec = _Record(self.tier)
-        sess = Placement().new_session(model, tokens.shape[0], tokens.shape[1], rec)
+        sess = Placement().new_session(model, tokens.shape[0], tokens.shape[1], listeners=[rec])
         tokens = tokens.to(fast)
         _sync(fast)
         t0 = time.perf_counter()
-        self.logits = model.prefill(tokens, sess)
+        self.logits = runtime.prefill(model, tokens, sess)
         _sync(fast)
         self.seconds = time.perf_counter() - t0
         self.qkv = rec.qkv
@@ -95,7 +95,7 @@ class SharedPrefill:
     @torch.inference_mode()
     def replay(self, sess) -> torch.Tensor:
         fast = self.model.device
-        sess.start_prefill(self.positions, self.valid)
+        sess.begin_prefill(self.positions, self.valid)
         for layer, (q, k, v) in enumerate(self.qkv):
             sess.prefill_layer(layer, q.to(fast), k.to(fast), v.to(fast))
         return self.logits
@@ -137,7 +137,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
     try:
         _sync(device)
         t0 = time.perf_counter()
-        logits = model.prefill(tokens, sess) if shared is None else shared.replay(sess)
+        logits = runtime.prefill(model, tokens, sess) if shared is None else shared.replay(sess)
         _sync(device)
         prefill_s = time.perf_counter() - t0
         replay_s = None
@@ -145,13 +145,12 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             prefill_s, replay_s = shared.seconds, prefill_s
         stats.reset()
         w_moved = weights.bytes_moved if weights is not None else 0
-        from ..model import KVStats
-        sess.stats = KVStats(model.cfg.num_layers)  # the relative KV size of decoding only
+        sess.stats.reset()  # the relative KV size of decoding only
         tok = logits.argmax(-1)
         out = [tok]
         t0 = time.perf_counter()
         for _ in range(s.gen_len - 1):
-            tok = model.decode(tok, sess).argmax(-1)
+            tok = runtime.decode(model, tok, sess).argmax(-1)
             out.append(tok)
         _sync(device)
         decode_s = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """A KV store whose pool lives in the slow tier; the rows a layer reads are fetched one layer ahead.
 
 Decoding step, layer i (the runtime calls `ahead` after each policy hook):
-  1. As soon as the policy knows layer i+1's selection (`Policy.planned`: InfiniGen after its speculation
+  1. As soon as the policy knows layer i+1's selection (`Session.planned`: InfiniGen after its speculation
      at layer i, H2O from its scores, full/INT4: everything), the store turns it into row indices and
      hands a fetch job to a background worker: gather the rows from the slow tier into a staging buffer
      (index_select; torch releases the GIL) and, on CUDA, copy the staging buffer to the GPU on a copy
@@ -9,9 +9,10 @@ Decoding step, layer i (the runtime calls `ahead` after each policy hook):
   2. Meanwhile the main thread runs the rest of layer i (attention, MLP).
   3. At layer i+1's attention, `gather`/`dense` wait for that job only (its future and, on CUDA, its
      event on the compute stream; never a device-wide synchronize) and return views of the fetched rows.
-The prefetch is only a hint: the runtime still computes its own row indices from what `select` returns;
-if they differ from the prefetched ones (or nothing was planned) the rows are fetched on the spot. The
-tokens are therefore always those of the in-memory store.
+The layer reads exactly the planned selection; the runtime still derives its row indices itself (the
+store hands over those of the plan when the selection is the plan): if they differ from the prefetched
+ones (or nothing was planned) the rows are fetched on the spot. The tokens are therefore always those of
+the in-memory store.
 
 Double buffering: jobs for layers of the same parity share buffers; on CUDA the copy for layer i+2
 waits on an event recorded when layer i's attention was done with the buffer.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVCodec, KVStore
+from ..selection import ALL
 from .rows import layout_for
 from .tiers import SlowTier
 
@@ -76,7 +78,7 @@ class _Job:
     step: int
     idx: torch.Tensor | None  # [B,Hkv,n] slots read (fast device); None: every used slot (or not derived yet)
     n: int  # slots per (batch, KV head)
-    plan: object = None  # what the policy planned (bool [B,Hkv,S]), and what `slots` made of it
+    plan: object = None  # what the session planned (bool [B,Hkv,S]), and what `slots` made of it
     selection: tuple | None = None
     full: bool = False  # every used slot (full offload, dense layers)
     future: Future | None = None
@@ -314,7 +316,7 @@ class OffloadedKVStore(KVStore):
             ev = torch.cuda.Event()
             ev.record()  # layer's attention is done with its parity's buffers
             self._consumed[layer % 2] = ev
-        if not self.prefetch or session.mode != "decode":
+        if not self.prefetch or not session.decoding:
             return
         if point == "embed":
             self._step += 1
@@ -324,8 +326,8 @@ class OffloadedKVStore(KVStore):
         job = self._jobs.get(nxt)
         if job is not None and job.step == self._step:
             return  # already on its way
-        plan = session.policy.planned(nxt, session)
-        if plan is NotImplemented:
+        plan = session.planned(nxt)
+        if plan is None:  # not known yet
             return
         self._issue(nxt, plan)
 
@@ -333,7 +335,8 @@ class OffloadedKVStore(KVStore):
         """Hand layer's fetch to the worker: for a selection, deriving its slot indices (the runtime's own
         rule, `KVStore.slots`) is part of the job, so the main thread does not wait for it either."""
         self._drop(layer)
-        job = _Job(layer, self._step, None, self.length[layer], plan=plan, full=plan is None)
+        full = plan is ALL
+        job = _Job(layer, self._step, None, self.length[layer], plan=None if full else plan, full=full)
         if self._pool is None:
             self._run(job)
         else:

@@ -116,7 +116,7 @@ def _kth_largest(score: torch.Tensor, k: int) -> torch.Tensor:
 
 def int4_layout(d: int, capacity: int, device) -> str:
     """The `PackedKeys` layout of a request's 4-bit speculation keys, chosen once in `begin` so that decoding
-    and `select_rows` quantize the same way: torch's CPU int4 kernel where it takes this head_dim and padding
+    and teacher-forced scoring quantize the same way: torch's CPU int4 kernel where it takes this head_dim and padding
     the capacity to its 64-token blocks keeps the bytes within 2.4% (40 B/token/head then stays under 8% of
     float32 K+V), else the portable rows layout."""
     padded = -(-capacity // 64) * 64
@@ -139,7 +139,7 @@ class InfiniGenState:
     proj: dict = field(default_factory=dict)  # layer -> [B, Hkv, d, cols] partial weights A[:, idx] (model dtype)
     pk: dict = field(default_factory=dict)  # layer -> PackedKeys (int4) | [B, Hkv, capacity, cols] partial keys
     spec: dict = field(default_factory=dict)  # layer -> [B, Hkv, G, T, d] post-RoPE queries (projected per row)
-    pending: dict = field(default_factory=dict)  # layer -> selection computed one layer ahead (decode)
+    ready: set = field(default_factory=set)  # layers whose speculation for this decoding step has run
 
 
 # Skew matrices are a model-wide resource: loaded or computed once per (model, calibration text) by
@@ -150,6 +150,8 @@ _SKEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 @dataclass(frozen=True)
 class InfiniGen(Policy):
     name = "infinigen"
+    # the speculation made at the layer before decides (see `known_ahead`; layer 0 with exact_first: its query)
+    needs_query = False
 
     preset: str = "default"  # "default" (issue 3), "budget" (issue 12 candidate) or "paper"; knobs left None come from it
     alpha: float | None = None  # select tokens whose speculated score > max - alpha (None: the preset's, per arch)
@@ -384,7 +386,7 @@ class InfiniGen(Policy):
         """The speculation state (`speculation_bytes`), the skew `A` (model-wide) and the transient
         queries and plans."""
         out = {"speculation": self.speculation_bytes(state)}
-        out.update({k: tensor_bytes(getattr(state, k)) for k in ("A", "spec", "pending")})
+        out.update({k: tensor_bytes(getattr(state, k)) for k in ("A", "spec")})
         return {k: v for k, v in out.items() if v}
 
     def speculated(self, layer: int) -> bool:
@@ -449,7 +451,7 @@ class InfiniGen(Policy):
         b, h, t, d = q.shape
         hkv = k.shape[1]
         store = session.store
-        st.pending.pop(layer, None)
+        st.ready.discard(layer)
         if self.key_mode == "int4":
             pk = PackedKeys(b, hkv, store.capacity, d, group=INT4_GROUP, layout=st.layout, device=k.device)
             pk.write(0, self._rotate(st, k, layer))
@@ -484,29 +486,28 @@ class InfiniGen(Policy):
         # kept as is and projected per row when scored: at prefill the partial weights do not exist yet
         st.spec[target] = q.view(b, hkv, h // hkv, t, d)
         if t == 1 and target in st.pk:
-            # decoding: the selection is ready one layer ahead, so its transfer can start now;
+            # decoding: the selection is known one layer ahead, so its transfer can start now;
             # layer `target`'s partial keys do not change before its own attention
-            st.pending[target] = self._select_row(target, 0, session)
+            st.ready.add(target)
 
-    def planned(self, layer, session):
-        """What `select` will return, once this step's speculation for `layer` has run (placement fetches
-        it meanwhile); dense layers read everything."""
-        st = session.state
-        if layer not in st.spec_layers:
-            return None
-        return st.pending.get(layer, NotImplemented)
+    def known_ahead(self, layer, session) -> bool:
+        """Once this step's speculation for `layer` has run (placement fetches its rows meanwhile)."""
+        return layer in session.state.ready
 
-    def select(self, layer, q, session):
+    def keep(self, layer, rows, session):
+        if rows.in_store:
+            return self._decoding_row(layer, rows, session)[:, :, None]
+        return self._sequence_rows(layer, rows, session)
+
+    def _decoding_row(self, layer, rows, session) -> torch.Tensor:
         st = session.state
-        if layer not in st.spec_layers:
-            return None
-        if layer == 0:  # exact_first: its own query, known only now (rows `session.row` of a view)
+        st.ready.discard(layer)
+        if layer == 0:  # exact_first: its own query, known only now (row `rows.first` of a view)
+            q = rows.query
             b, h, _, d = q.shape
             hkv = session.model.cfg.num_kv_heads
-            st.spec[0] = q.view(b, hkv, h // hkv, 1, d).expand(b, hkv, h // hkv, session.row + 1, d)
-            return self._select_row(0, session.row, session)
-        keep = st.pending.pop(layer, None)
-        return keep if keep is not None else self._select_row(layer, session.row, session)
+            st.spec[0] = q.view(b, hkv, h // hkv, 1, d).expand(b, hkv, h // hkv, rows.first + 1, d)
+        return self._select_row(layer, rows.first, session)
 
     def on_append(self, layer, slots, k, v, session):
         st = session.state
@@ -537,7 +538,7 @@ class InfiniGen(Policy):
 
     def _scores(self, st: InfiniGenState, layer: int, row: int, pk, n: int) -> torch.Tensor:
         """Speculated scores [B, Hkv, G, n] (float32) of decoding row `row` against the first n slots of
-        the partial or packed keys, the same calls on both paths (decoding and `select_rows`), so they
+        the partial or packed keys, the same calls on both paths (decoding and `_sequence_rows`), so they
         agree bit for bit. int4: torch's int4 kernel or the tiled scorer read the packed codes (no float
         copy of the context). partial: one matmul per row in the keys' 16-bit dtype; the G query heads
         are the matmul rows (broadcasting the keys over G copied them G times)."""
@@ -561,13 +562,12 @@ class InfiniGen(Policy):
         keep = self._choose(scores * model.scale, valid[:, :, None, :], st.alpha, same, self._cap(st, model, layer, n))
         return keep[:, :, 0]
 
-    def select_rows(self, layer, q, k, session):
+    def _sequence_rows(self, layer, rows, session):
         """All decoding rows of `layer` at once (teacher-forced): the same selection as `_select_row`
         makes for each row, with the keys of every earlier position in the partial or packed key cache."""
         st, model = session.state, session.model
-        if layer not in st.spec_layers:
-            return None
-        p, t = session.first_row, k.shape[2]
+        q, k = rows.query, rows.keys
+        p, t = rows.first, k.shape[2]
         b, hkv, _, d = k.shape
         dev = k.device
         if layer == 0:  # exact_first: the rows' own queries (rows before p are never scored)
@@ -624,7 +624,7 @@ class InfiniGen(Policy):
         whose counts are data) 3-4: the rows to cut (nonzero), the largest count (top-k size) and whether
         the counts are all equal. The runtime's gather of the chosen slots adds 2 (`KVStore.slots`: the
         largest count and nonzero, a data-dependent size)."""
-        # both paths call this with the same shapes per row (`select_rows`), so float32 is exact enough
+        # both paths call this with the same shapes per row (`_sequence_rows`), so float32 is exact enough
         rel = s.float()
         if same is None:  # else every slot is valid
             rel = rel.masked_fill_(~valid[:, :, None], float("-inf"))

@@ -13,6 +13,7 @@ from .base import Policy
 class Int4(Policy):
     """Full attention over a quantized KV cache (the paper's INT4 baseline; group 64)."""
     name = "int4"
+    needs_query = False  # every entry, every step (read through the codec)
     bits: int = 4
     group: int = 64
 
@@ -24,9 +25,3 @@ class Int4(Policy):
 
     def codec(self) -> KVCodec | None:
         return None if self.bits >= 16 else QuantCodec(self.bits, self.group)
-
-    def planned(self, layer, session):
-        return None
-
-    def select_rows(self, layer, q, k, session):
-        return None  # every entry; the runtime reads keys and values through the codec

@@ -1,11 +1,12 @@
 """Continuous batching over the KV pool.
 
 Every request has its own `Session` (batch 1): its own KV store, policy state and positions. One engine
-step decodes every running request at once: everything that is per token (embedding, norms, the q/k/v
-and output projections, the MLP, the LM head) runs on the rows stacked into one batch, and attention
-runs per request on that request's session (vLLM's idea: batched weights, per-sequence KV). Joining and
-leaving is then trivial: a new request is prefilled alone between steps and joins the next one; a
-finished or cancelled request closes its store, which frees its pool.
+step decodes every running request at once (`runtime.decode` over their sessions): everything that is per
+token (embedding, norms, the q/k/v and output projections, the MLP, the LM head) runs on the rows stacked
+into one batch, each request's policy selects from its own store, and each layer's attention is one call
+over every request's rows, padded to the longest read (vLLM's idea: batched weights, per-sequence KV).
+Joining and leaving is then trivial: a new request is prefilled alone between steps and joins the next
+one; a finished or cancelled request closes its store, which frees its pool.
 
 Admission: the KV memory is the limit. A request reserves what its session will hold in each tier for
 prompt + max_tokens tokens (measured per token at start-up with a probe session, see `KVCost`) from two
@@ -28,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from .. import runtime
 from ..errors import UserError
 from ..generate import Sampling, sample
 
@@ -41,35 +43,6 @@ class QueueFull(Exception):
 def open_session(model, placement, policy, max_len: int):
     """A batch-1 session of up to `max_len` tokens in `placement`'s tier (its own store and policy state)."""
     return placement.new_session(model, 1, max_len, policy, prompt_len=None)
-
-
-@torch.inference_mode()
-def batched_decode(model, sessions: list, tokens: torch.Tensor) -> torch.Tensor:
-    """One new token for each session (batch 1 each), tokens [N]: logits [N, V].
-
-    The same per-layer order as `Transformer.decode` for every session (its hooks and placement calls see
-    that session's row), with the per-token work batched over all of them; a session's tokens are those
-    of `model.decode` on it alone."""
-    cfg = model.cfg
-    for s in sessions:
-        s.positions, s.row, s.mode = s.next_pos[:, None], 0, "decode"
-    positions = torch.cat([s.positions for s in sessions])  # [N, 1]: every row at its own position
-
-    def event(layer, point, x):  # each session hears of its own row
-        for i, s in enumerate(sessions):
-            s.event(layer, point, x[i:i + 1])
-
-    def attend(layer, q, k, v):
-        return torch.cat([model._step_attention(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], s)
-                          for i, s in enumerate(sessions)])
-
-    h = model.embed(tokens[:, None], positions)
-    event(-1, "embed", h)  # placement: layer 0's rows can start moving now
-    for layer in range(cfg.num_layers):
-        h = model._run_layer(layer, h, positions, event, attend)
-    for s in sessions:
-        s.next_pos = s.next_pos + 1
-    return model.head(h[:, -1])
 
 
 # ---- what a session holds ----------------------------------------------------------------------------------
@@ -140,9 +113,9 @@ class KVCost:
             sess = open_session(model, placement, policy, n)
             try:
                 prompt = torch.randint(0, model.cfg.vocab_size, (1, n - 2), generator=g).to(model.device)
-                logits = model.prefill(prompt, sess)
+                logits = runtime.prefill(model, prompt, sess)
                 for _ in range(2):  # decoding fetches rows: their fast-tier buffers grow to this length
-                    logits = model.decode(logits.argmax(-1), sess)
+                    logits = runtime.decode(model, logits.argmax(-1), sess)
                 pts.append(session_bytes(sess, shared))
             finally:
                 sess.store.close()
@@ -295,8 +268,8 @@ class Engine:
         live = [r for r in self.running if r.finish is None]
         if live:
             try:
-                logits = batched_decode(self.model, [r.session for r in live],
-                                        torch.tensor([r.tokens[-1] for r in live], device=self.model.device))
+                logits = runtime.decode(self.model, torch.tensor([r.tokens[-1] for r in live], device=self.model.device),
+                                        [r.session for r in live])
             except Exception as e:  # the batch fails, the server goes on
                 log.exception("decode step failed")
                 for r in live:
@@ -311,7 +284,7 @@ class Engine:
             if req.sampling.seed is not None:
                 req.generator = torch.Generator(device=self.model.device).manual_seed(req.sampling.seed)
             req.session = open_session(self.model, self.placement, self.policy, len(req.prompt) + req.max_tokens)
-            logits = self.model.prefill(torch.tensor([req.prompt], device=self.model.device), req.session)
+            logits = runtime.prefill(self.model, torch.tensor([req.prompt], device=self.model.device), req.session)
             self.counters["prompt_tokens"] += len(req.prompt)
             self._take([req], logits)
         except Exception as e:
