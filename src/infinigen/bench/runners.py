@@ -3,7 +3,7 @@ a shared prefill replayed into every system's session; the sweep over (prompt le
 from __future__ import annotations
 
 import contextlib
-
+import gc
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -13,8 +13,7 @@ import torch
 from .. import runtime
 from ..placement import Placement, TransferStats
 from ..placement.timing import Breakdown
-from ..policies.base import tensor_bytes
-from .memory import MemoryProbe, _collect, _kv_bytes, weight_bytes
+from ..memory import MemoryProbe, kv_bytes, tensor_bytes, weight_bytes
 from .models import prompt_tokens
 from .report import add_ratios
 
@@ -105,6 +104,15 @@ class SharedPrefill:
         self.tier.close()
 
 
+def _collect(model, batch: int, length: int) -> None:
+    """A full garbage collection (half a second with transformers imported) only where a run's memory
+    is large enough to matter to the next run's peak."""
+    if batch * length > 1 << 13:
+        gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -157,14 +165,13 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
         steps = s.gen_len - 1
         generated = torch.stack(out, 1).cpu()
         store = sess.store
-        slow = store.slow_bytes() if hasattr(store, "slow_bytes") else 0
-        kv_full = _kv_bytes(model, b, store.capacity)
+        slow = store.slow_bytes()
+        kv_full = kv_bytes(model.cfg, b, store.capacity, model.dtype)
         spec = [i for i in range(model.cfg.num_layers) if pol.speculated(i)]
         state = pol.fast_tier_bytes(sess.state)
         fast_weights = weight_bytes(model) if weights is None else (
             weight_bytes(model) - weights.slow_bytes + weights.fast_buffer_bytes())
-        fast_tracked = fast_weights + sum(state.values()) + (
-            stats.peak_fast_bytes if hasattr(store, "slow_bytes") else store.nbytes())
+        fast_tracked = fast_weights + sum(state.values()) + store.peak_fast_bytes()
         row = {
             "system": system.label, "policy": pol.name, "exact": pol.exact, "settings": pol.settings(model),
             "kv_offload": system.kv_offload, "batch": b, "prompt_len": t,
@@ -180,11 +187,11 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             "peak_fast_bytes_tracked": fast_tracked,
             "peak_rss_bytes": probe.peak() if device.type != "cuda" else None,
             "peak_slow_bytes": slow,
-            "pool_file_bytes": store.tier.files_bytes() if hasattr(store, "tier") else 0,
+            "pool_file_bytes": store.pool_file_bytes(),
             "pool_capacity_tokens": store.capacity,
             "kv_bytes_full": kv_full,
             "weight_bytes_fast": fast_weights,
-            "staging_bytes": stats.peak_fast_bytes if hasattr(store, "slow_bytes") else 0,
+            "staging_bytes": store.peak_fast_bytes() if store.offloaded else 0,
             "relative_kv": sess.stats.overall(),
             "relative_kv_speculated": sess.stats.overall(spec) if spec else None,
             "tokens_sha1": hashlib.sha1(generated.numpy().tobytes()).hexdigest()[:12],

@@ -62,8 +62,13 @@ def serve_cmd(
     spec = dict(model=model, policy=policy, knob=list(knob), kv_offload=kv_offload, pool_dir=pool_dir,
                 max_batch=max_batch, max_queue=max_queue, name=name, device=device, dtype=dtype, **budgets)
     if replicas > 1:
-        from ..serve.ray import run
-        run(spec, replicas=replicas, host=host, port=port)
+        import functools
+
+        from ..placement import Placement
+        from ..serve.ray import replica_fast_bytes, run
+        if spec["fast_bytes"] is None:
+            spec["fast_bytes"] = replica_fast_bytes(Placement(kv_offload=kv_offload, pool_dir=pool_dir), device, replicas)
+        run(functools.partial(build, spec), replicas=replicas, host=host, port=port)
         return
     import uvicorn
     app = build(spec)

@@ -125,6 +125,7 @@ class OffloadedKVStore(KVStore):
     Measured at context 8192, batch 8, under a memory bound below the pool: faulting the selected rows in
     took 3.5x the time per step of streaming every layer (results/offload.md), hence 0.25.
     """
+    offloaded = True
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
@@ -187,7 +188,15 @@ class OffloadedKVStore(KVStore):
         return self.tier.nbytes
 
     def fast_bytes(self) -> int:
+        """Metadata and the buffers of fetched rows (not the pinned host staging behind a GPU: host memory)."""
         return self.buffers.fast_bytes()
+
+    def peak_fast_bytes(self) -> int:
+        """The most metadata, staging and fetched rows held in the fast tier (`TransferStats`)."""
+        return self.stats.peak_fast_bytes
+
+    def pool_file_bytes(self) -> int:
+        return self.tier.files_bytes()
 
     @staticmethod
     def slot_bytes(num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, codec=None,

@@ -48,7 +48,8 @@ import torch
 
 from ..errors import UserError
 from ..kernels.int4 import PackedKeys, tinygemm_ok
-from .base import Policy, parse_layers, tensor_bytes
+from ..memory import tensor_bytes, weight_bytes
+from .base import Policy, parse_layers
 from .budgets import layer_caps
 
 BUDGETS = ("mean", "per_head", "union", "layer")
@@ -398,8 +399,7 @@ class InfiniGen(Policy):
         spec = self.speculation_bytes(state)
         cfg = model.cfg
         covered = kv_bytes * len(state.spec_layers) / cfg.num_layers if kv_bytes else 0
-        from ..bench.memory import weight_bytes  # tied weights counted once
-        weights = weight_bytes(model)
+        weights = weight_bytes(model)  # tied weights counted once
         skew = tensor_bytes(state.A)
         return {"speculation_bytes": spec, "speculation_vs_kv": spec / covered if covered else None,
                 "partial_key_cache_bytes": spec - tensor_bytes(state.idx) - tensor_bytes(state.proj),

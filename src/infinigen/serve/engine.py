@@ -32,6 +32,7 @@ import torch
 from .. import runtime
 from ..errors import UserError
 from ..generate import Sampling, sample
+from ..memory import device_memory_bytes, session_bytes, storages
 
 log = logging.getLogger("infinigen.serve")
 
@@ -45,50 +46,7 @@ def open_session(model, placement, policy, max_len: int):
     return placement.new_session(model, 1, max_len, policy, prompt_len=None)
 
 
-# ---- what a session holds ----------------------------------------------------------------------------------
-def _storages(obj, out: dict, depth: int = 0) -> None:
-    """Tensor storages reachable from a policy's per-request state: data_ptr -> bytes."""
-    if depth > 4 or obj is None:
-        return
-    if isinstance(obj, torch.Tensor):
-        st = obj.untyped_storage()
-        if st.device.type != "meta" and st.nbytes():
-            out[st.data_ptr()] = st.nbytes()
-        return
-    if isinstance(obj, torch.nn.Module):
-        return  # the model's weights are shared by every request
-    if isinstance(obj, dict):
-        items = list(obj.values())
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        items = list(obj)
-    elif type(obj).__module__.startswith(("infinigen.policies", "infinigen.pool")) and hasattr(obj, "__dict__"):
-        items = list(vars(obj).values())
-    else:
-        return
-    for x in items:
-        _storages(x, out, depth + 1)
-
-
-def session_bytes(sess, shared: dict | None = None) -> tuple[int, int]:
-    """(fast-tier, slow-tier) bytes a live session holds: its KV store (an offloaded store: metadata and
-    fetched rows in the fast tier, the pool in the slow one) and its policy's per-request tensors
-    (storages in `shared`, e.g. skew matrices every request reads, are not counted)."""
-    store = sess.store
-    if hasattr(store, "fast_bytes") and hasattr(store, "slow_bytes"):
-        fast, slow = store.fast_bytes(), store.slow_bytes()
-    else:
-        seen: dict = {}
-        for t in list(store.k) + list(store.v) + list(store.valid) + list(store.pos):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        fast, slow = sum(seen.values()), 0
-    state: dict = {}
-    _storages(sess.state, state)
-    if store.allocator is not None:
-        _storages(store.allocator, state)
-    fast += sum(b for p, b in state.items() if not shared or p not in shared)
-    return fast, slow
-
-
+# ---- what a request holds -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KVCost:
     """Bytes a request of n tokens (prompt + max_tokens) holds: fast = fast0 + n * fast1, slow likewise.
@@ -127,14 +85,13 @@ class KVCost:
 def default_budgets(placement, device) -> tuple[int, int]:
     """(fast, slow) budgets when none is given: a quarter of the fast memory; for an offloaded pool, half of
     the host memory ("cpu") or half of the free disk where the pool files go ("disk")."""
-    from ..commands.options import memory_bytes
-    fast_total = memory_bytes(str(device)) or (8 << 30)
+    fast_total = device_memory_bytes(str(device)) or (8 << 30)
     fast = fast_total // 4
     kind = placement.kv_offload
     if kind == "none":
         return fast, fast
     if kind == "cpu":
-        return fast, (memory_bytes("cpu") or (8 << 30)) // 2
+        return fast, (device_memory_bytes("cpu") or (8 << 30)) // 2
     where = placement.pool_dir or tempfile.gettempdir()
     while where and not os.path.isdir(where):
         where = os.path.dirname(where)
@@ -181,8 +138,7 @@ class Engine:
         self.eos = frozenset(eos)
         self.max_batch, self.max_queue = max_batch, max_queue
         # tensors every request shares (skew matrices): not part of a request's cost
-        self.shared: dict = {}
-        _storages(self.policy, self.shared)
+        self.shared = storages(self.policy, {})
         self.cost = cost or KVCost.measure(model, self.placement, self.policy, self.shared)
         fast_default, slow_default = default_budgets(self.placement, model.device)
         self.fast_budget = fast_bytes if fast_bytes is not None else fast_default
