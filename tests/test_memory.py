@@ -52,7 +52,7 @@ def test_session_bytes_count_the_policy_state(make_tiny):
     pol = make_policy("infinigen", key_mode="int4", dense_layers=(0,)).with_skew(mats)
     sess = Placement().new_session(model, 2, 40, pol)
     _run(model, sess)
-    packed = sum(p.nbytes for p in sess.state.pk.values())
+    packed = sum(p.nbytes for p in sess.state.spec_keys.values())
     assert packed > 0
     shared = storages(pol, {})
     fast, slow = session_bytes(sess, shared)

@@ -130,9 +130,9 @@ class Engine:
         from ..placement import Placement
         from ..policies import FullCache
         if max_batch < 1:
-            raise UserError(f"--max-batch must be >= 1, got {max_batch}")
+            raise UserError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
-            raise UserError(f"--max-queue must be >= 0, got {max_queue}")
+            raise UserError(f"max_queue must be >= 0, got {max_queue}")
         self.model, self.policy = model, policy or FullCache()
         self.placement = placement or Placement()
         self.eos = frozenset(eos)
@@ -187,10 +187,11 @@ class Engine:
         self.check_fits(len(req.prompt), req.max_tokens)
         req.cost = self.request_cost(len(req.prompt), req.max_tokens)
         with self._cv:
-            # --max-queue 0: a request runs if it fits now, and is refused otherwise
+            # max_queue 0: a request runs if it fits now, and is refused otherwise
             if len(self.waiting) >= self.max_queue and not (not self.waiting and self._fits(req)):
                 self.counters["rejected"] += 1
-                raise QueueFull(f"{len(self.waiting)} requests are waiting already (--max-queue {self.max_queue})")
+                raise QueueFull(f"{len(self.waiting)} requests are waiting already (the server queues at most "
+                                f"{self.max_queue})")
             self.waiting.append(req)
             self._cv.notify_all()
         return req
