@@ -87,7 +87,8 @@ class MassMeter:
         for s in range(0, r, self.rows):
             e = min(r, s + self.rows)
             rows = torch.arange(p + s, p + e)[:, None]
-            sc = torch.matmul(q[:, :, s:e].view(b, hkv, g, e - s, d), k[:, :, None].transpose(-1, -2)).float() * self.scale
+            qc = q[:, :, s:e].view(b, hkv, g, e - s, d)
+            sc = torch.matmul(qc, k[:, :, None].transpose(-1, -2)).float() * self.scale
             sc = sc.masked_fill(cols[None, :] > rows, float("-inf"))
             probs = torch.softmax(sc, dim=-1)
             read = (cols[None, :] < rows) if keep is None else keep[:, :, None, s:e] & (cols[None, :] < rows)

@@ -146,8 +146,10 @@ def test_exact_first_selects_layer_zero_with_its_own_query(make_tiny, key_mode):
     mats = _mats(model, seed=0)
     tokens = _tokens(model, b=1, t=200, seed=0)
     dense = runtime.teacher_forced(model, tokens, 40, Placement().new_session(model, 1, 200))
-    every = make_policy("infinigen", preset="budget", alpha=1e30, kv_budget=1.0, key_mode=key_mode, partial_ratio=1.0).with_skew(mats)
-    assert (runtime.teacher_forced(model, tokens, 40, Placement().new_session(model, 1, 200, every)) - dense).abs().max() <= 1e-4
+    every = make_policy("infinigen", preset="budget", alpha=1e30, kv_budget=1.0, key_mode=key_mode,
+                        partial_ratio=1.0).with_skew(mats)
+    out = runtime.teacher_forced(model, tokens, 40, Placement().new_session(model, 1, 200, every))
+    assert (out - dense).abs().max() <= 1e-4
     pol = make_policy("infinigen", preset="budget", alpha=1.0, kv_budget=0.3, budget_growth=1.0, min_fetch=0,
                       key_mode=key_mode).with_skew(mats)
     sess = Placement().new_session(model, 1, 200, pol)

@@ -95,7 +95,8 @@ def assert_batch_equals_alone(model, prompts: list[list[int]], new_tokens: int, 
     """Left-padded batch vs each prompt alone: same last-position logits and same greedy tokens."""
     from infinigen.generate import left_pad
     tokens, mask = left_pad(prompts, pad_id, model.device)
-    batch_logits = runtime.prefill(model, tokens, Placement().new_session(model, len(prompts), tokens.shape[1]), pad_mask=mask)
+    sess = Placement().new_session(model, len(prompts), tokens.shape[1])
+    batch_logits = runtime.prefill(model, tokens, sess, pad_mask=mask)
     for i, p in enumerate(prompts):
         alone = runtime.prefill(model, torch.tensor([p]), Placement().new_session(model, 1, len(p)))
         assert (batch_logits[i] - alone[0]).abs().max().item() <= TOL
@@ -131,7 +132,9 @@ PROMPTS = [list(range(10, 17)), list(range(40, 44))]
 
 def test_sampling_with_a_seed_is_reproducible(tiny_llama):
     _, ours = tiny_llama
-    s = lambda seed: Sampling(temperature=1.0, top_k=50, top_p=0.95, seed=seed)
+
+    def s(seed):
+        return Sampling(temperature=1.0, top_k=50, top_p=0.95, seed=seed)
     a = generate_ids(ours, PROMPTS, 16, s(7)).tokens
     assert a == generate_ids(ours, PROMPTS, 16, s(7)).tokens
     assert a != generate_ids(ours, PROMPTS, 16, s(8)).tokens

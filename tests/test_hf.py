@@ -87,7 +87,8 @@ def test_runtime_shares_weights():
     assert runtime_for(m) is rt
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_opt, lambda: tiny_opt(pre_norm=False)], ids=["llama", "opt", "opt-postnorm"])
+@pytest.mark.parametrize("make", [tiny_llama, tiny_opt, lambda: tiny_opt(pre_norm=False)],
+                         ids=["llama", "opt", "opt-postnorm"])
 def test_full_cache_generate_equals_plain_transformers(make):
     m = make()
     ids = torch.randint(2, 96, (1, 17))
@@ -102,7 +103,8 @@ def test_full_cache_generate_equals_plain_transformers(make):
     assert m.generate(ids, max_new_tokens=12, do_sample=False).tolist() == ref.tolist()
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_opt, lambda: tiny_opt(pre_norm=False)], ids=["llama", "opt", "opt-postnorm"])
+@pytest.mark.parametrize("make", [tiny_llama, tiny_opt, lambda: tiny_opt(pre_norm=False)],
+                         ids=["llama", "opt", "opt-postnorm"])
 def test_policy_generate_equals_runtime(make):
     m = make()
     rt = runtime_for(m)

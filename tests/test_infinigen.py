@@ -206,7 +206,8 @@ def test_exact_speculation_selects_true_top_tokens(make_tiny, budget, spec_input
 def test_gqa_selection_covers_query_heads(make_tiny):
     """Whatever the speculation error, a KV head's selection holds each of its query heads' picks."""
     _, model = make_tiny("llama")
-    pol = make_policy("infinigen", alpha=1.0, dense_layers=(0,), budget="union", key_mode="partial", max_fetch_ratio=1.0).with_skew(_mats(model))
+    pol = make_policy("infinigen", alpha=1.0, dense_layers=(0,), budget="union", key_mode="partial",
+                      max_fetch_ratio=1.0).with_skew(_mats(model))
     seen = []
     inner = pol._choose
 
@@ -338,7 +339,8 @@ def test_presets_and_knobs(make_tiny):
 
 def test_dense_layers_count_in_relative_kv(make_tiny):
     _, model = make_tiny("llama", num_hidden_layers=4)
-    pol = make_policy("infinigen", alpha=0.5, max_fetch_ratio=0.2, min_fetch=0, dense_layers=(0, 1)).with_skew(_mats(model))
+    pol = make_policy("infinigen", alpha=0.5, max_fetch_ratio=0.2, min_fetch=0,
+                      dense_layers=(0, 1)).with_skew(_mats(model))
     sess = Placement().new_session(model, 2, T, pol)
     runtime.teacher_forced(model, _tokens(model), P, sess)
     per = sess.stats.per_layer()

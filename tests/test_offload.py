@@ -134,7 +134,8 @@ def _selective(name, model):
     if name == "infinigen":
         return make_policy("infinigen", dense_layers=(0,), min_fetch=0).with_skew(_policy("infinigen", model).matrices)
     if name == "infinigen-paper":
-        return make_policy("infinigen", preset="paper", dense_layers=(0,)).with_skew(_policy("infinigen", model).matrices)
+        mats = _policy("infinigen", model).matrices
+        return make_policy("infinigen", preset="paper", dense_layers=(0,)).with_skew(mats)
     if name == "streaming":
         return make_policy("streaming", sinks=2, window=6)
     return _policy(name, model)
@@ -358,7 +359,8 @@ def test_bench_cli_smoke(tiny_checkpoint, tmp_path, monkeypatch):
     text = tmp_path / "text.txt"
     text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 40)
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    code = main(["bench", "-m", str(tiny_checkpoint), "--text", str(text), "--prompt-len", "24,40", "--batch-size", "1,2",
+    code = main(["bench", "-m", str(tiny_checkpoint), "--text", str(text), "--prompt-len", "24,40",
+                 "--batch-size", "1,2",
                  "--gen-len", "4", "--policy", "full,infinigen,h2o,int4", "--kv-offload", "cpu,disk",
                  "--pool-dir", str(tmp_path / "pool"), "--breakdown", "1", "--json", str(out), "--plot", str(png),
                  "--knob", "infinigen.dense_layers=0", "--knob", "infinigen.min_fetch=0"])

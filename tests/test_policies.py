@@ -47,7 +47,8 @@ LIMITED = [
 ]
 if HAVE_INFINIGEN:  # helper policies get random orthogonal skew matrices ("random") or none
     UNLIMITED += [("infinigen", dict(alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), skew=False)),
-                  ("infinigen", dict(preset="paper", alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), matrices="random"))]
+                  ("infinigen", dict(preset="paper", alpha=1e9, max_fetch_ratio=1.0, dense_layers=(),
+                                     matrices="random"))]
     LIMITED += [("infinigen", dict(dense_layers=(), matrices="random")),
                 ("infinigen", dict(preset="paper", alpha=1.0, dense_layers=(), matrices="random")),
                 ("infinigen", dict(budget="per_head", alpha=0.5, dense_layers=(), skew=False))]

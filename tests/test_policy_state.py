@@ -44,5 +44,6 @@ def test_infinigen_generates_on_a_fresh_install(tiny_checkpoint, tmp_path, monke
 def test_cli_generate_infinigen_on_a_fresh_install(tiny_checkpoint, tmp_path, monkeypatch, capfd):
     from infinigen.cli import main
     monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
-    code = main(["generate", "--model", str(tiny_checkpoint), "-p", "It is a truth", "-n", "4", "--policy", "infinigen"])
+    code = main(["generate", "--model", str(tiny_checkpoint), "-p", "It is a truth", "-n", "4",
+                 "--policy", "infinigen"])
     assert code == 0, capfd.readouterr().err

@@ -92,7 +92,7 @@ def test_lru_evicts_least_recently_read():
 def test_counters_halve_on_saturation(saturate, reads, seed):
     pool = KVPool("counter", saturate=saturate)
     capacity = 4
-    store = _store(pool, capacity, capacity)
+    _store(pool, capacity, capacity)  # the pool begins with the store
     g = torch.Generator().manual_seed(seed)
     model = torch.zeros(B, H, capacity, dtype=torch.long)
     for _ in range(reads):

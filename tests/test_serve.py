@@ -201,14 +201,16 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(checkpoint_mo
         good = c.post("/v1/completions", json=ok).json()["choices"][0]["text"]
         post = lambda body, path="/v1/completions": c.post(path, json=body)  # noqa: E731
         # malformed JSON, missing and mistyped fields
-        _error(c.post("/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"}), 400)
+        _error(c.post("/v1/completions", content=b'{"model": "tiny", "prompt": ',
+                      headers={"content-type": "application/json"}), 400)
         assert _error(post({"prompt": "hi"}), 400)["param"] == "model"
         assert _error(post({"model": NAME}), 400)["param"] == "prompt"
         assert _error(post({**ok, "max_tokens": "many"}), 400)["param"] == "max_tokens"
         assert _error(post({**ok, "temperature": "hot"}), 400)["param"] == "temperature"
         assert _error(post({**ok, "top_p": 0}), 400)["param"] == "top_p"
         assert _error(post({"model": NAME, "messages": "hi"}, "/v1/chat/completions"), 400)["param"] == "messages"
-        assert _error(post({"model": NAME, "messages": [{"role": "robot", "content": "x"}]}, "/v1/chat/completions"), 400)
+        robot = {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}
+        assert _error(post(robot, "/v1/chat/completions"), 400)
         # prompt over the context, max_tokens <= 0 or huge, unknown model
         assert _error(post({**ok, "prompt": list(range(3, 3 + ctx + 1))}), 400)["code"] == "context_length_exceeded"
         for n in (0, -1):
@@ -287,7 +289,8 @@ def test_disconnect_mid_stream_frees_the_row(checkpoint_model, offload, tmp_path
         assert s["reserved_fast_bytes"] == s["reserved_slow_bytes"] == s["kv_fast_bytes"] == s["kv_slow_bytes"] == 0
         assert s.get("requests_cancelled", 0) == 1 and s["completion_tokens"] < 100
         assert not list(tmp_path.iterdir())
-        assert httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 5}, timeout=60).status_code == 200
+        r = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 5}, timeout=60)
+        assert r.status_code == 200
 
 
 # ---- item 6: Ray Serve -------------------------------------------------------------------------------------

@@ -122,7 +122,8 @@ def test_artifact_saved_reused_and_found(tiny_checkpoint, tiny_tokenizer, tmp_pa
         other.layers[0].attn.q_proj.weight.mul_(1.5)
     assert model_fingerprint(other) != model_fingerprint(model) and find_cached_skew(other) is None
     with pytest.raises(UserError, match="skew"):
-        runtime.teacher_forced(other, _ids(model, 24)[None], 8, Placement().new_session(other, 1, 24, make_policy("infinigen", dense_layers=(0,))))
+        sess = Placement().new_session(other, 1, 24, make_policy("infinigen", dense_layers=(0,)))
+        runtime.teacher_forced(other, _ids(model, 24)[None], 8, sess)
     pol.prepare(other, tok)  # the same policy object calibrates for the other model, on the default text
     assert find_cached_skew(other) is not None
 

@@ -172,8 +172,9 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, embed_dim)
         if cfg.arch == "opt":
             self.embed_positions = nn.Embedding(cfg.max_position + 2, cfg.hidden_size)  # OPT offsets by 2
-            self.project_in = nn.Linear(embed_dim, cfg.hidden_size, bias=False) if embed_dim != cfg.hidden_size else None
-            self.project_out = nn.Linear(cfg.hidden_size, embed_dim, bias=False) if embed_dim != cfg.hidden_size else None
+            projected = embed_dim != cfg.hidden_size
+            self.project_in = nn.Linear(embed_dim, cfg.hidden_size, bias=False) if projected else None
+            self.project_out = nn.Linear(cfg.hidden_size, embed_dim, bias=False) if projected else None
             self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if cfg.final_norm else None
         else:
             self.rotary = Rotary(cfg)

@@ -152,8 +152,8 @@ def attend_rows(q, k, v, keep, first: int, codec, scale: float) -> torch.Tensor:
         scores = torch.where(dg, own[..., None], scores)
         probs = torch.softmax(scores, dim=-1)
         pd = (probs * dg).sum(-1, keepdim=True)
-        o = torch.matmul(probs.masked_fill(dg, 0).to(vq.dtype), vq[:, :, None]) + pd.to(v.dtype) * v[:, :, None, p + s:p + e]
-        out[:, :, :, s:e] = o
+        past = torch.matmul(probs.masked_fill(dg, 0).to(vq.dtype), vq[:, :, None])
+        out[:, :, :, s:e] = past + pd.to(v.dtype) * v[:, :, None, p + s:p + e]
     return out.view(b, h, r, d)
 
 

@@ -118,7 +118,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, shared: SharedPrefill | None = None) -> dict:
+def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings,
+             shared: SharedPrefill | None = None) -> dict:
     if not s.weights_offload:
         return _run_ours(model, tokens, system, s, shared=shared)
     from ..placement.weights import WeightStreamer

@@ -112,7 +112,8 @@ class Placement:
         tier = SlowTier(self.kv_offload, model.device, self.pool_dir)
         try:
             return OffloadedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
-                                    threaded=self.threaded, pack=self.pack, stats=stats, bulk_share=self.disk_bulk_share)
+                                    threaded=self.threaded, pack=self.pack, stats=stats,
+                                    bulk_share=self.disk_bulk_share)
         except BaseException:
             tier.close()
             raise

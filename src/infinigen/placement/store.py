@@ -142,7 +142,8 @@ class OffloadedKVStore(KVStore):
         self.packed = self.layout.packed
         shape0, dtype0 = self.layout.planes[0]  # the rows of every plane are the same: plane 0 says which pages
         self._plane0_row_bytes = math.prod(shape0) * torch.empty((), dtype=dtype0).element_size()
-        self.num_layers, self.batch, self.kv_heads, self.head_dim, self.dtype = num_layers, batch, kv_heads, head_dim, dtype
+        self.num_layers, self.batch, self.kv_heads = num_layers, batch, kv_heads
+        self.head_dim, self.dtype = head_dim, dtype
         self.bh = batch * kv_heads
         rows = capacity * self.bh
         # one tensor per (kind, plane) for all layers: one file each on disk
@@ -304,7 +305,8 @@ class OffloadedKVStore(KVStore):
             self._settle(job)  # the worker derives the slots (and gathers their rows) off the main thread
             n = self.length[layer]
             mine = self.valid[layer]
-            same_valid = (valid.data_ptr() == mine.data_ptr() and valid.shape[-1] == n and valid.stride() == mine.stride())
+            same_valid = (valid.data_ptr() == mine.data_ptr() and valid.shape[-1] == n
+                          and valid.stride() == mine.stride())
             plan = job.plan
             if same_valid and (keep is plan or (keep.shape[-1] == n and torch.equal(keep, plan[:, :, :n]))):
                 self.stats.reused += 1
@@ -314,7 +316,8 @@ class OffloadedKVStore(KVStore):
     def gather(self, layer, idx):
         """Rows `idx` [B,Hkv,n] (the runtime's own indices) in the fast tier."""
         job = self._take(layer)
-        if job is None or job.full or (job.idx is not idx and (job.idx.shape != idx.shape or not torch.equal(job.idx, idx))):
+        if job is None or job.full or (job.idx is not idx and (job.idx.shape != idx.shape
+                                                              or not torch.equal(job.idx, idx))):
             self._discard(job)
             job = self._fetch(layer, idx, idx.shape[-1])
         return self._views(job)
@@ -436,7 +439,8 @@ class OffloadedKVStore(KVStore):
             buf = self.buffers.get(("fast", parity, kind, p), total, shape, plane.dtype)
             if rows is None:  # full offload: the used prefix, reordered from slot-major to (b, h, i)
                 src = plane[:total].view(job.n, self.batch, self.kv_heads, *shape)
-                buf.view(self.batch, self.kv_heads, job.n, *shape).copy_(src.permute(1, 2, 0, *range(3, 3 + len(shape))))
+                slot_last = src.permute(1, 2, 0, *range(3, 3 + len(shape)))
+                buf.view(self.batch, self.kv_heads, job.n, *shape).copy_(slot_last)
             elif bulk_rows is not None:  # one staging buffer per parity: kinds and planes take turns in it
                 stage = self.buffers.get(("disk", parity), bulk_rows, shape, plane.dtype)
                 stage.copy_(plane[:bulk_rows])
@@ -456,8 +460,8 @@ class OffloadedKVStore(KVStore):
             prev = self._copied[parity]
             if prev is not None:
                 prev.synchronize()
-            src = [[torch.index_select(pl, 0, rows, out=self.buffers.get(("stage", parity, kind, p), total, pl.shape[1:],
-                                                                          pl.dtype, host_pinned=True))
+            src = [[torch.index_select(pl, 0, rows, out=self.buffers.get(("stage", parity, kind, p), total,
+                                                                          pl.shape[1:], pl.dtype, host_pinned=True))
                     for p, pl in enumerate(planes[kind])] for kind in KV]
         else:  # full offload: the used prefix is contiguous pinned memory already
             src = [[pl[:total] for pl in planes[kind]] for kind in KV]

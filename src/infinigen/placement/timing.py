@@ -91,7 +91,8 @@ class Breakdown:
         for layer in range(n):
             row = {c: 1e3 * self.totals.get((layer, c), 0.0) / steps for c in CATEGORIES[:-1]}
             rows.append(row)
-        accounted = sum(sum(r.values()) for r in rows) + 1e3 * sum(v for (l, _), v in self.totals.items() if l < 0) / steps
+        outside = sum(v for (layer, _), v in self.totals.items() if layer < 0)  # before the first layer
+        accounted = sum(sum(r.values()) for r in rows) + 1e3 * outside / steps
         rest = max(1e3 * self.step_time / steps - accounted, 0.0)
         for r in rows:
             r["other"] = rest / n

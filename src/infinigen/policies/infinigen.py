@@ -138,7 +138,8 @@ class InfiniGen(Policy):
     # the speculation made at the layer before decides (see `known_ahead`; layer 0 with exact_first: its query)
     needs_query = False
 
-    preset: str = "default"  # "default" (issue 3), "budget" (issue 12 candidate) or "paper"; knobs left None come from it
+    # "default" (issue 3), "budget" (issue 12 candidate) or "paper"; knobs left None come from it
+    preset: str = "default"
     alpha: float | None = None  # select tokens whose speculated score > max - alpha (None: the preset's, per arch)
     partial_ratio: float | None = None  # r: share of the d columns in the partial weights / key cache
     # at most this share of the cached tokens per step and selecting layer (per KV head; per layer for budget
@@ -150,19 +151,22 @@ class InfiniGen(Policy):
     # would be one 4 KB page of a pool file laid out per KV head: measured to cost too much accuracy for
     # what it saves on this machine's disk (README, issue 9's disk target), so a knob for experiments
     block: int = 1
-    dense_layers: tuple[int, ...] | None = None  # layers attending densely (layer 0 too unless exact_first: nothing precedes it)
+    # layers attending densely (layer 0 too unless exact_first: nothing precedes it)
+    dense_layers: tuple[int, ...] | None = None
     budget: str | None = None  # "mean" (paper) | "per_head" | "union" | "layer" (see `_choose`)
     spec_input: str | None = None  # "attn_in" (paper) | "attn_out"
     key_mode: str | None = None  # "partial" (paper) | "int4"
     skew: bool | None = None  # rotate queries and keys with the skew matrices
     calib: str | None = None  # calibration text of the skew (file or corpus name; None: the cached or default one)
-    kv_budget: float | None = None  # share of the KV read over all layers (dense layers count 100%): the caps follow from it
+    # share of the KV read over all layers (dense layers count 100%): the caps follow from it
+    kv_budget: float | None = None
     budget_power: float | None = None  # kv_budget's layer caps ~ calibrated sparsity ** this (0: the same for all)
     # how the tokens read grow with the cached length n: n ** budget_growth, kv_budget being the share at
     # budget_ref tokens (1: the same share at every length; 0.5: twice the tokens for 4x the context)
     budget_growth: float | None = None
     budget_ref: int | None = None
-    exact_first: bool | None = None  # layer 0 selects with its exact query (no prefetch overlap there) instead of reading all
+    # layer 0 selects with its exact query (no prefetch overlap there) instead of reading all
+    exact_first: bool | None = None
     # explicit skew matrices (`with_skew`): a resource, not a knob
     matrices: object = field(default=None, init=False, repr=False, compare=False)
 
@@ -202,7 +206,8 @@ class InfiniGen(Policy):
             raise UserError(f"kv budget must be in (0, 1], got {self.kv_budget}")
         if self.max_fetch_ratio is not None and not 0 < self.max_fetch_ratio <= 1:
             raise UserError(f"max fetch ratio must be in (0, 1], got {self.max_fetch_ratio}")
-        if not isinstance(self.budget_power, (int, float)) or isinstance(self.budget_power, bool) or self.budget_power < 0:
+        if not isinstance(self.budget_power, (int, float)) or isinstance(self.budget_power, bool) \
+                or self.budget_power < 0:
             raise UserError(f"budget power must be a number >= 0, got {self.budget_power!r}")
         if not isinstance(self.budget_growth, (int, float)) or isinstance(self.budget_growth, bool) \
                 or not 0 < self.budget_growth <= 1:
@@ -252,7 +257,8 @@ class InfiniGen(Policy):
             return self
         cfg = model.cfg
         g = torch.Generator().manual_seed(0)
-        rand = torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, generator=g, dtype=torch.float64)
+        rand = torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, generator=g,
+                           dtype=torch.float64)
         pol = dataclasses.replace(self, alpha=1e9, max_fetch_ratio=fixed_ratio, kv_budget=None, min_fetch=0)
         return pol.with_skew(torch.linalg.qr(rand)[0]) if pol.skew else pol
 
@@ -543,7 +549,8 @@ class InfiniGen(Policy):
         # every row has n valid tokens unless a prompt was padded or a window hides some: then the caps
         # are known on the host and the selection needs no synchronization (see `_choose`)
         shared_length = n if not getattr(store, "padded", True) and model.cfg.sliding_window is None else None
-        keep = self._choose(scores * model.scale, valid[:, :, None, :], st.alpha, shared_length, self._cap(st, model, layer, n))
+        cap = self._cap(st, model, layer, n)
+        keep = self._choose(scores * model.scale, valid[:, :, None, :], st.alpha, shared_length, cap)
         return keep[:, :, 0]
 
     def _sequence_rows(self, layer, rows, session):

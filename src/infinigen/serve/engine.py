@@ -166,8 +166,9 @@ class Engine:
         """UserError when the request could never run, even alone."""
         fast, slow = self.request_cost(prompt_len, max_tokens)
         if fast > self.fast_budget or slow > self.slow_budget and self.placement.kv_offload != "none":
-            raise UserError(f"a request of {prompt_len} prompt tokens and max_tokens {max_tokens} needs {fast} bytes of "
-                            f"fast memory and {slow} of KV pool; the server has {self.fast_budget} and {self.slow_budget}")
+            raise UserError(f"a request of {prompt_len} prompt tokens and max_tokens {max_tokens} needs {fast} bytes "
+                            f"of fast memory and {slow} of KV pool; the server has {self.fast_budget} and "
+                            f"{self.slow_budget}")
 
     def _fits(self, req: Request) -> bool:
         f, s = req.cost
@@ -225,8 +226,8 @@ class Engine:
         live = [r for r in self.running if r.finish is None]
         if live:
             try:
-                logits = runtime.decode(self.model, torch.tensor([r.tokens[-1] for r in live], device=self.model.device),
-                                        [r.session for r in live])
+                last = torch.tensor([r.tokens[-1] for r in live], device=self.model.device)
+                logits = runtime.decode(self.model, last, [r.session for r in live])
             except Exception as e:  # the batch fails, the server goes on
                 log.exception("decode step failed")
                 for r in live:
@@ -339,7 +340,8 @@ class Engine:
         where = self.placement.describe(self.model.device)
         f1, s1 = self.cost.fast1, self.cost.slow1
         slow = f", KV pool budget {self.slow_budget / gib:.2f} GiB ({s1:.0f} B/token)" if self.slow_budget else ""
-        return (f"policy {getattr(self.policy, 'name', '?')}, {where}; fast-memory budget {self.fast_budget / gib:.2f} GiB "
+        return (f"policy {getattr(self.policy, 'name', '?')}, {where}; fast-memory budget "
+                f"{self.fast_budget / gib:.2f} GiB "
                 f"({f1:.0f} B/token){slow}; at most {self.max_batch} running, {self.max_queue} waiting")
 
     def idle(self) -> bool:
@@ -347,6 +349,7 @@ class Engine:
 
     def snapshot(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting), "reserved_fast_bytes": self.reserved[0],
-                "reserved_slow_bytes": self.reserved[1], "kv_fast_bytes": self.in_use[0], "kv_slow_bytes": self.in_use[1],
+                "reserved_slow_bytes": self.reserved[1], "kv_fast_bytes": self.in_use[0],
+                "kv_slow_bytes": self.in_use[1],
                 "fast_budget_bytes": self.fast_budget, "slow_budget_bytes": self.slow_budget,
                 "tokens_per_s": self.tokens_per_s(), **dict(self.counters)}
