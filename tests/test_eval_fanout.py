@@ -59,3 +59,32 @@ def test_repeat_rows_equal_separate_prompts(make_tiny):
         runtime.prefill(model, prompt, ref_sess)
         for t, out in zip(steps, got):
             torch.testing.assert_close(out[i:i + 1], runtime.decode(model, t[i:i + 1], ref_sess))
+
+
+def test_fanout_sessions_decode_together(make_tiny):
+    """The sessions of a shared prefill (every policy, two rows each, one left-padded) decoded by one
+    `runtime.decode` call over all of them: each session's logits and relative KV size are those it gets
+    decoded alone, and each layer runs one attention call for all of them."""
+    _, model = make_tiny("llama")
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(3, 250, (2, 20), generator=g)
+    pad = torch.ones_like(tokens, dtype=torch.bool)
+    pad[1, :6] = False
+    steps = torch.randint(3, 250, (5, 2), generator=g)
+    names = _available()
+    make = [lambda n=n: make_policy(n, **SMALL.get(n, {})) for n in names]
+    _, together = prefill_shared(model, tokens, [m() for m in make], 30, pad_mask=pad)
+    _, alone = prefill_shared(model, tokens, [m() for m in make], 30, pad_mask=pad)
+    calls = []
+    step = runtime.attend_step
+    runtime.attend_step = lambda q, *a: calls.append(q.shape[0]) or step(q, *a)
+    try:
+        for t in steps:
+            got = runtime.decode(model, t.repeat(len(together)), together)
+            for i, s in enumerate(alone):
+                torch.testing.assert_close(got[2 * i:2 * i + 2], runtime.decode(model, t, s), msg=names[i])
+    finally:
+        runtime.attend_step = step
+    assert calls.count(2 * len(names)) == len(steps) * model.cfg.num_layers  # one call per layer over every row
+    for s, ref in zip(together, alone):
+        assert s.stats.per_layer() == pytest.approx(ref.stats.per_layer())

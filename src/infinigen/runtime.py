@@ -446,26 +446,39 @@ class Session:
         return out
 
 
-def _attend_sessions(layer: int, q, k, v, sessions: list[Session], spans: list[tuple[int, int]], scale: float):
+class _Stack:
+    """The padded buffers one decoding step stacks every session's entries into: allocated once per step at
+    the longest read so far and reused by every layer (each layer's attention is done with them before the
+    next layer writes; a fresh large allocation per layer costs page faults on a CPU)."""
+
+    def __init__(self):
+        self.keys = self.values = self.mask = None
+
+    def views(self, rows: int, hkv: int, n: int, like: torch.Tensor):
+        if self.keys is None or self.keys.shape[2] < n:
+            cap = max(n, int(1.25 * self.keys.shape[2]) if self.keys is not None else n)
+            self.keys = like.new_empty(rows, hkv, cap, like.shape[3])
+            self.values = like.new_empty(rows, hkv, cap, like.shape[3])
+            self.mask = torch.empty(rows, hkv, cap, dtype=torch.bool, device=like.device)
+        return self.keys[:, :, :n], self.values[:, :, :n], self.mask[:, :, :n]
+
+
+def _attend_sessions(layer: int, q, k, v, sessions: list[Session], spans: list[tuple[int, int]], scale: float,
+                     stack: _Stack):
     """One decoding step's attention at `layer` for several sessions whose rows are stacked in q, k, v
     (session i owns rows spans[i]): each session selects from its own store, then one batched attention
     runs over every row, each row's entries padded to the longest read, and each session stores its token."""
     reads = [s._read(layer, q[a:b], k[a:b], in_place=False) for s, (a, b) in zip(sessions, spans)]
     sizes = [r.keys.shape[2] for r in reads]
     n = max(sizes)
-    if all(m == n for m in sizes):
-        kp, vp = torch.cat([r.keys for r in reads]), torch.cat([r.values for r in reads])
-        mask = torch.cat([r.mask for r in reads])
-    else:
-        first = reads[0].keys
-        rows, hkv, d = q.shape[0], first.shape[1], first.shape[3]
-        kp = first.new_zeros(rows, hkv, n, d)
-        vp = first.new_zeros(rows, hkv, n, d)
-        mask = torch.zeros(rows, hkv, n, dtype=torch.bool, device=first.device)
-        for r, m, (a, b) in zip(reads, sizes, spans):
-            kp[a:b, :, :m] = r.keys
-            vp[a:b, :, :m] = r.values
-            mask[a:b, :, :m] = r.mask
+    kp, vp, mask = stack.views(q.shape[0], k.shape[1], n, reads[0].keys)
+    for r, m, (a, b) in zip(reads, sizes, spans):
+        kp[a:b, :, :m] = r.keys
+        vp[a:b, :, :m] = r.values
+        mask[a:b, :, :m] = r.mask
+        if m < n:  # padding: its score is replaced by -inf, whatever the key; its weight, 0, times its value
+            vp[a:b, :, m:] = 0  # must be 0 (not whatever the memory held)
+            mask[a:b, :, m:] = False
     out, probs = attend_step(q, kp, vp, mask, k, v, scale)
     for s, r, m, (a, b) in zip(sessions, reads, sizes, spans):
         p = probs[a:b]
@@ -513,8 +526,10 @@ def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session]) -
         for s, (a, b) in zip(sessions, spans):
             s.event(layer, point, x[a:b])
 
+    stack = _Stack()
+
     def attend(layer, q, k, v):
-        return _attend_sessions(layer, q, k, v, sessions, spans, model.scale)
+        return _attend_sessions(layer, q, k, v, sessions, spans, model.scale, stack)
 
     h = model.embed(tokens[:, None], positions)
     event(-1, "embed", h)  # placement: layer 0's rows can start moving now
