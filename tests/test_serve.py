@@ -88,6 +88,7 @@ def test_engine_batches_equal_alone(make_tiny, policy, offload, monkeypatch):
     prefill = runtime.prefill
     monkeypatch.setattr(runtime, "attend_step", counted(runtime.attend_step))
     monkeypatch.setattr(runtime, "attend_all", counted(runtime.attend_all))
+    monkeypatch.setattr(runtime, "attend_masked", counted(runtime.attend_masked))
     monkeypatch.setattr(runtime, "prefill", counted_prefill)
     batched = []
 

@@ -113,6 +113,15 @@ def attend_all(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, scale: float
     return out.view(b, h, 1, d)
 
 
+def attend_masked(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: torch.Tensor, scale: float):
+    """One token per row, q [B,H,1,d], over the entries of kp, vp [B,Hkv,S,d] where mask [B,Hkv,S] (its own
+    included): one fused call, no weights kept."""
+    b, h, _, d = q.shape
+    hkv = kp.shape[1]
+    out = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), kp, vp, attn_mask=mask[:, :, None], scale=scale)
+    return out.view(b, h, 1, d)
+
+
 def attend_step(q, kp, vp, mask, kc, vc, scale: float):
     """One token per row, q [B,H,1,d], over the past entries kp, vp [B,Hkv,n,d] where mask [B,Hkv,n], and
     over itself (kc, vc [B,Hkv,1,d], kept apart from the past: nothing is copied). Returns the output
@@ -166,6 +175,7 @@ class _Read(NamedTuple):
     values: torch.Tensor | None
     mask: torch.Tensor | None  # [B, Hkv, n]
     idx: torch.Tensor | All  # the slots of keys/values (ALL: every used slot, in order)
+    full: bool  # every entry of keys/values counts (mask is all True): no padding, window or selection
 
 
 # ---- sessions ----------------------------------------------------------------------------------------------------
@@ -372,15 +382,21 @@ class Session:
                 lis.on_select(layer, rows, wide, self)
         if keep is ALL:
             self.stats.record(layer, visible.sum(-1, keepdim=True), cur[:, None, None])
+            read = _Read(cur, ALL, visible, None, None, None, ALL, False)
             if in_place and store.attends_in_place() and not pol.needs_weights and (
                     window is None or store.length[layer] < window):
-                return _Read(cur, ALL, visible, None, None, None, ALL)
-            kp, vp = store.dense(layer)  # an offloaded store hands its fast-tier copy here
-            return _Read(cur, ALL, visible, kp, vp, visible, ALL)
+                return read._replace(full=True)  # every used slot is valid and within the window
+            return self._read_dense(layer, read)
         keep, idx, mask, counts = store.slots(layer, keep, visible)  # an offloaded store planned them already
         kp, vp = store.gather(layer, idx)
         self.stats.record(layer, counts[..., None], cur[:, None, None])
-        return _Read(cur, keep, keep, kp, vp, mask, idx)
+        return _Read(cur, keep, keep, kp, vp, mask, idx, False)
+
+    def _read_dense(self, layer: int, read: _Read) -> _Read:
+        """Every used slot, where attention can read it (an offloaded store hands its fast-tier copy)."""
+        kp, vp = self.store.dense(layer)
+        full = not self.store.padded and self.model.cfg.sliding_window is None
+        return read._replace(keys=kp, values=vp, mask=read.seen, full=full)
 
     def _write(self, layer: int, read: _Read, probs, k, v) -> None:
         """After the row's attention: the policy sees the weights (if it asked), the token is stored."""
@@ -447,38 +463,69 @@ class Session:
 
 
 class _Stack:
-    """The padded buffers one decoding step stacks every session's entries into: allocated once per step at
+    """The padded buffers one decoding step stacks every session's entries into, allocated once per step at
     the longest read so far and reused by every layer (each layer's attention is done with them before the
-    next layer writes; a fresh large allocation per layer costs page faults on a CPU)."""
+    next layer writes; a large allocation per layer costs page faults on a CPU). Allocated as zeros: a
+    padded entry then always holds a finite number (zero, or an earlier layer's key or value), which its
+    weight of exactly 0 cancels."""
 
     def __init__(self):
-        self.keys = self.values = self.mask = None
+        self.keys = self.values = None
 
     def views(self, rows: int, hkv: int, n: int, like: torch.Tensor):
         if self.keys is None or self.keys.shape[2] < n:
             cap = max(n, int(1.25 * self.keys.shape[2]) if self.keys is not None else n)
-            self.keys = like.new_empty(rows, hkv, cap, like.shape[3])
-            self.values = like.new_empty(rows, hkv, cap, like.shape[3])
-            self.mask = torch.empty(rows, hkv, cap, dtype=torch.bool, device=like.device)
-        return self.keys[:, :, :n], self.values[:, :, :n], self.mask[:, :, :n]
+            self.keys = like.new_zeros(rows, hkv, cap, like.shape[3])
+            self.values = like.new_zeros(rows, hkv, cap, like.shape[3])
+        return self.keys[:, :, :n], self.values[:, :, :n]
 
 
 def _attend_sessions(layer: int, q, k, v, sessions: list[Session], spans: list[tuple[int, int]], scale: float,
                      stack: _Stack):
     """One decoding step's attention at `layer` for several sessions whose rows are stacked in q, k, v
     (session i owns rows spans[i]): each session selects from its own store, then one batched attention
-    runs over every row, each row's entries padded to the longest read, and each session stores its token."""
-    reads = [s._read(layer, q[a:b], k[a:b], in_place=False) for s, (a, b) in zip(sessions, spans)]
-    sizes = [r.keys.shape[2] for r in reads]
+    runs over every row, each row's entries padded to the longest read, and each session stores its token.
+
+    When every session reads all its entries and none wants the weights (a dense step), each row's own token
+    follows its entries, as in the store of a session decoded alone (a store read in place gets the token
+    first and is copied with it), and one fused call runs; otherwise the current tokens stay apart
+    (`attend_step`) and the sessions see the weights of what they read."""
+    reads = [s._read(layer, q[a:b], k[a:b], in_place=True) for s, (a, b) in zip(sessions, spans)]
+    fused = all(r.idx is ALL and not s.policy.needs_weights for s, r in zip(sessions, reads))
+    if not fused:  # a store that could have been read in place hands its entries like any other
+        reads = [r if r.keys is not None else s._read_dense(layer, r) for s, r in zip(sessions, reads)]
+    slots = [None] * len(sessions)
+    entries = []  # per session: keys and values [B, Hkv, m, d] to stack, the current token among them if fused
+    for i, (s, r, (a, b)) in enumerate(zip(sessions, reads, spans)):
+        if r.keys is None:  # the token first, then the store's used slots, as `attend_all` reads them
+            slots[i] = s.store.append(layer, k[a:b], v[a:b], r.cur)
+            entries.append(s.store.past(layer)[:2])
+        else:
+            entries.append((r.keys, r.values))
+    sizes = [e[0].shape[2] + (fused and r.keys is not None) for e, r in zip(entries, reads)]
     n = max(sizes)
-    kp, vp, mask = stack.views(q.shape[0], k.shape[1], n, reads[0].keys)
-    for r, m, (a, b) in zip(reads, sizes, spans):
-        kp[a:b, :, :m] = r.keys
-        vp[a:b, :, :m] = r.values
-        mask[a:b, :, :m] = r.mask
-        if m < n:  # padding: its score is replaced by -inf, whatever the key; its weight, 0, times its value
-            vp[a:b, :, m:] = 0  # must be 0 (not whatever the memory held)
-            mask[a:b, :, m:] = False
+    kp, vp = stack.views(q.shape[0], k.shape[1], n, k)
+    length = torch.tensor([m for m, (a, b) in zip(sizes, spans) for _ in range(a, b)], device=q.device)
+    mask = torch.arange(n, device=q.device) < length[:, None, None]  # [rows, 1, n]: each row's own entries
+    mask = mask.expand(q.shape[0], k.shape[1], n)
+    if not all(r.keys is None or r.full for r in reads):  # padding, a window or a selection somewhere
+        mask = mask.contiguous()
+    for (ks, vs), r, (a, b) in zip(entries, reads, spans):
+        m = ks.shape[2]
+        kp[a:b, :, :m], vp[a:b, :, :m] = ks, vs
+        if r.keys is not None:
+            if not r.full:  # not every entry of the session counts
+                mask[a:b, :, :m] = r.mask
+            if fused:
+                kp[a:b, :, m:m + 1], vp[a:b, :, m:m + 1] = k[a:b], v[a:b]
+    if fused:
+        out = attend_masked(q, kp, vp, mask, scale)
+        for s, r, slot, (a, b) in zip(sessions, reads, slots, spans):
+            if slot is None:
+                s._write(layer, r, None, k[a:b], v[a:b])
+            else:
+                s._appended(layer, slot, k[a:b], v[a:b])
+        return out
     out, probs = attend_step(q, kp, vp, mask, k, v, scale)
     for s, r, m, (a, b) in zip(sessions, reads, sizes, spans):
         p = probs[a:b]
@@ -568,5 +615,5 @@ def teacher_forced(model, tokens: torch.Tensor, prefill_len: int, session: Sessi
     return model.head(h)
 
 
-__all__ = ["Session", "Listener", "KVStats", "prefill", "decode", "teacher_forced", "attend_all", "attend_step",
-           "attend_rows", "ALL", "Rows"]
+__all__ = ["Session", "Listener", "KVStats", "prefill", "decode", "teacher_forced", "attend_all", "attend_masked",
+           "attend_step", "attend_rows", "ALL", "Rows"]

@@ -154,6 +154,7 @@ class OffloadedKVStore(KVStore):
         self.valid = [torch.zeros(meta, dtype=torch.bool, device=self.fast) for _ in range(num_layers)]
         self.pos = [torch.full(meta, -1, dtype=torch.long, device=self.fast) for _ in range(num_layers)]
         self.length = [0] * num_layers
+        self.padded = False  # a prompt had padding: some used slots are not valid
         if self.packed or self.cuda:
             # No float view of a packed pool, and GPU kernels cannot read a pinned pool: policies that look
             # at store.k for its shape and device get a one-element placeholder of that shape.
@@ -234,6 +235,8 @@ class OffloadedKVStore(KVStore):
         self.valid[layer][:, :, t:] = False
         self.pos[layer][:, :, :t] = positions[:, None, :]
         self.length[layer] = t
+        if layer == 0:
+            self.padded = not bool(token_valid.all())
 
     def append(self, layer, k, v, positions):
         b, h = k.shape[:2]

@@ -548,7 +548,7 @@ class InfiniGen(Policy):
         valid = self._window(model.cfg, valid, store.pos[layer][:, :, :n], cur[:, None, None])
         # every row has n valid tokens unless a prompt was padded or a window hides some: then the caps
         # are known on the host and the selection needs no synchronization (see `_choose`)
-        shared_length = n if not getattr(store, "padded", True) and model.cfg.sliding_window is None else None
+        shared_length = n if not store.padded and model.cfg.sliding_window is None else None
         cap = self._cap(st, model, layer, n)
         keep = self._choose(scores * model.scale, valid[:, :, None, :], st.alpha, shared_length, cap)
         return keep[:, :, 0]
