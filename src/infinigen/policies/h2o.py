@@ -43,7 +43,7 @@ class H2O(Policy):
         for name in ("heavy", "recent"):
             v = getattr(self, name)
             if v is not None and v < 0:
-                raise UserError(f"--{name} must be >= 0, got {v}")
+                raise UserError(f"H2O {name} must be >= 0, got {v}")
         for name in ("heavy_ratio", "recent_ratio"):
             v = getattr(self, name)
             if not 0 <= v <= 1:

@@ -251,7 +251,7 @@ class InfiniGen(Policy):
         """Every token qualifies (alpha 1e9) and the cap picks the top `fixed_ratio` of them; random
         orthogonal skew matrices stand in for calibrated ones."""
         if fixed_ratio is None:
-            raise UserError("InfiniGen on random weights needs a fixed selection ratio (--fixed-ratio): "
+            raise UserError("InfiniGen on random weights needs a fixed selection ratio (fixed_ratio): "
                             "speculation on random weights means nothing")
         if model is None:
             return self

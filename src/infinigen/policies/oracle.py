@@ -36,13 +36,13 @@ class Oracle(Policy):
     def validate(self):
         set_ = [x is not None for x in (self.ratio, self.tokens, self.alpha)]
         if sum(set_) > 1:
-            raise UserError("oracle: give one of --ratio, --budget (tokens) or --alpha")
+            raise UserError("oracle: give one of ratio, tokens or alpha")
         if self.ratio is not None and not 0 <= self.ratio <= 1:
-            raise UserError(f"--ratio must be in [0, 1], got {self.ratio}")
+            raise UserError(f"oracle ratio must be in [0, 1], got {self.ratio}")
         if self.tokens is not None and self.tokens < 0:
             raise UserError("oracle token budget must be >= 0")
         if self.alpha is not None and self.alpha < 0:
-            raise UserError("--alpha must be >= 0")
+            raise UserError(f"oracle alpha must be >= 0, got {self.alpha}")
         if any(i < 0 for i in self.dense_layers):
             raise UserError("dense layers must be non-negative")
 

@@ -19,7 +19,7 @@ class Int4(Policy):
 
     def validate(self):
         if not (1 <= self.bits <= 8 or self.bits >= 16):
-            raise UserError(f"--bits must be 1..8 (or >= 16 for no quantization), got {self.bits}")
+            raise UserError(f"INT4 bits must be 1..8 (or >= 16 for no quantization), got {self.bits}")
         if self.group < 1:
             raise UserError(f"quantization group must be >= 1, got {self.group}")
 

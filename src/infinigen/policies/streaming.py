@@ -24,9 +24,9 @@ class StreamingLLM(Policy):
 
     def validate(self):
         if self.sinks < 0 or self.window < 0:
-            raise UserError("--sinks and --window must be >= 0")
+            raise UserError(f"StreamingLLM sinks and window must be >= 0, got {self.sinks} and {self.window}")
         if self.ratio is not None and not 0 <= self.ratio <= 1:
-            raise UserError(f"--ratio must be in [0, 1], got {self.ratio}")
+            raise UserError(f"StreamingLLM ratio must be in [0, 1], got {self.ratio}")
 
     def _keep(self, pos: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
         """Which entries at positions pos [..., S] a token at position cur [..., 1] reads (cur is also
