@@ -1,6 +1,6 @@
 # Two commands on a fresh machine:
 #   make demo   create .venv, install the package and the default model, generate a chat answer
-#   make test   the same setup if needed, then the test suite
+#   make test   the same setup if needed, then the linter (ruff) and the test suite
 # The setup runs once (stamp file); it reruns when pyproject.toml or this Makefile changes.
 
 PYTHON ?= python3
@@ -27,6 +27,8 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/infinigen generate --chat --prompt "$(PROMPT)" --max-new-tokens 64
 
-# two workers on the two cores, one thread each (more threads per worker only oversubscribe)
+# the linter first (seconds), then two workers on the two cores, one thread each (more threads per worker
+# only oversubscribe)
 test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)

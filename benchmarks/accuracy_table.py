@@ -47,6 +47,7 @@ from infinigen.loading import load  # noqa: E402
 from infinigen.bench import cpu_name  # noqa: E402
 from infinigen.placement import Placement  # noqa: E402
 from infinigen.policies import knob_types, make_policy  # noqa: E402
+from infinigen.selection import ALL  # noqa: E402
 
 VALIDATION_PRESET = "budget"  # issue 12's candidate; the default stays the issue 3 preset until it wins
 
@@ -63,19 +64,20 @@ def source_hash(*modules) -> str:
 
 class MassMeter:
     """How much of the true attention (softmax weight of the exact query over every past key, the token
-    itself included) the entries a policy reads hold, per layer: 1.0 for the full cache. Wraps the
-    policy's vectorized `select_rows`; policies replayed row by row (H2O, a pool limit) are not measured."""
+    itself included) the entries a policy reads hold, per selecting layer: 1.0 for the full cache. Wraps
+    the policy's `keep` where it answers for every teacher-forced row at once; policies replayed row by row
+    (H2O, a pool limit) are not measured."""
 
     def __init__(self, policy, scale: float, rows: int = 256):
         self.sum, self.n, self.scale, self.rows = {}, {}, scale, rows
-        inner = policy.select_rows
+        inner = policy.keep
 
-        def select_rows(layer, q, k, sess):
-            keep = inner(layer, q, k, sess)
-            if keep is not NotImplemented:
-                self._measure(layer, q, k, keep, sess.first_row)
-            return keep
-        policy.select_rows = select_rows
+        def keep(layer, rows, sess):
+            out = inner(layer, rows, sess)
+            if not rows.in_store:
+                self._measure(layer, rows.query, rows.keys, None if out is ALL else out, rows.first)
+            return out
+        object.__setattr__(policy, "keep", keep)  # policies are frozen dataclasses: an instance attribute all the same
 
     def _measure(self, layer, q, k, keep, p):
         b, h, r, d = q.shape
@@ -85,7 +87,8 @@ class MassMeter:
         for s in range(0, r, self.rows):
             e = min(r, s + self.rows)
             rows = torch.arange(p + s, p + e)[:, None]
-            sc = torch.matmul(q[:, :, s:e].view(b, hkv, g, e - s, d), k[:, :, None].transpose(-1, -2)).float() * self.scale
+            qc = q[:, :, s:e].view(b, hkv, g, e - s, d)
+            sc = torch.matmul(qc, k[:, :, None].transpose(-1, -2)).float() * self.scale
             sc = sc.masked_fill(cols[None, :] > rows, float("-inf"))
             probs = torch.softmax(sc, dim=-1)
             read = (cols[None, :] < rows) if keep is None else keep[:, :, None, s:e] & (cols[None, :] < rows)

@@ -64,16 +64,17 @@ def run_point(impl: str, model_spec: str, context: int, batch: int, steps: int, 
     from infinigen.loading import DEFAULT_MODEL_NAME, DTYPES, _convert_gguf, default_gguf, load
     torch_dtype = DTYPES[dtype]
     if impl == "ours":
+        from infinigen import runtime
         from infinigen.placement import Placement
         model, _, name = load(model_spec, dtype=dtype, progress=False)
         vocab = model.cfg.vocab_size
 
         def prefill(x):
             sess = Placement().new_session(model, x.shape[0], x.shape[1] + steps + 1)
-            return model.prefill(x, sess), sess
+            return runtime.prefill(model, x, sess), sess
 
         def step(nxt, sess):
-            return model.decode(nxt, sess)
+            return runtime.decode(model, nxt, sess)
     else:
         from transformers import AutoModelForCausalLM, DynamicCache
         if model_spec in ("", "default"):

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from infinigen import runtime
 from infinigen.errors import UserError
 from infinigen.policies.budgets import attention_sparsity, layer_caps, water_fill
 from test_infinigen import _decode, _mats, _record, _tokens
@@ -89,7 +90,7 @@ def _run(model, pol, t=256, p=176, b=1):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.cfg.vocab_size, (b, t), generator=g)
     sess = Placement().new_session(model, b, t, pol)
-    model.teacher_forced(tokens, p, sess)
+    runtime.teacher_forced(model, tokens, p, sess)
     return sess
 
 
@@ -136,7 +137,7 @@ def test_bound_holds_with_dense_layers(make_tiny, dense):
 
 @pytest.mark.parametrize("key_mode", ["int4", "partial"])
 def test_exact_first_selects_layer_zero_with_its_own_query(make_tiny, key_mode):
-    """exact_first: layer 0 reads its cap (no prefetch plan: `planned` is NotImplemented there), decoding
+    """exact_first: layer 0 reads its cap (no prefetch plan: it is not `known_ahead` there), decoding
     row by row picks what the teacher-forced path picks, and with no cap and every entry qualifying the
     logits are the dense ones."""
     from infinigen.placement import Placement
@@ -144,20 +145,22 @@ def test_exact_first_selects_layer_zero_with_its_own_query(make_tiny, key_mode):
     _, model = make_tiny("llama", num_hidden_layers=3)
     mats = _mats(model, seed=0)
     tokens = _tokens(model, b=1, t=200, seed=0)
-    dense = model.teacher_forced(tokens, 40, Placement().new_session(model, 1, 200))
-    every = make_policy("infinigen", preset="budget", alpha=1e30, kv_budget=1.0, key_mode=key_mode, partial_ratio=1.0).with_skew(mats)
-    assert (model.teacher_forced(tokens, 40, Placement().new_session(model, 1, 200, every)) - dense).abs().max() <= 1e-4
+    dense = runtime.teacher_forced(model, tokens, 40, Placement().new_session(model, 1, 200))
+    every = make_policy("infinigen", preset="budget", alpha=1e30, kv_budget=1.0, key_mode=key_mode,
+                        partial_ratio=1.0).with_skew(mats)
+    out = runtime.teacher_forced(model, tokens, 40, Placement().new_session(model, 1, 200, every))
+    assert (out - dense).abs().max() <= 1e-4
     pol = make_policy("infinigen", preset="budget", alpha=1.0, kv_budget=0.3, budget_growth=1.0, min_fetch=0,
                       key_mode=key_mode).with_skew(mats)
     sess = Placement().new_session(model, 1, 200, pol)
-    tf = model.teacher_forced(tokens, 40, sess)
+    tf = runtime.teacher_forced(model, tokens, 40, sess)
     assert 0 < sess.stats.per_layer()[0] <= 0.3 + 1e-9 and pol.speculated(0)
     # decoding: the same selections and logits as teacher-forced
     sess = Placement().new_session(model, 1, 200, pol)
-    out = [model.prefill(tokens[:, :40], sess)]
-    assert pol.planned(0, sess) is NotImplemented
+    out = [runtime.prefill(model, tokens[:, :40], sess)]
+    assert not pol.known_ahead(0, sess) and sess.planned(0) is None
     for t in range(40, 199):
-        out.append(model.decode(tokens[:, t], sess))
+        out.append(runtime.decode(model, tokens[:, t], sess))
     assert (torch.stack(out, 1) - tf[:, 39:199]).abs().max() <= 1e-4
 
 
@@ -224,7 +227,7 @@ def test_budget_growth_bound_holds_per_row_and_decoding_agrees(make_tiny, layers
     t, p = 200, 40
     tokens = _tokens(model, b=1, t=t, seed=0)
     sess = Placement().new_session(model, 1, t, pol)
-    tf = model.teacher_forced(tokens, p, sess)
+    tf = runtime.teacher_forced(model, tokens, p, sess)
     assert sorted(pol.seen) == list(range(layers))
     shares = []
     for r in range(p, t):
@@ -255,7 +258,7 @@ def test_block_selection_reads_whole_blocks_within_the_cap(make_tiny):
     pol = _record(make_policy("infinigen", alpha=1e9, max_fetch_ratio=0.25, min_fetch=0, block=16,
                               dense_layers=(0,)).with_skew(_mats(model, seed=0)))
     sess = Placement().new_session(model, 1, t, pol)
-    tf = model.teacher_forced(tokens, p, sess)
+    tf = runtime.teacher_forced(model, tokens, p, sess)
     for layer in (1, 2, 3):
         for r in range(p, t):
             keep = pol.seen[layer][r - p][0]  # [Hkv, r]

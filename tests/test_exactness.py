@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from infinigen import runtime
 from infinigen.generate import Sampling, generate_ids
 from infinigen.placement import Placement
 
@@ -23,7 +24,7 @@ def assert_matches_transformers(hf, ours, prompt: torch.Tensor, steps: torch.Ten
     sess = Placement().new_session(ours, b, p + steps.shape[1])
     with torch.no_grad():
         ref = hf(prompt, use_cache=True)
-    got = ours.prefill(prompt, sess, all_logits=True)
+    got = runtime.prefill(ours, prompt, sess, all_logits=True)
     worst = (got - ref.logits).abs().max().item()
     assert worst <= TOL, f"prefill logits differ by {worst}"
     cache = ref.past_key_values
@@ -31,7 +32,7 @@ def assert_matches_transformers(hf, ours, prompt: torch.Tensor, steps: torch.Ten
         with torch.no_grad():
             ref = hf(steps[:, i:i + 1], past_key_values=cache, use_cache=True)
         cache = ref.past_key_values
-        got = ours.decode(steps[:, i], sess)
+        got = runtime.decode(ours, steps[:, i], sess)
         err = (got - ref.logits[:, -1]).abs().max().item()
         assert err <= TOL, f"decode step {i} logits differ by {err}"
         worst = max(worst, err)
@@ -75,7 +76,7 @@ def test_teacher_forced_full_cache_matches_transformers(tiny_llama):
     tokens = random_tokens(256, 2, 24)
     with torch.no_grad():
         ref = hf(tokens).logits
-    got = ours.teacher_forced(tokens, 10, Placement().new_session(ours, 2, 24))
+    got = runtime.teacher_forced(ours, tokens, 10, Placement().new_session(ours, 2, 24))
     assert (got - ref).abs().max().item() <= TOL
 
 
@@ -94,9 +95,10 @@ def assert_batch_equals_alone(model, prompts: list[list[int]], new_tokens: int, 
     """Left-padded batch vs each prompt alone: same last-position logits and same greedy tokens."""
     from infinigen.generate import left_pad
     tokens, mask = left_pad(prompts, pad_id, model.device)
-    batch_logits = model.prefill(tokens, Placement().new_session(model, len(prompts), tokens.shape[1]), pad_mask=mask)
+    sess = Placement().new_session(model, len(prompts), tokens.shape[1])
+    batch_logits = runtime.prefill(model, tokens, sess, pad_mask=mask)
     for i, p in enumerate(prompts):
-        alone = model.prefill(torch.tensor([p]), Placement().new_session(model, 1, len(p)))
+        alone = runtime.prefill(model, torch.tensor([p]), Placement().new_session(model, 1, len(p)))
         assert (batch_logits[i] - alone[0]).abs().max().item() <= TOL
     batch = generate_ids(model, prompts, new_tokens, eos=eos, pad_id=pad_id)
     for i, p in enumerate(prompts):
@@ -130,7 +132,9 @@ PROMPTS = [list(range(10, 17)), list(range(40, 44))]
 
 def test_sampling_with_a_seed_is_reproducible(tiny_llama):
     _, ours = tiny_llama
-    s = lambda seed: Sampling(temperature=1.0, top_k=50, top_p=0.95, seed=seed)
+
+    def s(seed):
+        return Sampling(temperature=1.0, top_k=50, top_p=0.95, seed=seed)
     a = generate_ids(ours, PROMPTS, 16, s(7)).tokens
     assert a == generate_ids(ours, PROMPTS, 16, s(7)).tokens
     assert a != generate_ids(ours, PROMPTS, 16, s(8)).tokens

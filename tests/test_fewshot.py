@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from infinigen import runtime
 from infinigen.eval import fewshot as fs
 from infinigen.eval.policyset import parse_policies
 from infinigen.policies import make_policy
@@ -72,7 +73,7 @@ def test_encode_pair_moves_trailing_space(tiny_tokenizer):
 
 def _manual_loglik(model, ctx, cont):
     sess = Placement().new_session(model, 1, len(ctx) + len(cont))
-    logits = model.prefill(torch.tensor([ctx + cont]), sess, all_logits=True)[0]
+    logits = runtime.prefill(model, torch.tensor([ctx + cont]), sess, all_logits=True)[0]
     lp = F.log_softmax(logits.float(), -1)
     return sum(lp[len(ctx) - 1 + i, t].item() for i, t in enumerate(cont))
 

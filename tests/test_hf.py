@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
+from infinigen import runtime
 from infinigen.generate import generate_ids
 from infinigen.hf import InfiniGenCache, enable, runtime_for
 from infinigen.policies import FullCache, Policy
@@ -21,6 +22,8 @@ class TopK(Policy):
     k: int = 4
     trace: list = field(default_factory=list, compare=False)  # of the latest session
     name = "topk"
+    needs_weights = True  # traces observe
+    replays = True  # stateful: teacher-forced scoring replays decoding
 
     def begin(self, model, session):
         self.trace.clear()
@@ -31,7 +34,8 @@ class TopK(Policy):
     def on_hidden(self, layer, point, x, sess):
         self.trace.append((point, layer, float(x[:, sess.row].sum()), int(sess.positions[0, sess.row])))
 
-    def select(self, layer, q, sess):
+    def keep(self, layer, rows, sess):
+        q = rows.query
         kp, _, valid, _ = sess.store.past(layer)
         b, h, _, d = q.shape
         hkv = kp.shape[1]
@@ -40,7 +44,7 @@ class TopK(Policy):
         n = min(self.k, scores.shape[-1])
         keep = torch.zeros_like(valid)
         keep.scatter_(-1, scores.topk(n, dim=-1).indices, True)
-        return keep & valid
+        return (keep & valid)[:, :, None]
 
     def observe(self, layer, probs, idx, sess):
         self.trace.append(("observe", layer, float(probs.sum()), probs.shape[-1]))
@@ -83,7 +87,8 @@ def test_runtime_shares_weights():
     assert runtime_for(m) is rt
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_opt, lambda: tiny_opt(pre_norm=False)], ids=["llama", "opt", "opt-postnorm"])
+@pytest.mark.parametrize("make", [tiny_llama, tiny_opt, lambda: tiny_opt(pre_norm=False)],
+                         ids=["llama", "opt", "opt-postnorm"])
 def test_full_cache_generate_equals_plain_transformers(make):
     m = make()
     ids = torch.randint(2, 96, (1, 17))
@@ -98,7 +103,8 @@ def test_full_cache_generate_equals_plain_transformers(make):
     assert m.generate(ids, max_new_tokens=12, do_sample=False).tolist() == ref.tolist()
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_opt, lambda: tiny_opt(pre_norm=False)], ids=["llama", "opt", "opt-postnorm"])
+@pytest.mark.parametrize("make", [tiny_llama, tiny_opt, lambda: tiny_opt(pre_norm=False)],
+                         ids=["llama", "opt", "opt-postnorm"])
 def test_policy_generate_equals_runtime(make):
     m = make()
     rt = runtime_for(m)
@@ -121,11 +127,11 @@ def test_logits_match_runtime_step_by_step():
     rt = runtime_for(m)
     ids = torch.randint(2, 96, (1, 12))
     sess = Placement().new_session(rt, 1, 40, TopK(k=3))
-    ref = [rt.prefill(ids, sess)]
+    ref = [runtime.prefill(rt, ids, sess)]
     nxt = ref[0].argmax(-1)
     toks = [nxt]
     for _ in range(6):
-        ref.append(rt.decode(nxt, sess))
+        ref.append(runtime.decode(rt, nxt, sess))
         nxt = ref[-1].argmax(-1)
         toks.append(nxt)
     with enable(m, TopK(k=3)) as ig, torch.no_grad():
@@ -159,8 +165,8 @@ def test_multi_token_continuation_replays_decoding():
     ids = torch.randint(2, 96, (1, 10))
     cont = torch.randint(2, 96, (1, 5))
     sess = Placement().new_session(rt, 1, 20, TopK(k=3))
-    rt.prefill(ids, sess)
-    ref = [rt.decode(cont[:, i], sess) for i in range(5)]
+    runtime.prefill(rt, ids, sess)
+    ref = [runtime.decode(rt, cont[:, i], sess) for i in range(5)]
     with enable(m, TopK(k=3)) as ig, torch.no_grad():
         cache = ig.new_cache(20)
         m(ids, past_key_values=cache, use_cache=True)

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from infinigen import runtime
 from infinigen.errors import UserError
 from infinigen.policies import make_policy
 from infinigen.policies.infinigen import BUDGETS, InfiniGen, fake_int4
@@ -32,31 +33,26 @@ def _tokens(model, b=2, t=T, seed=1):
 
 
 def _record(pol):
-    """Wrap select/select_rows so a run leaves its selections in `pol.seen`: layer -> list of masks."""
+    """Wrap the policy's `keep` so a run leaves its selections in `pol.seen`: layer -> list of masks."""
     object.__setattr__(pol, "seen", {})  # policies are frozen: test attributes all the same
-    sel, rows = pol.select, pol.select_rows
+    inner = pol.keep
 
-    def select(layer, q, sess):
-        keep = sel(layer, q, sess)
-        if keep is not None:
-            pol.seen.setdefault(layer, []).append(keep.clone())
-        return keep
-
-    def select_rows(layer, q, k, sess):
-        keep = rows(layer, q, k, sess)
-        if keep is not None and keep is not NotImplemented:
-            pol.seen[layer] = [keep[:, :, r, :sess.first_row + r] for r in range(keep.shape[2])]
-        return keep
-    object.__setattr__(pol, "select", select)
-    object.__setattr__(pol, "select_rows", select_rows)
+    def keep(layer, rows, sess):
+        out = inner(layer, rows, sess)
+        if rows.in_store:  # decoding: one row over the store's slots
+            pol.seen.setdefault(layer, []).append(out[:, :, 0].clone())
+        else:  # teacher-forced: every row at once
+            pol.seen[layer] = [out[:, :, r, :rows.first + r] for r in range(out.shape[2])]
+        return out
+    object.__setattr__(pol, "keep", keep)
     return pol
 
 
 def _decode(model, pol, tokens, p=P):
     sess = Placement().new_session(model, tokens.shape[0], tokens.shape[1], pol)
-    logits = [model.prefill(tokens[:, :p], sess)]
+    logits = [runtime.prefill(model, tokens[:, :p], sess)]
     for t in range(p, tokens.shape[1] - 1):
-        logits.append(model.decode(tokens[:, t], sess))
+        logits.append(runtime.decode(model, tokens[:, t], sess))
     return torch.stack(logits, 1), sess
 
 
@@ -66,12 +62,12 @@ def _decode(model, pol, tokens, p=P):
 def test_unlimited_budget_is_dense(make_tiny, kind, budget, spec_input, key_mode):
     _, model = make_tiny(kind)
     tokens = _tokens(model)
-    dense = model.teacher_forced(tokens, P, Placement().new_session(model, 2, T))
+    dense = runtime.teacher_forced(model, tokens, P, Placement().new_session(model, 2, T))
     for skew in (False, True):
         pol = make_policy("infinigen", alpha=1e30, max_fetch_ratio=1.0, dense_layers=(), budget=budget,
                           spec_input=spec_input, key_mode=key_mode, skew=skew).with_skew(_mats(model))
         sess = Placement().new_session(model, 2, T, pol)
-        out = model.teacher_forced(tokens, P, sess)
+        out = runtime.teacher_forced(model, tokens, P, sess)
         assert (out - dense).abs().max() <= 1e-4
         assert sess.stats.overall() == pytest.approx(1.0)
     dec, _ = _decode(model, make_policy("infinigen", alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), budget=budget,
@@ -176,12 +172,11 @@ def test_exact_speculation_selects_true_top_tokens(make_tiny, budget, spec_input
                       spec_input=spec_input, key_mode="partial", partial_ratio=1.0).with_skew(_mats(model))
     c = model.cfg
     checked, differ = [], []
-    inner = pol.select
+    inner = pol.keep
 
-    def select(layer, q, sess):
-        keep = inner(layer, q, sess)
-        if keep is None:
-            return keep
+    def select(layer, rows, sess):
+        keep = inner(layer, rows, sess)[:, :, 0]
+        q = rows.query
         n = sess.store.length[layer]
         k = sess.store.k[layer][:, :, :n].double()
         qg = q.double().view(q.shape[0], c.num_kv_heads, c.group_size, c.head_dim)
@@ -200,8 +195,8 @@ def test_exact_speculation_selects_true_top_tokens(make_tiny, budget, spec_input
         assert torch.equal(keep, own.any(2))
         checked.append((layer, keep.float().mean().item()))
         differ.append(bool((own != keep[:, :, None]).any()))  # some query head alone would read less
-        return keep
-    object.__setattr__(pol, "select", select)
+        return keep[:, :, None]
+    object.__setattr__(pol, "keep", select)
     _decode(model, pol, _tokens(model, t=30), p=8)
     assert {layer for layer, _ in checked} == {1, 2, 3}
     assert sum(f for _, f in checked) / len(checked) < 0.8  # real choices were made
@@ -211,7 +206,8 @@ def test_exact_speculation_selects_true_top_tokens(make_tiny, budget, spec_input
 def test_gqa_selection_covers_query_heads(make_tiny):
     """Whatever the speculation error, a KV head's selection holds each of its query heads' picks."""
     _, model = make_tiny("llama")
-    pol = make_policy("infinigen", alpha=1.0, dense_layers=(0,), budget="union", key_mode="partial", max_fetch_ratio=1.0).with_skew(_mats(model))
+    pol = make_policy("infinigen", alpha=1.0, dense_layers=(0,), budget="union", key_mode="partial",
+                      max_fetch_ratio=1.0).with_skew(_mats(model))
     seen = []
     inner = pol._choose
 
@@ -224,7 +220,7 @@ def test_gqa_selection_covers_query_heads(make_tiny):
         seen.append(per_query_head.shape[2])
         return keep
     object.__setattr__(pol, "_choose", choose)
-    model.teacher_forced(_tokens(model), P, Placement().new_session(model, 2, T, pol))
+    runtime.teacher_forced(model, _tokens(model), P, Placement().new_session(model, 2, T, pol))
     assert seen and set(seen) == {model.cfg.group_size} and model.cfg.group_size > 1
 
 
@@ -238,11 +234,11 @@ def test_select_rows_equals_decoding(make_tiny, kind, budget, spec_input, key_mo
                  key_mode=key_mode)
     vec = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))
     s_vec = Placement().new_session(model, 2, T, vec)
-    out_vec = model.teacher_forced(tokens, P, s_vec)
+    out_vec = runtime.teacher_forced(model, tokens, P, s_vec)
     # the runtime replays row by row when a pool allocator is present (here one that never evicts)
     rep = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))
     s_rep = Placement().new_session(model, 2, T, rep, allocator=KVPool())
-    out_rep = model.teacher_forced(tokens, P, s_rep)
+    out_rep = runtime.teacher_forced(model, tokens, P, s_rep)
     dec = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))
     out_dec, s_dec = _decode(model, dec, tokens)
     assert (out_vec - out_rep).abs().max() <= 1e-5
@@ -265,16 +261,16 @@ def test_decode_selection_is_ready_one_layer_ahead(make_tiny):
     pol = make_policy("infinigen", alpha=1.0, dense_layers=(0,)).with_skew(_mats(model))
     tokens = _tokens(model, b=1)
     sess = Placement().new_session(model, 1, T, pol)
-    model.prefill(tokens[:, :P], sess)
+    runtime.prefill(model, tokens[:, :P], sess)
     ready = []
     hook = pol.on_hidden
 
     def on_hidden(layer, point, x, s):
         hook(layer, point, x, s)
         if point == pol.spec_input and layer + 1 in s.state.spec_layers:
-            ready.append(layer + 1 in s.state.pending)
+            ready.append(pol.known_ahead(layer + 1, s))
     object.__setattr__(pol, "on_hidden", on_hidden)
-    model.decode(tokens[:, P], sess)
+    runtime.decode(model, tokens[:, P], sess)
     assert ready == [True, True]
 
 
@@ -343,9 +339,10 @@ def test_presets_and_knobs(make_tiny):
 
 def test_dense_layers_count_in_relative_kv(make_tiny):
     _, model = make_tiny("llama", num_hidden_layers=4)
-    pol = make_policy("infinigen", alpha=0.5, max_fetch_ratio=0.2, min_fetch=0, dense_layers=(0, 1)).with_skew(_mats(model))
+    pol = make_policy("infinigen", alpha=0.5, max_fetch_ratio=0.2, min_fetch=0,
+                      dense_layers=(0, 1)).with_skew(_mats(model))
     sess = Placement().new_session(model, 2, T, pol)
-    model.teacher_forced(_tokens(model), P, sess)
+    runtime.teacher_forced(model, _tokens(model), P, sess)
     per = sess.stats.per_layer()
     assert per[0] == per[1] == pytest.approx(1.0)
     assert all(f <= 0.25 for f in per[2:])
@@ -366,7 +363,7 @@ def test_default_model_accuracy(default_model, tmp_path, monkeypatch):
 
     def ppl(pol):
         sess = Placement().new_session(model, 1, ids.shape[1], pol)
-        lg = model.teacher_forced(ids, p, sess)
+        lg = runtime.teacher_forced(model, ids, p, sess)
         nll = -torch.log_softmax(lg[0, p - 1:-1].double(), -1).gather(-1, ids[0, p:, None]).mean()
         return math.exp(nll.item()), sess.stats.overall()
 

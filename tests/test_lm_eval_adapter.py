@@ -11,6 +11,7 @@ pytest.importorskip("lm_eval", reason="lm_eval is an optional dependency")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
+from infinigen import runtime
 from infinigen import load  # noqa: E402
 from infinigen.eval.lm_eval_adapter import InfiniGenLM  # noqa: E402
 from infinigen.placement import Placement  # noqa: E402
@@ -28,7 +29,7 @@ def tiny(tiny_checkpoint):
 
 def _ll(model, ids, n_ctx):
     sess = Placement().new_session(model, 1, len(ids))
-    lp = F.log_softmax(model.prefill(torch.tensor([ids]), sess, all_logits=True)[0].float(), -1)
+    lp = F.log_softmax(runtime.prefill(model, torch.tensor([ids]), sess, all_logits=True)[0].float(), -1)
     return sum(lp[t - 1, ids[t]].item() for t in range(n_ctx, len(ids)))
 
 

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from infinigen import runtime
 from infinigen import UserError, load
 from infinigen.loading import from_transformers
 from infinigen.placement import Placement
@@ -26,7 +27,7 @@ def assert_same_logits(hf, ours, vocab: int, tol: float = 1e-4):
     tokens = torch.randint(3, vocab, (2, 11), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         ref = hf(tokens).logits
-    got = ours.prefill(tokens, Placement().new_session(ours, 2, 11), all_logits=True)
+    got = runtime.prefill(ours, tokens, Placement().new_session(ours, 2, 11), all_logits=True)
     assert (got - ref).abs().max().item() <= tol
 
 
@@ -82,8 +83,8 @@ def test_load_in_half_precision(tiny_checkpoint, dtype):
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[n], theirs[n].to(dtype)) for n in ours)  # rounded once, nothing else
     tokens = torch.tensor([[5, 9, 30, 41, 7]])
-    got = model.prefill(tokens, Placement().new_session(model, 1, 5))
-    want = ref.prefill(tokens, Placement().new_session(ref, 1, 5))
+    got = runtime.prefill(model, tokens, Placement().new_session(model, 1, 5))
+    want = runtime.prefill(ref, tokens, Placement().new_session(ref, 1, 5))
     assert got.dtype == torch.float32  # logits come back in float32 whatever the weights
     hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=dtype).eval()
     with torch.no_grad():

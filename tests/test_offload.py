@@ -11,33 +11,28 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from infinigen import runtime
 from infinigen.placement import OffloadedKVStore, Placement, kv_slot_bytes
 from infinigen.policies import make_policy
 from infinigen.policies.base import Policy
+from infinigen.selection import ALL
 
 B, PROMPT, GEN = 3, 24, 10
 
 
 class PlannedRandom(Policy):
-    """A stateful selection known one layer ahead (like InfiniGen's): a random 40% of the entries,
-    drawn in `planned` and returned again by `select`. Exercises the prefetch path on its own."""
+    """A stateful selection known one layer ahead (like InfiniGen's): a random 40% of the entries, drawn
+    once per layer and step, whenever the runtime asks. Exercises the prefetch path on its own."""
     name = "planned-random"
+    needs_query = False
+    replays = True  # a new draw every step
 
     def begin(self, model, session):
         super().begin(model, session)
         self.gen = torch.Generator().manual_seed(7)
-        self.plans = {}
 
-    def planned(self, layer, session):
-        if layer not in self.plans:
-            valid = session.store.valid[layer][:, :, :session.store.length[layer]]
-            self.plans[layer] = torch.rand(valid.shape, generator=self.gen) < 0.4
-        return self.plans[layer]
-
-    def select(self, layer, q, session):
-        plan = self.planned(layer, session)
-        del self.plans[layer]
-        return plan
+    def keep(self, layer, rows, session):
+        return torch.rand(rows.valid.shape, generator=self.gen) < 0.4
 
 
 def _policy(name, model=None):
@@ -64,12 +59,12 @@ def _run(model, placement, policy, capacity=None, pool_bytes=None, allocator=Non
     tokens, pad = _prompts()
     placement = dataclasses.replace(placement, capacity=capacity, pool_bytes=pool_bytes)
     sess = placement.new_session(model, B, PROMPT + gen, policy, allocator=allocator)
-    logits = model.prefill(tokens, sess, pad)
+    logits = runtime.prefill(model, tokens, sess, pad)
     out, steps = [], []
     for _ in range(gen):
         t = logits.argmax(-1)
         out.append(t)
-        logits = model.decode(t, sess)
+        logits = runtime.decode(model, t, sess)
         steps.append(logits)
     result = torch.stack(out, 1), torch.stack(steps, 1), sess
     if not keep:
@@ -139,7 +134,8 @@ def _selective(name, model):
     if name == "infinigen":
         return make_policy("infinigen", dense_layers=(0,), min_fetch=0).with_skew(_policy("infinigen", model).matrices)
     if name == "infinigen-paper":
-        return make_policy("infinigen", preset="paper", dense_layers=(0,)).with_skew(_policy("infinigen", model).matrices)
+        mats = _policy("infinigen", model).matrices
+        return make_policy("infinigen", preset="paper", dense_layers=(0,)).with_skew(mats)
     if name == "streaming":
         return make_policy("streaming", sinks=2, window=6)
     return _policy(name, model)
@@ -157,28 +153,26 @@ def test_decode_reads_only_the_selected_rows(tiny_llama, policy, kind, tmp_path)
     pol = _selective(policy, model)
     tokens, pad = _prompts()
     pl = Placement(kind, pool_dir=str(tmp_path), threaded=False, disk_bulk_share=1.0)
-    sess = pl.new_session(model, B, PROMPT + GEN, pol)
-    store = sess.store
-    row = 2 * store.layout.row_bytes  # one key and one value vector
     want = [0]
-    inner = pol.select
 
-    def select(layer, q, s):
-        keep = inner(layer, q, s)
-        n = store.length[layer]
-        if keep is None:
-            want[0] += store.bh * n * row
-        else:
-            want[0] += store.bh * int((keep[:, :, :n] & store.valid[layer][:, :, :n]).sum(-1).max()) * row
-        return keep
-    object.__setattr__(pol, "select", select)  # policies are frozen: a test wrapper all the same
-    logits = model.prefill(tokens, sess, pad)
+    class Count(runtime.Listener):  # what each layer's selection names, as it reads
+        def on_select(self, layer, rows, keep, s):
+            store = s.store
+            n, row = store.length[layer], 2 * store.layout.row_bytes  # one key and one value vector
+            if keep is ALL:
+                want[0] += store.bh * n * row
+            else:
+                want[0] += store.bh * int((keep[:, :, 0, :n] & store.valid[layer][:, :, :n]).sum(-1).max()) * row
+    sess = pl.new_session(model, B, PROMPT + GEN, pol, listeners=[Count()])
+    store = sess.store
+    row = 2 * store.layout.row_bytes
+    logits = runtime.prefill(model, tokens, sess, pad)
     store.stats.reset()
     measured, whole = 0, 0
     for _ in range(GEN):
         whole += sum(store.bh * n * row for n in store.length)
         with SlowReads(store) as reads:
-            logits = model.decode(logits.argmax(-1), sess)
+            logits = runtime.decode(model, logits.argmax(-1), sess)
         measured += reads.bytes
     pl.close(sess)
     assert measured == want[0] == sess.store.stats.bytes_moved
@@ -211,7 +205,7 @@ def test_disk_reads_whole_layers_when_a_selection_touches_most_pages(tiny_llama,
     tokens, pad = _prompts()
     sess = pl.new_session(model, B, PROMPT + GEN, pol)
     store = sess.store
-    logits = model.prefill(tokens, sess, pad)
+    logits = runtime.prefill(model, tokens, sess, pad)
     store.stats.reset()
     measured, whole, out, steps = 0, 0, [], []
     for _ in range(GEN):
@@ -219,7 +213,7 @@ def test_disk_reads_whole_layers_when_a_selection_touches_most_pages(tiny_llama,
         t = logits.argmax(-1)
         out.append(t)
         with SlowReads(store) as reads:
-            logits = model.decode(t, sess)
+            logits = runtime.decode(model, t, sess)
         steps.append(logits)
         measured += reads.bytes
     st = store.stats
@@ -336,10 +330,10 @@ def test_teacher_forced_on_offloaded_store(tiny_llama, tmp_path):
     """The replay path (stateful policy) reads through the same store methods."""
     _, model = tiny_llama
     tokens, _ = _prompts(batch=2, length=30)
-    ref = model.teacher_forced(tokens, 20, Placement().new_session(model, 2, 30, make_policy("h2o")))
+    ref = runtime.teacher_forced(model, tokens, 20, Placement().new_session(model, 2, 30, make_policy("h2o")))
     pl = Placement("disk", pool_dir=str(tmp_path))
     sess = pl.new_session(model, 2, 30, make_policy("h2o"))
-    got = model.teacher_forced(tokens, 20, sess)
+    got = runtime.teacher_forced(model, tokens, 20, sess)
     pl.close(sess)
     assert torch.allclose(got, ref, atol=1e-5, rtol=0)
 
@@ -367,7 +361,8 @@ def test_bench_cli_smoke(tiny_checkpoint, tmp_path, monkeypatch):
     text = tmp_path / "text.txt"
     text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 40)
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    code = main(["bench", "-m", str(tiny_checkpoint), "--text", str(text), "--prompt-len", "24,40", "--batch-size", "1,2",
+    code = main(["bench", "-m", str(tiny_checkpoint), "--text", str(text), "--prompt-len", "24,40",
+                 "--batch-size", "1,2",
                  "--gen-len", "4", "--policy", "full,infinigen,h2o,int4", "--kv-offload", "cpu,disk",
                  "--pool-dir", str(tmp_path / "pool"), "--breakdown", "1", "--json", str(out), "--plot", str(png),
                  "--knob", "infinigen.dense_layers=0", "--knob", "infinigen.min_fetch=0"])
@@ -485,12 +480,12 @@ def test_default_model_offloaded_to_disk(default_model, policy, tmp_path):
 
     def run(placement):
         sess = placement.new_session(model, 2, 96 + 8, make_policy(policy, **knobs))
-        logits = model.prefill(tokens, sess)
+        logits = runtime.prefill(model, tokens, sess)
         out = []
         for _ in range(8):
             t = logits.argmax(-1)
             out.append(t)
-            logits = model.decode(t, sess)
+            logits = runtime.decode(model, t, sess)
         placement.close(sess)
         return torch.stack(out, 1)
 

@@ -8,8 +8,10 @@ import importlib.util
 import pytest
 import torch
 
+from infinigen import runtime
 from infinigen.errors import UserError
 from infinigen.policies import make_policy
+from infinigen.selection import ALL
 from infinigen.policies.quant import dequantize, fake_quantize, quantize
 from infinigen.placement import Placement
 
@@ -45,7 +47,8 @@ LIMITED = [
 ]
 if HAVE_INFINIGEN:  # helper policies get random orthogonal skew matrices ("random") or none
     UNLIMITED += [("infinigen", dict(alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), skew=False)),
-                  ("infinigen", dict(preset="paper", alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), matrices="random"))]
+                  ("infinigen", dict(preset="paper", alpha=1e9, max_fetch_ratio=1.0, dense_layers=(),
+                                     matrices="random"))]
     LIMITED += [("infinigen", dict(dense_layers=(), matrices="random")),
                 ("infinigen", dict(preset="paper", alpha=1.0, dense_layers=(), matrices="random")),
                 ("infinigen", dict(budget="per_head", alpha=0.5, dense_layers=(), skew=False))]
@@ -102,50 +105,35 @@ def _pool(victim):
     return make_pool(victim)
 
 
-class Recorder:
-    """Wraps a policy instance to record, per (layer, position), which past positions were read:
-    bool [B, Hkv, T] over token positions (slots are mapped through store.pos)."""
+class Recorder(runtime.Listener):
+    """Listens to a session to record, per (layer, position), which past positions were read:
+    bool [B, Hkv, T] over token positions (slots are mapped through the rows' entry positions)."""
 
     def __init__(self, policy, t):
         self.policy, self.t, self.seen = policy, t, {}
-        sel, rows = policy.select, policy.select_rows
 
-        def select(layer, q, sess):
-            result = sel(layer, q, sess)
-            _, _, valid, pos = sess.store.past(layer)
-            keep = valid if result is None else result & valid
+    def on_select(self, layer, rows, keep, sess):
+        keep = rows.valid if keep is ALL else keep & rows.valid
+        keep = keep.expand(sess.batch, sess.model.cfg.num_kv_heads, rows.count, -1)
+        pos = rows.entry_pos.expand(*keep.shape[:2], -1)
+        for i in range(rows.count):
             out = torch.zeros(*keep.shape[:2], self.t + 1, dtype=torch.bool)
-            out.scatter_(2, torch.where(keep, pos, self.t), True)
-            self.seen[(layer, int(sess.positions[0, sess.row]))] = out[..., :self.t]
-            return result
-
-        def select_rows(layer, q, k, sess):
-            keep = rows(layer, q, k, sess)
-            if keep is NotImplemented:
-                return keep
-            r, t = q.shape[2], k.shape[2]
-            past = torch.arange(t)[None, :] < torch.arange(sess.first_row, sess.first_row + r)[:, None]
-            full = past[None, None].expand(k.shape[0], k.shape[1], r, t) if keep is None else keep & past
-            for i in range(r):
-                self.seen[(layer, sess.first_row + i)] = full[:, :, i]
-            return keep
-
-        object.__setattr__(policy, "select", select)  # policies are frozen: an instance attribute all the same
-        object.__setattr__(policy, "select_rows", select_rows)
+            out.scatter_(2, torch.where(keep[:, :, i], pos, self.t), True)
+            self.seen[(layer, int(rows.positions[0, i]))] = out[..., :self.t]
 
 
-def _decode_all(model, policy, tokens, capacity=None, allocator=None):
+def _decode_all(model, policy, tokens, capacity=None, allocator=None, listeners=()):
     """Real decoding: prefill P tokens, then one token at a time. Logits [B, T-P+1, V] for rows P-1.."""
-    sess = Placement(capacity=capacity).new_session(model, B, T, policy, allocator=allocator)
-    out = [model.prefill(tokens[:, :P], sess)]
+    sess = Placement(capacity=capacity).new_session(model, B, T, policy, allocator=allocator, listeners=listeners)
+    out = [runtime.prefill(model, tokens[:, :P], sess)]
     for t in range(P, T):
-        out.append(model.decode(tokens[:, t], sess))
+        out.append(runtime.decode(model, tokens[:, t], sess))
     return torch.stack(out, 1), sess
 
 
-def _teacher_forced(model, policy, tokens, capacity=None, allocator=None):
-    sess = Placement(capacity=capacity).new_session(model, B, T, policy, allocator=allocator)
-    return model.teacher_forced(tokens, P, sess), sess
+def _teacher_forced(model, policy, tokens, capacity=None, allocator=None, listeners=()):
+    sess = Placement(capacity=capacity).new_session(model, B, T, policy, allocator=allocator, listeners=listeners)
+    return runtime.teacher_forced(model, tokens, P, sess), sess
 
 
 @pytest.mark.parametrize("name,knobs", UNLIMITED, ids=_ids(UNLIMITED))
@@ -166,8 +154,8 @@ def test_teacher_forced_equals_decoding(tiny, name, knobs, pool):
     tokens = _tokens(tiny)
     cap = T - 6 if pool else None  # the last 6 tokens overwrite slots: the runtime's replay path
     pol_tf, pol_dec = Recorder(_policy(name, knobs, tiny), T), Recorder(_policy(name, knobs, tiny), T)
-    tf, s_tf = _teacher_forced(tiny, pol_tf.policy, tokens, cap, _pool(pool) if pool else None)
-    dec, s_dec = _decode_all(tiny, pol_dec.policy, tokens, cap, _pool(pool) if pool else None)
+    tf, s_tf = _teacher_forced(tiny, pol_tf.policy, tokens, cap, _pool(pool) if pool else None, [pol_tf])
+    dec, s_dec = _decode_all(tiny, pol_dec.policy, tokens, cap, _pool(pool) if pool else None, [pol_dec])
     assert (tf[:, P - 1:] - dec).abs().max() <= 1e-4
     assert pol_tf.seen.keys() == pol_dec.seen.keys()
     for key in pol_dec.seen:
@@ -178,7 +166,7 @@ def test_teacher_forced_equals_decoding(tiny, name, knobs, pool):
 # ---- budget semantics ----------------------------------------------------------------------------
 def _decode_recorded(model, name, **knobs):
     rec = Recorder(make_policy(name, **knobs), T)
-    _decode_all(model, rec.policy, _tokens(model))
+    _decode_all(model, rec.policy, _tokens(model), listeners=[rec])
     return rec.seen
 
 
@@ -200,9 +188,10 @@ def test_h2o_keeps_heavy_plus_recent_and_evicts_for_good(tiny):
 def test_h2o_heavy_hitters_are_the_highest_accumulated_scores(tiny):
     """The first eviction after the prompt keeps the prompt tokens with the largest attention column sums."""
     pol = make_policy("h2o", heavy=2, recent=1)
-    sess = Placement().new_session(tiny, 1, T, pol)
+    rec = Recorder(pol, T)
+    sess = Placement().new_session(tiny, 1, T, pol, listeners=[rec])
     tokens = _tokens(tiny)[:1]
-    tiny.prefill(tokens[:, :P], sess)
+    runtime.prefill(tiny, tokens[:, :P], sess)
     layer = 0
     colsum = sess.state.score[layer][:, :, :P].clone()
     # independent column sums of the prompt's causal attention (layer 0: input = embeddings)
@@ -214,8 +203,7 @@ def test_h2o_heavy_hitters_are_the_highest_accumulated_scores(tiny):
     s = s.masked_fill(~torch.ones(P, P, dtype=torch.bool).tril(), float("-inf"))
     ref = torch.softmax(s, -1).sum(2).view(1, k.shape[1], g, P).sum(2)
     assert torch.allclose(colsum, ref, atol=1e-5)
-    rec = Recorder(pol, T)
-    tiny.decode(tokens[:, P], sess)
+    runtime.decode(tiny, tokens[:, P], sess)
     sel = rec.seen[(layer, P)][..., :P]
     for h in range(k.shape[1]):
         older = ref[0, h, :P - 1]
@@ -274,11 +262,11 @@ def test_int4_store_holds_quantized_values(tiny):
     pol = make_policy("int4")
     sess = Placement().new_session(tiny, B, T, pol)
     tokens = _tokens(tiny)
-    tiny.prefill(tokens[:, :P], sess)
-    tiny.decode(tokens[:, P], sess)
+    runtime.prefill(tiny, tokens[:, :P], sess)
+    runtime.decode(tiny, tokens[:, P], sess)
     ref = Placement().new_session(tiny, B, T)
-    tiny.prefill(tokens[:, :P], ref)
-    tiny.decode(tokens[:, P], ref)
+    runtime.prefill(tiny, tokens[:, :P], ref)
+    runtime.decode(tiny, tokens[:, P], ref)
     for layer in range(tiny.cfg.num_layers):
         k, v, _, _ = sess.store.past(layer)
         k0, v0, _, _ = ref.store.past(layer)
@@ -291,18 +279,18 @@ def test_int4_store_holds_quantized_values(tiny):
 
 
 class _QK:
-    """Records what the oracle's select_rows sees, to score it independently."""
+    """Records what the oracle's selection of teacher-forced rows sees, to score it independently."""
 
     def __init__(self, policy):
         self.qk = {}
-        inner = policy.select_rows
+        inner = policy.keep
 
-        def select_rows(layer, q, k, sess):
-            self.qk[layer] = (q.clone(), k.clone(), sess.first_row)
-            out = inner(layer, q, k, sess)
-            self.qk[layer] += (out.clone(),)
+        def keep(layer, rows, sess):
+            out = inner(layer, rows, sess)
+            if not rows.in_store:
+                self.qk[layer] = (rows.query.clone(), rows.keys.clone(), rows.first, out.clone())
             return out
-        object.__setattr__(policy, "select_rows", select_rows)
+        object.__setattr__(policy, "keep", keep)
 
 
 @pytest.mark.parametrize("knobs", [dict(ratio=0.3), dict(tokens=5), dict(alpha=1.5)], ids=str)
@@ -349,34 +337,31 @@ PLANNED = [("h2o", dict(heavy=3, recent=2)), ("streaming", dict(sinks=2, window=
 
 @pytest.mark.parametrize("name,knobs", PLANNED, ids=_ids(PLANNED))
 def test_planned_selection_matches_select(tiny, name, knobs):
-    """Policies that know their selection before the step must say so one layer early: `planned(layer)`
-    is ready right after layer-1's last hook (for layer 0, before the step's first hook), which is when
-    placement asks for it to start the transfer, and it is exactly what `select(layer)` then returns."""
+    """Policies that know their selection before the step must say so one layer early: the session's plan
+    for `layer` is ready right after layer-1's last hook (for layer 0, after the step's first hook), which
+    is when placement asks for it to start the transfer, and it is exactly what the layer then reads."""
     pol = _policy(name, knobs, tiny)
-    inner_select, inner_hook = pol.select, pol.on_hidden
     plans, checked = {}, []
 
-    def snapshot(layer, sess):
-        plan = pol.planned(layer, sess)
-        plans[layer] = plan.clone() if isinstance(plan, torch.Tensor) else plan
+    class Check(runtime.Listener):
+        def snapshot(self, layer, sess):
+            plan = sess.planned(layer)
+            plans[layer] = plan.clone() if isinstance(plan, torch.Tensor) else plan
 
-    def on_hidden(layer, point, x, sess):
-        if sess.mode == "decode" and layer == 0 and point == "attn_in":
-            snapshot(0, sess)
-        inner_hook(layer, point, x, sess)
-        if sess.mode == "decode" and point == "attn_out" and layer + 1 < tiny.cfg.num_layers:
-            snapshot(layer + 1, sess)
+        def on_hidden(self, layer, point, x, sess):
+            if sess.decoding and layer == -1:
+                self.snapshot(0, sess)
+            if sess.decoding and point == "attn_out" and layer + 1 < tiny.cfg.num_layers:
+                self.snapshot(layer + 1, sess)
 
-    def select(layer, q, sess):
-        plan = plans.pop(layer)
-        got = inner_select(layer, q, sess)
-        assert plan is not NotImplemented, f"layer {layer}: no plan one layer ahead"
-        assert (plan is None and got is None) or torch.equal(plan, got), layer
-        checked.append(layer)
-        return got
-    object.__setattr__(pol, "on_hidden", on_hidden)
-    object.__setattr__(pol, "select", select)
-    _decode_all(tiny, pol, _tokens(tiny))
+        def on_select(self, layer, rows, keep, sess):
+            plan = plans.pop(layer)
+            got = keep if keep is ALL else keep[:, :, 0]
+            assert plan is not None, f"layer {layer}: no plan one layer ahead"
+            assert (plan is ALL and got is ALL) or torch.equal(plan, got), layer
+            checked.append(layer)
+
+    _decode_all(tiny, pol, _tokens(tiny), listeners=[Check()])
     assert len(checked) == (T - P) * tiny.cfg.num_layers and not plans
 
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from infinigen import runtime
 from infinigen.cache import KVStore
 from infinigen.errors import UserError
 from infinigen.pool import KVPool, make_pool
@@ -91,7 +92,7 @@ def test_lru_evicts_least_recently_read():
 def test_counters_halve_on_saturation(saturate, reads, seed):
     pool = KVPool("counter", saturate=saturate)
     capacity = 4
-    store = _store(pool, capacity, capacity)
+    _store(pool, capacity, capacity)  # the pool begins with the store
     g = torch.Generator().manual_seed(seed)
     model = torch.zeros(B, H, capacity, dtype=torch.long)
     for _ in range(reads):
@@ -162,9 +163,9 @@ def test_partial_keys_match_pool(victim, capacity, steps, key_mode, seed):
     prompt = capacity - 2
     sess = Placement(capacity=capacity).new_session(model, 1, capacity + steps, pol, allocator=pool)
     tokens = torch.randint(0, c.vocab_size, (1, prompt + steps), generator=g)
-    model.prefill(tokens[:, :prompt], sess)
+    runtime.prefill(model, tokens[:, :prompt], sess)
     for t in range(prompt, prompt + steps):
-        model.decode(tokens[:, t], sess)
+        runtime.decode(model, tokens[:, t], sess)
     assert sess.store.length[1] == capacity and sum(pool.evictions) > 0
     for layer in range(1, c.num_layers):
         kp = sess.store.k[layer]  # [1, Hkv, capacity, d]
@@ -172,8 +173,8 @@ def test_partial_keys_match_pool(victim, capacity, steps, key_mode, seed):
         st = sess.state
         if key_mode == "int4":  # the packed 4-bit copy of every slot's rotated key, dequantized
             from infinigen.kernels.int4 import fake_quantize
-            got = st.pk[layer].dequantize(capacity)
+            got = st.spec_keys[layer].dequantize(capacity)
             want = fake_quantize(pol._rotate(st, kp, layer), layout=st.layout)
         else:
-            got, want = st.pk[layer], pol._project(st, kp, layer).to(st.key_dtype)
+            got, want = st.spec_keys[layer], pol._project(st, kp, layer).to(st.key_dtype)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"layer {layer}")

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from infinigen import runtime
 from infinigen.cli import main
 from infinigen.eval import perplexity, resolve_text, token_windows
 from infinigen.policies import make_policy
@@ -43,7 +44,7 @@ def test_full_cache_perplexity_matches_dense_scoring(tiny_checkpoint, text_file,
     model, tok, _ = load(str(tiny_checkpoint), progress=False)
     ids = token_windows(tok, text_file.read_text(), CTX)
     sess = Placement().new_session(model, 1, CTX)
-    logits = model.prefill(ids, sess, all_logits=True)[0]
+    logits = runtime.prefill(model, ids, sess, all_logits=True)[0]
     nll = torch.nn.functional.cross_entropy(logits[PREFILL - 1:-1], ids[0, PREFILL:], reduction="none").double()
     assert r["tokens"] == CTX - PREFILL == nll.numel()
     assert r["perplexity"] == pytest.approx(math.exp(nll.mean().item()), rel=1e-5)

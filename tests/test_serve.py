@@ -16,6 +16,7 @@ pytest.importorskip("sse_starlette")
 pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 
+from infinigen import runtime  # noqa: E402
 from infinigen.generate import Sampling, generate_ids  # noqa: E402
 from infinigen.placement import Placement  # noqa: E402
 from infinigen.policies import make_policy  # noqa: E402
@@ -65,24 +66,53 @@ def checkpoint_model(tiny_checkpoint):
 
 # ---- item 3: concurrent greedy requests equal the same requests run alone -----------------------------------
 @pytest.mark.parametrize("policy,offload", [("full", "none"), ("infinigen", "none"), ("h2o", "none"), ("full", "disk")])
-def test_engine_batches_equal_alone(make_tiny, policy, offload):
+def test_engine_batches_equal_alone(make_tiny, policy, offload, monkeypatch):
     """10 requests of different lengths join and leave a running batch at different steps (at most 6 at
-    once): each gets exactly the tokens of `generate` run alone, and every byte it reserved comes back."""
+    once): each gets exactly the tokens of `generate` run alone, and every byte it reserved comes back.
+    Each decoding step runs one attention call per layer over every running request's rows."""
     _, model = make_tiny("llama", num_hidden_layers=3)
     lengths, maxt = (5, 17, 9, 30, 3, 22, 12, 40, 7, 26), (12, 7, 20, 5, 15, 9, 11, 6, 18, 10)
     prompts = _prompts(model, lengths)
     eng = Engine(model, _policy(policy, model), Placement(kv_offload=offload), max_batch=6)
+    calls, prefills = [], [0]  # rows of each attention call of a decoding step; prefills run
+
+    def counted(fn):
+        def call(q, *args, **kwargs):
+            calls.append(q.shape[0])
+            return fn(q, *args, **kwargs)
+        return call
+
+    def counted_prefill(*args, **kwargs):
+        prefills[0] += 1
+        return prefill(*args, **kwargs)
+    prefill = runtime.prefill
+    monkeypatch.setattr(runtime, "attend_step", counted(runtime.attend_step))
+    monkeypatch.setattr(runtime, "attend_all", counted(runtime.attend_all))
+    monkeypatch.setattr(runtime, "attend_masked", counted(runtime.attend_masked))
+    monkeypatch.setattr(runtime, "prefill", counted_prefill)
+    batched = []
+
+    def step():
+        calls.clear()
+        tokens, before = eng.counters["completion_tokens"], prefills[0]
+        eng.step()
+        decoded = eng.counters["completion_tokens"] - tokens - (prefills[0] - before)  # requests decoded
+        assert calls == [decoded] * model.cfg.num_layers if decoded else calls == []
+        batched.append(decoded)
+
     reqs, steps = [], 0
     for i, (p, n) in enumerate(zip(prompts, maxt)):
         reqs.append(eng.submit(Request(p, n)))
         for _ in range(i % 3):  # arrivals 0, 1 or 2 steps apart
-            eng.step()
+            step()
             steps += 1
         assert len(eng.running) <= 6
     while not eng.idle():
-        eng.step()
+        step()
         steps += 1
     assert steps < sum(maxt)  # decoded together, not one after the other
+    assert max(batched) == 6
+    monkeypatch.undo()
     for r, p, n in zip(reqs, prompts, maxt):
         assert r.finish == "length" and r.tokens == _alone(model, policy, p, n), (policy, len(p))
     s = eng.snapshot()
@@ -172,14 +202,16 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(checkpoint_mo
         good = c.post("/v1/completions", json=ok).json()["choices"][0]["text"]
         post = lambda body, path="/v1/completions": c.post(path, json=body)  # noqa: E731
         # malformed JSON, missing and mistyped fields
-        _error(c.post("/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"}), 400)
+        _error(c.post("/v1/completions", content=b'{"model": "tiny", "prompt": ',
+                      headers={"content-type": "application/json"}), 400)
         assert _error(post({"prompt": "hi"}), 400)["param"] == "model"
         assert _error(post({"model": NAME}), 400)["param"] == "prompt"
         assert _error(post({**ok, "max_tokens": "many"}), 400)["param"] == "max_tokens"
         assert _error(post({**ok, "temperature": "hot"}), 400)["param"] == "temperature"
         assert _error(post({**ok, "top_p": 0}), 400)["param"] == "top_p"
         assert _error(post({"model": NAME, "messages": "hi"}, "/v1/chat/completions"), 400)["param"] == "messages"
-        assert _error(post({"model": NAME, "messages": [{"role": "robot", "content": "x"}]}, "/v1/chat/completions"), 400)
+        robot = {"model": NAME, "messages": [{"role": "robot", "content": "x"}]}
+        assert _error(post(robot, "/v1/chat/completions"), 400)
         # prompt over the context, max_tokens <= 0 or huge, unknown model
         assert _error(post({**ok, "prompt": list(range(3, 3 + ctx + 1))}), 400)["code"] == "context_length_exceeded"
         for n in (0, -1):
@@ -271,7 +303,8 @@ def test_disconnect_mid_stream_frees_the_row(checkpoint_model, offload, tmp_path
         assert s["reserved_fast_bytes"] == s["reserved_slow_bytes"] == s["kv_fast_bytes"] == s["kv_slow_bytes"] == 0
         assert s.get("requests_cancelled", 0) == 1 and s["completion_tokens"] < 100
         assert not list(tmp_path.iterdir()) and not _files_open_in(tmp_path)
-        assert httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 5}, timeout=60).status_code == 200
+        r = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 5}, timeout=60)
+        assert r.status_code == 200
 
 
 # ---- item 6: Ray Serve -------------------------------------------------------------------------------------

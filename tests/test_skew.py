@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from infinigen import runtime
 from infinigen.errors import UserError
 from infinigen.policies import make_policy
 from infinigen.placement import Placement
@@ -42,10 +43,10 @@ def test_skew_leaves_dense_logits_unchanged(make_tiny, kind):
     _, model = make_tiny(kind)
     s = compute_skew(model, _ids(model, 200))
     tokens = _ids(model, 40, seed=1)[None]
-    dense = model.teacher_forced(tokens, 12, Placement().new_session(model, 1, 40))
+    dense = runtime.teacher_forced(model, tokens, 12, Placement().new_session(model, 1, 40))
     for key_mode in ("partial", "int4"):
         pol = _unlimited(s, key_mode=key_mode)
-        out = model.teacher_forced(tokens, 12, Placement().new_session(model, 1, 40, pol))
+        out = runtime.teacher_forced(model, tokens, 12, Placement().new_session(model, 1, 40, pol))
         assert (out - dense).abs().max() <= 1e-4
     # and the skewed scores equal the plain ones: (qA)(kA)^T = qk^T
     q = torch.randn(2, model.cfg.num_kv_heads, 5, model.cfg.head_dim)
@@ -60,8 +61,8 @@ def test_fold_into_opt_weights(make_tiny):
     s = compute_skew(model, _ids(model, 200))
     folded = skew_model(model, s)
     tokens = _ids(model, 30, seed=2)[None]
-    a = model.prefill(tokens, Placement().new_session(model, 1, 30), all_logits=True)
-    b = folded.prefill(tokens, Placement().new_session(folded, 1, 30), all_logits=True)
+    a = runtime.prefill(model, tokens, Placement().new_session(model, 1, 30), all_logits=True)
+    b = runtime.prefill(folded, tokens, Placement().new_session(folded, 1, 30), all_logits=True)
     assert (a - b).abs().max() <= 1e-4
     x = torch.randn(1, 6, model.cfg.hidden_size)
     pos = torch.arange(6)[None]
@@ -77,7 +78,7 @@ def test_fold_into_opt_weights(make_tiny):
     for m, pol in ((model, make_policy("infinigen", dense_layers=(0,), alpha=1.0).with_skew(s)),
                    (folded, make_policy("infinigen", dense_layers=(0,), alpha=1.0))):
         sess = Placement().new_session(m, 1, 40, pol)
-        runs.append((m.teacher_forced(toks, 10, sess), sess.stats.per_layer()))
+        runs.append((runtime.teacher_forced(m, toks, 10, sess), sess.stats.per_layer()))
     assert (runs[0][0] - runs[1][0]).abs().max() <= 1e-4 and runs[0][1] == pytest.approx(runs[1][1])
     with pytest.raises(ValueError):
         model_fingerprint(folded)
@@ -111,7 +112,7 @@ def test_artifact_saved_reused_and_found(tiny_checkpoint, tiny_tokenizer, tmp_pa
     # a policy without matrices picks the cached artifact
     pol = make_policy("infinigen", dense_layers=(0,))
     sess = Placement().new_session(model, 1, 24, pol)
-    model.teacher_forced(_ids(model, 24)[None], 8, sess)
+    runtime.teacher_forced(model, _ids(model, 24)[None], 8, sess)
     assert torch.equal(sess.state.A, found.matrices.double())
     # prepare() with a tokenizer calibrates what is missing (a fresh install), and caches it
     assert make_policy("infinigen", calib=str(text)).prepare(model, tok) is not None
@@ -121,7 +122,8 @@ def test_artifact_saved_reused_and_found(tiny_checkpoint, tiny_tokenizer, tmp_pa
         other.layers[0].attn.q_proj.weight.mul_(1.5)
     assert model_fingerprint(other) != model_fingerprint(model) and find_cached_skew(other) is None
     with pytest.raises(UserError, match="skew"):
-        other.teacher_forced(_ids(model, 24)[None], 8, Placement().new_session(other, 1, 24, make_policy("infinigen", dense_layers=(0,))))
+        sess = Placement().new_session(other, 1, 24, make_policy("infinigen", dense_layers=(0,)))
+        runtime.teacher_forced(other, _ids(model, 24)[None], 8, sess)
     pol.prepare(other, tok)  # the same policy object calibrates for the other model, on the default text
     assert find_cached_skew(other) is not None
 
@@ -213,6 +215,6 @@ def test_default_model_skew(default_model, tmp_path, monkeypatch):
     assert skewed.mean() > plain.mean() + 0.03
     assert (skewed > plain).float().mean() >= 0.9
     tokens = torch.tensor([held_out[:160]])
-    dense = model.teacher_forced(tokens, 96, Placement().new_session(model, 1, 160))
-    out = model.teacher_forced(tokens, 96, Placement().new_session(model, 1, 160, _unlimited(s)))
+    dense = runtime.teacher_forced(model, tokens, 96, Placement().new_session(model, 1, 160))
+    out = runtime.teacher_forced(model, tokens, 96, Placement().new_session(model, 1, 160, _unlimited(s)))
     assert (out - dense).abs().max() <= 1e-4

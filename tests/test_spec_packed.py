@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import infinigen.policies.infinigen as ig
+from infinigen import runtime
 from infinigen.kernels.int4 import fake_quantize, tinygemm_ok
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
@@ -37,17 +38,17 @@ def test_packed_scores_equal_fake_quantization(make_tiny, layout):
     pol = make_policy("infinigen", dense_layers=(0,)).with_skew(_mats(model))
     _, sess = _decode(model, pol, _tokens(model, t=T))
     st, store = sess.state, sess.store
-    assert st.layout == layout and isinstance(st.pk[2], ig.PackedKeys) and st.pk[2].layout == layout
+    assert st.layout == layout and isinstance(st.spec_keys[2], ig.PackedKeys) and st.spec_keys[2].layout == layout
     layer = model.cfg.num_layers - 1
     n = store.length[layer]
-    got = pol._scores(st, layer, 0, st.pk[layer], n)
+    got = pol._scores(st, layer, 0, st.spec_keys[layer], n)
     qs = pol._spec_rows(st, layer, slice(0, 1))[:, :, :, 0]
     keys = fake_quantize(pol._rotate(st, store.k[layer][:, :, :n], layer), layout=layout)
     want = qs @ keys.transpose(-1, -2)
     tol = 1e-5 if layout == "rows" else 1e-2  # tinygemm: bfloat16 queries and scores
     assert (got - want).abs().max() <= tol * want.abs().max()
     # no float copy of the context: the cache holds codes and scales, 40 B per token and KV head at d 32
-    assert st.pk[layer].nbytes <= store.capacity * model.cfg.num_kv_heads * 2 * (16 + 2 * 4) * 1.7
+    assert st.spec_keys[layer].nbytes <= store.capacity * model.cfg.num_kv_heads * 2 * (16 + 2 * 4) * 1.7
 
 
 # A float64 model: the vectorized and the row-by-row attention of the dense layer 0 differ in summation
@@ -64,13 +65,13 @@ def test_selections_identical_teacher_replay_decode(make_tiny, layout, key_mode)
     tokens = _tokens(model, t=T)
     knobs = dict(alpha=1.0, max_fetch_ratio=0.3, min_fetch=0, dense_layers=(0,), key_mode=key_mode)
     vec = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))
-    model.teacher_forced(tokens, P, Placement().new_session(model, 2, T, vec))
+    runtime.teacher_forced(model, tokens, P, Placement().new_session(model, 2, T, vec))
     rep = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))
-    model.teacher_forced(tokens, P, Placement().new_session(model, 2, T, rep, allocator=KVPool()))
+    runtime.teacher_forced(model, tokens, P, Placement().new_session(model, 2, T, rep, allocator=KVPool()))
     dec = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))
     _, s_dec = _decode(model, dec, tokens)
     if key_mode == "partial":
-        assert s_dec.state.pk[1].dtype == dtype and s_dec.state.proj[1].dtype == dtype  # the model's dtype
+        assert s_dec.state.spec_keys[1].dtype == dtype and s_dec.state.proj[1].dtype == dtype  # the model's dtype
     assert set(vec.seen) == set(rep.seen) == set(dec.seen) == {1, 2}
     chosen = 0
     for layer in vec.seen:
@@ -93,16 +94,16 @@ def test_speculation_state_within_budget(make_tiny, preset, dtype):
     cap, b = 4096, 1
     pol = make_policy("infinigen", preset=preset).with_skew(_mats(model))
     sess = Placement().new_session(model, b, cap, pol)
-    model.prefill(_tokens(model, b, 3000), sess)
-    model.decode(_tokens(model, b, 1)[:, 0], sess)
+    runtime.prefill(model, _tokens(model, b, 3000), sess)
+    runtime.decode(model, _tokens(model, b, 1)[:, 0], sess)
     c = model.cfg
     kv = c.num_layers * 2 * b * c.num_kv_heads * cap * c.head_dim * model.dtype.itemsize
     rep = pol.memory_report(model, sess.state, kv)
     assert rep["speculation_bytes"] == pol.fast_tier_bytes(sess.state)["speculation"] > 0
     if preset == "paper":  # partial keys and weights in the model's dtype
-        assert sess.state.pk[2].dtype == sess.state.proj[2].dtype == dtype
+        assert sess.state.spec_keys[2].dtype == sess.state.proj[2].dtype == dtype
     else:
-        assert isinstance(sess.state.pk[2], ig.PackedKeys)
+        assert isinstance(sess.state.spec_keys[2], ig.PackedKeys)
     covered = kv * len(sess.state.spec_layers) / c.num_layers
     assert rep["speculation_vs_kv"] == pytest.approx(rep["speculation_bytes"] / covered)
     bound = 0.16 if dtype == torch.bfloat16 or preset == "paper" else 0.08

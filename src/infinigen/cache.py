@@ -22,6 +22,8 @@ def _scatter_rows(buf: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> N
 
 
 class KVStore:
+    offloaded = False  # the pool lives in fast memory
+
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
                  allocator=None):
@@ -116,6 +118,25 @@ class KVStore:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # ---- memory accounting: what the store holds in each tier ---------------------------------------
+    def fast_bytes(self) -> int:
+        """Bytes held in the fast tier now: keys, values and their metadata (each storage once)."""
+        seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in list(self.k) + list(self.v) + list(self.valid) + list(self.pos)}
+        return sum(seen.values())
+
+    def slow_bytes(self) -> int:
+        """Bytes held in the slow tier (none here)."""
+        return 0
+
+    def peak_fast_bytes(self) -> int:
+        """The most the KV cache held in the fast tier (here: its preallocated keys and values)."""
+        return self.nbytes()
+
+    def pool_file_bytes(self) -> int:
+        """Bytes of the files the pool lives in (none here)."""
+        return 0
 
     # ---- placement hooks: no-ops here, where everything already lives in fast memory -------------------
     def dense(self, layer: int):

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from . import runtime
 from .errors import UserError
 from .placement import Placement, kv_slot_bytes
 from .policies import FullCache, Policy
@@ -327,7 +328,7 @@ def generate_ids(model, prompt_ids: list[list[int]], max_new_tokens: int, sampli
 def _generate(model, sess, tokens, mask, max_new_tokens, sampling, gen, eos, on_token) -> Generation:
     b = tokens.shape[0]
     t0 = time.perf_counter()
-    logits = model.prefill(tokens, sess, pad_mask=mask)
+    logits = runtime.prefill(model, tokens, sess, pad_mask=mask)
     nxt = sample(logits, sampling, gen)
     t1 = time.perf_counter()
     out: list[list[int]] = [[] for _ in range(b)]
@@ -343,7 +344,7 @@ def _generate(model, sess, tokens, mask, max_new_tokens, sampling, gen, eos, on_
                     done[i] = True
         if done.all() or step == max_new_tokens - 1:
             break
-        nxt = sample(model.decode(nxt, sess), sampling, gen)
+        nxt = sample(runtime.decode(model, nxt, sess), sampling, gen)
         steps += 1
     t2 = time.perf_counter()
     return Generation(tokens=out, texts=[], prompt_tokens=int(mask.sum()), prefill_s=t1 - t0,

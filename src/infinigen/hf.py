@@ -10,8 +10,8 @@ How it works, in three pieces that `transformers` 5.x offers as extension points
   * `InfiniGenCache` (a `Cache` passed as `past_key_values`) does not concatenate keys and values: it
     hands the new ones to the attention function and counts how many tokens it has seen.
   * the attention function "infinigen" (registered in `AttentionInterface`) runs our runtime's own
-    attention code on them: the dense prompt attention at the first call of a layer, then, token by
-    token, `Transformer._step_attention`, where the policy selects, observes and the KV store appends.
+    attention on them, `Session.attend`: the dense prompt attention at the first forward, then token by
+    token what `runtime.decode` runs, where the policy selects, observes and the KV store appends.
   * forward hooks on each decoder layer give the policy the per-layer hidden states it speculates from
     (`on_hidden(layer, "attn_in" | "attn_out", x)`), at the same points as in our runtime.
 The policies call back into our runtime (`model.query`, `model.rotary`, ...), so `enable` builds a
@@ -136,37 +136,24 @@ class InfiniGenCache(Cache):
             self.session = self.placement.new_session(self.rt, b, self.max_len, self.policy, prompt_len=t)
             valid = _valid_from_mask(mask, b, t, hidden.device)
             self.prompt_len = t
-            # what `Transformer.prefill` computes: padded slots sit at position 0
+            # what `runtime.prefill` computes: padded slots sit at position 0
             positions = torch.where(valid, positions, torch.zeros_like(positions))
-            self.session.start_prefill(positions, valid)
-            self.prompt_mask = self.rt.prompt_mask(valid, positions)
+            self.session.begin_prefill(positions, valid)
         else:
-            if positions.shape[0] != self.session.next_pos.shape[0]:
+            if positions.shape[0] != self.session.batch:
                 raise NotImplementedError("InfiniGenCache: the batch size changed between forward calls")
-            # one token: as `Transformer.decode`; several: replayed one by one, as in teacher-forced mode
-            self.session.positions, self.session.row = positions, 0
-            self.session.mode = "decode" if t == 1 else "teacher"
-            self.session.next_pos = positions[:, 0]  # as during `Transformer.decode`: the current token
+            # one token: as `runtime.decode`; several: decoded one by one in turn
+            self.session.begin_step(positions)
             if t == 1:
                 self.session.event(-1, "embed", hidden)
 
     def end_forward(self) -> None:
-        s = self.session
-        s.next_pos = s.positions[:, -1] + 1
+        self.session.end_step()
 
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
-        """q [B,H,T,d] post-RoPE (unscaled), k, v [B,Hkv,T,d] of the new tokens -> attention output [B,H,T,d]."""
-        rt, sess = self.rt, self.session
-        if sess.store.length[layer] == 0:  # the prompt: exactly `Transformer.prefill`'s attention
-            sess.row = q.shape[2] - 1
-            mask, causal = self.prompt_mask
-            return rt._prompt_attention(layer, q, k, v, sess, mask, causal)
-        # later tokens: exactly `Transformer.decode`, one token at a time (several: as if decoded in turn)
-        out = []
-        for r in range(q.shape[2]):
-            sess.row = r
-            out.append(rt._step_attention(layer, q[:, :, r:r + 1], k[:, :, r:r + 1], v[:, :, r:r + 1], sess))
-        return torch.cat(out, dim=2)
+        """q [B,H,T,d] post-RoPE (unscaled), k, v [B,Hkv,T,d] of the new tokens -> attention output [B,H,T,d]:
+        exactly what our runtime's pass computes (the prompt densely, later tokens as decoded in turn)."""
+        return self.session.attend(layer, q, k, v)
 
 
 def _valid_from_mask(mask, b: int, t: int, device) -> torch.Tensor:
@@ -244,7 +231,7 @@ class _Hooks:
         return None if c is None or c.session is None else c.session.policy
 
     def _hidden(self, i, point, x):
-        """The layer event, as `Transformer._run_layer` sends it."""
+        """The layer event, as our runtime's blocks send it (`infinigen.model.Block.forward`)."""
         self.cache.session.event(i, point, x)
 
     def _block_in(self, i, module, args, kwargs):

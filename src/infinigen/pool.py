@@ -7,8 +7,8 @@ Victims are chosen per layer, batch row and KV head (heads read different tokens
                      counter of that (row, head) is halved, so old popularity fades
   lru                the slot read (or written) least recently
   fifo               the slot written first
-`protect_recent` keeps the newest N tokens out of reach of eviction (DESIGN 2.4: the authors'
-simulation only evicts from the older half), `protect_sinks` the first N positions of the sequence
+`protect_recent` keeps the newest N tokens out of reach of eviction (the authors' simulation of the
+pool only evicts from the older half), `protect_sinks` the first N positions of the sequence
 (attention sinks, StreamingLLM). Invalid slots (left padding) always go first.
 
 The store calls `victims` when it is full, then `on_write` with the slots written, then `on_read`

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
+from . import runtime
 from .errors import UserError
 from .placement import Placement
-from .policies.base import Policy
 
 DEFAULT_CALIB = "emma"  # evaluation defaults to Pride and Prejudice; calibrate on another novel
 DEFAULT_TOKENS = 4096
@@ -111,10 +111,9 @@ def model_fingerprint(model) -> str:
 
 
 # ---- calibration -----------------------------------------------------------------------------------
-class _QueryGram(Policy):
-    """Dense attention; accumulates X^T X of each layer's queries per KV head (float64) and the
+class _QueryGram(runtime.Listener):
+    """Listens to dense prefills; accumulates X^T X of each layer's queries per KV head (float64) and the
     attention sparsity of a sample of rows."""
-    name = "calibrate"
 
     def __init__(self, num_layers: int, kv_heads: int, d: int):
         self.gram = torch.zeros(num_layers, kv_heads, d, d, dtype=torch.float64)
@@ -167,16 +166,16 @@ def query_gram(model, token_ids, window: int = 2048, progress=None, with_sparsit
     ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
     cfg = model.cfg
     window = max(1, min(window, cfg.max_position))
-    pol = _QueryGram(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    gram = _QueryGram(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     chunks = [ids[s:s + window] for s in range(0, len(ids), window)]
     for c in chunks:
-        sess = Placement().new_session(model, 1, len(c), pol)
-        model.prefill(c[None].to(model.device), sess)
+        sess = Placement().new_session(model, 1, len(c), listeners=[gram])
+        runtime.prefill(model, c[None].to(model.device), sess)
         if progress:
             progress(len(c))
     if with_sparsity:
-        return pol.gram, pol.tokens, pol.sparsity()
-    return pol.gram, pol.tokens
+        return gram.gram, gram.tokens, gram.sparsity()
+    return gram.gram, gram.tokens
 
 
 def skew_from_gram(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

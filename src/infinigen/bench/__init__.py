@@ -11,7 +11,7 @@ size, and, for InfiniGen, what its speculation state costs relative to the weigh
 then fetches a fixed share of the tokens per step (`fixed_ratio`, measure it on the real model with
 `infinigen ppl` or a real-model bench), since speculation on random weights says nothing.
 """
-from .memory import MemoryProbe, weight_bytes
+from ..memory import MemoryProbe, weight_bytes
 from .models import SYNTHETIC, hf_model_for, prompt_tokens, synthetic_models
 from .report import add_ratios, cpu_name, machine, plot, strip_private, write_json
 from .runners import BenchSettings, SharedPrefill, System, run_ours, run_transformers, sweep

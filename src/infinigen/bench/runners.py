@@ -3,17 +3,17 @@ a shared prefill replayed into every system's session; the sweep over (prompt le
 from __future__ import annotations
 
 import contextlib
-
+import gc
 import hashlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import runtime
 from ..placement import Placement, TransferStats
 from ..placement.timing import Breakdown
-from ..policies.base import Policy, tensor_bytes
-from .memory import MemoryProbe, _collect, _kv_bytes, weight_bytes
+from ..memory import MemoryProbe, kv_bytes, tensor_bytes, weight_bytes
 from .models import prompt_tokens
 from .report import add_ratios
 
@@ -52,9 +52,8 @@ class BenchSettings:
 # ---- models ----------------------------------------------------------------------------------------
 
 
-class _Record(Policy):
-    """Dense attention that keeps each layer's prompt queries, keys and values in `tier`."""
-    name = "record"
+class _Record(runtime.Listener):
+    """Keeps each layer's prompt queries, keys and values in `tier`."""
 
     def __init__(self, tier):
         self.tier, self.qkv = tier, []
@@ -71,7 +70,7 @@ class _Record(Policy):
 class SharedPrefill:
     """One real prefill of a cell's prompts whose per-layer queries, keys and values are kept (in a
     memory-mapped file, or pinned host memory behind a GPU), then replayed into each system's session
-    through `Session.start_prefill` / `prefill_layer`, as `Transformer.prefill` writes a session; the
+    through `Session.begin_prefill` / `prefill_layer`, as `runtime.prefill` writes a session; the
     prompt's attention and MLPs are not recomputed. For long prompts on a CPU, where one prefill takes
     minutes. Every system then decodes from the same state; its prefill latency is the shared one."""
 
@@ -81,11 +80,11 @@ class SharedPrefill:
         fast = model.device
         self.tier = SlowTier("cpu" if fast.type == "cuda" else "disk", fast, directory)
         rec = _Record(self.tier)
-        sess = Placement().new_session(model, tokens.shape[0], tokens.shape[1], rec)
+        sess = Placement().new_session(model, tokens.shape[0], tokens.shape[1], listeners=[rec])
         tokens = tokens.to(fast)
         _sync(fast)
         t0 = time.perf_counter()
-        self.logits = model.prefill(tokens, sess)
+        self.logits = runtime.prefill(model, tokens, sess)
         _sync(fast)
         self.seconds = time.perf_counter() - t0
         self.qkv = rec.qkv
@@ -95,7 +94,7 @@ class SharedPrefill:
     @torch.inference_mode()
     def replay(self, sess) -> torch.Tensor:
         fast = self.model.device
-        sess.start_prefill(self.positions, self.valid)
+        sess.begin_prefill(self.positions, self.valid)
         for layer, (q, k, v) in enumerate(self.qkv):
             sess.prefill_layer(layer, q.to(fast), k.to(fast), v.to(fast))
         return self.logits
@@ -105,12 +104,22 @@ class SharedPrefill:
         self.tier.close()
 
 
+def _collect(model, batch: int, length: int) -> None:
+    """A full garbage collection (half a second with transformers imported) only where a run's memory
+    is large enough to matter to the next run's peak."""
+    if batch * length > 1 << 13:
+        gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, shared: SharedPrefill | None = None) -> dict:
+def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings,
+             shared: SharedPrefill | None = None) -> dict:
     if not s.weights_offload:
         return _run_ours(model, tokens, system, s, shared=shared)
     from ..placement.weights import WeightStreamer
@@ -137,7 +146,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
     try:
         _sync(device)
         t0 = time.perf_counter()
-        logits = model.prefill(tokens, sess) if shared is None else shared.replay(sess)
+        logits = runtime.prefill(model, tokens, sess) if shared is None else shared.replay(sess)
         _sync(device)
         prefill_s = time.perf_counter() - t0
         replay_s = None
@@ -145,27 +154,25 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             prefill_s, replay_s = shared.seconds, prefill_s
         stats.reset()
         w_moved = weights.bytes_moved if weights is not None else 0
-        from ..model import KVStats
-        sess.stats = KVStats(model.cfg.num_layers)  # the relative KV size of decoding only
+        sess.stats.reset()  # the relative KV size of decoding only
         tok = logits.argmax(-1)
         out = [tok]
         t0 = time.perf_counter()
         for _ in range(s.gen_len - 1):
-            tok = model.decode(tok, sess).argmax(-1)
+            tok = runtime.decode(model, tok, sess).argmax(-1)
             out.append(tok)
         _sync(device)
         decode_s = time.perf_counter() - t0
         steps = s.gen_len - 1
         generated = torch.stack(out, 1).cpu()
         store = sess.store
-        slow = store.slow_bytes() if hasattr(store, "slow_bytes") else 0
-        kv_full = _kv_bytes(model, b, store.capacity)
+        slow = store.slow_bytes()
+        kv_full = kv_bytes(model.cfg, b, store.capacity, model.dtype)
         spec = [i for i in range(model.cfg.num_layers) if pol.speculated(i)]
         state = pol.fast_tier_bytes(sess.state)
         fast_weights = weight_bytes(model) if weights is None else (
             weight_bytes(model) - weights.slow_bytes + weights.fast_buffer_bytes())
-        fast_tracked = fast_weights + sum(state.values()) + (
-            stats.peak_fast_bytes if hasattr(store, "slow_bytes") else store.nbytes())
+        fast_tracked = fast_weights + sum(state.values()) + store.peak_fast_bytes()
         row = {
             "system": system.label, "policy": pol.name, "exact": pol.exact, "settings": pol.settings(model),
             "kv_offload": system.kv_offload, "batch": b, "prompt_len": t,
@@ -181,11 +188,11 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             "peak_fast_bytes_tracked": fast_tracked,
             "peak_rss_bytes": probe.peak() if device.type != "cuda" else None,
             "peak_slow_bytes": slow,
-            "pool_file_bytes": store.tier.files_bytes() if hasattr(store, "tier") else 0,
+            "pool_file_bytes": store.pool_file_bytes(),
             "pool_capacity_tokens": store.capacity,
             "kv_bytes_full": kv_full,
             "weight_bytes_fast": fast_weights,
-            "staging_bytes": stats.peak_fast_bytes if hasattr(store, "slow_bytes") else 0,
+            "staging_bytes": store.peak_fast_bytes() if store.offloaded else 0,
             "relative_kv": sess.stats.overall(),
             "relative_kv_speculated": sess.stats.overall(spec) if spec else None,
             "tokens_sha1": hashlib.sha1(generated.numpy().tobytes()).hexdigest()[:12],

@@ -267,14 +267,9 @@ def check_context(model, tokens: int, what: str) -> None:
 
 
 def memory_bytes(device: str) -> int | None:
-    """Memory of the device the KV cache lives on (total, not free: a bound, not a forecast)."""
-    try:
-        if str(device).startswith("cuda"):
-            import torch
-            return torch.cuda.mem_get_info(torch.device(device))[1]
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError, RuntimeError):
-        return None
+    """Memory of the device the KV cache lives on (`infinigen.memory.device_memory_bytes`)."""
+    from ..memory import device_memory_bytes  # (torch: imported on first use, the CLI starts fast)
+    return device_memory_bytes(device)
 
 
 def check_kv_fits(model, rows: int, tokens: int, device: str, what: str = "--batch-size") -> None:

@@ -75,8 +75,14 @@ def serve_cmd(
             _check_budgets(spec)
             if replicas > 1:
                 listener.close()  # Ray Serve's proxy binds the port itself
-                from ..serve.ray import run
-                run(spec, replicas=replicas, host=host, port=port)
+                import functools
+
+                from ..placement import Placement
+                from ..serve.ray import replica_fast_bytes, run
+                if spec["fast_bytes"] is None:
+                    spec["fast_bytes"] = replica_fast_bytes(Placement(kv_offload=kv_offload, pool_dir=pool_dir),
+                                                            device, replicas)
+                run(functools.partial(build, spec), replicas=replicas, host=host, port=port)
                 return
             app = build(spec)
             engine = app.state.engine

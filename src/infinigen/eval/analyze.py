@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import runtime
 from ..errors import UserError
 from ..placement import Placement
-from ..policies.base import Policy
+from ..selection import ALL
 
 ANALYSES = ("table1", "fig3", "fig5", "alpha", "fig17", "fig13")
 ROWS = 256  # query rows per chunk in the prefill statistics
@@ -57,7 +58,7 @@ def block_similarity(model, ids: torch.Tensor) -> list[dict]:
         hooks.append(blk.attn.o_proj.register_forward_hook(lambda m, a, o, i=i: attn_out.__setitem__(i, o[0])))
         hooks.append(blk.mlp.register_forward_hook(lambda m, a, o, i=i: ffn_out.__setitem__(i, o[0])))
     try:
-        model.prefill(ids, Placement().new_session(model, 1, ids.shape[1]))
+        runtime.prefill(model, ids, Placement().new_session(model, 1, ids.shape[1]))
     finally:
         for h in hooks:
             h.remove()
@@ -70,10 +71,9 @@ def block_similarity(model, ids: torch.Tensor) -> list[dict]:
 
 
 # ---- fig 5 and the alpha count: statistics of the full-cache prompt attention ------------------------
-class _PromptStats(Policy):
+class _PromptStats(runtime.Listener):
     """Records, in `on_prefill`, per layer: keys needed for `mass` of each row's attention, and tokens
     within alpha of each row's maximum score (every query head; rows are sequence positions)."""
-    name = "prompt-stats"
 
     def __init__(self, alphas, mass: float = 0.9):
         self.alphas, self.mass = list(alphas), mass
@@ -105,52 +105,23 @@ class _PromptStats(Policy):
 @torch.inference_mode()
 def prompt_statistics(model, ids: torch.Tensor, alphas=(3, 5, 7), mass: float = 0.9) -> _PromptStats:
     probe = _PromptStats(alphas, mass)
-    model.prefill(ids, Placement().new_session(model, 1, ids.shape[1], probe))
+    runtime.prefill(model, ids, Placement().new_session(model, 1, ids.shape[1], listeners=[probe]))
     return probe
 
 
 # ---- fig 3: attention similarity against the full cache ---------------------------------------------
-class AttentionProbe(Policy):
-    """Wraps a policy and records, for every decoding row and layer, the cosine similarity between the
-    attention weights over what the policy read and over every cached token (same query)."""
-    name = "probe"
+class AttentionProbe(runtime.Listener):
+    """Records, for every decoding row and layer, the cosine similarity between the attention weights
+    over what the session's policy read and over every cached token (same query)."""
+    per_row = True  # each row against the store as decoding holds it: teacher-forced scoring replays
 
-    def __init__(self, inner: Policy):
-        self.inner = inner
-        self.name = getattr(inner, "name", "policy")
-
-    def codec(self):
-        return self.inner.codec()
-
-    def prepare(self, model, tokenizer=None, progress=False):
-        self.inner.prepare(model, tokenizer, progress)
-        return self
-
-    def begin(self, model, session):
-        self.cos = [[] for _ in range(model.cfg.num_layers)]
+    def __init__(self, num_layers: int):
+        self.cos = [[] for _ in range(num_layers)]
         self._pending = {}
-        return self.inner.begin(model, session)  # the inner policy's hooks see their own state
 
-    def speculated(self, layer):
-        return self.inner.speculated(layer)
-
-    def on_prefill(self, layer, q, k, v, session):
-        self.inner.on_prefill(layer, q, k, v, session)
-
-    def on_hidden(self, layer, point, x, session):
-        self.inner.on_hidden(layer, point, x, session)
-
-    def planned(self, layer, session):
-        return self.inner.planned(layer, session)
-
-    def select(self, layer, q, session):
-        keep = self.inner.select(layer, q, session)
+    def on_select(self, layer, rows, keep, session):
         valid = session.store.past(layer)[2].clone()
-        self._pending[layer] = (q, valid, None if keep is None else keep & valid)
-        return keep
-
-    def observe(self, layer, probs, idx, session):
-        self.inner.observe(layer, probs, idx, session)
+        self._pending[layer] = (rows.query, valid, ALL if keep is ALL else keep[:, :, 0] & valid)
 
     def on_append(self, layer, slots, k, v, session):
         q, valid, keep = self._pending.pop(layer)
@@ -163,13 +134,12 @@ class AttentionProbe(Policy):
         s = torch.matmul(qg, kp.transpose(-1, -2)) * scale  # [B, Hkv, G, n]
         cur = (qg * k[:, :, 0, None].float()).sum(-1, keepdim=True) * scale
         full = torch.cat([s.masked_fill(~valid[:, :, None], float("-inf")), cur], -1).softmax(-1)
-        if keep is None:
+        if keep is ALL:
             sim = torch.ones(())
         else:
             sel = torch.cat([s.masked_fill(~keep[:, :, None], float("-inf")), cur], -1).softmax(-1)
             sim = F.cosine_similarity(full, sel, dim=-1).mean()
         self.cos[layer].append(float(sim))
-        self.inner.on_append(layer, slots, k, v, session)
 
 
 @torch.inference_mode()
@@ -177,9 +147,9 @@ def attention_similarity(model, ids: torch.Tensor, policies: dict, prefill: int,
     """name -> cos [num_layers, rows]: per decoding row (positions prefill..T-1) and layer."""
     out = {}
     for name, pol in policies.items():
-        probe = AttentionProbe(pol)
-        sess = Placement().new_session(model, 1, ids.shape[1], probe)
-        model.teacher_forced(ids, prefill, sess)
+        probe = AttentionProbe(model.cfg.num_layers)
+        sess = Placement().new_session(model, 1, ids.shape[1], pol, listeners=[probe])
+        runtime.teacher_forced(model, ids, prefill, sess)
         out[name] = torch.tensor(probe.cos)
         if progress:
             progress(1)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import runtime
 from ..errors import UserError
 from ..placement import Placement
 
@@ -278,7 +279,7 @@ def score_continuations(model, ctx: list[int], conts: list[list[int]], policy=No
         rows = torch.tensor([c_ids + conts[i][:-1] for i in members], dtype=torch.long, device=model.device)
         sess = placement.new_session(model, len(members), rows.shape[1], policy, prompt_len=p)
         try:
-            logits = model.teacher_forced(rows, p, sess)
+            logits = runtime.teacher_forced(model, rows, p, sess)
         finally:
             sess.store.close()
         # logits at position t predict token t+1: the continuation's tokens are predicted from len(c_ids)-1 on
@@ -317,7 +318,7 @@ def score_shared_prefill(model, ctx: list[int], conts: list[list[int]], policies
         lps = [[first[c[0]].item()] for c in conts]
         greedy = [int(first.argmax()) == c[0] for c in conts]
         for t in range(longest - 1):
-            lp = F.log_softmax(model.decode(feed[:, t], sess).float(), -1)
+            lp = F.log_softmax(runtime.decode(model, feed[:, t], sess).float(), -1)
             best = lp.argmax(-1)
             for i, c in enumerate(conts):
                 if t + 1 < len(c):

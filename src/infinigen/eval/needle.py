@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .. import runtime
 from ..errors import UserError
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -215,7 +216,7 @@ def run_cases(model, tokenizer, cases: list[Case], policies: dict, max_new_token
             for _ in range(new - 1):
                 if all(done):
                     break
-                nxt = model.decode(nxt, sess).argmax(-1)
+                nxt = runtime.decode(model, nxt, sess).argmax(-1)
                 for r, t in enumerate(nxt.tolist()):
                     if not done[r]:
                         gen[r].append(t)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .. import runtime
 from ..errors import UserError
 from ..placement import Placement
 
@@ -132,7 +133,7 @@ def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: in
             row = tokens[w:w + 1].to(model.device)
             sess = placement.new_session(model, 1, ctx, policy, prompt_len=prefill)
             try:
-                logits = model.teacher_forced(row, prefill, sess)[0]
+                logits = runtime.teacher_forced(model, row, prefill, sess)[0]
             finally:
                 sess.store.close()
             nll = _nll_rows(logits[prefill - 1:ctx - 1], row[0, prefill:])

@@ -3,8 +3,8 @@ pool is, and how the rows a policy selects travel to the fast tier. Independent 
 policy runs on any placement and produces the same tokens.
 
     placement = Placement(kv_offload="disk", pool_bytes=2**30)    # or "cpu" (pinned host memory behind a GPU), "none"
-    sess = placement.new_session(model, batch, max_len, policy)   # = model.new_session(batch, policy, placement.new_store(...))
-    ...                                                           # model.prefill / model.decode as usual
+    sess = placement.new_session(model, batch, max_len, policy)   # a runtime.Session over placement.new_store(...)
+    ...                                                           # runtime.prefill / runtime.decode as usual
     placement.close(sess)                                         # removes the pool file
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from ..cache import KVStore
 from ..errors import UserError
+from ..runtime import Session
 from .store import OffloadedKVStore, TransferStats
 from .tiers import KINDS, SlowTier
 
@@ -111,17 +112,19 @@ class Placement:
         tier = SlowTier(self.kv_offload, model.device, self.pool_dir)
         try:
             return OffloadedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
-                                    threaded=self.threaded, pack=self.pack, stats=stats, bulk_share=self.disk_bulk_share)
+                                    threaded=self.threaded, pack=self.pack, stats=stats,
+                                    bulk_share=self.disk_bulk_share)
         except BaseException:
             tier.close()
             raise
 
     def new_session(self, model, batch: int, max_len: int, policy=None, prompt_len: int | None = None,
-                    stats: TransferStats | None = None, allocator=None):
-        """`model.new_session` over a store of this placement (see `new_store`)."""
+                    stats: TransferStats | None = None, allocator=None, listeners=()):
+        """A `runtime.Session` of `batch` rows over a store of this placement (see `new_store`), with the
+        policy's per-request state and `listeners` (`runtime.Listener`)."""
         store = self.new_store(model, batch, max_len, policy, prompt_len, stats, allocator)
         try:
-            return model.new_session(batch, policy, store)
+            return Session(model, store, policy, batch, listeners)
         except BaseException:
             store.close()
             raise

@@ -1,7 +1,7 @@
 """A KV store whose pool lives in the slow tier; the rows a layer reads are fetched one layer ahead.
 
 Decoding step, layer i (the runtime calls `ahead` after each policy hook):
-  1. As soon as the policy knows layer i+1's selection (`Policy.planned`: InfiniGen after its speculation
+  1. As soon as the policy knows layer i+1's selection (`Session.planned`: InfiniGen after its speculation
      at layer i, H2O from its scores, full/INT4: everything), the store turns it into row indices and
      hands a fetch job to a background worker: gather the rows from the slow tier into a staging buffer
      (index_select; torch releases the GIL) and, on CUDA, copy the staging buffer to the GPU on a copy
@@ -9,9 +9,10 @@ Decoding step, layer i (the runtime calls `ahead` after each policy hook):
   2. Meanwhile the main thread runs the rest of layer i (attention, MLP).
   3. At layer i+1's attention, `gather`/`dense` wait for that job only (its future and, on CUDA, its
      event on the compute stream; never a device-wide synchronize) and return views of the fetched rows.
-The prefetch is only a hint: the runtime still computes its own row indices from what `select` returns;
-if they differ from the prefetched ones (or nothing was planned) the rows are fetched on the spot. The
-tokens are therefore always those of the in-memory store.
+The layer reads exactly the planned selection; the runtime still derives its row indices itself (the
+store hands over those of the plan when the selection is the plan): if they differ from the prefetched
+ones (or nothing was planned) the rows are fetched on the spot. The tokens are therefore always those of
+the in-memory store.
 
 Double buffering: jobs for layers of the same parity share buffers; on CUDA the copy for layer i+2
 waits on an event recorded when layer i's attention was done with the buffer.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVCodec, KVStore
+from ..selection import ALL
 from .rows import layout_for
 from .tiers import SlowTier
 
@@ -76,7 +78,7 @@ class _Job:
     step: int
     idx: torch.Tensor | None  # [B,Hkv,n] slots read (fast device); None: every used slot (or not derived yet)
     n: int  # slots per (batch, KV head)
-    plan: object = None  # what the policy planned (bool [B,Hkv,S]), and what `slots` made of it
+    plan: object = None  # what the session planned (bool [B,Hkv,S]), and what `slots` made of it
     selection: tuple | None = None
     full: bool = False  # every used slot (full offload, dense layers)
     future: Future | None = None
@@ -123,6 +125,7 @@ class OffloadedKVStore(KVStore):
     Measured at context 8192, batch 8, under a memory bound below the pool: faulting the selected rows in
     took 3.5x the time per step of streaming every layer (results/offload.md), hence 0.25.
     """
+    offloaded = True
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
@@ -139,7 +142,8 @@ class OffloadedKVStore(KVStore):
         self.packed = self.layout.packed
         shape0, dtype0 = self.layout.planes[0]  # the rows of every plane are the same: plane 0 says which pages
         self._plane0_row_bytes = math.prod(shape0) * torch.empty((), dtype=dtype0).element_size()
-        self.num_layers, self.batch, self.kv_heads, self.head_dim, self.dtype = num_layers, batch, kv_heads, head_dim, dtype
+        self.num_layers, self.batch, self.kv_heads = num_layers, batch, kv_heads
+        self.head_dim, self.dtype = head_dim, dtype
         self.bh = batch * kv_heads
         rows = capacity * self.bh
         # one tensor per (kind, plane) for all layers: one file each on disk
@@ -150,6 +154,7 @@ class OffloadedKVStore(KVStore):
         self.valid = [torch.zeros(meta, dtype=torch.bool, device=self.fast) for _ in range(num_layers)]
         self.pos = [torch.full(meta, -1, dtype=torch.long, device=self.fast) for _ in range(num_layers)]
         self.length = [0] * num_layers
+        self.padded = False  # a prompt had padding: some used slots are not valid
         if self.packed or self.cuda:
             # No float view of a packed pool, and GPU kernels cannot read a pinned pool: policies that look
             # at store.k for its shape and device get a one-element placeholder of that shape.
@@ -185,7 +190,15 @@ class OffloadedKVStore(KVStore):
         return self.tier.nbytes
 
     def fast_bytes(self) -> int:
+        """Metadata and the buffers of fetched rows (not the pinned host staging behind a GPU: host memory)."""
         return self.buffers.fast_bytes()
+
+    def peak_fast_bytes(self) -> int:
+        """The most metadata, staging and fetched rows held in the fast tier (`TransferStats`)."""
+        return self.stats.peak_fast_bytes
+
+    def pool_file_bytes(self) -> int:
+        return self.tier.files_bytes()
 
     @staticmethod
     def slot_bytes(num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, codec=None,
@@ -222,6 +235,8 @@ class OffloadedKVStore(KVStore):
         self.valid[layer][:, :, t:] = False
         self.pos[layer][:, :, :t] = positions[:, None, :]
         self.length[layer] = t
+        if layer == 0:
+            self.padded = not bool(token_valid.all())
 
     def append(self, layer, k, v, positions):
         b, h = k.shape[:2]
@@ -293,7 +308,8 @@ class OffloadedKVStore(KVStore):
             self._settle(job)  # the worker derives the slots (and gathers their rows) off the main thread
             n = self.length[layer]
             mine = self.valid[layer]
-            same_valid = (valid.data_ptr() == mine.data_ptr() and valid.shape[-1] == n and valid.stride() == mine.stride())
+            same_valid = (valid.data_ptr() == mine.data_ptr() and valid.shape[-1] == n
+                          and valid.stride() == mine.stride())
             plan = job.plan
             if same_valid and (keep is plan or (keep.shape[-1] == n and torch.equal(keep, plan[:, :, :n]))):
                 self.stats.reused += 1
@@ -303,7 +319,8 @@ class OffloadedKVStore(KVStore):
     def gather(self, layer, idx):
         """Rows `idx` [B,Hkv,n] (the runtime's own indices) in the fast tier."""
         job = self._take(layer)
-        if job is None or job.full or (job.idx is not idx and (job.idx.shape != idx.shape or not torch.equal(job.idx, idx))):
+        if job is None or job.full or (job.idx is not idx and (job.idx.shape != idx.shape
+                                                              or not torch.equal(job.idx, idx))):
             self._discard(job)
             job = self._fetch(layer, idx, idx.shape[-1])
         return self._views(job)
@@ -314,7 +331,7 @@ class OffloadedKVStore(KVStore):
             ev = torch.cuda.Event()
             ev.record()  # layer's attention is done with its parity's buffers
             self._consumed[layer % 2] = ev
-        if not self.prefetch or session.mode != "decode":
+        if not self.prefetch or not session.decoding:
             return
         if point == "embed":
             self._step += 1
@@ -324,8 +341,8 @@ class OffloadedKVStore(KVStore):
         job = self._jobs.get(nxt)
         if job is not None and job.step == self._step:
             return  # already on its way
-        plan = session.policy.planned(nxt, session)
-        if plan is NotImplemented:
+        plan = session.planned(nxt)
+        if plan is None:  # not known yet
             return
         self._issue(nxt, plan)
 
@@ -333,7 +350,8 @@ class OffloadedKVStore(KVStore):
         """Hand layer's fetch to the worker: for a selection, deriving its slot indices (the runtime's own
         rule, `KVStore.slots`) is part of the job, so the main thread does not wait for it either."""
         self._drop(layer)
-        job = _Job(layer, self._step, None, self.length[layer], plan=plan, full=plan is None)
+        full = plan is ALL
+        job = _Job(layer, self._step, None, self.length[layer], plan=None if full else plan, full=full)
         if self._pool is None:
             self._run(job)
         else:
@@ -424,7 +442,8 @@ class OffloadedKVStore(KVStore):
             buf = self.buffers.get(("fast", parity, kind, p), total, shape, plane.dtype)
             if rows is None:  # full offload: the used prefix, reordered from slot-major to (b, h, i)
                 src = plane[:total].view(job.n, self.batch, self.kv_heads, *shape)
-                buf.view(self.batch, self.kv_heads, job.n, *shape).copy_(src.permute(1, 2, 0, *range(3, 3 + len(shape))))
+                slot_last = src.permute(1, 2, 0, *range(3, 3 + len(shape)))
+                buf.view(self.batch, self.kv_heads, job.n, *shape).copy_(slot_last)
             elif bulk_rows is not None:  # one staging buffer per parity: kinds and planes take turns in it
                 stage = self.buffers.get(("disk", parity), bulk_rows, shape, plane.dtype)
                 stage.copy_(plane[:bulk_rows])
@@ -444,8 +463,8 @@ class OffloadedKVStore(KVStore):
             prev = self._copied[parity]
             if prev is not None:
                 prev.synchronize()
-            src = [[torch.index_select(pl, 0, rows, out=self.buffers.get(("stage", parity, kind, p), total, pl.shape[1:],
-                                                                          pl.dtype, host_pinned=True))
+            src = [[torch.index_select(pl, 0, rows, out=self.buffers.get(("stage", parity, kind, p), total,
+                                                                          pl.shape[1:], pl.dtype, host_pinned=True))
                     for p, pl in enumerate(planes[kind])] for kind in KV]
         else:  # full offload: the used prefix is contiguous pinned memory already
             src = [[pl[:total] for pl in planes[kind]] for kind in KV]

@@ -2,7 +2,7 @@
 the prefetch (row indices, job hand-off), fetch wait (transfer), attention, MLP and the rest, per layer,
 averaged over steps.
 
-Instrumentation wraps instance methods of the model, its MLPs, the policy and the store with clocks
+Instrumentation wraps instance methods of the session, the MLPs, the policy and the store with clocks
 (nested calls count once: a parent's time excludes its children's). On CUDA each clock reading
 synchronizes the device, which removes the overlap it measures: take throughput from uninstrumented
 runs and use this only to see where time goes. The worker thread's gather time is reported apart
@@ -14,6 +14,8 @@ import time
 from collections import defaultdict
 
 import torch
+
+from .. import runtime
 
 CATEGORIES = ("speculation", "prefetch issue", "fetch wait", "attention", "mlp", "other")
 
@@ -53,12 +55,12 @@ class Breakdown:
 
     def __enter__(self):
         pol, store, model = self.session.policy, self.session.store, self.model
-        for hook in ("on_hidden", "planned", "select", "observe", "on_append"):
+        for hook in ("on_hidden", "keep", "observe", "on_append"):
             self._wrap(pol, hook, "speculation")
         for read in ("slots", "dense", "gather"):  # getting the rows: waiting for a prefetch, or gathering in place
             self._wrap(store, read, "fetch wait")
         self._wrap(store, "ahead", "prefetch issue", layer_of=lambda args: args[0] + 1)
-        self._wrap(model, "_step_attention", "attention")
+        self._wrap(self.session, "attend", "attention")
         for i, blk in enumerate(model.layers):
             self._wrap(blk.mlp, "forward", "mlp", layer_of=lambda args, i=i: i)
         self._stats0 = _store_gather(store)
@@ -76,7 +78,7 @@ class Breakdown:
     def step(self, tokens):
         """One timed decoding step."""
         t0 = self._now()
-        out = self.model.decode(tokens, self.session)
+        out = runtime.decode(self.model, tokens, self.session)
         self.step_time += self._now() - t0
         self.steps += 1
         return out
@@ -89,7 +91,8 @@ class Breakdown:
         for layer in range(n):
             row = {c: 1e3 * self.totals.get((layer, c), 0.0) / steps for c in CATEGORIES[:-1]}
             rows.append(row)
-        accounted = sum(sum(r.values()) for r in rows) + 1e3 * sum(v for (l, _), v in self.totals.items() if l < 0) / steps
+        outside = sum(v for (layer, _), v in self.totals.items() if layer < 0)  # before the first layer
+        accounted = sum(sum(r.values()) for r in rows) + 1e3 * outside / steps
         rest = max(1e3 * self.step_time / steps - accounted, 0.0)
         for r in rows:
             r["other"] = rest / n

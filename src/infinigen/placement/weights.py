@@ -11,7 +11,7 @@ a layer's modules (InfiniGen's speculation runs layer i+1's query projection dur
     to the parameters (`param.data`); two layers' buffers alternate (double buffering).
 
     with WeightStreamer(model, fraction=0.3, kind="disk"):
-        model.prefill(...); model.decode(...)
+        runtime.prefill(model, ...); runtime.decode(model, ...)
 """
 from __future__ import annotations
 

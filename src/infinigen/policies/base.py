@@ -8,17 +8,31 @@ The hooks read and write `session.state`, never the policy, so one policy object
 of sessions, one after the other or side by side. Model-wide resources (InfiniGen's skew matrices)
 are loaded or computed once by `prepare(model, tokenizer)`, which every entry point calls first.
 
-The runtime calls these hooks in this order for each layer of a decoding step:
+A policy says what a layer reads once, in `keep(layer, rows, session)` (see `infinigen.selection`): a
+bool mask [B, Hkv, R, S] over the candidate entries of R decoding rows, or `ALL`. The runtime asks it
+while decoding (one row against the store's slots), one layer ahead for the prefetch when the policy
+can answer without the layer's query (`needs_query`, `known_ahead`), and for every decoding row of a
+sequence at once in teacher-forced scoring, unless the policy's state changes with every step
+(`replays`): then teacher-forced scoring replays decoding row by row. Three class attributes say what a
+selection depends on, and the attention path follows from them, never from which hooks a policy
+overrides:
+
+    needs_query     keep() reads the layer's own query (no plan one layer ahead)
+    needs_weights   observe() wants the attention weights over what was read (no fused dense path)
+    replays         the state changes with every decoding step (teacher-forced scoring replays decoding)
+
+The runtime calls the hooks in this order for each layer of a decoding step:
 
     on_hidden(layer, "attn_in", x)      normed attention input of `layer` (speculation point of the paper)
-    select(layer, q)                    which past slots to read: bool [B, Hkv, S], or None for all
-    observe(layer, probs, idx)          attention weights over what was read (H2O, counters)
+    keep(layer, rows)                   which entries to read (asked earlier when known ahead)
+    observe(layer, probs, idx)          attention weights over what was read (only with needs_weights)
     on_append(layer, slots, k, v)       the current token was stored in `slots`
     on_hidden(layer, "attn_out", h)     residual stream after `layer`'s attention
 
 (and `on_hidden(-1, "embed", h)` once at the start of a decoding step). `on_prefill` runs once per
 layer after the prompt. Selection is per KV head: every query head of a GQA group attends over the
-same entries. Policies never move data: placement (`infinigen.placement`) does.
+same entries. Policies never move data: placement (`infinigen.placement`) does. Whatever only listens
+(calibration, probes, recorders) is a `infinigen.runtime.Listener`, not a policy.
 """
 from __future__ import annotations
 
@@ -35,6 +49,8 @@ import torch
 
 from ..codecs import KVCodec
 from ..errors import UserError
+from ..memory import tensor_bytes
+from ..selection import ALL, All, Rows
 
 
 # Integer knobs end up in int64 tensors and index arithmetic (token counts, layer indices, positions):
@@ -130,6 +146,10 @@ class Policy:
     name: ClassVar[str] = "full"
     # reads every cached entry at full precision: the dense reference that reports compare against
     exact: ClassVar[bool] = False
+    # what the selection depends on (see the module docstring): the runtime's paths follow from these
+    needs_query: ClassVar[bool] = True
+    needs_weights: ClassVar[bool] = False
+    replays: ClassVar[bool] = False
 
     def __post_init__(self):
         # generic checks, for every policy from its annotations, before its own `validate` compares values
@@ -165,34 +185,29 @@ class Policy:
     def on_hidden(self, layer: int, point: str, x: torch.Tensor, session) -> None:
         pass
 
-    def select(self, layer: int, q: torch.Tensor, session) -> torch.Tensor | None:
-        return None
+    def keep(self, layer: int, rows: Rows, session) -> torch.Tensor | All:
+        """Which candidate entries each of `rows` reads at `layer`: bool [B|1, Hkv|1, R, S] (broadcast by
+        the runtime) or ALL. Asked only where `speculated(layer)`. rows.in_store: decoding (R is 1, the
+        candidates are the store's slots; rows.query is None when asked one layer ahead); else
+        teacher-forced scoring, every decoding row of the sequence at once (never for a policy that
+        `replays`). The runtime removes invalid entries and the sliding window afterwards, and always
+        attends each row's own token."""
+        return ALL
 
-    def planned(self, layer: int, session):
-        """What `select(layer, ...)` will return at this decoding step, if it is known already (placement
-        then fetches those rows one layer ahead, overlapped with compute): bool [B,Hkv,S], None for every
-        entry, or NotImplemented while unknown (the default; rows are then fetched when `select` runs).
-        Only a hint for speed: the runtime always uses what `select` returns."""
-        return NotImplemented
+    def known_ahead(self, layer: int, session) -> bool:
+        """Whether `keep(layer)` can be answered now, before the layer's query exists (placement then fetches
+        the rows one layer ahead, overlapped with compute; the layer reads exactly that answer)."""
+        return not self.needs_query
 
-    def observe(self, layer: int, probs: torch.Tensor, idx: torch.Tensor | None, session) -> None:
-        pass
+    def observe(self, layer: int, probs: torch.Tensor, idx: torch.Tensor | All, session) -> None:
+        """Attention weights probs [B, Hkv, G, n+1] over the n entries read (store slots `idx` [B, Hkv, n],
+        or ALL: every used slot in order) and the current token last. Called when `needs_weights`."""
 
     def on_append(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, session) -> None:
         pass
 
-    def select_rows(self, layer: int, q: torch.Tensor, k: torch.Tensor, session):
-        """Teacher-forced fast path for stateless policies.
-
-        q [B, H, R, d] are the queries of decoding rows `session.first_row ..`, k [B, Hkv, T, d] every key.
-        Return a bool mask [B, Hkv, R, T] of the past entries each row reads (the runtime adds the row's
-        own token and removes the future), None for all, or NotImplemented to have the runtime replay
-        decoding row by row through `select`/`observe`/`on_append`.
-        """
-        return NotImplemented
-
     def speculated(self, layer: int) -> bool:
-        """Whether the policy selects entries at `layer` (False: it reads them all there)."""
+        """Whether the policy selects entries at `layer` (False: it reads them all there, `keep` is not asked)."""
         return True
 
     def for_random_weights(self, model, fixed_ratio: float | None) -> "Policy":
@@ -218,20 +233,7 @@ class FullCache(Policy):
     """Every cached entry, every step: the exact dense result."""
     name = "full"
     exact = True
-
-    def planned(self, layer, session):
-        return None
-
-    def select_rows(self, layer, q, k, session):
-        return None
+    needs_query = False
 
 
-def tensor_bytes(x) -> int:
-    """Bytes of the tensors in x (nested in dicts, lists and tuples)."""
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size() if x.device.type != "meta" else 0
-    if isinstance(x, dict):
-        return sum(tensor_bytes(v) for v in x.values())
-    if isinstance(x, (list, tuple)):
-        return sum(tensor_bytes(v) for v in x)
-    return 0
+__all__ = ["Policy", "FullCache", "ALL", "All", "Rows", "tensor_bytes", "parse_layers", "jsonable"]

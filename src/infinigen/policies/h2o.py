@@ -16,7 +16,7 @@ import torch
 
 from ..errors import UserError
 from ..kernels.colsum import attention_column_sums
-from .base import Policy
+from .base import ALL, Policy
 
 
 @dataclass
@@ -31,6 +31,9 @@ class H2OState:
 @dataclass(frozen=True)
 class H2O(Policy):
     name = "h2o"
+    needs_query = False  # the scores so far decide: known before the step
+    needs_weights = True  # the attention each read entry receives accumulates into its score
+    replays = True  # evictions follow every step's scores: teacher-forced scoring replays decoding
     heavy: int | None = None  # tokens; wins over heavy_ratio
     recent: int | None = None
     heavy_ratio: float = 0.1  # fraction of the current length
@@ -40,7 +43,7 @@ class H2O(Policy):
         for name in ("heavy", "recent"):
             v = getattr(self, name)
             if v is not None and v < 0:
-                raise UserError(f"--{name} must be >= 0, got {v}")
+                raise UserError(f"H2O {name} must be >= 0, got {v}")
         for name in ("heavy_ratio", "recent_ratio"):
             v = getattr(self, name)
             if not 0 <= v <= 1:
@@ -70,14 +73,15 @@ class H2O(Policy):
         session.state.score[layer][:, :, :t] = total
         session.state.alive[layer][:, :, :t] = valid
 
-    def _keep(self, layer, session) -> torch.Tensor:
-        """The entries this step reads: the recent window plus the best scores, within the budget."""
+    def _keep(self, layer, cur: torch.Tensor, session) -> torch.Tensor:
+        """The entries this step reads, cur [B] tokens before the row: the recent window plus the best
+        scores, within the budget."""
         store = session.store
         n = store.length[layer]
         _, _, valid, pos = store.past(layer)
         st = session.state
         alive = st.alive[layer][:, :, :n] & valid
-        cur = session.positions[:, session.row][:, None, None]  # [B,1,1] tokens before this one
+        cur = cur[:, None, None]  # [B,1,1]
         heavy, recent = self.budgets(cur)
         is_recent = alive & (pos >= cur - recent)
         room = (heavy + recent - is_recent.sum(-1, keepdim=True)).clamp(min=0)  # [B,Hkv,1]
@@ -86,19 +90,17 @@ class H2O(Policy):
         ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=order.device).expand_as(order))
         return is_recent | ((ranks < room) & alive & ~is_recent)
 
-    def planned(self, layer, session):
-        return self._keep(layer, session)  # known before the step: placement may prefetch it
-
-    def select(self, layer, q, session):
-        keep = self._keep(layer, session)
+    def keep(self, layer, rows, session):
+        """Decoding only (`replays`): asked once per layer and step, so the eviction happens here."""
+        keep = self._keep(layer, rows.positions[:, 0], session)
         session.state.alive[layer][:, :, :keep.shape[-1]] = keep  # eviction is permanent
-        return keep
+        return keep[:, :, None]
 
     def observe(self, layer, probs, idx, session):
         got = probs[..., :-1].sum(2)  # [B,Hkv,n]: attention each read entry received, group summed
         st = session.state
         score = st.score[layer]
-        if idx is None:
+        if idx is ALL:
             score[:, :, :got.shape[-1]] += got
         else:
             score.scatter_add_(2, idx, got)

@@ -16,22 +16,23 @@ skew` from the cache, or calibrates on `calib` (default: a bundled novel) and ca
 (after RoPE for the Llama family); for a model whose weights already hold it (`skew.skew_model`) it is
 not applied twice. Per-request state (`InfiniGenState`) lives on the session.
 
-Modes beyond the paper (DESIGN.md section 5 measured why): `spec_input="attn_out"` speculates from
+Modes beyond the paper (ARCHITECTURE.md, "The default InfiniGen preset", says what was measured):
+`spec_input="attn_out"` speculates from
 LN_i(h_{i-1} + attn_out_{i-1}) (layer i's own input norm of the residual after layer i-1's attention);
 `key_mode="int4"` scores all columns against packed 4-bit skewed keys (`kernels.int4.PackedKeys`:
 two codes per byte, a 16-bit scale and minimum per group of 32; 40 B per token and KV head at d 64, the
-same as 30% of the columns in 16 bits, 7.8% of float32 K+V) with torch's CPU int4 kernel where it fits; `budget="union"` lets a KV head fetch every
-token any of its query heads selects, and `budget="layer"` pools the cap over a layer's KV heads and
-spends it on the entries with the most speculated attention mass. The default preset combines the
-three (see PRESETS); `InfiniGen.paper()` is exactly the paper's method.
+same as 30% of the columns in 16 bits, 7.8% of float32 K+V) with torch's CPU int4 kernel where it fits;
+`budget="union"` lets a KV head fetch every token any of its query heads selects, and `budget="layer"`
+pools the cap over a layer's KV heads and spends it on the entries with the most speculated attention
+mass. The default preset combines the three (see PRESETS); `InfiniGen.paper()` is exactly the paper's method.
 
 Issue 12: how much is read is one all-layer bound, `kv_budget` (the share of the cached entries read
 over every layer, dense layers counting 100%); the selecting layers' caps are derived from it
 (`budgets.layer_caps`), spread by the attention sparsity the skew calibration recorded per layer
 (`budget_power`: 0 the same cap everywhere, 1 proportional). The bound may shrink with the length:
 with `budget_growth` q < 1 the tokens read grow as n ** q (`budget_at`: kv_budget at `budget_ref` cached
-tokens), because the tokens that matter grow more slowly than the context. `exact_first` selects layer 0 too, with
-its exact query (nothing precedes layer 0 to speculate from): scored against layer 0's partial or
+tokens), because the tokens that matter grow more slowly than the context. `exact_first` selects layer 0
+too, with its exact query (nothing precedes layer 0 to speculate from): scored against layer 0's partial or
 packed keys when its own attention runs, so layer 0's rows are fetched on demand, without the
 one-layer-ahead overlap of the other layers. Layer 1 is then speculated from layer 0's output like
 every other layer.
@@ -48,7 +49,8 @@ import torch
 
 from ..errors import UserError
 from ..kernels.int4 import PackedKeys, tinygemm_ok
-from .base import Policy, parse_layers, tensor_bytes
+from ..memory import tensor_bytes, weight_bytes
+from .base import Policy, parse_layers
 from .budgets import layer_caps
 
 BUDGETS = ("mean", "per_head", "union", "layer")
@@ -56,38 +58,20 @@ SPEC_INPUTS = ("attn_in", "attn_out")
 KEY_MODES = ("partial", "int4")
 INT4_GROUP = 32
 
+# Why each preset is what it is, with the measurements: results/presets.md
 PRESETS = {
     # the paper, sections 4.2-4.3: alpha 4 for OPT, 5 for Llama
     "paper": dict(alpha={"opt": 4.0, "llama": 5.0}, partial_ratio=0.3, max_fetch_ratio=0.2, min_fetch=0,
                   dense_layers=(0, 1), budget="mean", spec_input="attn_in", key_mode="partial", skew=True,
                   kv_budget=None, budget_power=0.0, exact_first=False, budget_growth=1.0, budget_ref=2048),
-    # the default (issue 3, re-measured in results/accuracy.md): on the default model (SmolLM2-135M, Pride
-    # and Prejudice, context 2048, prefill 256) 18.8% of the KV read over all layers (13.1% in the selecting
-    # ones), perplexity +1.2% over the full cache, where the paper's configuration reads 20.2% at +7.9%. The
-    # cap (14% of a selecting layer's entries) bounds the relative KV size below 20% over all layers; alpha
-    # only trims the tail under it. The cap never drops below 32 tokens per KV head (short chat prompts).
+    # issue 3: under 20% of the KV read over all layers at +1.2% perplexity on the default model
     "default": dict(alpha=7.0, partial_ratio=0.3, max_fetch_ratio=0.14, min_fetch=32,
                     dense_layers=(0, 1), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
                     kv_budget=None, budget_power=0.0, exact_first=False, budget_growth=1.0, budget_ref=2048),
-    # issue 12's candidate (`--knob preset=budget`), chosen on the calibration split
-    # only (Emma, Mansfield Park; context 2048, prefill 256; results/budget_tuning.md), validated on other
-    # texts in results/accuracy.md. One bound over all layers (`kv_budget`); no dense
-    # layer: layer 0 selects with its exact query, layer 1 is speculated from layer 0's output. On Emma /
-    # Mansfield Park this reads 19.8% / 19.8% over all layers at +1.28% / +1.99% perplexity, where keeping
-    # layers 0 and 1 dense (the issue 3 preset: alpha 7, cap 14% per selecting layer) read 19.2% / 19.3% at
-    # +2.52% / +2.33%. Alpha 9 lets the cap decide at 2048 (alpha 7: 17.8% / 18.0% at +1.36% / +2.60%);
-    # spreading the caps by the calibrated sparsity (budget_power 0.5, 1) measured worse than equal caps.
-    # The tokens read grow as the square root of the cached length (budget_growth 0.5), 13% of them at 2048:
-    # the mean over a run whose prompt is 1/8 of the context is then 19.1% at context 2048 and 9.6% at
-    # 8192 (measured: 19.0-19.1% and 9.4% on the validation texts), the issue's two bounds from one rule (a
-    # flat 20% reads 20% at 8192 too). On the calibration split at 2048 it measured +1.53% / +1.58% at
-    # 19.1%, against +1.28% / +1.99% at 19.8% for a flat 20%.
-    # OPT: no checkpoint was available to measure; the same alpha (more tokens, up to the cap).
-    # The cap never drops below 32 tokens per KV head: a share of a short chat prompt is a handful of tokens
-    # (it does not bind from 160 cached tokens on, so the bound holds at the measured lengths).
+    # issue 12's candidate (`--knob preset=budget`): one all-layer bound that shrinks with the context
     "budget": dict(alpha=9.0, partial_ratio=0.3, max_fetch_ratio=None, min_fetch=32,
-                    dense_layers=(), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
-                    kv_budget=0.13, budget_power=0.0, exact_first=True, budget_growth=0.5, budget_ref=2048),
+                   dense_layers=(), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
+                   kv_budget=0.13, budget_power=0.0, exact_first=True, budget_growth=0.5, budget_ref=2048),
 }
 
 
@@ -116,7 +100,7 @@ def _kth_largest(score: torch.Tensor, k: int) -> torch.Tensor:
 
 def int4_layout(d: int, capacity: int, device) -> str:
     """The `PackedKeys` layout of a request's 4-bit speculation keys, chosen once in `begin` so that decoding
-    and `select_rows` quantize the same way: torch's CPU int4 kernel where it takes this head_dim and padding
+    and teacher-forced scoring quantize the same way: torch's CPU int4 kernel where it takes this head_dim and padding
     the capacity to its 64-token blocks keeps the bytes within 2.4% (40 B/token/head then stays under 8% of
     float32 K+V), else the portable rows layout."""
     padded = -(-capacity // 64) * 64
@@ -132,14 +116,15 @@ class InfiniGenState:
     spec_layers: set
     cols: int
     caps: dict = field(default_factory=dict)  # selecting layer -> share of the cached entries it may read
-    caps_at: tuple = (None, None)  # budget_growth < 1: (cached length, its caps), the last asked
+    caps_for_length: tuple = (None, None)  # budget_growth < 1: (cached length, its caps), the last asked
     layout: str | None = None  # key_mode "int4": the PackedKeys layout
     key_dtype: torch.dtype | None = None  # key_mode "partial": dtype of the stored partial columns
     idx: dict = field(default_factory=dict)  # layer -> [B, Hkv, cols] partial index
     proj: dict = field(default_factory=dict)  # layer -> [B, Hkv, d, cols] partial weights A[:, idx] (model dtype)
-    pk: dict = field(default_factory=dict)  # layer -> PackedKeys (int4) | [B, Hkv, capacity, cols] partial keys
+    # layer -> the keys speculation scores against: PackedKeys (int4) | [B, Hkv, capacity, cols] partial keys
+    spec_keys: dict = field(default_factory=dict)
     spec: dict = field(default_factory=dict)  # layer -> [B, Hkv, G, T, d] post-RoPE queries (projected per row)
-    pending: dict = field(default_factory=dict)  # layer -> selection computed one layer ahead (decode)
+    ready: set = field(default_factory=set)  # layers whose speculation for this decoding step has run
 
 
 # Skew matrices are a model-wide resource: loaded or computed once per (model, calibration text) by
@@ -150,8 +135,11 @@ _SKEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 @dataclass(frozen=True)
 class InfiniGen(Policy):
     name = "infinigen"
+    # the speculation made at the layer before decides (see `known_ahead`; layer 0 with exact_first: its query)
+    needs_query = False
 
-    preset: str = "default"  # "default" (issue 3), "budget" (issue 12 candidate) or "paper"; knobs left None come from it
+    # "default" (issue 3), "budget" (issue 12 candidate) or "paper"; knobs left None come from it
+    preset: str = "default"
     alpha: float | None = None  # select tokens whose speculated score > max - alpha (None: the preset's, per arch)
     partial_ratio: float | None = None  # r: share of the d columns in the partial weights / key cache
     # at most this share of the cached tokens per step and selecting layer (per KV head; per layer for budget
@@ -163,19 +151,22 @@ class InfiniGen(Policy):
     # would be one 4 KB page of a pool file laid out per KV head: measured to cost too much accuracy for
     # what it saves on this machine's disk (README, issue 9's disk target), so a knob for experiments
     block: int = 1
-    dense_layers: tuple[int, ...] | None = None  # layers attending densely (layer 0 too unless exact_first: nothing precedes it)
+    # layers attending densely (layer 0 too unless exact_first: nothing precedes it)
+    dense_layers: tuple[int, ...] | None = None
     budget: str | None = None  # "mean" (paper) | "per_head" | "union" | "layer" (see `_choose`)
     spec_input: str | None = None  # "attn_in" (paper) | "attn_out"
     key_mode: str | None = None  # "partial" (paper) | "int4"
     skew: bool | None = None  # rotate queries and keys with the skew matrices
     calib: str | None = None  # calibration text of the skew (file or corpus name; None: the cached or default one)
-    kv_budget: float | None = None  # share of the KV read over all layers (dense layers count 100%): the caps follow from it
+    # share of the KV read over all layers (dense layers count 100%): the caps follow from it
+    kv_budget: float | None = None
     budget_power: float | None = None  # kv_budget's layer caps ~ calibrated sparsity ** this (0: the same for all)
     # how the tokens read grow with the cached length n: n ** budget_growth, kv_budget being the share at
     # budget_ref tokens (1: the same share at every length; 0.5: twice the tokens for 4x the context)
     budget_growth: float | None = None
     budget_ref: int | None = None
-    exact_first: bool | None = None  # layer 0 selects with its exact query (no prefetch overlap there) instead of reading all
+    # layer 0 selects with its exact query (no prefetch overlap there) instead of reading all
+    exact_first: bool | None = None
     # explicit skew matrices (`with_skew`): a resource, not a knob
     matrices: object = field(default=None, init=False, repr=False, compare=False)
 
@@ -215,7 +206,8 @@ class InfiniGen(Policy):
             raise UserError(f"kv budget must be in (0, 1], got {self.kv_budget}")
         if self.max_fetch_ratio is not None and not 0 < self.max_fetch_ratio <= 1:
             raise UserError(f"max fetch ratio must be in (0, 1], got {self.max_fetch_ratio}")
-        if not isinstance(self.budget_power, (int, float)) or isinstance(self.budget_power, bool) or self.budget_power < 0:
+        if not isinstance(self.budget_power, (int, float)) or isinstance(self.budget_power, bool) \
+                or self.budget_power < 0:
             raise UserError(f"budget power must be a number >= 0, got {self.budget_power!r}")
         if not isinstance(self.budget_growth, (int, float)) or isinstance(self.budget_growth, bool) \
                 or not 0 < self.budget_growth <= 1:
@@ -259,13 +251,14 @@ class InfiniGen(Policy):
         """Every token qualifies (alpha 1e9) and the cap picks the top `fixed_ratio` of them; random
         orthogonal skew matrices stand in for calibrated ones."""
         if fixed_ratio is None:
-            raise UserError("InfiniGen on random weights needs a fixed selection ratio (--fixed-ratio): "
+            raise UserError("InfiniGen on random weights needs a fixed selection ratio (fixed_ratio): "
                             "speculation on random weights means nothing")
         if model is None:
             return self
         cfg = model.cfg
         g = torch.Generator().manual_seed(0)
-        rand = torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, generator=g, dtype=torch.float64)
+        rand = torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, generator=g,
+                           dtype=torch.float64)
         pol = dataclasses.replace(self, alpha=1e9, max_fetch_ratio=fixed_ratio, kv_budget=None, min_fetch=0)
         return pol.with_skew(torch.linalg.qr(rand)[0]) if pol.skew else pol
 
@@ -351,9 +344,9 @@ class InfiniGen(Policy):
         (every layer of a decoding step asks at the same length)."""
         if self.budget_growth == 1 or self.kv_budget is None:
             return st.caps[layer]
-        if st.caps_at[0] != cached:
-            st.caps_at = (cached, self.layer_caps(model, cached))
-        return st.caps_at[1][layer]
+        if st.caps_for_length[0] != cached:
+            st.caps_for_length = (cached, self.layer_caps(model, cached))
+        return st.caps_for_length[1][layer]
 
     # ---- per-request state ----------------------------------------------------------------------
     def begin(self, model, session) -> InfiniGenState:
@@ -377,14 +370,14 @@ class InfiniGen(Policy):
     def speculation_bytes(state) -> int:
         """The per-request speculation state kept for the whole request: the partial or packed key cache
         (codes, scales, minima), the partial indices and the partial weights."""
-        pk = sum(p.nbytes if isinstance(p, PackedKeys) else tensor_bytes(p) for p in state.pk.values())
-        return pk + tensor_bytes(state.idx) + tensor_bytes(state.proj)
+        keys = sum(p.nbytes if isinstance(p, PackedKeys) else tensor_bytes(p) for p in state.spec_keys.values())
+        return keys + tensor_bytes(state.idx) + tensor_bytes(state.proj)
 
     def fast_tier_bytes(self, state) -> dict:
         """The speculation state (`speculation_bytes`), the skew `A` (model-wide) and the transient
         queries and plans."""
         out = {"speculation": self.speculation_bytes(state)}
-        out.update({k: tensor_bytes(getattr(state, k)) for k in ("A", "spec", "pending")})
+        out.update({k: tensor_bytes(getattr(state, k)) for k in ("A", "spec")})
         return {k: v for k, v in out.items() if v}
 
     def speculated(self, layer: int) -> bool:
@@ -396,8 +389,7 @@ class InfiniGen(Policy):
         spec = self.speculation_bytes(state)
         cfg = model.cfg
         covered = kv_bytes * len(state.spec_layers) / cfg.num_layers if kv_bytes else 0
-        from ..bench.memory import weight_bytes  # tied weights counted once
-        weights = weight_bytes(model)
+        weights = weight_bytes(model)  # tied weights counted once
         skew = tensor_bytes(state.A)
         return {"speculation_bytes": spec, "speculation_vs_kv": spec / covered if covered else None,
                 "partial_key_cache_bytes": spec - tensor_bytes(state.idx) - tensor_bytes(state.proj),
@@ -449,11 +441,11 @@ class InfiniGen(Policy):
         b, h, t, d = q.shape
         hkv = k.shape[1]
         store = session.store
-        st.pending.pop(layer, None)
+        st.ready.discard(layer)
         if self.key_mode == "int4":
-            pk = PackedKeys(b, hkv, store.capacity, d, group=INT4_GROUP, layout=st.layout, device=k.device)
-            pk.write(0, self._rotate(st, k, layer))
-            st.pk[layer] = pk
+            spec_keys = PackedKeys(b, hkv, store.capacity, d, group=INT4_GROUP, layout=st.layout, device=k.device)
+            spec_keys.write(0, self._rotate(st, k, layer))
+            st.spec_keys[layer] = spec_keys
             return
         w = store.valid[layer][:, :, :t, None].float()  # pad tokens of left-padded prompts do not vote
         qs = self._rotate(st, q.view(b, hkv, h // hkv, t, d), layer).abs()
@@ -465,9 +457,9 @@ class InfiniGen(Policy):
             a = st.A[layer].expand(b, hkv, d, d)
             # kept in the model's dtype, like W_Q (float32 would add cols/capacity of the KV bytes)
             st.proj[layer] = a.gather(-1, idx[:, :, None, :].expand(b, hkv, d, st.cols)).to(st.key_dtype)
-        pk = torch.zeros(b, hkv, store.capacity, st.cols, dtype=st.key_dtype, device=k.device)
-        pk[:, :, :t] = self._project(st, k, layer).to(st.key_dtype)
-        st.pk[layer] = pk
+        spec_keys = torch.zeros(b, hkv, store.capacity, st.cols, dtype=st.key_dtype, device=k.device)
+        spec_keys[:, :, :t] = self._project(st, k, layer).to(st.key_dtype)
+        st.spec_keys[layer] = spec_keys
 
     def on_hidden(self, layer, point, x, session):
         st, model = session.state, session.model
@@ -483,44 +475,43 @@ class InfiniGen(Policy):
             del st.spec[old]
         # kept as is and projected per row when scored: at prefill the partial weights do not exist yet
         st.spec[target] = q.view(b, hkv, h // hkv, t, d)
-        if t == 1 and target in st.pk:
-            # decoding: the selection is ready one layer ahead, so its transfer can start now;
+        if t == 1 and target in st.spec_keys:
+            # decoding: the selection is known one layer ahead, so its transfer can start now;
             # layer `target`'s partial keys do not change before its own attention
-            st.pending[target] = self._select_row(target, 0, session)
+            st.ready.add(target)
 
-    def planned(self, layer, session):
-        """What `select` will return, once this step's speculation for `layer` has run (placement fetches
-        it meanwhile); dense layers read everything."""
-        st = session.state
-        if layer not in st.spec_layers:
-            return None
-        return st.pending.get(layer, NotImplemented)
+    def known_ahead(self, layer, session) -> bool:
+        """Once this step's speculation for `layer` has run (placement fetches its rows meanwhile)."""
+        return layer in session.state.ready
 
-    def select(self, layer, q, session):
+    def keep(self, layer, rows, session):
+        if rows.in_store:
+            return self._decoding_row(layer, rows, session)[:, :, None]
+        return self._sequence_rows(layer, rows, session)
+
+    def _decoding_row(self, layer, rows, session) -> torch.Tensor:
         st = session.state
-        if layer not in st.spec_layers:
-            return None
-        if layer == 0:  # exact_first: its own query, known only now (rows `session.row` of a view)
+        st.ready.discard(layer)
+        if layer == 0:  # exact_first: its own query, known only now (row `rows.first` of a view)
+            q = rows.query
             b, h, _, d = q.shape
             hkv = session.model.cfg.num_kv_heads
-            st.spec[0] = q.view(b, hkv, h // hkv, 1, d).expand(b, hkv, h // hkv, session.row + 1, d)
-            return self._select_row(0, session.row, session)
-        keep = st.pending.pop(layer, None)
-        return keep if keep is not None else self._select_row(layer, session.row, session)
+            st.spec[0] = q.view(b, hkv, h // hkv, 1, d).expand(b, hkv, h // hkv, rows.first + 1, d)
+        return self._select_row(layer, rows.first, session)
 
     def on_append(self, layer, slots, k, v, session):
         st = session.state
         if layer not in st.spec_layers:
             return
-        pk = st.pk[layer]
+        spec_keys = st.spec_keys[layer]
         if self.key_mode == "int4":
-            pk.scatter(slots, self._rotate(st, k, layer))
+            spec_keys.scatter(slots, self._rotate(st, k, layer))
             return
         rows = self._project(st, k, layer).to(st.key_dtype)  # [B, Hkv, 1, cols]
-        idx = slots[:, :, None, None].expand(*slots.shape, 1, pk.shape[-1])
-        if pk.element_size() == 2:  # 16-bit floats moved as int16: scatter_ on them is slow in torch 2.13
-            pk, rows = pk.view(torch.int16), rows.view(torch.int16)
-        pk.scatter_(2, idx, rows)
+        idx = slots[:, :, None, None].expand(*slots.shape, 1, spec_keys.shape[-1])
+        if spec_keys.element_size() == 2:  # 16-bit floats moved as int16: scatter_ on them is slow in torch 2.13
+            spec_keys, rows = spec_keys.view(torch.int16), rows.view(torch.int16)
+        spec_keys.scatter_(2, idx, rows)
 
     # ---- selection ------------------------------------------------------------------------------
     def _spec_rows(self, st: InfiniGenState, layer: int, rows: slice) -> torch.Tensor:
@@ -535,56 +526,56 @@ class InfiniGen(Policy):
         w = cfg.sliding_window
         return valid if w is None else valid & (cur - pos < w)
 
-    def _scores(self, st: InfiniGenState, layer: int, row: int, pk, n: int) -> torch.Tensor:
+    def _scores(self, st: InfiniGenState, layer: int, row: int, spec_keys, n: int) -> torch.Tensor:
         """Speculated scores [B, Hkv, G, n] (float32) of decoding row `row` against the first n slots of
-        the partial or packed keys, the same calls on both paths (decoding and `select_rows`), so they
+        the partial or packed keys, the same calls on both paths (decoding and `_sequence_rows`), so they
         agree bit for bit. int4: torch's int4 kernel or the tiled scorer read the packed codes (no float
         copy of the context). partial: one matmul per row in the keys' 16-bit dtype; the G query heads
         are the matmul rows (broadcasting the keys over G copied them G times)."""
         qs = self._spec_rows(st, layer, slice(row, row + 1))[:, :, :, 0].contiguous()  # [B, Hkv, G, c]
-        if isinstance(pk, PackedKeys):
-            return pk.scores(qs, n)
-        k = pk[:, :, :n]
+        if isinstance(spec_keys, PackedKeys):
+            return spec_keys.scores(qs, n)
+        k = spec_keys[:, :, :n]
         return (qs.to(k.dtype) @ k.transpose(-1, -2)).float()
 
     def _select_row(self, layer: int, row: int, session) -> torch.Tensor:
         """Selection [B, Hkv, S] over the store's slots for decoding row `row`."""
         st, store, model = session.state, session.store, session.model
         n = store.length[layer]
-        scores = self._scores(st, layer, row, st.pk[layer], n)[:, :, :, None]  # [B, Hkv, G, 1, S]
+        scores = self._scores(st, layer, row, st.spec_keys[layer], n)[:, :, :, None]  # [B, Hkv, G, 1, S]
         valid = store.valid[layer][:, :, :n]
         cur = session.positions[:, row]
         valid = self._window(model.cfg, valid, store.pos[layer][:, :, :n], cur[:, None, None])
         # every row has n valid tokens unless a prompt was padded or a window hides some: then the caps
         # are known on the host and the selection needs no synchronization (see `_choose`)
-        same = n if not getattr(store, "padded", True) and model.cfg.sliding_window is None else None
-        keep = self._choose(scores * model.scale, valid[:, :, None, :], st.alpha, same, self._cap(st, model, layer, n))
+        shared_length = n if not store.padded and model.cfg.sliding_window is None else None
+        cap = self._cap(st, model, layer, n)
+        keep = self._choose(scores * model.scale, valid[:, :, None, :], st.alpha, shared_length, cap)
         return keep[:, :, 0]
 
-    def select_rows(self, layer, q, k, session):
+    def _sequence_rows(self, layer, rows, session):
         """All decoding rows of `layer` at once (teacher-forced): the same selection as `_select_row`
         makes for each row, with the keys of every earlier position in the partial or packed key cache."""
         st, model = session.state, session.model
-        if layer not in st.spec_layers:
-            return None
-        p, t = session.first_row, k.shape[2]
+        q, k = rows.query, rows.keys
+        p, t = rows.first, k.shape[2]
         b, hkv, _, d = k.shape
         dev = k.device
         if layer == 0:  # exact_first: the rows' own queries (rows before p are never scored)
             h = q.shape[1]
             st.spec[0] = torch.cat([q[:, :, :1].expand(b, h, p, d), q], 2).view(b, hkv, h // hkv, t, d)
         if self.key_mode == "int4":
-            pk = PackedKeys(b, hkv, t, d, group=INT4_GROUP, layout=st.layout, device=dev)
-            pk.write(0, self._rotate(st, k, layer))
+            spec_keys = PackedKeys(b, hkv, t, d, group=INT4_GROUP, layout=st.layout, device=dev)
+            spec_keys.write(0, self._rotate(st, k, layer))
         else:
-            pk = self._project(st, k, layer).to(st.key_dtype)  # [B, Hkv, T, c]
+            spec_keys = self._project(st, k, layer).to(st.key_dtype)  # [B, Hkv, T, c]
         every = None
-        if isinstance(pk, PackedKeys) and pk.layout == "tinygemm":
+        if isinstance(spec_keys, PackedKeys) and spec_keys.layout == "tinygemm":
             # each score of the int4 kernel is its own dot product, the same bits whatever the other rows
             # of the call: score every row in one call and cut per row
             qs = self._spec_rows(st, layer, slice(p, t))  # [B, Hkv, G, R, d]
             g = qs.shape[2]
-            every = pk.scores(qs.reshape(b, hkv, g * (t - p), d).contiguous(), t).view(b, hkv, g, t - p, t)
+            every = spec_keys.scores(qs.reshape(b, hkv, g * (t - p), d).contiguous(), t).view(b, hkv, g, t - p, t)
         out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=dev)
         for r in range(p, t):
             # row r sees the r cached tokens before it: the same shapes, so the same float32 numbers,
@@ -594,13 +585,13 @@ class InfiniGen(Policy):
             if every is not None:
                 scores = every[:, :, :, r - p, None, :r]
             else:
-                scores = self._scores(st, layer, r, pk, r)[:, :, :, None]  # [B, Hkv, G, 1, r]
-            same = r if model.cfg.sliding_window is None else None
+                scores = self._scores(st, layer, r, spec_keys, r)[:, :, :, None]  # [B, Hkv, G, 1, r]
+            shared_length = r if model.cfg.sliding_window is None else None
             cap = self._cap(st, model, layer, r)
-            out[:, :, r - p, :r] = self._choose(scores * model.scale, valid, st.alpha, same, cap)[:, :, 0]
+            out[:, :, r - p, :r] = self._choose(scores * model.scale, valid, st.alpha, shared_length, cap)[:, :, 0]
         return out
 
-    def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float, same: int | None = None,
+    def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float, shared_length: int | None = None,
                 ratio: float | None = None) -> torch.Tensor:
         """Scores s [B, Hkv, G, R, S] (float32) of R rows over S slots, valid [B|1, Hkv|1, R, S] ->
         keep [B, Hkv, R, S]: per query head, the tokens above max - `alpha`, counted per `budget`:
@@ -614,49 +605,53 @@ class InfiniGen(Policy):
                     layer): above it, the entries with the most speculated attention mass (summed over
                     the group's query heads) win, so peaked heads give up nothing to flat ones
         The cap is `ratio` (the layer's cap, `layer_caps`; None: `max_fetch_ratio`) of the cached tokens
-        (per KV head; per layer for "layer"), at least `min_fetch` tokens per KV head. `same`: every row's
-        count of valid tokens, when the caller knows it is one number (no padding, no window).
+        (per KV head; per layer for "layer"), at least `min_fetch` tokens per KV head. `shared_length`: every
+        row's count of valid tokens, when the caller knows it is one number (no padding, no window).
 
         Host synchronizations per call (what a CUDA decoding step pays per speculated layer): "union" and
-        "layer" with `same` known: none (caps are host numbers, the cut is a top-k with a host k over every
-        row, kept rows restored with `where`); on CPU, "layer" checks once whether any row is over its cap
+        "layer" with `shared_length` known: none (caps are host numbers, the cut is a top-k with a host k over
+        every row, kept rows restored with `where`); on CPU, "layer" checks once whether any row is over its cap
         (a free check there, and it skips the cut). Otherwise (padding, a window; "mean" and "per_head",
         whose counts are data) 3-4: the rows to cut (nonzero), the largest count (top-k size) and whether
         the counts are all equal. The runtime's gather of the chosen slots adds 2 (`KVStore.slots`: the
         largest count and nonzero, a data-dependent size)."""
-        # both paths call this with the same shapes per row (`select_rows`), so float32 is exact enough
-        rel = s.float()
-        if same is None:  # else every slot is valid
-            rel = rel.masked_fill_(~valid[:, :, None], float("-inf"))
-        rel -= rel.amax(-1, keepdim=True).clamp(min=torch.finfo(rel.dtype).min)  # relative to each head's max
+        # both paths call this with the same shapes per row (`_sequence_rows`), so float32 is exact enough
+        relative = s.float()
+        if shared_length is None:  # else every slot is valid
+            relative = relative.masked_fill_(~valid[:, :, None], float("-inf"))
+        relative -= relative.amax(-1, keepdim=True).clamp(min=torch.finfo(relative.dtype).min)  # to each head's max
         ratio = self.max_fetch_ratio if ratio is None else ratio
         floor = max(1, self.min_fetch)
-        # host numbers when every row has `same` tokens; the same float32 arithmetic as on the device
-        length = valid.sum(-1) if same is None else torch.tensor(same).view(1, 1, 1)  # [B|1, Hkv|1, R] cached tokens
+        # host numbers when every row has `shared_length` tokens; the same float32 arithmetic as on the device
+        # [B|1, Hkv|1, R] cached tokens
+        length = valid.sum(-1) if shared_length is None else torch.tensor(shared_length).view(1, 1, 1)
         cap = (ratio * length).floor().clamp(min=floor).long()
         if self.budget in ("union", "layer"):
-            u = rel[:, :, 0].clone()  # [B, Hkv, R, S]: the max over the group, slice by slice (a strided
-            for g in range(1, rel.shape[2]):  # amax over dim 2 takes 20x longer on a CPU)
-                torch.maximum(u, rel[:, :, g], out=u)
-            keep = u > -alpha
+            # [B, Hkv, R, S]: the max over the group, slice by slice (a strided amax over dim 2 takes 20x
+            # longer on a CPU)
+            group_max = relative[:, :, 0].clone()
+            for g in range(1, relative.shape[2]):
+                torch.maximum(group_max, relative[:, :, g], out=group_max)
+            keep = group_max > -alpha
             if self.budget == "union":
-                return self._cut(keep, u, int(cap) if same is not None else cap.expand(u.shape[:-1]))
+                n = int(cap) if shared_length is not None else cap.expand(group_max.shape[:-1])
+                return self._top_n_per_row(keep, group_max, n)
             b, hkv, r, n = keep.shape
-            if same is None:
+            if shared_length is None:
                 total = (ratio * length.expand(b, hkv, r).sum(1)).floor().clamp(min=floor * hkv).long()  # [B, R]
             else:
                 total = int((ratio * (length * hkv)).floor().clamp(min=floor * hkv))
             if self.block > 1:
-                return self._choose_blocks(rel, keep, valid, total)
+                return self._choose_blocks(relative, keep, valid, total)
             over = keep.sum((1, 3)) > total
             if not keep.is_cuda and not over.any():  # free on a CPU (and skips the cut); on CUDA a synchronization
                 return keep
-            p = rel.exp()  # speculated attention weights per query head
+            p = relative.exp()  # speculated attention weights per query head
             mass = (p / p.sum(-1, keepdim=True)).sum(2)  # [B, Hkv, R, S]
             flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, r, hkv * n)  # noqa: E731 (KV head, slot) per row
-            cut = self._cut(flat(keep), flat(mass.masked_fill(~keep, -1.0)), total, exact=~over)
+            cut = self._top_n_per_row(flat(keep), flat(mass.masked_fill(~keep, -1.0)), total, as_is=~over)
             return cut.view(b, r, hkv, n).permute(0, 2, 1, 3)
-        above = rel > -alpha  # [B, Hkv, G, R, S]
+        above = relative > -alpha  # [B, Hkv, G, R, S]
         counts = above.sum(-1)  # [B, Hkv, G, R]
         if self.budget == "mean":  # paper: every head of the layer fetches the mean count
             n = counts.float().mean((1, 2), keepdim=True)
@@ -664,9 +659,9 @@ class InfiniGen(Policy):
             n = counts.float().mean(2, keepdim=True)
         n = torch.minimum(torch.ceil(n - 1e-6).long(), cap[:, :, None].to(n.device)).expand_as(counts)
         # each query head its own top-n tokens: where n equals the head's count that is `above` itself
-        return self._cut(above, rel, n, exact=counts == n).any(2)
+        return self._top_n_per_row(above, relative, n, as_is=counts == n).any(2)
 
-    def _choose_blocks(self, rel, keep, valid, total):
+    def _choose_blocks(self, relative, keep, valid, total):
         """budget "layer" in blocks of `block` consecutive slots per KV head: a block qualifies when any of
         its tokens does, the blocks with the most speculated mass win until their tokens reach the cap
         (`total` tokens per row over the layer's KV heads: total // block blocks), and a chosen block is
@@ -675,7 +670,7 @@ class InfiniGen(Policy):
         b, hkv, r, n = keep.shape
         nb = -(-n // k)
         pad = nb * k - n
-        p = rel.exp()
+        p = relative.exp()
         mass = (p / p.sum(-1, keepdim=True)).sum(2)  # [B, Hkv, R, S]
         if pad:
             keep = torch.nn.functional.pad(keep, (0, pad))
@@ -684,39 +679,40 @@ class InfiniGen(Policy):
         mb = mass.view(b, hkv, r, nb, k).sum(-1).masked_fill(~kb, -1.0)
         nblocks = max(1, total // k) if isinstance(total, int) else (total // k).clamp(min=1)
         flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, r, hkv * nb)  # noqa: E731
-        cut = self._cut(flat(kb), flat(mb), nblocks).view(b, r, hkv, nb).permute(0, 2, 1, 3)
+        cut = self._top_n_per_row(flat(kb), flat(mb), nblocks).view(b, r, hkv, nb).permute(0, 2, 1, 3)
         out = cut[..., None].expand(b, hkv, r, nb, k).reshape(b, hkv, r, nb * k)[..., :n]
         return out & valid  # a block past the valid tokens (padding, a window) reads only its valid slots
 
     @staticmethod
-    def _cut(keep: torch.Tensor, score: torch.Tensor, n: torch.Tensor, exact: torch.Tensor | None = None):
+    def _top_n_per_row(keep: torch.Tensor, score: torch.Tensor, n: torch.Tensor,
+                       as_is: torch.Tensor | None = None) -> torch.Tensor:
         """Per row (last dim), exactly the top-n entries of `score` (ties: lower slot first) where `keep`
-        holds more, or fewer, than n; rows in `exact` (or with at most n kept, when `exact` is None)
+        holds more, or fewer, than n; rows in `as_is` (or with at most n kept, when `as_is` is None)
         keep `keep`. n: a tensor per row, or one host number for every row (then no synchronization: every
-        row is cut, a top-k with an unsorted k, and the exact rows are put back)."""
-        if exact is None:
-            exact = keep.sum(-1) <= n  # nothing to cut
+        row is cut, a top-k with an unsorted k, and the rows kept as they are put back)."""
+        if as_is is None:
+            as_is = keep.sum(-1) <= n  # nothing to cut
         if isinstance(n, int):
             k = min(n, score.shape[-1])
             if k == 0:
-                return keep & exact[..., None]
+                return keep & as_is[..., None]
             thr = _kth_largest(score, k)
             above = score > thr
             tie = (score == thr) & (score > float("-inf"))
             take = above | (tie & (tie.cumsum(-1) <= (n - above.sum(-1, keepdim=True))))
-            return torch.where(exact[..., None], keep, take)
-        todo = (~exact).nonzero(as_tuple=True)
+            return torch.where(as_is[..., None], keep, take)
+        todo = (~as_is).nonzero(as_tuple=True)
         if todo[0].numel() == 0:
             return keep
-        sc, nn = score[todo], n[todo]  # [N, S], [N]
-        kmax = min(int(nn.max()), sc.shape[-1])
-        if bool((nn >= kmax).all()):  # one n for every row (the common case): no need to sort the top
-            thr = _kth_largest(sc, kmax)
+        row_scores, row_n = score[todo], n[todo]  # [N, S], [N]
+        kmax = min(int(row_n.max()), row_scores.shape[-1])
+        if bool((row_n >= kmax).all()):  # one n for every row (the common case): no need to sort the top
+            thr = _kth_largest(row_scores, kmax)
         else:
-            thr = sc.topk(kmax, dim=-1, sorted=True).values.gather(-1, (nn.clamp(1, kmax) - 1)[:, None])
-        above = sc > thr
-        tie = (sc == thr) & (sc > float("-inf"))
-        take = above | (tie & (tie.cumsum(-1) <= (nn[:, None] - above.sum(-1, keepdim=True))))
+            thr = row_scores.topk(kmax, dim=-1, sorted=True).values.gather(-1, (row_n.clamp(1, kmax) - 1)[:, None])
+        above = row_scores > thr
+        tie = (row_scores == thr) & (row_scores > float("-inf"))
+        take = above | (tie & (tie.cumsum(-1) <= (row_n[:, None] - above.sum(-1, keepdim=True))))
         keep = keep.clone()
         keep[todo] = take
         return keep

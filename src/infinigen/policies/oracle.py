@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
-from .base import Policy, parse_layers
+from .base import ALL, Policy, parse_layers
 
 ROW_CHUNK = 256  # decoding rows scored at once in teacher-forced mode: bounds [B,H,rows,T] scores
 
@@ -23,6 +23,7 @@ ROW_CHUNK = 256  # decoding rows scored at once in teacher-forced mode: bounds [
 @dataclass(frozen=True)
 class Oracle(Policy):
     name = "oracle"
+    needs_query = True  # the layer's true scores decide: known only when its attention runs
     ratio: float | None = None  # keep this fraction of the past tokens (count budget)
     tokens: int | None = None  # or this many
     alpha: float | None = None  # or the threshold rule
@@ -35,18 +36,15 @@ class Oracle(Policy):
     def validate(self):
         set_ = [x is not None for x in (self.ratio, self.tokens, self.alpha)]
         if sum(set_) > 1:
-            raise UserError("oracle: give one of --ratio, --budget (tokens) or --alpha")
+            raise UserError("oracle: give one of ratio, tokens or alpha")
         if self.ratio is not None and not 0 <= self.ratio <= 1:
-            raise UserError(f"--ratio must be in [0, 1], got {self.ratio}")
+            raise UserError(f"oracle ratio must be in [0, 1], got {self.ratio}")
         if self.tokens is not None and self.tokens < 0:
             raise UserError("oracle token budget must be >= 0")
         if self.alpha is not None and self.alpha < 0:
-            raise UserError("--alpha must be >= 0")
+            raise UserError(f"oracle alpha must be >= 0, got {self.alpha}")
         if any(i < 0 for i in self.dense_layers):
             raise UserError("dense layers must be non-negative")
-
-    def begin(self, model, session) -> dict:
-        return {}  # layer -> this step's attention input (for the current token's key)
 
     def speculated(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -73,49 +71,42 @@ class Oracle(Policy):
         ranks = torch.empty_like(order).scatter_(-1, order, torch.arange(s.shape[-1], device=s.device).expand_as(order))
         return (ranks < n[..., None]) & past.any(2)
 
-    # ---- decoding --------------------------------------------------------------------------------
-    def on_hidden(self, layer, point, x, session):
-        if point == "attn_in" and not self._unlimited(layer):
-            session.state[layer] = x
+    def known_ahead(self, layer, session) -> bool:
+        return self._unlimited(layer)  # else the layer's own query decides
 
-    def _current_key(self, layer, session) -> torch.Tensor:
-        """The current token's key [B,Hkv,1,d] (select only receives the query)."""
-        m, r = session.model, session.row
-        x = session.state[layer][:, r:r + 1]
-        attn = m.layers[layer].attn
-        b = x.shape[0]
-        k = attn.k_proj(x).view(b, 1, m.cfg.num_kv_heads, m.cfg.head_dim).transpose(1, 2)
-        return m.rotary.apply(k, session.positions[:, r:r + 1]) if m.cfg.uses_rope else k
-
-    def select(self, layer, q, session):
+    def keep(self, layer, rows, session):
         if self._unlimited(layer):
-            return None
-        kp, _, valid, _ = session.store.past(layer)
+            return ALL
+        if rows.in_store:
+            return self._decoding_row(rows, session.model.scale)
+        return self._sequence_rows(rows, session.model.scale)
+
+    def _decoding_row(self, rows, scale: float) -> torch.Tensor:
+        """One decoding row against the store's slots; its own key is not among them."""
+        q, kp = rows.query, rows.keys
         b, h, _, d = q.shape
         hkv = kp.shape[1]
         qg = q.view(b, hkv, h // hkv, 1, d)
-        s = torch.matmul(qg, kp[:, :, None].transpose(-1, -2)).float() * session.model.scale  # [B,Hkv,G,1,S]
-        kc = self._current_key(layer, session)
-        s_cur = (qg.float() * kc[:, :, None].float()).sum(-1) * session.model.scale  # [B,Hkv,G,1]
-        n_past = session.positions[:, session.row][:, None, None]  # [B,1,1] tokens before this one
-        return self._choose(s, valid[:, :, None, None], s_cur, n_past)[:, :, 0]
+        s = torch.matmul(qg, kp[:, :, None].transpose(-1, -2)).float() * scale  # [B,Hkv,G,1,S]
+        s_cur = (qg.float() * rows.own_keys[:, :, None].float()).sum(-1) * scale  # [B,Hkv,G,1]
+        n_past = rows.positions[:, 0][:, None, None]  # [B,1,1] tokens before this one
+        return self._choose(s, rows.valid[:, :, None], s_cur, n_past)
 
-    # ---- teacher-forced rows -----------------------------------------------------------------------
-    def select_rows(self, layer, q, k, session):
-        if self._unlimited(layer):
-            return None
+    def _sequence_rows(self, rows, scale: float) -> torch.Tensor:
+        """Every decoding row of a sequence (teacher-forced) against the sequence's keys, in chunks."""
+        q, k = rows.query, rows.keys
         b, h, r, d = q.shape
         hkv, t = k.shape[1], k.shape[2]
-        p = session.first_row
+        p = rows.first
         qg = q.view(b, hkv, h // hkv, r, d)
         out = torch.empty(b, hkv, r, t, dtype=torch.bool, device=q.device)
         cols = torch.arange(t, device=q.device)
         for s0 in range(0, r, ROW_CHUNK):
             e = min(r, s0 + ROW_CHUNK)
-            rows = torch.arange(p + s0, p + e, device=q.device)
+            at = torch.arange(p + s0, p + e, device=q.device)
             qc = qg[:, :, :, s0:e]
-            s = torch.matmul(qc, k[:, :, None].transpose(-1, -2)).float() * session.model.scale  # [B,Hkv,G,c,T]
-            s_cur = s.gather(-1, rows.view(1, 1, 1, -1, 1).expand(*s.shape[:-1], 1))[..., 0]
-            past = (cols[None, :] < rows[:, None])[None, None, None]  # [1,1,1,c,T]
-            out[:, :, s0:e] = self._choose(s, past, s_cur, rows)
+            s = torch.matmul(qc, k[:, :, None].transpose(-1, -2)).float() * scale  # [B,Hkv,G,c,T]
+            s_cur = s.gather(-1, at.view(1, 1, 1, -1, 1).expand(*s.shape[:-1], 1))[..., 0]
+            past = (cols[None, :] < at[:, None])[None, None, None]  # [1,1,1,c,T]
+            out[:, :, s0:e] = self._choose(s, past, s_cur, at)
         return out

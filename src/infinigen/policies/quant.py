@@ -13,20 +13,15 @@ from .base import Policy
 class Int4(Policy):
     """Full attention over a quantized KV cache (the paper's INT4 baseline; group 64)."""
     name = "int4"
+    needs_query = False  # every entry, every step (read through the codec)
     bits: int = 4
     group: int = 64
 
     def validate(self):
         if not (1 <= self.bits <= 8 or self.bits >= 16):
-            raise UserError(f"--bits must be 1..8 (or >= 16 for no quantization), got {self.bits}")
+            raise UserError(f"INT4 bits must be 1..8 (or >= 16 for no quantization), got {self.bits}")
         if self.group < 1:
             raise UserError(f"quantization group must be >= 1, got {self.group}")
 
     def codec(self) -> KVCodec | None:
         return None if self.bits >= 16 else QuantCodec(self.bits, self.group)
-
-    def planned(self, layer, session):
-        return None
-
-    def select_rows(self, layer, q, k, session):
-        return None  # every entry; the runtime reads keys and values through the codec

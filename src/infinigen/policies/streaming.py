@@ -17,15 +17,16 @@ from .base import Policy
 @dataclass(frozen=True)
 class StreamingLLM(Policy):
     name = "streaming"
+    needs_query = False  # positions alone decide: known a layer ahead
     sinks: int = 4
     window: int = 252
     ratio: float | None = None  # if set: keep floor(ratio * past) tokens, up to `sinks` of them sinks
 
     def validate(self):
         if self.sinks < 0 or self.window < 0:
-            raise UserError("--sinks and --window must be >= 0")
+            raise UserError(f"StreamingLLM sinks and window must be >= 0, got {self.sinks} and {self.window}")
         if self.ratio is not None and not 0 <= self.ratio <= 1:
-            raise UserError(f"--ratio must be in [0, 1], got {self.ratio}")
+            raise UserError(f"StreamingLLM ratio must be in [0, 1], got {self.ratio}")
 
     def _keep(self, pos: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
         """Which entries at positions pos [..., S] a token at position cur [..., 1] reads (cur is also
@@ -36,20 +37,6 @@ class StreamingLLM(Policy):
         sinks = budget.clamp(max=self.sinks)
         return (pos < sinks) | (pos >= cur - (budget - sinks))
 
-    def _slots(self, layer, session) -> torch.Tensor:
-        _, _, valid, pos = session.store.past(layer)
-        cur = session.positions[:, session.row]  # [B]
-        return self._keep(pos, cur[:, None, None]) & valid
-
-    def select(self, layer, q, session):
-        return self._slots(layer, session)
-
-    def planned(self, layer, session):
-        return self._slots(layer, session)  # positions alone decide: known a layer ahead
-
-    def select_rows(self, layer, q, k, session):
-        b, hkv, t, _ = k.shape
-        r = q.shape[2]
-        rows = torch.arange(session.first_row, session.first_row + r, device=k.device)[:, None]
-        cols = torch.arange(t, device=k.device)[None, :]
-        return self._keep(cols, rows)[None, None].expand(b, hkv, r, t)
+    def keep(self, layer, rows, session):
+        cur = rows.positions[:, None, :, None]  # [B, 1, R, 1]
+        return self._keep(rows.entry_pos[..., None, :], cur) & rows.valid

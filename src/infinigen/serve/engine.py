@@ -1,11 +1,12 @@
 """Continuous batching over the KV pool.
 
 Every request has its own `Session` (batch 1): its own KV store, policy state and positions. One engine
-step decodes every running request at once: everything that is per token (embedding, norms, the q/k/v
-and output projections, the MLP, the LM head) runs on the rows stacked into one batch, and attention
-runs per request on that request's session (vLLM's idea: batched weights, per-sequence KV). Joining and
-leaving is then trivial: a new request is prefilled alone between steps and joins the next one; a
-finished or cancelled request closes its store, which frees its pool.
+step decodes every running request at once (`runtime.decode` over their sessions): everything that is per
+token (embedding, norms, the q/k/v and output projections, the MLP, the LM head) runs on the rows stacked
+into one batch, each request's policy selects from its own store, and each layer's attention is one call
+over every request's rows, padded to the longest read (vLLM's idea: batched weights, per-sequence KV).
+Joining and leaving is then trivial: a new request is prefilled alone between steps and joins the next
+one; a finished or cancelled request closes its store, which frees its pool.
 
 Admission: the KV memory is the limit. A request reserves what its session will hold in each tier for
 prompt + max_tokens tokens (measured per token at start-up with a probe session, see `KVCost`) from two
@@ -28,8 +29,10 @@ from typing import Callable
 
 import torch
 
+from .. import runtime
 from ..errors import UserError
 from ..generate import Sampling, sample
+from ..memory import device_memory_bytes, session_bytes, storages
 
 log = logging.getLogger("infinigen.serve")
 
@@ -43,79 +46,7 @@ def open_session(model, placement, policy, max_len: int):
     return placement.new_session(model, 1, max_len, policy, prompt_len=None)
 
 
-@torch.inference_mode()
-def batched_decode(model, sessions: list, tokens: torch.Tensor) -> torch.Tensor:
-    """One new token for each session (batch 1 each), tokens [N]: logits [N, V].
-
-    The same per-layer order as `Transformer.decode` for every session (its hooks and placement calls see
-    that session's row), with the per-token work batched over all of them; a session's tokens are those
-    of `model.decode` on it alone."""
-    cfg = model.cfg
-    for s in sessions:
-        s.positions, s.row, s.mode = s.next_pos[:, None], 0, "decode"
-    positions = torch.cat([s.positions for s in sessions])  # [N, 1]: every row at its own position
-
-    def event(layer, point, x):  # each session hears of its own row
-        for i, s in enumerate(sessions):
-            s.event(layer, point, x[i:i + 1])
-
-    def attend(layer, q, k, v):
-        return torch.cat([model._step_attention(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1], s)
-                          for i, s in enumerate(sessions)])
-
-    h = model.embed(tokens[:, None], positions)
-    event(-1, "embed", h)  # placement: layer 0's rows can start moving now
-    for layer in range(cfg.num_layers):
-        h = model._run_layer(layer, h, positions, event, attend)
-    for s in sessions:
-        s.next_pos = s.next_pos + 1
-    return model.head(h[:, -1])
-
-
-# ---- what a session holds ----------------------------------------------------------------------------------
-def _storages(obj, out: dict, depth: int = 0) -> None:
-    """Tensor storages reachable from a policy's per-request state: data_ptr -> bytes."""
-    if depth > 4 or obj is None:
-        return
-    if isinstance(obj, torch.Tensor):
-        st = obj.untyped_storage()
-        if st.device.type != "meta" and st.nbytes():
-            out[st.data_ptr()] = st.nbytes()
-        return
-    if isinstance(obj, torch.nn.Module):
-        return  # the model's weights are shared by every request
-    if isinstance(obj, dict):
-        items = list(obj.values())
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        items = list(obj)
-    elif type(obj).__module__.startswith(("infinigen.policies", "infinigen.pool")) and hasattr(obj, "__dict__"):
-        items = list(vars(obj).values())
-    else:
-        return
-    for x in items:
-        _storages(x, out, depth + 1)
-
-
-def session_bytes(sess, shared: dict | None = None) -> tuple[int, int]:
-    """(fast-tier, slow-tier) bytes a live session holds: its KV store (an offloaded store: metadata and
-    fetched rows in the fast tier, the pool in the slow one) and its policy's per-request tensors
-    (storages in `shared`, e.g. skew matrices every request reads, are not counted)."""
-    store = sess.store
-    if hasattr(store, "fast_bytes") and hasattr(store, "slow_bytes"):
-        fast, slow = store.fast_bytes(), store.slow_bytes()
-    else:
-        seen: dict = {}
-        for t in list(store.k) + list(store.v) + list(store.valid) + list(store.pos):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        fast, slow = sum(seen.values()), 0
-    state: dict = {}
-    _storages(sess.state, state)
-    if store.allocator is not None:
-        _storages(store.allocator, state)
-    fast += sum(b for p, b in state.items() if not shared or p not in shared)
-    return fast, slow
-
-
+# ---- what a request holds -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class KVCost:
     """Bytes a request of n tokens (prompt + max_tokens) holds: fast = fast0 + n * fast1, slow likewise.
@@ -140,9 +71,9 @@ class KVCost:
             sess = open_session(model, placement, policy, n)
             try:
                 prompt = torch.randint(0, model.cfg.vocab_size, (1, n - 2), generator=g).to(model.device)
-                logits = model.prefill(prompt, sess)
+                logits = runtime.prefill(model, prompt, sess)
                 for _ in range(2):  # decoding fetches rows: their fast-tier buffers grow to this length
-                    logits = model.decode(logits.argmax(-1), sess)
+                    logits = runtime.decode(model, logits.argmax(-1), sess)
                 pts.append(session_bytes(sess, shared))
             finally:
                 sess.store.close()
@@ -154,14 +85,13 @@ class KVCost:
 def default_budgets(placement, device) -> tuple[int, int]:
     """(fast, slow) budgets when none is given: a quarter of the fast memory; for an offloaded pool, half of
     the host memory ("cpu") or half of the free disk where the pool files go ("disk")."""
-    from ..commands.options import memory_bytes
-    fast_total = memory_bytes(str(device)) or (8 << 30)
+    fast_total = device_memory_bytes(str(device)) or (8 << 30)
     fast = fast_total // 4
     kind = placement.kv_offload
     if kind == "none":
         return fast, fast
     if kind == "cpu":
-        return fast, (memory_bytes("cpu") or (8 << 30)) // 2
+        return fast, (device_memory_bytes("cpu") or (8 << 30)) // 2
     where = placement.pool_dir or tempfile.gettempdir()
     while where and not os.path.isdir(where):
         where = os.path.dirname(where)
@@ -225,16 +155,15 @@ class Engine:
         from ..placement import Placement
         from ..policies import FullCache
         if max_batch < 1:
-            raise UserError(f"--max-batch must be >= 1, got {max_batch}")
+            raise UserError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
-            raise UserError(f"--max-queue must be >= 0, got {max_queue}")
+            raise UserError(f"max_queue must be >= 0, got {max_queue}")
         self.model, self.policy = model, policy or FullCache()
         self.placement = placement or Placement()
         self.eos = frozenset(eos)
         self.max_batch, self.max_queue = max_batch, max_queue
         # tensors every request shares (skew matrices): not part of a request's cost
-        self.shared: dict = {}
-        _storages(self.policy, self.shared)
+        self.shared = storages(self.policy, {})
         self.cost = cost or KVCost.measure(model, self.placement, self.policy, self.shared)
         fast_default, slow_default = default_budgets(self.placement, model.device)
         self.fast_budget = fast_bytes if fast_bytes is not None else fast_default
@@ -263,8 +192,9 @@ class Engine:
         """UserError when the request could never run, even alone."""
         fast, slow = self.request_cost(prompt_len, max_tokens)
         if fast > self.fast_budget or slow > self.slow_budget and self.placement.kv_offload != "none":
-            raise UserError(f"a request of {prompt_len} prompt tokens and max_tokens {max_tokens} needs {fast} bytes of "
-                            f"fast memory and {slow} of KV pool; the server has {self.fast_budget} and {self.slow_budget}")
+            raise UserError(f"a request of {prompt_len} prompt tokens and max_tokens {max_tokens} needs {fast} bytes "
+                            f"of fast memory and {slow} of KV pool; the server has {self.fast_budget} and "
+                            f"{self.slow_budget}")
 
     def _fits(self, req: Request) -> bool:
         f, s = req.cost
@@ -284,10 +214,11 @@ class Engine:
         self.check_fits(len(req.prompt), req.max_tokens)
         req.cost = self.request_cost(len(req.prompt), req.max_tokens)
         with self._cv:
-            # --max-queue 0: a request runs if it fits now, and is refused otherwise
+            # max_queue 0: a request runs if it fits now, and is refused otherwise
             if len(self.waiting) >= self.max_queue and not (not self.waiting and self._fits(req)):
                 self.counters["rejected"] += 1
-                raise QueueFull(f"{len(self.waiting)} requests are waiting already (--max-queue {self.max_queue})")
+                raise QueueFull(f"{len(self.waiting)} requests are waiting already (the server queues at most "
+                                f"{self.max_queue})")
             self.waiting.append(req)
             self._cv.notify_all()
         return req
@@ -330,8 +261,8 @@ class Engine:
         if live:
             self.batch_sizes[len(live)] += 1
             try:
-                logits = batched_decode(self.model, [r.session for r in live],
-                                        torch.tensor([r.tokens[-1] for r in live], device=self.model.device))
+                last = torch.tensor([r.tokens[-1] for r in live], device=self.model.device)
+                logits = runtime.decode(self.model, last, [r.session for r in live])
             except Exception as e:  # the batch fails, the server goes on
                 log.exception("decode step failed")
                 for r in live:
@@ -346,8 +277,8 @@ class Engine:
             if req.sampling.seed is not None:
                 req.generator = torch.Generator(device=self.model.device).manual_seed(req.sampling.seed)
             req.session = open_session(self.model, self.placement, self.policy, len(req.prompt) + req.max_tokens)
-            logits = self.model.prefill(torch.tensor([req.prompt], device=self.model.device), req.session,
-                                        all_logits=req.prompt_logprobs)
+            logits = runtime.prefill(self.model, torch.tensor([req.prompt], device=self.model.device), req.session,
+                                     all_logits=req.prompt_logprobs)
             if req.prompt_logprobs:  # position j's logits predict prompt token j + 1
                 req.prompt_token_logprobs = [None] + token_logprobs(logits[0, :-1], req.prompt[1:], req.logprobs or 0)
                 logits = logits[:, -1]
@@ -455,7 +386,8 @@ class Engine:
         where = self.placement.describe(self.model.device)
         f1, s1 = self.cost.fast1, self.cost.slow1
         slow = f", KV pool budget {self.slow_budget / gib:.2f} GiB ({s1:.0f} B/token)" if self.slow_budget else ""
-        return (f"policy {getattr(self.policy, 'name', '?')}, {where}; fast-memory budget {self.fast_budget / gib:.2f} GiB "
+        return (f"policy {getattr(self.policy, 'name', '?')}, {where}; fast-memory budget "
+                f"{self.fast_budget / gib:.2f} GiB "
                 f"({f1:.0f} B/token){slow}; at most {self.max_batch} running, {self.max_queue} waiting")
 
     def idle(self) -> bool:
@@ -463,6 +395,7 @@ class Engine:
 
     def snapshot(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting), "reserved_fast_bytes": self.reserved[0],
-                "reserved_slow_bytes": self.reserved[1], "kv_fast_bytes": self.in_use[0], "kv_slow_bytes": self.in_use[1],
+                "reserved_slow_bytes": self.reserved[1], "kv_fast_bytes": self.in_use[0],
+                "kv_slow_bytes": self.in_use[1],
                 "fast_budget_bytes": self.fast_budget, "slow_budget_bytes": self.slow_budget,
                 "tokens_per_s": self.tokens_per_s(), **dict(self.counters)}

@@ -8,11 +8,12 @@ the request.
     infinigen serve --replicas 2                        # a local Ray cluster, started for the server
     RAY_ADDRESS=ray://head:10001 infinigen serve --replicas 8   # attach to a running cluster
 
-From Python: `ray.init(address=...)`, then `serve.run(deployment(builder, replicas))`.
+From Python: `ray.init(address=...)`, then `serve.run(deployment(builder, replicas))`, or `run(builder,
+replicas)`; `builder` is any picklable callable that returns the FastAPI app (`infinigen serve` passes
+`functools.partial(commands.serve.build, spec)`), so this module knows nothing of the command line.
 """
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from typing import Callable
@@ -36,25 +37,29 @@ def deployment(builder: Callable, replicas: int, name: str = "infinigen", num_cp
                             ray_actor_options={"num_cpus": num_cpus}).bind(builder)
 
 
-def run(spec: dict, replicas: int, host: str = "127.0.0.1", port: int = 8000, blocking: bool = True) -> str:
-    """Serve `spec` (the options of `infinigen serve`) with `replicas` replicas; RAY_ADDRESS (or a cluster
-    this process already joined) is used when set, else a local cluster is started. Returns the URL."""
+def replica_fast_bytes(placement, device, replicas: int) -> int | None:
+    """Each replica's fast-memory budget when none is given and the replicas share this machine (no
+    RAY_ADDRESS): the default budget split between them; None (each replica's own default) otherwise."""
+    if os.environ.get("RAY_ADDRESS"):
+        return None
+    from .engine import default_budgets
+    fast, _ = default_budgets(placement, device)
+    return fast // replicas
+
+
+def run(builder: Callable, replicas: int, host: str = "127.0.0.1", port: int = 8000, blocking: bool = True) -> str:
+    """Serve the app `builder()` makes on each of `replicas` replicas; RAY_ADDRESS (or a cluster this process
+    already joined) is used when set, else a local cluster is started. Returns the URL."""
     try:
         import ray
         from ray import serve
     except ImportError:
         from ..errors import UserError
-        raise UserError("--replicas needs Ray Serve: pip install 'infinigen[ray]'")
-    from ..commands.serve import build
+        raise UserError("serving on several replicas needs Ray Serve: pip install 'infinigen[ray]'")
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS") or None, include_dashboard=False)
-    if spec.get("fast_bytes") is None and not os.environ.get("RAY_ADDRESS"):
-        from .engine import default_budgets
-        from ..placement import Placement
-        fast, _ = default_budgets(Placement(kv_offload=spec["kv_offload"], pool_dir=spec.get("pool_dir")), spec["device"])
-        spec = {**spec, "fast_bytes": fast // replicas}  # replicas on one machine share its memory
     serve.start(http_options={"host": host, "port": port})
-    serve.run(deployment(functools.partial(build, spec), replicas), name="infinigen", route_prefix="/")
+    serve.run(deployment(builder, replicas), name="infinigen", route_prefix="/")
     url = f"http://{host}:{port}"
     print(f"infinigen: {replicas} replicas on Ray Serve at {url}/v1", file=sys.stderr)
     if blocking:

@@ -1,0 +1,125 @@
+"""Memory accounting, in one place: bytes of weights, of a KV cache, of what a live session holds, and of
+the device. A ground-floor module (torch only): policies, the server and the benchmark all import it.
+
+Every KV store reports its own fast-tier and slow-tier bytes (`KVStore.fast_bytes`, `slow_bytes`); what a
+policy keeps per request is found by walking its state for tensors (`storages`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+
+def tensor_bytes(x) -> int:
+    """Bytes of the tensors in x (nested in dicts, lists and tuples)."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size() if x.device.type != "meta" else 0
+    if isinstance(x, dict):
+        return sum(tensor_bytes(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(tensor_bytes(v) for v in x)
+    return 0
+
+
+def weight_bytes(model) -> int:
+    """Bytes of a model's parameters, each storage once (tied embeddings count once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(cfg, batch: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of a dense KV cache: keys and values of `length` tokens for `batch` sequences, every layer."""
+    return 2 * cfg.num_layers * batch * cfg.num_kv_heads * length * cfg.head_dim * dtype.itemsize
+
+
+def storages(obj, out: dict, depth: int = 0) -> dict:
+    """The tensor storages reachable from obj, data_ptr -> bytes, into `out` (returned): through dicts,
+    lists, tuples, sets, dataclasses and plain objects, down to a few levels; a `torch.nn.Module` is not
+    entered (a model's weights are shared by every request)."""
+    if depth > 4 or obj is None or isinstance(obj, (str, bytes, int, float, bool, type)):
+        return out
+    if isinstance(obj, torch.Tensor):
+        st = obj.untyped_storage()
+        if st.device.type != "meta" and st.nbytes():
+            out[st.data_ptr()] = st.nbytes()
+        return out
+    if isinstance(obj, torch.nn.Module):
+        return out
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        items = list(obj)
+    elif dataclasses.is_dataclass(obj):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    elif hasattr(obj, "__dict__"):
+        items = list(vars(obj).values())
+    else:
+        return out
+    for x in items:
+        storages(x, out, depth + 1)
+    return out
+
+
+def session_bytes(session, shared: dict | None = None) -> tuple[int, int]:
+    """(fast-tier, slow-tier) bytes a live session holds: what its KV store reports (an offloaded store:
+    metadata and fetched rows in the fast tier, the pool in the slow one), plus the tensors of its policy's
+    per-request state and of the store's victim policy (storages in `shared`, e.g. skew matrices every
+    request reads, are not counted)."""
+    store = session.store
+    fast, slow = store.fast_bytes(), store.slow_bytes()
+    state = storages(session.state, {})
+    if store.allocator is not None:
+        storages(store.allocator, state)
+    fast += sum(b for p, b in state.items() if not shared or p not in shared)
+    return fast, slow
+
+
+def device_memory_bytes(device) -> int | None:
+    """Memory of the device the KV cache lives on (total, not free: a bound, not a forecast); None when unknown."""
+    try:
+        if str(device).startswith("cuda"):
+            return torch.cuda.mem_get_info(torch.device(device))[1]
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return None
+
+
+class MemoryProbe:
+    """Peak memory of one run: CUDA allocator peak on a GPU; on a CPU host the process's peak resident
+    set (Linux VmHWM, reset per run through /proc/self/clear_refs) next to the tracked fast-tier bytes."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets the peak RSS counter
+        except OSError:
+            pass
+
+    def peak(self) -> int | None:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+
+__all__ = ["tensor_bytes", "weight_bytes", "kv_bytes", "storages", "session_bytes", "device_memory_bytes",
+           "MemoryProbe"]

@@ -1,0 +1,619 @@
+"""The decoding step: sessions, and the three passes a model runs over them.
+
+    prefill(model, tokens, session)          the prompt, dense causal attention, keys/values to the store
+    decode(model, tokens, sessions)          one new token per row, for one session or many at once (the
+                                             server's batch, a fan-out): each layer reads what the
+                                             session's policy keeps, in one batched attention call
+    teacher_forced(model, tokens, p, session)
+                                             a whole sequence, every position after the first p as if
+                                             decoded one token at a time with the session's policy
+                                             (perplexity, log-likelihood scoring)
+
+The network (`infinigen.model`) runs the blocks; a block asks `attend(layer, q, k, v)` for its attention
+and tells `event(layer, point, x)` that a hidden state is ready. A `Session` answers both for one batch of
+requests: its policy's selection, its KV store, its listeners and its cursor (which tokens are being
+processed). `Session.attend` is the one entry point of attention on every path, `infinigen.hf` included.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .policies.base import FullCache, Policy
+from .selection import ALL, All, Rows
+
+ROW_CHUNK = 1024  # teacher-forced decoding rows per attention call: bounds the score matrix at long contexts
+
+
+# ---- the relative KV size ---------------------------------------------------------------------------------
+@dataclass
+class KVStats:
+    """Relative KV size: the fraction of past entries each layer's attention read, per decoding step."""
+    num_layers: int
+    read: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was recorded (e.g. the prefill's, to measure decoding alone)."""
+        self.read = [0.0] * self.num_layers
+        self.steps = [0] * self.num_layers
+        self._pending = []  # (layer, selected, past): reduced in bulk, off the per-layer decode path
+
+    def record(self, layer: int, selected: torch.Tensor, past: torch.Tensor) -> None:
+        """selected [B, Hkv, R] entries read and past [B, 1|Hkv, R] tokens before each row."""
+        self._pending.append((layer, selected, past.clone()))  # past may be a view of live positions
+        if len(self._pending) >= 2048:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Fold pending records into `read`/`steps`, one stacked computation per shape."""
+        pending, self._pending = self._pending, []
+        groups: dict = {}
+        for item in pending:
+            groups.setdefault((item[1].shape, item[2].shape, item[1].device), []).append(item)
+        for items in groups.values():
+            sel = torch.stack([s for _, s, _ in items]).float()
+            past = torch.stack([p for _, _, p in items]).float().clamp(min=1)
+            fracs = (sel / past).mean(dim=(1, 2)).sum(-1).tolist()
+            for (layer, s, _), f in zip(items, fracs):
+                self.read[layer] += f
+                self.steps[layer] += s.shape[-1]
+
+    def per_layer(self) -> list[float]:
+        self._flush()
+        return [r / s if s else float("nan") for r, s in zip(self.read, self.steps)]
+
+    def overall(self, layers=None) -> float:
+        vals = [f for i, f in enumerate(self.per_layer()) if (layers is None or i in layers) and not math.isnan(f)]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+
+# ---- listeners -----------------------------------------------------------------------------------------------
+class Listener:
+    """Hears what a session computes, after its policy and before placement, and changes nothing of it:
+    calibration, fan-out, probes and recorders are listeners (`Placement.new_session(..., listeners=[...])`).
+
+    on_prefill(layer, q, k, v)        a prompt's queries, keys and values at `layer` (already stored)
+    on_hidden(layer, point, x)        a hidden state is ready (see `infinigen.policies.base`)
+    on_select(layer, rows, keep)      what decoding rows read at `layer`: keep [B|1, Hkv|1, R, S] over
+                                      rows' candidates (`infinigen.selection.Rows`) or ALL, as the policy
+                                      said it (before invalid entries and the window are removed)
+    on_append(layer, slots, k, v)     the current token was stored in `slots`
+    """
+    # wants every decoding row as decoding sees it (on_select before, on_append after each row's
+    # attention, the store holding the row's past): teacher-forced scoring then replays row by row
+    per_row: ClassVar[bool] = False
+
+    def on_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, session: "Session") -> None:
+        pass
+
+    def on_hidden(self, layer: int, point: str, x: torch.Tensor, session: "Session") -> None:
+        pass
+
+    def on_select(self, layer: int, rows: Rows, keep: torch.Tensor | All, session: "Session") -> None:
+        pass
+
+    def on_append(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, session: "Session") -> None:
+        pass
+
+
+# ---- attention -------------------------------------------------------------------------------------------------
+def attend_all(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token per row, q [B,H,1,d], over every entry of kp, vp [B,Hkv,S,d] (its own included): one
+    fused call, no mask, no weights kept."""
+    b, h, _, d = q.shape
+    out = F.scaled_dot_product_attention(q.view(b, kp.shape[1], h // kp.shape[1], d), kp, vp, scale=scale)
+    return out.view(b, h, 1, d)
+
+
+def attend_masked(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: torch.Tensor, scale: float):
+    """One token per row, q [B,H,1,d], over the entries of kp, vp [B,Hkv,S,d] where mask [B,Hkv,S] (its own
+    included): one fused call, no weights kept."""
+    b, h, _, d = q.shape
+    hkv = kp.shape[1]
+    out = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), kp, vp, attn_mask=mask[:, :, None], scale=scale)
+    return out.view(b, h, 1, d)
+
+
+def attend_step(q, kp, vp, mask, kc, vc, scale: float):
+    """One token per row, q [B,H,1,d], over the past entries kp, vp [B,Hkv,n,d] where mask [B,Hkv,n], and
+    over itself (kc, vc [B,Hkv,1,d], kept apart from the past: nothing is copied). Returns the output
+    [B,H,1,d] and the weights probs [B,Hkv,G,n+1] (the current token last)."""
+    b, h, _, d = q.shape
+    hkv = kp.shape[1]
+    qg = q.view(b, hkv, h // hkv, d)
+    s_past = torch.matmul(qg, kp.transpose(-1, -2)).float() * scale
+    s_past = torch.where(mask[:, :, None, :], s_past, float("-inf"))
+    s_cur = (qg.float() * kc.float()).sum(-1, keepdim=True) * scale
+    probs = torch.softmax(torch.cat([s_past, s_cur], dim=-1), dim=-1)
+    out = torch.matmul(probs[..., :-1].to(vp.dtype), vp) + probs[..., -1:].to(vc.dtype) * vc
+    return out.view(b, h, 1, d), probs
+
+
+def attend_rows(q, k, v, keep, first: int, codec, scale: float) -> torch.Tensor:
+    """Decoding rows q [B,H,R,d] (positions first..first+R-1 of a sequence with keys and values k, v
+    [B,Hkv,T,d]) at once: each reads the entries in keep [B,Hkv,R,T] plus itself, past entries as the
+    store would hold them (`codec`), its own token as computed."""
+    b, h, r, d = q.shape
+    t = k.shape[2]
+    p = first
+    rows = torch.arange(p, p + r, device=q.device)[:, None]
+    cols = torch.arange(t, device=q.device)[None, :]
+    kq, vq = codec.encode(k), codec.encode(v)
+    diag = (cols == rows)[None, None]
+    hkv, g = k.shape[1], h // k.shape[1]
+    qg = q.view(b, hkv, g, r, d)
+    out = torch.empty_like(qg)
+    for s in range(0, r, ROW_CHUNK):
+        e = min(r, s + ROW_CHUNK)
+        qc = qg[:, :, :, s:e]
+        scores = torch.matmul(qc, kq[:, :, None].transpose(-1, -2)).float() * scale  # [B,Hkv,G,c,T]
+        own = (qc.float() * k[:, :, None, p + s:p + e].float()).sum(-1) * scale  # [B,Hkv,G,c]
+        scores = scores.masked_fill(~keep[:, :, None, s:e], float("-inf"))
+        dg = diag[:, :, None, s:e]
+        scores = torch.where(dg, own[..., None], scores)
+        probs = torch.softmax(scores, dim=-1)
+        pd = (probs * dg).sum(-1, keepdim=True)
+        past = torch.matmul(probs.masked_fill(dg, 0).to(vq.dtype), vq[:, :, None])
+        out[:, :, :, s:e] = past + pd.to(v.dtype) * v[:, :, None, p + s:p + e]
+    return out.view(b, h, r, d)
+
+
+class _Read(NamedTuple):
+    """What one session's decoding row reads at a layer, before the attention runs."""
+    cur: torch.Tensor  # [B] position of the row's token
+    keep: torch.Tensor | All  # the selection (over the store's slots)
+    seen: torch.Tensor  # [B, Hkv, S] the slots the selection read, for the pool's counters
+    keys: torch.Tensor | None  # [B, Hkv, n, d] what attention reads (None: read in place, fused)
+    values: torch.Tensor | None
+    mask: torch.Tensor | None  # [B, Hkv, n]
+    idx: torch.Tensor | All  # the slots of keys/values (ALL: every used slot, in order)
+    full: bool  # every entry of keys/values counts (mask is all True): no padding, window or selection
+
+
+# ---- sessions ----------------------------------------------------------------------------------------------------
+class Session:
+    """One batch of requests in flight: the model, its KV store, the policy and the policy's state for
+    these requests (`policy.begin`), listeners, and the cursor: which tokens are being processed.
+
+    The cursor changes only through `begin_prefill`, `begin_teacher`, `begin_step`, `move_to_row` and
+    `end_step`; it is read through `positions`, `row`, `first_row`, `next_pos`, `prompt_valid` and `phase`.
+    """
+
+    def __init__(self, model, store, policy: Policy | None = None, batch: int = 1,
+                 listeners: Sequence[Listener] = ()):
+        self.model, self.store = model, store
+        self.policy = policy or FullCache()
+        self.listeners = tuple(listeners)
+        self.stats = KVStats(model.cfg.num_layers)
+        self._next_pos = torch.zeros(batch, dtype=torch.long, device=model.device)
+        self._positions: torch.Tensor | None = None
+        self._row = 0
+        self._first_row = 0
+        self._prompt_valid: torch.Tensor | None = None
+        self._prompt_mask = None  # (mask, causal) of the prompt, made when its attention first runs
+        self._phase = ""
+        self._plans: dict = {}  # layer -> this step's selection, asked one layer ahead
+        self.state = self.policy.begin(model, self)
+
+    # ---- the cursor, read ------------------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self._next_pos.shape[0]
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """[B, T] positions of the tokens being processed."""
+        return self._positions
+
+    @property
+    def row(self) -> int:
+        """Which of those tokens the current decoding row is."""
+        return self._row
+
+    @property
+    def first_row(self) -> int:
+        """The first decoding row in teacher-forced scoring."""
+        return self._first_row
+
+    @property
+    def next_pos(self) -> torch.Tensor:
+        """[B] position of each row's next token (during a step: of the current one)."""
+        return self._next_pos
+
+    @property
+    def prompt_valid(self) -> torch.Tensor | None:
+        """[B, T] real (unpadded) tokens of the prompt."""
+        return self._prompt_valid
+
+    @property
+    def phase(self) -> str:
+        """"prefill", "decode" (one token per row: placement prefetches), "replay" (several tokens per row
+        decoded in turn) or "teacher" (teacher-forced scoring); "" before the first pass."""
+        return self._phase
+
+    @property
+    def decoding(self) -> bool:
+        return self._phase == "decode"
+
+    # ---- the cursor, moved -----------------------------------------------------------------------------------
+    def begin_prefill(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        """A prompt with positions [B, T] and real (unpadded) tokens valid [B, T] is about to be written."""
+        self._positions, self._row, self._phase = positions, positions.shape[1] - 1, "prefill"
+        self._next_pos = positions[:, -1] + 1
+        self._prompt_valid = valid
+        self._prompt_mask = None
+        self._plans.clear()
+
+    def begin_teacher(self, positions: torch.Tensor, first_row: int) -> None:
+        """Teacher-forced scoring of unpadded rows at positions [B, T]: tokens before `first_row` are the prompt."""
+        b, t = positions.shape
+        self.begin_prefill(positions, torch.ones(b, t, dtype=torch.bool, device=positions.device))
+        self._first_row, self._phase = first_row, "teacher"
+        self._next_pos = torch.full((b,), t, dtype=torch.long, device=positions.device)
+        self._prompt_mask = self.model.prompt_mask(torch.ones(1, first_row, dtype=torch.bool, device=positions.device),
+                                                   positions[:1, :first_row])
+
+    def begin_step(self, positions: torch.Tensor | None = None) -> None:
+        """A decoding step: one token per row at positions [B, 1] (default: each row's next position), or
+        several per row decoded in turn ([B, T], e.g. a continuation fed to `infinigen.hf` at once)."""
+        positions = self._next_pos[:, None] if positions is None else positions
+        self._positions, self._row = positions, 0
+        self._phase = "decode" if positions.shape[1] == 1 else "replay"
+        self._next_pos = positions[:, 0]
+        self._plans.clear()
+
+    def move_to_row(self, row: int) -> None:
+        """The next attention is for token `row` of the step."""
+        self._row = row
+
+    def end_step(self) -> None:
+        self._next_pos = self._positions[:, -1] + 1
+
+    # ---- what flows through ----------------------------------------------------------------------------------
+    def event(self, layer: int, point: str, x: torch.Tensor) -> None:
+        """A layer's hidden state at `point` ("attn_in", "attn_out"; layer -1 "embed" when a decoding step
+        starts) is ready: the policy sees it (speculation), then the listeners, then placement may start
+        moving what layer+1 will read (the policy may have just decided it)."""
+        self.policy.on_hidden(layer, point, x, self)
+        for lis in self.listeners:
+            lis.on_hidden(layer, point, x, self)
+        self.store.ahead(layer, point, self)
+
+    def prefill_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """What a prefill does to a session at `layer`, given the prompt's queries and keys/values: write
+        them to the store, then let the policy and the listeners see them. Live prefills and replays
+        (a shared prefill, `infinigen.eval.fanout`, the benchmark's) alike go through here."""
+        t = k.shape[2]
+        self.store.write_prompt(layer, k, v, self._prompt_valid[:, :t], self._positions[:, :t])
+        self.policy.on_prefill(layer, q, k, v, self)
+        for lis in self.listeners:
+            lis.on_prefill(layer, q, k, v, self)
+
+    def planned(self, layer: int) -> torch.Tensor | All | None:
+        """What `layer` reads at this decoding step if it is known before its query: ALL, or a bool mask
+        [B, Hkv, S] over the store's used slots; None while unknown. Placement fetches it one layer ahead;
+        the layer then reads exactly this."""
+        plan = self._plans.get(layer)
+        if plan is not None:
+            return plan
+        pol = self.policy
+        if not pol.speculated(layer):
+            plan = ALL
+        elif not pol.known_ahead(layer, self):
+            return None
+        else:
+            _, _, valid, pos = self.store.past(layer)
+            plan = self._one_row(pol.keep(layer, self._rows(valid, pos), self))
+        self._plans[layer] = plan
+        return plan
+
+    def replays(self) -> bool:
+        """Whether teacher-forced scoring replays decoding row by row: the policy's state changes every step,
+        a pool limit picks victims every step, or a listener wants every row."""
+        return (self.policy.replays or self.store.allocator is not None
+                or any(lis.per_row for lis in self.listeners))
+
+    # ---- attention -------------------------------------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of `layer` in the current pass: q [B,H,T,d] (post-RoPE, unscaled), k, v [B,Hkv,T,d] of
+        the pass's tokens -> [B,H,T,d]. The prompt densely (its keys and values go to the store), a
+        decoding step as the policy selects, teacher-forced rows as decoding would."""
+        phase = self._phase
+        if phase == "decode":
+            return self._step_attention(layer, q, k, v)
+        if phase == "prefill":
+            return self._prompt_attention(layer, q, k, v)
+        if phase == "teacher":
+            return self._teacher_attention(layer, q, k, v)
+        if phase == "replay":
+            out = torch.empty_like(q)
+            for r in range(q.shape[2]):
+                self._row = r
+                out[:, :, r:r + 1] = self._step_attention(layer, q[:, :, r:r + 1], k[:, :, r:r + 1], v[:, :, r:r + 1])
+            return out
+        raise RuntimeError("no pass has begun on this session (begin_prefill, begin_teacher or begin_step)")
+
+    def _prompt_attention(self, layer, q, k, v) -> torch.Tensor:
+        """Dense attention of the prompt; its keys and values go to the session first."""
+        self.prefill_layer(layer, q, k, v)
+        if self._prompt_mask is None:
+            self._prompt_mask = self.model.prompt_mask(self._prompt_valid, self._positions)
+        mask, causal = self._prompt_mask
+        return self.model.dense_attention(q, k, v, mask, causal=causal)
+
+    def _rows(self, valid, pos, q=None, k=None, keys=None) -> Rows:
+        """The current decoding row against the store's used slots."""
+        r = self._row
+        return Rows(first=r, positions=self._positions[:, r:r + 1], entry_pos=pos, valid=valid[:, :, None],
+                    in_store=True, query=q, own_keys=k, keys=keys)
+
+    @staticmethod
+    def _one_row(keep):
+        return keep if keep is ALL else keep[:, :, 0]
+
+    def _read(self, layer: int, q, k, in_place: bool) -> _Read:
+        """The selection of the current row at `layer` and, unless the store may be read in place by one
+        fused call (`in_place` allows it), the keys and values it reads."""
+        store, pol, model = self.store, self.policy, self.model
+        kp, _, valid, pos = store.past(layer)
+        cur = self._positions[:, self._row]  # [B]
+        window = model.cfg.sliding_window
+        visible = valid if window is None else valid & (cur[:, None, None] - pos < window)
+        rows = None
+        keep = self._plans.pop(layer, None)
+        if keep is None:
+            if pol.speculated(layer):
+                rows = self._rows(valid, pos, q, k, kp)
+                keep = self._one_row(pol.keep(layer, rows, self))
+            else:
+                keep = ALL
+        if self.listeners:
+            rows = rows or self._rows(valid, pos, q, k, kp)
+            wide = keep if keep is ALL else keep[:, :, None]
+            for lis in self.listeners:
+                lis.on_select(layer, rows, wide, self)
+        if keep is ALL:
+            self.stats.record(layer, visible.sum(-1, keepdim=True), cur[:, None, None])
+            read = _Read(cur, ALL, visible, None, None, None, ALL, False)
+            if in_place and store.attends_in_place() and not pol.needs_weights and (
+                    window is None or store.length[layer] < window):
+                return read._replace(full=True)  # every used slot is valid and within the window
+            return self._read_dense(layer, read)
+        keep, idx, mask, counts = store.slots(layer, keep, visible)  # an offloaded store planned them already
+        kp, vp = store.gather(layer, idx)
+        self.stats.record(layer, counts[..., None], cur[:, None, None])
+        return _Read(cur, keep, keep, kp, vp, mask, idx, False)
+
+    def _read_dense(self, layer: int, read: _Read) -> _Read:
+        """Every used slot, where attention can read it (an offloaded store hands its fast-tier copy)."""
+        kp, vp = self.store.dense(layer)
+        full = not self.store.padded and self.model.cfg.sliding_window is None
+        return read._replace(keys=kp, values=vp, mask=read.seen, full=full)
+
+    def _write(self, layer: int, read: _Read, probs, k, v) -> None:
+        """After the row's attention: the policy sees the weights (if it asked), the token is stored."""
+        store = self.store
+        if self.policy.needs_weights:
+            self.policy.observe(layer, probs, read.idx, self)
+        slots = store.append(layer, k, v, read.cur)
+        if store.allocator is not None:
+            store.allocator.on_read(layer, read.seen)
+        self._appended(layer, slots, k, v)
+
+    def _appended(self, layer, slots, k, v) -> None:
+        self.policy.on_append(layer, slots, k, v, self)
+        for lis in self.listeners:
+            lis.on_append(layer, slots, k, v, self)
+
+    def _step_attention(self, layer: int, q, k, v) -> torch.Tensor:
+        """Attention of one token per row (q [B,H,1,d]) over the past entries the policy keeps plus itself,
+        then the token is stored. A plain dense step stores the token first and runs one fused attention
+        over the store; otherwise the current token is kept apart, so nothing is copied."""
+        read = self._read(layer, q, k, in_place=True)
+        if read.keys is None:
+            slots = self.store.append(layer, k, v, read.cur)
+            kp, vp, _, _ = self.store.past(layer)
+            out = attend_all(q, kp, vp, self.model.scale)
+            self._appended(layer, slots, k, v)
+            return out
+        out, probs = attend_step(q, read.keys, read.values, read.mask, k, v, self.model.scale)
+        self._write(layer, read, probs, k, v)
+        return out
+
+    def _teacher_attention(self, layer: int, q, k, v) -> torch.Tensor:
+        """The prompt rows densely (as `prefill`), then every later row as decoding would attend: all rows
+        at once from the policy's `keep`, or replayed row by row (`replays`)."""
+        p, t = self._first_row, q.shape[2]
+        out = torch.empty_like(q)
+        self._row = p - 1
+        out[:, :, :p] = self._prompt_attention(layer, q[:, :, :p], k[:, :, :p], v[:, :, :p])
+        if p == t:
+            return out
+        if self.replays():
+            for r in range(p, t):
+                self._row = r
+                out[:, :, r:r + 1] = self._step_attention(layer, q[:, :, r:r + 1], k[:, :, r:r + 1], v[:, :, r:r + 1])
+            return out
+        b, hkv = k.shape[:2]
+        dev = q.device
+        row_pos = torch.arange(p, t, device=dev)[:, None]
+        cols = torch.arange(t, device=dev)[None, :]
+        before = cols < row_pos  # [R, T]
+        rows = Rows(first=p, positions=self._positions[:, p:], entry_pos=cols[None], valid=before[None, None],
+                    in_store=False, query=q[:, :, p:], own_keys=k[:, :, p:], keys=k)
+        keep = self.policy.keep(layer, rows, self) if self.policy.speculated(layer) else ALL
+        for lis in self.listeners:
+            lis.on_select(layer, rows, keep, self)
+        visible = before
+        window = self.model.window(row_pos, cols)
+        if window is not None:
+            visible = visible & window
+        keep = visible[None, None] if keep is ALL else keep & visible
+        self.stats.record(layer, keep.sum(-1).expand(b, hkv, t - p), row_pos.T.expand(b, 1, t - p))
+        out[:, :, p:] = attend_rows(q[:, :, p:], k, v, keep, p, self.store.codec, self.model.scale)
+        return out
+
+
+class _Stack:
+    """The padded buffers one decoding step stacks every session's entries into, allocated once per step at
+    the longest read so far and reused by every layer (each layer's attention is done with them before the
+    next layer writes; a large allocation per layer costs page faults on a CPU). Allocated as zeros: a
+    padded entry then always holds a finite number (zero, or an earlier layer's key or value), which its
+    weight of exactly 0 cancels."""
+
+    def __init__(self):
+        self.keys = self.values = None
+
+    def views(self, rows: int, hkv: int, n: int, like: torch.Tensor):
+        if self.keys is None or self.keys.shape[2] < n:
+            cap = max(n, int(1.25 * self.keys.shape[2]) if self.keys is not None else n)
+            self.keys = like.new_zeros(rows, hkv, cap, like.shape[3])
+            self.values = like.new_zeros(rows, hkv, cap, like.shape[3])
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+
+def _attend_sessions(layer: int, q, k, v, sessions: list[Session], spans: list[tuple[int, int]], scale: float,
+                     stack: _Stack):
+    """One decoding step's attention at `layer` for several sessions whose rows are stacked in q, k, v
+    (session i owns rows spans[i]): each session selects from its own store, then one batched attention
+    runs over every row, each row's entries padded to the longest read, and each session stores its token.
+
+    When every session reads all its entries and none wants the weights (a dense step), each row's own token
+    follows its entries, as in the store of a session decoded alone (a store read in place gets the token
+    first and is copied with it), and one fused call runs; otherwise the current tokens stay apart
+    (`attend_step`) and the sessions see the weights of what they read."""
+    reads = [s._read(layer, q[a:b], k[a:b], in_place=True) for s, (a, b) in zip(sessions, spans)]
+    fused = all(r.idx is ALL and not s.policy.needs_weights for s, r in zip(sessions, reads))
+    if not fused:  # a store that could have been read in place hands its entries like any other
+        reads = [r if r.keys is not None else s._read_dense(layer, r) for s, r in zip(sessions, reads)]
+    slots = [None] * len(sessions)
+    entries = []  # per session: keys and values [B, Hkv, m, d] to stack, the current token among them if fused
+    for i, (s, r, (a, b)) in enumerate(zip(sessions, reads, spans)):
+        if r.keys is None:  # the token first, then the store's used slots, as `attend_all` reads them
+            slots[i] = s.store.append(layer, k[a:b], v[a:b], r.cur)
+            entries.append(s.store.past(layer)[:2])
+        else:
+            entries.append((r.keys, r.values))
+    sizes = [e[0].shape[2] + (fused and r.keys is not None) for e, r in zip(entries, reads)]
+    n = max(sizes)
+    kp, vp = stack.views(q.shape[0], k.shape[1], n, k)
+    length = torch.tensor([m for m, (a, b) in zip(sizes, spans) for _ in range(a, b)], device=q.device)
+    mask = torch.arange(n, device=q.device) < length[:, None, None]  # [rows, 1, n]: each row's own entries
+    mask = mask.expand(q.shape[0], k.shape[1], n)
+    if not all(r.keys is None or r.full for r in reads):  # padding, a window or a selection somewhere
+        mask = mask.contiguous()
+    for (ks, vs), r, (a, b) in zip(entries, reads, spans):
+        m = ks.shape[2]
+        kp[a:b, :, :m], vp[a:b, :, :m] = ks, vs
+        if r.keys is not None:
+            if not r.full:  # not every entry of the session counts
+                mask[a:b, :, :m] = r.mask
+            if fused:
+                kp[a:b, :, m:m + 1], vp[a:b, :, m:m + 1] = k[a:b], v[a:b]
+    if fused:
+        out = attend_masked(q, kp, vp, mask, scale)
+        for s, r, slot, (a, b) in zip(sessions, reads, slots, spans):
+            if slot is None:
+                s._write(layer, r, None, k[a:b], v[a:b])
+            else:
+                s._appended(layer, slot, k[a:b], v[a:b])
+        return out
+    out, probs = attend_step(q, kp, vp, mask, k, v, scale)
+    for s, r, m, (a, b) in zip(sessions, reads, sizes, spans):
+        p = probs[a:b]
+        if s.policy.needs_weights and m < n:  # the session's own entries, then the current token
+            p = torch.cat([p[..., :m], p[..., -1:]], dim=-1)
+        s._write(layer, r, p, k[a:b], v[a:b])
+    return out
+
+
+# ---- the three passes --------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def prefill(model, tokens: torch.Tensor, session: Session, pad_mask: torch.Tensor | None = None,
+            all_logits: bool = False) -> torch.Tensor:
+    """tokens [B, T] left-padded (pad_mask True on real tokens). Returns logits of the last position
+    [B, V], or of every position [B, T, V]."""
+    valid = torch.ones_like(tokens, dtype=torch.bool) if pad_mask is None else pad_mask.bool()
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # padding sits at position 0
+    session.begin_prefill(positions, valid)
+    h = model.embed(tokens, positions)
+    rope = model.rope(positions)
+    for block in model.layers:
+        h = block(h, rope, session.attend, session.event)
+    return model.head(h if all_logits else h[:, -1])
+
+
+@torch.inference_mode()
+def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session]) -> torch.Tensor:
+    """One new token per row. One session: tokens [B], logits [B, V]. Several (the server's running
+    requests, the sessions of a fan-out): tokens [sum of their B] in the sessions' order, logits likewise;
+    everything per token runs on the stacked rows, each session selects from its own store, and each
+    layer's attention is one call over every row. A session's logits are those it gets decoded alone."""
+    if isinstance(sessions, Session):
+        return _decode_one(model, tokens, sessions)
+    sessions = list(sessions)
+    if len(sessions) == 1:
+        return _decode_one(model, tokens, sessions[0])
+    spans, at = [], 0
+    for s in sessions:
+        spans.append((at, at + s.batch))
+        at += s.batch
+        s.begin_step()
+    positions = torch.cat([s.positions for s in sessions])  # [N, 1]: every row at its own position
+
+    def event(layer, point, x):  # each session hears of its own rows
+        for s, (a, b) in zip(sessions, spans):
+            s.event(layer, point, x[a:b])
+
+    stack = _Stack()
+
+    def attend(layer, q, k, v):
+        return _attend_sessions(layer, q, k, v, sessions, spans, model.scale, stack)
+
+    h = model.embed(tokens[:, None], positions)
+    event(-1, "embed", h)  # placement: layer 0's rows can start moving now
+    rope = model.rope(positions)
+    for block in model.layers:
+        h = block(h, rope, attend, event)
+    for s in sessions:
+        s.end_step()
+    return model.head(h[:, -1])
+
+
+def _decode_one(model, tokens: torch.Tensor, session: Session) -> torch.Tensor:
+    session.begin_step()
+    positions = session.positions
+    h = model.embed(tokens[:, None], positions)
+    session.event(-1, "embed", h)  # placement: layer 0's rows can start moving now
+    rope = model.rope(positions)
+    for block in model.layers:
+        h = block(h, rope, session.attend, session.event)
+    session.end_step()
+    return model.head(h[:, -1])
+
+
+@torch.inference_mode()
+def teacher_forced(model, tokens: torch.Tensor, prefill_len: int, session: Session) -> torch.Tensor:
+    """Logits [B, T, V] for a whole sequence: the first `prefill_len` tokens as a prompt, every later
+    position as if decoded one token at a time with the session's policy (same selections, same
+    numbers up to float summation order). Rows must be unpadded."""
+    b, t = tokens.shape
+    positions = torch.arange(t, device=tokens.device).expand(b, t)
+    session.begin_teacher(positions, prefill_len)
+    h = model.embed(tokens, positions)
+    rope = model.rope(positions)
+    for block in model.layers:
+        h = block(h, rope, session.attend, session.event)
+    return model.head(h)
+
+
+__all__ = ["Session", "Listener", "KVStats", "prefill", "decode", "teacher_forced", "attend_all", "attend_masked",
+           "attend_step", "attend_rows", "ALL", "Rows"]

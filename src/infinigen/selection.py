@@ -1,0 +1,70 @@
+"""What a layer's attention reads: the vocabulary policies, the runtime and placement share.
+
+A policy answers one question per layer, `keep(layer, rows, session)`: which of the candidate entries
+each decoding row in `rows` reads. The answer is a bool mask [B, Hkv, R, S] (R rows, S candidates), or
+`ALL` for every candidate. The runtime asks it in three situations and takes the same answer in each:
+decoding (one row against the store's slots, at the layer's attention), the prefetch plan (the same row,
+asked one layer ahead when the policy says it can answer without the layer's query) and teacher-forced
+scoring (every decoding row of a sequence at once, against the sequence's own tokens).
+
+Placement and the cache import this module, never a policy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class All:
+    """The selection "every candidate entry" (`ALL`, the only instance): no mask is built for it."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "ALL"
+
+    def __reduce__(self):  # a copy or a pickle is the same object
+        return (All, ())
+
+
+ALL = All()
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Decoding rows of one layer and the entries they may read.
+
+    first      index of the first row among the tokens of the current pass (`Session.positions[:, first]`)
+    positions  [B, R] position of each row's token (the number of real tokens before it)
+    entry_pos  [B|1, Hkv|1, S] position of the token each candidate entry holds
+    valid      [B|1, Hkv|1, R|1, S] entries that exist and precede the row (padding and, in a pool, free
+               slots excluded); a sliding window is applied by the runtime afterwards
+    in_store   True while decoding: the candidates are the store's used slots (in slot order, any
+               position), the row is the current token. False in teacher-forced scoring: the candidates
+               are the sequence's tokens 0..S-1, every row at once.
+    query      [B, H, R, d] the rows' queries (post-RoPE), or None when asked one layer ahead
+    own_keys   [B, Hkv, R, d] the rows' own keys (not among the candidates), or None when asked ahead
+    keys       [B, Hkv, S, d] the candidates' keys, or None when asked ahead (or when the store keeps
+               them packed in the slow tier)
+    """
+    first: int
+    positions: torch.Tensor
+    entry_pos: torch.Tensor
+    valid: torch.Tensor
+    in_store: bool
+    query: torch.Tensor | None = None
+    own_keys: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+
+    @property
+    def count(self) -> int:
+        return self.positions.shape[1]
+
+
+__all__ = ["ALL", "All", "Rows"]
