@@ -18,6 +18,7 @@ import torch
 
 from conftest import _CORPUS, one_line_error
 from test_bad_input import no_model_load  # noqa: F401 (a fixture)
+from infinigen import runtime
 
 REPO = Path(__file__).resolve().parents[1]
 INT64_MAX = 2 ** 63 - 1
@@ -126,9 +127,10 @@ def test_the_largest_accepted_knob_runs(tiny_llama, name, knobs):
     tokens = torch.randint(3, 200, (2, 40), generator=torch.Generator().manual_seed(0))
 
     def run(pol):
-        forced = model.teacher_forced(tokens, 16, Placement().new_session(model, 2, 40, pol))
+        forced = runtime.teacher_forced(model, tokens, 16, Placement().new_session(model, 2, 40, pol))
         sess = Placement().new_session(model, 2, 30, pol)
-        steps = [model.prefill(tokens[:, :16], sess)] + [model.decode(tokens[:, 16 + i], sess) for i in range(8)]
+        steps = [runtime.prefill(model, tokens[:, :16], sess)]
+        steps += [runtime.decode(model, tokens[:, 16 + i], sess) for i in range(8)]
         return forced, torch.stack(steps)
 
     want, got = run(make_policy("full")), run(make_policy(name, **knobs))
@@ -151,7 +153,7 @@ def test_python_generate_checks_memory_before_allocating(tiny, monkeypatch):
 
     def no_work(*a, **k):
         raise AssertionError("allocated before the memory check")
-    monkeypatch.setattr(model, "prefill", no_work)
+    monkeypatch.setattr(g.runtime, "prefill", no_work)
     monkeypatch.setattr(g, "left_pad", no_work)
     # room for everything but the logits: still refused (the logits alone are most of this batch)
     monkeypatch.setattr(g, "free_memory", lambda device: {"ram": total - need["logits"] // 2})
@@ -334,7 +336,8 @@ def test_max_new_tokens_beyond_the_context_is_not_a_batch_size_error(cli, tiny_c
 
 
 # ---- analyze: its folder written whole ----------------------------------------------------------------------------
-def test_interrupted_analyze_leaves_no_figure_without_its_report(cli, tiny_checkpoint, text_file, tmp_path, monkeypatch):
+def test_interrupted_analyze_leaves_no_figure_without_its_report(cli, tiny_checkpoint, text_file, tmp_path,
+                                                                  monkeypatch):
     import infinigen.eval.analyze as an
     out = tmp_path / "results" / "analyze"
     args = ["analyze", "--model", tiny_checkpoint, "--text", text_file, "--tokens", "64", "--prefill", "16",
@@ -392,7 +395,8 @@ def test_sigkill_leaves_no_disk_pool(tiny_checkpoint, text_file, tmp_path):
     pool = tmp_path / "pool"
     p = subprocess.Popen(_cli_process("ppl", "--model", tiny_checkpoint, "--text", text_file, "--ctx", "128",
                                       "--prefill", "16", "--windows", "8", "--policy", "h2o", "--kv-offload", "disk",
-                                      "--pool-dir", pool), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
+                                      "--pool-dir", pool),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
     try:
         deadline = time.monotonic() + 120
         while not (pool.is_dir() and _fds_into(p.pid, pool)):

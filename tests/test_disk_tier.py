@@ -10,6 +10,7 @@ import subprocess
 import pytest
 import torch
 
+from infinigen import runtime
 from infinigen.errors import UserError
 from infinigen.placement import SlowTier
 
@@ -161,7 +162,7 @@ def test_disk_selection_on_few_pages_reads_only_its_rows(make_tiny, tmp_path):
         return make_policy("streaming", sinks=2, window=8)
 
     ref = Placement().new_session(model, batch, prompt + gen, policy())
-    ref_logits = [model.prefill(tokens, ref)]
+    ref_logits = [runtime.prefill(model, tokens, ref)]
     pl = Placement("disk", pool_dir=str(tmp_path), threaded=False)  # inline: SlowReads sees the fetches
     assert pl.disk_bulk_share == 0.25  # the default is what this test is about
     pol = policy()
@@ -169,16 +170,18 @@ def test_disk_selection_on_few_pages_reads_only_its_rows(make_tiny, tmp_path):
     store = sess.store
     row = 2 * store.layout.row_bytes  # a key and a value vector
     want, shares = [0], []
-    inner = pol.select
+    inner = pol.keep
 
-    def select(layer, q, s):
-        keep = inner(layer, q, s)
-        n = store.length[layer]
-        want[0] += store.bh * int((keep[:, :, :n] & store.valid[layer][:, :, :n]).sum(-1).max()) * row
-        shares.append(_few_pages_share(store, layer, keep))
-        return keep
-    object.__setattr__(pol, "select", select)  # policies are frozen: a test wrapper all the same
-    logits = model.prefill(tokens, sess)
+    def keep(layer, rows, s):
+        answer = inner(layer, rows, s)
+        if rows.in_store:  # a decoding step (one row): the selection over the store's slots
+            mask = answer[:, :, 0]
+            n = store.length[layer]
+            want[0] += store.bh * int((mask[:, :, :n] & store.valid[layer][:, :, :n]).sum(-1).max()) * row
+            shares.append(_few_pages_share(store, layer, mask))
+        return answer
+    object.__setattr__(pol, "keep", keep)  # policies are frozen: a test wrapper all the same
+    logits = runtime.prefill(model, tokens, sess)
     assert torch.allclose(logits, ref_logits[0], atol=1e-5, rtol=0)
     store.stats.reset()
     measured, whole = 0, 0
@@ -186,9 +189,9 @@ def test_disk_selection_on_few_pages_reads_only_its_rows(make_tiny, tmp_path):
         t = logits.argmax(-1)
         whole += sum(store.bh * n * row for n in store.length)
         with SlowReads(store) as reads:
-            logits = model.decode(t, sess)
+            logits = runtime.decode(model, t, sess)
         measured += reads.bytes
-        ref_logits.append(model.decode(t, ref))
+        ref_logits.append(runtime.decode(model, t, ref))
         assert torch.allclose(logits, ref_logits[-1], atol=1e-5, rtol=0)
     st = store.stats
     pl.close(sess)

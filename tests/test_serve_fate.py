@@ -29,6 +29,7 @@ pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 
 from conftest import one_line_error  # noqa: E402
+from infinigen import runtime  # noqa: E402
 from infinigen.generate import Sampling, generate_ids  # noqa: E402
 from infinigen.placement import Placement  # noqa: E402
 from infinigen.policies import make_policy  # noqa: E402
@@ -356,7 +357,7 @@ def _reference(model, ids: list[int]) -> torch.Tensor:
     token j + 1), computed here without the server."""
     sess = Placement().new_session(model, 1, len(ids), make_policy("full"))
     try:
-        logits = model.prefill(torch.tensor([ids]), sess, all_logits=True)[0]
+        logits = runtime.prefill(model, torch.tensor([ids]), sess, all_logits=True)[0]
     finally:
         sess.store.close()
     return torch.log_softmax(logits.float(), dim=-1)
@@ -524,7 +525,8 @@ def pool_filler(tmp_path, monkeypatch):
     as root; else the reservation of the pool file fails with ENOSPC."""
     mnt = tmp_path / "fs"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode == 0:
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode == 0:
         def fill():
             fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
             try:
@@ -637,8 +639,8 @@ def test_busy_or_unbindable_port_fails_before_loading(cli, tiny_checkpoint, no_m
 
 
 def test_budgets_that_cannot_hold_a_token_fail_before_loading(cli, tiny_checkpoint, no_model_load):
-    """The tiny model's token is 2 layers x 2 KV heads x 8 x (K, V) x 4 bytes = 256 bytes."""
-    m = ["serve", "--model", tiny_checkpoint, "--port", 0]
+    """The tiny model's token is 2 layers x 2 KV heads x 8 x (K, V) x 4 bytes = 256 bytes in float32."""
+    m = ["serve", "--model", tiny_checkpoint, "--port", 0, "--dtype", "float32"]
     one_line_error(*cli(*m, "--kv-offload", "disk", "--pool-bytes", "100")[::2], "--pool-bytes", "256 bytes")
     one_line_error(*cli(*m, "--fast-bytes", "200")[::2], "--fast-bytes", "256 bytes")
     one_line_error(*cli(*m, "--pool-bytes", "255")[::2], "--pool-bytes")
@@ -659,8 +661,8 @@ def _console(*argv):
 
 def _start(tiny_checkpoint, *extra):
     """`infinigen serve` in a subprocess on a port the system picks; (process, url) once it answers."""
-    p = subprocess.Popen(_console("serve", "--model", tiny_checkpoint, "--served-model-name", NAME, "--port", 0, *extra),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    argv = _console("serve", "--model", tiny_checkpoint, "--served-model-name", NAME, "--port", 0, *extra)
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     lines = []
     for line in p.stderr:
@@ -691,7 +693,8 @@ def test_busy_port_in_the_console_script(tiny_checkpoint):
         r = subprocess.run(_console("serve", "--model", tiny_checkpoint, "--port", port), capture_output=True,
                            text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2, r.stderr
-    assert r.stderr.strip().splitlines() == [f"infinigen: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    expected = f"infinigen: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert r.stderr.strip().splitlines() == [expected]
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from infinigen import runtime
 from infinigen import UserError, load
 from infinigen import loading
 from infinigen.kernels import qlinear
@@ -52,7 +53,8 @@ def within_rounding(y, x, w, bits_lost: float = 1.0):
 
 
 # ---- int4: the kernel against the dequantized weights -------------------------------------------------
-@pytest.mark.parametrize("n,k", [(64, 64), (192, 96), (80, 128), (48, 32)], ids=["block", "3blocks", "tail16", "tail48"])
+@pytest.mark.parametrize("n,k", [(64, 64), (192, 96), (80, 128), (48, 32)],
+                         ids=["block", "3blocks", "tail16", "tail48"])
 def test_int4_kernel_matches_its_dequantized_weights_float32(n, k):
     """Float32 compute: the kernel's product equals the float32 matmul with the dequantized weights (only
     the summation order differs), for few rows (the kernel) and many (dequantize + dense matmul)."""
@@ -270,7 +272,8 @@ def test_cli_refuses_unknown_weights_before_loading(cli, tiny_checkpoint, monkey
 
 # ---- whole models ---------------------------------------------------------------------------------------
 def _prefill(model, tokens):
-    return model.prefill(tokens, Placement().new_session(model, tokens.shape[0], tokens.shape[1]), all_logits=True)
+    sess = Placement().new_session(model, tokens.shape[0], tokens.shape[1])
+    return runtime.prefill(model, tokens, sess, all_logits=True)
 
 
 def _dense_twin(quantized, dense):
@@ -337,7 +340,8 @@ def test_fallback_for_shapes_the_kernel_cannot_take(tmp_path, cli):
     tokens = torch.randint(3, 200, (1, 7), generator=torch.Generator().manual_seed(4))
     got, want = _prefill(q, tokens), _prefill(twin, tokens)
     assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()  # bfloat16 activations
-    code, out, err = cli("generate", "--model", folder, "-p", "It is", "-n", "2", "--weights", "int4", "--dtype", "bfloat16")
+    code, out, err = cli("generate", "--model", folder, "-p", "It is", "-n", "2",
+                         "--weights", "int4", "--dtype", "bfloat16")
     assert code == 0 and "4 weights not in the asked format" in err and "layers.0.attn.k_proj as int8" in err
 
 
@@ -380,7 +384,8 @@ def test_default_model_keeps_the_files_weights(default_int4, default_model):
     exact, _, _ = load("default", dtype="float32", weights="int4", progress=False)
     for name, kind in exact.weights_info.kinds.items():
         if kind == "int4":
-            assert torch.equal(exact.get_submodule(name).dequantize(torch.float32), dense.get_submodule(name).weight), name
+            dequantized = exact.get_submodule(name).dequantize(torch.float32)
+            assert torch.equal(dequantized, dense.get_submodule(name).weight), name
     table = q.embed_tokens.dequantize(torch.float32)
     step = q.embed_tokens.scales.float()[:, None]
     assert ((table - dense.embed_tokens.weight).abs() <= step / 2 + 1e-6).all()
@@ -395,10 +400,10 @@ def test_default_model_int4_layers_reproduce_the_dense_ones(default_int4, defaul
     dense, _ = default_model
     ids = torch.tensor([tok("It is a truth universally acknowledged, that a single man")["input_ids"]])
     captured = {}
-    hooks = [dense.layers[i].attn.q_proj.register_forward_pre_hook(lambda m, a, i=i: captured.__setitem__(("attn", i), a[0][0]))
-             for i in (0, 15, 29)]
-    hooks += [dense.layers[i].mlp.down_proj.register_forward_pre_hook(lambda m, a, i=i: captured.__setitem__(("mlp", i), a[0][0]))
-              for i in (0, 15, 29)]
+    def capture(kind, i):
+        return lambda m, a: captured.__setitem__((kind, i), a[0][0])
+    hooks = [dense.layers[i].attn.q_proj.register_forward_pre_hook(capture("attn", i)) for i in (0, 15, 29)]
+    hooks += [dense.layers[i].mlp.down_proj.register_forward_pre_hook(capture("mlp", i)) for i in (0, 15, 29)]
     _prefill(dense, ids)
     for h in hooks:
         h.remove()

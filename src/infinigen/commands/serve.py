@@ -120,14 +120,15 @@ def _check_budgets(spec: dict) -> None:
         return
     from types import SimpleNamespace
 
-    from ..loading import DTYPES
+    from ..loading import resolve_precision
     from ..placement import kv_slot_bytes
     cfg = _model_config(spec["model"])
     if cfg is None:
         return  # loading says what is wrong with the model
     pol = make_policy_from_cli(spec["policy"], spec["knob"])
     offload = spec["kv_offload"]
-    per = kv_slot_bytes(SimpleNamespace(cfg=cfg, dtype=DTYPES[spec["dtype"]]), 1, pol, offload)
+    dtype, _ = resolve_precision(spec["dtype"], "auto", spec["device"] or "cpu")  # "auto" -> what loading picks
+    per = kv_slot_bytes(SimpleNamespace(cfg=cfg, dtype=dtype), 1, pol, offload)
     if offload == "none":  # the pool is in fast memory: both limits bound it
         given = [(name, spec[key]) for name, key in (("fast-bytes", "fast_bytes"), ("pool-bytes", "pool_bytes"))
                  if spec[key] is not None]
@@ -138,7 +139,7 @@ def _check_budgets(spec: dict) -> None:
             where = "fast memory" if offload == "none" else f"the {offload} pool"
             raise UserError(f"--{name} {value} bytes cannot hold one token's KV in {where}: a token takes {per} "
                             f"bytes with this model ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads of "
-                            f"{cfg.head_dim}, {spec['dtype']})")
+                            f"{cfg.head_dim}, {str(dtype).removeprefix('torch.')})")
 
 
 def _model_config(model: str):

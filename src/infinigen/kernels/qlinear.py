@@ -65,7 +65,8 @@ def _int4_shape_problem(out_features: int, in_features: int, group: int, device)
     if dev == "cpu" and out_features % 16:
         return f"out_features {out_features} is not a multiple of 16 (the CPU kernel's packing)"
     if dev == "cuda" and (out_features % 8 or in_features % 32):
-        return f"the CUDA kernel needs out_features % 8 == 0 and in_features % 32 == 0 (got {out_features}, {in_features})"
+        return (f"the CUDA kernel needs out_features % 8 == 0 and in_features % 32 == 0 "
+                f"(got {out_features}, {in_features})")
     return None
 
 
@@ -123,10 +124,12 @@ class DequantizedView(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         specs = func._schema.arguments
-        passed = list(zip(specs, args)) + [(next((a for a in specs if a.name == k), None), v) for k, v in kwargs.items()]
+        by_name = [(next((a for a in specs if a.name == k), None), v) for k, v in kwargs.items()]
+        passed = list(zip(specs, args)) + by_name
         for spec, arg in passed:
             if isinstance(arg, cls) and spec is not None and spec.alias_info is not None and spec.alias_info.is_write:
-                raise RuntimeError(f"{func}: quantized weights are read-only (dequantize into a dense module to edit them)")
+                raise RuntimeError(f"{func}: quantized weights are read-only "
+                                   "(dequantize into a dense module to edit them)")
         unwrap = lambda t: t.dequantize() if isinstance(t, cls) else t  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
@@ -328,7 +331,8 @@ class Int8Linear(nn.Module):
         rows = x.numel() // self.in_features
         if rows > DENSE_ROWS or not _int8_kernel_ok(x.device.type):
             return F.linear(x, self.dequantize(x.dtype), self.bias)
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, self.in_features).contiguous(), self.qweight, self.scales)
+        flat = x.reshape(rows, self.in_features).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
