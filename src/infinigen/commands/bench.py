@@ -16,8 +16,8 @@ import typer
 
 from ..errors import UserError
 from .options import (FLOAT, MAX_ROWS, check_kv_fits, check_model_options, check_out_file, check_policies_fit,
-                      check_range, device_option, dtype_option, knob_option, model_option, parse_policies,
-                      plot_formats, prepare_policies, write_json)
+                      check_range, check_weights_option, device_option, dtype_option, knob_option, model_option,
+                      parse_policies, plot_formats, prepare_policies, weights_option, write_json)
 from .placement_opts import EVICT, POOL_BYTES, POOL_DIR, parse_bytes
 
 
@@ -63,6 +63,7 @@ def bench_cmd(
     text: str = typer.Option("prideprejudice", "--text", help="Prompt text: a file or a bundled corpus name."),
     device: str = device_option(),
     dtype: str = dtype_option(),
+    weights: str = weights_option(),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all rows to this JSON file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: decode throughput vs batch size and vs length."),
     memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Run under this memory bound (e.g. 2G; a cgroup "
@@ -93,6 +94,7 @@ def bench_cmd(
     check_range("fixed-ratio", fixed_ratio, lo=0, hi=1, lo_open=True)
     check_range("weights-offload", weights_offload, lo=0, hi=1)
     check_model_options(device, dtype)
+    check_weights_option(weights)
     tiers = [s.strip() for s in kv_offload.split(",") if s.strip()]
     for t in tiers:
         if t not in KINDS:
@@ -134,7 +136,7 @@ def bench_cmd(
         from ..paths import load_text
         from .basic import load_model
         body = load_text(text)
-        net, tok, name = load_model(model, dtype, device)
+        net, tok, name = load_model(model, dtype, device, weights)
         if max_len > net.cfg.max_position:
             raise UserError(f"prompt + generated tokens ({max_len}) exceed the model's context ({net.cfg.max_position})")
         hf_model = bench.hf_model_for(model, DTYPES[dtype], device) if hf else None
@@ -183,6 +185,7 @@ def bench_cmd(
         raise UserError("no system ran")
     label = name + (f", InfiniGen fixed selection ratio {fixed_ratio}" if synthetic and fixed_ratio else "")
     payload = {"model": label, "synthetic": bool(synthetic), "device": device, "dtype": dtype,
+               "weights": getattr(getattr(net, "weights_info", None), "mode", weights),
                "machine": bench.machine(), "settings": {"prompt_lens": prompt_lens, "batch_sizes": batch_sizes,
                                                         "gen_len": gen_len, "kv_offload": tiers, "policies": names,
                                                         "knobs": knob, "capacity": capacity, "pool_bytes": limit,
