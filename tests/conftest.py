@@ -16,6 +16,7 @@ are non-trivial and a wrong mapping shows up in the logits):
                     `infinigen.load(path)` and `infinigen ... --model PATH`; read-only for tests (copy it
                     before corrupting it).
   tiny_tokenizer    session-scoped: the tokenizer saved in tiny_checkpoint.
+  text_file         module-scoped Path: 400 words of the tiny tokenizer's corpus (fixed seed), for `--text`.
 
 The default model (SmolLM2-135M-Instruct, Q4_1), loaded once per test session; use only in tests
 marked `@pytest.mark.integration` (deselect them with `-m "not integration"`):
@@ -146,6 +147,16 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     hf.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    """A short text of the tokenizer's corpus words (400 words, fixed seed): a `--text` that needs no corpus."""
+    import random
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("text") / "story.txt"
+    path.write_text(" ".join(rng.choice(_CORPUS) for _ in range(400)), encoding="utf-8")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -21,15 +20,6 @@ from conftest import one_line_error
 
 
 
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    from conftest import _CORPUS
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("text") / "story.txt"
-    path.write_text(" ".join(rng.choice(_CORPUS) for _ in range(400)), encoding="utf-8")
-    return path
 
 
 @pytest.fixture

@@ -32,14 +32,6 @@ def _commands_imported():
     build_app()
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("text") / "story.txt"
-    path.write_text(" ".join(rng.choice(_CORPUS) for _ in range(400)), encoding="utf-8")
-    return path
-
-
 @pytest.fixture
 def tiny(tiny_checkpoint):
     from infinigen.loading import load
