@@ -7,12 +7,13 @@ from typing import Any
 from .errors import UserError
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-SUPPORTED = LLAMA_FAMILY + ("opt",)
+GEMMA3 = ("gemma3_text",)
+SUPPORTED = LLAMA_FAMILY + GEMMA3 + ("opt",)
 
 
 @dataclass
 class ModelConfig:
-    arch: str  # "llama" (Llama, Mistral, Qwen2, SmolLM) or "opt"
+    arch: str  # "llama" (Llama, Mistral, Qwen2, SmolLM, Gemma 3) or "opt"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -26,7 +27,20 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     tie_embeddings: bool = True
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the window of every layer (Mistral); None when layers differ
+    # per layer: the window of its attention (None: it reads its whole past). Default: sliding_window
+    layer_windows: list | None = None
+    # per layer: which rotary embedding it uses (a key of the config's rope_parameters; None: the one)
+    layer_rope: list | None = None
+    # Gemma 3 (the Llama layout otherwise): RMSNorm scales by (1 + weight) in float32 ("gemma"), four
+    # norms per block (after attention and after the MLP too), RMSNorm on each head's queries and keys
+    # before RoPE, embeddings times sqrt(hidden), a softcap on the final logits
+    norm_style: str = "llama"
+    sandwich_norms: bool = False
+    qk_norm: bool = False
+    embed_scale: float | None = None
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    final_softcap: float | None = None
     # OPT only
     pre_norm: bool = True
     final_norm: bool = True
@@ -36,6 +50,21 @@ class ModelConfig:
     bos_token_id: int | None = None
     model_type: str = "llama"
     hf_config: Any = None  # kept for RoPE parameters (llama3/yarn scaling) and tokenizers
+
+    def __post_init__(self):
+        if self.layer_windows is None:
+            self.layer_windows = [self.sliding_window] * self.num_layers
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`'s attention: a row reads the entries fewer than this many
+        positions before it (itself included); None: its whole past."""
+        return self.layer_windows[layer]
+
+    def local(self, layer: int) -> bool:
+        """A local layer of a model that mixes local (windowed) and global layers (Gemma 3): its window
+        already bounds what it reads, so the runtime reads the window densely and policies select only
+        on the global layers."""
+        return self.sliding_window is None and self.layer_windows[layer] is not None
 
     @property
     def group_size(self) -> int:
@@ -71,6 +100,8 @@ class ModelConfig:
                 embed_dim=hf.word_embed_proj_dim, activation=hf.activation_function,
                 eos_token_ids=eos, bos_token_id=hf.bos_token_id, hf_config=hf,
             )
+        if mt in GEMMA3:
+            return cls._from_gemma3(hf, eos)
         heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         kv = getattr(hf, "num_key_value_heads", None) or heads
@@ -90,4 +121,32 @@ class ModelConfig:
             tie_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             sliding_window=window, activation=hf.hidden_act,
             eos_token_ids=eos, bos_token_id=hf.bos_token_id, hf_config=hf,
+        )
+
+    @classmethod
+    def _from_gemma3(cls, hf, eos: list[int]) -> "ModelConfig":
+        heads, kv = hf.num_attention_heads, hf.num_key_value_heads
+        if heads % kv:
+            raise UserError("num_attention_heads must be a multiple of num_key_value_heads")
+        if getattr(hf, "attn_logit_softcapping", None) is not None:
+            raise UserError("attn_logit_softcapping is not supported (Gemma 3 has none; Gemma 2 is not supported)")
+        if getattr(hf, "use_bidirectional_attention", False):
+            raise UserError("use_bidirectional_attention is not supported: the runtime decodes causally")
+        types = list(hf.layer_types)
+        if len(types) != hf.num_hidden_layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise UserError(f"layer_types must name sliding_attention or full_attention for each of the "
+                            f"{hf.num_hidden_layers} layers")
+        windows = [hf.sliding_window if t == "sliding_attention" else None for t in types]
+        uniform = windows[0] if len(set(windows)) == 1 else None
+        return cls(
+            arch="llama", model_type=hf.model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers,
+            num_heads=heads, num_kv_heads=kv, head_dim=hf.head_dim,
+            max_position=hf.max_position_embeddings, norm_eps=hf.rms_norm_eps,
+            qkv_bias=bool(hf.attention_bias), o_bias=bool(hf.attention_bias), mlp_bias=False,
+            tie_embeddings=bool(getattr(hf, "tie_word_embeddings", True)),
+            sliding_window=uniform, layer_windows=windows, layer_rope=types,
+            norm_style="gemma", sandwich_norms=True, qk_norm=True, embed_scale=hf.hidden_size ** 0.5,
+            attn_scale=hf.query_pre_attn_scalar ** -0.5, final_softcap=hf.final_logit_softcapping,
+            activation=hf.hidden_activation, eos_token_ids=eos, bos_token_id=hf.bos_token_id, hf_config=hf,
         )

@@ -41,7 +41,7 @@ from torch import nn
 from .config import ModelConfig
 from .errors import UserError
 from .kernels.qlinear import GROUP
-from .model import Rotary, Transformer
+from .model import Transformer, make_rotary
 from .paths import cache_dir, partial_name, remove_stale_partials, writable_cache  # noqa: F401 (cache_dir re-exported)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,6 +59,17 @@ _LLAMA_NAMES = [
     (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.", r"layers.\1.mlp.\2_proj."),
     (r"layers\.(\d+)\.input_layernorm\.", r"layers.\1.attn_norm."),
     (r"layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.mlp_norm."),
+    (r"norm\.", "norm."),
+]
+_GEMMA3_NAMES = [  # Gemma 3's post_attention_layernorm follows attention; pre_feedforward_layernorm leads the MLP
+    (r"embed_tokens\.", "embed_tokens."),
+    (r"layers\.(\d+)\.self_attn\.(q|k|v|o)_proj\.", r"layers.\1.attn.\2_proj."),
+    (r"layers\.(\d+)\.self_attn\.(q|k)_norm\.", r"layers.\1.attn.\2_norm."),
+    (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.", r"layers.\1.mlp.\2_proj."),
+    (r"layers\.(\d+)\.input_layernorm\.", r"layers.\1.attn_norm."),
+    (r"layers\.(\d+)\.post_attention_layernorm\.", r"layers.\1.attn_post_norm."),
+    (r"layers\.(\d+)\.pre_feedforward_layernorm\.", r"layers.\1.mlp_norm."),
+    (r"layers\.(\d+)\.post_feedforward_layernorm\.", r"layers.\1.mlp_post_norm."),
     (r"norm\.", "norm."),
 ]
 _OPT_NAMES = [
@@ -129,11 +140,16 @@ def resolve_precision(dtype, weights: str, device: str | torch.device = "cpu") -
     return DTYPES[dtype], weights
 
 
-def _rename(name: str, arch: str) -> str | None:
+def _names(cfg: ModelConfig) -> list:
+    """The renaming table of a config's checkpoints."""
+    return _OPT_NAMES if cfg.arch == "opt" else (_GEMMA3_NAMES if cfg.sandwich_norms else _LLAMA_NAMES)
+
+
+def _rename(name: str, names: list) -> str | None:
     if name.startswith("lm_head."):
         return name
     name = name.removeprefix("model.")
-    for pattern, repl in (_OPT_NAMES if arch == "opt" else _LLAMA_NAMES):
+    for pattern, repl in names:
         new, n = re.subn("^" + pattern, repl, name)
         if n:
             return new
@@ -153,7 +169,7 @@ def build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype
         raise UserError(f"config.json describes no valid model: {str(e).splitlines()[0]} ({_config_hint(cfg)})")
     state = {}
     for name, t in tensors.items():
-        new = _rename(name, cfg.arch)
+        new = _rename(name, _names(cfg))
         if new is not None:
             state[new] = t.to(device=device, dtype=dtype)
     if cfg.tie_embeddings or "lm_head.weight" not in state:
@@ -188,7 +204,7 @@ def build(cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype
     if cfg.tie_embeddings and "lm_head" not in modules and "embed_tokens" not in modules:
         model.lm_head.weight = model.embed_tokens.weight
     if cfg.uses_rope:
-        model.rotary = Rotary(cfg).to(device)
+        model.rotary = make_rotary(cfg).to(device)
     return model.eval()
 
 
@@ -360,7 +376,7 @@ def load(spec: str | os.PathLike | None = None, dtype: str | torch.dtype | None 
     held = {p + ".weight" for p in native}
 
     def skip(hf_name: str) -> bool:  # tensors the native modules hold are not read (hundreds of MB)
-        new = _rename(hf_name, cfg.arch)
+        new = _rename(hf_name, _names(cfg))
         return new in held or (new == "lm_head.weight" and "lm_head" in native)
 
     # what is re-quantized here is quantized from float32 (not from weights already rounded to the

@@ -1,4 +1,4 @@
-"""The network: Llama family (Llama, Mistral, Qwen2, SmolLM) and OPT.
+"""The network: Llama family (Llama, Mistral, Qwen2, SmolLM), Gemma 3 and OPT.
 
 Norms, rotary embedding, blocks, embedding and head, and the dense attention of a prompt. A block does
 not know where keys and values are kept or which of them a row reads: its `attend(layer, q, k, v)` is
@@ -34,6 +34,27 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: scales by (1 + weight), in float32, and only then casts back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = dim or cfg.hidden_size
+    if cfg.arch == "opt":
+        return nn.LayerNorm(dim, eps=cfg.norm_eps)
+    return GemmaRMSNorm(dim, cfg.norm_eps) if cfg.norm_style == "gemma" else RMSNorm(dim, cfg.norm_eps)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -67,6 +88,34 @@ class Attention(nn.Module):
         return self.o_proj(attend(self.index, q, k, v).transpose(1, 2).flatten(2))
 
 
+class NormedQKAttention(Attention):
+    """Gemma 3's attention: each head's queries and keys are RMS-normed before RoPE (a subclass, so the
+    Llama path pays nothing for it)."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__(cfg, index)
+        self.q_norm = _norm(cfg, cfg.head_dim)
+        self.k_norm = _norm(cfg, cfg.head_dim)
+
+    def qkv(self, x: torch.Tensor, rope: "Rope | None"):
+        h, kv, d = self.shape
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, h, d)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, kv, d)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)
+        q, k = rope.apply(torch.cat([q, k], dim=1)).split([h, kv], dim=1)
+        return q, k, v
+
+    def query(self, x: torch.Tensor, rope: "Rope | None") -> torch.Tensor:
+        h, _, d = self.shape
+        b, t, _ = x.shape
+        return rope.apply(self.q_norm(self.q_proj(x).view(b, t, h, d)).transpose(1, 2))
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -75,7 +124,7 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu}[cfg.activation]
+        self.act = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_pytorch_tanh": _gelu_tanh}[cfg.activation]
 
     def forward(self, x):
         if self.gated:
@@ -86,13 +135,15 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
-        norm = (lambda: RMSNorm(cfg.hidden_size, cfg.norm_eps)) if cfg.arch == "llama" else (
-            lambda: nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps))
         self.index, self.pre_norm = index, cfg.pre_norm
-        self.attn_norm = norm()
-        self.attn = Attention(cfg, index)
-        self.mlp_norm = norm()
+        self.attn_norm = _norm(cfg)
+        self.attn = (NormedQKAttention if cfg.qk_norm else Attention)(cfg, index)
+        self.mlp_norm = _norm(cfg)
         self.mlp = MLP(cfg)
+
+    def own_rope(self, rope):
+        """This block's rotation among what `Transformer.rope` gave (one for every layer here)."""
+        return rope
 
     def forward(self, h: torch.Tensor, rope: "Rope | None", attend, event) -> torch.Tensor:
         """One block over h [B, T, hidden]. `attend(layer, q, k, v)` is the attention itself (what the
@@ -110,15 +161,43 @@ class Block(nn.Module):
         return self.mlp_norm(h + self.mlp(h))
 
 
-class Rotary(nn.Module):
-    """RoPE with the frequencies `transformers` computes for the config (default, llama3, yarn, ...)."""
+class SandwichBlock(Block):
+    """Gemma 3's block: norms before and after attention and before and after the MLP, and its own
+    rotary embedding and window by layer type (local or global)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__(cfg, index)
+        self.attn_post_norm = _norm(cfg)
+        self.mlp_post_norm = _norm(cfg)
+
+    def own_rope(self, rope):
+        return rope[self.index]
+
+    def forward(self, h: torch.Tensor, rope, attend, event) -> torch.Tensor:
+        x = self.attn_norm(h)
+        event(self.index, "attn_in", x)
+        h = h + self.attn_post_norm(self.attn(x, rope[self.index], attend))
+        event(self.index, "attn_out", h)
+        return h + self.mlp_post_norm(self.mlp(self.mlp_norm(h)))
+
+
+class Rotary(nn.Module):
+    """RoPE with the frequencies `transformers` computes for the config (default, llama3, yarn, ...);
+    `layer_type`: those of one layer type of a model with several (Gemma 3's local and global layers)."""
+
+    def __init__(self, cfg: ModelConfig, layer_type: str | None = None):
         super().__init__()
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-        ref = LlamaRotaryEmbedding(config=cfg.hf_config)
-        self.register_buffer("inv_freq", ref.inv_freq.float().clone(), persistent=False)
-        self.scaling = float(ref.attention_scaling)
+        if layer_type is None:
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+            ref = LlamaRotaryEmbedding(config=cfg.hf_config)
+            inv_freq, scaling = ref.inv_freq, ref.attention_scaling
+        else:
+            from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+            ref = Gemma3RotaryEmbedding(cfg.hf_config)
+            inv_freq = getattr(ref, f"{layer_type}_inv_freq")
+            scaling = getattr(ref, f"{layer_type}_attention_scaling")
+        self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
+        self.scaling = float(scaling)
         self._last = None  # (positions, cos, sin): the layers of a step and speculation ask for the same positions
 
     def cos_sin(self, positions: torch.Tensor):
@@ -143,6 +222,23 @@ class Rotary(nn.Module):
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [B, H, T, d] at positions [B, T]."""
         return self.at(positions, x.dtype).apply(x)
+
+
+class LayerRotary(nn.Module):
+    """One `Rotary` per layer type; `at` gives every layer its rotation (each type computed once)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layer_types = list(cfg.layer_rope)
+        self.types = nn.ModuleDict({t: Rotary(cfg, t) for t in sorted(set(self.layer_types))})
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> list:
+        by_type = {t: r.at(positions, dtype) for t, r in self.types.items()}
+        return [by_type[t] for t in self.layer_types]
+
+
+def make_rotary(cfg: ModelConfig) -> nn.Module:
+    return Rotary(cfg) if cfg.layer_rope is None else LayerRotary(cfg)
 
 
 class Rope(NamedTuple):
@@ -177,13 +273,14 @@ class Transformer(nn.Module):
             self.project_out = nn.Linear(cfg.hidden_size, embed_dim, bias=False) if projected else None
             self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps) if cfg.final_norm else None
         else:
-            self.rotary = Rotary(cfg)
-            self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+            self.rotary = make_rotary(cfg)
+            self.norm = _norm(cfg)
+        block = SandwichBlock if cfg.sandwich_norms else Block
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
         self.lm_head = nn.Linear(embed_dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
 
     @property
     def device(self):
@@ -195,14 +292,17 @@ class Transformer(nn.Module):
 
     def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(tokens)
+        if self.cfg.embed_scale is not None:  # rounded to the embedding's dtype first, as transformers does
+            h = h * torch.tensor(self.cfg.embed_scale, dtype=h.dtype)
         if self.cfg.arch == "opt":
             if self.project_in is not None:
                 h = self.project_in(h)
             h = h + self.embed_positions(positions + 2)
         return h
 
-    def rope(self, positions: torch.Tensor) -> Rope | None:
-        """The rotary embedding of positions [B, T] for every layer of a pass (None: the model has none)."""
+    def rope(self, positions: torch.Tensor):
+        """The rotary embedding of positions [B, T] for every layer of a pass (None: the model has none;
+        a list of one per layer when layer types rotate differently: `Block.own_rope` picks)."""
         return self.rotary.at(positions, self.dtype) if self.cfg.uses_rope else None
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -210,19 +310,24 @@ class Transformer(nn.Module):
             h = self.norm(h)
         if self.cfg.arch == "opt" and self.project_out is not None:
             h = self.project_out(h)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
         """Queries [B,H,T,d] (post-RoPE) and keys/values [B,Hkv,T,d] of `layer` for attention input x."""
-        return self.layers[layer].attn.qkv(x, self.rope(positions))
+        block = self.layers[layer]
+        return block.attn.qkv(x, block.own_rope(self.rope(positions)))
 
     def query(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Only the (post-RoPE) queries of `layer`: what speculation needs one layer ahead."""
-        return self.layers[layer].attn.query(x, self.rope(positions))
+        block = self.layers[layer]
+        return block.attn.query(x, block.own_rope(self.rope(positions)))
 
-    def window(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
-        """Sliding-window mask (Mistral) for query positions [..., R, 1] against key positions [..., 1, S]."""
-        w = self.cfg.sliding_window
+    def window(self, q_pos: torch.Tensor, k_pos: torch.Tensor, layer: int) -> torch.Tensor | None:
+        """Sliding-window mask of `layer` (Mistral, Gemma 3's local layers) for query positions [..., R, 1]
+        against key positions [..., 1, S]; None: the layer has no window."""
+        w = self.cfg.window(layer)
         return None if w is None else (q_pos - k_pos) < w
 
     def dense_attention(self, q, k, v, mask, causal: bool = False) -> torch.Tensor:
@@ -251,15 +356,14 @@ class Transformer(nn.Module):
             out[:, :, :, s:e] = o.view(b, hkv, g, e - s, d)
         return out.view(b, h, t, d)
 
-    def prompt_mask(self, valid: torch.Tensor, positions: torch.Tensor):
-        """(mask [B,1,T,T] or None, causal) of a prompt with real tokens valid [B, T]: causal, padding
-        hidden, padded rows see themselves. No padding and no sliding window in reach: the plain causal
-        mask, not built (causal=True)."""
+    def prompt_mask(self, valid: torch.Tensor, positions: torch.Tensor, window: int | None):
+        """(mask [B,1,T,T] or None, causal) of a prompt with real tokens valid [B, T] for layers with this
+        sliding `window` (None: none): causal, padding hidden, padded rows see themselves. No padding and
+        no window in reach: the plain causal mask, not built (causal=True)."""
         t = valid.shape[1]
-        if bool(valid.all()) and (self.cfg.sliding_window is None or t <= self.cfg.sliding_window):
+        if bool(valid.all()) and (window is None or t <= window):
             return None, True
         mask = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril() & valid[:, None, :]
-        window = self.window(positions[:, :, None], positions[:, None, :])
         if window is not None:
-            mask = mask & window
+            mask = mask & ((positions[:, :, None] - positions[:, None, :]) < window)
         return (mask | torch.eye(t, dtype=torch.bool, device=valid.device))[:, None], False

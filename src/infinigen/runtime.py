@@ -32,7 +32,8 @@ ROW_CHUNK = 1024  # teacher-forced decoding rows per attention call: bounds the 
 # ---- the relative KV size ---------------------------------------------------------------------------------
 @dataclass
 class KVStats:
-    """Relative KV size: the fraction of past entries each layer's attention read, per decoding step."""
+    """Relative KV size: the fraction of past entries each layer's attention read, per decoding step (of
+    those its full cache reads: a sliding-window layer's whole window)."""
     num_layers: int
     read: list = field(default_factory=list)
     steps: list = field(default_factory=list)
@@ -198,7 +199,10 @@ class Session:
         self._row = 0
         self._first_row = 0
         self._prompt_valid: torch.Tensor | None = None
-        self._prompt_mask = None  # (mask, causal) of the prompt, made when its attention first runs
+        # {window: (mask, causal)} of the prompt, made when a layer with that window first attends, from
+        # the prompt's (valid, positions)
+        self._prompt_masks: dict = {}
+        self._mask_of = None
         self._phase = ""
         self._plans: dict = {}  # layer -> this step's selection, asked one layer ahead
         self.state = self.policy.begin(model, self)
@@ -249,7 +253,7 @@ class Session:
         self._positions, self._row, self._phase = positions, positions.shape[1] - 1, "prefill"
         self._next_pos = positions[:, -1] + 1
         self._prompt_valid = valid
-        self._prompt_mask = None
+        self._prompt_masks, self._mask_of = {}, (valid, positions)
         self._plans.clear()
 
     def begin_teacher(self, positions: torch.Tensor, first_row: int) -> None:
@@ -258,8 +262,7 @@ class Session:
         self.begin_prefill(positions, torch.ones(b, t, dtype=torch.bool, device=positions.device))
         self._first_row, self._phase = first_row, "teacher"
         self._next_pos = torch.full((b,), t, dtype=torch.long, device=positions.device)
-        self._prompt_mask = self.model.prompt_mask(torch.ones(1, first_row, dtype=torch.bool, device=positions.device),
-                                                   positions[:1, :first_row])
+        self._mask_of = (torch.ones(1, first_row, dtype=torch.bool, device=positions.device), positions[:1, :first_row])
 
     def begin_step(self, positions: torch.Tensor | None = None) -> None:
         """A decoding step: one token per row at positions [B, 1] (default: each row's next position), or
@@ -305,7 +308,7 @@ class Session:
         if plan is not None:
             return plan
         pol = self.policy
-        if not pol.speculated(layer):
+        if not self.selects(layer):
             plan = ALL
         elif not pol.known_ahead(layer, self):
             return None
@@ -314,6 +317,12 @@ class Session:
             plan = self._one_row(pol.keep(layer, self._rows(valid, pos), self))
         self._plans[layer] = plan
         return plan
+
+    def selects(self, layer: int) -> bool:
+        """Whether the policy chooses what `layer` reads. A local layer of a model that mixes local and
+        global layers (Gemma 3) reads its whole window: the window already bounds it, and the policy
+        selects only on the global layers."""
+        return self.policy.speculated(layer) and not self.model.cfg.local(layer)
 
     def replays(self) -> bool:
         """Whether teacher-forced scoring replays decoding row by row: the policy's state changes every step,
@@ -344,9 +353,10 @@ class Session:
     def _prompt_attention(self, layer, q, k, v) -> torch.Tensor:
         """Dense attention of the prompt; its keys and values go to the session first."""
         self.prefill_layer(layer, q, k, v)
-        if self._prompt_mask is None:
-            self._prompt_mask = self.model.prompt_mask(self._prompt_valid, self._positions)
-        mask, causal = self._prompt_mask
+        window = self.model.cfg.window(layer)
+        if window not in self._prompt_masks:
+            self._prompt_masks[window] = self.model.prompt_mask(*self._mask_of, window)
+        mask, causal = self._prompt_masks[window]
         return self.model.dense_attention(q, k, v, mask, causal=causal)
 
     def _rows(self, valid, pos, q=None, k=None, keys=None) -> Rows:
@@ -365,12 +375,13 @@ class Session:
         store, pol, model = self.store, self.policy, self.model
         kp, _, valid, pos = store.past(layer)
         cur = self._positions[:, self._row]  # [B]
-        window = model.cfg.sliding_window
+        window = model.cfg.window(layer)
         visible = valid if window is None else valid & (cur[:, None, None] - pos < window)
+        past = cur[:, None, None] if window is None else cur[:, None, None].clamp(max=window - 1)
         rows = None
         keep = self._plans.pop(layer, None)
         if keep is None:
-            if pol.speculated(layer):
+            if self.selects(layer):
                 rows = self._rows(valid, pos, q, k, kp)
                 keep = self._one_row(pol.keep(layer, rows, self))
             else:
@@ -381,7 +392,7 @@ class Session:
             for lis in self.listeners:
                 lis.on_select(layer, rows, wide, self)
         if keep is ALL:
-            self.stats.record(layer, visible.sum(-1, keepdim=True), cur[:, None, None])
+            self.stats.record(layer, visible.sum(-1, keepdim=True), past)
             read = _Read(cur, ALL, visible, None, None, None, ALL, False)
             if in_place and store.attends_in_place() and not pol.needs_weights and (
                     window is None or store.length[layer] < window):
@@ -389,13 +400,13 @@ class Session:
             return self._read_dense(layer, read)
         keep, idx, mask, counts = store.slots(layer, keep, visible)  # an offloaded store planned them already
         kp, vp = store.gather(layer, idx)
-        self.stats.record(layer, counts[..., None], cur[:, None, None])
+        self.stats.record(layer, counts[..., None], past)
         return _Read(cur, keep, keep, kp, vp, mask, idx, False)
 
     def _read_dense(self, layer: int, read: _Read) -> _Read:
         """Every used slot, where attention can read it (an offloaded store hands its fast-tier copy)."""
         kp, vp = self.store.dense(layer)
-        full = not self.store.padded and self.model.cfg.sliding_window is None
+        full = not self.store.padded and self.model.cfg.window(layer) is None
         return read._replace(keys=kp, values=vp, mask=read.seen, full=full)
 
     def _write(self, layer: int, read: _Read, probs, k, v) -> None:
@@ -449,15 +460,17 @@ class Session:
         before = cols < row_pos  # [R, T]
         rows = Rows(first=p, positions=self._positions[:, p:], entry_pos=cols[None], valid=before[None, None],
                     in_store=False, query=q[:, :, p:], own_keys=k[:, :, p:], keys=k)
-        keep = self.policy.keep(layer, rows, self) if self.policy.speculated(layer) else ALL
+        keep = self.policy.keep(layer, rows, self) if self.selects(layer) else ALL
         for lis in self.listeners:
             lis.on_select(layer, rows, keep, self)
         visible = before
-        window = self.model.window(row_pos, cols)
+        window = self.model.window(row_pos, cols, layer)
+        past = row_pos.T
         if window is not None:
             visible = visible & window
+            past = past.clamp(max=self.model.cfg.window(layer) - 1)  # a windowed layer's full cache: its window
         keep = visible[None, None] if keep is ALL else keep & visible
-        self.stats.record(layer, keep.sum(-1).expand(b, hkv, t - p), row_pos.T.expand(b, 1, t - p))
+        self.stats.record(layer, keep.sum(-1).expand(b, hkv, t - p), past.expand(b, 1, t - p))
         out[:, :, p:] = attend_rows(q[:, :, p:], k, v, keep, p, self.store.codec, self.model.scale)
         return out
 
