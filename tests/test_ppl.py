@@ -173,3 +173,25 @@ def test_progress_bar_does_not_touch_the_numbers(tiny_checkpoint, text_file, mon
     monkeypatch.setattr(ppl_mod._LayerProgress, "__init__", init)
     loud = perplexity(model, tok, text_file, None, ctx=CTX, prefill=PREFILL, progress=True)
     assert loud.perplexity == quiet.perplexity
+
+
+class _WordTokenizer:
+    """Words -> ids 10.., with BOS (id 1) before every input when `bos` is set (as Gemma's tokenizer does)."""
+
+    def __init__(self, bos: bool):
+        self.bos_token_id = 1
+        self.bos = bos
+
+    def __call__(self, text, add_special_tokens=True, verbose=False):
+        ids = [10 + len(w) for w in text.split()]
+        return {"input_ids": ([1] if self.bos and add_special_tokens else []) + ids}
+
+
+def test_token_windows_start_with_bos_where_the_tokenizer_does():
+    from infinigen.eval.ppl import token_windows
+    text = " ".join("a" * (1 + i % 7) for i in range(100))
+    plain = token_windows(_WordTokenizer(bos=False), text, 16, windows=2)
+    assert plain.shape == (2, 16) and (plain != 1).all()  # no BOS where the tokenizer adds none
+    with_bos = token_windows(_WordTokenizer(bos=True), text, 16, windows=2)
+    assert with_bos.shape == (2, 16) and (with_bos[:, 0] == 1).all()
+    assert with_bos[:, 1:].flatten().tolist() == plain.flatten()[:30].tolist()  # then the text, in order
