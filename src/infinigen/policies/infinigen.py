@@ -50,13 +50,15 @@ import torch
 from ..errors import UserError
 from ..kernels.int4 import PackedKeys, tinygemm_ok
 from ..memory import tensor_bytes, weight_bytes
-from .base import Policy, parse_layers
+from .base import ALL, Policy, parse_layers
 from .budgets import layer_caps
 
 BUDGETS = ("mean", "per_head", "union", "layer")
 SPEC_INPUTS = ("attn_in", "attn_out")
 KEY_MODES = ("partial", "int4")
 INT4_GROUP = 32
+# the default of the `dense_below` knob, in cached tokens (results/sparse_pays.md)
+DENSE_BELOW = 0
 
 # Why each preset is what it is, with the measurements: results/presets.md
 PRESETS = {
@@ -125,6 +127,9 @@ class InfiniGenState:
     spec_keys: dict = field(default_factory=dict)
     spec: dict = field(default_factory=dict)  # layer -> [B, Hkv, G, T, d] post-RoPE queries (projected per row)
     ready: set = field(default_factory=set)  # layers whose speculation for this decoding step has run
+    # dense_below: (positions of the pass last asked, per token of the pass the fewest and the most cached
+    # tokens of a row), read to the host once per pass
+    lengths: tuple = (None, (), ())
 
 
 # Skew matrices are a model-wide resource: loaded or computed once per (model, calibration text) by
@@ -167,6 +172,10 @@ class InfiniGen(Policy):
     budget_ref: int | None = None
     # layer 0 selects with its exact query (no prefetch overlap there) instead of reading all
     exact_first: bool | None = None
+    # a decoding row with fewer cached tokens than this reads every layer densely (0: never): below it
+    # speculation costs more than the rows it saves (measured: results/sparse_pays.md). A step whose
+    # every row is below it skips speculation altogether and reads ALL (the runtime's fused dense path)
+    dense_below: int = DENSE_BELOW
     # explicit skew matrices (`with_skew`): a resource, not a knob
     matrices: object = field(default=None, init=False, repr=False, compare=False)
 
@@ -234,6 +243,8 @@ class InfiniGen(Policy):
             raise UserError("dense layers must be non-negative")
         if not isinstance(self.skew, bool):
             raise UserError(f"skew must be true or false, got {self.skew!r}")
+        if not isinstance(self.dense_below, int) or isinstance(self.dense_below, bool) or self.dense_below < 0:
+            raise UserError(f"dense below must be a whole number of cached tokens >= 0, got {self.dense_below!r}")
 
     def alpha_for(self, cfg) -> float:
         """The threshold in effect on a model of this config (the paper's preset depends on the architecture)."""
@@ -433,6 +444,29 @@ class InfiniGen(Policy):
         y = x.reshape(*x.shape[:2], -1, x.shape[-1]).to(torch.float64) @ w.to(torch.float64)  # [B, Hkv] batches
         return y.view(*x.shape[:-1], w.shape[-1]).float()
 
+    # ---- sparse only where it pays (dense_below) --------------------------------------------------
+    # A row's cached length is its position: the real tokens before it, the same number in decoding (left
+    # padding aside) and in teacher-forced scoring, so both read densely at the same rows. Each row is decided
+    # alone (a row below the threshold keeps everything even when the rows beside it select): a row's
+    # tokens never depend on what else is in the batch, and a mixed step only happens while the rows of a
+    # batch straddle the threshold, at most as many steps as their prompts differ in length.
+    def _lengths(self, session) -> tuple:
+        """Per token of the current pass: the fewest and the most cached tokens over the batch's rows."""
+        st, pos = session.state, session.positions
+        if st.lengths[0] is not pos:  # a new pass (a step, a replay, a teacher-forced sequence)
+            st.lengths = (pos, pos.amin(0).tolist(), pos.amax(0).tolist())
+        return st.lengths[1], st.lengths[2]
+
+    def _dense_pass(self, session) -> bool:
+        """Every row of the current pass is below `dense_below`: nothing to speculate, every layer reads ALL."""
+        return self.dense_below > 0 and max(self._lengths(session)[1]) < self.dense_below
+
+    def _dense_rows(self, session, row: int) -> torch.Tensor | None:
+        """Bool [B]: the batch's rows below `dense_below` at token `row` of the pass; None when there is none."""
+        if self.dense_below == 0 or self._lengths(session)[0][row] >= self.dense_below:
+            return None
+        return session.positions[:, row] < self.dense_below
+
     # ---- hooks ----------------------------------------------------------------------------------
     def on_prefill(self, layer, q, k, v, session):
         st = session.state
@@ -464,7 +498,7 @@ class InfiniGen(Policy):
     def on_hidden(self, layer, point, x, session):
         st, model = session.state, session.model
         target = layer + 1
-        if point != self.spec_input or target not in st.spec_layers:
+        if point != self.spec_input or target not in st.spec_layers or self._dense_pass(session):
             return
         if point == "attn_out" and model.cfg.pre_norm:
             x = model.layers[target].attn_norm(x)  # layer i's own input norm of the residual
@@ -481,17 +515,26 @@ class InfiniGen(Policy):
             st.ready.add(target)
 
     def known_ahead(self, layer, session) -> bool:
-        """Once this step's speculation for `layer` has run (placement fetches its rows meanwhile)."""
-        return layer in session.state.ready
+        """Once this step's speculation for `layer` has run (placement fetches its rows meanwhile), or at
+        once when the step reads densely (`dense_below`): the plan is ALL."""
+        return layer in session.state.ready or self._dense_pass(session)
 
     def keep(self, layer, rows, session):
         if rows.in_store:
+            if self._dense_pass(session):
+                return ALL
             return self._decoding_row(layer, rows, session)[:, :, None]
         return self._sequence_rows(layer, rows, session)
 
     def _decoding_row(self, layer, rows, session) -> torch.Tensor:
         st = session.state
         st.ready.discard(layer)
+        keep = self._speculated_row(layer, rows, session)
+        dense = self._dense_rows(session, rows.first)
+        return keep if dense is None else keep | dense[:, None, None]
+
+    def _speculated_row(self, layer, rows, session) -> torch.Tensor:
+        st = session.state
         if layer == 0:  # exact_first: its own query, known only now (row `rows.first` of a view)
             q = rows.query
             b, h, _, d = q.shape
@@ -561,6 +604,11 @@ class InfiniGen(Policy):
         p, t = rows.first, k.shape[2]
         b, hkv, _, d = k.shape
         dev = k.device
+        if self._dense_pass(session):
+            return ALL
+        # rows before `first` have every batch row below dense_below: they keep everything, nothing is scored
+        most = self._lengths(session)[1]
+        first = next(r for r in range(p, t) if most[r] >= self.dense_below)
         if layer == 0:  # exact_first: the rows' own queries (rows before p are never scored)
             h = q.shape[1]
             st.spec[0] = torch.cat([q[:, :, :1].expand(b, h, p, d), q], 2).view(b, hkv, h // hkv, t, d)
@@ -573,22 +621,27 @@ class InfiniGen(Policy):
         if isinstance(spec_keys, PackedKeys) and spec_keys.layout == "tinygemm":
             # each score of the int4 kernel is its own dot product, the same bits whatever the other rows
             # of the call: score every row in one call and cut per row
-            qs = self._spec_rows(st, layer, slice(p, t))  # [B, Hkv, G, R, d]
+            qs = self._spec_rows(st, layer, slice(first, t))  # [B, Hkv, G, R, d]
             g = qs.shape[2]
-            every = spec_keys.scores(qs.reshape(b, hkv, g * (t - p), d).contiguous(), t).view(b, hkv, g, t - p, t)
+            every = spec_keys.scores(qs.reshape(b, hkv, g * (t - first), d).contiguous(), t)
+            every = every.view(b, hkv, g, t - first, t)
         out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=dev)
-        for r in range(p, t):
+        out[:, :, :first - p] = True  # the runtime keeps each row's past of these
+        for r in range(first, t):
             # row r sees the r cached tokens before it: the same shapes, so the same float32 numbers,
             # as `_select_row` when decoding (row by row: the selection's reductions depend on shapes)
             valid = self._window(model.cfg, torch.ones(b, hkv, 1, r, dtype=torch.bool, device=dev),
                                  torch.arange(r, device=dev), r)
             if every is not None:
-                scores = every[:, :, :, r - p, None, :r]
+                scores = every[:, :, :, r - first, None, :r]
             else:
                 scores = self._scores(st, layer, r, spec_keys, r)[:, :, :, None]  # [B, Hkv, G, 1, r]
             shared_length = r if model.cfg.sliding_window is None else None
             cap = self._cap(st, model, layer, r)
             out[:, :, r - p, :r] = self._choose(scores * model.scale, valid, st.alpha, shared_length, cap)[:, :, 0]
+            dense = self._dense_rows(session, r)
+            if dense is not None:
+                out[:, :, r - p, :r] |= dense[:, None, None]
         return out
 
     def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float, shared_length: int | None = None,
