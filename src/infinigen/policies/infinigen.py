@@ -57,7 +57,11 @@ BUDGETS = ("mean", "per_head", "union", "layer")
 SPEC_INPUTS = ("attn_in", "attn_out")
 KEY_MODES = ("partial", "int4")
 INT4_GROUP = 32
-# the default of the `dense_below` knob, in cached tokens (results/sparse_pays.md)
+# the default of the `dense_below` knob, in cached tokens. Measured on a 2-core CPU (results/sparse_pays.md):
+# InfiniGen in fast memory was 1.6-3.4x slower than the full cache at every length up to 8000 tokens, batch 1
+# to 8, so the rule "the smallest length where it pays" gives the default model's whole context (8192): it
+# would never select there. 0 (select at every length, as before the knob) stays the default until the
+# speculation's cost comes down (issue 18 items 3-4); `dense_below=8192` is the measured setting on that CPU
 DENSE_BELOW = 0
 
 # Why each preset is what it is, with the measurements: results/presets.md
