@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..cache import KVStore
 from ..errors import UserError
 from ..kernels.int4 import PackedKeys, tinygemm_ok
 from ..memory import tensor_bytes, weight_bytes
@@ -131,6 +132,10 @@ class InfiniGenState:
     spec_keys: dict = field(default_factory=dict)
     spec: dict = field(default_factory=dict)  # layer -> [B, Hkv, G, T, d] post-RoPE queries (projected per row)
     ready: set = field(default_factory=set)  # layers whose speculation for this decoding step has run
+    # dense_below with packed keys in fast memory: the packed keys are built from the store at the first step
+    # that selects, not kept up to date while every step reads densely (their append costs ~20% of a dense
+    # step at 512 tokens, batch 1, on a 2-core CPU; building them once at the crossing, a prefill's work)
+    lazy_keys: bool = False
     # dense_below: (positions of the pass last asked, per token of the pass the fewest and the most cached
     # tokens of a row), read to the host once per pass
     lengths: tuple = (None, (), ())
@@ -374,6 +379,7 @@ class InfiniGen(Policy):
             caps=self.layer_caps(model))
         if self.key_mode == "int4":
             st.layout = int4_layout(d, session.store.capacity, model.device)
+            st.lazy_keys = self.dense_below > 0 and type(session.store) is KVStore
         else:
             # the model's dtype (the keys' own precision: at r = 1 the speculation is exact). In float32 the
             # partial columns are 30% of K, 15.6% of K+V: the paper's 8% budget assumes 16-bit models, and
@@ -480,6 +486,9 @@ class InfiniGen(Policy):
         hkv = k.shape[1]
         store = session.store
         st.ready.discard(layer)
+        if st.lazy_keys:
+            st.spec_keys.pop(layer, None)  # built from the store at the first step that selects
+            return
         if self.key_mode == "int4":
             spec_keys = PackedKeys(b, hkv, store.capacity, d, group=INT4_GROUP, layout=st.layout, device=k.device)
             spec_keys.write(0, self._rotate(st, k, layer))
@@ -513,7 +522,8 @@ class InfiniGen(Policy):
             del st.spec[old]
         # kept as is and projected per row when scored: at prefill the partial weights do not exist yet
         st.spec[target] = q.view(b, hkv, h // hkv, t, d)
-        if t == 1 and target in st.spec_keys:
+        if t == 1 and (target in st.spec_keys or st.lazy_keys):
+            self._spec_keys(st, target, session)
             # decoding: the selection is known one layer ahead, so its transfer can start now;
             # layer `target`'s partial keys do not change before its own attention
             st.ready.add(target)
@@ -548,7 +558,7 @@ class InfiniGen(Policy):
 
     def on_append(self, layer, slots, k, v, session):
         st = session.state
-        if layer not in st.spec_layers:
+        if layer not in st.spec_layers or layer not in st.spec_keys:  # not built yet (lazy_keys)
             return
         spec_keys = st.spec_keys[layer]
         if self.key_mode == "int4":
@@ -559,6 +569,19 @@ class InfiniGen(Policy):
         if spec_keys.element_size() == 2:  # 16-bit floats moved as int16: scatter_ on them is slow in torch 2.13
             spec_keys, rows = spec_keys.view(torch.int16), rows.view(torch.int16)
         spec_keys.scatter_(2, idx, rows)
+
+    def _spec_keys(self, st: InfiniGenState, layer: int, session):
+        """The keys speculation scores `layer` against; with `lazy_keys`, packed from the store's keys the
+        first time (the same rotation and packing per token as a prefill's and an append's)."""
+        keys = st.spec_keys.get(layer)
+        if keys is None and st.lazy_keys:
+            store = session.store
+            k = store.past(layer)[0]
+            b, hkv, _, d = k.shape
+            keys = PackedKeys(b, hkv, store.capacity, d, group=INT4_GROUP, layout=st.layout, device=k.device)
+            keys.write(0, self._rotate(st, k, layer))
+            st.spec_keys[layer] = keys
+        return keys
 
     # ---- selection ------------------------------------------------------------------------------
     def _spec_rows(self, st: InfiniGenState, layer: int, rows: slice) -> torch.Tensor:
@@ -589,7 +612,8 @@ class InfiniGen(Policy):
         """Selection [B, Hkv, S] over the store's slots for decoding row `row`."""
         st, store, model = session.state, session.store, session.model
         n = store.length[layer]
-        scores = self._scores(st, layer, row, st.spec_keys[layer], n)[:, :, :, None]  # [B, Hkv, G, 1, S]
+        spec_keys = self._spec_keys(st, layer, session)
+        scores = self._scores(st, layer, row, spec_keys, n)[:, :, :, None]  # [B, Hkv, G, 1, S]
         valid = store.valid[layer][:, :, :n]
         cur = session.positions[:, row]
         valid = self._window(model.cfg, valid, store.pos[layer][:, :, :n], cur[:, None, None])
