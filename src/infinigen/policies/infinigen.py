@@ -47,16 +47,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..cache import KVStore
 from ..errors import UserError
 from ..kernels.int4 import PackedKeys, tinygemm_ok
 from ..memory import tensor_bytes, weight_bytes
-from .base import Policy, parse_layers
+from .base import ALL, Policy, parse_layers
 from .budgets import layer_caps
 
 BUDGETS = ("mean", "per_head", "union", "layer")
 SPEC_INPUTS = ("attn_in", "attn_out")
 KEY_MODES = ("partial", "int4")
 INT4_GROUP = 32
+# the default of the `dense_below` knob, in cached tokens. Measured on a 2-core CPU (results/sparse_pays.md):
+# InfiniGen in fast memory was 1.6-3.4x slower than the full cache at every length up to 8000 tokens, batch 1
+# to 8, so the rule "the smallest length where it pays" gives the default model's whole context (8192): it
+# would never select there. 0 (select at every length, as before the knob) stays the default until the
+# speculation's cost comes down (issue 18 items 3-4); `dense_below=8192` is the measured setting on that CPU
+DENSE_BELOW = 0
 
 # Why each preset is what it is, with the measurements: results/presets.md
 PRESETS = {
@@ -125,6 +132,13 @@ class InfiniGenState:
     spec_keys: dict = field(default_factory=dict)
     spec: dict = field(default_factory=dict)  # layer -> [B, Hkv, G, T, d] post-RoPE queries (projected per row)
     ready: set = field(default_factory=set)  # layers whose speculation for this decoding step has run
+    # dense_below with packed keys in fast memory: the packed keys are built from the store at the first step
+    # that selects, not kept up to date while every step reads densely (their append costs ~20% of a dense
+    # step at 512 tokens, batch 1, on a 2-core CPU; building them once at the crossing, a prefill's work)
+    lazy_keys: bool = False
+    # dense_below: (positions of the pass last asked, per token of the pass the fewest and the most cached
+    # tokens of a row), read to the host once per pass
+    lengths: tuple = (None, (), ())
 
 
 # Skew matrices are a model-wide resource: loaded or computed once per (model, calibration text) by
@@ -167,6 +181,10 @@ class InfiniGen(Policy):
     budget_ref: int | None = None
     # layer 0 selects with its exact query (no prefetch overlap there) instead of reading all
     exact_first: bool | None = None
+    # a decoding row with fewer cached tokens than this reads every layer densely (0: never): below it
+    # speculation costs more than the rows it saves (measured: results/sparse_pays.md). A step whose
+    # every row is below it skips speculation altogether and reads ALL (the runtime's fused dense path)
+    dense_below: int = DENSE_BELOW
     # explicit skew matrices (`with_skew`): a resource, not a knob
     matrices: object = field(default=None, init=False, repr=False, compare=False)
 
@@ -234,6 +252,8 @@ class InfiniGen(Policy):
             raise UserError("dense layers must be non-negative")
         if not isinstance(self.skew, bool):
             raise UserError(f"skew must be true or false, got {self.skew!r}")
+        if not isinstance(self.dense_below, int) or isinstance(self.dense_below, bool) or self.dense_below < 0:
+            raise UserError(f"dense below must be a whole number of cached tokens >= 0, got {self.dense_below!r}")
 
     def alpha_for(self, cfg) -> float:
         """The threshold in effect on a model of this config (the paper's preset depends on the architecture)."""
@@ -359,6 +379,7 @@ class InfiniGen(Policy):
             caps=self.layer_caps(model))
         if self.key_mode == "int4":
             st.layout = int4_layout(d, session.store.capacity, model.device)
+            st.lazy_keys = self.dense_below > 0 and type(session.store) is KVStore
         else:
             # the model's dtype (the keys' own precision: at r = 1 the speculation is exact). In float32 the
             # partial columns are 30% of K, 15.6% of K+V: the paper's 8% budget assumes 16-bit models, and
@@ -433,6 +454,29 @@ class InfiniGen(Policy):
         y = x.reshape(*x.shape[:2], -1, x.shape[-1]).to(torch.float64) @ w.to(torch.float64)  # [B, Hkv] batches
         return y.view(*x.shape[:-1], w.shape[-1]).float()
 
+    # ---- sparse only where it pays (dense_below) --------------------------------------------------
+    # A row's cached length is its position: the real tokens before it, the same number in decoding (left
+    # padding aside) and in teacher-forced scoring, so both read densely at the same rows. Each row is decided
+    # alone (a row below the threshold keeps everything even when the rows beside it select): a row's
+    # tokens never depend on what else is in the batch, and a mixed step only happens while the rows of a
+    # batch straddle the threshold, at most as many steps as their prompts differ in length.
+    def _lengths(self, session) -> tuple:
+        """Per token of the current pass: the fewest and the most cached tokens over the batch's rows."""
+        st, pos = session.state, session.positions
+        if st.lengths[0] is not pos:  # a new pass (a step, a replay, a teacher-forced sequence)
+            st.lengths = (pos, pos.amin(0).tolist(), pos.amax(0).tolist())
+        return st.lengths[1], st.lengths[2]
+
+    def _dense_pass(self, session) -> bool:
+        """Every row of the current pass is below `dense_below`: nothing to speculate, every layer reads ALL."""
+        return self.dense_below > 0 and max(self._lengths(session)[1]) < self.dense_below
+
+    def _dense_rows(self, session, row: int) -> torch.Tensor | None:
+        """Bool [B]: the batch's rows below `dense_below` at token `row` of the pass; None when there is none."""
+        if self.dense_below == 0 or self._lengths(session)[0][row] >= self.dense_below:
+            return None
+        return session.positions[:, row] < self.dense_below
+
     # ---- hooks ----------------------------------------------------------------------------------
     def on_prefill(self, layer, q, k, v, session):
         st = session.state
@@ -442,6 +486,9 @@ class InfiniGen(Policy):
         hkv = k.shape[1]
         store = session.store
         st.ready.discard(layer)
+        if st.lazy_keys:
+            st.spec_keys.pop(layer, None)  # built from the store at the first step that selects
+            return
         if self.key_mode == "int4":
             spec_keys = PackedKeys(b, hkv, store.capacity, d, group=INT4_GROUP, layout=st.layout, device=k.device)
             spec_keys.write(0, self._rotate(st, k, layer))
@@ -464,7 +511,7 @@ class InfiniGen(Policy):
     def on_hidden(self, layer, point, x, session):
         st, model = session.state, session.model
         target = layer + 1
-        if point != self.spec_input or target not in st.spec_layers:
+        if point != self.spec_input or target not in st.spec_layers or self._dense_pass(session):
             return
         if point == "attn_out" and model.cfg.pre_norm:
             x = model.layers[target].attn_norm(x)  # layer i's own input norm of the residual
@@ -475,23 +522,33 @@ class InfiniGen(Policy):
             del st.spec[old]
         # kept as is and projected per row when scored: at prefill the partial weights do not exist yet
         st.spec[target] = q.view(b, hkv, h // hkv, t, d)
-        if t == 1 and target in st.spec_keys:
+        if t == 1 and (target in st.spec_keys or st.lazy_keys):
+            self._spec_keys(st, target, session)
             # decoding: the selection is known one layer ahead, so its transfer can start now;
             # layer `target`'s partial keys do not change before its own attention
             st.ready.add(target)
 
     def known_ahead(self, layer, session) -> bool:
-        """Once this step's speculation for `layer` has run (placement fetches its rows meanwhile)."""
-        return layer in session.state.ready
+        """Once this step's speculation for `layer` has run (placement fetches its rows meanwhile), or at
+        once when the step reads densely (`dense_below`): the plan is ALL."""
+        return layer in session.state.ready or self._dense_pass(session)
 
     def keep(self, layer, rows, session):
         if rows.in_store:
+            if self._dense_pass(session):
+                return ALL
             return self._decoding_row(layer, rows, session)[:, :, None]
         return self._sequence_rows(layer, rows, session)
 
     def _decoding_row(self, layer, rows, session) -> torch.Tensor:
         st = session.state
         st.ready.discard(layer)
+        keep = self._speculated_row(layer, rows, session)
+        dense = self._dense_rows(session, rows.first)
+        return keep if dense is None else keep | dense[:, None, None]
+
+    def _speculated_row(self, layer, rows, session) -> torch.Tensor:
+        st = session.state
         if layer == 0:  # exact_first: its own query, known only now (row `rows.first` of a view)
             q = rows.query
             b, h, _, d = q.shape
@@ -501,7 +558,7 @@ class InfiniGen(Policy):
 
     def on_append(self, layer, slots, k, v, session):
         st = session.state
-        if layer not in st.spec_layers:
+        if layer not in st.spec_layers or layer not in st.spec_keys:  # not built yet (lazy_keys)
             return
         spec_keys = st.spec_keys[layer]
         if self.key_mode == "int4":
@@ -512,6 +569,19 @@ class InfiniGen(Policy):
         if spec_keys.element_size() == 2:  # 16-bit floats moved as int16: scatter_ on them is slow in torch 2.13
             spec_keys, rows = spec_keys.view(torch.int16), rows.view(torch.int16)
         spec_keys.scatter_(2, idx, rows)
+
+    def _spec_keys(self, st: InfiniGenState, layer: int, session):
+        """The keys speculation scores `layer` against; with `lazy_keys`, packed from the store's keys the
+        first time (the same rotation and packing per token as a prefill's and an append's)."""
+        keys = st.spec_keys.get(layer)
+        if keys is None and st.lazy_keys:
+            store = session.store
+            k = store.past(layer)[0]
+            b, hkv, _, d = k.shape
+            keys = PackedKeys(b, hkv, store.capacity, d, group=INT4_GROUP, layout=st.layout, device=k.device)
+            keys.write(0, self._rotate(st, k, layer))
+            st.spec_keys[layer] = keys
+        return keys
 
     # ---- selection ------------------------------------------------------------------------------
     def _spec_rows(self, st: InfiniGenState, layer: int, rows: slice) -> torch.Tensor:
@@ -542,7 +612,8 @@ class InfiniGen(Policy):
         """Selection [B, Hkv, S] over the store's slots for decoding row `row`."""
         st, store, model = session.state, session.store, session.model
         n = store.length[layer]
-        scores = self._scores(st, layer, row, st.spec_keys[layer], n)[:, :, :, None]  # [B, Hkv, G, 1, S]
+        spec_keys = self._spec_keys(st, layer, session)
+        scores = self._scores(st, layer, row, spec_keys, n)[:, :, :, None]  # [B, Hkv, G, 1, S]
         valid = store.valid[layer][:, :, :n]
         cur = session.positions[:, row]
         valid = self._window(model.cfg, valid, store.pos[layer][:, :, :n], cur[:, None, None])
@@ -561,6 +632,11 @@ class InfiniGen(Policy):
         p, t = rows.first, k.shape[2]
         b, hkv, _, d = k.shape
         dev = k.device
+        if self._dense_pass(session):
+            return ALL
+        # rows before `first` have every batch row below dense_below: they keep everything, nothing is scored
+        most = self._lengths(session)[1]
+        first = next(r for r in range(p, t) if most[r] >= self.dense_below)
         if layer == 0:  # exact_first: the rows' own queries (rows before p are never scored)
             h = q.shape[1]
             st.spec[0] = torch.cat([q[:, :, :1].expand(b, h, p, d), q], 2).view(b, hkv, h // hkv, t, d)
@@ -573,22 +649,27 @@ class InfiniGen(Policy):
         if isinstance(spec_keys, PackedKeys) and spec_keys.layout == "tinygemm":
             # each score of the int4 kernel is its own dot product, the same bits whatever the other rows
             # of the call: score every row in one call and cut per row
-            qs = self._spec_rows(st, layer, slice(p, t))  # [B, Hkv, G, R, d]
+            qs = self._spec_rows(st, layer, slice(first, t))  # [B, Hkv, G, R, d]
             g = qs.shape[2]
-            every = spec_keys.scores(qs.reshape(b, hkv, g * (t - p), d).contiguous(), t).view(b, hkv, g, t - p, t)
+            every = spec_keys.scores(qs.reshape(b, hkv, g * (t - first), d).contiguous(), t)
+            every = every.view(b, hkv, g, t - first, t)
         out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=dev)
-        for r in range(p, t):
+        out[:, :, :first - p] = True  # the runtime keeps each row's past of these
+        for r in range(first, t):
             # row r sees the r cached tokens before it: the same shapes, so the same float32 numbers,
             # as `_select_row` when decoding (row by row: the selection's reductions depend on shapes)
             valid = self._window(model.cfg, torch.ones(b, hkv, 1, r, dtype=torch.bool, device=dev),
                                  torch.arange(r, device=dev), r)
             if every is not None:
-                scores = every[:, :, :, r - p, None, :r]
+                scores = every[:, :, :, r - first, None, :r]
             else:
                 scores = self._scores(st, layer, r, spec_keys, r)[:, :, :, None]  # [B, Hkv, G, 1, r]
             shared_length = r if model.cfg.sliding_window is None else None
             cap = self._cap(st, model, layer, r)
             out[:, :, r - p, :r] = self._choose(scores * model.scale, valid, st.alpha, shared_length, cap)[:, :, 0]
+            dense = self._dense_rows(session, r)
+            if dense is not None:
+                out[:, :, r - p, :r] |= dense[:, None, None]
         return out
 
     def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float, shared_length: int | None = None,

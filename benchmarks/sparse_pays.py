@@ -1,0 +1,67 @@
+"""Where sparse pays (issue 18 item 5): decode ms/step of the full cache against InfiniGen at given
+`dense_below` settings, KV in fast memory, default model (bfloat16 and int4 weights where the CPU has
+bfloat16: the CLI's defaults), one shared prefill per cell (`eval.fanout.prefill_shared`), then the systems'
+decoding steps interleaved A B ... B A, so that the load of a shared CPU falls on every system alike.
+Each system decodes its own greedy tokens; the first step is left out of the statistics.
+
+    python benchmarks/sparse_pays.py --cells 512x1,512x4,1024x1 --dense-below 0,8192 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import infinigen
+from infinigen import runtime
+from infinigen.eval.fanout import prefill_shared
+from infinigen.paths import resolve_text
+from infinigen.policies import make_policy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default="512x1,512x4", help="PROMPTxBATCH, comma separated")
+    ap.add_argument("--dense-below", default="0", help="InfiniGen dense_below settings, comma separated")
+    ap.add_argument("--gen", type=int, default=16, help="decoding steps per system (the first is not timed)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model, tok, name = infinigen.load("default", dtype="auto", weights="auto", progress=False)
+    ids = tok(open(resolve_text("prideprejudice"), encoding="utf-8").read(), return_tensors="pt").input_ids[0]
+    rows = []
+    for cell in a.cells.split(","):
+        length, batch = map(int, cell.split("x"))
+        # consecutive rows start 97 tokens apart: different prompts, one length
+        tokens = torch.stack([ids[i * 97:i * 97 + length] for i in range(batch)])
+        knobs = [int(k) for k in a.dense_below.split(",")]
+        pols = [make_policy("full")] + [make_policy("infinigen", dense_below=k).prepare(model, tok) for k in knobs]
+        names = ["full"] + [f"infinigen dense_below={k}" for k in knobs]
+        logits, sessions = prefill_shared(model, tokens, pols, length + a.gen)
+        nxt = [logits.argmax(-1)] * len(pols)
+        times = [[] for _ in pols]
+        for step in range(a.gen - 1):
+            order = list(range(len(pols)))[::-1 if step % 2 else 1]
+            for i in order:
+                t0 = time.perf_counter()
+                out = runtime.decode(model, nxt[i], sessions[i])
+                times[i].append((time.perf_counter() - t0) * 1e3)
+                nxt[i] = out.argmax(-1)
+        for system, ts, s in zip(names, times, sessions):
+            row = dict(system=system, prompt=length, batch=batch, ms_median=statistics.median(ts[1:]),
+                       ms_min=min(ts[1:]), rel_kv=s.stats.overall())
+            rows.append(row)
+            print(f"{length:5d} x {batch}  {system:28s} median {row['ms_median']:7.1f} ms/step  "
+                  f"min {row['ms_min']:7.1f}  relative KV {row['rel_kv']:.3f}", flush=True)
+    if a.json:
+        meta = dict(model=name, dtype=str(model.dtype), threads=a.threads, torch=torch.__version__)
+        with open(a.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
