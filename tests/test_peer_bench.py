@@ -242,7 +242,8 @@ def test_llama_falls_back_once_when_amx_crashes(peer, monkeypatch, tmp_path):
         peer.run_llama(Path("/b"), tmp_path / "m.gguf", 2, peer.CHAT)
     assert len(calls) == 1  # not a crash of the AMX path: no retry
 
-    monkeypatch.setattr(peer, "run_process", lambda argv, label, check=True: (0, CAPTURE.replace("|     64 |    4 |", "|     64 |    2 |"), {}))
+    two_rows = CAPTURE.replace("|     64 |    4 |", "|     64 |    2 |")
+    monkeypatch.setattr(peer, "run_process", lambda argv, label, check=True: (0, two_rows, {}))
     with pytest.raises(SystemExit, match="expected"):  # a batch llama.cpp skipped or changed is an error
         peer.run_llama(Path("/b"), tmp_path / "m.gguf", 2, peer.CHAT)
 
