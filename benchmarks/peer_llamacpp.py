@@ -517,6 +517,11 @@ def markdown(result: dict) -> str:
          f"n_ubatch {st.get('n_ubatch')}) but for the flags below."),
         "",
         *([result["llama_cpp_note"] + ".", ""] if result.get("llama_cpp_note") else []),
+        *([("Why not `-march=native`: on an AMX CPU it compiles in ggml's AMX matmul, which llama.cpp then uses "
+            "by default and which crashes on some of them (ggml-org/llama.cpp#20824, this machine included); "
+            "with `--no-repack` that build decoded slower here. `--llama-build native` measures it "
+            "(results/peer_llamacpp_native.md is such a run)."), ""]
+          if lv.get("kind") == "isa" else []),
         (f"Other processes' share of the CPU during each run (from /proc/stat, less our runs' own time): {shares}; "
          f"1-minute load average before the first run {result['loads'][0]['load_before']:.2f}. "
          + ("The machine was quiet." if result["quiet"] else
@@ -576,7 +581,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Markdown table; the JSON goes beside it (.json)")
     ap.add_argument("--build-only", action="store_true", help="build (or find) llama.cpp and stop")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and stop (builds nothing)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="write the Markdown again from the JSON beside it (runs nothing)")
     args = ap.parse_args(argv)
+    if args.report_only:
+        result = json.loads(args.out.with_suffix(".json").read_text())
+        write_atomic(args.out, markdown(result))
+        print(f"wrote {args.out}")
+        return 0
     for name in ("threads", "jobs", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
