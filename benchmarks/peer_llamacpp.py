@@ -539,8 +539,9 @@ def markdown(result: dict) -> str:
         out.append(f"| {case} | {ln['batch']} | {ln['metric']} | {_num(ln['llama.cpp'])} | {_num(ln['full'])} | "
                    f"{_num(ln['infinigen'])} | {ln['x_full']:.2f} | {ln['x_infinigen']:.2f} |")
     if "long" not in result["cases"] and "chat" in result["cases"]:
-        out += ["", ("The long case (prompt 8176, 16 new tokens, batch 8) was not run: it takes many minutes "
-                     "per system; `--long` adds it.")]
+        out += ["", ("The long case (prompt 8176, 16 new tokens, batch 8) was not run here: it takes many minutes "
+                     "per system; `--long` adds it, `--cases long` runs it alone "
+                     "(results/peer_llamacpp_long.md is such a run).")]
     if rounds > 1:
         out += ["", "Every round's numbers are in the JSON beside this file (`table[].all`)."]
     out += ["", "Commands (`infinigen bench` ran as `python -m infinigen.cli bench` from this checkout):", ""]
