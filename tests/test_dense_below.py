@@ -19,16 +19,7 @@ from infinigen.selection import ALL
 T, P = 36, 12
 
 
-def _mats(model, seed=3):
-    c = model.cfg
-    g = torch.Generator().manual_seed(seed)
-    return torch.linalg.qr(torch.randn(c.num_layers, c.num_kv_heads, c.head_dim, c.head_dim, generator=g,
-                                       dtype=torch.float64))[0]
-
-
-def _tokens(model, b=2, t=T, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.cfg.vocab_size, (b, t), generator=g)
+from test_infinigen import _mats, _tokens  # noqa: E402  the same random skew matrices and tokens
 
 
 def _policy(model, **knobs):
