@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from infinigen.errors import UserError
+from infinigen.errors import ArgumentError, UserError
 from infinigen.placement import Placement
 
 
@@ -69,3 +69,17 @@ def test_hf_enable_takes_a_placement(tmp_path):
         with infinigen.hf.enable(m, "h2o", placement=placement, heavy=3, recent=2), torch.no_grad():
             outs.append(m.generate(input_ids=ids, max_new_tokens=6, do_sample=False))
     assert torch.equal(outs[0], outs[1]) and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    ({"kv_offload": "ssd"}, "kv_offload"), ({"evict": "random"}, "evict"), ({"capacity": -3}, "capacity"),
+    ({"capacity": 2.5}, "capacity"), ({"pool_bytes": 0}, "pool_bytes"), ({"protect_recent": -1}, "protect_recent"),
+    ({"disk_bulk_share": 2.0}, "disk_bulk_share"),
+])
+def test_placement_errors_name_the_argument_not_a_flag(kwargs, argument):
+    """A library error speaks of the argument the caller passed; only the CLI knows the flag."""
+    with pytest.raises(ArgumentError) as e:
+        Placement(**kwargs)
+    assert e.value.argument == argument and str(e.value).startswith(f"{argument} ") and "--" not in str(e.value)
+    # the CLI's form of the same error (tests/test_ppl.py runs it): "--capacity must be ..."
+

@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-from .errors import UserError
+from .errors import ArgumentError, UserError
 
 COMMAND_MODULES = ["basic", "skew", "ppl", "bench", "fewshot", "needle", "analyze", "serve"]
 INTERRUPTED = 130
@@ -100,6 +100,8 @@ def _run(argv: list[str] | None) -> int:
     try:
         rv = build_app()(args=argv, standalone_mode=False)
         _flush_stdout()  # what is still buffered: a full disk or a closed pipe shows here, not at exit
+    except ArgumentError as e:  # the library names its argument; the user set it by a flag
+        return _error(f"--{e.argument.replace('_', '-')} {e.problem}")
     except UserError as e:
         return _error(str(e))
     except KeyboardInterrupt:

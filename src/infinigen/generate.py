@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from . import runtime
-from .errors import UserError
+from .errors import ArgumentError, UserError
 from .placement import Placement, kv_slot_bytes
 from .policies import FullCache, Policy
 
@@ -115,7 +115,7 @@ def encode_prompts(tokenizer, prompts: list[str], chat: bool) -> list[list[int]]
             raise UserError("the prompt is empty")
         if chat:
             if not getattr(tokenizer, "chat_template", None):
-                raise UserError("--chat: this model's tokenizer has no chat template")
+                raise ArgumentError("chat", "asks for the chat template, but this model's tokenizer has none")
             ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=False)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):

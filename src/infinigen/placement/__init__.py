@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import KVStore
-from ..errors import UserError
+from ..errors import ArgumentError, UserError
 from ..runtime import Session
 from .store import OffloadedKVStore, TransferStats
 from .tiers import KINDS, SlowTier
@@ -52,23 +52,24 @@ class Placement:
 
     def __post_init__(self):
         if self.kv_offload not in KINDS:
-            raise UserError(f"--kv-offload must be one of {', '.join(KINDS)}, got {self.kv_offload!r}")
+            raise ArgumentError("kv_offload", f"must be one of {', '.join(KINDS)}, got {self.kv_offload!r}")
         if self.evict not in EVICTIONS:
-            raise UserError(f"--evict must be one of {', '.join(EVICTIONS)}, got {self.evict!r}")
+            raise ArgumentError("evict", f"must be one of {', '.join(EVICTIONS)}, got {self.evict!r}")
         c = self.capacity
         if c is not None:
             if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
-                raise UserError(f"--capacity must be a positive number of tokens (or a fraction in (0, 1]), got {c!r}")
+                raise ArgumentError("capacity",
+                                    f"must be a positive number of tokens (or a fraction in (0, 1]), got {c!r}")
             if isinstance(c, float) and c > 1 and c != int(c):
-                raise UserError(f"--capacity above 1 is a token count and must be an integer, got {c}")
+                raise ArgumentError("capacity", f"above 1 is a token count and must be an integer, got {c}")
         if self.pool_bytes is not None and (isinstance(self.pool_bytes, bool) or not isinstance(self.pool_bytes, int)
                                             or self.pool_bytes < 1):
-            raise UserError(f"--pool-bytes must be a positive whole number of bytes, got {self.pool_bytes!r}")
+            raise ArgumentError("pool_bytes", f"must be a positive whole number of bytes, got {self.pool_bytes!r}")
         b = self.disk_bulk_share
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 1:
-            raise UserError(f"disk bulk share must be in [0, 1], got {b!r}")
+            raise ArgumentError("disk_bulk_share", f"must be in [0, 1], got {b!r}")
         if self.protect_recent < 0:
-            raise UserError(f"--protect-recent must be >= 0, got {self.protect_recent}")
+            raise ArgumentError("protect_recent", f"must be >= 0, got {self.protect_recent}")
 
     @property
     def limited(self) -> bool:

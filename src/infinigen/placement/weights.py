@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..errors import UserError
+from ..errors import ArgumentError
 from .tiers import SlowTier
 
 _PROJ = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -35,7 +35,7 @@ def streamed_layers(num_layers: int, fraction: float) -> list[int]:
 class WeightStreamer:
     def __init__(self, model, fraction: float, kind: str = "cpu", directory=None, threaded: bool = True):
         if not 0 <= fraction <= 1:
-            raise UserError(f"--weights-offload must be in [0, 1], got {fraction}")
+            raise ArgumentError("weights_offload", f"must be in [0, 1], got {fraction}")
         self.model = model
         self.fast = model.device
         self.cuda = self.fast.type == "cuda"
