@@ -138,8 +138,8 @@ class Runner:
         meter = MassMeter(pol, self.model.scale) if self.meter else None
         res = perplexity(self.model, self.tok, None, pol, prefill=self.args.prefill, tokens=self.ids,
                          placement=Placement(capacity=capacity, evict=eviction), progress=self.args.progress)
-        r = {"key": key, "settings_key": same, "label": label, "policy": policy, "settings": jsonable(settings), "capacity": res.capacity,
-             "eviction": res.eviction, "perplexity": res.perplexity, "kv_all": res.kv_all,
+        r = {"key": key, "settings_key": same, "label": label, "policy": policy, "settings": jsonable(settings),
+             "capacity": res.capacity, "eviction": res.eviction, "perplexity": res.perplexity, "kv_all": res.kv_all,
              "kv_speculated": res.kv_speculated, "speculated_layers": res.speculated_layers,
              "kv_per_layer": res.kv_per_layer, "chunks": [c["perplexity"] for c in res.chunks],
              "attention_mass": meter.mean(res.speculated_layers) if meter else None,
@@ -247,7 +247,8 @@ def report_validation(args, json_path, setups, texts, pol, model, name) -> int:
             if row["ours"] is not None:
                 size = row["ours"]["kv_all"]
                 row["oracle"] = pick(lambda r: r["policy"] == "oracle" and abs(r["settings"]["ratio"] - size) < 1e-12)
-                row["h2o"] = pick(lambda r: r["policy"] == "h2o" and abs(r["settings"]["heavy_ratio"] - size / 2) < 1e-12)
+                row["h2o"] = pick(lambda r: r["policy"] == "h2o"
+                                  and abs(r["settings"]["heavy_ratio"] - size / 2) < 1e-12)
             missing = [k for k in ("full", "ours", "oracle", "h2o") if row.get(k) is None]
             if missing:
                 print(f"validation: no {', '.join(missing)} run for {text} at {ctx} in {json_path}", file=sys.stderr)
@@ -274,12 +275,13 @@ def write_validation(args, table, settings, name) -> None:
             "default read, so the comparison does not favour the default)." if args.baseline_size else
             f": what the {VALIDATION_PRESET} preset read."),
         "",
-        f"Preset `{VALIDATION_PRESET}` (`--knob preset={VALIDATION_PRESET}`): " + ", ".join(f"{k} {settings[k]}" for k in (
-            "alpha", "kv_budget", "budget_growth", "budget_ref", "budget_power", "exact_first", "dense_layers", "budget", "spec_input",
-            "key_mode", "min_fetch") if k in settings) + ".",
+        f"Preset `{VALIDATION_PRESET}` (`--knob preset={VALIDATION_PRESET}`): " + ", ".join(
+            f"{k} {settings[k]}" for k in (
+                "alpha", "kv_budget", "budget_growth", "budget_ref", "budget_power", "exact_first", "dense_layers",
+                "budget", "spec_input", "key_mode", "min_fetch") if k in settings) + ".",
         "",
-        f"| text | context (prefill) | full | InfiniGen ({VALIDATION_PRESET} preset): KV all layers | ppl | vs full | oracle: KV | ppl | "
-        "vs full | H2O: KV | ppl | vs full |",
+        f"| text | context (prefill) | full | InfiniGen ({VALIDATION_PRESET} preset): KV all layers | ppl | vs full "
+        "| oracle: KV | ppl | vs full | H2O: KV | ppl | vs full |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     verdicts = []
@@ -296,7 +298,8 @@ def write_validation(args, table, settings, name) -> None:
         kv_txt = ("no target at this context" if bound is None else
                   "met" if ok_kv else f"missed by {100 * (o['kv_all'] - bound):.1f} points")
         ppl_txt = "met" if ok_ppl else f"missed by {g - 1:.2f} points"
-        verdicts.append(f"- {r['text']}, {r['ctx']}: KV {pct(o['kv_all'])} (target <= {pct(bound) if bound else '-'}: {kv_txt}); "
+        verdicts.append(f"- {r['text']}, {r['ctx']}: KV {pct(o['kv_all'])} "
+                        f"(target <= {pct(bound) if bound else '-'}: {kv_txt}); "
                         f"{g:+.2f}% vs full (target <= +1%: {ppl_txt}); {d_orc:+.2f} points vs the oracle at "
                         f"{pct(orc['kv_all'])} (target <= +0.5: {'met' if ok_orc else 'missed'})")
     done = {(r["text"], r["ctx"]) for r in table}
@@ -329,7 +332,8 @@ def main(argv=None) -> int:
     ap.add_argument("--validation", action="store_true",
                     help="issue 12: the default preset, the oracle and H2O on the validation texts (see VALIDATION_*)")
     ap.add_argument("--val-texts", default=",".join(VALIDATION_TEXTS))
-    ap.add_argument("--val-ctx", default="2048,8192", help="contexts of the validation, the first 1/8 as the prompt (2048: 256, 8192: 1024)")
+    ap.add_argument("--val-ctx", default="2048,8192",
+                    help="contexts of the validation, the first 1/8 as the prompt (2048: 256, 8192: 1024)")
     ap.add_argument("--val-parts", default="full,ours,oracle,h2o", help="which rows this process runs")
     ap.add_argument("--val-long-texts", default=",".join(VALIDATION_TEXTS), help="texts that get contexts over 2048")
     ap.add_argument("--baseline-size", default="",
@@ -381,10 +385,12 @@ def main(argv=None) -> int:
             "oracle (top tokens)": (run.run(f"oracle at alpha {a:g} size", "oracle", ratio=size),
                                     f"true top {100 * size:.1f}% per KV head, all layers"),
             "oracle (top tokens, same dense layers)": (
-                run.run(f"oracle (dense {dense_txt}) at alpha {a:g} size", "oracle", ratio=size_spec, dense_layers=dense),
+                run.run(f"oracle (dense {dense_txt}) at alpha {a:g} size", "oracle", ratio=size_spec,
+                        dense_layers=dense),
                 f"true top {100 * size_spec:.1f}%, layers {dense_txt} dense"),
         }
-    oracle_t = {a: run.run(f"oracle threshold alpha {a:g}", "oracle", alpha=a, dense_layers=dense) for a in (5.0, 6.0, 7.0)}
+    oracle_t = {a: run.run(f"oracle threshold alpha {a:g}", "oracle", alpha=a, dense_layers=dense)
+                for a in (5.0, 6.0, 7.0)}
     int4 = run.run("INT4", "int4", bits=4, group=64)
     pool = {ev: run.run(f"InfiniGen (ours) pool {args.capacity:g} {ev}", "infinigen", alpha=a_ours,
                         capacity=args.capacity, eviction=ev) for ev in ("counter", "lru", "fifo")}
@@ -491,7 +497,8 @@ def main(argv=None) -> int:
         "",
         head.replace("| settings |", "| skew |"), rule,
     ]
-    for label, r in ((f"InfiniGen (ours), alpha {a_ours:g}", ours[a_ours]), (f"InfiniGen (ours), alpha {a_ours:g}", noskew),
+    for label, r in ((f"InfiniGen (ours), alpha {a_ours:g}", ours[a_ours]),
+                     (f"InfiniGen (ours), alpha {a_ours:g}", noskew),
                      (f"InfiniGen (paper), alpha {a_paper:g}", paper[a_paper]),
                      (f"InfiniGen (paper), alpha {a_paper:g}", paper_noskew)):
         lines.append(row(label, r, "on" if r["settings"].get("skew") else "off"))
@@ -503,7 +510,8 @@ def main(argv=None) -> int:
         "",
         f"## Targets (issue 3), InfiniGen with its default settings (alpha {a_ours:g})",
         "",
-        f"- relative KV size over all layers <= 20%: {pct(d['kv_all'])} -> {'met' if d['kv_all'] <= 0.20 else 'missed'}",
+        f"- relative KV size over all layers <= 20%: {pct(d['kv_all'])} "
+        f"-> {'met' if d['kv_all'] <= 0.20 else 'missed'}",
         f"- within 2% of full-cache perplexity: {gap:+.2f}% -> {'met' if gap <= 2 else 'missed'}",
         f"- better than H2O at the same size: {d['perplexity']:.3f} vs {h2o['perplexity']:.3f} "
         f"(H2O at {pct(h2o['kv_all'])}) -> {'met' if d['perplexity'] < h2o['perplexity'] else 'missed'}",

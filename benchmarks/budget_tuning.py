@@ -44,7 +44,8 @@ CONFIGS = {  # alpha pinned: the default's alpha is what this chose
                         dict(dense_layers=(), exact_first=True, budget_power=0.5, alpha=7.0)),
     "exact_first_p1": ("exact first, budget_power 1", "infinigen",
                        dict(dense_layers=(), exact_first=True, budget_power=1.0, alpha=7.0)),
-    "exact_first_a9": ("exact first, alpha 9 (the default)", "infinigen", dict(dense_layers=(), exact_first=True, alpha=9.0)),
+    "exact_first_a9": ("exact first, alpha 9 (the default)", "infinigen",
+                       dict(dense_layers=(), exact_first=True, alpha=9.0)),
     # tokens read ~ sqrt(cached length): 13% at 2048 tokens, so that a run with prefill 1/8 of the context
     # averages 19% at context 2048 and 9.6% at 8192 (the mean of 0.13 * sqrt(2048 / n) over n in [N/8, N])
     "growth05": ("exact first, alpha 9, tokens ~ sqrt(length): 13% at 2048", "infinigen",
@@ -73,7 +74,8 @@ def main(argv=None) -> int:
             for c in args.configs.split(","):
                 label, policy, knobs = CONFIGS[c]
                 if policy == "infinigen":
-                    knobs = dict(dict(kv_budget=args.kv_budget, calib=args.calib), **knobs)  # a config's own budget wins
+                    # a config's own budget wins
+                    knobs = dict(dict(kv_budget=args.kv_budget, calib=args.calib), **knobs)
                 pol = make_policy(policy, **knobs).prepare(model, tok)
                 t0 = time.perf_counter()
                 r = perplexity(model, tok, None, pol, prefill=args.prefill, tokens=ids, placement=Placement())

@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     try:
-        size = int(float(args.size[:-1]) * units[args.size[-1].upper()]) if args.size[-1].upper() in units else int(args.size)
+        size = (int(float(args.size[:-1]) * units[args.size[-1].upper()]) if args.size[-1].upper() in units
+                else int(args.size))
         threads = [int(t) for t in args.threads.split(",")]
     except (ValueError, IndexError):
         print(f"disk_random_reads: bad --size or --threads: {args.size!r}, {args.threads!r}", file=sys.stderr)

@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     if args.quick:
-        args.limit, args.half_limit, args.lengths, args.depths, args.analyze_tokens, args.match_ctx = 2, 1, "512", "0.5", 160, 256
+        args.limit, args.half_limit, args.lengths, args.depths = 2, 1, "512", "0.5"
+        args.analyze_tokens, args.match_ctx = 160, 256
     figdir = args.out.parent / args.out.stem
     figdir.mkdir(parents=True, exist_ok=True)
 
@@ -80,20 +81,24 @@ def main(argv=None) -> int:
     timings["matching"] = time.perf_counter() - t
     pols = {"full": make_policy("full"), "infinigen": infinigen, "h2o": h2o}
     raw["matching"] = {"ctx": args.match_ctx, "prefill": 128, "infinigen_kv": kv, "h2o_kv": h2o_probe.kv_all,
-                       "ppl": {"full": full_probe.perplexity, "infinigen": probe.perplexity, "h2o": h2o_probe.perplexity},
+                       "ppl": {"full": full_probe.perplexity, "infinigen": probe.perplexity,
+                               "h2o": h2o_probe.perplexity},
                        "h2o_ratios": {"heavy_ratio": kv / 2, "recent_ratio": kv / 2}}
 
     knobs = ("partial_ratio", "max_fetch_ratio", "dense_layers", "budget", "spec_input", "key_mode", "skew")
-    ig_desc = ", ".join([f"alpha {getattr(infinigen, '_alpha', infinigen.alpha)}"] + [f"{k} {getattr(infinigen, k)}" for k in knobs])
+    ig_desc = ", ".join([f"alpha {getattr(infinigen, '_alpha', infinigen.alpha)}"]
+                        + [f"{k} {getattr(infinigen, k)}" for k in knobs])
     md = [f"# Evaluation: {name}", "",
           f"Machine: {cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"{platform.system()} {platform.release()}; {datetime.date.today().isoformat()}. "
-          f"Produced by `python benchmarks/evaluation.py {' '.join(argv if argv is not None else sys.argv[1:])}`.".rstrip(), "",
+          f"Produced by `python benchmarks/evaluation.py "
+          f"{' '.join(argv if argv is not None else sys.argv[1:])}`.".rstrip(), "",
           "Policies: **full** cache; **infinigen** with its default settings (`make_policy(\"infinigen\")`: "
           f"{ig_desc}); **h2o** with heavy_ratio = recent_ratio = {kv / 2:.3f}, i.e. "
           f"InfiniGen's relative KV size ({kv:.3f} over all layers, measured by perplexity on Pride and Prejudice, "
           f"{args.match_ctx} tokens, 128 dense). On that window: perplexity full {full_probe.perplexity:.3f}, "
-          f"infinigen {probe.perplexity:.3f} (KV {kv:.3f}), h2o {h2o_probe.perplexity:.3f} (KV {h2o_probe.kv_all:.3f}).", ""]
+          f"infinigen {probe.perplexity:.3f} (KV {kv:.3f}), "
+          f"h2o {h2o_probe.perplexity:.3f} (KV {h2o_probe.kv_all:.3f}).", ""]
 
     if "fewshot" in parts:
         from tqdm import tqdm
@@ -139,7 +144,8 @@ def main(argv=None) -> int:
                nd.markdown_tables(res), "", f"![needle heat map]({figdir.name}/{png.name})", "",
                "<details><summary>answers</summary>", "",
                "| task | policy | length | depth | score | answer |", "|---|---|---:|---:|---:|---|"]
-        md += [f"| {r.task} | {r.policy} | {r.length} | {r.depth:g} | {r.score:g} | {r.output.strip()!r} |" for r in res]
+        md += [f"| {r.task} | {r.policy} | {r.length} | {r.depth:g} | {r.score:g} | {r.output.strip()!r} |"
+               for r in res]
         md += ["", "</details>", ""]
 
     if "analyze" in parts:
@@ -163,7 +169,8 @@ def main(argv=None) -> int:
     md.append("")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(md))
-    args.out.with_suffix(".json").write_text(json.dumps({"model": name, "cpu": cpu_name(), "threads": torch.get_num_threads(),
+    args.out.with_suffix(".json").write_text(json.dumps({"model": name, "cpu": cpu_name(),
+                                                         "threads": torch.get_num_threads(),
                                                          "omp": os.environ.get("OMP_NUM_THREADS"), "timings": timings,
                                                          **raw}, indent=1, default=str))
     print(f"wrote {args.out}", file=sys.stderr)

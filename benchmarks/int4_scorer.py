@@ -116,7 +116,8 @@ def main():
     torch.set_num_threads(1)
     sc = {}
     for label, dt, view in (("float32", torch.float32, None), ("bfloat16", torch.bfloat16, None),
-                            ("float16", torch.float16, None), ("bfloat16 viewed as int16", torch.bfloat16, torch.int16)):
+                            ("float16", torch.float16, None),
+                            ("bfloat16 viewed as int16", torch.bfloat16, torch.int16)):
         buf = torch.zeros(batches[0], HKV, a.n, D, dtype=dt)
         idx = torch.randint(0, a.n, (batches[0], HKV, 1, 1)).expand(-1, -1, 1, D)
         val = torch.zeros(batches[0], HKV, 1, D, dtype=dt)
@@ -155,7 +156,8 @@ def main():
                          f"({res[b, t, names[0]][0] / res[b, t, fastest][0]:.1f}x today's)")
     lines += ["", NOTES, ""]
     lines += [f"`scatter_` of one row per (batch, KV head) into a [{batches[0]}, {HKV}, {a.n}, {D}] buffer, 1 thread "
-              "(torch's CPU scatter_ takes a slow path for 16-bit floats; the packed keys move them as int16/int32):", ""]
+              "(torch's CPU scatter_ takes a slow path for 16-bit floats; "
+              "the packed keys move them as int16/int32):", ""]
     lines += [f"- {k}: {v:.3f} ms" for k, v in sc.items()]
     text = "\n".join(lines)
     print(text)

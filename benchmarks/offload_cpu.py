@@ -62,7 +62,8 @@ def markdown(payload: dict, context: int) -> str:
         f"in a fresh process). Machine: {m['cpu']}, {m['cpu_count']} cores, "
         f"torch {m['torch']} ({m['torch_threads']} threads), transformers {m.get('transformers', '?')}, "
         f"{m['platform']}.",
-        f"Context {context} tokens (prompt {payload['settings']['prompt_len']} + {payload['settings']['gen_len']} generated), "
+        f"Context {context} tokens (prompt {payload['settings']['prompt_len']} "
+        f"+ {payload['settings']['gen_len']} generated), "
         f"decode timed over {payload['settings']['gen_len'] - 1} steps from a filled cache; prompts are consecutive "
         f"pieces of {payload['settings']['text']}.",
         f"Command: `{payload['command']}`",
@@ -76,12 +77,18 @@ def markdown(payload: dict, context: int) -> str:
         "peak slow MB | relative KV |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    f2 = lambda v: "-" if v is None else f"{v:.2f}"
-    mb = lambda v: "-" if v is None else f"{v / 2**20:.1f}"
+
+    def f2(v):
+        return "-" if v is None else f"{v:.2f}"
+
+    def mb(v):
+        return "-" if v is None else f"{v / 2**20:.1f}"
+
     for r in payload["rows"]:
         rel = r.get("relative_kv")
-        lines.append(f"| {r['batch']} | {r['system']} | {r['decode_ms_per_step']:.0f} | {f2(r['decode_tokens_per_s'])} | "
-                     f"{f2(r.get('x_vs_transformers'))} | {f2(r.get('x_vs_ideal'))} | {mb(r.get('bytes_moved_per_token'))} | "
+        lines.append(f"| {r['batch']} | {r['system']} | {r['decode_ms_per_step']:.0f} | "
+                     f"{f2(r['decode_tokens_per_s'])} | {f2(r.get('x_vs_transformers'))} | "
+                     f"{f2(r.get('x_vs_ideal'))} | {mb(r.get('bytes_moved_per_token'))} | "
                      f"{mb(r.get('peak_fast_bytes'))} | {mb(r.get('peak_slow_bytes'))} | "
                      f"{'-' if rel is None else f'{100 * rel:.1f}%'} |")
     lines += ["", "Peak fast MB: weights + what the runtime holds in fast memory (the whole KV cache for in-RAM "
@@ -114,7 +121,8 @@ def markdown(payload: dict, context: int) -> str:
             lines.append(f"- {what}, {context} x {big}: {v:.2f}x (target >= {target:g}x): {ok(v >= target)}.")
     if disk is not None and disk.get("peak_fast_bytes") and disk.get("kv_bytes_full"):
         allowed = disk["weight_bytes_fast"] + 0.16 * disk["kv_bytes_full"] + disk["staging_bytes"]
-        lines.append(f"- Fast-memory peak of InfiniGen on disk: {disk['peak_fast_bytes'] / 2**20:.0f} MB against weights + "
+        lines.append(f"- Fast-memory peak of InfiniGen on disk: {disk['peak_fast_bytes'] / 2**20:.0f} MB "
+                     "against weights + "
                      f"16% of the KV + staging = {allowed / 2**20:.0f} MB: {ok(disk['peak_fast_bytes'] <= allowed)}.")
     ig = next((r for r in cell if r["system"].startswith("InfiniGen") and r.get("breakdown")), None)
     if ig:
@@ -173,8 +181,8 @@ def hf_child(model, tok, args) -> int:
     from infinigen import bench
     from infinigen.eval.ppl import load_text
     hf = bench.hf_model_for("default", "auto", "cpu")
-    settings = bench.BenchSettings(prompt_lens=[args.context - args.gen_len], batch_sizes=[int(b) for b in args.batch.split(",")],
-                                   gen_len=args.gen_len)
+    settings = bench.BenchSettings(prompt_lens=[args.context - args.gen_len],
+                                   batch_sizes=[int(b) for b in args.batch.split(",")], gen_len=args.gen_len)
     system = bench.System("transformers DynamicCache", hf_offloading=False)
     rows = bench.sweep(model, [system], settings, tokenizer=tok, text=load_text(args.text), hf_model=hf,
                        progress=lambda m: print(m, file=sys.stderr, flush=True))
@@ -204,14 +212,16 @@ def main(argv=None) -> int:
     # for InfiniGen at 8192 x 8, with a 1.6x faster prefill and half the memory (results/dtype_cpu.md)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                     help="our runtime's dtype (weights, KV); transformers runs with its own defaults")
-    ap.add_argument("--disk-child", default=None, help=argparse.SUPPRESS)  # internal: run the disk rows, write JSON here
+    # internal: run the disk rows, write JSON here
+    ap.add_argument("--disk-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--hf-child", default=None, help=argparse.SUPPRESS)  # internal: run transformers, write JSON here
     ap.add_argument("--disk-only", action="store_true",
                     help="re-run only the disk rows (bounded) into the offload_cpu.json already in --out")
     args = ap.parse_args(argv)
     if args.smoke:
         args.context, args.batch, args.gen_len, args.breakdown = 160, "1,2", 4, 1
-    out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="offload-smoke-")) if args.smoke else ROOT / "results")
+    out = (Path(args.out) if args.out
+           else Path(tempfile.mkdtemp(prefix="offload-smoke-")) if args.smoke else ROOT / "results")
     before = None
     if args.disk_only and not args.disk_child:  # checked before any work: the table the disk rows go into
         table = out / "offload_cpu.json"
@@ -220,7 +230,8 @@ def main(argv=None) -> int:
             return 2
         before = json.loads(table.read_text())
         if before["settings"].get("dtype", "float32") != args.dtype:
-            print(f"offload_cpu: --disk-only: the table in {out} was measured in {before['settings'].get('dtype', 'float32')}, "
+            print(f"offload_cpu: --disk-only: the table in {out} was measured in "
+                  f"{before['settings'].get('dtype', 'float32')}, "
                   f"not {args.dtype} (give --dtype)", file=sys.stderr)
             return 2
     out.mkdir(parents=True, exist_ok=True)
@@ -250,7 +261,10 @@ def main(argv=None) -> int:
             s.policy.prepare(model, tok, progress=True)  # InfiniGen: skew from the cache, or calibrated once
     settings = bench.BenchSettings(prompt_lens=[prompt], batch_sizes=batches, gen_len=args.gen_len,
                                    pool_dir=args.pool_dir, breakdown_steps=args.breakdown, share_prefill=True)
-    progress = lambda msg: print(msg, file=sys.stderr, flush=True)
+
+    def progress(msg):
+        print(msg, file=sys.stderr, flush=True)
+
     if args.disk_child:
         return disk_child(model, tok, syst, settings, args, limit, progress)
     hf_sys = [s for s in syst if not s.ours]

@@ -93,7 +93,8 @@ def run_point(impl: str, model_spec: str, context: int, batch: int, steps: int, 
             return out.logits[:, -1].float(), out.past_key_values
 
         def step(nxt, cache):
-            return model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            return model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True,
+                         logits_to_keep=1).logits[:, -1].float()
 
     tokens = prompt_tokens(vocab, batch, context)
     result = {"impl": impl, "model": name, "context": context, "batch": batch, "steps": steps}
@@ -165,7 +166,8 @@ def table(rows: list[dict], info: dict, args) -> str:
         f"Default-model speed, our runtime vs transformers {info['transformers']} (DynamicCache, sdpa), "
         f"{args.dtype}, CPU: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB, torch {info['torch']}, "
         f"{args.threads} threads; decode: {args.steps} steps from a filled cache. Ratio = ours / transformers "
-        f"(throughput: > 1 is faster)." + (f" Best of {args.repeats} alternating runs per point." if args.repeats > 1 else ""),
+        f"(throughput: > 1 is faster)."
+        + (f" Best of {args.repeats} alternating runs per point." if args.repeats > 1 else ""),
         "",
         "| context | batch | prefill tok/s ours | prefill tok/s HF | ratio | decode ms/step ours | decode ms/step HF "
         "| decode tok/s ours | decode tok/s HF | ratio | peak RSS GiB ours / HF |",
@@ -176,7 +178,10 @@ def table(rows: list[dict], info: dict, args) -> str:
             o, h = by.get(("ours", c, b), {}), by.get(("hf", c, b), {})
             pr = o.get("prefill_tokens_per_s"), h.get("prefill_tokens_per_s")
             dr = o.get("decode_tokens_per_s"), h.get("decode_tokens_per_s")
-            ratio = lambda a: f"{a[0] / a[1]:.2f}" if None not in a else "-"
+
+            def ratio(a):
+                return f"{a[0] / a[1]:.2f}" if None not in a else "-"
+
             rss = f"{fmt(o.get('peak_rss_gib'))} / {fmt(h.get('peak_rss_gib'))}"
             cells = [c, b, fmt(pr[0], ".0f"), fmt(pr[1], ".0f"), ratio(pr), fmt(o.get("decode_ms_per_step")),
                      fmt(h.get("decode_ms_per_step")), fmt(dr[0]), fmt(dr[1]), ratio(dr), rss]
@@ -188,7 +193,8 @@ def table(rows: list[dict], info: dict, args) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="default, a .gguf file or a checkpoint directory")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
@@ -221,14 +227,16 @@ def main(argv=None) -> int:
                     r = run_isolated(impl, args, c, b)
                     runs[impl].append(r)
                     status = r.get("failed") or (f"prefill {r['prefill_tokens_per_s']:.0f} tok/s, decode "
-                                                 f"{r['decode_ms_per_step']:.1f} ms/step, peak {r['peak_rss_gib']:.1f} GiB")
+                                                 f"{r['decode_ms_per_step']:.1f} ms/step, "
+                                                 f"peak {r['peak_rss_gib']:.1f} GiB")
                     print(f"[{impl:>4}] context {c:>5} batch {b}: {status}", file=sys.stderr, flush=True)
             rows += [best(rs) for rs in runs.values()]
     md = table(rows, info, args)
     print(md)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"machine": info, "args": {k: v for k, v in vars(args).items() if k != "point"},
+    out.with_suffix(".json").write_text(json.dumps({"machine": info,
+                                                    "args": {k: v for k, v in vars(args).items() if k != "point"},
                                                     "rows": rows}, indent=2))
     out.with_suffix(".md").write_text(md + "\n")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}", file=sys.stderr)

@@ -107,7 +107,8 @@ def make_tiny():
 _CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
                   "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 _CORPUS = [
-    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife.",
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife.",
     "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition.",
     "The family of Dashwood had long been settled in Sussex. Their estate was large.",
     "No one who had ever seen Catherine Morland in her infancy would have supposed her born to be a heroine.",

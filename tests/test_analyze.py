@@ -99,7 +99,8 @@ def test_cli_analyze(tiny_checkpoint, tmp_path, capsys):
     assert "Table 1" in capsys.readouterr().out
     assert (tmp_path / "out" / "fig3_attention_similarity.png").exists()
     assert main(["analyze", "--only", "fig99"]) == 2
-    assert main(["analyze", "--model", str(tiny_checkpoint), "--text", str(text), "--tokens", "64", "--prefill", "64"]) == 2
+    assert main(["analyze", "--model", str(tiny_checkpoint), "--text", str(text),
+                 "--tokens", "64", "--prefill", "64"]) == 2
     assert main(["analyze", "--model", str(tiny_checkpoint), "--text", str(text), "--knob", "nope=1"]) == 2
 
 
@@ -112,4 +113,5 @@ def test_default_model_table1(default_model):
     ids = torch.tensor([tok(load_text("prideprejudice")[:6000], add_special_tokens=False)["input_ids"][:256]])
     rows = an.block_similarity(model, ids)
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("tblock_in", "attn_out", "ffn_out")}
-    assert mean["tblock_in"] > 0.8 and mean["tblock_in"] > mean["attn_out"] + 0.3 and mean["tblock_in"] > mean["ffn_out"] + 0.3
+    assert (mean["tblock_in"] > 0.8 and mean["tblock_in"] > mean["attn_out"] + 0.3
+            and mean["tblock_in"] > mean["ffn_out"] + 0.3)

@@ -32,7 +32,8 @@ def no_model_load(monkeypatch):
     # the command modules are imported before anything is patched: a module first imported under the patch
     # would bind the stub in its `from .basic import load_model` and keep it after the test (the next test
     # in this worker would then "load the model before the bad input" with a valid input)
-    commands = [importlib.import_module(f"infinigen.commands.{mod}") for mod in ("ppl", "fewshot", "needle", "analyze", "skew")]
+    commands = [importlib.import_module(f"infinigen.commands.{mod}")
+                for mod in ("ppl", "fewshot", "needle", "analyze", "skew")]
     monkeypatch.setattr(basic, "load_model", refuse)
     for m in commands:
         if hasattr(m, "load_model"):
@@ -40,7 +41,8 @@ def no_model_load(monkeypatch):
 
 
 # ---- interrupts ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("argv", [["ppl", "--ctx", "64", "--prefill", "16"], ["bench", "--prompt-len", "32", "--gen-len", "4"],
+@pytest.mark.parametrize("argv", [["ppl", "--ctx", "64", "--prefill", "16"],
+                                  ["bench", "--prompt-len", "32", "--gen-len", "4"],
                                   ["fewshot", "--task", "cause_and_effect"], ["info"], ["generate", "-p", "hi"]],
                          ids=["ppl", "bench", "fewshot", "info", "generate"])
 def test_interrupt_exits_130(cli, monkeypatch, tiny_checkpoint, text_file, argv):

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import one_line_error as assert_one_line_error
 

@@ -105,7 +105,8 @@ metric_list:
   - metric: acc
 """)
     lm = InfiniGenLM(policy="h2o", model=model, tokenizer=tok, heavy=2, recent=2)
-    res = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"], task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+    res = lm_eval.simple_evaluate(model=lm, tasks=["tiny_mc"],
+                                  task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
                                   num_fewshot=1, log_samples=True)
     # every loglikelihood lm_eval got is ours (the context dense, the choice decoded under H2O), and the
     # accuracy it reports is what those scores give

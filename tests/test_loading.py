@@ -11,7 +11,6 @@ import torch
 
 from infinigen import runtime
 from infinigen import UserError, load
-from infinigen.loading import from_transformers
 from infinigen.placement import Placement
 
 from conftest import build_tiny, make_tokenizer
@@ -105,7 +104,8 @@ def test_from_transformers_takes_the_same_weights(tiny_opt):
 @pytest.mark.parametrize("kwargs,needle", [
     ({"dtype": "float64"}, "dtype"),
     ({"device": "tpu"}, "device"),
-    ({"device": "cuda"} if not torch.cuda.is_available() else {"dtype": "int8"}, "cuda" if not torch.cuda.is_available() else "dtype"),
+    ({"device": "cuda"} if not torch.cuda.is_available() else {"dtype": "int8"},
+     "cuda" if not torch.cuda.is_available() else "dtype"),
 ], ids=["dtype", "device", "cuda"])
 def test_bad_load_options(tiny_checkpoint, kwargs, needle):
     with pytest.raises(UserError, match=needle):

@@ -82,8 +82,8 @@ def test_answers_equal_runtime_generation(tiny):
     for name, pol in pols.items():
         for c in cases:
             r = next(r for r in res if r.policy == name and r.length == c.length and r.depth == c.depth)
-            g = generate_ids(model, [c.ids], 6, policy=parse_policies(name, [k for k in
-                             ["h2o.heavy=4", "h2o.recent=4", "streaming.window=6"] if k.startswith(name)])[name], eos=eos)
+            knobs = [k for k in ["h2o.heavy=4", "h2o.recent=4", "streaming.window=6"] if k.startswith(name)]
+            g = generate_ids(model, [c.ids], 6, policy=parse_policies(name, knobs)[name], eos=eos)
             assert r.output == tok.decode(g.tokens[0], skip_special_tokens=True), name
             assert r.answer == c.answer and r.score == nd.score("passkey", r.output, c.answer)
     full_kv = {r.kv for r in res if r.policy == "full"}

@@ -183,7 +183,8 @@ def test_skew_cli(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     from infinigen.cli import main
     monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
     text = tmp_path / "t.txt"
-    text.write_text("No one who had ever seen Catherine Morland in her infancy would have supposed her born a heroine. " * 20)
+    text.write_text("No one who had ever seen Catherine Morland in her infancy "
+                    "would have supposed her born a heroine. " * 20)
     args = ["skew", "-m", str(tiny_checkpoint), "--calib", str(text), "--tokens", "120", "--json"]
     assert main(args) == 0
     first = json.loads(capsys.readouterr().out)

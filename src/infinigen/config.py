@@ -81,7 +81,8 @@ class ModelConfig:
     def from_hf(cls, hf) -> "ModelConfig":
         mt = getattr(hf, "model_type", None)
         if mt not in SUPPORTED:
-            raise UserError(f"unsupported architecture {mt!r}; supported: {', '.join(SUPPORTED)} (Llama family incl. SmolLM) and OPT")
+            raise UserError(f"unsupported architecture {mt!r}; supported: {', '.join(SUPPORTED)} "
+                            "(Llama family incl. SmolLM) and OPT")
         eos = hf.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if mt == "opt":

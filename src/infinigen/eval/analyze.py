@@ -66,7 +66,8 @@ def block_similarity(model, ids: torch.Tensor) -> list[dict]:
     for i in range(1, model.cfg.num_layers):
         cur = blocks_in[i].float()
         out.append({"layer": i, **{name: F.cosine_similarity(cur, src[i - 1].float(), dim=-1).mean().item()
-                                   for name, src in (("tblock_in", blocks_in), ("attn_out", attn_out), ("ffn_out", ffn_out))}})
+                                   for name, src in (("tblock_in", blocks_in), ("attn_out", attn_out),
+                                                     ("ffn_out", ffn_out))}})
     return out
 
 
@@ -257,7 +258,8 @@ def run(model, tok, ids: torch.Tensor, out: Path, which=ANALYSES, settings: Sett
         if "fig5" in which:
             cols = min(6, L)
             nrow = math.ceil(L / cols)
-            fig, axes = plt.subplots(nrow, cols, figsize=(2.1 * cols, 1.6 * nrow), squeeze=False, constrained_layout=True)
+            fig, axes = plt.subplots(nrow, cols, figsize=(2.1 * cols, 1.6 * nrow), squeeze=False,
+                                     constrained_layout=True)
             rows = []
             for i in range(L):
                 need = stats.keys_for_mass[i].flatten().float()
@@ -265,15 +267,19 @@ def run(model, tok, ids: torch.Tensor, out: Path, which=ANALYSES, settings: Sett
                 ax.hist(need.numpy(), bins=range(0, int(need.max()) + 17, 16), color="tab:blue")
                 ax.set_title(f"layer {i}", fontsize=8)
                 ax.tick_params(labelsize=6)
+                # keys needed over the keys the query row can see (query t sees t + 1)
+                share = need / (torch.arange(T).float() + 1).repeat(stats.keys_for_mass[i].shape[0])
                 rows.append([i, need.mean().item(), need.median().item(), need.quantile(0.9).item(),
-                             (need / (torch.arange(T).float() + 1).repeat(stats.keys_for_mass[i].shape[0])).mean().item()])
+                             share.mean().item()])
             for j in range(L, nrow * cols):
                 axes[j // cols][j % cols].axis("off")
-            fig.suptitle("keys needed for 0.9 of the attention weight (x: keys, bins of 16; y: query rows x heads)", fontsize=9)
+            fig.suptitle("keys needed for 0.9 of the attention weight (x: keys, bins of 16; y: query rows x heads)",
+                         fontsize=9)
             fig.savefig(out / "fig5_keys_for_90pct.png", dpi=120)
             plt.close(fig)
             md += ["## Figure 5: keys needed to reach 0.9 of the attention weight (full cache)", "",
-                   _table(["layer", "mean keys", "median", "90th percentile", "mean share of the row's keys"], rows), "",
+                   _table(["layer", "mean keys", "median", "90th percentile", "mean share of the row's keys"],
+                          rows), "",
                    "![figure 5](fig5_keys_for_90pct.png)", ""]
         if "alpha" in which:
             nb = min(16, T)
@@ -287,7 +293,8 @@ def run(model, tok, ids: torch.Tensor, out: Path, which=ANALYSES, settings: Sett
                 ax.plot(edges[1:].tolist(), curves[alpha], marker="o", ms=3, label=f"alpha {alpha}")
             for j in range(nb):
                 table_rows.append([int(edges[j + 1])] + [curves[al][j] for al in st.count_alphas]
-                                  + [curves[al][j] / max(1.0, (edges[j] + edges[j + 1]).item() / 2) for al in st.count_alphas])
+                                  + [curves[al][j] / max(1.0, (edges[j] + edges[j + 1]).item() / 2)
+                                     for al in st.count_alphas])
             ax.set_xlabel("sequence length (query position)")
             ax.set_ylabel("tokens with score > max - alpha")
             ax.grid(alpha=0.3)
@@ -365,7 +372,8 @@ def run(model, tok, ids: torch.Tensor, out: Path, which=ANALYSES, settings: Sett
         fig.savefig(out / "fig17_sensitivity.png", dpi=120)
         plt.close(fig)
         md += ["## Figure 17: InfiniGen sensitivity to alpha and the partial weight ratio", "",
-               _table(["sweep", "value", "perplexity", "vs full", "relative KV size (all layers)", "(speculated layers)"],
+               _table(["sweep", "value", "perplexity", "vs full", "relative KV size (all layers)",
+                       "(speculated layers)"],
                       [[p.sweep, p.value, p.ppl, f"{100 * (p.ppl / full.perplexity - 1):+.2f}%", p.kv, p.kv_speculated]
                        for p in a_pts + r_pts]), "", "![figure 17](fig17_sensitivity.png)", ""]
 
@@ -390,7 +398,8 @@ def run(model, tok, ids: torch.Tensor, out: Path, which=ANALYSES, settings: Sett
         fig.savefig(out / "fig13_skewing.png", dpi=120)
         plt.close(fig)
         md += ["## Figure 13: skewing on and off", "",
-               _table(["budget", "skewing", "perplexity", "vs full", "relative KV size (all layers)", "(speculated layers)"], rows),
+               _table(["budget", "skewing", "perplexity", "vs full", "relative KV size (all layers)",
+                       "(speculated layers)"], rows),
                "", "![figure 13](fig13_skewing.png)", ""]
     report = "\n".join(md)
     (out / "analyze.md").write_text(report)

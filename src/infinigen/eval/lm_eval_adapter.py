@@ -4,7 +4,8 @@
         --model_args pretrained=default,policy=infinigen,alpha=5 --tasks copa --num_fewshot 5
 
 (lm_eval's own `lm_eval` command cannot find the type: lm_eval 0.4 loads no model plug-ins from entry
-points, so the module that registers it must run first; this module's `__main__` does that), or, in Python, `InfiniGenLM(policy="h2o", heavy_ratio=0.1)` passed as `lm_eval.simple_evaluate(model=...)`.
+points, so the module that registers it must run first; this module's `__main__` does that), or, in Python,
+`InfiniGenLM(policy="h2o", heavy_ratio=0.1)` passed as `lm_eval.simple_evaluate(model=...)`.
 Importing this module registers the type; it needs `lm_eval` installed (not a dependency of infinigen).
 
 Scoring follows `infinigen.eval.fewshot`: a request's context is the dense prefill and the

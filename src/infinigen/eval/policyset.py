@@ -1,7 +1,8 @@
 """Several policies from one command line: `--policy full,infinigen,h2o --knob alpha=5 --knob h2o.heavy_ratio=0.05`.
 
 A knob `NAME=VALUE` goes to every listed policy that has a field NAME (an error if none has it);
-`POLICY.NAME=VALUE` goes to that policy only. Values are typed by the policy's dataclass fields (`infinigen.policies.knobs`).
+`POLICY.NAME=VALUE` goes to that policy only. Values are typed by the policy's dataclass fields
+(`infinigen.policies.knobs`).
 """
 from __future__ import annotations
 

@@ -163,10 +163,12 @@ class PackedKeys:
             padded = -(-capacity // _BLOCK) * _BLOCK
             layout = "tinygemm" if tinygemm_ok(dim, group, device) and padded <= 1.024 * capacity else "rows"
         if layout == "tinygemm" and not tinygemm_ok(dim, group, device):
-            raise ValueError(f"the tinygemm layout needs a CPU, group 32/64/128/256 dividing d (d={dim}, group={group})")
+            raise ValueError(f"the tinygemm layout needs a CPU, group 32/64/128/256 dividing d "
+                             f"(d={dim}, group={group})")
         if layout not in ("rows", "tinygemm"):
             raise ValueError(f"unknown layout {layout!r}")
-        self.batch, self.heads, self.capacity, self.dim, self.group, self.layout = batch, heads, capacity, dim, group, layout
+        self.batch, self.heads, self.capacity = batch, heads, capacity
+        self.dim, self.group, self.layout = dim, group, layout
         ng = dim // group
         if layout == "rows":
             self.codes = torch.zeros(batch, heads, capacity, dim // 2, dtype=torch.uint8, device=device)

@@ -75,7 +75,8 @@ class WeightStreamer:
         for i, blk in enumerate(self.model.layers):  # layer i starts: fetch the next streamed layer
             nxt = next((j for j in self.layers if j > i), None)
             if nxt is not None:
-                self.hooks.append(blk.attn_norm.register_forward_pre_hook(lambda m, a, i=i, j=nxt: self._prefetch(j, i)))
+                self.hooks.append(blk.attn_norm.register_forward_pre_hook(
+                    lambda m, a, i=i, j=nxt: self._prefetch(j, i)))
         return self
 
     def __exit__(self, *exc):
