@@ -366,3 +366,26 @@ def test_serve_command_checks_options_before_loading(capsys):
                  ["--max-queue", "-1"], ["--port", "70000"], ["--replicas", "0"], ["--knob", "nope=1"]):
         assert main(["serve", "--model", "/nonexistent", *argv]) == 2, argv
         assert capsys.readouterr().err.startswith("infinigen: error:")
+
+
+def test_a_request_cancelled_between_admission_and_prefill_leaves_the_others_decoding(make_tiny, monkeypatch):
+    """Found by benchmarks/serve_soak.py: a client that went away while an earlier request of the same step
+    was being prefilled left a request with no token in the batch, and the step failed for everyone
+    ("decode failed: list index out of range")."""
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    eng = Engine(model, make_policy("full"), max_batch=4)
+    first, second = (Request(prompt=p, max_tokens=5) for p in _prompts(model, (6, 9)))
+    prefill = eng._prefill
+
+    def prefill_then_the_other_client_leaves(req):
+        prefill(req)
+        if req is first:
+            eng.cancel(second)
+    monkeypatch.setattr(eng, "_prefill", prefill_then_the_other_client_leaves)
+    eng.submit(first)
+    eng.submit(second)
+    while eng.step():
+        pass
+    assert first.finish == "length" and first.tokens == _alone(model, "full", first.prompt, 5)
+    assert second.finish == "cancelled" and second.session is None
+    assert eng.counters["requests_error"] == 0 and eng.reserved == [0, 0]

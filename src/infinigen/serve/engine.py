@@ -255,9 +255,13 @@ class Engine:
         for req in [r for r in self.running if r.cancelled]:
             self._finish(req, req.cancel_reason)
         for req in admitted:
-            if not req.cancelled:
+            if req.cancelled:  # cancelled after it was admitted, before its prefill: it never ran
+                self._finish(req, req.cancel_reason)
+            else:
                 self._prefill(req)
-        live = [r for r in self.running if r.finish is None]
+        # a request cancelled while an earlier one of this step was prefilled has no token yet: it leaves
+        # at the next step, and must not be decoded now
+        live = [r for r in self.running if r.finish is None and r.tokens]
         if live:
             self.batch_sizes[len(live)] += 1
             try:
