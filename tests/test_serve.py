@@ -389,3 +389,23 @@ def test_a_request_cancelled_between_admission_and_prefill_leaves_the_others_dec
     assert first.finish == "length" and first.tokens == _alone(model, "full", first.prompt, 5)
     assert second.finish == "cancelled" and second.session is None
     assert eng.counters["requests_error"] == 0 and eng.reserved == [0, 0]
+
+
+def test_the_engine_gives_freed_heap_back_once_requests_finish(make_tiny, monkeypatch):
+    """Under a mixed load the server's RSS grew ~1 MiB/s with no leaked object (benchmarks/serve_soak.py):
+    glibc keeps freed pages. The engine's loop trims the heap after requests finish, at most every 2 s."""
+    import infinigen.serve.engine as engine_module
+    from infinigen.memory import release_free_heap
+    assert release_free_heap() is True  # glibc: the call exists and runs
+    trims = []
+    monkeypatch.setattr(engine_module, "release_free_heap", lambda: trims.append(time.monotonic()))
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    eng = Engine(model, make_policy("full"), max_batch=2).start()
+    try:
+        reqs = [eng.submit(Request(prompt=p, max_tokens=3)) for p in _prompts(model, (5, 7))]
+        assert _wait(lambda: all(r.finish for r in reqs)) and _wait(lambda: trims)
+        n = len(trims)
+        time.sleep(0.3)
+        assert len(trims) == n  # nothing finished since: no more trimming, even though the loop ran
+    finally:
+        eng.stop()

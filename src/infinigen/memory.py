@@ -121,5 +121,26 @@ class MemoryProbe:
         return None
 
 
+_malloc_trim = None
+
+
+def release_free_heap() -> bool:
+    """Give the C heap's free pages back to the operating system (glibc's malloc_trim; False elsewhere).
+    A long-running process that frees tensors of many sizes keeps their pages otherwise: the server's RSS
+    grew by about 1 MiB/s under a mixed load with no leaked object (benchmarks/serve_soak.py)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            _malloc_trim = False
+    if _malloc_trim is False:
+        return False
+    _malloc_trim(0)
+    return True
+
+
 __all__ = ["tensor_bytes", "weight_bytes", "kv_bytes", "storages", "session_bytes", "device_memory_bytes",
-           "MemoryProbe"]
+           "MemoryProbe", "release_free_heap"]

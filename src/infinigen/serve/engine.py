@@ -32,7 +32,7 @@ import torch
 from .. import runtime
 from ..errors import UserError
 from ..generate import Sampling, sample
-from ..memory import device_memory_bytes, session_bytes, storages
+from ..memory import device_memory_bytes, release_free_heap, session_bytes, storages
 
 log = logging.getLogger("infinigen.serve")
 
@@ -175,6 +175,7 @@ class Engine:
         self.running: list[Request] = []
         self.waiting: collections.deque[Request] = collections.deque()
         self.reserved = [0, 0]  # fast, slow bytes reserved by running requests
+        self._finished_at_trim, self._trimmed_at = 0, 0.0  # `_trim_heap`
         self.in_use = [0, 0]  # measured after each step
         self.counters = collections.Counter()  # requests by outcome, tokens
         self.batch_sizes = collections.Counter()  # decode steps by how many requests each decoded together
@@ -371,8 +372,18 @@ class Engine:
                 if not self.step():
                     with self._cv:  # waiting requests that do not fit yet: sleep until something changes
                         self._cv.wait(timeout=0.05)
+                self._trim_heap()
             except Exception:
                 log.exception("engine step failed")
+
+    def _trim_heap(self, every_s: float = 2.0) -> None:
+        """Once requests have finished, at most every `every_s` seconds: their freed tensors' pages go back to
+        the OS, so the server's RSS stays flat under requests of ever-different sizes (a few ms per call)."""
+        finished = sum(self.counters["requests_" + r] for r in ("stop", "length", "cancelled", "error"))
+        now = time.monotonic()
+        if finished != self._finished_at_trim and now - self._trimmed_at >= every_s:
+            self._finished_at_trim, self._trimmed_at = finished, now
+            release_free_heap()
 
     def stop(self) -> None:
         """Stop the loop and cancel every request (their stores are closed)."""
