@@ -45,7 +45,7 @@ def test_ttft_itl_and_tokens_from_timestamps(sl):
 def test_summarize(sl):
     a = sl.Sent(sent=0.0, arrivals=[1.0, 1.1, 1.2], done=1.3, completion_tokens=3, prompt_tokens=512)
     b = sl.Sent(sent=0.5, arrivals=[3.5, 3.6, 4.6], done=4.7, completion_tokens=3, prompt_tokens=510)
-    bad = sl.Sent(sent=0.2, arrivals=[0.9], error="APIConnectionError()")
+    bad = sl.Sent(sent=0.2, arrivals=[0.9, 5.9], error="APIConnectionError()")  # cut mid-stream
     s = sl.summarize([a, b, bad], wall=2.0)
     assert s["requests"] == 2 and s["errors"] == 1 and s["error_samples"] == ["APIConnectionError()"]
     assert s["requests_per_s"] == pytest.approx(1.0)
