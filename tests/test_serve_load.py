@@ -164,3 +164,71 @@ def test_quick_and_scenarios(sl):
         sl.parse_args(["--scenario", "chats"])
     with pytest.raises(SystemExit):
         sl.parse_args(["--join-after", "300", "--stream-tokens", "256"])
+
+
+class _FakePrompts:
+    def passage(self, book, start, n):
+        return "word " * n
+
+    def length(self, content):
+        return len(content.split())
+
+
+def test_document_restart_runs_two_servers_on_one_cache_folder(sl, tmp_path, monkeypatch):
+    """The orchestration of `document` with a serve that has the prefix-cache flags, without processes: request 1
+    goes to one server, requests 2.. to a second one started with the same --prefix-cache-dir."""
+    started, asked = [], []
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def fake_server(argv, port, env, log, ready_s=900):
+        started.append(argv)
+        yield f"server{len(started)}"
+
+    def fake_stream(client, model, messages, max_tokens, on_token=None):
+        asked.append((client, messages[0]["content"].split()[-1]))
+        return sl.Sent(sent=0.0, arrivals=[1.0, 1.1], completion_tokens=2, prompt_tokens=60)
+
+    monkeypatch.setattr(sl, "server", fake_server)
+    monkeypatch.setattr(sl, "openai_client", lambda url: url)
+    monkeypatch.setattr(sl, "served_model", lambda client: "m")
+    monkeypatch.setattr(sl, "warm_up", lambda client, model: None)
+    monkeypatch.setattr(sl, "stream_chat", fake_stream)
+    sy = sl.Systems(bin_dir=tmp_path, gguf=tmp_path / "m.gguf", threads=2, logs=tmp_path,
+                    flags={"--prefix-cache", "--prefix-cache-dir"})
+    args = sl.parse_args(["--questions", "3", "--doc-tokens", "50", "--answer-tokens", "4"])
+    result = sl.document_scenario(sy, _FakePrompts(), args)
+    assert [r["system"] for r in result["rows"]] == [
+        "llama-server (cache_prompt, its default)", "ours, full cache, no prefix cache",
+        "ours, full cache, --prefix-cache", "ours, full cache, --prefix-cache-dir, restarted after request 1"]
+    assert len(started) == 5  # llama, ours plain, ours --prefix-cache, and two for the restart
+    first, second = started[3], started[4]
+    folder = {argv[argv.index("--prefix-cache-dir") + 1] for argv in (first, second)}
+    assert len(folder) == 1  # the same folder
+    assert "--prefix-cache" in started[2] and "--prefix-cache-dir" not in started[2]
+    # the restarted pair: question 1 to the first process, 2 and 3 to the second
+    assert [c for c, _ in asked[-3:]] == ["server4", "server5", "server5"]
+    assert [q for _, q in asked[-3:]] == [q.split()[-1] for q in sl.QUESTIONS[:3]]
+    assert all(r.get("ratio_median") == pytest.approx(1.0) for r in result["rows"])
+    assert "not supported" not in sl.render({"peer": {"document": {**result, "date": "d", "threads": 2,
+                                                                      "machine": {"cpu": "x", "cores": 2},
+                                                                      "argv": "a"}}})
+
+
+def test_document_without_the_flags_says_so(sl, tmp_path, monkeypatch):
+    import contextlib
+
+    @contextlib.contextmanager
+    def fake_server(argv, port, env, log, ready_s=900):
+        yield "s"
+
+    monkeypatch.setattr(sl, "server", fake_server)
+    monkeypatch.setattr(sl, "openai_client", lambda url: url)
+    monkeypatch.setattr(sl, "served_model", lambda client: "m")
+    monkeypatch.setattr(sl, "warm_up", lambda client, model: None)
+    monkeypatch.setattr(sl, "stream_chat", lambda *a, **k: sl.Sent(sent=0.0, arrivals=[1.0]))
+    sy = sl.Systems(bin_dir=tmp_path, gguf=tmp_path / "m.gguf", threads=2, logs=tmp_path, flags=set())
+    result = sl.document_scenario(sy, _FakePrompts(), sl.parse_args(["--questions", "2", "--doc-tokens", "20"]))
+    table = "\n".join(sl.document_table(result["rows"]))
+    assert table.count("not supported by this build") == 2
