@@ -476,13 +476,20 @@ def join_table(rows: list[dict]) -> list[str]:
     return out
 
 
+QUIET_SHARE = 0.05  # as peer_llamacpp.py: a run is quiet when other processes took less of the CPU meanwhile
+
+
 def _run_note(s: dict) -> str:
     m = s["machine"]
     shares = ", ".join(f"{r['system']} {100 * r['others_cpu_share']:.0f}%" for r in s["rows"]
                        if r.get("others_cpu_share") is not None)
     return (f"Measured {s['date']} on {m['cpu']} ({m['cores']} cores), {s['threads']} threads for each server; "
             f"noisy (shared CPU): other processes took {shares} of the CPU during the runs"
-            + (" (quick sizes: for trying the script, not for comparing)" if s.get("quick") else "") + ".")
+            + (" (quick sizes: for trying the script, not for comparing)" if s.get("quick") else "") + "."
+            + (" A busy neighbour can slow llama-server more than ours: its threads poll for work (`--poll 50`, "
+               "its default) and meet at every step, so one that loses its core holds up the other. Compare on a "
+               "quiet machine (`--wait-idle`)." if any((r.get("others_cpu_share") or 0) > QUIET_SHARE for r in s["rows"])
+               else ""))
 
 
 def _commands(s: dict) -> list[str]:
@@ -529,8 +536,8 @@ def peer_sections(peer: dict) -> list[str]:
         p = s["params"]
         out += ["### A long prompt joins running streams", "",
                 f"{p['streams']} streams ({p['stream_prompt']}-token prompts, {p['stream_tokens']} new tokens) run; "
-                f"when each has {p['join_after']} tokens, a {p['join_prompt']}-token prompt joins ({p['join_tokens']} "
-                "new tokens). 'during the join': the streams' gaps that overlap the time from the join's request to "
+                f"when each has {p['join_after']} tokens, a prompt of {p['join_prompt']} tokens joins "
+                f"({p['join_tokens']} new tokens). 'during the join': the streams' gaps that overlap the time from the join's request to "
                 "its first token; 'without': all their gaps in the same run without the join. The target: p99 "
                 "during the join at most 3x the p50 without it.", "", _run_note(s), "", *join_table(s["rows"]), "",
                 *_commands(s)]
