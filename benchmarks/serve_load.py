@@ -745,13 +745,16 @@ def _shown(argv: list[str]) -> str:
     return re.sub(r"--port \d+", "--port PORT", " ".join(argv))
 
 
+POLICY_NAMES = {"full": "full cache", "infinigen": "InfiniGen"}
+
+
 def chat_scenario(sy: Systems, pr: Prompts, args) -> dict:
     n, rounds, plen, new = args.chat_clients, args.chat_rounds, args.chat_prompt, args.chat_tokens
     books = ("prideprejudice", "sensesensibility", "emma")
     msgs = [[pr.chat(CHAT_INSTRUCTION, books[(i + r) % 3], 997 * (i + n * r) + 5000, plen) for r in range(rounds)]
             for i in range(n)]
     runs = [("llama-server", lambda: sy.llama(n, plen + new))]
-    runs += [(f"ours, {'full cache' if p == 'full' else p}", lambda p=p: sy.ours(p, n))
+    runs += [(f"ours, {POLICY_NAMES.get(p, p)}", lambda p=p: sy.ours(p, n))
              for p in args.chat_policies.split(",")]
     rows, commands = [], []
     for name, start in runs:
