@@ -508,8 +508,9 @@ def peer_sections(peer: dict) -> list[str]:
         s = peer["chat"]
         p = s["params"]
         out += [f"### Chat: {p['clients']} concurrent clients", "",
-                f"Each of {p['clients']} clients sends {p['rounds']} streamed chat requests back to back (prompts of "
-                f"{p['prompt_tokens']} tokens after the chat template, different Austen passages; {p['max_tokens']} "
+                (f"{p['clients']} clients each send one streamed chat request at once (prompts of " if p["rounds"] == 1
+                 else f"Each of {p['clients']} clients sends {p['rounds']} streamed chat requests back to back (prompts of ")
+                + f"{p['prompt_tokens']} tokens after the chat template, different Austen passages; {p['max_tokens']} "
                 f"new tokens, temperature 0). tokens/s and requests/s over the whole run; new tokens is the mean "
                 "of the servers' usage.completion_tokens (a greedy stream may end at an end-of-turn token first).",
                 "", _run_note(s), "", *chat_table(s["rows"]), ""]
@@ -541,7 +542,34 @@ def peer_sections(peer: dict) -> list[str]:
                 "its first token; 'without': all their gaps in the same run without the join. The target: p99 "
                 "during the join at most 3x the p50 without it.", "", _run_note(s), "", *join_table(s["rows"]), "",
                 *_commands(s)]
-    return out
+    return out + targets(peer)
+
+
+def targets(peer: dict) -> list[str]:
+    """Issue 20's targets, each row of ours against it (in the run shown, however noisy)."""
+    lines = []
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "not met"
+
+    if "chat" in peer and peer["chat"].get("llama_tokens_per_s"):
+        ref = peer["chat"]["llama_tokens_per_s"]
+        lines += [f"chat, total tokens/s at least llama-server's: {r['system']} {verdict(r['tokens_per_s'] >= ref)}"
+                  for r in peer["chat"]["rows"] if r["system"].startswith("ours")]
+    if "document" in peer:
+        lines += [f"document, TTFT of every request after the first at most 10% of the first's: {r['system']} "
+                  + ("not supported by this build" if r.get("unsupported") else verdict(
+                      r.get("ratio_max") is not None and r["ratio_max"] <= 0.1 and not r["errors"]))
+                  for r in peer["document"]["rows"] if r["system"].startswith("ours")]
+    if "join" in peer:
+        lines += [f"join, ITL p99 during the join within 3x p50 without it: {r['system']} "
+                  + ("not supported by this build" if r.get("unsupported") else verdict(
+                      bool(r.get("joined")) and r["p99_over_alone_p50"] <= 3))
+                  for r in peer["join"]["rows"] if r["system"].startswith("ours")]
+    if not lines:
+        return []
+    return ["### Against the targets", "", "In the runs above (each section says how noisy):", "",
+            *[f"- {x}" for x in lines], ""]
 
 
 # ---- running servers and clients ------------------------------------------------------------------------

@@ -232,3 +232,22 @@ def test_document_without_the_flags_says_so(sl, tmp_path, monkeypatch):
     result = sl.document_scenario(sy, _FakePrompts(), sl.parse_args(["--questions", "2", "--doc-tokens", "20"]))
     table = "\n".join(sl.document_table(result["rows"]))
     assert table.count("not supported by this build") == 2
+
+
+def test_targets(sl):
+    chat = {"rows": [{"system": "llama-server", "tokens_per_s": 100.0},
+                     {"system": "ours, full cache", "tokens_per_s": 120.0},
+                     {"system": "ours, InfiniGen", "tokens_per_s": 99.0}], "llama_tokens_per_s": 100.0}
+    doc = {"rows": [{"system": "llama-server", "ratio_max": 0.05, "errors": 0},
+                    {"system": "ours, a", "ratio_max": 0.09, "errors": 0},
+                    {"system": "ours, b", "ratio_max": 0.11, "errors": 0},
+                    {"system": "ours, c", "unsupported": "`--prefix-cache`"}]}
+    join = {"rows": [{"system": "ours, x", "joined": True, "p99_over_alone_p50": 2.9},
+                     {"system": "ours, y", "joined": True, "p99_over_alone_p50": 3.1}]}
+    lines = sl.targets({"chat": chat, "document": doc, "join": join})
+    assert "- chat, total tokens/s at least llama-server's: ours, full cache met" in lines
+    assert "- chat, total tokens/s at least llama-server's: ours, InfiniGen not met" in lines
+    text = "\n".join(lines)
+    assert "ours, a met" in text and "ours, b not met" in text and "ours, c not supported by this build" in text
+    assert "ours, x met" in text and "ours, y not met" in text
+    assert "llama-server met" not in text  # only our rows are judged
