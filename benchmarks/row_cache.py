@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def systems(shares: list[float], pool_bytes: int):
+def systems(shares: list[float], pool_bytes: int, tiers: list[str]):
     """(label, policy name, tier, row-cache bytes) of each row."""
     out = [("full offload (KV on disk)", "full", "disk", 0),
            ("InfiniGen (KV on disk), no row cache", "infinigen", "disk", 0)]
@@ -34,7 +34,7 @@ def systems(shares: list[float], pool_bytes: int):
     out += [("InfiniGen (KV in host RAM), no row cache", "infinigen", "cpu", 0),
             (f"InfiniGen (KV in host RAM), row cache {max(shares):g} of the pool", "infinigen", "cpu",
              int(max(shares) * pool_bytes))]
-    return out
+    return [r for r in out if r[2] in tiers]
 
 
 def markdown(payload: dict) -> str:
@@ -47,9 +47,9 @@ def markdown(payload: dict) -> str:
              f"Context {st['context']} (prompt {st['prompt_len']} + {st['gen_len']} generated), batch {st['batch']}; "
              f"decode timed over {st['gen_len'] - 1} steps from one shared prefill.",
              f"Command: `{payload['command']}`",
-             f"Memory bound (every row below): {mb['describe']}; "
-             f"peak charged {mb.get('group_peak_bytes', 0) / 2**20:.0f} MiB; "
-             f"pool {st['pool_bytes'] / 2**20:.0f} MiB.", "",
+             (f"Memory bound (the disk rows; the host-RAM rows run unbounded): {mb['describe']}; "
+              f"peak charged {mb.get('group_peak_bytes', 0) / 2**20:.0f} MiB; " if mb else "No memory bound; ")
+             + f"pool {st['pool_bytes'] / 2**20:.0f} MiB.", "",
              "| system | ms/step | x full offload | MB read from the slow tier/step | rows fetched/step | hit rate | "
              "peak fast MB | tokens = no cache |",
              "|---|---|---|---|---|---|---|---|"]
@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shares", default="0.125,0.25", help="row cache sizes, as shares of the KV pool's bytes")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="float32: the dtype of the disk row the issue quotes (results/offload.md)")
+    ap.add_argument("--tiers", default="disk,cpu", help="which rows: disk (bounded), cpu (host RAM, unbounded)")
     ap.add_argument("--text", default="prideprejudice")
     ap.add_argument("--pool-dir", default=None)
     ap.add_argument("--out", default=None, help="output folder (default: results/, or a temp dir with --smoke)")
@@ -111,28 +112,35 @@ def main(argv=None) -> int:
         p.prepare(model, tok, progress=True)
     pool = kv_slot_bytes(model, args.batch, policies["infinigen"], "disk") * args.context
     shares = [float(s) for s in args.shares.split(",")]
-    rows_spec = systems(shares, pool)
+    rows_spec = systems(shares, pool, args.tiers.split(","))
     disk = [bench.System(label, policies[pol], tier) for label, pol, tier, _ in rows_spec if tier == "disk"]
-    limit = auto_limit(model, disk, [args.batch], args.context) + max(rc for *_, rc in rows_spec)
+    limit = auto_limit(model, disk, [args.batch], args.context) + max(rc for *_, rc in rows_spec) if disk else None
     settings = bench.BenchSettings(prompt_lens=[prompt], batch_sizes=[args.batch], gen_len=args.gen_len,
                                    pool_dir=args.pool_dir, share_prefill=True)
     tokens = bench.prompt_tokens(tok, load_text(args.text), args.batch, prompt, model.cfg.vocab_size, settings.seed)
     progress(f"prompt {prompt} x batch {args.batch}: shared prefill")
     shared = SharedPrefill(model, tokens, args.pool_dir)
-    mb = MemoryBound(limit)
-    rows = []
+    mb = MemoryBound(limit) if disk else None
+    rows, info = [], None
     try:
-        mb.enter()
-        progress(f"bounded: {mb.describe()}")
         for label, pol, tier, rc in rows_spec:
+            # the disk rows under the bound; the host pool is itself anonymous memory (as large as the file),
+            # which a bound below the pool would make thrash: those rows run unbounded
+            if tier == "disk" and mb is not None and mb.home is None:
+                mb.enter()
+                progress(f"bounded: {mb.describe()}")
+            elif tier != "disk" and mb is not None and mb.home is not None:
+                mb.leave()
             progress(f"{label} ({rc / 2**20:.0f} MiB row cache)")
             system = bench.System(label, policies[pol], tier)
             row = run_ours(model, tokens, system, dataclasses.replace(settings, row_cache_bytes=rc), shared)
             rows.append(row)
             progress(f"  {row['decode_ms_per_step']:.0f} ms/step, hit rate {row.get('row_cache_hit_rate')}")
-        info = dict(mb.info(), **{f"group_{k}_bytes": v for k, v in mb.stats().items()})
+        if mb is not None:
+            info = dict(mb.info(), **{f"group_{k}_bytes": v for k, v in mb.stats().items()})
     finally:
-        mb.close()
+        if mb is not None:
+            mb.close()
         shared.close()
     bench.add_ratios(rows)
     payload = {"model": name, "machine": bench.machine(),
