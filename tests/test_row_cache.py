@@ -202,3 +202,18 @@ def test_bench_reports_the_hit_rate_per_step(tiny_checkpoint, tmp_path, capsys):
     assert "--row-cache-bytes" in capsys.readouterr().err
     assert main(base + ["--row-cache-bytes", "0", "--json", str(out)]) == 0
     assert "row_cache_hit_rate" not in json.loads(out.read_text())["rows"][0]
+
+
+@pytest.mark.parametrize("prefetch,threaded", [(False, True), (True, False)])
+def test_on_demand_and_inline_fetches(model, prefetch, threaded, tmp_path):
+    """Without prefetching (every fetch on demand, on the main thread) or with the worker inline, the cache
+    gives the same tokens and logits and the same hits per step as the threaded prefetch."""
+    def run(**kw):
+        pl = Placement("disk", pool_dir=str(tmp_path), row_cache_bytes=BIG, **kw)
+        t, lg, sess = _decode(model, pl, _make("infinigen", model))
+        return t, lg, sess.store.stats
+    ref_t, ref_l, ref = run()
+    t, lg, st = run(prefetch=prefetch, threaded=threaded)
+    assert torch.equal(t, ref_t) and torch.equal(lg, ref_l)
+    assert st.row_steps == ref.row_steps and len(st.row_steps) == GEN and st.row_hits > 0
+    assert (st.on_demand > 0) == (not prefetch)
