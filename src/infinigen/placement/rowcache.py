@@ -4,7 +4,8 @@ Consecutive decoding steps select mostly the same tokens (the same heavy hitters
 window). The cache keeps, per layer, up to `rows` fetched rows (one key and one value vector of a
 (slot, sequence, KV head), decoded) with a map from the slow tier's row number to the cache row holding
 it. A fetch splits the rows it asks for into hits (copied from the cache) and misses (fetched from the
-slow tier, then inserted in place of the rows least recently selected). Policy-independent: the store
+slow tier, then inserted in place of the rows least recently selected); then every row asked for is
+gathered from the cache in one call. Policy-independent: the store
 consults it for every selection it fetches; dense layers (every used slot) bypass it.
 
 An entry is the bytes the slow tier holds for that row: a row is written once, at its slot's append
@@ -23,12 +24,6 @@ import torch
 from ..errors import UserError
 
 MAP_DTYPE = torch.int32  # slow-tier row -> cache row (-1: not cached)
-
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """16-bit floats as int16 (the same bits): index_copy_ on bfloat16 takes a slow path in torch 2.13 on
-    CPU (4 ms for 20k rows of 64 against well under 1 ms as int16), as scatter_ does (`cache._scatter_rows`)."""
-    return x.view(torch.int16) if x.dtype in (torch.bfloat16, torch.float16) else x
 
 
 @dataclass
@@ -147,7 +142,7 @@ class RowCache:
         part["map"][rows] = victims.to(MAP_DTYPE)
         stamp[victims] = now
         for kind, name in enumerate("kv"):
-            _bits(part[name])[victims] = _bits(fetched[kind][:n])
+            part[name][victims] = fetched[kind][:n]
         return n
 
     def invalidate(self, layer: int, rows: torch.Tensor) -> None:

@@ -459,7 +459,7 @@ class OffloadedKVStore(KVStore):
                 and touched_page_share(rows, self._plane0_row_bytes, used) > self.bulk_share)
         if self.cuda:
             self._run_cuda(job, rows, total)
-        elif total == 0:  # every row was cached
+        elif look is not None and total == 0:  # every row was cached
             job.kv = tuple(torch.empty((0, self.head_dim), dtype=self.dtype, device=self.fast) for _ in KV)
         else:
             job.kv = tuple(self._host_fetch(job, kind, rows, total, used if bulk else None) for kind in KV)
