@@ -45,6 +45,7 @@ class BenchSettings:
     breakdown_steps: int = 0  # extra instrumented decoding steps for the per-layer time breakdown
     weights_offload: float = 0.0  # share of the layers whose weights stream from the slow tier
     share_prefill: bool = False  # one real prefill per cell, replayed into every system's session
+    row_cache_bytes: int = 0  # offloaded pools: the row cache (`Placement.row_cache_bytes`; 0: off)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -135,7 +136,8 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
     device = model.device
     pol = system.policy
     placement = Placement(system.kv_offload, pool_dir=s.pool_dir, capacity=s.capacity, pool_bytes=s.pool_bytes,
-                          evict=s.eviction, prefetch=s.prefetch, threaded=s.threaded)
+                          evict=s.eviction, prefetch=s.prefetch, threaded=s.threaded,
+                          row_cache_bytes=s.row_cache_bytes if system.kv_offload != "none" else 0)
     max_len = t + s.gen_len + s.breakdown_steps
     probe = MemoryProbe(device)
     _collect(model, b, max_len)
@@ -197,6 +199,12 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             "relative_kv_speculated": sess.stats.overall(spec) if spec else None,
             "tokens_sha1": hashlib.sha1(generated.numpy().tobytes()).hexdigest()[:12],
         }
+        if getattr(store, "row_cache", None) is not None:  # per step: hits / distinct rows selected, rows fetched
+            steps_rc = stats.row_steps
+            row["row_cache_bytes"] = store.row_cache.budget
+            row["row_cache_hit_rate"] = stats.hit_rate()
+            row["row_cache_hit_rate_per_step"] = [h / n if n else None for h, n, _, _ in steps_rc]
+            row["slow_rows_fetched_per_step"] = [r for _, _, r, _ in steps_rc]
         if weights is not None:
             row["weights_offload"] = weights.fraction_of_weights()
             row["weight_bytes_moved_per_token"] = (weights.bytes_moved - w_moved) / (b * steps) if steps else None

@@ -18,7 +18,7 @@ from ..errors import UserError
 from .options import (FLOAT, MAX_ROWS, check_kv_fits, check_model_options, check_out_file, check_policies_fit,
                       check_range, check_weights_option, device_option, dtype_option, knob_option, model_option,
                       parse_policies, plot_formats, prepare_policies, weights_option, write_json)
-from .placement_opts import EVICT, POOL_BYTES, POOL_DIR, parse_bytes
+from .placement_opts import EVICT, POOL_BYTES, POOL_DIR, ROW_CACHE_BYTES, parse_bytes, parse_size
 
 
 def _int_list(name: str, text: str) -> list[int]:
@@ -53,6 +53,7 @@ def bench_cmd(
     pool_bytes: Optional[str] = POOL_BYTES,
     eviction: str = EVICT,
     pool_dir: Optional[Path] = POOL_DIR,
+    row_cache_bytes: Optional[str] = ROW_CACHE_BYTES,
     prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Fetch layer i+1's rows during layer i."),
     weights_offload: float = typer.Option(0.0, "--weights-offload", **FLOAT, help="Share of the layers whose weights stay in the "
                                           "slow tier and stream per layer (FlexGen's weight percentage)."),
@@ -104,6 +105,7 @@ def bench_cmd(
     if eviction not in ("counter", "lru", "fifo"):
         raise UserError(f"unknown --eviction {eviction!r}; choose counter, lru or fifo")
     limit = parse_bytes(pool_bytes)
+    row_cache = parse_size(row_cache_bytes, "row-cache-bytes") or 0
     names = [s.strip() for s in policy.split(",") if s.strip()]
     for n in names:
         if n.split("@")[0] not in REGISTRY:
@@ -176,7 +178,7 @@ def bench_cmd(
     settings = bench.BenchSettings(prompt_lens=prompt_lens, batch_sizes=batch_sizes, gen_len=gen_len, capacity=capacity,
                                    pool_bytes=limit, eviction=eviction, pool_dir=str(pool_dir) if pool_dir else None,
                                    prefetch=prefetch, breakdown_steps=breakdown, weights_offload=weights_offload,
-                                   share_prefill=share_prefill)
+                                   share_prefill=share_prefill, row_cache_bytes=row_cache)
     from rich.console import Console
     err = Console(stderr=True)
     rows = bench.sweep(net, systems, settings, tokenizer=tok, text=body, hf_model=hf_model,
@@ -192,6 +194,7 @@ def bench_cmd(
                                                         "eviction": eviction, "prefetch": prefetch,
                                                         "weights_offload": weights_offload,
                                                         "share_prefill": share_prefill,
+                                                        "row_cache_bytes": row_cache,
                                                         "text": None if synthetic else text,
                                                         "memory_bound": membound.current()},
                "rows": bench.strip_private(rows)}
@@ -273,6 +276,11 @@ def _print(p: dict) -> None:
             c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}): speculation state "
                     f"{_mb(mem['speculation_bytes'])} MB = {100 * (kv or 0):.1f}% of the KV cache of the layers it covers "
                     f"(int4 layout {mem['int4_layout']}); skew matrices {100 * mem['skew_vs_weights']:.2f}% of the weights")
+        if r.get("row_cache_hit_rate_per_step"):
+            rates = " ".join("-" if h is None else f"{100 * h:.0f}" for h in r["row_cache_hit_rate_per_step"])
+            c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}): row cache "
+                    f"{_mb(r['row_cache_bytes'])} MB, hit rate {100 * (r['row_cache_hit_rate'] or 0):.1f}%; "
+                    f"per step (%): {rates}")
         bd = r.get("breakdown")
         if bd:
             blk = bd["per_block_ms"]

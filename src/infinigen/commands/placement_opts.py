@@ -22,6 +22,9 @@ POOL_BYTES = typer.Option(None, "--pool-bytes", help="KV pool limit in bytes, e.
 CAPACITY = typer.Option(None, "--capacity", help="KV pool limit: tokens per sequence, or a fraction in (0, 1] of the sequence.")
 POOL_DIR = typer.Option(None, "--pool-dir", help="With --kv-offload disk: the folder of the pool's file (default: the "
                                                   "system temp dir; the file has no name there, so nothing is left behind).")
+ROW_CACHE_BYTES = typer.Option(None, "--row-cache-bytes",
+                               help="Fast memory for the rows recent steps fetched from an offloaded pool (e.g. 256M), "
+                                    "so a step fetches only the rows it lacks (CPU hosts); default 0: off.")
 EVICT = typer.Option("counter", "--evict", "--eviction", help="Victim choice when the pool is full: counter, lru or fifo.")
 
 
@@ -38,10 +41,17 @@ def parse_bytes(text: str | None, name: str = "pool-bytes") -> int | None:
     return int(value)
 
 
+def parse_size(text: str | None, name: str) -> int | None:
+    """Like `parse_bytes`, but "0" is allowed (it turns the thing off)."""
+    if text is not None and str(text).strip() == "0":
+        return 0
+    return parse_bytes(text, name)
+
+
 def placement_from(kv_offload: str = "none", pool_bytes: str | None = None, capacity: float | None = None,
-                   pool_dir: Path | None = None, evict: str = "counter", **extra):
+                   pool_dir: Path | None = None, evict: str = "counter", row_cache_bytes: str | None = None, **extra):
     """The Placement these options ask for (every value checked: a bad one is a UserError). `capacity`
-    above 1 is a token count; at most 1, a fraction of the sequence."""
+    above 1 is a token count; at most 1, a fraction of the sequence. `row_cache_bytes`: a size ('256M'; '0' off)."""
     from ..placement import Placement
     if pool_dir is not None and kv_offload.strip().lower() != "disk":
         raise UserError(f"--pool-dir is the disk pool's folder and needs --kv-offload disk (got --kv-offload {kv_offload})")
@@ -55,4 +65,5 @@ def placement_from(kv_offload: str = "none", pool_bytes: str | None = None, capa
         else:
             capacity = float(capacity)
     return Placement(kv_offload=kv_offload.strip().lower(), pool_dir=str(pool_dir) if pool_dir else None,
-                     capacity=capacity, pool_bytes=parse_bytes(pool_bytes), evict=evict.strip().lower(), **extra)
+                     capacity=capacity, pool_bytes=parse_bytes(pool_bytes), evict=evict.strip().lower(),
+                     row_cache_bytes=parse_size(row_cache_bytes, "row-cache-bytes") or 0, **extra)

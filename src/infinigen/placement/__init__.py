@@ -49,6 +49,9 @@ class Placement:
     # disk tier: a selection touching more than this share of a layer's file pages is read as the whole
     # used layer, sequentially, and selected in RAM (`OffloadedKVStore`; 1: always only the rows)
     disk_bulk_share: float = 0.25
+    # fast-tier bytes of the row cache (`rowcache.RowCache`: the rows recent steps fetched, so a step fetches
+    # only those it lacks); 0: off, the default (results/row_cache.md: on this disk it saves no read)
+    row_cache_bytes: int = 0
 
     def __post_init__(self):
         if self.kv_offload not in KINDS:
@@ -68,6 +71,11 @@ class Placement:
         b = self.disk_bulk_share
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b <= 1:
             raise ArgumentError("disk_bulk_share", f"must be in [0, 1], got {b!r}")
+        r = self.row_cache_bytes
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ArgumentError("row_cache_bytes", f"must be a whole number of bytes >= 0 (0: off), got {r!r}")
+        if r and self.kv_offload == "none":
+            raise ArgumentError("row_cache_bytes", "needs an offloaded KV pool (kv_offload cpu or disk)")
         if self.protect_recent < 0:
             raise ArgumentError("protect_recent", f"must be >= 0, got {self.protect_recent}")
 
@@ -114,7 +122,7 @@ class Placement:
         try:
             return OffloadedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
                                     threaded=self.threaded, pack=self.pack, stats=stats,
-                                    bulk_share=self.disk_bulk_share)
+                                    bulk_share=self.disk_bulk_share, row_cache_bytes=self.row_cache_bytes)
         except BaseException:
             tier.close()
             raise
@@ -137,7 +145,7 @@ class Placement:
     def settings(self) -> dict:
         """The placement as JSON-able values (for results)."""
         return {"kv_offload": self.kv_offload, "capacity": self.capacity, "pool_bytes": self.pool_bytes,
-                "evict": self.evict, "protect_recent": self.protect_recent}
+                "evict": self.evict, "protect_recent": self.protect_recent, "row_cache_bytes": self.row_cache_bytes}
 
     def describe(self, device: torch.device | str) -> str:
         device = torch.device(device)

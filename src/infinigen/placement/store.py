@@ -24,13 +24,15 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..cache import KVCodec, KVStore
+from ..errors import UserError
 from ..selection import ALL
 from .rows import layout_for
+from .rowcache import RowCache
 from .tiers import SlowTier
 
 KV = (0, 1)  # keys, values
@@ -64,7 +66,17 @@ class TransferStats:
     gather_s: float = 0.0  # time spent in prefetch jobs (on the worker thread: overlapped with compute)
     ondemand_s: float = 0.0  # time fetching on demand (main thread, not overlapped)
     wait_s: float = 0.0  # main thread waiting for a prefetch to finish
-    peak_fast_bytes: int = 0  # staging + fetched rows + metadata held in the fast tier
+    peak_fast_bytes: int = 0  # staging + fetched rows + metadata (+ the row cache) held in the fast tier
+    # the row cache (`RowCache`): distinct rows selections asked for, and how many of them it held
+    row_lookups: int = 0
+    row_hits: int = 0
+    # per decoding step (while a row cache is on): [hits, distinct rows asked for, rows fetched from the
+    # slow tier, bytes read from it] over the step's selecting layers
+    row_steps: list = field(default_factory=list)
+
+    def hit_rate(self) -> float | None:
+        """Share of the distinct selected rows the row cache held (None: no lookup, or no cache)."""
+        return self.row_hits / self.row_lookups if self.row_lookups else None
 
     def reset(self) -> None:
         keep = self.peak_fast_bytes
@@ -130,7 +142,8 @@ class OffloadedKVStore(KVStore):
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
                  allocator=None, tier: SlowTier | None = None, prefetch: bool = True, threaded: bool = True,
-                 pack: bool = True, stats: TransferStats | None = None, bulk_share: float = 0.25):
+                 pack: bool = True, stats: TransferStats | None = None, bulk_share: float = 0.25,
+                 row_cache_bytes: int = 0):
         self.capacity = capacity
         self.bulk_share = bulk_share
         self.codec = codec or KVCodec()
@@ -167,6 +180,12 @@ class OffloadedKVStore(KVStore):
         meta_bytes = sum(t.numel() * t.element_size() for t in self.valid + self.pos)
         self.buffers = _Buffers(self.fast, self.stats, meta_bytes)
         self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, meta_bytes)
+        if row_cache_bytes and self.cuda:
+            raise UserError("the row cache runs where the host gathers into fast memory (a CPU device) only; "
+                            "give a row cache of 0 bytes behind a GPU")
+        # the rows recent selections fetched, kept in the fast tier (0 bytes: off, every row from the slow tier)
+        self.row_cache = RowCache(num_layers, rows, head_dim, dtype, row_cache_bytes, self.buffers) \
+            if row_cache_bytes else None
         self.prefetch = prefetch
         self._jobs: dict[int, _Job] = {}
         self._step = 0
@@ -227,6 +246,8 @@ class OffloadedKVStore(KVStore):
         if t > self.capacity:
             raise ValueError(f"prompt of {t} tokens does not fit a KV pool of {self.capacity}")
         self._drop(layer)
+        if self.row_cache is not None:
+            self.row_cache.reset(layer)
         for kind, x in zip(KV, (k, v)):
             x = x.permute(2, 0, 1, 3).reshape(t * self.bh, self.head_dim)  # slot-major rows
             for plane, rows in zip(self.planes[layer][kind], self.layout.encode(x)):
@@ -243,6 +264,8 @@ class OffloadedKVStore(KVStore):
         slots = self._claim(layer, b, h, k.device)
         self._drop(layer)  # an unused prefetched copy of this layer no longer matches the pool
         rows = (slots * self.bh + torch.arange(self.bh, device=k.device).view(b, h)).reshape(-1)
+        if self.row_cache is not None:  # the slot may be a reused victim: its cached rows are another token's
+            self.row_cache.invalidate(layer, rows)
         data = [self.layout.encode(x.reshape(self.bh, self.head_dim)) for x in (k, v)]
         if self.cuda:
             self._write_async(layer, rows, data)
@@ -331,6 +354,8 @@ class OffloadedKVStore(KVStore):
             ev = torch.cuda.Event()
             ev.record()  # layer's attention is done with its parity's buffers
             self._consumed[layer % 2] = ev
+        if point == "embed" and session.decoding and self.row_cache is not None:
+            self.stats.row_steps.append([0, 0, 0, 0])  # this step's row-cache counters
         if not self.prefetch or not session.decoding:
             return
         if point == "embed":
@@ -419,16 +444,37 @@ class OffloadedKVStore(KVStore):
         rows = None
         if not job.full:
             rows = self._rows(job.idx.cpu() if self.cuda else job.idx)  # behind a GPU the host gathers
+        look = None
+        if rows is not None and self.row_cache is not None:  # fetch only the rows the cache lacks
+            look = self.row_cache.lookup(job.layer, rows)
+            self.stats.row_hits += look.hits
+            self.stats.row_lookups += look.distinct
+            if self.stats.row_steps:
+                self.stats.row_steps[-1][0] += look.hits
+                self.stats.row_steps[-1][1] += look.distinct
+            rows = look.misses
+            total = rows.shape[0]
         used = self.length[job.layer] * self.bh
-        bulk = (rows is not None and not self.cuda and self.tier.kind == "disk" and self.bulk_share < 1
+        bulk = (rows is not None and total > 0 and not self.cuda and self.tier.kind == "disk" and self.bulk_share < 1
                 and touched_page_share(rows, self._plane0_row_bytes, used) > self.bulk_share)
         if self.cuda:
             self._run_cuda(job, rows, total)
+        elif look is not None and total == 0:  # every row was cached
+            job.kv = tuple(torch.empty((0, self.head_dim), dtype=self.dtype, device=self.fast) for _ in KV)
         else:
             job.kv = tuple(self._host_fetch(job, kind, rows, total, used if bulk else None) for kind in KV)
-        self.stats.bytes_moved += 2 * (used if bulk else total) * self.layout.row_bytes
+        if look is not None:
+            n = job.n * self.bh
+            d = (self.head_dim,)
+            out = tuple(self.buffers.get(("cached", job.layer % 2, kind), n, d, self.dtype) for kind in KV)
+            job.kv = self.row_cache.assemble(job.layer, look, job.kv, out)
+        moved = 2 * (used if bulk else total) * self.layout.row_bytes
+        self.stats.bytes_moved += moved
         self.stats.bulk += bulk
         self.stats.rows_moved += total
+        if look is not None and self.stats.row_steps:
+            self.stats.row_steps[-1][2] += total
+            self.stats.row_steps[-1][3] += moved
         self.stats.fetches += 1
         if not ondemand:
             self.stats.gather_s += time.perf_counter() - t0
