@@ -25,7 +25,8 @@ document  One 4,000-token document (the start of Emma) and 20 different question
           lacks (read from its --help) are reported as "not supported by this build".
 join      4 streams running, then an 8,000-token prompt joins: the running streams' ITL while it is prefilled
           (the gaps that overlap the time from its request to its first token) against their ITL without it;
-          ours (with `--prefill-chunk` where the build has it) and llama-server.
+          ours (the whole prompt at once, `--prefill-chunk-layers 0`, and chunked, where the build has it)
+          and llama-server.
 
 In chat, document and join every server is its own fresh process on a free port of 127.0.0.1, started by this
 script and stopped at the end of its run (also on error or Ctrl-C): ours is `python -m infinigen.cli serve`
@@ -419,7 +420,7 @@ def ctx_per_slot(longest_request: int) -> int:
 
 def serve_flags(help_text: str) -> set[str]:
     """The prefix-cache and chunked-prefill flags that `infinigen serve --help` lists."""
-    return {f for f in ("--prefix-cache", "--prefix-cache-dir", "--prefill-chunk")
+    return {f for f in ("--prefix-cache", "--prefix-cache-dir", "--prefill-chunk-layers")
             if re.search(re.escape(f) + r"(?![\w-])", help_text)}
 
 
@@ -869,10 +870,14 @@ def join_scenario(sy: Systems, pr: Prompts, args) -> dict:
     streams = [pr.chat(CHAT_INSTRUCTION, "prideprejudice", 1500 * i + 20000, args.stream_prompt) for i in range(k)]
     join = pr.chat("Summarize the following text.", "emma", 30000, args.join_prompt)
     longest = max(args.stream_prompt + new, args.join_prompt + args.join_tokens)
-    runs = [("llama-server", lambda: sy.llama(k + 1, longest)), ("ours, full cache", lambda: sy.ours("full", k + 1))]
-    if "--prefill-chunk" in sy.flags:
-        runs.append((f"ours, full cache, --prefill-chunk {args.prefill_chunk}",
-                     lambda: sy.ours("full", k + 1, ("--prefill-chunk", str(args.prefill_chunk)))))
+    runs = [("llama-server", lambda: sy.llama(k + 1, longest))]
+    if "--prefill-chunk-layers" in sy.flags:  # the prompt at once (as before chunked prefill), then chunked
+        runs += [("ours, full cache, --prefill-chunk-layers 0",
+                  lambda: sy.ours("full", k + 1, ("--prefill-chunk-layers", "0"))),
+                 (f"ours, full cache, --prefill-chunk-layers {args.prefill_chunk_layers}",
+                  lambda: sy.ours("full", k + 1, ("--prefill-chunk-layers", str(args.prefill_chunk_layers))))]
+    else:
+        runs.append(("ours, full cache", lambda: sy.ours("full", k + 1)))
     rows, commands = [], []
     for name, start in runs:
         argv, ctx = start()
@@ -887,8 +892,8 @@ def join_scenario(sy: Systems, pr: Prompts, args) -> dict:
                 running, joined = run_streams(client, model, streams, new, after, join, args.join_tokens)
         rows.append({"system": name, **join_summary(alone, running, joined), "others_cpu_share": share.share})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    if "--prefill-chunk" not in sy.flags:
-        rows.append({"system": "ours, full cache, --prefill-chunk", "unsupported": "`--prefill-chunk`"})
+    if "--prefill-chunk-layers" not in sy.flags:
+        rows.append({"system": "ours, full cache, --prefill-chunk-layers", "unsupported": "`--prefill-chunk-layers`"})
     return {"params": {"streams": k, "stream_prompt": args.stream_prompt, "stream_tokens": new, "join_after": after,
                        "join_prompt": args.join_prompt, "join_tokens": args.join_tokens}, "rows": rows,
             "commands": commands}
@@ -925,7 +930,7 @@ def run_streams(client, model, streams, new, after, join, join_tokens) -> tuple[
 QUICK = dict(clients=2, seconds=3, prompt_tokens=128, max_tokens=8, long=512, long_gen=32, fast_bytes=64 << 20,
              max_live=6, chat_clients=2, chat_rounds=1, chat_prompt=128, chat_tokens=16, doc_tokens=400, questions=3,
              answer_tokens=8, join_streams=2, stream_prompt=128, stream_tokens=64, join_after=4, join_prompt=1200,
-             join_tokens=4, prefill_chunk=256)
+             join_tokens=4, prefill_chunk_layers=1)
 
 
 def parse_args(argv=None):
@@ -969,7 +974,8 @@ def parse_args(argv=None):
     g.add_argument("--join-after", type=int, default=16, help="tokens every stream has before the long prompt joins")
     g.add_argument("--join-prompt", type=int, default=8000)
     g.add_argument("--join-tokens", type=int, default=8)
-    g.add_argument("--prefill-chunk", type=int, default=256, help="our --prefill-chunk in join, where serve has it")
+    g.add_argument("--prefill-chunk-layers", type=int, default=1,
+                   help="our --prefill-chunk-layers in join, where serve has it")
     args = ap.parse_args(argv)
     if args.quick:
         for k, v in QUICK.items():  # what the command line set explicitly stays
@@ -985,7 +991,7 @@ def parse_args(argv=None):
         ap.error(f"--questions must be 1..{len(QUESTIONS)}")
     for k in ("threads", "chat_clients", "chat_rounds", "chat_prompt", "chat_tokens", "doc_tokens", "answer_tokens",
               "join_streams", "stream_prompt", "stream_tokens", "join_after", "join_prompt", "join_tokens",
-              "prefill_chunk"):
+              "prefill_chunk_layers"):
         if getattr(args, k) < 1:
             ap.error(f"--{k.replace('_', '-')} must be at least 1")
     if args.join_after >= args.stream_tokens:

@@ -82,14 +82,15 @@ def test_engine_batches_equal_alone(make_tiny, policy, offload, monkeypatch):
             return fn(q, *args, **kwargs)
         return call
 
-    def counted_prefill(*args, **kwargs):
+    def counted_prefill(*args, **kwargs):  # a prefill's first token counts once its last layer is done
+        logits = yield from prefill_in_slices(*args, **kwargs)
         prefills[0] += 1
-        return prefill(*args, **kwargs)
-    prefill = runtime.prefill
+        return logits
+    prefill_in_slices = runtime.prefill_in_slices
     monkeypatch.setattr(runtime, "attend_step", counted(runtime.attend_step))
     monkeypatch.setattr(runtime, "attend_all", counted(runtime.attend_all))
     monkeypatch.setattr(runtime, "attend_masked", counted(runtime.attend_masked))
-    monkeypatch.setattr(runtime, "prefill", counted_prefill)
+    monkeypatch.setattr(runtime, "prefill_in_slices", counted_prefill)
     batched = []
 
     def step():
@@ -409,3 +410,30 @@ def test_the_engine_gives_freed_heap_back_once_requests_finish(make_tiny, monkey
         assert len(trims) == n  # nothing finished since: no more trimming, even though the loop ran
     finally:
         eng.stop()
+
+
+@pytest.mark.parametrize("policy", ["full", "infinigen", "h2o"])
+def test_a_joining_prompt_is_prefilled_a_chunk_of_layers_per_step(make_tiny, policy):
+    """Chunked prefill: a prompt that joins a running request advances `prefill_chunk_layers` layers per
+    engine step, and the running request decodes a token at every one of those steps (its pace holds);
+    both get exactly their tokens alone. Alone, a prompt is prefilled in one step; chunk 0: in one step."""
+    _, model = make_tiny("llama", num_hidden_layers=4)
+    running_prompt, joining_prompt = _prompts(model, (7, 40))
+    for chunk, steps_to_first_token in ((1, 4), (2, 2), (0, 1)):
+        eng = Engine(model, _policy(policy, model), max_batch=4, prefill_chunk_layers=chunk)
+        a = eng.submit(Request(prompt=running_prompt, max_tokens=12))
+        eng.step()
+        assert len(a.tokens) == 2  # alone: prefilled (first token) and decoded in the first step
+        b = eng.submit(Request(prompt=joining_prompt, max_tokens=3))
+        steps = 0
+        while not b.tokens:
+            before = len(a.tokens)
+            eng.step()
+            steps += 1
+            assert len(a.tokens) == before + 1  # the running request decoded at every step of b's prefill
+        assert steps == steps_to_first_token, (chunk, steps)
+        while not eng.idle():
+            eng.step()
+        assert a.tokens == _alone(model, policy, running_prompt, 12)
+        assert b.tokens == _alone(model, policy, joining_prompt, 3)
+        assert eng.reserved == [0, 0]

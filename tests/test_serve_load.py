@@ -112,8 +112,9 @@ def test_llama_server_runs_our_threads_slots_and_gguf(sl, tmp_path):
 def test_serve_flags_from_help(sl):
     assert sl.serve_flags("--policy TEXT  --max-batch INTEGER") == set()
     assert sl.serve_flags("│ --prefix-cache-dir  TEXT │") == {"--prefix-cache-dir"}  # not --prefix-cache
-    assert sl.serve_flags("--prefix-cache / --no-prefix-cache\n--prefix-cache-dir DIR\n--prefill-chunk N") == {
-        "--prefix-cache", "--prefix-cache-dir", "--prefill-chunk"}
+    assert sl.serve_flags("--prefix-cache / --no-prefix-cache\n--prefix-cache-dir DIR\n--prefill-chunk-layers N") == {
+        "--prefix-cache", "--prefix-cache-dir", "--prefill-chunk-layers"}
+    assert sl.serve_flags("--prefill-chunk-layers N") == {"--prefill-chunk-layers"}
 
 
 def _chat_row(sl, system, tps):

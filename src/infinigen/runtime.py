@@ -549,18 +549,34 @@ def _attend_sessions(layer: int, q, k, v, sessions: list[Session], spans: list[t
 
 
 # ---- the three passes --------------------------------------------------------------------------------------------
-@torch.inference_mode()
 def prefill(model, tokens: torch.Tensor, session: Session, pad_mask: torch.Tensor | None = None,
             all_logits: bool = False) -> torch.Tensor:
     """tokens [B, T] left-padded (pad_mask True on real tokens). Returns logits of the last position
     [B, V], or of every position [B, T, V]."""
+    slices = prefill_in_slices(model, tokens, session, pad_mask, all_logits, layers_per_slice=0)
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return done.value
+
+
+@torch.inference_mode()
+def prefill_in_slices(model, tokens: torch.Tensor, session: Session, pad_mask: torch.Tensor | None = None,
+                      all_logits: bool = False, layers_per_slice: int = 1):
+    """`prefill` as a generator that pauses (yields) after every `layers_per_slice` layers (0: never), so a
+    server can decode its running requests between slices while a long prompt joins. The logits are the
+    generator's return value. Exactly `prefill`'s computation: a slice ends between two layers, and nothing
+    another session does in between touches this session's cursor, store or policy state."""
     valid = torch.ones_like(tokens, dtype=torch.bool) if pad_mask is None else pad_mask.bool()
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # padding sits at position 0
     session.begin_prefill(positions, valid)
     h = model.embed(tokens, positions)
     rope = model.rope(positions)
-    for block in model.layers:
+    for i, block in enumerate(model.layers):
         h = block(h, rope, session.attend, session.event)
+        if layers_per_slice and (i + 1) % layers_per_slice == 0 and i + 1 < len(model.layers):
+            yield i + 1  # layers done
     return model.head(h if all_logits else h[:, -1])
 
 
@@ -628,5 +644,5 @@ def teacher_forced(model, tokens: torch.Tensor, prefill_len: int, session: Sessi
     return model.head(h)
 
 
-__all__ = ["Session", "Listener", "KVStats", "prefill", "decode", "teacher_forced", "attend_all", "attend_masked",
-           "attend_step", "attend_rows", "ALL", "Rows"]
+__all__ = ["Session", "Listener", "KVStats", "prefill", "prefill_in_slices", "decode", "teacher_forced", "attend_all",
+           "attend_masked", "attend_step", "attend_rows", "ALL", "Rows"]

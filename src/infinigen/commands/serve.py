@@ -42,6 +42,9 @@ def serve_cmd(
                                              "of the device's memory."),
     max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together at most."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting for KV memory at most; beyond: 429."),
+    prefill_chunk_layers: int = typer.Option(1, "--prefill-chunk-layers", help="A prompt that joins running "
+                                             "requests is prefilled this many layers per decode step, so their "
+                                             "pace holds (0: the whole prompt at once)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="Port to listen on."),
     name: Optional[str] = typer.Option(None, "--served-model-name", help="The model name clients ask for "
@@ -57,6 +60,7 @@ def serve_cmd(
         raise UserError(f"--kv-offload must be one of {', '.join(OFFLOADS)}, got {kv_offload!r}")
     check_range("max-batch", max_batch, lo=1)
     check_range("max-queue", max_queue, lo=0)
+    check_range("prefill-chunk-layers", prefill_chunk_layers, lo=0)
     check_range("port", port, lo=0, hi=65535)
     check_range("replicas", replicas, lo=1)
     budgets = dict(pool_bytes=parse_bytes(pool_bytes), fast_bytes=parse_bytes(fast_bytes, "fast-bytes"))
@@ -68,7 +72,8 @@ def serve_cmd(
     except ImportError as e:
         raise UserError(f"serving needs the 'serve' extra: pip install 'infinigen[serve]' ({e.name} is missing)")
     spec = dict(model=model, policy=policy, knob=list(knob), kv_offload=kv_offload, pool_dir=pool_dir,
-                max_batch=max_batch, max_queue=max_queue, name=name, device=device, dtype=dtype, **budgets)
+                max_batch=max_batch, max_queue=max_queue, prefill_chunk_layers=prefill_chunk_layers, name=name,
+                device=device, dtype=dtype, **budgets)
     listener = _listen(host, port)
     with _sigterm_exits():
         try:
@@ -215,7 +220,8 @@ def build(spec: dict):
     prepare_policies({spec["policy"]: pol}, net, tok)
     engine = Engine(net, pol, Placement(kv_offload=spec["kv_offload"], pool_dir=spec["pool_dir"]),
                     eos=stop_ids(net, tok), max_batch=spec["max_batch"], max_queue=spec["max_queue"],
-                    fast_bytes=spec["fast_bytes"], pool_bytes=spec["pool_bytes"])
+                    fast_bytes=spec["fast_bytes"], pool_bytes=spec["pool_bytes"],
+                    prefill_chunk_layers=spec.get("prefill_chunk_layers", 1))
     served = spec.get("name") or re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")  # URL- and shell-friendly
     app = create_app(engine, tok, served)
     app.state.model_name = served

@@ -139,6 +139,7 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     cost: tuple[int, int] = (0, 0)
     session: object = None
+    prefilling: object = None  # the prefill under way (`runtime.prefill_in_slices`), until its logits come
     generator: object = None
     cancelled: bool = False
     cancel_reason: str = "cancelled"
@@ -151,13 +152,19 @@ class Engine:
 
     def __init__(self, model, policy=None, placement=None, eos: set[int] | frozenset = frozenset(),
                  max_batch: int = 16, max_queue: int = 64, fast_bytes: int | None = None,
-                 pool_bytes: int | None = None, cost: KVCost | None = None):
+                 pool_bytes: int | None = None, cost: KVCost | None = None, prefill_chunk_layers: int = 1):
         from ..placement import Placement
         from ..policies import FullCache
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
             raise UserError(f"max_queue must be >= 0, got {max_queue}")
+        if isinstance(prefill_chunk_layers, bool) or not isinstance(prefill_chunk_layers, int) \
+                or prefill_chunk_layers < 0:
+            raise UserError(f"prefill_chunk_layers must be a whole number >= 0, got {prefill_chunk_layers!r}")
+        # a prompt that joins running requests is prefilled this many layers per step, between their decode
+        # steps, so their pace holds (0: the whole prompt in one step)
+        self.prefill_chunk_layers = prefill_chunk_layers
         self.model, self.policy = model, policy or FullCache()
         self.placement = placement or Placement()
         self.eos = frozenset(eos)
@@ -260,8 +267,12 @@ class Engine:
                 self._finish(req, req.cancel_reason)
             else:
                 self._prefill(req)
-        # a request cancelled while an earlier one of this step was prefilled has no token yet: it leaves
-        # at the next step, and must not be decoded now
+        # a prompt that joined running requests advances one chunk of layers per step; alone, it runs through
+        decoding = any(r.tokens and r.finish is None for r in self.running)
+        for req in [r for r in self.running if r.prefilling is not None and r.finish is None]:
+            self._advance_prefill(req, to_the_end=not decoding)
+        # requests still prefilling, or cancelled while an earlier one of this step was prefilled, have no
+        # token yet: they are not decoded now
         live = [r for r in self.running if r.finish is None and r.tokens]
         if live:
             self.batch_sizes[len(live)] += 1
@@ -275,15 +286,34 @@ class Engine:
             else:
                 self._take(live, logits)
         self._measure()
-        return bool(admitted or live)
+        return bool(admitted or live or any(r.prefilling is not None for r in self.running))
 
     def _prefill(self, req: Request) -> None:
+        """Open the request's session and start its prefill (`_advance_prefill` carries it on)."""
         try:
             if req.sampling.seed is not None:
                 req.generator = torch.Generator(device=self.model.device).manual_seed(req.sampling.seed)
             req.session = open_session(self.model, self.placement, self.policy, len(req.prompt) + req.max_tokens)
-            logits = runtime.prefill(self.model, torch.tensor([req.prompt], device=self.model.device), req.session,
-                                     all_logits=req.prompt_logprobs)
+            req.prefilling = runtime.prefill_in_slices(
+                self.model, torch.tensor([req.prompt], device=self.model.device), req.session,
+                all_logits=req.prompt_logprobs, layers_per_slice=self.prefill_chunk_layers)
+        except Exception as e:
+            if not isinstance(e, UserError):
+                log.exception("prefill failed")
+            self._finish(req, "error", f"prefill failed: {e}")
+
+    def _advance_prefill(self, req: Request, to_the_end: bool) -> None:
+        """One chunk of the request's prefill (or all of it); once it is done, its first token."""
+        try:
+            while True:
+                try:
+                    next(req.prefilling)
+                except StopIteration as done:
+                    logits = done.value
+                    break
+                if not to_the_end:
+                    return
+            req.prefilling = None
             if req.prompt_logprobs:  # position j's logits predict prompt token j + 1
                 req.prompt_token_logprobs = [None] + token_logprobs(logits[0, :-1], req.prompt[1:], req.logprobs or 0)
                 logits = logits[:, -1]
@@ -323,6 +353,7 @@ class Engine:
         if req.finish is not None:
             return
         req.finish = reason
+        req.prefilling = None  # a prefill under way is dropped with its session
         if req.session is not None:
             try:
                 req.session.store.close()
