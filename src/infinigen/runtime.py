@@ -229,6 +229,9 @@ class Session:
         self._phase = ""
         self._plans: dict = {}  # layer -> this step's selection, asked one layer ahead
         self._row_buffers = _Stack()  # the rows `_attend_selected` gathers, reused by every layer
+        # False: a selection takes the reference path (`_read_slots`: per KV head, padded to the largest
+        # count), which tests and the benchmark compare the packed rows against
+        self.read_rows = True
         self.state = self.policy.begin(model, self)
 
     # ---- the cursor, read ------------------------------------------------------------------------------------
@@ -443,7 +446,7 @@ class Session:
     def reads_rows(self) -> bool:
         """Whether a decoding selection is read as packed rows (`KVStore.select_rows`, `_attend_selected`):
         the store allows it and the policy needs no weights (`observe` takes them per padded slot)."""
-        return self.store.reads_rows() and not self.policy.needs_weights
+        return self.read_rows and self.store.reads_rows() and not self.policy.needs_weights
 
     def _attend_selected(self, layer: int, read: _Read, q, k, v) -> torch.Tensor:
         """Attention of one token per row over its packed selected rows (`read.rows`) and itself: the token is

@@ -105,6 +105,16 @@ def _kth_largest(score: torch.Tensor, k: int) -> torch.Tensor:
     return score.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
 
 
+def _at_least(score: torch.Tensor, thr: torch.Tensor, n: int) -> torch.Tensor | None:
+    """score >= thr per row when that is at most n entries and above -inf in every row: then the ties at the
+    threshold all fit and the cut takes exactly these (one pass instead of the tie-breaking cumulative sum).
+    None when a row has more (or on CUDA, where the check would synchronize)."""
+    if score.is_cuda or not bool((thr > float("-inf")).all()):
+        return None
+    take = score >= thr
+    return take if bool((take.sum(-1) <= n).all()) else None
+
+
 def int4_layout(d: int, capacity: int, device) -> str:
     """The `PackedKeys` layout of a request's 4-bit speculation keys, chosen once in `begin` so that decoding
     and teacher-forced scoring quantize the same way: torch's CPU int4 kernel where it takes this head_dim and padding
@@ -778,9 +788,13 @@ class InfiniGen(Policy):
             if k == 0:
                 return keep & as_is[..., None]
             thr = _kth_largest(score, k)
-            above = score > thr
-            tie = (score == thr) & (score > float("-inf"))
-            take = above | (tie & (tie.cumsum(-1) <= (n - above.sum(-1, keepdim=True))))
+            take = _at_least(score, thr, n)
+            if take is None:  # more ties at the threshold than places left: the lower slots first
+                above = score > thr
+                tie = (score == thr) & (score > float("-inf"))
+                take = above | (tie & (tie.cumsum(-1) <= (n - above.sum(-1, keepdim=True))))
+            if not score.is_cuda and not bool(as_is.any()):  # every row is cut (a free check on a CPU)
+                return take
             return torch.where(as_is[..., None], keep, take)
         todo = (~as_is).nonzero(as_tuple=True)
         if todo[0].numel() == 0:
