@@ -273,6 +273,10 @@ def _print(p: dict) -> None:
             c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}): speculation state "
                     f"{_mb(mem['speculation_bytes'])} MB = {100 * (kv or 0):.1f}% of the KV cache of the layers it covers "
                     f"(int4 layout {mem['int4_layout']}); skew matrices {100 * mem['skew_vs_weights']:.2f}% of the weights")
+        if r.get("rows_read_per_step") is not None:  # what attention read from the store, beside what it attended
+            c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}): per step, "
+                    f"{r['entries_attended_per_step']:.0f} entries attended, {r['rows_read_per_step']:.0f} rows of "
+                    f"keys (and as many of values) read")
         bd = r.get("breakdown")
         if bd:
             blk = bd["per_block_ms"]
