@@ -737,10 +737,13 @@ class InfiniGen(Policy):
             over = keep.sum((1, 3)) > total
             if not keep.is_cuda and not over.any():  # free on a CPU (and skips the cut); on CUDA a synchronization
                 return keep
-            p = relative.exp()  # speculated attention weights per query head
-            mass = (p / p.sum(-1, keepdim=True)).sum(2)  # [B, Hkv, R, S]
+            # speculated attention weights per query head, in place: `relative` is not read again, and a new
+            # [B, Hkv, G, R, S] tensor per step costs page faults on a CPU (the same numbers either way)
+            p = relative.exp_()
+            p /= p.sum(-1, keepdim=True)
+            mass = p.sum(2)  # [B, Hkv, R, S]
             flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, r, hkv * n)  # noqa: E731 (KV head, slot) per row
-            cut = self._top_n_per_row(flat(keep), flat(mass.masked_fill(~keep, -1.0)), total, as_is=~over)
+            cut = self._top_n_per_row(flat(keep), flat(mass.masked_fill_(~keep, -1.0)), total, as_is=~over)
             return cut.view(b, r, hkv, n).permute(0, 2, 1, 3)
         above = relative > -alpha  # [B, Hkv, G, R, S]
         counts = above.sum(-1)  # [B, Hkv, G, R]
