@@ -199,7 +199,8 @@ class _Read(NamedTuple):
     idx: torch.Tensor | All  # the slots of keys/values (ALL: every used slot, in order)
     full: bool  # every entry of keys/values counts (mask is all True): no padding, window or selection
     rows: SelectedRows | None = None  # the selection packed per batch row (`KVStore.select_rows`): read by
-    # `attend_rows` with the current token stored first; None: the reference path (keys/values or in place)
+    # `Session._attend_selected` with the current token stored first; None: the reference path (keys/values,
+    # or in place)
 
 
 # ---- sessions ----------------------------------------------------------------------------------------------------
