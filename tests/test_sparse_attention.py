@@ -213,3 +213,16 @@ def test_cut_takes_exactly_n_lower_slots_first(levels, short):
     for r in range(6):
         order = sorted((i for i in range(40) if score[r, i] > float("-inf")), key=lambda i: (-score[r, i], i))
         assert got[r].nonzero().flatten().tolist() == sorted(order[:n]), r
+
+
+def test_infinigen_rows_read_within_its_layer_cap(make_tiny):
+    """InfiniGen's default budget pools a cap over the layer's KV heads: every batch row's packed rows, and so
+    the rows read per step, stay within B x that cap (every token qualifies at alpha 1e9: the cap binds)."""
+    _, model = make_tiny("llama", num_hidden_layers=3)
+    tokens, mask = _prompts(model, (9, 9))
+    ratio, hkv = 0.3, model.cfg.num_kv_heads
+    pol = _policy("infinigen", model, alpha=1e9, max_fetch_ratio=ratio, min_fetch=0)
+    _, _, sess = _decode(model, pol, tokens, mask, read_rows=True)
+    cap = sum(2 * int(ratio * (P + i) * hkv) for i in range(T - P))  # B x the layer's cap, summed over steps
+    for layer in range(1, model.cfg.num_layers):
+        assert 0 < sess.stats.rows[layer] <= cap, layer
