@@ -105,14 +105,22 @@ def _kth_largest(score: torch.Tensor, k: int) -> torch.Tensor:
     return score.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
 
 
-def _at_least(score: torch.Tensor, thr: torch.Tensor, n: int) -> torch.Tensor | None:
-    """score >= thr per row when that is at most n entries and above -inf in every row: then the ties at the
-    threshold all fit and the cut takes exactly these (one pass instead of the tie-breaking cumulative sum).
-    None when a row has more (or on CUDA, where the check would synchronize)."""
-    if score.is_cuda or not bool((thr > float("-inf")).all()):
-        return None
-    take = score >= thr
-    return take if bool((take.sum(-1) <= n).all()) else None
+def _cut_in_one_pass(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The k-th largest value of each row, [..., 1], and, on a CPU, `score >= it` when that is exactly the
+    top k of every row: the (k+1)-th largest is smaller (no tie at the threshold left out) and the threshold
+    is above -inf. Then the cut is this one pass instead of the tie-breaking cumulative sum; None otherwise
+    (or on CUDA, where the check would synchronize). One introselect finds both values."""
+    if score.device.type != "cpu":
+        return _kth_largest(score, k), None
+    a = score.contiguous().numpy()
+    n = a.shape[-1]
+    part = np.partition(a, [n - k - 1, n - k] if k < n else n - k, axis=-1)
+    thr = torch.from_numpy(part[..., n - k:n - k + 1])
+    if not bool((thr > float("-inf")).all()):
+        return thr, None
+    if k < n and not bool((torch.from_numpy(part[..., n - k - 1:n - k]) < thr).all()):
+        return thr, None
+    return thr, score >= thr
 
 
 def int4_layout(d: int, capacity: int, device) -> str:
@@ -790,8 +798,7 @@ class InfiniGen(Policy):
             k = min(n, score.shape[-1])
             if k == 0:
                 return keep & as_is[..., None]
-            thr = _kth_largest(score, k)
-            take = _at_least(score, thr, n)
+            thr, take = _cut_in_one_pass(score, k)
             if take is None:  # more ties at the threshold than places left: the lower slots first
                 above = score > thr
                 tie = (score == thr) & (score > float("-inf"))
