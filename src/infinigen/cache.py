@@ -6,6 +6,8 @@ Placement (which memory tier a store lives in) is decided by subclasses in `infi
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .codecs import KVCodec
@@ -19,6 +21,20 @@ def _scatter_rows(buf: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> N
     if buf.dtype in (torch.bfloat16, torch.float16) and rows.dtype == buf.dtype:
         buf, rows = buf.view(torch.int16), rows.view(torch.int16)
     buf.scatter_(2, idx, rows)
+
+
+class SelectedRows(NamedTuple):
+    """A selection as the rows it reads (`KVStore.select_rows`), packed per batch row.
+
+    keep    [B, Hkv, S] the selected slots (the selection and the valid slots)
+    rows    [B, n] each column's row in the layer's flat [B * Hkv * capacity, d] keys and values
+    head    [B, n] each column's KV head; -1 on padding (a batch row with fewer rows than the longest)
+    counts  [B, Hkv] entries selected per (batch row, KV head)
+    """
+    keep: torch.Tensor
+    rows: torch.Tensor
+    head: torch.Tensor
+    counts: torch.Tensor
 
 
 class KVStore:
@@ -58,6 +74,44 @@ class KVStore:
         idx = torch.zeros(flat.shape[0], n, dtype=torch.long, device=keep.device)
         idx[row, col] = slot
         return keep, idx.view(*keep.shape[:-1], n), torch.arange(n, device=keep.device) < counts[..., None], counts
+
+    def reads_rows(self) -> bool:
+        """A selection may be read as `select_rows` packs it, the current token stored first and read among
+        the rows: in fast memory, no victims (appending first cannot overwrite a selected slot), values
+        stored as computed (the token read from the store is the token computed)."""
+        return type(self) is KVStore and self.allocator is None and type(self.codec) is KVCodec
+
+    def select_rows(self, layer: int, keep: torch.Tensor, valid: torch.Tensor) -> "SelectedRows":
+        """The rows a selection reads, packed per batch row: keep [B,Hkv,S] & valid -> `SelectedRows`, each
+        batch row's selected (KV head, slot) pairs in ascending order (head-major: each KV head's rows one
+        run), padded only to the largest batch row's total, never every KV head to the largest head's count.
+        A layer-pooled cap bounds a batch row's total, so it bounds the rows moved too."""
+        keep = keep & valid
+        b, h, s = keep.shape
+        flat = keep.reshape(-1).nonzero().squeeze(1)  # ascending (batch, KV head, slot)
+        seg = flat // s  # batch * Hkv + KV head
+        row = seg // h
+        counts = torch.bincount(seg, minlength=b * h).view(b, h)
+        per_row = counts.sum(1)
+        n = int(per_row.max()) if flat.numel() else 0
+        col = torch.arange(flat.numel(), device=keep.device) - (per_row.cumsum(0) - per_row)[row]
+        # the row of (batch, KV head, slot) in the flat [B * Hkv * capacity, d] buffer; padding reads the
+        # buffer's row 0 (a stored, finite key: its head of -1 masks it)
+        rows = torch.zeros(b, n, dtype=torch.long, device=keep.device)
+        rows[row, col] = flat + seg * (self.capacity - s)
+        head = torch.full((b, n), -1, dtype=torch.long, device=keep.device)
+        head[row, col] = seg - row * h
+        return SelectedRows(keep, rows, head, counts)
+
+    def gather_rows(self, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """Rows `rows` [B, m] of `select_rows` into keys, values [B * m, d] (buffers the caller reuses);
+        returns them as [B, 1, m, d]: one head whose columns the caller masks per KV head."""
+        b, m = rows.shape
+        d = self.k[layer].shape[-1]
+        flat = rows.reshape(-1)
+        torch.index_select(self.k[layer].view(-1, d), 0, flat, out=keys)
+        torch.index_select(self.v[layer].view(-1, d), 0, flat, out=values)
+        return keys.view(b, 1, m, d), values.view(b, 1, m, d)
 
     def gather(self, layer: int, idx: torch.Tensor):
         """Rows `idx` [B,Hkv,n] of the keys and values."""

@@ -23,6 +23,7 @@ from typing import ClassVar, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+from .cache import SelectedRows
 from .policies.base import FullCache, Policy
 from .selection import ALL, All, Rows
 
@@ -45,7 +46,14 @@ class KVStats:
         """Forget what was recorded (e.g. the prefill's, to measure decoding alone)."""
         self.read = [0.0] * self.num_layers
         self.steps = [0] * self.num_layers
+        self.entries = [0] * self.num_layers  # entries attended (selected and valid), summed over rows and steps
+        self.rows = [0] * self.num_layers  # rows of keys (and as many of values) attention read from the store
         self._pending = []  # (layer, selected, past): reduced in bulk, off the per-layer decode path
+
+    def record_rows(self, layer: int, rows: int) -> None:
+        """Attention at `layer` read `rows` rows of keys and as many of values from the store (a host number:
+        what a gather moved, padding included, or the used slots a dense read covers)."""
+        self.rows[layer] += rows
 
     def record(self, layer: int, selected: torch.Tensor, past: torch.Tensor) -> None:
         """selected [B, Hkv, R] entries read and past [B, 1|Hkv, R] tokens before each row."""
@@ -63,13 +71,25 @@ class KVStats:
             sel = torch.stack([s for _, s, _ in items]).float()
             past = torch.stack([p for _, _, p in items]).float().clamp(min=1)
             fracs = (sel / past).mean(dim=(1, 2)).sum(-1).tolist()
-            for (layer, s, _), f in zip(items, fracs):
+            totals = sel.sum(dim=(1, 2, 3)).tolist()
+            for (layer, s, _), f, n in zip(items, fracs, totals):
                 self.read[layer] += f
                 self.steps[layer] += s.shape[-1]
+                self.entries[layer] += int(n)
 
     def per_layer(self) -> list[float]:
         self._flush()
         return [r / s if s else float("nan") for r, s in zip(self.read, self.steps)]
+
+    def per_step(self) -> dict:
+        """Per decoding step, summed over the layers: the entries attention attended (selected, every row and
+        KV head) and the rows it read from the store to do so (`record_rows`); None before any step."""
+        self._flush()
+        done = [i for i, s in enumerate(self.steps) if s]
+        if not done:
+            return {"entries_attended": None, "rows_read": None}
+        return {"entries_attended": sum(self.entries[i] / self.steps[i] for i in done),
+                "rows_read": sum(self.rows[i] / self.steps[i] for i in done)}
 
     def overall(self, layers=None) -> float:
         vals = [f for i, f in enumerate(self.per_layer()) if (layers is None or i in layers) and not math.isnan(f)]
@@ -116,10 +136,11 @@ def attend_all(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, scale: float
 
 def attend_masked(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: torch.Tensor, scale: float):
     """One token per row, q [B,H,1,d], over the entries of kp, vp [B,Hkv,S,d] where mask [B,Hkv,S] (its own
-    included): one fused call, no weights kept."""
+    included), or mask [B,Hkv,G,S] per query head of each group: one fused call, no weights kept."""
     b, h, _, d = q.shape
     hkv = kp.shape[1]
-    out = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), kp, vp, attn_mask=mask[:, :, None], scale=scale)
+    mask = mask[:, :, None] if mask.dim() == 3 else mask
+    out = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), kp, vp, attn_mask=mask, scale=scale)
     return out.view(b, h, 1, d)
 
 
@@ -177,6 +198,9 @@ class _Read(NamedTuple):
     mask: torch.Tensor | None  # [B, Hkv, n]
     idx: torch.Tensor | All  # the slots of keys/values (ALL: every used slot, in order)
     full: bool  # every entry of keys/values counts (mask is all True): no padding, window or selection
+    rows: SelectedRows | None = None  # the selection packed per batch row (`KVStore.select_rows`): read by
+    # `Session._attend_selected` with the current token stored first; None: the reference path (keys/values,
+    # or in place)
 
 
 # ---- sessions ----------------------------------------------------------------------------------------------------
@@ -205,6 +229,10 @@ class Session:
         self._mask_of = None
         self._phase = ""
         self._plans: dict = {}  # layer -> this step's selection, asked one layer ahead
+        self._row_buffers = _Stack()  # the rows `_attend_selected` gathers, reused by every layer
+        # False: a selection takes the reference path (`_read_slots`: per KV head, padded to the largest
+        # count), which tests and the benchmark compare the packed rows against
+        self.read_rows = True
         self.state = self.policy.begin(model, self)
 
     # ---- the cursor, read ------------------------------------------------------------------------------------
@@ -393,15 +421,45 @@ class Session:
                 lis.on_select(layer, rows, wide, self)
         if keep is ALL:
             self.stats.record(layer, visible.sum(-1, keepdim=True), past)
+            self.stats.record_rows(layer, visible.numel())  # every used slot of every (batch row, KV head)
             read = _Read(cur, ALL, visible, None, None, None, ALL, False)
             if in_place and store.attends_in_place() and not pol.needs_weights and (
                     window is None or store.length[layer] < window):
                 return read._replace(full=True)  # every used slot is valid and within the window
             return self._read_dense(layer, read)
+        if in_place and self.reads_rows():
+            sel = store.select_rows(layer, keep, visible)  # the rows are read by the attention itself
+            self.stats.record(layer, sel.counts[..., None], past)
+            return _Read(cur, sel.keep, sel.keep, None, None, None, None, False, sel)
+        return self._read_slots(layer, cur, keep, visible, past)
+
+    def _read_slots(self, layer: int, cur, keep, visible, past) -> _Read:
+        """The reference read of a selection: each (batch row, KV head) its slots, padded to the largest
+        count (`KVStore.slots`), gathered into keys and values."""
+        store = self.store
         keep, idx, mask, counts = store.slots(layer, keep, visible)  # an offloaded store planned them already
         kp, vp = store.gather(layer, idx)
-        self.stats.record(layer, counts[..., None], past)
+        if past is not None:
+            self.stats.record(layer, counts[..., None], past)
+        self.stats.record_rows(layer, idx.numel())
         return _Read(cur, keep, keep, kp, vp, mask, idx, False)
+
+    def reads_rows(self) -> bool:
+        """Whether a decoding selection is read as packed rows (`KVStore.select_rows`, `_attend_selected`):
+        the store allows it and the policy needs no weights (`observe` takes them per padded slot)."""
+        return self.read_rows and self.store.reads_rows() and not self.policy.needs_weights
+
+    def _attend_selected(self, layer: int, read: _Read, q, k, v) -> torch.Tensor:
+        """Attention of one token per row over its packed selected rows (`read.rows`) and itself: the token is
+        stored first and read among the rows; one masked fused call, each query head over its KV head's rows."""
+        store = self.store
+        slots = store.append(layer, k, v, read.cur)
+        rows, head = _with_own(read.rows, slots, store.capacity)
+        kp, vp = store.gather_rows(layer, rows, *self._row_buffers.rows(rows.numel(), k))
+        self.stats.record_rows(layer, read.rows.rows.numel())
+        out = attend_masked(q, kp, vp, _head_mask(head, q.shape[1], k.shape[1]), self.model.scale)
+        self._appended(layer, slots, k, v)
+        return out
 
     def _read_dense(self, layer: int, read: _Read) -> _Read:
         """Every used slot, where attention can read it (an offloaded store hands its fast-tier copy)."""
@@ -429,6 +487,8 @@ class Session:
         then the token is stored. A plain dense step stores the token first and runs one fused attention
         over the store; otherwise the current token is kept apart, so nothing is copied."""
         read = self._read(layer, q, k, in_place=True)
+        if read.rows is not None:
+            return self._attend_selected(layer, read, q, k, v)
         if read.keys is None:
             slots = self.store.append(layer, k, v, read.cur)
             kp, vp, _, _ = self.store.past(layer)
@@ -484,6 +544,15 @@ class _Stack:
 
     def __init__(self):
         self.keys = self.values = None
+        self.flat_keys = self.flat_values = None
+
+    def rows(self, n: int, like: torch.Tensor):
+        """Flat buffers [n, d] for the rows a packed selection gathers (`KVStore.gather_rows`)."""
+        if self.flat_keys is None or self.flat_keys.shape[0] < n:
+            cap = max(n, int(1.25 * self.flat_keys.shape[0]) if self.flat_keys is not None else n)
+            self.flat_keys = like.new_empty(cap, like.shape[-1])
+            self.flat_values = like.new_empty(cap, like.shape[-1])
+        return self.flat_keys[:n], self.flat_values[:n]
 
     def views(self, rows: int, hkv: int, n: int, like: torch.Tensor):
         if self.keys is None or self.keys.shape[2] < n:
@@ -491,6 +560,46 @@ class _Stack:
             self.keys = like.new_zeros(rows, hkv, cap, like.shape[3])
             self.values = like.new_zeros(rows, hkv, cap, like.shape[3])
         return self.keys[:, :, :n], self.values[:, :, :n]
+
+
+def _with_own(sel: SelectedRows, slots: torch.Tensor, capacity: int):
+    """A packed selection's rows and KV heads [B, n + Hkv] with each row's own token (stored in slots [B, Hkv])
+    after them, one row per KV head."""
+    b, hkv = slots.shape
+    seg = torch.arange(b * hkv, device=slots.device).view(b, hkv)
+    own = seg * capacity + slots
+    return torch.cat([sel.rows, own], 1), torch.cat([sel.head, seg - seg[:, :1]], 1)
+
+
+def _head_mask(head: torch.Tensor, h: int, hkv: int) -> torch.Tensor:
+    """[B, 1, H, m]: query head j reads the columns of its KV head j // (H / Hkv) (`head` [B, m], -1 on
+    padding)."""
+    group = torch.arange(h, device=head.device) // (h // hkv)
+    return head[:, None, None, :] == group[None, None, :, None]
+
+
+def _attend_sessions_rows(layer: int, q, k, v, sessions, spans, reads, scale: float, stack: _Stack):
+    """`_attend_sessions` when every session reads packed rows: each stores its token, its rows (padded to the
+    longest session's) are gathered into one buffer, one masked fused call runs over every row."""
+    stored = []
+    for s, r, (a, b) in zip(sessions, reads, spans):
+        slots = s.store.append(layer, k[a:b], v[a:b], r.cur)
+        stored.append((slots, *_with_own(r.rows, slots, s.store.capacity)))
+    m = max(rows.shape[1] for _, rows, _ in stored)
+    kp, vp = stack.rows(q.shape[0] * m, k)
+    kp, vp = kp.view(q.shape[0], m, -1), vp.view(q.shape[0], m, -1)
+    head = torch.full((q.shape[0], m), -1, dtype=torch.long, device=q.device)
+    for s, r, (slots, rows, own_head), (a, b) in zip(sessions, reads, stored, spans):
+        pad = m - rows.shape[1]
+        head[a:b, pad:] = own_head  # padding first, then the rows and the own tokens
+        rows = F.pad(rows, (pad, 0))
+        s.store.gather_rows(layer, rows, kp[a:b].view(-1, kp.shape[-1]), vp[a:b].view(-1, vp.shape[-1]))
+        if r.idx is not ALL:  # a read of ALL counted its rows already (`_read`)
+            s.stats.record_rows(layer, rows.numel() - slots.numel())
+    out = attend_masked(q, kp[:, None], vp[:, None], _head_mask(head, q.shape[1], k.shape[1]), scale)
+    for s, (slots, _, _), (a, b) in zip(sessions, stored, spans):
+        s._appended(layer, slots, k[a:b], v[a:b])
+    return out
 
 
 def _attend_sessions(layer: int, q, k, v, sessions: list[Session], spans: list[tuple[int, int]], scale: float,
@@ -504,6 +613,14 @@ def _attend_sessions(layer: int, q, k, v, sessions: list[Session], spans: list[t
     first and is copied with it), and one fused call runs; otherwise the current tokens stay apart
     (`attend_step`) and the sessions see the weights of what they read."""
     reads = [s._read(layer, q[a:b], k[a:b], in_place=True) for s, (a, b) in zip(sessions, spans)]
+    if any(r.rows is not None for r in reads):
+        if all(s.reads_rows() for s in sessions):  # a session reading all its entries reads them as rows
+            reads = [r if r.rows is not None else r._replace(rows=s.store.select_rows(layer, r.seen, r.seen))
+                     for s, r in zip(sessions, reads)]
+            return _attend_sessions_rows(layer, q, k, v, sessions, spans, reads, scale, stack)
+        # another session needs the reference path (weights, an offloaded store): every selection takes it
+        reads = [r if r.rows is None else s._read_slots(layer, r.cur, r.keep, r.keep, None)
+                 for s, r in zip(sessions, reads)]
     fused = all(r.idx is ALL and not s.policy.needs_weights for s, r in zip(sessions, reads))
     if not fused:  # a store that could have been read in place hands its entries like any other
         reads = [r if r.keys is not None else s._read_dense(layer, r) for s, r in zip(sessions, reads)]

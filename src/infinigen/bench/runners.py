@@ -156,7 +156,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             prefill_s, replay_s = shared.seconds, prefill_s
         stats.reset()
         w_moved = weights.bytes_moved if weights is not None else 0
-        sess.stats.reset()  # the relative KV size of decoding only
+        sess.stats.reset()  # the relative KV size (and the rows read) of decoding only
         tok = logits.argmax(-1)
         out = [tok]
         t0 = time.perf_counter()
@@ -197,6 +197,9 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             "staging_bytes": store.peak_fast_bytes() if store.offloaded else 0,
             "relative_kv": sess.stats.overall(),
             "relative_kv_speculated": sess.stats.overall(spec) if spec else None,
+            # summed over layers, batch rows and KV heads: entries attended, and the rows of keys (as many of
+            # values) attention read from the store for them (a gather's padding included)
+            **{f"{k}_per_step": v for k, v in sess.stats.per_step().items()},
             "tokens_sha1": hashlib.sha1(generated.numpy().tobytes()).hexdigest()[:12],
         }
         if getattr(store, "row_cache", None) is not None:  # per step: hits / distinct rows selected, rows fetched

@@ -281,6 +281,10 @@ def _print(p: dict) -> None:
             c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}): row cache "
                     f"{_mb(r['row_cache_bytes'])} MB, hit rate {100 * (r['row_cache_hit_rate'] or 0):.1f}%; "
                     f"per step (%): {rates}")
+        if r.get("rows_read_per_step") is not None:  # what attention read from the store, beside what it attended
+            c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}): per step, "
+                    f"{r['entries_attended_per_step']:.0f} entries attended, {r['rows_read_per_step']:.0f} rows of "
+                    f"keys (and as many of values) read")
         bd = r.get("breakdown")
         if bd:
             blk = bd["per_block_ms"]

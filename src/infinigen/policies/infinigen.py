@@ -105,6 +105,24 @@ def _kth_largest(score: torch.Tensor, k: int) -> torch.Tensor:
     return score.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
 
 
+def _cut_in_one_pass(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The k-th largest value of each row, [..., 1], and, on a CPU, `score >= it` when that is exactly the
+    top k of every row: the (k+1)-th largest is smaller (no tie at the threshold left out) and the threshold
+    is above -inf. Then the cut is this one pass instead of the tie-breaking cumulative sum; None otherwise
+    (or on CUDA, where the check would synchronize). One introselect finds both values."""
+    if score.device.type != "cpu":
+        return _kth_largest(score, k), None
+    a = score.contiguous().numpy()
+    n = a.shape[-1]
+    part = np.partition(a, [n - k - 1, n - k] if k < n else n - k, axis=-1)
+    thr = torch.from_numpy(part[..., n - k:n - k + 1])
+    if not bool((thr > float("-inf")).all()):
+        return thr, None
+    if k < n and not bool((torch.from_numpy(part[..., n - k - 1:n - k]) < thr).all()):
+        return thr, None
+    return thr, score >= thr
+
+
 def int4_layout(d: int, capacity: int, device) -> str:
     """The `PackedKeys` layout of a request's 4-bit speculation keys, chosen once in `begin` so that decoding
     and teacher-forced scoring quantize the same way: torch's CPU int4 kernel where it takes this head_dim and padding
@@ -727,10 +745,13 @@ class InfiniGen(Policy):
             over = keep.sum((1, 3)) > total
             if not keep.is_cuda and not over.any():  # free on a CPU (and skips the cut); on CUDA a synchronization
                 return keep
-            p = relative.exp()  # speculated attention weights per query head
-            mass = (p / p.sum(-1, keepdim=True)).sum(2)  # [B, Hkv, R, S]
+            # speculated attention weights per query head, in place: `relative` is not read again, and a new
+            # [B, Hkv, G, R, S] tensor per step costs page faults on a CPU (the same numbers either way)
+            p = relative.exp_()
+            p /= p.sum(-1, keepdim=True)
+            mass = p.sum(2)  # [B, Hkv, R, S]
             flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, r, hkv * n)  # noqa: E731 (KV head, slot) per row
-            cut = self._top_n_per_row(flat(keep), flat(mass.masked_fill(~keep, -1.0)), total, as_is=~over)
+            cut = self._top_n_per_row(flat(keep), flat(mass.masked_fill_(~keep, -1.0)), total, as_is=~over)
             return cut.view(b, r, hkv, n).permute(0, 2, 1, 3)
         above = relative > -alpha  # [B, Hkv, G, R, S]
         counts = above.sum(-1)  # [B, Hkv, G, R]
@@ -777,10 +798,13 @@ class InfiniGen(Policy):
             k = min(n, score.shape[-1])
             if k == 0:
                 return keep & as_is[..., None]
-            thr = _kth_largest(score, k)
-            above = score > thr
-            tie = (score == thr) & (score > float("-inf"))
-            take = above | (tie & (tie.cumsum(-1) <= (n - above.sum(-1, keepdim=True))))
+            thr, take = _cut_in_one_pass(score, k)
+            if take is None:  # more ties at the threshold than places left: the lower slots first
+                above = score > thr
+                tie = (score == thr) & (score > float("-inf"))
+                take = above | (tie & (tie.cumsum(-1) <= (n - above.sum(-1, keepdim=True))))
+            if not score.is_cuda and not bool(as_is.any()):  # every row is cut (a free check on a CPU)
+                return take
             return torch.where(as_is[..., None], keep, take)
         todo = (~as_is).nonzero(as_tuple=True)
         if todo[0].numel() == 0:

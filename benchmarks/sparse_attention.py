@@ -1,0 +1,86 @@
+"""Selection read as packed rows against the reference path (issue 18 item 4): decode ms/step of the full
+cache, InfiniGen on the reference path (each KV head's slots padded to the largest head's count, gathered,
+then `attend_step`) and InfiniGen reading its packed rows (`KVStore.select_rows`, one masked fused call), KV
+in fast memory, default model and dtype, one shared prefill per cell (`eval.fanout.prefill_shared`), the
+systems' steps interleaved A B C ... C B A so that a shared CPU's load falls on each alike. Each system
+decodes its own greedy tokens; the first step is left out. Per step it also reports the entries attended and
+the rows read from the store (summed over layers, batch rows and KV heads).
+
+    python benchmarks/sparse_attention.py --cells 4096x8,8176x8 --gen 8 --breakdown 3 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import infinigen
+from infinigen import runtime
+from infinigen.eval.fanout import prefill_shared
+from infinigen.paths import resolve_text
+from infinigen.placement.timing import Breakdown
+from infinigen.policies import make_policy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default="4096x8", help="PROMPTxBATCH, comma separated")
+    ap.add_argument("--gen", type=int, default=8, help="decoding steps per system (the first is not timed)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--breakdown", type=int, default=0,
+                    help="then this many instrumented steps per system: the per-block breakdown (placement.timing)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model, tok, _ = infinigen.load("default", dtype="auto", weights="auto", progress=False)
+    ids = tok(open(resolve_text("prideprejudice"), encoding="utf-8").read(), return_tensors="pt").input_ids[0]
+    rows = []
+    for cell in a.cells.split(","):
+        length, batch = map(int, cell.split("x"))
+        tokens = torch.stack([ids[i * 97:i * 97 + length] for i in range(batch)])  # rows 97 tokens apart
+        pols = [make_policy("full")] + [make_policy("infinigen").prepare(model, tok) for _ in range(2)]
+        names = ["full", "infinigen reference", "infinigen packed rows"]
+        logits, sessions = prefill_shared(model, tokens, pols, length + a.gen + a.breakdown)
+        sessions[1].read_rows = False
+        for s in sessions:
+            s.stats.reset()
+        nxt = [logits.argmax(-1)] * len(pols)
+        times, generated = [[] for _ in pols], [[] for _ in pols]
+        for step in range(a.gen - 1):
+            for i in list(range(len(pols)))[::-1 if step % 2 else 1]:
+                t0 = time.perf_counter()
+                out = runtime.decode(model, nxt[i], sessions[i])
+                times[i].append((time.perf_counter() - t0) * 1e3)
+                nxt[i] = out.argmax(-1)
+                generated[i].append(nxt[i].tolist())
+        breakdowns = [None] * len(pols)
+        print(f"{length:5d} x {batch}  reference and packed rows decode the same greedy tokens: "
+              f"{generated[1] == generated[2]}", flush=True)
+        if a.breakdown:
+            for i, s in enumerate(sessions):
+                with Breakdown(model, s) as bd:
+                    for _ in range(a.breakdown):
+                        nxt[i] = bd.step(nxt[i]).argmax(-1)
+                breakdowns[i] = bd.summary()["per_block_ms"]
+                print(f"{length:5d} x {batch}  {names[i]:24s} per-block ms: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in breakdowns[i].items()), flush=True)
+        for system, ts, s, bd in zip(names, times, sessions, breakdowns):
+            per = s.stats.per_step()
+            row = dict(system=system, prompt=length, batch=batch, ms_median=statistics.median(ts[1:]),
+                       ms_min=min(ts[1:]), rel_kv=s.stats.overall(), **per, per_block_ms=bd,
+                       tokens=generated[names.index(system)])
+            rows.append(row)
+            print(f"{length:5d} x {batch}  {system:24s} median {row['ms_median']:7.1f} ms/step"
+                  f"  min {row['ms_min']:7.1f}"
+                  f"  relative KV {row['rel_kv']:.3f}  entries/step {per['entries_attended']:.0f}"
+                  f"  rows read/step {per['rows_read']:.0f}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""One selecting layer of a decoding step at the long case's shape (issue 18 item 4), its pieces timed
+alone on synthetic tensors: the 4-bit speculation scores, the selection (InfiniGen's default preset: the cap
+pooled over the layer's KV heads), then the rows read and attended, on the reference path (`KVStore.slots` +
+`gather` + `attend_step`: each KV head padded to the largest head's count) and on the packed rows
+(`KVStore.select_rows` + `gather_rows` + one masked fused call), beside dense attention over every entry.
+Scores are drawn so that about a third of the entries pass the threshold and the cap binds; `--skew`
+makes the KV heads' shares unequal (as a real layer's are). Runs from main's checkout too (the reference
+pieces only), for a before/after of the selection.
+
+    python benchmarks/sparse_attention_micro.py --length 8192 --batch 8 --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from infinigen import runtime
+from infinigen.cache import KVStore
+from infinigen.kernels.int4 import PackedKeys
+from infinigen.policies.infinigen import InfiniGen
+
+
+def _time(fn, reps: int) -> float:
+    """The lower quartile of `reps` calls, ms (a shared CPU: the least disturbed calls)."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return 1e3 * ts[len(ts) // 4]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--skew", type=float, default=2.0, help="score spread of KV head 0 over head 2's")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    b, hkv, g, d, s = a.batch, 3, 3, 64, a.length  # SmolLM2-135M: 9 query heads over 3 KV heads, d 64
+    dt, scale = torch.bfloat16, d ** -0.5
+    store = KVStore(1, b, hkv, s + 64, d, dt)
+    k, v = torch.randn(b, hkv, s, d, dtype=dt), torch.randn(b, hkv, s, d, dtype=dt)
+    store.write_prompt(0, k, v, torch.ones(b, s, dtype=torch.bool), torch.arange(s).expand(b, s))
+    keys = PackedKeys(b, hkv, s + 64, d)
+    keys.write(0, k.float())
+    q = torch.randn(b, hkv * g, 1, d, dtype=dt)
+    kc, vc = torch.randn(b, hkv, 1, d, dtype=dt), torch.randn(b, hkv, 1, d, dtype=dt)
+    pol = InfiniGen()  # the default preset: alpha 7, cap 14% pooled over the layer ("layer"), min 32
+    spread = torch.linspace(a.skew, 1.0, hkv).view(1, hkv, 1, 1, 1)
+    scores = torch.randn(b, hkv, g, 1, s) * 2 * spread  # ~1/3 within alpha of each head's max
+    valid = store.valid[0][:, :, :s]
+    out = {"scores": _time(lambda: keys.scores(q.view(b, hkv, g, d).float(), s), a.reps),
+           "selection (threshold + cap)": _time(lambda: pol._choose(scores.clone(), valid[:, :, None], pol.alpha,
+                                                                    s, pol.max_fetch_ratio), a.reps)}
+    keep = pol._choose(scores.clone(), valid[:, :, None], pol.alpha, s, pol.max_fetch_ratio)[:, :, 0]
+    kept, idx, mask, counts = store.slots(0, keep, valid)
+    kp, vp = store.gather(0, idx)
+    out["reference: slots"] = _time(lambda: store.slots(0, keep, valid), a.reps)
+    out["reference: gather"] = _time(lambda: store.gather(0, idx), a.reps)
+    out["reference: attend_step"] = _time(lambda: runtime.attend_step(q, kp, vp, mask, kc, vc, scale), a.reps)
+    rows = {"entries attended": int(counts.sum()), "reference rows read": idx.numel()}
+    if hasattr(store, "select_rows"):
+        from infinigen.runtime import _head_mask, _Stack, _with_own
+        buffers, slots = _Stack(), torch.full((b, hkv), s)
+        sel = store.select_rows(0, keep, valid)
+        full, head = _with_own(sel, slots, store.capacity)
+        mask_h = _head_mask(head, hkv * g, hkv)
+        kr, vr = store.gather_rows(0, full, *buffers.rows(full.numel(), kc))
+        out["packed: select_rows"] = _time(lambda: store.select_rows(0, keep, valid), a.reps)
+        out["packed: gather_rows"] = _time(lambda: store.gather_rows(0, full, *buffers.rows(full.numel(), kc)),
+                                           a.reps)
+        out["packed: head mask + attend_masked"] = _time(
+            lambda: runtime.attend_masked(q, kr, vr, _head_mask(head, hkv * g, hkv), scale), a.reps)
+        rows["packed rows read"] = sel.rows.numel()
+        del mask_h
+    kd, vd, _, _ = store.past(0)
+    out["dense attention (attend_all)"] = _time(lambda: runtime.attend_all(q, kd, vd, scale), a.reps)
+    print(f"one selecting layer, {s} tokens x batch {b}, {a.threads} thread(s), ms (lower quartile of {a.reps}):")
+    for name, ms in out.items():
+        print(f"  {name:36s} {ms:7.3f}")
+    print("  per (batch row, KV head) selected:", counts[0].tolist(), "...;", rows)
+
+
+if __name__ == "__main__":
+    main()
