@@ -124,17 +124,20 @@ class KVStore:
                 v.view(-1, d).index_select(0, rows).view(b, h, n, d))
 
     def write_prompt(self, layer: int, k: torch.Tensor, v: torch.Tensor, token_valid: torch.Tensor,
-                     positions: torch.Tensor) -> None:
-        """Store a prompt's keys and values [B,Hkv,T,d] in slots 0..T-1."""
+                     positions: torch.Tensor, at: int = 0) -> None:
+        """Store a prompt's keys and values [B,Hkv,T,d] in slots at..at+T-1 (`at` > 0: the prompt continues
+        the unpadded prefix already in slots 0..at-1, which a prefix cache restored)."""
         t = k.shape[2]
-        if t > self.capacity:
-            raise UserError(f"a prompt of {t} tokens does not fit a KV pool of {self.capacity} tokens")
-        self.k[layer][:, :, :t] = self.codec.encode(k)
-        self.v[layer][:, :, :t] = self.codec.encode(v)
-        self.valid[layer][:, :, :t] = token_valid[:, None, :]
-        self.pos[layer][:, :, :t] = positions[:, None, :]
-        self.length[layer] = t
-        if layer == 0:
+        if at + t > self.capacity:
+            raise UserError(f"a prompt of {at + t} tokens does not fit a KV pool of {self.capacity} tokens")
+        if at and at != self.length[layer]:
+            raise RuntimeError(f"a prompt continues at slot {at}, but layer {layer} holds {self.length[layer]}")
+        self.k[layer][:, :, at:at + t] = self.codec.encode(k)
+        self.v[layer][:, :, at:at + t] = self.codec.encode(v)
+        self.valid[layer][:, :, at:at + t] = token_valid[:, None, :]
+        self.pos[layer][:, :, at:at + t] = positions[:, None, :]
+        self.length[layer] = at + t
+        if layer == 0 and not at:
             self.padded = not bool(token_valid.all())
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

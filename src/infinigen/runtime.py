@@ -228,6 +228,7 @@ class Session:
         self._prompt_masks: dict = {}
         self._mask_of = None
         self._phase = ""
+        self._cached = 0  # tokens of the prompt being prefilled that the store held already (a prefix cache)
         self._plans: dict = {}  # layer -> this step's selection, asked one layer ahead
         self._row_buffers = _Stack()  # the rows `_attend_selected` gathers, reused by every layer
         # False: a selection takes the reference path (`_read_slots`: per KV head, padded to the largest
@@ -276,8 +277,10 @@ class Session:
         return self._phase == "decode"
 
     # ---- the cursor, moved -----------------------------------------------------------------------------------
-    def begin_prefill(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
-        """A prompt with positions [B, T] and real (unpadded) tokens valid [B, T] is about to be written."""
+    def begin_prefill(self, positions: torch.Tensor, valid: torch.Tensor, cached: int = 0) -> None:
+        """A prompt with positions [B, T] and real (unpadded) tokens valid [B, T] is about to be written;
+        `cached` > 0: it continues the first `cached` tokens, whose keys and values the store holds already."""
+        self._cached = cached
         self._positions, self._row, self._phase = positions, positions.shape[1] - 1, "prefill"
         self._next_pos = positions[:, -1] + 1
         self._prompt_valid = valid
@@ -317,6 +320,16 @@ class Session:
         for lis in self.listeners:
             lis.on_hidden(layer, point, x, self)
         self.store.ahead(layer, point, self)
+
+    def restore_prefix(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Put a cached prompt prefix's keys and values (per layer, [B, Hkv, n, d]) in the empty store's
+        first slots; a `prefill_in_slices(..., cached=n)` of the rest of the prompt follows."""
+        n = keys[0].shape[2]
+        b = keys[0].shape[0]
+        valid = torch.ones(b, n, dtype=torch.bool, device=keys[0].device)
+        positions = torch.arange(n, device=keys[0].device).expand(b, n)
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            self.store.write_prompt(layer, k, v, valid, positions)
 
     def prefill_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """What a prefill does to a session at `layer`, given the prompt's queries and keys/values: write
@@ -380,12 +393,33 @@ class Session:
 
     def _prompt_attention(self, layer, q, k, v) -> torch.Tensor:
         """Dense attention of the prompt; its keys and values go to the session first."""
+        if self._cached:
+            return self._continued_prompt_attention(layer, q, k, v)
         self.prefill_layer(layer, q, k, v)
         window = self.model.cfg.window(layer)
         if window not in self._prompt_masks:
             self._prompt_masks[window] = self.model.prompt_mask(*self._mask_of, window)
         mask, causal = self._prompt_masks[window]
         return self.model.dense_attention(q, k, v, mask, causal=causal)
+
+    def _continued_prompt_attention(self, layer, q, k, v) -> torch.Tensor:
+        """The rest of a prompt whose first `cached` tokens the store holds: its keys and values are written
+        after them, the policy and listeners see the whole prompt's keys and values (a policy that
+        `continues_prefill` builds from them what a prefill of the whole prompt builds), and its rows attend
+        densely and causally over the whole prompt."""
+        n, t = self._cached, k.shape[2]
+        store = self.store
+        store.write_prompt(layer, k, v, self._prompt_valid[:, :t], self._positions[:, :t], at=n)
+        kp, vp, _, pos = store.past(layer)
+        self.policy.on_prefill(layer, q, kp, vp, self)
+        for lis in self.listeners:
+            lis.on_prefill(layer, q, kp, vp, self)
+        q_pos = self._positions[:, None, :, None]  # [B, 1, T, 1]
+        mask = pos[:, :1, None, :] <= q_pos  # [B, 1, T, n + T]: causal over the whole prompt
+        window = self.model.window(q_pos, pos[:, :1, None, :], layer)
+        if window is not None:
+            mask = mask & window
+        return self.model.dense_attention(q, kp, vp, mask)
 
     def _rows(self, valid, pos, q=None, k=None, keys=None) -> Rows:
         """The current decoding row against the store's used slots."""
@@ -680,14 +714,20 @@ def prefill(model, tokens: torch.Tensor, session: Session, pad_mask: torch.Tenso
 
 @torch.inference_mode()
 def prefill_in_slices(model, tokens: torch.Tensor, session: Session, pad_mask: torch.Tensor | None = None,
-                      all_logits: bool = False, layers_per_slice: int = 1):
+                      all_logits: bool = False, layers_per_slice: int = 1, cached: int = 0):
     """`prefill` as a generator that pauses (yields) after every `layers_per_slice` layers (0: never), so a
     server can decode its running requests between slices while a long prompt joins. The logits are the
     generator's return value. Exactly `prefill`'s computation: a slice ends between two layers, and nothing
-    another session does in between touches this session's cursor, store or policy state."""
+    another session does in between touches this session's cursor, store or policy state.
+
+    `cached` > 0: the session's store holds the keys and values of the prompt's first `cached` tokens (a
+    prefix cache restored them, `Session.restore_prefix`) and `tokens` are the rest (unpadded); only they
+    are computed, attending to the whole prompt, for policies that `continues_prefill`."""
+    if cached and (pad_mask is not None or not session.policy.continues_prefill()):
+        raise ValueError("a prefill continues a cached prefix only unpadded, for a policy that continues_prefill")
     valid = torch.ones_like(tokens, dtype=torch.bool) if pad_mask is None else pad_mask.bool()
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # padding sits at position 0
-    session.begin_prefill(positions, valid)
+    positions = cached + (valid.long().cumsum(-1) - 1).clamp(min=0)  # padding sits at position 0
+    session.begin_prefill(positions, valid, cached)
     h = model.embed(tokens, positions)
     rope = model.rope(positions)
     for i, block in enumerate(model.layers):

@@ -179,6 +179,13 @@ class Policy:
         """The per-request state of a new session (kept as `session.state`)."""
         return None
 
+    def continues_prefill(self) -> bool:
+        """Whether this policy's state after a prefill that continues a cached prefix (its `on_prefill` sees
+        the rest of the prompt's queries and the WHOLE prompt's keys and values) is what a prefill of the
+        whole prompt gives: true when `on_prefill` reads no query (and of course when it does nothing).
+        A server's prefix cache serves only such policies."""
+        return type(self).on_prefill is Policy.on_prefill
+
     def on_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, session) -> None:
         pass
 

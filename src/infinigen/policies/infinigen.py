@@ -496,6 +496,10 @@ class InfiniGen(Policy):
         return session.positions[:, row] < self.dense_below
 
     # ---- hooks ----------------------------------------------------------------------------------
+    def continues_prefill(self) -> bool:
+        # 4-bit speculation keys are built from the keys alone; the partial columns' vote reads the queries
+        return self.key_mode == "int4"
+
     def on_prefill(self, layer, q, k, v, session):
         st = session.state
         if layer not in st.spec_layers:
