@@ -42,6 +42,13 @@ def serve_cmd(
                                              "of the device's memory."),
     max_batch: int = typer.Option(16, "--max-batch", help="Requests decoded together at most."),
     max_queue: int = typer.Option(64, "--max-queue", help="Requests waiting for KV memory at most; beyond: 429."),
+    prefix_cache: bool = typer.Option(True, "--prefix-cache/--no-prefix-cache", help="Reuse the KV of prompt "
+                                      "prefixes that requests share (a document, a system prompt, a chat's "
+                                      "history) in blocks of 256 tokens; for policies whose state a continued "
+                                      "prefill rebuilds exactly, with the KV in fast memory."),
+    prefix_cache_bytes: Optional[str] = typer.Option(None, "--prefix-cache-bytes", help="The prefix cache's "
+                                                     "limit (LRU beyond it). Default: an eighth of the fast "
+                                                     "budget."),
     prefill_chunk_layers: int = typer.Option(1, "--prefill-chunk-layers", help="A prompt that joins running "
                                              "requests is prefilled this many layers per decode step, so their "
                                              "pace holds (0: the whole prompt at once)."),
@@ -63,7 +70,8 @@ def serve_cmd(
     check_range("prefill-chunk-layers", prefill_chunk_layers, lo=0)
     check_range("port", port, lo=0, hi=65535)
     check_range("replicas", replicas, lo=1)
-    budgets = dict(pool_bytes=parse_bytes(pool_bytes), fast_bytes=parse_bytes(fast_bytes, "fast-bytes"))
+    budgets = dict(pool_bytes=parse_bytes(pool_bytes), fast_bytes=parse_bytes(fast_bytes, "fast-bytes"),
+                   prefix_cache_bytes=parse_bytes(prefix_cache_bytes, "prefix-cache-bytes"))
     make_policy_from_cli(policy, knob)  # knobs checked now, before loading
     try:
         import fastapi  # noqa: F401
@@ -72,7 +80,8 @@ def serve_cmd(
     except ImportError as e:
         raise UserError(f"serving needs the 'serve' extra: pip install 'infinigen[serve]' ({e.name} is missing)")
     spec = dict(model=model, policy=policy, knob=list(knob), kv_offload=kv_offload, pool_dir=pool_dir,
-                max_batch=max_batch, max_queue=max_queue, prefill_chunk_layers=prefill_chunk_layers, name=name,
+                max_batch=max_batch, max_queue=max_queue, prefill_chunk_layers=prefill_chunk_layers,
+                prefix_cache=prefix_cache, name=name,
                 device=device, dtype=dtype, **budgets)
     listener = _listen(host, port)
     with _sigterm_exits():
@@ -221,7 +230,8 @@ def build(spec: dict):
     engine = Engine(net, pol, Placement(kv_offload=spec["kv_offload"], pool_dir=spec["pool_dir"]),
                     eos=stop_ids(net, tok), max_batch=spec["max_batch"], max_queue=spec["max_queue"],
                     fast_bytes=spec["fast_bytes"], pool_bytes=spec["pool_bytes"],
-                    prefill_chunk_layers=spec.get("prefill_chunk_layers", 1))
+                    prefill_chunk_layers=spec.get("prefill_chunk_layers", 1),
+                    prefix_cache=spec.get("prefix_cache", True), prefix_cache_bytes=spec.get("prefix_cache_bytes"))
     served = spec.get("name") or re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")  # URL- and shell-friendly
     app = create_app(engine, tok, served)
     app.state.model_name = served

@@ -23,5 +23,10 @@ class Int4(Policy):
         if self.group < 1:
             raise UserError(f"quantization group must be >= 1, got {self.group}")
 
+    def continues_prefill(self) -> bool:
+        # the store holds 4-bit values: a prefill continuing a cached prefix would attend over them, where a
+        # prefill of the whole prompt attends over the values it computed
+        return False
+
     def codec(self) -> KVCodec | None:
         return None if self.bits >= 16 else QuantCodec(self.bits, self.group)

@@ -691,6 +691,15 @@ def _registry(engine: Engine):
                                         buckets=[(str(b), sum(c for n, c in sizes.items() if n <= b)) for b in bounds]
                                         + [("+Inf", sum(sizes.values()))],
                                         sum_value=sum(n * c for n, c in sizes.items()))
+            if "prefix_cache_hits" in s:  # the prefix cache (serve/prefix.py), when the engine has one
+                yield CounterMetricFamily("infinigen_prefix_cache_hits", "Requests that reused a cached prefix",
+                                          value=s["prefix_cache_hits"])
+                yield CounterMetricFamily("infinigen_prefix_cache_hit_tokens", "Prompt tokens not prefilled again",
+                                          value=s["prefix_cache_hit_tokens"])
+                yield CounterMetricFamily("infinigen_prefix_cache_evictions", "Cached blocks evicted (LRU)",
+                                          value=s["prefix_cache_evictions"])
+                yield GaugeMetricFamily("infinigen_prefix_cache_bytes", "Bytes of cached prefix blocks",
+                                        value=s["prefix_cache_bytes"])
             for name, what, key in (("infinigen_kv_bytes", "KV bytes held by running requests", "kv_{}_bytes"),
                                     ("infinigen_kv_reserved_bytes", "KV bytes reserved by running requests", "reserved_{}_bytes"),
                                     ("infinigen_kv_budget_bytes", "KV bytes the server admits requests up to", "{}_budget_bytes")):

@@ -33,6 +33,7 @@ from .. import runtime
 from ..errors import UserError
 from ..generate import Sampling, sample
 from ..memory import device_memory_bytes, release_free_heap, session_bytes, storages
+from .prefix import PrefixCache
 
 log = logging.getLogger("infinigen.serve")
 
@@ -152,7 +153,8 @@ class Engine:
 
     def __init__(self, model, policy=None, placement=None, eos: set[int] | frozenset = frozenset(),
                  max_batch: int = 16, max_queue: int = 64, fast_bytes: int | None = None,
-                 pool_bytes: int | None = None, cost: KVCost | None = None, prefill_chunk_layers: int = 1):
+                 pool_bytes: int | None = None, cost: KVCost | None = None, prefill_chunk_layers: int = 1,
+                 prefix_cache: bool = True, prefix_cache_bytes: int | None = None, prefix_block: int = 256):
         from ..placement import Placement
         from ..policies import FullCache
         if max_batch < 1:
@@ -179,6 +181,14 @@ class Engine:
             self.slow_budget = 0
         else:
             self.slow_budget = pool_bytes if pool_bytes is not None else slow_default
+        # prompts' shared prefixes kept for reuse (`serve/prefix.py`): for a policy whose state a continued
+        # prefill rebuilds exactly, with the KV in fast memory; by default an eighth of the fast budget
+        self.prefix = None
+        if prefix_cache and self.policy.continues_prefill() and self.placement.kv_offload == "none":
+            limit = self.fast_budget // 8 if prefix_cache_bytes is None else prefix_cache_bytes
+            if limit < 0:
+                raise UserError(f"prefix_cache_bytes must be >= 0, got {limit}")
+            self.prefix = PrefixCache(limit, prefix_block) if limit else None
         self.running: list[Request] = []
         self.waiting: collections.deque[Request] = collections.deque()
         self.reserved = [0, 0]  # fast, slow bytes reserved by running requests
@@ -294,9 +304,14 @@ class Engine:
             if req.sampling.seed is not None:
                 req.generator = torch.Generator(device=self.model.device).manual_seed(req.sampling.seed)
             req.session = open_session(self.model, self.placement, self.policy, len(req.prompt) + req.max_tokens)
+            cached = 0
+            if self.prefix is not None and not req.prompt_logprobs:  # echo scores every prompt token itself
+                cached, keys, values = self.prefix.lookup(req.prompt)
+                if cached:
+                    req.session.restore_prefix(keys, values)
             req.prefilling = runtime.prefill_in_slices(
-                self.model, torch.tensor([req.prompt], device=self.model.device), req.session,
-                all_logits=req.prompt_logprobs, layers_per_slice=self.prefill_chunk_layers)
+                self.model, torch.tensor([req.prompt[cached:]], device=self.model.device), req.session,
+                all_logits=req.prompt_logprobs, layers_per_slice=self.prefill_chunk_layers, cached=cached)
         except Exception as e:
             if not isinstance(e, UserError):
                 log.exception("prefill failed")
@@ -314,6 +329,8 @@ class Engine:
                 if not to_the_end:
                     return
             req.prefilling = None
+            if self.prefix is not None:
+                self.prefix.insert(req.prompt, req.session.store)
             if req.prompt_logprobs:  # position j's logits predict prompt token j + 1
                 req.prompt_token_logprobs = [None] + token_logprobs(logits[0, :-1], req.prompt[1:], req.logprobs or 0)
                 logits = logits[:, -1]
@@ -444,4 +461,12 @@ class Engine:
                 "reserved_slow_bytes": self.reserved[1], "kv_fast_bytes": self.in_use[0],
                 "kv_slow_bytes": self.in_use[1],
                 "fast_budget_bytes": self.fast_budget, "slow_budget_bytes": self.slow_budget,
-                "tokens_per_s": self.tokens_per_s(), **dict(self.counters)}
+                "tokens_per_s": self.tokens_per_s(), **dict(self.counters), **self._prefix_numbers()}
+
+    def _prefix_numbers(self) -> dict:
+        p = self.prefix
+        if p is None:
+            return {}
+        return {"prefix_cache_hits": p.hits, "prefix_cache_hit_tokens": p.hit_tokens,
+                "prefix_cache_evictions": p.evictions, "prefix_cache_bytes": p.bytes,
+                "prefix_cache_limit_bytes": p.max_bytes}
