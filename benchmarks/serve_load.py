@@ -838,7 +838,9 @@ def document_scenario(sy: Systems, pr: Prompts, args) -> dict:
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
     one_process("llama-server (cache_prompt, its default)", *sy.llama(1, longest))
-    one_process("ours, full cache, no prefix cache", *sy.ours("full", 1))
+    # the cache is on by default where the build has it: the baseline turns it off
+    off = ("--no-prefix-cache",) if "--prefix-cache" in sy.flags else ()
+    one_process("ours, full cache, no prefix cache", *sy.ours("full", 1, off))
     if "--prefix-cache" in sy.flags:
         one_process("ours, full cache, --prefix-cache", *sy.ours("full", 1, ("--prefix-cache",)))
     else:
