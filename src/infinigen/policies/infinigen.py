@@ -32,10 +32,15 @@ over every layer, dense layers counting 100%); the selecting layers' caps are de
 (`budget_power`: 0 the same cap everywhere, 1 proportional). The bound may shrink with the length:
 with `budget_growth` q < 1 the tokens read grow as n ** q (`budget_at`: kv_budget at `budget_ref` cached
 tokens), because the tokens that matter grow more slowly than the context. `exact_first` selects layer 0
-too, with its exact query (nothing precedes layer 0 to speculate from): scored against layer 0's partial or
-packed keys when its own attention runs, so layer 0's rows are fetched on demand, without the
-one-layer-ahead overlap of the other layers. Layer 1 is then speculated from layer 0's output like
-every other layer.
+too, with its exact query (nothing precedes layer 0 to speculate from), scored against layer 0's partial or
+packed keys. That query is known as soon as a decoding step's tokens are embedded (issue 19, item 3), so
+the selection is made then and placement prefetches layer 0's rows like every other layer's. Layer 1 is
+then speculated from layer 0's output like every other layer.
+
+Issue 19, item 1: `calibrate` chooses alpha, kv_budget and the treatment of layer 0 per model in `prepare`
+(`policies.calibrate`: the cheapest setting within `calibrate_target` of the full cache's perplexity on
+held-apart calibration tokens, under `calibrate_bound`); knobs the caller sets are kept. The choice is
+stored in the skew artifact's metadata and recorded in `settings(model)["calibration"]`.
 """
 from __future__ import annotations
 
@@ -687,6 +692,9 @@ class InfiniGen(Policy):
 
     def on_hidden(self, layer, point, x, session):
         st, model = session.state, session.model
+        if point == "embed":
+            self._layer0_ahead(x, session)
+            return
         target = layer + 1
         if point != self.spec_input or target not in st.spec_layers or self._dense_pass(session):
             return
@@ -704,6 +712,24 @@ class InfiniGen(Policy):
             # decoding: the selection is known one layer ahead, so its transfer can start now;
             # layer `target`'s partial keys do not change before its own attention
             st.ready.add(target)
+
+    def _layer0_ahead(self, h, session) -> None:
+        """exact_first (issue 19, item 3): layer 0's exact query is known once a decoding step's tokens are
+        embedded (its input is the embedding, normed), so its selection is made then and placement fetches
+        layer 0's rows while nothing else waits: every layer is then prefetched on an offloaded tier. The
+        same query as the layer's own (the same projection of the same input), so the same selection."""
+        st, model = session.state, session.model
+        if 0 not in st.spec_layers or self._dense_pass(session) or not (0 in st.spec_keys or st.lazy_keys):
+            return
+        block = model.layers[0]
+        x = block.attn_norm(h) if model.cfg.pre_norm else h
+        q = model.query(0, x, session.positions)  # [B, H, T, d], post-RoPE
+        b, nh, t, d = q.shape
+        hkv = model.cfg.num_kv_heads
+        st.spec[0] = q.view(b, hkv, nh // hkv, t, d)
+        if t == 1:
+            self._spec_keys(st, 0, session)
+            st.ready.add(0)
 
     def known_ahead(self, layer, session) -> bool:
         """Once this step's speculation for `layer` has run (placement fetches its rows meanwhile), or at
@@ -726,7 +752,7 @@ class InfiniGen(Policy):
 
     def _speculated_row(self, layer, rows, session) -> torch.Tensor:
         st = session.state
-        if layer == 0:  # exact_first: its own query, known only now (row `rows.first` of a view)
+        if layer == 0 and rows.query is not None:  # exact_first at its own attention (row `rows.first` of a view)
             q = rows.query
             b, h, _, d = q.shape
             hkv = session.model.cfg.num_kv_heads
