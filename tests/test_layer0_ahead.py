@@ -21,10 +21,16 @@ def _budget_policy(model, **knobs):
 
 
 @pytest.mark.parametrize("kind", ["cpu", "disk"])
-def test_every_layer_is_prefetched(tiny_llama, kind, tmp_path):
-    _, model = tiny_llama
-    ref_tokens, ref_logits, _ = _run(model, Placement("none"), _budget_policy(model))
-    tokens, logits, sess = _run(model, Placement(kind, pool_dir=str(tmp_path)), _budget_policy(model))
+@pytest.mark.parametrize("arch", ["llama", "opt-postnorm"])
+def test_every_layer_is_prefetched(tiny_llama, make_tiny, arch, kind, tmp_path):
+    """With the KV in fast memory layer 0 selects at its own attention (its own query); offloaded, from the
+    query computed at the embedding: the same tokens, so the same query (a post-norm OPT's layer 0 reads the
+    embedding itself, a pre-norm model's its input norm of it)."""
+    model = tiny_llama[1] if arch == "llama" else make_tiny("opt", do_layer_norm_before=False)[1]
+    knobs = dict(kv_budget=0.3, budget_growth=1.0)  # a real subset of these short prompts
+    ref_tokens, ref_logits, _ = _run(model, Placement("none"), _budget_policy(model, **knobs))
+    tokens, logits, sess = _run(model, Placement(kind, pool_dir=str(tmp_path)), _budget_policy(model, **knobs))
+    assert 0 < sess.stats.per_layer()[0] < 0.6
     assert torch.equal(tokens, ref_tokens)
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=0)
     st, layers = sess.store.stats, model.cfg.num_layers
@@ -58,3 +64,26 @@ def test_layer0_plan_is_known_after_the_embedding(tiny_llama):
     assert seen and all(seen)
     assert (torch.stack(out, 1) - tf[:, 39:119]).abs().max() <= 1e-4
     assert sess.stats.per_layer()[0] == pytest.approx(tf_sess.stats.per_layer()[0], abs=1e-4)
+
+
+@pytest.mark.parametrize("post_norm", [False, True])
+def test_transformers_generate_with_layer0_ahead(post_norm):
+    """Inside transformers' generate (`infinigen.hf`), which fires the embedding event too, exact_first gives
+    our runtime's tokens and layer 0's reads."""
+    from test_hf import enable, generate_ids, runtime_for, tiny_llama, tiny_opt
+    m = tiny_opt(pre_norm=False) if post_norm else tiny_llama()
+    rt = runtime_for(m)
+    cfg = rt.cfg
+    g = torch.Generator().manual_seed(5)
+    a = torch.linalg.qr(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim, generator=g))[0]
+
+    def policy():
+        return make_policy("infinigen", preset="budget", min_fetch=0, kv_budget=0.3, budget_growth=1.0).with_skew(a)
+    ids = torch.randint(2, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    ref = generate_ids(rt, [ids[0].tolist()], 12, policy=policy())
+    with enable(m, policy()) as ig:
+        out = m.generate(ids, max_new_tokens=12, do_sample=False)
+    assert out[0, 40:].tolist() == ref.tokens[0]
+    per = ig.cache.stats.per_layer()
+    assert 0 < per[0] < 0.9  # layer 0 selected
+    assert per[0] == pytest.approx(ref.stats.per_layer()[0], abs=1e-6)
