@@ -323,6 +323,21 @@ def load_or_compute_skew(model, tokenizer, calib: str | os.PathLike | None = Non
     return skew
 
 
+def remember(skew: Skew, name: str, value: str) -> None:
+    """Keep `value` under `name` in the skew's metadata, and in its artifact when it has one (rewritten
+    atomically): what was derived from the skew on this model (InfiniGen's calibrated settings) is then
+    reused with it. An artifact that cannot be written keeps the value in memory only."""
+    skew.meta[name] = value
+    if skew.path is not None:
+        reused = skew.meta.pop("reused", None)  # a fact of this load, not of the artifact
+        try:
+            skew.save(skew.path)
+        except OSError:
+            pass
+        if reused is not None:
+            skew.meta["reused"] = reused
+
+
 def find_cached_skew(model) -> Skew | None:
     """A skew artifact of this model already in the cache (the default calibration preferred), or None."""
     from .paths import cache_dir

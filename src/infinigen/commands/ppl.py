@@ -7,7 +7,6 @@ checked before the model loads; the context and layer indices right after it, be
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -70,7 +69,9 @@ def ppl_cmd(
         from ..policies import knob_types
         if "calib" not in knob_types(policy):
             raise UserError(f"--calib applies to policies that calibrate on text; {policy!r} does not")
-        pol = dataclasses.replace(pol, calib=calib)
+        # made again with it, not `dataclasses.replace`d: the knobs the user left to the preset or to
+        # calibration (InfiniGen's `calibrate`) must stay left
+        pol = make_policy_from_cli(policy, knob, base={"calib": calib})
     check_out_file(json_out, "--json")
     path = resolve_text(text)
     body = load_text(path)

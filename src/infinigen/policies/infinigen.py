@@ -32,10 +32,15 @@ over every layer, dense layers counting 100%); the selecting layers' caps are de
 (`budget_power`: 0 the same cap everywhere, 1 proportional). The bound may shrink with the length:
 with `budget_growth` q < 1 the tokens read grow as n ** q (`budget_at`: kv_budget at `budget_ref` cached
 tokens), because the tokens that matter grow more slowly than the context. `exact_first` selects layer 0
-too, with its exact query (nothing precedes layer 0 to speculate from): scored against layer 0's partial or
-packed keys when its own attention runs, so layer 0's rows are fetched on demand, without the
-one-layer-ahead overlap of the other layers. Layer 1 is then speculated from layer 0's output like
-every other layer.
+too, with its exact query (nothing precedes layer 0 to speculate from), scored against layer 0's partial or
+packed keys. That query is known as soon as a decoding step's tokens are embedded (issue 19, item 3), so
+the selection is made then and placement prefetches layer 0's rows like every other layer's. Layer 1 is
+then speculated from layer 0's output like every other layer.
+
+Issue 19, item 1: `calibrate` chooses alpha, kv_budget and the treatment of layer 0 per model in `prepare`
+(`policies.calibrate`: the cheapest setting within `calibrate_target` of the full cache's perplexity on
+held-apart calibration tokens, under `calibrate_bound`); knobs the caller sets are kept. The choice is
+stored in the skew artifact's metadata and recorded in `settings(model)["calibration"]`.
 """
 from __future__ import annotations
 
@@ -51,7 +56,7 @@ from ..cache import KVStore
 from ..errors import UserError
 from ..kernels.int4 import PackedKeys, tinygemm_ok
 from ..memory import tensor_bytes, weight_bytes
-from .base import ALL, Policy, parse_layers
+from .base import ALL, Policy, jsonable, parse_layers
 from .budgets import layer_caps
 
 BUDGETS = ("mean", "per_head", "union", "layer")
@@ -70,16 +75,27 @@ PRESETS = {
     # the paper, sections 4.2-4.3: alpha 4 for OPT, 5 for Llama
     "paper": dict(alpha={"opt": 4.0, "llama": 5.0}, partial_ratio=0.3, max_fetch_ratio=0.2, min_fetch=0,
                   dense_layers=(0, 1), budget="mean", spec_input="attn_in", key_mode="partial", skew=True,
-                  kv_budget=None, budget_power=0.0, exact_first=False, budget_growth=1.0, budget_ref=2048),
+                  kv_budget=None, budget_power=0.0, exact_first=False, budget_growth=1.0, budget_ref=2048,
+                  calibrate=False),
     # issue 3: under 20% of the KV read over all layers at +1.2% perplexity on the default model
     "default": dict(alpha=7.0, partial_ratio=0.3, max_fetch_ratio=0.14, min_fetch=32,
                     dense_layers=(0, 1), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
-                    kv_budget=None, budget_power=0.0, exact_first=False, budget_growth=1.0, budget_ref=2048),
+                    kv_budget=None, budget_power=0.0, exact_first=False, budget_growth=1.0, budget_ref=2048,
+                    calibrate=False),
     # issue 12's candidate (`--knob preset=budget`): one all-layer bound that shrinks with the context
     "budget": dict(alpha=9.0, partial_ratio=0.3, max_fetch_ratio=None, min_fetch=32,
                    dense_layers=(), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
-                   kv_budget=0.13, budget_power=0.0, exact_first=True, budget_growth=0.5, budget_ref=2048),
+                   kv_budget=0.13, budget_power=0.0, exact_first=True, budget_growth=0.5, budget_ref=2048,
+                   calibrate=False),
 }
+
+
+# issue 19: what `calibrate` chooses per model (policies/calibrate.py), unless the caller sets it
+CALIBRATED = ("alpha", "kv_budget", "max_fetch_ratio", "budget_growth", "exact_first", "dense_layers")
+CALIBRATE_TARGET = 0.01  # perplexity within 1% of the full cache's on the calibration tokens
+CALIBRATE_BOUND = 0.2  # at most 20% of the KV read over all layers at budget_ref tokens (10% at 4x: growth 0.5)
+CALIBRATE_TEXT = "mansfieldpark"  # held apart: the skew calibrates on emma, evaluation reads the other three
+CALIBRATE_GROWTH = 0.5  # the tokens read grow as n ** 0.5: the bound at 4x the length is half the share
 
 
 def fake_int4(x: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
@@ -162,6 +178,8 @@ class InfiniGenState:
 # Skew matrices are a model-wide resource: loaded or computed once per (model, calibration text) by
 # `prepare`, shared by every policy object and session on that model.
 _SKEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Calibrated settings (`calibrate`), per model and search key: the search runs once per process
+_CHOICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -203,12 +221,25 @@ class InfiniGen(Policy):
     # speculation costs more than the rows it saves (measured: results/sparse_pays.md). A step whose
     # every row is below it skips speculation altogether and reads ALL (the runtime's fused dense path)
     dense_below: int = DENSE_BELOW
+    # issue 19: `prepare` chooses this model's alpha, kv_budget (growth 0.5) and layer-0 treatment on held-apart
+    # calibration tokens (policies/calibrate.py); a knob of CALIBRATED the caller sets is kept as set
+    calibrate: bool | None = None
+    calibrate_target: float | None = None  # relative perplexity over the full cache allowed (None: 1%)
+    calibrate_bound: float | None = None  # all-layer KV share at budget_ref tokens, at most (None: 20%)
+    calibrate_text: str | None = None  # file or corpus name (None: mansfieldpark, apart from the skew's emma)
     # explicit skew matrices (`with_skew`): a resource, not a knob
     matrices: object = field(default=None, init=False, repr=False, compare=False)
+    # the knobs of CALIBRATED the caller set, and every knob's value before calibration (`prepare`)
+    given: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
+    base: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # what calibration chose for the model last prepared (`calibration_record`), None before
+    calibration: object = field(default=None, init=False, repr=False, compare=False)
+    calibrated_on: object = field(default=None, init=False, repr=False, compare=False)  # weakref to that model
 
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise UserError(f"unknown InfiniGen preset {self.preset!r}; choose from {', '.join(PRESETS)}")
+        object.__setattr__(self, "given", frozenset(k for k in CALIBRATED if getattr(self, k) is not None))
         preset = PRESETS[self.preset]
         # one bound: a cap the caller gives (per selecting layer, or over all layers) replaces the preset's
         if self.max_fetch_ratio is not None and self.kv_budget is None:
@@ -225,6 +256,7 @@ class InfiniGen(Policy):
                 object.__setattr__(self, k, v)
         object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
         super().__post_init__()
+        object.__setattr__(self, "base", {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init})
 
     @classmethod
     def paper(cls, **overrides) -> "InfiniGen":
@@ -272,6 +304,12 @@ class InfiniGen(Policy):
             raise UserError(f"skew must be true or false, got {self.skew!r}")
         if not isinstance(self.dense_below, int) or isinstance(self.dense_below, bool) or self.dense_below < 0:
             raise UserError(f"dense below must be a whole number of cached tokens >= 0, got {self.dense_below!r}")
+        if not isinstance(self.calibrate, bool):
+            raise UserError(f"calibrate must be true or false, got {self.calibrate!r}")
+        if self.calibrate_target is not None and not 0 < self.calibrate_target < 1:
+            raise UserError(f"calibrate target must be a relative perplexity in (0, 1), got {self.calibrate_target}")
+        if self.calibrate_bound is not None and not 0 < self.calibrate_bound <= 1:
+            raise UserError(f"calibrate bound must be a share of the KV in (0, 1], got {self.calibrate_bound}")
 
     def alpha_for(self, cfg) -> float:
         """The threshold in effect on a model of this config (the paper's preset depends on the architecture)."""
@@ -283,6 +321,8 @@ class InfiniGen(Policy):
             out["alpha"] = self.alpha_for(model.cfg)
         elif self.alpha is None:
             out["alpha"] = dict(PRESETS[self.preset]["alpha"])  # per architecture
+        if self.calibrate:
+            out["calibration"] = self.calibration  # chosen, set by hand, and what the choice measured
         return out
 
     def for_random_weights(self, model, fixed_ratio: float | None) -> "InfiniGen":
@@ -311,7 +351,7 @@ class InfiniGen(Policy):
         # no rotation, or the weights already produce q~ and k~ (`skew.skew_model`)
         return bool(self.skew) and getattr(model, "skew_folded", None) is None
 
-    def prepare(self, model, tokenizer=None, progress: bool = False) -> "InfiniGen":
+    def prepare_skew(self, model, tokenizer=None, progress: bool = False) -> "InfiniGen":
         """Make the model's skew matrices ready: those of `infinigen skew` (or of an earlier `prepare`)
         from the cache, else calibrated on `calib` (default: a bundled novel) with `tokenizer` and cached."""
         if not self._needs_skew(model) or self.matrices is not None:
@@ -329,6 +369,141 @@ class InfiniGen(Policy):
         cached[self.calib] = skew
         return self
 
+    def prepare(self, model, tokenizer=None, progress: bool = False) -> "InfiniGen":
+        """The skew matrices (`prepare_skew`), then, with `calibrate`, this model's settings: from the skew
+        artifact's metadata when this search ran before on the same tokens, else searched
+        (`policies.calibrate`) and stored there. Prints one line with the choice."""
+        self.prepare_skew(model, tokenizer, progress)
+        done = self.calibrated_on is not None and self.calibrated_on() is model
+        if self.calibrate and not done:
+            self._calibrate(model, tokenizer, progress)
+        return self
+
+    # ---- per-model calibration (issue 19) -----------------------------------------------------------
+    def _calibration_setup(self, model) -> dict:
+        """What the search varies and what it keeps, for `model`: a function of the caller's knobs only."""
+        from .calibrate import ALPHA_HIGH, ALPHA_LOW
+        base, given = self.base, self.given
+        structures = [{}]
+        if not ({"exact_first", "dense_layers"} & given) and not model.cfg.local(0):
+            # layer 0 selected with its exact query (every layer selects), or read densely (layer 1 speculated
+            # from layer 0's output): which one costs less accuracy per entry read depends on the model
+            structures = [{"exact_first": True, "dense_layers": []}, {"exact_first": False, "dense_layers": [0]}]
+        elif not ({"exact_first", "dense_layers"} & given):
+            # a local layer 0 reads its window whatever the policy: speculate every global layer
+            structures = [{"exact_first": False, "dense_layers": []}]
+        alphas = () if "alpha" in given else (ALPHA_HIGH, ALPHA_LOW)
+        # a per-layer cap or a budget the caller gave is the bound; otherwise the search chooses kv_budget
+        budget_free = not ({"kv_budget", "max_fetch_ratio"} & given)
+        growth = base["budget_growth"] if "budget_growth" in given else CALIBRATE_GROWTH
+        fixed = {k: v for k, v in base.items() if k not in CALIBRATED or k in given}
+        return dict(structures=structures, alphas=alphas, budget_free=budget_free, growth=growth, fixed=fixed)
+
+    def _candidate(self, model, knobs: dict, growth: float) -> "InfiniGen":
+        """The policy of a calibration candidate: the caller's knobs, the preset's for the rest, `knobs` on top."""
+        over = dict(knobs)
+        if "dense_layers" in over:
+            over["dense_layers"] = tuple(over["dense_layers"])
+        if "kv_budget" in over:
+            over.update(max_fetch_ratio=None, budget_growth=growth)
+        pol = dataclasses.replace(InfiniGen(**self.base), calibrate=False, **over)
+        if self.matrices is not None:
+            pol.with_skew(self.matrices)
+        return pol
+
+    def _calibrate(self, model, tokenizer, progress: bool) -> None:
+        import hashlib
+        import json
+        import sys
+
+        from ..paths import load_text
+        from ..skew import model_fingerprint, remember
+        from . import calibrate as cal
+        setup = self._calibration_setup(model)
+        target = self.calibrate_target or CALIBRATE_TARGET
+        bound = self.calibrate_bound or CALIBRATE_BOUND
+        text = self.calibrate_text or CALIBRATE_TEXT
+        ref = self.budget_ref
+        if tokenizer is None:
+            tokens = None
+        else:
+            tokens = cal.calibration_tokens(tokenizer, load_text(text), ref)
+            if tokens.shape[1] < ref:
+                raise UserError(f"calibration text {text!r} holds {tokens.shape[1]} tokens, fewer than budget_ref "
+                                f"({ref}) the calibration runs over")
+        if ref > model.cfg.max_position:
+            raise UserError(f"budget_ref ({ref}) exceeds the model's {model.cfg.max_position} positions: "
+                            "calibration runs over budget_ref tokens")
+        skew = _SKEWS.get(model, {}).get(self.calib) if self._needs_skew(model) else None
+        try:
+            fp = model_fingerprint(model)
+        except ValueError:  # a skew-folded model: its skew's fingerprint
+            fp = str(getattr(getattr(model, "skew_folded", None), "meta", {}).get("fingerprint"))
+        what = {"format": cal.FORMAT, "fingerprint": fp, "dtype": str(model.dtype), "target": target,
+                "bound": bound, "ref": ref, "text": text, "setup": {k: v for k, v in setup.items() if k != "fixed"},
+                "fixed": {k: str(v) for k, v in sorted(setup["fixed"].items())},
+                "tokens": None if tokens is None else hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}
+        key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        memo = _CHOICES.setdefault(model, {})
+        choice, source = memo.get(key), "this process"
+        meta = getattr(skew, "meta", None)
+        name = f"calibration-{key}"
+        if choice is None and meta is not None and name in meta:
+            try:
+                choice = cal.Choice.from_dict(json.loads(meta[name]), key, set(CALIBRATED))
+                self._candidate(model, choice.knobs, setup["growth"])  # knobs a policy accepts
+                source = "the skew artifact"
+            except (ValueError, TypeError, KeyError, UserError):
+                choice = None  # foreign or broken metadata: search again, never trust it
+        if choice is None:
+            if tokens is None:
+                raise UserError("InfiniGen's calibration needs the tokenizer: give prepare() the tokenizer "
+                                "(or set the knob calibrate=false)")
+            log = (lambda m: print(m, file=sys.stderr)) if progress else None
+            if log:
+                log(f"calibrating InfiniGen's settings on {text} ({ref} tokens; target {100 * target:g}%, "
+                    f"bound {100 * bound:g}% of the KV)")
+            prefill = max(1, ref // 8)
+            try:
+                choice = cal.search(model, tokens, prefill, lambda k: self._candidate(model, k, setup["growth"]),
+                                    setup["structures"], setup["alphas"], setup["budget_free"], target, bound,
+                                    setup["growth"], ref, key, text, log=log)
+            except ValueError as e:
+                raise UserError(f"cannot calibrate InfiniGen under a bound of {100 * bound:g}% of the KV ({e}): "
+                                "raise calibrate_bound, or keep fewer layers dense")
+            source = "searched"
+            if meta is not None:
+                remember(skew, name, json.dumps(choice.to_dict()))
+        memo[key] = choice
+        self._apply(choice, setup, source)
+        object.__setattr__(self, "calibrated_on", weakref.ref(model))
+        print(f"InfiniGen calibrated ({source}): {self.calibration['summary']}", file=sys.stderr)
+
+    def _apply(self, choice, setup: dict, source: str) -> None:
+        """Set the chosen knobs on this policy (from the values before calibration) and record the choice."""
+        for k, v in self.base.items():
+            object.__setattr__(self, k, v)
+        for k, v in choice.knobs.items():
+            object.__setattr__(self, k, tuple(v) if k == "dense_layers" else v)
+        if "kv_budget" in choice.knobs:
+            object.__setattr__(self, "max_fetch_ratio", None)
+            object.__setattr__(self, "budget_growth", setup["growth"])
+        self.validate()
+        varied = set(choice.knobs) | ({"max_fetch_ratio", "budget_growth"} if "kv_budget" in choice.knobs else set())
+        chosen = {k: jsonable(getattr(self, k)) for k in CALIBRATED if k in varied}
+        vs_full = choice.loss_vs_full()
+        summary = (", ".join(f"{k} {v}" for k, v in chosen.items())
+                   + f" -> {100 * vs_full:+.2f}% vs the full cache, {100 * choice.kv:.1f}% of the KV read on "
+                   f"{choice.tokens} tokens of {choice.text} (target {100 * choice.target:g}%: "
+                   f"{'reached' if choice.reached else 'not reached under the bound'}; bound {100 * choice.bound:g}%)")
+        record = {"chosen": chosen, "set": sorted(self.given), "reached": choice.reached,
+                  "vs_full": vs_full, "kv": choice.kv, "kv_caps": choice.kv_caps, "kv_caps_long": choice.kv_caps_long,
+                  "target": choice.target, "bound": choice.bound, "text": choice.text, "tokens": choice.tokens,
+                  "prefill": choice.prefill, "key": choice.key, "source": source, "summary": summary,
+                  "trials": [{"knobs": t["knobs"], "vs_full": math.exp(t["nll"] - choice.reference_nll) - 1,
+                              "kv": t["kv"]} for t in choice.trials]}
+        object.__setattr__(self, "calibration", record)
+
     def _skew_matrices(self, model):
         if not self._needs_skew(model):
             return None
@@ -336,7 +511,7 @@ class InfiniGen(Policy):
         if m is None:
             m = _SKEWS.get(model, {}).get(self.calib)
             if m is None:
-                self.prepare(model)  # the cached artifact, or a clear error
+                self.prepare_skew(model)  # the cached artifact, or a clear error
                 m = _SKEWS[model][self.calib]
         m = getattr(m, "matrices", m)
         cfg = model.cfg
@@ -366,16 +541,22 @@ class InfiniGen(Policy):
         """Selecting layer -> the share of its cached entries it may read per step: `max_fetch_ratio` for
         each, or the selecting layers' part of `kv_budget` (at `cached` tokens: `budget_at`; None: at
         budget_ref) spread by the calibrated sparsity."""
-        n = model.cfg.num_layers
-        sel = [i for i in range(n) if self.speculated(i)]
+        # the bound is over the layers a policy may read sparsely: a local layer of a model mixing local and
+        # global layers (Gemma 3) reads its window whatever the policy (`Session.selects`)
+        counted = [i for i in range(model.cfg.num_layers) if not model.cfg.local(i)]
+        n = len(counted)
+        sel = [j for j, i in enumerate(counted) if self.speculated(i)]
         if self.kv_budget is None:
-            return {i: self.max_fetch_ratio for i in sel}
+            return {counted[j]: self.max_fetch_ratio for j in sel}
         share = self.budget_at(self.budget_ref if cached is None else cached)
         if n - len(sel) >= share * n:
             # the dense layers asked for alone read more than the bound: it cannot hold, so each selecting
             # layer reads at most kv_budget of its entries (the paper's per-layer reading of the cap)
-            return {i: share for i in sel}
-        return layer_caps(n, sel, share, self._layer_sparsity(model), self.budget_power)
+            return {counted[j]: share for j in sel}
+        sparsity = self._layer_sparsity(model)
+        caps = layer_caps(n, sel, share, None if sparsity is None else [sparsity[i] for i in counted],
+                          self.budget_power)
+        return {counted[j]: c for j, c in caps.items()}
 
     def _cap(self, st: InfiniGenState, model, layer: int, cached: int) -> float:
         """Layer's cap at `cached` tokens; with a growth below 1 the caps of the last length asked are kept
@@ -392,7 +573,8 @@ class InfiniGen(Policy):
         d = cfg.head_dim
         st = InfiniGenState(
             A=self._skew_matrices(model), alpha=self.alpha_for(cfg),
-            spec_layers={i for i in range(cfg.num_layers) if self.speculated(i)},
+            # a local layer of a model mixing local and global layers reads its window (`Session.selects`)
+            spec_layers={i for i in range(cfg.num_layers) if self.speculated(i) and not cfg.local(i)},
             cols=d if self.key_mode == "int4" else max(1, math.ceil(self.partial_ratio * d)),
             caps=self.layer_caps(model))
         if self.key_mode == "int4":
@@ -532,6 +714,9 @@ class InfiniGen(Policy):
 
     def on_hidden(self, layer, point, x, session):
         st, model = session.state, session.model
+        if point == "embed":
+            self._layer0_ahead(x, session)
+            return
         target = layer + 1
         if point != self.spec_input or target not in st.spec_layers or self._dense_pass(session):
             return
@@ -549,6 +734,24 @@ class InfiniGen(Policy):
             # decoding: the selection is known one layer ahead, so its transfer can start now;
             # layer `target`'s partial keys do not change before its own attention
             st.ready.add(target)
+
+    def _layer0_ahead(self, h, session) -> None:
+        """exact_first (issue 19, item 3): layer 0's exact query is known once a decoding step's tokens are
+        embedded (its input is the embedding, normed), so its selection is made then and placement fetches
+        layer 0's rows while nothing else waits: every layer is then prefetched on an offloaded tier. The
+        same query as the layer's own (the same projection of the same input), so the same selection."""
+        st, model = session.state, session.model
+        if 0 not in st.spec_layers or self._dense_pass(session) or not (0 in st.spec_keys or st.lazy_keys):
+            return
+        block = model.layers[0]
+        x = block.attn_norm(h) if model.cfg.pre_norm else h
+        q = model.query(0, x, session.positions)  # [B, H, T, d], post-RoPE
+        b, nh, t, d = q.shape
+        hkv = model.cfg.num_kv_heads
+        st.spec[0] = q.view(b, hkv, nh // hkv, t, d)
+        if t == 1:
+            self._spec_keys(st, 0, session)
+            st.ready.add(0)
 
     def known_ahead(self, layer, session) -> bool:
         """Once this step's speculation for `layer` has run (placement fetches its rows meanwhile), or at
@@ -571,7 +774,7 @@ class InfiniGen(Policy):
 
     def _speculated_row(self, layer, rows, session) -> torch.Tensor:
         st = session.state
-        if layer == 0:  # exact_first: its own query, known only now (row `rows.first` of a view)
+        if layer == 0 and rows.query is not None:  # exact_first at its own attention (row `rows.first` of a view)
             q = rows.query
             b, h, _, d = q.shape
             hkv = session.model.cfg.num_kv_heads

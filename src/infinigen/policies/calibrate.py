@@ -1,0 +1,259 @@
+"""Per-model calibration of InfiniGen's settings (issue 19, item 1).
+
+The presets fix the threshold, the caps and the dense layers from measurements on one model. Another model
+has other attention statistics, so `InfiniGen.prepare` (knob `calibrate`) chooses them per model instead:
+on held-apart calibration tokens (by default Mansfield Park; the skew matrices are calibrated on Emma, the
+validation texts are never read), it runs the full cache once teacher-forced for the reference loss, then a
+few candidates, and keeps the one that reads the fewest cached entries while its loss stays within `target`
+(relative perplexity) of the full cache's, and whose caps stay under the `bound`. When no candidate under the
+bound reaches the target, the one with the lowest loss wins (the bound is never given up for accuracy).
+
+The bound is over the layers a policy may read sparsely (a model's local sliding-window layers read their
+window in full whatever the policy: `Session.selects`), the layers a candidate keeps dense counting 100%: at
+most `bound` of their entries averaged over a run of `ref` tokens whose first ref/8 are the prompt, and
+`bound * (1/4) ** (1 - growth)` over a run of 4 * ref (the tokens read growing as n ** growth: 20% at 2048
+and 10% at 8192 for growth 0.5). It is checked on the caps (an upper bound on what a selection reads: the
+threshold only trims under them), so it holds at lengths the calibration did not run, and again on what the
+calibration run measured.
+
+The search is small, so `prepare` stays within minutes on a CPU (each candidate is one teacher-forced pass
+over `ref` tokens): the largest all-layer budget under the bound for each way of treating layer 0 (selected
+with its exact query, or read densely), then, if the better one reaches the target, a bisection down the
+budget and a lower threshold; at most `max_evals` passes after the reference.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..placement import Placement
+
+FORMAT = 1  # of the stored choice: bump when the search changes what it would choose
+ALPHA_HIGH = 9.0  # the caps decide (measured on SmolLM2: results/presets.md)
+ALPHA_LOW = 7.0  # the threshold trims under the caps
+LONG = 4  # the bound is also checked at LONG * ref tokens
+SCORE_ROWS = 512  # logits rows turned into log-probabilities at once (a 262k vocabulary: Gemma 3)
+POSITIONS = 256  # cached lengths sampled to average the caps over a run
+
+
+@dataclass
+class Trial:
+    knobs: dict
+    nll: float
+    kv: float  # share read over the counted layers, measured
+    kv_caps: float  # the caps' share over a run of ref tokens (the bound's measure)
+    kv_caps_long: float  # ... over a run of LONG * ref tokens
+
+
+@dataclass
+class Choice:
+    """What the calibration chose and why: JSON-able, stored in the skew artifact's metadata."""
+    key: str
+    knobs: dict  # the chosen values of the knobs the caller left to calibration
+    reached: bool  # the target was met on the calibration tokens
+    reference_nll: float
+    nll: float
+    kv: float
+    kv_caps: float
+    kv_caps_long: float
+    target: float
+    bound: float
+    text: str
+    tokens: int
+    prefill: int
+    trials: list = field(default_factory=list)  # every candidate tried: knobs, nll, kv
+
+    def loss_vs_full(self) -> float:
+        """Relative perplexity over the full cache on the calibration tokens."""
+        return math.exp(self.nll - self.reference_nll) - 1
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict, key: str, allowed: set) -> "Choice":
+        """A stored choice, checked (ValueError when it is not one this search would have written for `key`)."""
+        if not isinstance(d, dict) or d.get("key") != key or d.get("format") != FORMAT:
+            raise ValueError("not a choice for this model and these settings")
+        knobs = d.get("knobs")
+        if not isinstance(knobs, dict) or not set(knobs) <= allowed:
+            raise ValueError("knobs missing or unknown")
+        numbers = ("reference_nll", "nll", "kv", "kv_caps", "kv_caps_long", "target", "bound")
+        if not all(isinstance(d.get(k), (int, float)) and math.isfinite(d[k]) for k in numbers):
+            raise ValueError("numbers missing or not finite")
+        names = [f for f in cls.__dataclass_fields__]
+        return cls(**{k: d[k] for k in names if k in d})
+
+
+def calibration_tokens(tokenizer, text: str, n: int) -> torch.Tensor:
+    """The first `n` tokens of `text` as the tokenizer encodes an input by default (so with the BOS a
+    model like Gemma expects first), [1, n]; fewer when the text is shorter."""
+    ids: list[int] = []
+    for chars in (12 * n + 1000, None):
+        ids = tokenizer(text if chars is None else text[:chars], verbose=False)["input_ids"]
+        if len(ids) >= n or chars is None or chars >= len(text):
+            break
+    return torch.tensor(ids[:n], dtype=torch.long)[None]
+
+
+def counted_layers(model) -> list[int]:
+    """The layers the bound is over: those a policy may read sparsely (not a model's local window layers)."""
+    return [i for i in range(model.cfg.num_layers) if not model.cfg.local(i)]
+
+
+def score(model, tokens: torch.Tensor, prefill: int, policy) -> tuple[float, float]:
+    """(mean NLL of the tokens after the prompt, share of the entries read over `counted_layers`), one
+    teacher-forced pass under `policy` (the same selection as decoding)."""
+    sess = Placement().new_session(model, 1, tokens.shape[1], policy, prompt_len=prefill)
+    try:
+        with torch.no_grad():
+            h = _hidden(model, tokens.to(model.device), prefill, sess)
+    finally:
+        sess.store.close()
+    targets = tokens[0, prefill:].to(model.device)
+    rows = h[0, prefill - 1:-1]
+    total = 0.0
+    with torch.no_grad():
+        for s in range(0, rows.shape[0], SCORE_ROWS):  # the head's logits a few hundred rows at a time
+            logits = model.head(rows[s:s + SCORE_ROWS][None])[0]
+            total += float(F.cross_entropy(logits.float(), targets[s:s + SCORE_ROWS], reduction="sum"))
+    per_layer = sess.stats.per_layer()
+    counted = [per_layer[i] for i in counted_layers(model) if not math.isnan(per_layer[i])]
+    return total / targets.numel(), sum(counted) / len(counted) if counted else 1.0
+
+
+def _hidden(model, tokens, prefill, session):
+    """`runtime.teacher_forced` without the head (the head of every row at once would be [T, vocab] logits)."""
+    b, t = tokens.shape
+    positions = torch.arange(t, device=tokens.device).expand(b, t)
+    session.begin_teacher(positions, prefill)
+    h = model.embed(tokens, positions)
+    rope = model.rope(positions)
+    for block in model.layers:
+        h = block(h, rope, session.attend, session.event)
+    return h
+
+
+def caps_share(policy, model, ctx: int, prefill: int, samples: int = POSITIONS) -> float:
+    """The share of the entries the policy's caps allow, over `counted_layers`, averaged over the decoding
+    rows of a run of `ctx` tokens with a `prefill`-token prompt (about `samples` rows, evenly spaced): what a
+    selection reads at most (dense layers 100%, a cap at least `min_fetch` tokens per KV head)."""
+    layers = counted_layers(model)
+    step = max(1, (ctx - prefill) // samples)
+    ns = range(prefill + step // 2, ctx, step)  # row r has r cached tokens
+    hkv = model.cfg.num_kv_heads
+    pooled = policy.budget == "layer"  # the cap is over the layer's KV heads together (`_choose`)
+    floor = max(1, policy.min_fetch)
+    total = 0.0
+    for n in ns:
+        caps = policy.layer_caps(model, n)
+        for i in layers:
+            if i in caps:
+                if pooled:
+                    tokens = max(math.floor(caps[i] * n * hkv), floor * hkv) / hkv
+                else:
+                    tokens = max(math.floor(caps[i] * n), floor)
+                total += min(1.0, tokens / n)
+            else:
+                total += 1.0
+    return total / (len(ns) * len(layers))
+
+
+def largest_budget(make, model, ref: int, bound: float, growth: float, lo: float = 1e-3) -> float | None:
+    """The largest kv_budget whose caps (policy `make(kv_budget)`) stay within the bound over a run of `ref`
+    tokens and, scaled by the growth, of LONG * ref tokens (prompts 1/8 of the run). None: even the smallest
+    budget exceeds it (the layers read densely alone do)."""
+    long_bound = bound * (1 / LONG) ** (1 - growth)
+
+    def fits(b):
+        try:
+            pol = make(b)
+        except Exception:  # the dense layers alone exceed this budget
+            return False
+        return (caps_share(pol, model, ref, ref // 8) <= bound + 1e-9
+                and caps_share(pol, model, LONG * ref, LONG * ref // 8, POSITIONS // 2) <= long_bound + 1e-9)
+
+    if fits(1.0):
+        return 1.0
+    if not fits(lo):
+        return None
+    a, b = lo, 1.0
+    for _ in range(14):  # to ~1e-4 of the budget
+        mid = (a + b) / 2
+        a, b = (mid, b) if fits(mid) else (a, mid)
+    return a
+
+
+def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: list[dict], alphas: tuple,
+           budget_free: bool, target: float, bound: float, growth: float, ref: int, key: str, text: str,
+           max_evals: int = 6, log=None) -> Choice:
+    """Choose the knobs (see the module docstring). `candidate(knobs)` makes the policy of a candidate (knobs:
+    the values calibration chooses; the caller's own knobs are fixed inside it); `structures`: the ways to
+    treat layer 0 (knob dicts of exact_first, dense_layers; [{}] when the caller fixed them), `alphas` the
+    thresholds tried (the first with every structure; none when the caller fixed it); `budget_free`: choose
+    kv_budget (else the caller's cap is the bound)."""
+    full, _ = score(model, tokens, prefill, None)
+    goal = full + math.log1p(target)
+    trials: list[Trial] = []
+
+    def run(knobs):
+        pol = candidate(knobs)
+        nll, kv = score(model, tokens, prefill, pol)
+        t = Trial(dict(knobs), nll, kv, caps_share(pol, model, ref, ref // 8),
+                  caps_share(pol, model, LONG * ref, LONG * ref // 8, POSITIONS // 2))
+        trials.append(t)
+        if log:
+            log(f"  {knobs}: {100 * (math.exp(nll - full) - 1):+.2f}% vs full, {100 * kv:.1f}% of the KV read")
+        return t
+
+    def cost(t):  # what it reads; at equal reads (the threshold trims under the caps) the tighter caps
+        return (t.kv, t.kv_caps, t.nll)
+
+    def ok(t):
+        return t.kv <= bound + 1e-9 and t.kv_caps <= bound + 1e-9
+
+    tops = []
+    for s in structures:
+        knobs = dict(s, alpha=alphas[0]) if alphas else dict(s)
+        if budget_free:
+            top = largest_budget(lambda b: candidate(dict(knobs, kv_budget=b)), model, ref, bound, growth)
+            if top is None:
+                continue
+            knobs["kv_budget"] = round(top, 4)
+        tops.append(run(knobs))
+        if len(trials) >= max_evals:
+            break
+    if not tops:
+        raise ValueError("no candidate fits the bound")
+    best = min(tops, key=lambda t: (t.nll, t.kv))
+    if best.nll <= goal:
+        # the target holds at the top of the budget: find the smallest budget that still reaches it
+        if budget_free:
+            lo, hi = 0.0, best.knobs["kv_budget"]
+            for _ in range(2):
+                if len(trials) >= max_evals:
+                    break
+                mid = round((lo + hi) / 2, 4)
+                try:
+                    t = run(dict(best.knobs, kv_budget=mid))
+                except Exception:  # the dense layers alone exceed it
+                    lo = mid
+                    continue
+                lo, hi = (lo, mid) if t.nll <= goal else (mid, hi)
+        for a in alphas[1:]:
+            if len(trials) >= max_evals:
+                break
+            fit = [t for t in trials if t.nll <= goal and ok(t)]
+            cheapest = min(fit, key=cost) if fit else best
+            run(dict(cheapest.knobs, alpha=a))
+    fit = [t for t in trials if t.nll <= goal and ok(t)]
+    reached = bool(fit)
+    chosen = min(fit, key=cost) if fit else min(
+        [t for t in trials if ok(t)] or trials, key=lambda t: (t.nll, t.kv))
+    return Choice(key=key, knobs=chosen.knobs, reached=reached, reference_nll=full, nll=chosen.nll, kv=chosen.kv,
+                  kv_caps=chosen.kv_caps, kv_caps_long=chosen.kv_caps_long, target=target, bound=bound,
+                  text=text, tokens=int(tokens.shape[1]), prefill=prefill,
+                  trials=[{"knobs": t.knobs, "nll": t.nll, "kv": t.kv} for t in trials])

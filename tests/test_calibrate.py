@@ -1,0 +1,270 @@
+"""Per-model calibration of InfiniGen's settings (issue 19, item 1; `policies/calibrate.py`).
+
+Two tiny random Llama models that differ only in their attention statistics: "peaked" (queries scaled up,
+so each head attends to about one entry) and "flat" (queries zeroed, so every head spreads its attention
+evenly). The MLPs are damped so that the residual after a layer's attention predicts the next layer's query
+(speculation works as on a trained model). The peaked model keeps the full cache's loss with a few entries,
+the flat one loses accuracy with any subset: calibration has to choose differently for them.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import build_tiny
+from infinigen.errors import UserError
+from infinigen.eval.ppl import perplexity
+from infinigen.policies import calibrate as cal
+from infinigen.policies.infinigen import _CHOICES, _SKEWS, InfiniGen
+from infinigen.skew import Skew, remember
+
+REF = 64  # calibration tokens (budget_ref): the first 8 are the prompt
+BOUND = 0.8  # a tiny model's 64 tokens leave little to select from: a loose bound, still binding for "flat"
+TARGET = 0.01
+
+
+class ByteTokenizer:
+    """Token ids from characters (the tiny models' vocabulary is 256)."""
+
+    def __call__(self, text, verbose=False, **kw):
+        return {"input_ids": [ord(c) % 256 for c in text]}
+
+
+def attention_model(query_scale: float):
+    _, model = build_tiny("llama", num_hidden_layers=4)
+    with torch.no_grad():
+        for blk in model.layers:
+            blk.attn.q_proj.weight.mul_(query_scale)
+            blk.mlp.down_proj.weight.mul_(0.05)
+    return model
+
+
+@pytest.fixture(scope="module")
+def peaked():
+    return attention_model(50.0)
+
+
+@pytest.fixture(scope="module")
+def flat():
+    return attention_model(0.0)
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    g = torch.Generator().manual_seed(5)
+    letters = "abcdefghijklmnopqrstuvwxyz ,."
+    body = "".join(letters[int(i)] for i in torch.randint(0, len(letters), (4000,), generator=g))
+    path = tmp_path_factory.mktemp("calib") / "calibration.txt"
+    path.write_text(body)
+    return path
+
+
+def calibrated(model, text, **knobs):
+    """A calibrating InfiniGen on a tiny model (no skew: nothing to calibrate it on), prepared."""
+    pol = InfiniGen(**(dict(calibrate=True, skew=False, budget_ref=REF, min_fetch=0, calibrate_text=str(text),
+                            calibrate_bound=BOUND, calibrate_target=TARGET) | knobs))
+    return pol.prepare(model, ByteTokenizer())
+
+
+def rescore(model, text, pol):
+    """(relative perplexity vs the full cache, all-layer KV share) of `pol` on the calibration tokens, measured
+    by the perplexity evaluation (not by the search's own scoring)."""
+    tokens = cal.calibration_tokens(ByteTokenizer(), text.read_text(), REF)
+    full = perplexity(model, None, None, None, prefill=REF // 8, tokens=tokens)
+    res = perplexity(model, None, None, pol, prefill=REF // 8, tokens=tokens)
+    return res.perplexity / full.perplexity - 1, res.kv_all
+
+
+def test_reaches_the_target_within_the_bound(peaked, text):
+    pol = calibrated(peaked, text)
+    rec = pol.calibration
+    assert rec["reached"] and rec["source"] == "searched"
+    loss, kv = rescore(peaked, text, pol)
+    assert loss <= TARGET + 1e-9
+    assert kv <= BOUND + 1e-9
+    assert kv == pytest.approx(rec["kv"], abs=1e-9) and loss == pytest.approx(rec["vs_full"], abs=1e-5)
+    # the caps themselves hold the bound, here and at 4x the length (halved: growth 0.5)
+    assert cal.caps_share(pol, peaked, REF, REF // 8) <= BOUND + 1e-9
+    assert cal.caps_share(pol, peaked, 4 * REF, REF // 2) <= BOUND / 2 + 1e-9
+    # it searched below the largest budget the bound allows: the cheapest setting that reached the target
+    assert pol.kv_budget < max(t["knobs"].get("kv_budget", 0) for t in pol.calibration["trials"])
+
+
+def test_respects_the_bound_when_the_target_is_out_of_reach(flat, text):
+    pol = calibrated(flat, text)
+    rec = pol.calibration
+    assert not rec["reached"]
+    loss, kv = rescore(flat, text, pol)
+    assert loss > TARGET  # the flat model cannot keep its loss with a subset...
+    assert kv <= BOUND + 1e-9  # ...and the bound still holds: accuracy never buys more entries
+    assert cal.caps_share(pol, flat, REF, REF // 8) <= BOUND + 1e-9
+
+
+def test_different_attention_different_settings(peaked, flat, text):
+    a, b = calibrated(peaked, text), calibrated(flat, text)
+    assert a.calibration["chosen"] != b.calibration["chosen"]
+    assert a.calibration["kv"] < b.calibration["kv"] - 0.2  # the peaked model reads much less
+
+
+def test_a_knob_set_by_hand_wins(peaked, text):
+    pol = calibrated(peaked, text, alpha=3.5, exact_first=True, dense_layers=())
+    assert pol.alpha == 3.5 and pol.exact_first is True and pol.dense_layers == ()
+    assert pol.calibration["set"] == ["alpha", "dense_layers", "exact_first"]
+    assert set(pol.calibration["chosen"]) == {"kv_budget", "max_fetch_ratio", "budget_growth"}
+    # every candidate tried kept them
+    assert all("alpha" not in t["knobs"] and "exact_first" not in t["knobs"] for t in pol.calibration["trials"])
+    # a cap set by hand is the bound: calibration does not choose the budget then
+    capped = calibrated(peaked, text, max_fetch_ratio=0.5)
+    assert capped.max_fetch_ratio == 0.5 and capped.kv_budget is None
+    assert "kv_budget" not in capped.calibration["chosen"]
+
+
+def test_off_keeps_the_preset(peaked):
+    pol = InfiniGen(skew=False).prepare(peaked, ByteTokenizer())
+    assert pol.calibration is None and pol.alpha == 7.0 and pol.max_fetch_ratio == 0.14
+    assert "calibration" not in pol.settings(peaked)
+
+
+def test_recorded_in_settings(peaked, text):
+    pol = calibrated(peaked, text)
+    s = pol.settings(peaked)
+    json.dumps(s)
+    assert s["calibration"]["chosen"] == pol.calibration["chosen"]
+    assert s["kv_budget"] == pol.kv_budget and s["alpha"] == pol.alpha
+
+
+def _with_artifact(model, tmp_path):
+    """A skew artifact on disk for `model` (random orthogonal matrices), set as its skew."""
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(0)
+    m = torch.linalg.qr(torch.randn(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim,
+                                    generator=g, dtype=torch.float64))[0].float()
+    e = torch.ones(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    skew = Skew(m, e, e.clone(), {"format": "2"})
+    skew.save(tmp_path / "skew.safetensors")
+    return skew
+
+
+def test_choice_round_trips_through_the_artifact(peaked, text, tmp_path, monkeypatch):
+    skew = _with_artifact(peaked, tmp_path)
+    _SKEWS[peaked] = {None: skew}
+    _CHOICES.pop(peaked, None)
+    try:
+        first = InfiniGen(calibrate=True, budget_ref=REF, min_fetch=0, calibrate_text=str(text),
+                          calibrate_bound=BOUND).prepare(peaked, ByteTokenizer())
+        assert first.calibration["source"] == "searched"
+        stored = Skew.load(skew.path)
+        assert f"calibration-{first.calibration['key']}" in stored.meta
+        # a new process: nothing in memory, the artifact read again; the search must not run
+        _CHOICES.pop(peaked, None)
+        _SKEWS[peaked] = {None: stored}
+        monkeypatch.setattr(cal, "search", lambda *a, **k: pytest.fail("searched again"))
+        again = InfiniGen(calibrate=True, budget_ref=REF, min_fetch=0, calibrate_text=str(text),
+                          calibrate_bound=BOUND).prepare(peaked, ByteTokenizer())
+        assert again.calibration["source"] == "the skew artifact"
+        assert again.calibration["chosen"] == first.calibration["chosen"]
+        assert again.settings(peaked) | {"calibration": None} == first.settings(peaked) | {"calibration": None}
+    finally:
+        _SKEWS.pop(peaked, None)
+        _CHOICES.pop(peaked, None)
+
+
+@pytest.mark.parametrize("damage", ["not json", "foreign key", "bad knob", "unknown knob", "nan"])
+def test_broken_stored_choice_is_recomputed(peaked, text, tmp_path, damage):
+    skew = _with_artifact(peaked, tmp_path)
+    _SKEWS[peaked] = {None: skew}
+    _CHOICES.pop(peaked, None)
+    knobs = dict(calibrate=True, budget_ref=REF, min_fetch=0, calibrate_text=str(text), calibrate_bound=BOUND)
+    try:
+        first = InfiniGen(**knobs).prepare(peaked, ByteTokenizer())
+        name = f"calibration-{first.calibration['key']}"
+        good = json.loads(skew.meta[name])
+        bad = {"not json": "{", "foreign key": json.dumps(good | {"key": "0" * 16}),
+               "bad knob": json.dumps(good | {"knobs": good["knobs"] | {"kv_budget": 7.0}}),
+               "unknown knob": json.dumps(good | {"knobs": good["knobs"] | {"block": 4}}),
+               "nan": json.dumps(good | {"nll": float("nan")})}[damage]
+        remember(skew, name, bad)
+        _CHOICES.pop(peaked, None)
+        _SKEWS[peaked] = {None: Skew.load(skew.path)}
+        again = InfiniGen(**knobs).prepare(peaked, ByteTokenizer())
+        assert again.calibration["source"] == "searched"  # not trusted
+        assert again.calibration["chosen"] == first.calibration["chosen"]
+        assert json.loads(Skew.load(skew.path).meta[name]) == good  # and written back whole
+    finally:
+        _SKEWS.pop(peaked, None)
+        _CHOICES.pop(peaked, None)
+
+
+def test_the_key_follows_the_search_settings(peaked, text):
+    a = calibrated(peaked, text)
+    b = calibrated(peaked, text, calibrate_target=0.05)
+    c = calibrated(peaked, text, alpha=8.0)
+    assert len({a.calibration["key"], b.calibration["key"], c.calibration["key"]}) == 3
+
+
+def test_bad_calibration_knobs():
+    for bad in (dict(calibrate_target=0.0), dict(calibrate_target=1.5), dict(calibrate_bound=0.0),
+                dict(calibrate_bound=1.2), dict(calibrate="yes")):
+        with pytest.raises(UserError):
+            InfiniGen(**bad)
+
+
+def test_needs_a_tokenizer_and_enough_text(peaked, tmp_path):
+    with pytest.raises(UserError, match="tokenizer"):
+        InfiniGen(calibrate=True, skew=False, budget_ref=REF, calibrate_bound=BOUND).prepare(peaked)
+    short = tmp_path / "short.txt"
+    short.write_text("only a few words")
+    with pytest.raises(UserError, match="fewer than budget_ref"):
+        InfiniGen(calibrate=True, skew=False, budget_ref=REF, calibrate_text=str(short)).prepare(
+            peaked, ByteTokenizer())
+
+
+def test_caps_share_matches_what_a_run_reads(peaked):
+    """The bound is checked on the caps: with every entry over the threshold (alpha huge) a run reads exactly
+    the caps, so `caps_share` is what the runtime measures."""
+    tokens = torch.randint(0, 256, (1, REF), generator=torch.Generator().manual_seed(0))
+    for knobs in (dict(exact_first=True, dense_layers=()), dict(exact_first=False, dense_layers=(0,))):
+        pol = InfiniGen(skew=False, budget_ref=REF, min_fetch=0, alpha=1e9, kv_budget=0.4, budget_growth=0.5,
+                        **knobs)
+        _, kv = cal.score(peaked, tokens, REF // 8, pol)
+        assert kv == pytest.approx(cal.caps_share(pol, peaked, REF, REF // 8), abs=1e-6)
+        assert not math.isnan(kv)
+
+
+def test_largest_budget_is_the_bound(peaked):
+    """The budget the search starts from is the largest whose caps hold the bound at ref tokens and, halved,
+    at 4x ref: a little more breaks one of them."""
+    def make(b, **knobs):
+        return InfiniGen(skew=False, budget_ref=REF, min_fetch=0, alpha=9.0, kv_budget=b, budget_growth=0.5,
+                         **knobs)
+    exact, dense0 = dict(exact_first=True, dense_layers=()), dict(exact_first=False, dense_layers=(0,))
+    for bound, knobs in ((0.3, exact), (0.6, exact), (0.6, dense0)):
+        top = cal.largest_budget(lambda b: make(b, **knobs), peaked, REF, bound, 0.5)
+        assert cal.caps_share(make(top, **knobs), peaked, REF, REF // 8) <= bound + 1e-9
+        assert cal.caps_share(make(top, **knobs), peaked, 4 * REF, REF // 2) <= bound / 2 + 1e-9
+        over = make(top * 1.01, **knobs)
+        assert (cal.caps_share(over, peaked, REF, REF // 8) > bound
+                or cal.caps_share(over, peaked, 4 * REF, REF // 2) > bound / 2)
+    # one dense layer of four reads 25%: no budget fits a 30% bound that is 15% at 4x the length
+    assert cal.largest_budget(lambda b: make(b, dense_layers=(0,)), peaked, REF, 0.3, 0.5) is None
+
+
+def test_ppl_records_the_choice(tiny_checkpoint, text_file, tmp_path, capsys):
+    """`infinigen ppl` prints the choice and records it in its JSON; --calib (the skew's text) keeps the knobs
+    left to calibration left."""
+    from infinigen.cli import main
+    out = tmp_path / "ppl.json"
+    args = ["ppl", "--model", str(tiny_checkpoint), "--text", str(text_file), "--ctx", "64", "--prefill", "8",
+            "--dtype", "float32", "--policy", "infinigen", "--knob", "calibrate=true", "--knob", "budget_ref=64",
+            "--knob", f"calibrate_text={text_file}", "--knob", "calibrate_bound=0.8", "--knob", "min_fetch=0",
+            "--knob", "alpha=8", "--calib", str(text_file), "--json", str(out)]
+    assert main(args) == 0
+    assert "InfiniGen calibrated" in capsys.readouterr().err
+    res = json.loads(out.read_text())
+    rec = res["settings"]["calibration"]
+    assert rec["set"] == ["alpha"] and "kv_budget" in rec["chosen"] and "exact_first" in rec["chosen"]
+    assert res["settings"]["kv_budget"] == rec["chosen"]["kv_budget"] and res["settings"]["alpha"] == 8.0
+    assert res["kv_all"] <= 0.8 + 1e-9
