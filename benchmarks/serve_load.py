@@ -484,8 +484,9 @@ def _run_note(s: dict) -> str:
     m = s["machine"]
     shares = ", ".join(f"{r['system']} {100 * r['others_cpu_share']:.0f}%" for r in s["rows"]
                        if r.get("others_cpu_share") is not None)
+    noisy = any((r.get("others_cpu_share") or 0) > QUIET_SHARE for r in s["rows"])
     return (f"Measured {s['date']} on {m['cpu']} ({m['cores']} cores), {s['threads']} threads for each server; "
-            f"noisy (shared CPU): other processes took {shares} of the CPU during the runs"
+            f"{'noisy (shared CPU)' if noisy else 'quiet'}: other processes took {shares} of the CPU during the runs"
             + (" (quick sizes: for trying the script, not for comparing)" if s.get("quick") else "") + "."
             + (" A busy neighbour can slow llama-server more than ours: its threads poll for work (`--poll 50`, "
                "its default) and meet at every step, so one that loses its core holds up the other. Compare on a "
