@@ -16,7 +16,7 @@ FLOORS = [
                 "policies.budgets"]),
     ("stores and the policy interface", ["cache", "pool", "policies.base"]),
     ("network", ["model", "loading"]),
-    ("step", ["runtime"]),
+    ("step", ["runtime", "compiled"]),
     ("placement", ["placement", "placement.*"]),
     ("calibration", ["skew"]),
     ("methods", ["policies", "policies.*"]),

@@ -83,10 +83,6 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)
         return q if rope is None else rope.apply(q)
 
-    def forward(self, x: torch.Tensor, rope: "Rope | None", attend) -> torch.Tensor:
-        q, k, v = self.qkv(x, rope)
-        return self.o_proj(attend(self.index, q, k, v).transpose(1, 2).flatten(2))
-
 
 class NormedQKAttention(Attention):
     """Gemma 3's attention: each head's queries and keys are RMS-normed before RoPE (a subclass, so the
@@ -149,16 +145,32 @@ class Block(nn.Module):
         """One block over h [B, T, hidden]. `attend(layer, q, k, v)` is the attention itself (what the
         runtime owns: which cached entries each row reads); `event(layer, point, x)` hears of the
         attention input ("attn_in") and of the residual after attention ("attn_out")."""
-        if self.pre_norm:
-            x = self.attn_norm(h)
-            event(self.index, "attn_in", x)
-            h = h + self.attn(x, rope, attend)
-            event(self.index, "attn_out", h)
-            return h + self.mlp(self.mlp_norm(h))
-        event(self.index, "attn_in", h)  # OPT-350m style post-norm
-        h = self.attn_norm(h + self.attn(h, rope, attend))
+        x, q, k, v = self.attention_input(h, self.own_rope(rope))
+        event(self.index, "attn_in", x)
+        h = self.attention_output(h, attend(self.index, q, k, v))
         event(self.index, "attn_out", h)
-        return self.mlp_norm(h + self.mlp(h))
+        return self.feed_forward(h)
+
+    # The three dense parts of a block, split where the runtime's attention and events come in: functions of
+    # tensors only, which `infinigen.compiled` compiles (a decoding step joins one layer's output to the next
+    # layer's input in one region).
+    def attention_input(self, h: torch.Tensor, rope):
+        """(x, q, k, v): the attention input x (normed h, or h itself in OPT's post-norm) and its queries and
+        keys/values (`Attention.qkv`); `rope` is this block's own (`own_rope`)."""
+        x = self.attn_norm(h) if self.pre_norm else h
+        q, k, v = self.attn.qkv(x, rope)
+        return x, q, k, v
+
+    def attention_output(self, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The residual after attention, from the block's input h and the attention's output a [B,H,T,d]."""
+        o = self.attn.o_proj(a.transpose(1, 2).flatten(2))
+        return h + o if self.pre_norm else self.attn_norm(h + o)
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """The MLP and its residual: the block's output."""
+        if self.pre_norm:
+            return h + self.mlp(self.mlp_norm(h))
+        return self.mlp_norm(h + self.mlp(h))  # OPT-350m style post-norm
 
 
 class SandwichBlock(Block):
@@ -173,11 +185,10 @@ class SandwichBlock(Block):
     def own_rope(self, rope):
         return rope[self.index]
 
-    def forward(self, h: torch.Tensor, rope, attend, event) -> torch.Tensor:
-        x = self.attn_norm(h)
-        event(self.index, "attn_in", x)
-        h = h + self.attn_post_norm(self.attn(x, rope[self.index], attend))
-        event(self.index, "attn_out", h)
+    def attention_output(self, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return h + self.attn_post_norm(self.attn.o_proj(a.transpose(1, 2).flatten(2)))
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.mlp_post_norm(self.mlp(self.mlp_norm(h)))
 
 
@@ -281,6 +292,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+        self.step_parts = None  # a decoding step's compiled block parts (`infinigen.compiled.enable`)
 
     @property
     def device(self):

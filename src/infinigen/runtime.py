@@ -766,12 +766,10 @@ def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session]) -
 
     h = model.embed(tokens[:, None], positions)
     event(-1, "embed", h)  # placement: layer 0's rows can start moving now
-    rope = model.rope(positions)
-    for block in model.layers:
-        h = block(h, rope, attend, event)
+    logits = _blocks_and_head(model, h, model.rope(positions), attend, event)
     for s in sessions:
         s.end_step()
-    return model.head(h[:, -1])
+    return logits
 
 
 def _decode_one(model, tokens: torch.Tensor, session: Session) -> torch.Tensor:
@@ -779,10 +777,18 @@ def _decode_one(model, tokens: torch.Tensor, session: Session) -> torch.Tensor:
     positions = session.positions
     h = model.embed(tokens[:, None], positions)
     session.event(-1, "embed", h)  # placement: layer 0's rows can start moving now
-    rope = model.rope(positions)
-    for block in model.layers:
-        h = block(h, rope, session.attend, session.event)
+    logits = _blocks_and_head(model, h, model.rope(positions), session.attend, session.event)
     session.end_step()
+    return logits
+
+
+def _blocks_and_head(model, h, rope, attend, event) -> torch.Tensor:
+    """A decoding step's blocks over h [B, 1, hidden] and the head: logits [B, V]. With a compiled step
+    (`infinigen.compiled.enable`), the dense work between two attentions is one compiled region."""
+    if model.step_parts is not None:
+        return model.step_parts.run(model, h, rope, attend, event)
+    for block in model.layers:
+        h = block(h, rope, attend, event)
     return model.head(h[:, -1])
 
 

@@ -1,0 +1,259 @@
+"""A compiled decoding step: the dense work between two attentions as one Inductor kernel per layer.
+
+A decoding step is a few large operations (the weight matmuls, the attention) among hundreds of small ones
+(norms, rotary, residuals, the MLP's activation, views). Run eagerly each small one is an operator call,
+and at batch 1 their dispatch is a large part of a step on a CPU. Here the dense work of a step is cut
+where the runtime's attention and events come in, into three parts:
+
+    enter     layer 0's attention input and its q, k, v                         (`Block.attention_input`)
+    between   layer i's residual after attention, its MLP, and layer i+1's      (`attention_output`,
+              attention input and q, k, v                                        `feed_forward`, ...)
+    leave     the last layer's residual after attention and its output
+
+Each part is traced once to an aten graph with every weight an input (`make_fx` over `functional_call`),
+and compiled by Inductor (`torch._inductor.compile`: fused C++ loops on a CPU, Triton on CUDA), so one
+compiled kernel serves every layer and the compile time does not grow with depth. The compiled parts are
+called directly with tensors: no Dynamo guards per call (they cost ~170 us a call here, more than the fused
+kernels save, for a region taking two blocks' weights). What a part was traced for is its key: the block
+structure (module types, weight shapes and dtypes), the dtype, the device and the batch size rounded up to a
+power of two (rows are padded with zeros: a padded row is a zero vector, whose norm is finite). Inputs are
+made contiguous, and Inductor's generated code checks the sizes and strides it was compiled for.
+
+What stays eager is what the runtime and the policies decide per step (the store, the selection, the
+attention over a length that grows each step) and the head (its int8 table: Inductor's own code for it
+was 2x slower than `_weight_int8pack_mm`). Prefill is not compiled: a few large matmuls over many rows,
+where dispatch does not show.
+
+Inductor keeps its artifacts in `TORCHINDUCTOR_CACHE_DIR` (default: the infinigen cache's `inductor/`),
+so a later run compiles from its cache. If compiling fails (no C++ compiler, an operator Inductor cannot
+take), the step warns once, in one line, and runs eagerly: the same computation, slower.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from .paths import cache_dir
+
+MODES = ("auto", "on", "off")
+MAX_BUCKET = 64  # decoding rows beyond this run eagerly (the weight kernels switch to dense matmuls there)
+
+
+class _Enter(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, h, rope):
+        return self.block.attention_input(h, rope)
+
+
+class _Between(nn.Module):
+    """From `block`'s attention output a to the next block's attention: `block`'s residual after attention
+    (the "attn_out" event's), its output, and the next block's attention input and q, k, v."""
+
+    def __init__(self, block, nxt):
+        super().__init__()
+        self.block, self.nxt = block, nxt
+
+    def forward(self, h, a, rope):
+        h1 = self.block.attention_output(h, a)
+        out = self.block.feed_forward(h1)
+        return (h1, out, *self.nxt.attention_input(out, rope))
+
+
+class _Leave(nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, h, a):
+        h1 = self.block.attention_output(h, a)
+        return h1, self.block.feed_forward(h1)
+
+
+def _weights(prefix: str, block: nn.Module) -> dict:
+    return {f"{prefix}.{n}": t for n, t in (*block.named_parameters(), *block.named_buffers())}
+
+
+def _structure(block: nn.Module) -> tuple:
+    """What a traced part depends on in a block: its modules' types and its tensors' names, shapes and dtypes
+    (a layer whose matrix fell back to int8 is another structure)."""
+    return (tuple(type(m).__name__ for m in block.modules()),
+            tuple((n, tuple(t.shape), t.dtype) for n, t in (*block.named_parameters(), *block.named_buffers())))
+
+
+def _bucket(rows: int) -> int:
+    return 1 << (rows - 1).bit_length()
+
+
+def available() -> str | None:
+    """Why this machine cannot compile (None: it can): Inductor on a CPU needs a C++ compiler."""
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return "no C++ compiler (g++) for torch.compile's CPU backend"
+    return None
+
+
+class StepParts:
+    """The compiled parts of a decoding step (see the module docstring) and `run`, the blocks of a step.
+
+    `compile_seconds`: the time spent tracing and compiling so far (reported by the commands); `compiled`:
+    how many parts were compiled; `failed`: the reason once compiling failed, after which the step runs
+    eagerly (`Block.forward`)."""
+
+    def __init__(self):
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # kept across runs, beside the converted models
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+        self._parts: dict = {}  # key -> (compiled callable, names of the weight inputs)
+        self._structures: dict = {}  # id(block) -> (_structure, block)
+        self._inputs: dict = {}  # (part, id(block), id(next block)) -> the weights, in the traced order
+        self.compile_seconds = 0.0
+        self.compiled = 0
+        self.failed: str | None = None
+
+    def _structure(self, block) -> tuple:
+        entry = self._structures.get(id(block))
+        if entry is None or entry[1] is not block:
+            entry = self._structures[id(block)] = (_structure(block), block)
+        return entry[0]
+
+    def _part(self, name: str, blocks: tuple, tensors: list):
+        """The compiled part `name` for these blocks' structure and these tensor inputs (padded), traced and
+        compiled the first time."""
+        key = (name, *(self._structure(b) for b in blocks),
+               *((tuple(t.shape), t.dtype, t.device.type) for t in tensors))
+        part = self._parts.get(key)
+        if part is None:
+            from torch.func import functional_call
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            t0 = time.perf_counter()
+            wrapper = {"enter": _Enter, "between": _Between, "leave": _Leave}[name](*blocks)
+            weights = {}
+            for prefix, b in zip(("block", "nxt"), blocks):
+                weights.update(_weights(prefix, b))
+            names = list(weights)
+            n, base = len(names), {"enter": 1, "between": 2, "leave": 2}[name]
+            has_rope = len(tensors) > base
+
+            def traced(*flat):
+                rest = list(flat[n:])
+                args = rest[:base]
+                if name != "leave":
+                    args.append(_rope(rest[base:]) if has_rope else None)
+                return functional_call(wrapper, dict(zip(names, flat[:n])), tuple(args))
+
+            example = [*weights.values(), *tensors]
+            graph = make_fx(traced)(*example)
+            fn = torch._inductor.compile(graph, example)
+            part = self._parts[key] = (fn, names)
+            self.compile_seconds += time.perf_counter() - t0
+            self.compiled += 1
+        return part
+
+    def _call(self, name: str, blocks: tuple, tensors: list, rows: int):
+        pad = _bucket(rows) - rows
+        if pad:
+            tensors = [torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in tensors]
+        else:
+            tensors = [t.contiguous() for t in tensors]
+        fn, names = self._part(name, blocks, tensors)
+        key = (name, *(id(b) for b in blocks))
+        weights = self._inputs.get(key)
+        if weights is None:
+            found = {}
+            for prefix, b in zip(("block", "nxt"), blocks):
+                found.update(_weights(prefix, b))
+            weights = self._inputs[key] = [found[n] for n in names]
+        out = fn(*weights, *tensors)
+        return [o[:rows] for o in out] if pad else list(out)
+
+    def _try(self, name: str, blocks: tuple, tensors: list, rows: int):
+        """The part's outputs, or None once compiling (or running what was compiled) failed: then the step
+        goes on eagerly, and so does every later step."""
+        try:
+            return self._call(name, blocks, [t for t in tensors if t is not None], rows)
+        except Exception as err:  # noqa: BLE001 -- whatever the compiler raises, the eager path is the answer
+            self.failed = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:200]
+            warnings.warn(f"torch.compile failed, decoding eagerly ({self.failed})", RuntimeWarning, stacklevel=4)
+            return None
+
+    def run(self, model, h, rope, attend, event) -> torch.Tensor:
+        """The blocks of a decoding step over h [B, 1, hidden] (each layer's attention and events in the
+        order `Block.forward` has them) and the head: logits [B, V]."""
+        layers, rows = model.layers, h.shape[0]
+        if self.failed is not None or rows > MAX_BUCKET:
+            return _eager_from(model, 0, h, rope, attend, event)
+        got = self._try("enter", (layers[0],), [h, *_rope_tensors(layers[0].own_rope(rope))], rows)
+        if got is None:
+            return _eager_from(model, 0, h, rope, attend, event)
+        x, q, k, v = got
+        for i, block in enumerate(layers):
+            event(i, "attn_in", x)
+            a = attend(i, q, k, v)
+            if i + 1 < len(layers):
+                nxt = layers[i + 1]
+                got = self._try("between", (block, nxt), [h, a, *_rope_tensors(nxt.own_rope(rope))], rows)
+            else:
+                got = self._try("leave", (block,), [h, a], rows)
+            if got is None:  # this layer's attention has run: the rest of it, then the later layers, eagerly
+                h1 = block.attention_output(h, a)
+                event(i, "attn_out", h1)
+                return _eager_from(model, i + 1, block.feed_forward(h1), rope, attend, event)
+            h1, h = got[:2]
+            if i + 1 < len(layers):
+                x, q, k, v = got[2:]
+            event(i, "attn_out", h1)
+        return model.head(h[:, -1])
+
+
+def _eager_from(model, start: int, h, rope, attend, event) -> torch.Tensor:
+    """The blocks from layer `start` on (h: its input) and the head, as `Block.forward` runs them."""
+    for block in model.layers[start:]:
+        h = block(h, rope, attend, event)
+    return model.head(h[:, -1])
+
+
+def _rope_tensors(rope) -> tuple:
+    return (None,) if rope is None else tuple(rope)
+
+
+def _rope(tensors):
+    from .model import Rope
+    return Rope(*tensors)
+
+
+def resolve(mode: str, device_type: str, long_running: bool) -> str | None:
+    """Whether `mode` compiles here: None (it does) or why not. "auto" compiles where it pays: a CPU with a
+    C++ compiler, for long-running work (a server, a benchmark), where the compile time (seconds from
+    Inductor's cache, about a minute cold on 2 cores) is paid once; a short generation runs eagerly. CUDA
+    is compiled only on request ("on"): that path has not run on a GPU yet."""
+    if mode not in MODES:
+        raise ValueError(f"compile must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "off":
+        return "off"
+    if mode == "auto" and (device_type != "cpu" or not long_running):
+        return "auto: compiled only for long-running work on a CPU"
+    return available()
+
+
+def enable(model, mode: str = "on", long_running: bool = True) -> StepParts | None:
+    """Compile `model`'s decoding steps (`model.step_parts`, used by `runtime.decode`); None when `mode` or
+    the machine rules it out. A model whose blocks carry hooks (weight streaming, probes) stays eager: a
+    hook is Python that must run at its point in the block."""
+    why = resolve(mode, model.device.type, long_running)
+    if why is None and any(m._forward_hooks or m._forward_pre_hooks for m in model.layers.modules()):
+        why = "the blocks carry hooks"
+    model.step_parts = None if why else StepParts()
+    if why and mode == "on":
+        warnings.warn(f"decoding eagerly: {why}", RuntimeWarning, stacklevel=2)
+    return model.step_parts
+
+
+def disable(model) -> None:
+    model.step_parts = None
