@@ -173,6 +173,27 @@ class StepParts:
         out = fn(*weights, *tensors)
         return [o[:rows] for o in out] if pad else list(out)
 
+    def warm(self, model, rows: int = 1) -> float:
+        """Compile the parts for decoding steps of `rows` rows now (a server before it listens); the seconds
+        it took. A failure is left for the first step to meet (and fall back from)."""
+        t0 = time.perf_counter()
+        layers, n = model.layers, _bucket(rows)
+        cfg = model.cfg
+        h = torch.zeros(n, 1, cfg.hidden_size, dtype=model.dtype, device=model.device)
+        a = torch.zeros(n, cfg.num_heads, 1, cfg.head_dim, dtype=model.dtype, device=model.device)
+        rope = model.rope(torch.zeros(n, 1, dtype=torch.long, device=model.device))
+        calls = [("enter", (layers[0],), [h, *_rope_tensors(layers[0].own_rope(rope))])]
+        if len(layers) > 1:
+            calls.append(("between", (layers[0], layers[1]), [h, a, *_rope_tensors(layers[1].own_rope(rope))]))
+        calls.append(("leave", (layers[-1],), [h, a]))
+        try:
+            with torch.inference_mode():
+                for name, blocks, tensors in calls:
+                    self._part(name, blocks, [t for t in tensors if t is not None])
+        except Exception:  # noqa: BLE001 -- the first step meets it again, warns and decodes eagerly
+            pass
+        return time.perf_counter() - t0
+
     def _try(self, name: str, blocks: tuple, tensors: list, rows: int):
         """The part's outputs, or None once compiling (or running what was compiled) failed: then the step
         goes on eagerly, and so does every later step."""

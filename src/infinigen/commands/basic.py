@@ -15,8 +15,9 @@ import typer
 from ..errors import UserError
 from ..policies import REGISTRY
 from .options import (FLOAT, MAX_ROWS, MODEL_HELP, check_kv_fits, check_model_options,  # noqa: F401 (re-exported)
-                      check_policies_fit, check_range, check_weights_option, device_option, dtype_option,
-                      knob_option, make_policy_from_cli, model_option, resolve_dtype, weights_option, write_json)
+                      check_compile_option, check_policies_fit, check_range, check_weights_option, compile_option,
+                      device_option, dtype_option, enable_compile, knob_option, make_policy_from_cli, model_option,
+                      resolve_dtype, weights_option, write_json)
 from . import placement_opts
 
 
@@ -101,6 +102,7 @@ def generate_cmd(
     capacity: Optional[float] = placement_opts.CAPACITY,
     pool_dir: Optional[Path] = placement_opts.POOL_DIR,
     evict: str = placement_opts.EVICT,
+    compile: str = compile_option("off for a generation: its compile time would outweigh what it saves"),
 ):
     """Generate text with the runtime, streaming the first prompt's answer."""
     from ..generate import Sampling, TextStreamer, generate
@@ -113,6 +115,7 @@ def generate_cmd(
     check_range("seed", seed, lo=0, hi=2 ** 63 - 1)
     check_model_options(device, dtype)
     check_weights_option(weights)
+    check_compile_option(compile)
     check_range("batch-size", batch_size, hi=MAX_ROWS)
     prompts = read_prompts(prompt, prompt_file)
     check_range("batch-size", len(prompts) * batch_size, hi=MAX_ROWS)  # rows, before building them
@@ -125,6 +128,7 @@ def generate_cmd(
     try:
         net, tok, name = load_model(model, dtype, device, weights)
         check_policies_fit(pol, net)
+        compiled_note = enable_compile(net, compile, long_running=False, rows=(len(prompts),))
         # the context and the memory the batch needs (KV, logits, activations) are checked by `generate`
         # itself, before it allocates anything: the same check as for a caller of the Python API
         streamer = TextStreamer(tok, row=0, write=_out)
@@ -144,6 +148,7 @@ def generate_cmd(
              f"{new} new tokens, decode {g.decode_tokens_per_s:.1f} tokens/s" if g.decode_steps else f"{new} new tokens"]
     if not pol.exact and g.stats is not None and g.decode_steps:
         parts.append(f"policy {policy}: relative KV size {100 * g.stats.overall():.1f}%")
+    parts.append(compiled_note)
     print(" | ".join(p for p in parts if p), file=sys.stderr)
 
 

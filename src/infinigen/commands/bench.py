@@ -9,15 +9,17 @@ offloaded DynamicCache on CUDA). Policy settings: `--knob NAME=VALUE` (or POLICY
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from ..errors import UserError
-from .options import (FLOAT, MAX_ROWS, check_kv_fits, check_model_options, check_out_file, check_policies_fit,
-                      check_range, check_weights_option, device_option, dtype_option, knob_option, model_option,
-                      parse_policies, plot_formats, prepare_policies, weights_option, write_json)
+from .options import (FLOAT, MAX_ROWS, check_compile_option, check_kv_fits, check_model_options, check_out_file,
+                      check_policies_fit, check_range, check_weights_option, compile_option, device_option,
+                      dtype_option, enable_compile, knob_option, model_option, parse_policies, plot_formats,
+                      prepare_policies, weights_option, write_json)
 from .placement_opts import EVICT, POOL_BYTES, POOL_DIR, ROW_CACHE_BYTES, parse_bytes, parse_size
 
 
@@ -65,6 +67,7 @@ def bench_cmd(
     device: str = device_option(),
     dtype: str = dtype_option(),
     weights: str = weights_option(),
+    compile: str = compile_option("on where it runs: a CPU with a C++ compiler; compiled before the timed steps"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write all rows to this JSON file."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: decode throughput vs batch size and vs length."),
     memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Run under this memory bound (e.g. 2G; a cgroup "
@@ -96,6 +99,7 @@ def bench_cmd(
     check_range("weights-offload", weights_offload, lo=0, hi=1)
     check_model_options(device, dtype)
     check_weights_option(weights)
+    check_compile_option(compile)
     tiers = [s.strip() for s in kv_offload.split(",") if s.strip()]
     for t in tiers:
         if t not in KINDS:
@@ -156,6 +160,9 @@ def bench_cmd(
         policies = {label: pol.for_random_weights(net, fixed_ratio) for label, pol in policies.items()}
     else:
         prepare_policies(policies, net, tok)  # InfiniGen: skew from the cache, else calibrated once and cached
+    compiled_note = enable_compile(net, compile, long_running=True, rows=batch_sizes)
+    if compiled_note:
+        print(compiled_note, file=sys.stderr)
 
     systems = []
     if ideal:
@@ -188,6 +195,7 @@ def bench_cmd(
     label = name + (f", InfiniGen fixed selection ratio {fixed_ratio}" if synthetic and fixed_ratio else "")
     payload = {"model": label, "synthetic": bool(synthetic), "device": device, "dtype": dtype,
                "weights": getattr(getattr(net, "weights_info", None), "mode", weights),
+               "compiled_step": _compiled_facts(net),
                "machine": bench.machine(), "settings": {"prompt_lens": prompt_lens, "batch_sizes": batch_sizes,
                                                         "gen_len": gen_len, "kv_offload": tiers, "policies": names,
                                                         "knobs": knob, "capacity": capacity, "pool_bytes": limit,
@@ -291,6 +299,14 @@ def _print(p: dict) -> None:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in blk.items())
             c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}) per-block ms: {parts}; "
                     f"step {bd['step_ms']:.1f} ms; worker gather {bd['worker_gather_ms_per_step']:.1f} ms/step (overlapped)")
+
+
+def _compiled_facts(net) -> dict | None:
+    """What the JSON records of the compiled step: None when decoding ran eagerly."""
+    parts = getattr(net, "step_parts", None)
+    if parts is None:
+        return None
+    return {"parts": parts.compiled, "compile_s": round(parts.compile_seconds, 2), "failed": parts.failed}
 
 
 def register(app: typer.Typer) -> None:

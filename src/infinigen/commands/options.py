@@ -62,6 +62,29 @@ def weights_option():
                              "bfloat16; else dense), int4 (group 32), int8 (per row), bf16 or fp32 (dense).")
 
 
+def compile_option(default_help: str):
+    return typer.Option("auto", "--compile", help="Compile the decoding step with torch.compile (Inductor): on, "
+                                                  f"off, or auto ({default_help}).")
+
+
+def check_compile_option(mode: str) -> None:
+    from ..compiled import MODES
+    if mode not in MODES:
+        raise UserError(f"unknown --compile {mode!r}; choose from {', '.join(MODES)}")
+
+
+def enable_compile(net, mode: str, long_running: bool, rows=(1,)) -> str:
+    """Compile `net`'s decoding step as `mode` says (`infinigen.compiled.enable`) and warm it for batches of
+    `rows` rows; a few words for the summary line ("" when it stays eager)."""
+    from ..compiled import enable
+    parts = enable(net, mode, long_running=long_running)
+    if parts is None:
+        return ""
+    for r in rows:
+        parts.warm(net, r)
+    return f"compiled step ({parts.compile_seconds:.1f} s to compile)" if parts.failed is None else ""
+
+
 def check_weights_option(weights: str) -> None:
     if weights.lower() not in WEIGHT_NAMES:
         raise UserError(f"unknown --weights {weights!r}; choose from auto, int4, int8, bf16, fp32")

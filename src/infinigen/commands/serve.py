@@ -20,8 +20,9 @@ import typer
 
 from ..errors import UserError
 from ..policies import REGISTRY
-from .options import (check_model_options, check_policies_fit, check_range, device_option, dtype_option,
-                      knob_option, make_policy_from_cli, model_option, prepare_policies)
+from .options import (check_compile_option, check_model_options, check_policies_fit, check_range, compile_option,
+                      device_option, dtype_option, enable_compile, knob_option, make_policy_from_cli, model_option,
+                      prepare_policies)
 from .placement_opts import parse_bytes
 
 OFFLOADS = ("none", "cpu", "disk")
@@ -60,9 +61,12 @@ def serve_cmd(
                                  "(RAY_ADDRESS attaches to a running cluster)."),
     device: str = device_option(),
     dtype: str = dtype_option(),
+    compile: str = compile_option("on where it runs: a CPU with a C++ compiler; compiled for every batch "
+                                  "size up to --max-batch before the server listens"),
 ):
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching."""
     check_model_options(device, dtype)
+    check_compile_option(compile)
     if kv_offload not in OFFLOADS:
         raise UserError(f"--kv-offload must be one of {', '.join(OFFLOADS)}, got {kv_offload!r}")
     check_range("max-batch", max_batch, lo=1)
@@ -82,7 +86,7 @@ def serve_cmd(
     spec = dict(model=model, policy=policy, knob=list(knob), kv_offload=kv_offload, pool_dir=pool_dir,
                 max_batch=max_batch, max_queue=max_queue, prefill_chunk_layers=prefill_chunk_layers,
                 prefix_cache=prefix_cache, name=name,
-                device=device, dtype=dtype, **budgets)
+                device=device, dtype=dtype, compile=compile, **budgets)
     listener = _listen(host, port)
     with _sigterm_exits():
         try:
@@ -227,6 +231,11 @@ def build(spec: dict):
     net, tok, name = load_model(spec["model"], spec["dtype"], spec["device"])
     check_policies_fit(pol, net)
     prepare_policies({spec["policy"]: pol}, net, tok)
+    # every batch size the engine can decode (a power of two covers those below it: rows are padded)
+    sizes = [1 << i for i in range(7) if 1 << i < 2 * spec["max_batch"]]  # up to compiled.MAX_BUCKET
+    note = enable_compile(net, spec.get("compile", "auto"), long_running=True, rows=sizes)
+    if note:
+        print(note, file=sys.stderr)
     engine = Engine(net, pol, Placement(kv_offload=spec["kv_offload"], pool_dir=spec["pool_dir"]),
                     eos=stop_ids(net, tok), max_batch=spec["max_batch"], max_queue=spec["max_queue"],
                     fast_bytes=spec["fast_bytes"], pool_bytes=spec["pool_bytes"],
