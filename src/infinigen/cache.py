@@ -59,6 +59,11 @@ class KVStore:
         n = self.length[layer]
         return self.k[layer][:, :, :n], self.v[layer][:, :, :n], self.valid[layer][:, :, :n], self.pos[layer][:, :, :n]
 
+    def used_keys_values(self, layer: int):
+        """Views of the used slots' keys and values [B,Hkv,S,d] (`past` without the metadata)."""
+        n = self.length[layer]
+        return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
+
     def slots(self, layer: int, keep: torch.Tensor, valid: torch.Tensor):
         """The slots a selection reads: keep [B,Hkv,S] & valid -> (that mask, idx [B,Hkv,n] with the
         selected slots first, mask [B,Hkv,n] False on padding, counts [B,Hkv]); n = the largest count."""
@@ -143,6 +148,14 @@ class KVStore:
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Store one token's k, v [B,Hkv,1,d]; returns the slot written per (batch, kv head) [B,Hkv]."""
         b, h = k.shape[:2]
+        n = self.length[layer]
+        if n < self.capacity and self.allocator is None:  # every row's token goes to slot n: plain copies
+            self.length[layer] = n + 1  # (a fifth of the operator calls of the scatters below, per layer)
+            self.k[layer][:, :, n:n + 1] = self.codec.encode(k)
+            self.v[layer][:, :, n:n + 1] = self.codec.encode(v)
+            self.valid[layer][:, :, n] = True
+            self.pos[layer][:, :, n] = positions[:, None]
+            return torch.full((b, h), n, dtype=torch.long, device=k.device)
         slots = self._claim(layer, b, h, k.device)
         idx = slots[:, :, None, None].expand(b, h, 1, k.shape[-1])
         for buf, x in ((self.k[layer], self.codec.encode(k)), (self.v[layer], self.codec.encode(v))):

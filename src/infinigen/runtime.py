@@ -77,6 +77,12 @@ class KVStats:
                 self.steps[layer] += s.shape[-1]
                 self.entries[layer] += int(n)
 
+    def record_all(self, layer: int, batch: int, kv_heads: int, past: int) -> None:
+        """One decoding row per batch row read every one of its `past` entries (all valid past tokens)."""
+        self.read[layer] += 1.0
+        self.steps[layer] += 1
+        self.entries[layer] += batch * kv_heads * past
+
     def per_layer(self) -> list[float]:
         self._flush()
         return [r / s if s else float("nan") for r, s in zip(self.read, self.steps)]
@@ -438,8 +444,6 @@ class Session:
         kp, _, valid, pos = store.past(layer)
         cur = self._positions[:, self._row]  # [B]
         window = model.cfg.window(layer)
-        visible = valid if window is None else valid & (cur[:, None, None] - pos < window)
-        past = cur[:, None, None] if window is None else cur[:, None, None].clamp(max=window - 1)
         rows = None
         keep = self._plans.pop(layer, None)
         if keep is None:
@@ -454,13 +458,18 @@ class Session:
             for lis in self.listeners:
                 lis.on_select(layer, rows, wide, self)
         if keep is ALL:
-            self.stats.record(layer, visible.sum(-1, keepdim=True), past)
-            self.stats.record_rows(layer, visible.numel())  # every used slot of every (batch row, KV head)
-            read = _Read(cur, ALL, visible, None, None, None, ALL, False)
+            self.stats.record_rows(layer, valid.numel())  # every used slot of every (batch row, KV head)
             if in_place and store.attends_in_place() and not pol.needs_weights and (
                     window is None or store.length[layer] < window):
-                return read._replace(full=True)  # every used slot is valid and within the window
-            return self._read_dense(layer, read)
+                # every used slot is valid and within the window, each a past token: every row reads all its
+                # past (counted without tensor work: this is the dense step's per-layer path)
+                self.stats.record_all(layer, *valid.shape)
+                return _Read(cur, ALL, valid, None, None, None, ALL, True)
+        visible = valid if window is None else valid & (cur[:, None, None] - pos < window)
+        past = cur[:, None, None] if window is None else cur[:, None, None].clamp(max=window - 1)
+        if keep is ALL:
+            self.stats.record(layer, visible.sum(-1, keepdim=True), past)
+            return self._read_dense(layer, _Read(cur, ALL, visible, None, None, None, ALL, False))
         if in_place and self.reads_rows():
             sel = store.select_rows(layer, keep, visible)  # the rows are read by the attention itself
             self.stats.record(layer, sel.counts[..., None], past)
@@ -525,7 +534,7 @@ class Session:
             return self._attend_selected(layer, read, q, k, v)
         if read.keys is None:
             slots = self.store.append(layer, k, v, read.cur)
-            kp, vp, _, _ = self.store.past(layer)
+            kp, vp = self.store.used_keys_values(layer)
             out = attend_all(q, kp, vp, self.model.scale)
             self._appended(layer, slots, k, v)
             return out
