@@ -104,15 +104,12 @@ def serve_cmd(
                 return
             app = build(spec)
             engine = app.state.engine
-            try:
-                engine.check_fits(1, 1)
-            except UserError as e:
-                raise UserError(f"the KV budgets cannot hold a request of one prompt token and one new token: {e}")
         except BaseException:
             listener.close()
             raise
     port = listener.getsockname()[1]  # --port 0: the one the system chose
-    print(f"infinigen: serving {app.state.model_name} on http://{host}:{port}/v1 ({engine.describe()})", file=sys.stderr)
+    described = ", ".join(filter(None, [engine.describe(), app.state.compiled_note]))
+    print(f"infinigen: serving {app.state.model_name} on http://{host}:{port}/v1 ({described})", file=sys.stderr)
     if _serve(app, listener, host, port) == signal.SIGINT:
         raise KeyboardInterrupt  # the CLI's Ctrl-C: exit 130
 
@@ -231,19 +228,23 @@ def build(spec: dict):
     net, tok, name = load_model(spec["model"], spec["dtype"], spec["device"])
     check_policies_fit(pol, net)
     prepare_policies({spec["policy"]: pol}, net, tok)
-    # every batch size the engine can decode (a power of two covers those below it: rows are padded)
-    sizes = [1 << i for i in range(7) if 1 << i < 2 * spec["max_batch"]]  # up to compiled.MAX_BUCKET
-    note = enable_compile(net, spec.get("compile", "auto"), long_running=True, rows=sizes)
-    if note:
-        print(note, file=sys.stderr)
     engine = Engine(net, pol, Placement(kv_offload=spec["kv_offload"], pool_dir=spec["pool_dir"]),
                     eos=stop_ids(net, tok), max_batch=spec["max_batch"], max_queue=spec["max_queue"],
                     fast_bytes=spec["fast_bytes"], pool_bytes=spec["pool_bytes"],
                     prefill_chunk_layers=spec.get("prefill_chunk_layers", 1),
                     prefix_cache=spec.get("prefix_cache", True), prefix_cache_bytes=spec.get("prefix_cache_bytes"))
+    try:
+        engine.check_fits(1, 1)
+    except UserError as e:
+        raise UserError(f"the KV budgets cannot hold a request of one prompt token and one new token: {e}")
+    # compiled once the engine accepted the budgets, for every batch size it can decode (a power of two
+    # covers those below it: rows are padded)
+    sizes = [1 << i for i in range(7) if 1 << i < 2 * spec["max_batch"]]  # up to compiled.MAX_BUCKET
+    compiled_note = enable_compile(net, spec.get("compile", "auto"), long_running=True, rows=sizes)
     served = spec.get("name") or re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")  # URL- and shell-friendly
     app = create_app(engine, tok, served)
     app.state.model_name = served
+    app.state.compiled_note = compiled_note
     return app
 
 
