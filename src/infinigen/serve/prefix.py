@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,6 +82,7 @@ class DiskTier:
         self.device = torch.device(device)
         self.hits = self.hit_tokens = self.skipped = self.evictions = self.writes = self.write_errors = 0
         self._logged: set[str] = set()
+        self._clock = 0  # the last mtime set (`_touch`)
         self._lock = threading.Lock()  # the byte count and the folder's listing: the writer and lookups
         self.bytes = sum(f.stat().st_size for f in self._files())
         self._queue: queue.Queue = queue.Queue()
@@ -104,11 +106,19 @@ class DiskTier:
         except Exception as e:  # truncated, corrupt, another model's, another layout: never trusted
             self._skip(path, str(e).splitlines()[0] if str(e) else type(e).__name__)
             return None
+        self._touch(path)
+        return block
+
+    def _touch(self, path: Path) -> None:
+        """Mark a file used now: the folder evicts by mtime. Set explicitly, strictly increasing within this
+        process: the file system's clock can give files written a few ms apart the same mtime."""
+        with self._lock:
+            self._clock = max(time.time_ns(), self._clock + 1)
+            now = self._clock
         try:
-            os.utime(path)  # recently used: the folder evicts by mtime
+            os.utime(path, ns=(now, now))
         except OSError:
             pass
-        return block
 
     def _read(self, path: Path, key: bytes) -> "_Block":
         from safetensors import safe_open
@@ -169,7 +179,7 @@ class DiskTier:
         from safetensors.torch import save_file
         path = self.path(key)
         if path.is_file():
-            os.utime(path)
+            self._touch(path)
             return
         if block.nbytes > self.max_bytes:
             return
@@ -183,6 +193,7 @@ class DiskTier:
             os.replace(tmp, path)  # atomic: a reader (this server after a restart, another one) sees all or none
         finally:
             tmp.unlink(missing_ok=True)
+        self._touch(path)
         self.writes += 1
         with self._lock:
             self.bytes += path.stat().st_size
