@@ -460,9 +460,12 @@ class Engine:
         where = self.placement.describe(self.model.device)
         f1, s1 = self.cost.fast1, self.cost.slow1
         slow = f", KV pool budget {self.slow_budget / gib:.2f} GiB ({s1:.0f} B/token)" if self.slow_budget else ""
+        p = self.prefix
+        prefix = "no prefix cache" if p is None else f"prefix cache {p.max_bytes / gib:.2f} GiB" + (
+            f" and {p.disk.max_bytes / gib:.2f} GiB in {p.disk.dir}" if p.disk is not None else "")
         return (f"policy {getattr(self.policy, 'name', '?')}, {where}; fast-memory budget "
                 f"{self.fast_budget / gib:.2f} GiB "
-                f"({f1:.0f} B/token){slow}; at most {self.max_batch} running, {self.max_queue} waiting")
+                f"({f1:.0f} B/token){slow}; at most {self.max_batch} running, {self.max_queue} waiting; {prefix}")
 
     def idle(self) -> bool:
         return not self.running and not self.waiting
