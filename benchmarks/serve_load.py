@@ -488,10 +488,10 @@ def _run_note(s: dict) -> str:
     return (f"Measured {s['date']} on {m['cpu']} ({m['cores']} cores), {s['threads']} threads for each server; "
             f"{'noisy (shared CPU)' if noisy else 'quiet'}: other processes took {shares} of the CPU during the runs"
             + (" (quick sizes: for trying the script, not for comparing)" if s.get("quick") else "") + "."
-            + (" A busy neighbour can slow llama-server more than ours: its threads poll for work (`--poll 50`, "
-               "its default) and meet at every step, so one that loses its core holds up the other. Compare on a "
-               "quiet machine (`--wait-idle`)." if any((r.get("others_cpu_share") or 0) > QUIET_SHARE for r in s["rows"])
-               else ""))
+            + ((" A busy neighbour can slow llama-server more than ours: its threads poll for work (`--poll 50`, "
+                "its default) and meet at every step, so one that loses its core holds up the other."
+                if any(r["system"].startswith("llama") for r in s["rows"]) else "") + " Compare on a "
+               "quiet machine (`--wait-idle`)." if noisy else ""))
 
 
 def _commands(s: dict) -> list[str]:
@@ -531,13 +531,14 @@ def peer_sections(peer: dict, alone: bool = False) -> list[str]:
                 f"A document of {p['doc_tokens']} tokens (the start of Emma) and {p['questions']} different questions "
                 f"about it, sent one after another ({p['max_tokens']} new tokens each; the document first, so every "
                 "prompt shares it as a prefix). The target: TTFT of requests 2.. at most 10% of request 1's. "
-                "llama-server keeps each slot's last prompt and reuses its longest common prefix (`cache_prompt`, "
-                "its default; its host-memory prompt cache `--cache-ram` also at its default). 'restarted': our "
+                + ("llama-server keeps each slot's last prompt and reuses its longest common prefix (`cache_prompt`, "
+                   "its default; its host-memory prompt cache `--cache-ram` also at its default). "
+                   if any(r["system"].startswith("llama") for r in s["rows"]) else "") + "'restarted': our "
                 "server is stopped (SIGTERM) after request 1 and a new process on the same `--prefix-cache-dir` "
                 "answers requests 2..; its warm-up request is unrelated to the document."
                 + (f" Run with {p['questions']} questions instead of 20: {s['note']}." if s.get("note") else ""),
                 "", _run_note(s), "", *document_table(s["rows"]), "",
-                *_commands(s)]
+                *([s["remark"], ""] if s.get("remark") else []), *_commands(s)]
     if "join" in peer:
         s = peer["join"]
         p = s["params"]
