@@ -318,3 +318,22 @@ def test_serve_checks_the_prefix_cache_folder_before_loading(capsys, tmp_path):
         assert main(["serve", "--model", "/nonexistent", "--port", "0", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("infinigen: error:") and err.count("\n") == 1 and "prefix-cache-dir" in err, err
+
+
+def test_a_block_evicted_meanwhile_is_a_miss_and_old_temp_files_are_cleaned(make_tiny, tmp_path):
+    import time
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    stale, fresh = tmp_path / ".x.safetensors.1.2.partial", tmp_path / ".y.safetensors.3.4.partial"
+    for f in (stale, fresh):
+        f.write_bytes(b"half a block")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    eng = _restarted(model, make_policy("full"), tmp_path)
+    assert not stale.exists() and fresh.exists()  # a killed server's, and one another server may be writing
+    doc = _tokens(model, 16, seed=4)[0].tolist()
+    _served(eng, doc + [1], 2)
+    eng.stop()
+    again = _restarted(model, make_policy("full"), tmp_path)
+    again.prefix.disk.path(again.prefix._keys(doc, 2)[1]).unlink()  # deleted by another server sharing the folder
+    assert _served(again, doc + [3], 3) == _alone(model, make_policy("full"), doc + [3], 3)
+    s = again.snapshot()
+    assert s["prefix_cache_disk_hit_tokens"] == 8 and s["prefix_cache_disk_skipped"] == 0

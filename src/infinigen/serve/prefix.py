@@ -84,13 +84,35 @@ class DiskTier:
         self._logged: set[str] = set()
         self._clock = 0  # the last mtime set (`_touch`)
         self._lock = threading.Lock()  # the byte count and the folder's listing: the writer and lookups
-        self.bytes = sum(f.stat().st_size for f in self._files())
+        self._clean_partials()
+        self.bytes = sum(size for _, _, size, _ in self._listing())
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="infinigen-prefix-writer", daemon=True)
         self._writer.start()
 
     def _files(self) -> list[Path]:
         return [f for f in self.dir.iterdir() if f.name.endswith(SUFFIX) and not f.name.startswith(".")]
+
+    def _listing(self) -> list[tuple[int, str, int, Path]]:
+        """(mtime ns, name, size, path) of every block file (one deleted meanwhile is left out)."""
+        out = []
+        for f in self._files():
+            try:
+                st = f.stat()
+            except OSError:
+                continue
+            out.append((st.st_mtime_ns, f.name, st.st_size, f))
+        return out
+
+    def _clean_partials(self, older_than_s: float = 600) -> None:
+        """Temp files a killed server left (a live one sharing the folder writes each within seconds)."""
+        cutoff = time.time() - older_than_s
+        for f in self.dir.glob(".*.partial"):
+            try:
+                if f.stat().st_mtime < cutoff:
+                    f.unlink()
+            except OSError:
+                pass
 
     def path(self, key: bytes) -> Path:
         return self.dir / f"{self.fingerprint}-{self.block_tokens}-{key.hex()}{SUFFIX}"
@@ -103,7 +125,11 @@ class DiskTier:
             return None
         try:
             block = self._read(path, key)
+        except FileNotFoundError:  # evicted meanwhile (by this server's writer, or another's): a miss
+            return None
         except Exception as e:  # truncated, corrupt, another model's, another layout: never trusted
+            if not path.exists():
+                return None
             self._skip(path, str(e).splitlines()[0] if str(e) else type(e).__name__)
             return None
         self._touch(path)
@@ -203,13 +229,7 @@ class DiskTier:
     def _evict(self, spared: set[str]) -> None:
         """Delete the least recently used files until the folder is under its limit (listed anew: another
         server may share the folder)."""
-        files = []
-        for f in self._files():
-            try:
-                st = f.stat()
-            except OSError:
-                continue
-            files.append((st.st_mtime, f.name, st.st_size, f))
+        files = self._listing()
         self.bytes = sum(size for _, _, size, _ in files)
         for _, name, size, f in sorted(files):
             if self.bytes <= self.max_bytes:
