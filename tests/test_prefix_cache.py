@@ -337,3 +337,34 @@ def test_a_block_evicted_meanwhile_is_a_miss_and_old_temp_files_are_cleaned(make
     assert _served(again, doc + [3], 3) == _alone(model, make_policy("full"), doc + [3], 3)
     s = again.snapshot()
     assert s["prefix_cache_disk_hit_tokens"] == 8 and s["prefix_cache_disk_skipped"] == 0
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape", "key", "layers"])
+def test_a_file_with_this_models_fingerprint_but_other_tensors_is_skipped(make_tiny, tmp_path, bad):
+    from safetensors.torch import load_file, save_file
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    doc = _tokens(model, 16, seed=6)[0].tolist()
+    first = _restarted(model, make_policy("full"), tmp_path)
+    _served(first, doc + [1], 2)
+    first.stop()
+    disk = first.prefix.disk
+    keys = first.prefix._keys(doc, 2)
+    path = disk.path(keys[1])
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(path))
+    if bad == "dtype":  # the same values, another dtype
+        tensors = {n: t.double() for n, t in tensors.items()}
+    elif bad == "shape":  # a token short
+        tensors = {n: t[:, :, :-1].contiguous() for n, t in tensors.items()}
+    elif bad == "key":  # block 1's file under block 2's name
+        tensors = load_file(str(disk.path(keys[0])))
+        meta["key"] = keys[0].hex()
+    else:  # a layer missing
+        tensors = {n: t for n, t in tensors.items() if not n.endswith("1")}
+    save_file(tensors, str(path), metadata=meta)
+    again = _restarted(model, make_policy("full"), tmp_path)
+    assert _served(again, doc + [2], 4) == _alone(model, make_policy("full"), doc + [2], 4)
+    s = again.snapshot()
+    assert s["prefix_cache_disk_skipped"] == 1 and s["prefix_cache_disk_hit_tokens"] == 8, bad
