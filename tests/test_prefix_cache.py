@@ -3,6 +3,8 @@ values restored, not recomputed) and gets the tokens a prefill of the whole prom
 engine reuses shared prefixes by blocks, counts hits, and evicts by LRU under its byte limit."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -170,3 +172,199 @@ def test_metrics_count_prefix_cache_hits(make_tiny):
     _run(eng, doc + [9, 4], 2)
     text = generate_latest(_registry(eng)).decode()
     assert "infinigen_prefix_cache_hits_total 1.0" in text and "infinigen_prefix_cache_hit_tokens_total 16.0" in text
+
+
+# ---- the folder (--prefix-cache-dir): blocks that survive a restart --------------------------------------
+def _restarted(model, pol, folder, **kw):
+    """An engine as a restarted server makes it: a new one over the same folder."""
+    return Engine(model, pol, Placement(), prefix_block=8, prefix_cache_dir=folder, **kw)
+
+
+def _served(eng, prompt, n):
+    tokens = _run(eng, prompt, n)
+    eng.prefix.disk.flush()
+    return tokens
+
+
+@pytest.mark.parametrize("policy", ["full", "infinigen", "streaming", "oracle"])
+def test_a_request_served_from_the_folder_after_a_restart_gets_its_tokens_alone(make_tiny, policy, tmp_path):
+    _, model = make_tiny("llama", num_hidden_layers=3)
+    doc = _tokens(model, 27, seed=7)[0].tolist()
+    q1, q2 = _tokens(model, 5, seed=8)[0].tolist(), _tokens(model, 9, seed=9)[0].tolist()
+    pol = _policy(policy, model)
+    first = _restarted(model, pol, tmp_path)
+    assert _served(first, doc + q1, 6) == _alone(model, pol, doc + q1, 6)
+    first.stop()
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4  # 32 tokens: 4 whole blocks
+    second = _restarted(model, pol, tmp_path)
+    assert second.prefix.bytes == 0  # nothing in memory: what it reuses comes from the folder
+    assert _served(second, doc + q2, 6) == _alone(model, pol, doc + q2, 6), policy
+    s = second.snapshot()
+    assert s["prefix_cache_disk_hits"] == 1 and s["prefix_cache_disk_hit_tokens"] == 24  # the document's 3 blocks
+    assert s["prefix_cache_hit_tokens"] == 24 and s["prefix_cache_disk_skipped"] == 0
+
+
+def _other_model(model):
+    """Another model of the same shapes: its blocks have this model's layout but not its keys and values."""
+    import copy
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(1.25)
+    return other
+
+
+def test_corrupt_and_foreign_files_are_skipped_and_the_answer_stays_exact(make_tiny, tmp_path):
+    from infinigen.serve.prefix import prefix_fingerprint
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    pol = make_policy("full")
+    doc = _tokens(model, 24, seed=12)[0].tolist()  # 3 blocks
+    prompt = doc + [5, 6, 7]
+    alone = _alone(model, pol, prompt, 6)
+    other = _other_model(model)
+    assert prefix_fingerprint(other) != prefix_fingerprint(model)
+    # another model's blocks of the same tokens, under this model's file names
+    foreign = _restarted(other, pol, tmp_path / "other")
+    _served(foreign, prompt, 2)
+    foreign.stop()
+    eng = _restarted(model, pol, tmp_path / "mine")
+    _served(eng, prompt, 2)
+    eng.stop()
+    mine = sorted((tmp_path / "mine").glob("*.safetensors"))
+    assert len(mine) == 3
+    disk = eng.prefix.disk
+    keys = eng.prefix._keys(prompt, 3)
+    # another model's block 2 in place of ours (its name, its layout): block 1 only
+    (tmp_path / "other" / foreign.prefix.disk.path(keys[1]).name).replace(disk.path(keys[1]))
+    again = _restarted(model, pol, tmp_path / "mine")
+    assert _served(again, prompt, 6) == alone
+    s = again.snapshot()
+    assert s["prefix_cache_disk_skipped"] == 1 and s["prefix_cache_disk_hit_tokens"] == 8
+    again.stop()
+    # the skipped block was computed again and written anew; now block 3 is truncated: blocks 1 and 2
+    raw = disk.path(keys[2]).read_bytes()
+    disk.path(keys[2]).write_bytes(raw[: len(raw) // 2])
+    again = _restarted(model, pol, tmp_path / "mine")
+    assert _served(again, prompt, 6) == alone
+    s = again.snapshot()
+    assert s["prefix_cache_disk_skipped"] == 1 and s["prefix_cache_disk_hit_tokens"] == 16
+    again.stop()
+    # block 1 is garbage: nothing from the folder
+    disk.path(keys[0]).write_bytes(b"\x08" + bytes(40))
+    again = _restarted(model, pol, tmp_path / "mine")
+    assert _served(again, prompt, 6) == alone
+    s = again.snapshot()
+    assert s["prefix_cache_disk_skipped"] == 1 and s["prefix_cache_disk_hits"] == 0
+    again.stop()
+    # every bad file was replaced: the whole document from the folder
+    last = _restarted(model, pol, tmp_path / "mine")
+    assert _served(last, prompt, 6) == alone
+    s = last.snapshot()
+    assert s["prefix_cache_disk_skipped"] == 0 and s["prefix_cache_disk_hit_tokens"] == 24
+
+
+def test_the_folder_stays_under_its_byte_limit(make_tiny, tmp_path):
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    probe = _restarted(model, make_policy("full"), tmp_path / "probe")
+    _served(probe, _tokens(model, 9, seed=1)[0].tolist(), 2)
+    size = next((tmp_path / "probe").glob("*.safetensors")).stat().st_size  # one block's file
+    eng = _restarted(model, make_policy("full"), tmp_path / "cache", prefix_cache_dir_bytes=3 * size)
+    docs = [_tokens(model, 17, seed=20 + i)[0].tolist() for i in range(3)]  # two blocks each
+    for d in docs:
+        _served(eng, d, 2)
+    files = list((tmp_path / "cache").glob("*.safetensors"))
+    s = eng.snapshot()
+    assert len(files) == 3 and sum(f.stat().st_size for f in files) <= 3 * size
+    assert s["prefix_cache_disk_evictions"] == 3 and s["prefix_cache_disk_bytes"] <= 3 * size
+    eng.stop()
+    # the least recently used went first: the newest document is whole in the folder, the oldest is gone
+    again = _restarted(model, make_policy("full"), tmp_path / "cache", prefix_cache_dir_bytes=3 * size)
+    _served(again, docs[2] + [5], 2)
+    _served(again, docs[0] + [5], 2)
+    s = again.snapshot()
+    assert s["prefix_cache_disk_hits"] == 1 and s["prefix_cache_disk_hit_tokens"] == 16
+
+
+def test_metrics_count_prefix_cache_disk_hits(make_tiny, tmp_path):
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+
+    from infinigen.serve.app import _registry
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    doc = _tokens(model, 20, seed=3)[0].tolist()
+    first = _restarted(model, make_policy("full"), tmp_path)
+    _served(first, doc + [7], 2)
+    first.stop()
+    eng = _restarted(model, make_policy("full"), tmp_path)
+    _served(eng, doc + [9, 4], 2)
+    text = generate_latest(_registry(eng)).decode()
+    assert "infinigen_prefix_cache_disk_hits_total 1.0" in text
+    assert "infinigen_prefix_cache_disk_hit_tokens_total 16.0" in text
+    assert "infinigen_prefix_cache_hits_total 1.0" in text and "infinigen_prefix_cache_disk_skipped_total 0.0" in text
+
+
+def test_serve_checks_the_prefix_cache_folder_before_loading(capsys, tmp_path):
+    from infinigen.cli import main
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    cases = [["--prefix-cache-dir", str(a_file)], ["--prefix-cache-dir", str(a_file / "sub")],
+             ["--prefix-cache-dir-bytes", "lots"]]
+    if os.geteuid() != 0:  # root writes anywhere
+        cases.append(["--prefix-cache-dir", str(ro / "sub")])
+    for argv in cases:
+        assert main(["serve", "--model", "/nonexistent", "--port", "0", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("infinigen: error:") and err.count("\n") == 1 and "prefix-cache-dir" in err, err
+
+
+def test_a_block_evicted_meanwhile_is_a_miss_and_old_temp_files_are_cleaned(make_tiny, tmp_path):
+    import time
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    stale, fresh = tmp_path / ".x.safetensors.1.2.partial", tmp_path / ".y.safetensors.3.4.partial"
+    for f in (stale, fresh):
+        f.write_bytes(b"half a block")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    eng = _restarted(model, make_policy("full"), tmp_path)
+    assert not stale.exists() and fresh.exists()  # a killed server's, and one another server may be writing
+    doc = _tokens(model, 16, seed=4)[0].tolist()
+    _served(eng, doc + [1], 2)
+    eng.stop()
+    again = _restarted(model, make_policy("full"), tmp_path)
+    again.prefix.disk.path(again.prefix._keys(doc, 2)[1]).unlink()  # deleted by another server sharing the folder
+    assert _served(again, doc + [3], 3) == _alone(model, make_policy("full"), doc + [3], 3)
+    s = again.snapshot()
+    assert s["prefix_cache_disk_hit_tokens"] == 8 and s["prefix_cache_disk_skipped"] == 0
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape", "key", "layers"])
+def test_a_file_with_this_models_fingerprint_but_other_tensors_is_skipped(make_tiny, tmp_path, bad):
+    from safetensors.torch import load_file, save_file
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    doc = _tokens(model, 16, seed=6)[0].tolist()
+    first = _restarted(model, make_policy("full"), tmp_path)
+    _served(first, doc + [1], 2)
+    first.stop()
+    disk = first.prefix.disk
+    keys = first.prefix._keys(doc, 2)
+    path = disk.path(keys[1])
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(path))
+    if bad == "dtype":  # the same values, another dtype
+        tensors = {n: t.double() for n, t in tensors.items()}
+    elif bad == "shape":  # a token short
+        tensors = {n: t[:, :, :-1].contiguous() for n, t in tensors.items()}
+    elif bad == "key":  # block 1's file under block 2's name
+        tensors = load_file(str(disk.path(keys[0])))
+        meta["key"] = keys[0].hex()
+    else:  # a layer missing
+        tensors = {n: t for n, t in tensors.items() if not n.endswith("1")}
+    save_file(tensors, str(path), metadata=meta)
+    again = _restarted(model, make_policy("full"), tmp_path)
+    assert _served(again, doc + [2], 4) == _alone(model, make_policy("full"), doc + [2], 4)
+    s = again.snapshot()
+    assert s["prefix_cache_disk_skipped"] == 1 and s["prefix_cache_disk_hit_tokens"] == 8, bad

@@ -217,6 +217,34 @@ def test_document_restart_runs_two_servers_on_one_cache_folder(sl, tmp_path, mon
                                                                       "argv": "a"}}})
 
 
+def test_no_llama_runs_ours_only_and_keeps_the_runs_beside_llama_server(sl, tmp_path, monkeypatch):
+    import contextlib
+    started = []
+
+    @contextlib.contextmanager
+    def fake_server(argv, port, env, log, ready_s=900):
+        started.append(argv)
+        yield "s"
+
+    monkeypatch.setattr(sl, "server", fake_server)
+    monkeypatch.setattr(sl, "openai_client", lambda url: url)
+    monkeypatch.setattr(sl, "served_model", lambda client: "m")
+    monkeypatch.setattr(sl, "warm_up", lambda client, model: None)
+    monkeypatch.setattr(sl, "stream_chat", lambda *a, **k: sl.Sent(sent=0.0, arrivals=[1.0]))
+    args = sl.parse_args(["--no-llama", "--questions", "2", "--doc-tokens", "20"])
+    assert args.no_llama and not sl.parse_args([]).no_llama
+    sy = sl.Systems(bin_dir=None, gguf=None, threads=2, logs=tmp_path, flags={"--prefix-cache", "--prefix-cache-dir"})
+    result = sl.document_scenario(sy, _FakePrompts(), args)
+    assert len(started) == 4 and not any("llama-server" in " ".join(a) for a in started)
+    assert all(r["system"].startswith("ours") for r in result["rows"])
+    run = {**result, "date": "d", "threads": 2, "machine": {"cpu": "x", "cores": 2}, "argv": "a"}
+    md = sl.render({"peer": {"document": {**run, "rows": [{"system": "llama-server (cache_prompt, its default)",
+                                                           **result["rows"][0]} | {"system": "llama-server"}]}},
+                    "ours_only": {"document": run}})
+    assert "## Beside llama-server" in md and "## Ours alone: chat, document, join (llama-server not run)" in md
+    assert md.index("## Beside llama-server") < md.index("## Ours alone")
+
+
 def test_document_without_the_flags_says_so(sl, tmp_path, monkeypatch):
     import contextlib
 

@@ -50,6 +50,13 @@ def serve_cmd(
     prefix_cache_bytes: Optional[str] = typer.Option(None, "--prefix-cache-bytes", help="The prefix cache's "
                                                      "limit (LRU beyond it). Default: an eighth of the fast "
                                                      "budget."),
+    prefix_cache_dir: Optional[str] = typer.Option(None, "--prefix-cache-dir", help="Folder where the prefix "
+                                                   "cache's blocks persist (a safetensors file each): a restarted "
+                                                   "server reads them back. Default: none, the cache lives in "
+                                                   "memory only (the KV pool's --pool-dir is not reused)."),
+    prefix_cache_dir_bytes: Optional[str] = typer.Option(None, "--prefix-cache-dir-bytes", help="The folder's "
+                                                         "limit (least recently used files deleted beyond it). "
+                                                         "Default: 4x --prefix-cache-bytes."),
     prefill_chunk_layers: int = typer.Option(1, "--prefill-chunk-layers", help="A prompt that joins running "
                                              "requests is prefilled this many layers per decode step, so their "
                                              "pace holds (0: the whole prompt at once)."),
@@ -75,7 +82,10 @@ def serve_cmd(
     check_range("port", port, lo=0, hi=65535)
     check_range("replicas", replicas, lo=1)
     budgets = dict(pool_bytes=parse_bytes(pool_bytes), fast_bytes=parse_bytes(fast_bytes, "fast-bytes"),
-                   prefix_cache_bytes=parse_bytes(prefix_cache_bytes, "prefix-cache-bytes"))
+                   prefix_cache_bytes=parse_bytes(prefix_cache_bytes, "prefix-cache-bytes"),
+                   prefix_cache_dir_bytes=parse_bytes(prefix_cache_dir_bytes, "prefix-cache-dir-bytes"))
+    if prefix_cache_dir is not None:
+        prefix_cache_dir = _check_prefix_dir(prefix_cache_dir)
     make_policy_from_cli(policy, knob)  # knobs checked now, before loading
     try:
         import fastapi  # noqa: F401
@@ -85,7 +95,7 @@ def serve_cmd(
         raise UserError(f"serving needs the 'serve' extra: pip install 'infinigen[serve]' ({e.name} is missing)")
     spec = dict(model=model, policy=policy, knob=list(knob), kv_offload=kv_offload, pool_dir=pool_dir,
                 max_batch=max_batch, max_queue=max_queue, prefill_chunk_layers=prefill_chunk_layers,
-                prefix_cache=prefix_cache, name=name,
+                prefix_cache=prefix_cache, prefix_cache_dir=prefix_cache_dir, name=name,
                 device=device, dtype=dtype, compile=compile, **budgets)
     listener = _listen(host, port)
     with _sigterm_exits():
@@ -125,6 +135,21 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}")
     return sock
+
+
+def _check_prefix_dir(folder: str) -> str:
+    """--prefix-cache-dir: a folder (made now if missing) that this process can write files in."""
+    import tempfile
+    path = Path(folder).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--prefix-cache-dir {folder} is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as e:
+        raise UserError(f"--prefix-cache-dir {folder} is not writable: {e.strerror or e}")
+    return str(path)
 
 
 def _check_budgets(spec: dict) -> None:
@@ -232,7 +257,9 @@ def build(spec: dict):
                     eos=stop_ids(net, tok), max_batch=spec["max_batch"], max_queue=spec["max_queue"],
                     fast_bytes=spec["fast_bytes"], pool_bytes=spec["pool_bytes"],
                     prefill_chunk_layers=spec.get("prefill_chunk_layers", 1),
-                    prefix_cache=spec.get("prefix_cache", True), prefix_cache_bytes=spec.get("prefix_cache_bytes"))
+                    prefix_cache=spec.get("prefix_cache", True), prefix_cache_bytes=spec.get("prefix_cache_bytes"),
+                    prefix_cache_dir=spec.get("prefix_cache_dir"),
+                    prefix_cache_dir_bytes=spec.get("prefix_cache_dir_bytes"))
     try:
         engine.check_fits(1, 1)
     except UserError as e:

@@ -700,6 +700,19 @@ def _registry(engine: Engine):
                                           value=s["prefix_cache_evictions"])
                 yield GaugeMetricFamily("infinigen_prefix_cache_bytes", "Bytes of cached prefix blocks",
                                         value=s["prefix_cache_bytes"])
+            if "prefix_cache_disk_hits" in s:  # its folder (--prefix-cache-dir)
+                yield CounterMetricFamily("infinigen_prefix_cache_disk_hits", "Requests that reused blocks read "
+                                          "from the prefix cache's folder", value=s["prefix_cache_disk_hits"])
+                yield CounterMetricFamily("infinigen_prefix_cache_disk_hit_tokens", "Prompt tokens read from the "
+                                          "prefix cache's folder", value=s["prefix_cache_disk_hit_tokens"])
+                yield CounterMetricFamily("infinigen_prefix_cache_disk_skipped", "Files of the prefix cache's "
+                                          "folder not trusted (corrupt, another model's)",
+                                          value=s["prefix_cache_disk_skipped"])
+                yield CounterMetricFamily("infinigen_prefix_cache_disk_evictions", "Files of the prefix cache's "
+                                          "folder deleted (least recently used)",
+                                          value=s["prefix_cache_disk_evictions"])
+                yield GaugeMetricFamily("infinigen_prefix_cache_disk_bytes", "Bytes of the prefix cache's folder",
+                                        value=s["prefix_cache_disk_bytes"])
             for name, what, key in (("infinigen_kv_bytes", "KV bytes held by running requests", "kv_{}_bytes"),
                                     ("infinigen_kv_reserved_bytes", "KV bytes reserved by running requests", "reserved_{}_bytes"),
                                     ("infinigen_kv_budget_bytes", "KV bytes the server admits requests up to", "{}_budget_bytes")):

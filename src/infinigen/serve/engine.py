@@ -33,7 +33,7 @@ from .. import runtime
 from ..errors import UserError
 from ..generate import Sampling, sample
 from ..memory import device_memory_bytes, release_free_heap, session_bytes, storages
-from .prefix import PrefixCache
+from .prefix import DiskTier, PrefixCache, prefix_fingerprint
 
 log = logging.getLogger("infinigen.serve")
 
@@ -154,7 +154,8 @@ class Engine:
     def __init__(self, model, policy=None, placement=None, eos: set[int] | frozenset = frozenset(),
                  max_batch: int = 16, max_queue: int = 64, fast_bytes: int | None = None,
                  pool_bytes: int | None = None, cost: KVCost | None = None, prefill_chunk_layers: int = 1,
-                 prefix_cache: bool = True, prefix_cache_bytes: int | None = None, prefix_block: int = 256):
+                 prefix_cache: bool = True, prefix_cache_bytes: int | None = None, prefix_block: int = 256,
+                 prefix_cache_dir: str | os.PathLike | None = None, prefix_cache_dir_bytes: int | None = None):
         from ..placement import Placement
         from ..policies import FullCache
         if max_batch < 1:
@@ -188,7 +189,15 @@ class Engine:
             limit = self.fast_budget // 8 if prefix_cache_bytes is None else prefix_cache_bytes
             if limit < 0:
                 raise UserError(f"prefix_cache_bytes must be >= 0, got {limit}")
-            self.prefix = PrefixCache(limit, prefix_block) if limit else None
+            disk = None
+            if limit and prefix_cache_dir is not None:  # the persistent tier, by default 4x the memory's limit
+                dir_limit = 4 * limit if prefix_cache_dir_bytes is None else prefix_cache_dir_bytes
+                if dir_limit < 0:
+                    raise UserError(f"prefix_cache_dir_bytes must be >= 0, got {dir_limit}")
+                c = model.cfg
+                disk = DiskTier(prefix_cache_dir, dir_limit, prefix_fingerprint(model), prefix_block,
+                                (c.num_layers, c.num_kv_heads, c.head_dim, model.dtype), model.device)
+            self.prefix = PrefixCache(limit, prefix_block, disk) if limit else None
         self.running: list[Request] = []
         self.waiting: collections.deque[Request] = collections.deque()
         self.reserved = [0, 0]  # fast, slow bytes reserved by running requests
@@ -443,15 +452,20 @@ class Engine:
         for req in list(self.waiting) + list(self.running):
             self._finish(req, "cancelled")
         self.waiting.clear()
+        if self.prefix is not None and self.prefix.disk is not None:
+            self.prefix.disk.flush()  # the blocks handed to the writer reach the folder before the process ends
 
     def describe(self) -> str:
         gib = 2 ** 30
         where = self.placement.describe(self.model.device)
         f1, s1 = self.cost.fast1, self.cost.slow1
         slow = f", KV pool budget {self.slow_budget / gib:.2f} GiB ({s1:.0f} B/token)" if self.slow_budget else ""
+        p = self.prefix
+        prefix = "no prefix cache" if p is None else f"prefix cache {p.max_bytes / gib:.2f} GiB" + (
+            f" and {p.disk.max_bytes / gib:.2f} GiB in {p.disk.dir}" if p.disk is not None else "")
         return (f"policy {getattr(self.policy, 'name', '?')}, {where}; fast-memory budget "
                 f"{self.fast_budget / gib:.2f} GiB "
-                f"({f1:.0f} B/token){slow}; at most {self.max_batch} running, {self.max_queue} waiting")
+                f"({f1:.0f} B/token){slow}; at most {self.max_batch} running, {self.max_queue} waiting; {prefix}")
 
     def idle(self) -> bool:
         return not self.running and not self.waiting
@@ -469,4 +483,13 @@ class Engine:
             return {}
         return {"prefix_cache_hits": p.hits, "prefix_cache_hit_tokens": p.hit_tokens,
                 "prefix_cache_evictions": p.evictions, "prefix_cache_bytes": p.bytes,
-                "prefix_cache_limit_bytes": p.max_bytes}
+                "prefix_cache_limit_bytes": p.max_bytes, **self._disk_numbers()}
+
+    def _disk_numbers(self) -> dict:
+        d = self.prefix.disk
+        if d is None:
+            return {}
+        return {"prefix_cache_disk_hits": d.hits, "prefix_cache_disk_hit_tokens": d.hit_tokens,
+                "prefix_cache_disk_skipped": d.skipped, "prefix_cache_disk_evictions": d.evictions,
+                "prefix_cache_disk_writes": d.writes, "prefix_cache_disk_bytes": d.bytes,
+                "prefix_cache_disk_limit_bytes": d.max_bytes}
