@@ -35,11 +35,11 @@ def _policy(name, model):
     return make_policy(name)
 
 
-def _run(model, policy, tokens, step_parts=None):
+def _run(model, policy, tokens, step_parts=None, kv_offload="none"):
     """Teacher-fed decoding (the given tokens as each step's input): the logits of every step."""
     model.step_parts = step_parts
     try:
-        sess = Placement().new_session(model, tokens.shape[0], T, policy)
+        sess = Placement(kv_offload=kv_offload).new_session(model, tokens.shape[0], T, policy)
         out = [runtime.prefill(model, tokens[:, :P], sess)]
         for t in range(P, T - 1):
             out.append(runtime.decode(model, tokens[:, t], sess))
@@ -66,14 +66,15 @@ def _model(kind):
     return MODELS[kind]
 
 
-@pytest.mark.parametrize("kind,policy", [("llama", "full"), ("llama", "infinigen"), ("llama", "h2o"),
-                                         ("gemma3", "full"), ("opt-postnorm", "full")])
-def test_compiled_step_equals_eager(kind, policy):
+@pytest.mark.parametrize("kind,policy,tier", [("llama", "full", "none"), ("llama", "infinigen", "none"),
+                                              ("llama", "h2o", "none"), ("llama", "infinigen", "cpu"),
+                                              ("gemma3", "full", "none"), ("opt-postnorm", "full", "none")])
+def test_compiled_step_equals_eager(kind, policy, tier):
     model = _model(kind)
     tokens = _tokens(model, 2)
-    eager = _run(model, _policy(policy, model), tokens)
+    eager = _run(model, _policy(policy, model), tokens, kv_offload=tier)
     parts = compiled.StepParts()
-    fast = _run(model, _policy(policy, model), tokens, parts)
+    fast = _run(model, _policy(policy, model), tokens, parts, kv_offload=tier)
     assert parts.failed is None and parts.compiled == 3  # enter, between, leave: one kernel each for every layer
     torch.testing.assert_close(fast, eager, atol=2e-5, rtol=2e-5)
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))
