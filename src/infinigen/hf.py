@@ -7,8 +7,9 @@
     print(ig.cache.stats.overall())  # relative KV size of that generation
 
 How it works, in three pieces that `transformers` 5.x offers as extension points:
-  * `InfiniGenCache` (a `Cache` passed as `past_key_values`) does not concatenate keys and values: it
-    hands the new ones to the attention function and counts how many tokens it has seen.
+  * `InfiniGenCache` (a `Cache` passed as `cache`; `past_key_values` before transformers 5.24) does not
+    concatenate keys and values: it hands the new ones to the attention function and counts how many
+    tokens it has seen.
   * the attention function "infinigen" (registered in `AttentionInterface`) runs our runtime's own
     attention on them, `Session.attend`: the dense prompt attention at the first forward, then token by
     token what `runtime.decode` runs, where the policy selects, observes and the KV store appends.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -38,6 +40,19 @@ from .placement import Placement
 from .policies import Policy, make_policy
 
 ATTN_NAME = "infinigen"
+# the keyword a model's forward, its decoder layers and `generate` take the cache by: `past_key_values`
+# until transformers 5.23, `cache` from 5.24 (which still accepts `past_key_values`, with a deprecation warning)
+CACHE_KWARGS = ("cache", "past_key_values")
+
+
+def _cache_kwarg(hf_model) -> str:
+    """The name `hf_model`'s transformers version takes the cache by (see CACHE_KWARGS)."""
+    return "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+
+
+def _cache_from(kwargs: dict):
+    """The cache in the keyword arguments of a forward or `generate` call, under either name (or None)."""
+    return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
 
 
 # ---- the runtime over the transformers weights ----------------------------------------------------
@@ -98,7 +113,7 @@ class _PassLayer(CacheLayerMixin):
 
 
 class InfiniGenCache(Cache):
-    """A `past_key_values` whose KV store and policy are those of our runtime.
+    """A `cache` (`past_key_values`) whose KV store and policy are those of our runtime.
 
     max_len: tokens the store preallocates (prompt + new tokens); placement: where the KV pool lives and
     its limit (`infinigen.placement.Placement`; None: fast memory, unlimited).
@@ -237,7 +252,7 @@ class _Hooks:
     def _block_in(self, i, module, args, kwargs):
         h = args[0] if args else kwargs["hidden_states"]
         if i == 0:
-            cache = kwargs.get("past_key_values")
+            cache = _cache_from(kwargs)
             self.cache = cache if isinstance(cache, InfiniGenCache) else None
             if self.cache is not None:
                 self.cache.begin_forward(h, kwargs.get("position_ids"), kwargs.get("attention_mask"))
@@ -279,8 +294,8 @@ class Enabled:
     cache: InfiniGenCache | None = None
 
     def new_cache(self, max_len: int | None = None) -> InfiniGenCache:
-        """A fresh cache for a manual `model(..., past_key_values=cache)` loop (each cache is one request;
-        the policy object is shared, its state is per cache)."""
+        """A fresh cache for a manual `model(..., cache=cache)` loop (`past_key_values=` before 5.24);
+        each cache is one request (the policy object is shared, its state is per cache)."""
         self.cache = InfiniGenCache(self.model, self.policy, max_len, self.placement)
         return self.cache
 
@@ -300,7 +315,7 @@ def _max_len(hf_model, args, kwargs) -> int:
 @contextlib.contextmanager
 def enable(hf_model, policy: Policy | str | None = None, tokenizer=None, placement: Placement | None = None,
            **knobs):
-    """Within the block, `hf_model.generate()` (and `hf_model(..., past_key_values=ig.new_cache(n))`)
+    """Within the block, `hf_model.generate()` (and `hf_model(..., cache=ig.new_cache(n))`)
     attend through our runtime with `policy` (a Policy, or a registry name plus knobs; an unknown knob
     is an error), its KV pool placed by `placement`. What the policy needs from the model is prepared
     first (`Policy.prepare`; InfiniGen: skew matrices from the cache of `infinigen skew`, or, with
@@ -317,14 +332,15 @@ def enable(hf_model, policy: Policy | str | None = None, tokenizer=None, placeme
     previous = hf_model.config._attn_implementation
     hooks = _Hooks(hf_model, cfg)
     original_generate = hf_model.generate
+    cache_kwarg = _cache_kwarg(hf_model)
     had_own_generate = "generate" in vars(hf_model)
 
     @functools.wraps(original_generate)
     def generate(*args, **kwargs):
-        if kwargs.get("past_key_values") is None:
+        if _cache_from(kwargs) is None:
             if kwargs.get("num_beams", 1) > 1 or kwargs.get("num_return_sequences", 1) > 1:
                 raise NotImplementedError("infinigen.hf: beam search and num_return_sequences > 1 are not supported")
-            kwargs["past_key_values"] = handle.new_cache(_max_len(hf_model, args, kwargs))
+            kwargs[cache_kwarg] = handle.new_cache(_max_len(hf_model, args, kwargs))
         return original_generate(*args, **kwargs)
 
     try:
