@@ -30,6 +30,7 @@ take), the step warns once, in one line, and runs eagerly: the same computation,
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -107,8 +108,6 @@ class StepParts:
     eagerly (`Block.forward`)."""
 
     def __init__(self):
-        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # kept across runs, beside the converted models
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
         self._parts: dict = {}  # key -> (compiled callable, names of the weight inputs)
         self._structures: dict = {}  # id(block) -> (_structure, block)
         self._inputs: dict = {}  # (part, id(block), id(next block)) -> the weights, in the traced order
@@ -150,7 +149,8 @@ class StepParts:
 
             example = [*weights.values(), *tensors]
             graph = make_fx(traced)(*example)
-            fn = torch._inductor.compile(graph, example)
+            with _inductor_cache():
+                fn = torch._inductor.compile(graph, example)
             part = self._parts[key] = (fn, names)
             self.compile_seconds += time.perf_counter() - t0
             self.compiled += 1
@@ -231,6 +231,26 @@ class StepParts:
                 x, q, k, v = got[2:]
             event(i, "attn_out", h1)
         return model.head(h[:, -1])
+
+
+@contextlib.contextmanager
+def _inductor_cache():
+    """Inductor's artifacts under the infinigen cache (kept across runs, beside the converted models) while
+    compiling, unless the user chose a folder: torch reads TORCHINDUCTOR_CACHE_DIR at each use, and sets it
+    to its /tmp default the first time anything asks, so a value equal to that default is not a choice."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if before is not None and os.path.abspath(before) != os.path.abspath(default_cache_dir()):
+        yield
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = before
 
 
 def _eager_from(model, start: int, h, rope, attend, event) -> torch.Tensor:

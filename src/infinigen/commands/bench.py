@@ -160,7 +160,9 @@ def bench_cmd(
         policies = {label: pol.for_random_weights(net, fixed_ratio) for label, pol in policies.items()}
     else:
         prepare_policies(policies, net, tok)  # InfiniGen: skew from the cache, else calibrated once and cached
-    compiled_note = enable_compile(net, compile, long_running=True, rows=batch_sizes)
+    # auto: not under a memory bound, which is there to bound the KV tier's page cache: Inductor's compile
+    # workers would be charged to it (and a 512 MiB bound cannot hold them)
+    compiled_note = enable_compile(net, compile, long_running=membound.current() is None, rows=batch_sizes)
     if compiled_note:
         print(compiled_note, file=sys.stderr)
 
