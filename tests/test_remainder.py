@@ -44,9 +44,12 @@ def _decode(model, policy, tokens, read_rows=True):
     return torch.stack(out, 1), sess
 
 
-def _decode_together(model, policies, tokens):
-    """Each policy its own session over the same tokens, decoded in one `runtime.decode` call per step."""
+def _decode_together(model, policies, tokens, read_rows=True):
+    """Each policy its own session over the same tokens, decoded in one `runtime.decode` call per step (packed
+    rows, or with read_rows False the reference path: one `attend_step` over every session's padded entries)."""
     sessions = [Placement().new_session(model, B, T, p) for p in policies]
+    for s in sessions:
+        s.read_rows = read_rows
     outs = [[runtime.prefill(model, tokens[:, :P], s)] for s in sessions]
     for t in range(P, T):
         logits = runtime.decode(model, tokens[:, t].repeat(len(sessions)), sessions)
@@ -77,10 +80,11 @@ def test_decoding_equals_teacher_forced(tiny, knobs):
         dec, _ = _decode(tiny, make_policy("infinigen", remainder=True, **knobs), tokens, read_rows)
         assert (tf[:, P - 1:] - dec).abs().max() <= 1e-4
     # several sessions in one step: one with the remainder beside one without, and beside the full cache
-    pair = _decode_together(tiny, [make_policy("infinigen", remainder=True, **knobs),
-                                   make_policy("infinigen", **knobs)], tokens)
-    assert (tf[:, P - 1:] - pair[0]).abs().max() <= 1e-4
-    assert (off[:, P - 1:] - pair[1]).abs().max() <= 1e-4
+    for read_rows in (True, False):
+        pair = _decode_together(tiny, [make_policy("infinigen", remainder=True, **knobs),
+                                       make_policy("infinigen", **knobs)], tokens, read_rows)
+        assert (tf[:, P - 1:] - pair[0]).abs().max() <= 1e-4
+        assert (off[:, P - 1:] - pair[1]).abs().max() <= 1e-4
     mixed = _decode_together(tiny, [make_policy("infinigen", remainder=True, **knobs), make_policy("full")], tokens)
     assert (tf[:, P - 1:] - mixed[0]).abs().max() <= 1e-4
 
