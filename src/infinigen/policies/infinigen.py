@@ -41,6 +41,15 @@ Issue 19, item 1: `calibrate` chooses alpha, kv_budget and the treatment of laye
 (`policies.calibrate`: the cheapest setting within `calibrate_target` of the full cache's perplexity on
 held-apart calibration tokens, under `calibrate_bound`); knobs the caller sets are kept. The choice is
 stored in the skew artifact's metadata and recorded in `settings(model)["calibration"]`.
+
+Issue 19, item 2: the speculation scores cover every cached token, so with `remainder` the attention mass of
+the entries a selection leaves unread is estimated without reading them (the log-sum-exp of their speculated
+scores, `Remainder.lse`), and the runtime adds that mass times their mean value: the sum of every cached value
+per (batch row, KV head), kept in fast memory (float32, updated in `on_prefill` / `on_append`), minus what
+attention read, over their count. Their share of the row's mass is measured against the exact scores of
+what was read (the row's own token included). Nothing unread: the dense result to the bit. Off under a pool
+limit (an append overwrites a value the sums hold) and a sliding window; needs key_mode int4 (the partial
+columns' scores are not on the scores' scale).
 """
 from __future__ import annotations
 
