@@ -220,7 +220,7 @@ def _plus_unread(out, rest: Remainder, q, kp, mask, scale: float, own_k=None, re
     b, h, _, d = q.shape
     x = kp.shape[1]
     qg = q.view(b, x, h // x, d)
-    scores = torch.matmul(qg, kp.transpose(-1, -2)).float() * scale
+    scores = torch.matmul(qg.float(), kp.float().transpose(-1, -2)) * scale  # (a 16-bit bmm is slower on a CPU)
     scores = scores.masked_fill(~mask, float("-inf"))
     if own_k is not None:
         own = (q.view(b, own_k.shape[1], -1, d).float() * own_k.float()).sum(-1, keepdim=True) * scale
@@ -234,11 +234,16 @@ def _plus_unread(out, rest: Remainder, q, kp, mask, scale: float, own_k=None, re
 def _plus_unread_rows(out, rest: Remainder, q, kp, vp, head, hkv: int, scale: float):
     """`_plus_unread` over packed rows kp, vp [B,1,m,d] whose KV heads are head [B,m] (-1: padding), the
     row's own tokens the last hkv columns."""
-    past = head[:, :head.shape[1] - hkv]
-    one = (past[:, :, None] == torch.arange(hkv, device=head.device)).float()  # [B, m - hkv, Hkv]
-    read_sum = one.transpose(1, 2) @ vp[:, 0, :past.shape[1]].float()
+    b, m = head.shape
+    d = vp.shape[-1]
+    past = head[:, :m - hkv]
+    # each past row's (batch row, KV head), padding to a spare last segment
+    seg = torch.where(past >= 0, past + hkv * torch.arange(b, device=head.device)[:, None], b * hkv).reshape(-1)
+    sums = vp.new_zeros(b * hkv + 1, d, dtype=torch.float32)
+    sums.index_add_(0, seg, vp[:, 0, :m - hkv].reshape(-1, d).float())
+    counts = torch.bincount(seg, minlength=b * hkv + 1)
     return _plus_unread(out, rest, q, kp, _head_mask(head, q.shape[1], hkv), scale,
-                        read_sum=read_sum, read_count=one.sum(1))
+                        read_sum=sums[:-1].view(b, hkv, d), read_count=counts[:-1].view(b, hkv))
 
 
 class _Read(NamedTuple):
