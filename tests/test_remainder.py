@@ -2,7 +2,8 @@
 kept in fast memory (a running sum of the values per KV head, weighted by their estimated attention mass).
 With nothing left unread the result is the dense one to the bit; decoding (packed rows, the reference path,
 several sessions at once) equals teacher-forced scoring; the weight is 0 when everything is read and moves the
-output to the unread entries' mean as their mass grows; the summary's bytes are counted."""
+output to the unread entries' mean as their mass grows; the summary's bytes are counted; a left-padded row's
+sums skip its padding; under a pool limit the knob changes nothing."""
 from __future__ import annotations
 
 import pytest
@@ -151,3 +152,43 @@ def test_summary_bytes_are_counted(tiny):
     counts = c.num_layers * B * c.num_kv_heads * 8
     assert on.policy.fast_tier_bytes(on.state)["remainder"] == sums + counts
     assert "remainder" not in off.policy.fast_tier_bytes(off.state)
+
+
+def test_left_padded_row_equals_the_row_alone(tiny):
+    """The running sums and counts skip a left-padded prompt's padding: a padded row decodes as it does alone."""
+    tokens = _tokens(tiny)
+    pad = 3
+    prompt = tokens[:, :P].clone()
+    prompt[0, :pad] = 0
+    valid = torch.ones_like(prompt, dtype=torch.bool)
+    valid[0, :pad] = False
+    knobs = dict(LIMITED)
+    batch = Placement().new_session(tiny, B, T, make_policy("infinigen", remainder=True, **knobs))
+    alone = Placement().new_session(tiny, 1, T, make_policy("infinigen", remainder=True, **knobs))
+    got = [runtime.prefill(tiny, prompt, batch, pad_mask=valid)[:1]]
+    want = [runtime.prefill(tiny, tokens[:1, pad:P], alone)]
+    for t in range(P, T):
+        got.append(runtime.decode(tiny, tokens[:, t], batch)[:1])
+        want.append(runtime.decode(tiny, tokens[:1, t], alone))
+    assert (torch.stack(got) - torch.stack(want)).abs().max() <= 1e-4
+    assert int(batch.state.value_counts[1][0, 0]) == T - pad and int(batch.state.value_counts[1][1, 0]) == T
+
+
+def test_off_where_the_sums_cannot_follow(tiny):
+    """A pool limit (victims overwrite values the sums hold): the knob changes nothing. Partial speculation
+    columns are refused (their scores are not on the attention's scale)."""
+    from infinigen.errors import UserError
+    tokens = _tokens(tiny)
+
+    def run(remainder):
+        sess = Placement(capacity=T - 6).new_session(tiny, B, T, make_policy("infinigen", remainder=remainder,
+                                                                            **LIMITED), allocator=_fifo())
+        return runtime.teacher_forced(tiny, tokens, P, sess)
+    assert torch.equal(run(True), run(False))
+    with pytest.raises(UserError, match="remainder needs key_mode=int4"):
+        make_policy("infinigen", remainder=True, key_mode="partial")
+
+
+def _fifo():
+    from infinigen.pool import make_pool
+    return make_pool("fifo")
