@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .cache import SelectedRows
 from .policies.base import FullCache, Policy
-from .selection import ALL, All, Rows
+from .selection import ALL, All, Remainder, Rows
 
 ROW_CHUNK = 1024  # teacher-forced decoding rows per attention call: bounds the score matrix at long contexts
 
@@ -165,10 +165,11 @@ def attend_step(q, kp, vp, mask, kc, vc, scale: float):
     return out.view(b, h, 1, d), probs
 
 
-def attend_rows(q, k, v, keep, first: int, codec, scale: float) -> torch.Tensor:
+def attend_rows(q, k, v, keep, first: int, codec, scale: float, rest: Remainder | None = None) -> torch.Tensor:
     """Decoding rows q [B,H,R,d] (positions first..first+R-1 of a sequence with keys and values k, v
     [B,Hkv,T,d]) at once: each reads the entries in keep [B,Hkv,R,T] plus itself, past entries as the
-    store would hold them (`codec`), its own token as computed."""
+    store would hold them (`codec`), its own token as computed; plus what the policy estimates the unread
+    entries add (`rest`, see `Remainder`: their mean value from the sequence's values)."""
     b, h, r, d = q.shape
     t = k.shape[2]
     p = first
@@ -179,6 +180,7 @@ def attend_rows(q, k, v, keep, first: int, codec, scale: float) -> torch.Tensor:
     hkv, g = k.shape[1], h // k.shape[1]
     qg = q.view(b, hkv, g, r, d)
     out = torch.empty_like(qg)
+    lse = None if rest is None else q.new_empty(b, hkv, g, r, dtype=torch.float32)
     for s in range(0, r, ROW_CHUNK):
         e = min(r, s + ROW_CHUNK)
         qc = qg[:, :, :, s:e]
@@ -188,10 +190,66 @@ def attend_rows(q, k, v, keep, first: int, codec, scale: float) -> torch.Tensor:
         dg = diag[:, :, None, s:e]
         scores = torch.where(dg, own[..., None], scores)
         probs = torch.softmax(scores, dim=-1)
+        if lse is not None:
+            lse[..., s:e] = torch.logsumexp(scores, -1)
         pd = (probs * dg).sum(-1, keepdim=True)
         past = torch.matmul(probs.masked_fill(dg, 0).to(vq.dtype), vq[:, :, None])
         out[:, :, :, s:e] = past + pd.to(v.dtype) * v[:, :, None, p + s:p + e]
-    return out.view(b, h, r, d)
+    out = out.view(b, h, r, d)
+    if rest is None:
+        return out
+    vf = vq.float()
+    totals = F.pad(vf.cumsum(2), (0, 0, 1, 0))[:, :, p:p + r]  # [B, Hkv, R, d]: every entry before each row
+    counts = torch.arange(p, p + r, device=q.device)
+    read = keep.float()
+    return _with_remainder(out, lse, rest.lse, totals - read @ vf, counts - read.sum(-1))
+
+
+def _with_remainder(out, lse_read, lse_unread, unread_sum, unread_count) -> torch.Tensor:
+    """out [B,H,R,d] attention over what was read, whose exact scaled scores have the log-sum-exp lse_read
+    [B,Hkv,G,R]; the unread past entries' estimated log-mass lse_unread [B,Hkv,G,R], their values' sum
+    unread_sum [B,Hkv,R,d] and count [B,Hkv,R] -> (1 - w) * out + w * their mean, w their share of the mass.
+    Nothing unread (count 0, or a log-mass of -inf): w is 0 and out is returned to the bit."""
+    b, h, r, d = out.shape
+    hkv = lse_unread.shape[1]
+    lse_unread = lse_unread.masked_fill((unread_count <= 0)[:, :, None], float("-inf"))
+    w = torch.sigmoid(lse_unread - lse_read)[..., None]  # exp(u) / (exp(u) + exp(read))
+    mean = (unread_sum / unread_count.clamp(min=1)[..., None])[:, :, None]  # [B, Hkv, 1, R, d]
+    o = out.view(b, hkv, h // hkv, r, d).float()
+    return (o + w * (mean - o)).to(out.dtype).view(b, h, r, d)
+
+
+def _plus_unread(out, rest: Remainder, q, kp, mask, scale: float, own_k=None, read_sum=None, read_count=None):
+    """A decoding step's `_with_remainder`: out [B,H,1,d] attention of q [B,H,1,d] over the entries of kp
+    [B,X,S,d] where mask ([B,X,G|H,S]; X = Hkv, or 1 for packed rows) and its own key own_k [B,Hkv,1,d] when
+    kept apart; what it read of the past sums to read_sum [B,Hkv,d] over read_count [B,Hkv] entries."""
+    b, h, _, d = q.shape
+    x = kp.shape[1]
+    qg = q.view(b, x, h // x, d)
+    scores = torch.matmul(qg.float(), kp.float().transpose(-1, -2)) * scale  # (a 16-bit bmm is slower on a CPU)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if own_k is not None:
+        own = (q.view(b, own_k.shape[1], -1, d).float() * own_k.float()).sum(-1, keepdim=True) * scale
+        scores = torch.cat([scores, own.view(b, x, h // x, 1)], -1)
+    hkv = rest.lse.shape[1]
+    lse = torch.logsumexp(scores, -1).view(b, hkv, h // hkv, 1)
+    return _with_remainder(out, lse, rest.lse, (rest.sums - read_sum)[:, :, None],
+                           (rest.counts - read_count)[:, :, None])
+
+
+def _plus_unread_rows(out, rest: Remainder, q, kp, vp, head, hkv: int, scale: float):
+    """`_plus_unread` over packed rows kp, vp [B,1,m,d] whose KV heads are head [B,m] (-1: padding), the
+    row's own tokens the last hkv columns."""
+    b, m = head.shape
+    d = vp.shape[-1]
+    past = head[:, :m - hkv]
+    # each past row's (batch row, KV head), padding to a spare last segment
+    seg = torch.where(past >= 0, past + hkv * torch.arange(b, device=head.device)[:, None], b * hkv).reshape(-1)
+    sums = vp.new_zeros(b * hkv + 1, d, dtype=torch.float32)
+    sums.index_add_(0, seg, vp[:, 0, :m - hkv].reshape(-1, d).float())
+    counts = torch.bincount(seg, minlength=b * hkv + 1)
+    return _plus_unread(out, rest, q, kp, _head_mask(head, q.shape[1], hkv), scale,
+                        read_sum=sums[:-1].view(b, hkv, d), read_count=counts[:-1].view(b, hkv))
 
 
 class _Read(NamedTuple):
@@ -501,6 +559,9 @@ class Session:
         kp, vp = store.gather_rows(layer, rows, *self._row_buffers.rows(rows.numel(), k))
         self.stats.record_rows(layer, read.rows.rows.numel())
         out = attend_masked(q, kp, vp, _head_mask(head, q.shape[1], k.shape[1]), self.model.scale)
+        rest = self.policy.unread(layer, self)
+        if rest is not None:  # before the token's append: it was read
+            out = _plus_unread_rows(out, rest, q, kp, vp, head, k.shape[1], self.model.scale)
         self._appended(layer, slots, k, v)
         return out
 
@@ -539,6 +600,10 @@ class Session:
             self._appended(layer, slots, k, v)
             return out
         out, probs = attend_step(q, read.keys, read.values, read.mask, k, v, self.model.scale)
+        rest = self.policy.unread(layer, self)
+        if rest is not None:  # before the token's append: it was read
+            out = _plus_unread(out, rest, q, read.keys, read.mask[:, :, None], self.model.scale, k,
+                               *_read_sums(read.values, read.mask))
         self._write(layer, read, probs, k, v)
         return out
 
@@ -574,7 +639,8 @@ class Session:
             past = past.clamp(max=self.model.cfg.window(layer) - 1)  # a windowed layer's full cache: its window
         keep = visible[None, None] if keep is ALL else keep & visible
         self.stats.record(layer, keep.sum(-1).expand(b, hkv, t - p), past.expand(b, 1, t - p))
-        out[:, :, p:] = attend_rows(q[:, :, p:], k, v, keep, p, self.store.codec, self.model.scale)
+        rest = self.policy.unread(layer, self)
+        out[:, :, p:] = attend_rows(q[:, :, p:], k, v, keep, p, self.store.codec, self.model.scale, rest)
         return out
 
 
@@ -614,6 +680,11 @@ def _with_own(sel: SelectedRows, slots: torch.Tensor, capacity: int):
     return torch.cat([sel.rows, own], 1), torch.cat([sel.head, seg - seg[:, :1]], 1)
 
 
+def _read_sums(values, mask):
+    """The sum [B, Hkv, d] (float32) and count [B, Hkv] of the values [B, Hkv, n, d] read where mask [B, Hkv, n]."""
+    return values.float().masked_fill(~mask[..., None], 0).sum(2), mask.sum(-1)
+
+
 def _head_mask(head: torch.Tensor, h: int, hkv: int) -> torch.Tensor:
     """[B, 1, H, m]: query head j reads the columns of its KV head j // (H / Hkv) (`head` [B, m], -1 on
     padding)."""
@@ -641,6 +712,10 @@ def _attend_sessions_rows(layer: int, q, k, v, sessions, spans, reads, scale: fl
             s.stats.record_rows(layer, rows.numel() - slots.numel())
     out = attend_masked(q, kp[:, None], vp[:, None], _head_mask(head, q.shape[1], k.shape[1]), scale)
     for s, (slots, _, _), (a, b) in zip(sessions, stored, spans):
+        rest = s.policy.unread(layer, s)
+        if rest is not None:
+            out[a:b] = _plus_unread_rows(out[a:b], rest, q[a:b], kp[a:b, None], vp[a:b, None], head[a:b],
+                                         k.shape[1], scale)
         s._appended(layer, slots, k[a:b], v[a:b])
     return out
 
@@ -701,6 +776,10 @@ def _attend_sessions(layer: int, q, k, v, sessions: list[Session], spans: list[t
         return out
     out, probs = attend_step(q, kp, vp, mask, k, v, scale)
     for s, r, m, (a, b) in zip(sessions, reads, sizes, spans):
+        rest = s.policy.unread(layer, s)
+        if rest is not None:
+            out[a:b] = _plus_unread(out[a:b], rest, q[a:b], kp[a:b], mask[a:b, :, None], scale, k[a:b],
+                                    *_read_sums(vp[a:b], mask[a:b]))
         p = probs[a:b]
         if s.policy.needs_weights and m < n:  # the session's own entries, then the current token
             p = torch.cat([p[..., :m], p[..., -1:]], dim=-1)

@@ -12,6 +12,7 @@ Placement and the cache import this module, never a policy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -67,4 +68,23 @@ class Rows:
         return self.positions.shape[1]
 
 
-__all__ = ["ALL", "All", "Rows"]
+class Remainder(NamedTuple):
+    """What a selection leaves unread at a layer, as the policy estimates it without reading it (issue 19,
+    item 2; `Policy.unread`). The runtime adds it to the attention over the selection:
+
+        r = exp(lse) / (exp(lse) + exp(lse_read))    lse_read: the log-sum-exp of the exact scaled scores of
+                                                     what attention read (the selection and the row's token)
+        out = (1 - r) * out_read + r * mean of the unread entries' values
+
+    lse     [B, Hkv, G, R] log of the unread past entries' attention mass (the log-sum-exp of their speculated
+            scaled scores), per query head and decoding row; -inf where nothing is left unread (r is then 0)
+    sums    [B, Hkv, d] float32: the sum of the values of every cached entry (decoding, kept by the policy in
+            fast memory); None in teacher-forced scoring, where the runtime sums the sequence's values itself
+    counts  [B, Hkv] the cached entries those sums cover (decoding), or None
+    """
+    lse: torch.Tensor
+    sums: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+
+__all__ = ["ALL", "All", "Rows", "Remainder"]

@@ -50,7 +50,7 @@ import torch
 from ..codecs import KVCodec
 from ..errors import UserError
 from ..memory import tensor_bytes
-from ..selection import ALL, All, Rows
+from ..selection import ALL, All, Remainder, Rows
 
 
 # Integer knobs end up in int64 tensors and index arithmetic (token counts, layer indices, positions):
@@ -213,6 +213,13 @@ class Policy:
     def on_append(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, session) -> None:
         pass
 
+    def unread(self, layer: int, session) -> Remainder | None:
+        """After `keep` at `layer`: the estimated contribution of the entries its answer leaves unread
+        (`infinigen.selection.Remainder`), which the runtime adds to the attention over the selection on
+        every path; None (the default): attention is over the selection alone. Asked once per attention call,
+        after the keep it answers for."""
+        return None
+
     def speculated(self, layer: int) -> bool:
         """Whether the policy selects entries at `layer` (False: it reads them all there, `keep` is not asked)."""
         return True
@@ -243,4 +250,4 @@ class FullCache(Policy):
     needs_query = False
 
 
-__all__ = ["Policy", "FullCache", "ALL", "All", "Rows", "tensor_bytes", "parse_layers", "jsonable"]
+__all__ = ["Policy", "FullCache", "ALL", "All", "Remainder", "Rows", "tensor_bytes", "parse_layers", "jsonable"]

@@ -41,6 +41,15 @@ Issue 19, item 1: `calibrate` chooses alpha, kv_budget and the treatment of laye
 (`policies.calibrate`: the cheapest setting within `calibrate_target` of the full cache's perplexity on
 held-apart calibration tokens, under `calibrate_bound`); knobs the caller sets are kept. The choice is
 stored in the skew artifact's metadata and recorded in `settings(model)["calibration"]`.
+
+Issue 19, item 2: the speculation scores cover every cached token, so with `remainder` the attention mass of
+the entries a selection leaves unread is estimated without reading them (the log-sum-exp of their speculated
+scores, `Remainder.lse`), and the runtime adds that mass times their mean value: the sum of every cached value
+per (batch row, KV head), kept in fast memory (float32, updated in `on_prefill` / `on_append`), minus what
+attention read, over their count. Their share of the row's mass is measured against the exact scores of
+what was read (the row's own token included). Nothing unread: the dense result to the bit. Off under a pool
+limit (an append overwrites a value the sums hold) and a sliding window; needs key_mode int4 (the partial
+columns' scores are not on the scores' scale).
 """
 from __future__ import annotations
 
@@ -56,7 +65,7 @@ from ..cache import KVStore
 from ..errors import UserError
 from ..kernels.int4 import PackedKeys, tinygemm_ok
 from ..memory import tensor_bytes, weight_bytes
-from .base import ALL, Policy, jsonable, parse_layers
+from .base import ALL, Policy, Remainder, jsonable, parse_layers
 from .budgets import layer_caps
 
 BUDGETS = ("mean", "per_head", "union", "layer")
@@ -173,6 +182,13 @@ class InfiniGenState:
     # dense_below: (positions of the pass last asked, per token of the pass the fewest and the most cached
     # tokens of a row), read to the host once per pass
     lengths: tuple = (None, (), ())
+    # `remainder` (issue 19, item 2), where this session can keep it (no sliding window, no pool limit): per
+    # selecting layer the sum of the values of every cached entry [B, Hkv, d] float32 and their count [B, Hkv],
+    # kept in fast memory; the unread entries' log-mass of the rows last selected, until the runtime asks
+    with_rest: bool = False
+    value_sums: dict = field(default_factory=dict)
+    value_counts: dict = field(default_factory=dict)
+    rest: dict = field(default_factory=dict)
 
 
 # Skew matrices are a model-wide resource: loaded or computed once per (model, calibration text) by
@@ -227,6 +243,9 @@ class InfiniGen(Policy):
     calibrate_target: float | None = None  # relative perplexity over the full cache allowed (None: 1%)
     calibrate_bound: float | None = None  # all-layer KV share at budget_ref tokens, at most (None: 20%)
     calibrate_text: str | None = None  # file or corpus name (None: mansfieldpark, apart from the skew's emma)
+    # issue 19, item 2: add what the selection leaves unread, estimated from the speculation scores (which cover
+    # every cached token) and a running sum of the values per KV head kept in fast memory (`remainder`)
+    remainder: bool = False
     # explicit skew matrices (`with_skew`): a resource, not a knob
     matrices: object = field(default=None, init=False, repr=False, compare=False)
     # the knobs of CALIBRATED the caller set, and every knob's value before calibration (`prepare`)
@@ -304,6 +323,10 @@ class InfiniGen(Policy):
             raise UserError(f"skew must be true or false, got {self.skew!r}")
         if not isinstance(self.dense_below, int) or isinstance(self.dense_below, bool) or self.dense_below < 0:
             raise UserError(f"dense below must be a whole number of cached tokens >= 0, got {self.dense_below!r}")
+        if not isinstance(self.remainder, bool):
+            raise UserError(f"remainder must be true or false, got {self.remainder!r}")
+        if self.remainder and self.key_mode != "int4":
+            raise UserError("remainder needs key_mode=int4: partial columns do not estimate the scores' scale")
         if not isinstance(self.calibrate, bool):
             raise UserError(f"calibrate must be true or false, got {self.calibrate!r}")
         if self.calibrate_target is not None and not 0 < self.calibrate_target < 1:
@@ -585,6 +608,8 @@ class InfiniGen(Policy):
             # partial columns are 30% of K, 15.6% of K+V: the paper's 8% budget assumes 16-bit models, and
             # storing them in bfloat16 would make float32 speculation inexact; the int4 default meets it.
             st.key_dtype = model.dtype
+        # the running sums cannot follow a pool's victims (an append overwrites a value they hold) nor a window
+        st.with_rest = self.remainder and cfg.sliding_window is None and session.store.allocator is None
         return st
 
     @staticmethod
@@ -597,7 +622,8 @@ class InfiniGen(Policy):
     def fast_tier_bytes(self, state) -> dict:
         """The speculation state (`speculation_bytes`), the skew `A` (model-wide) and the transient
         queries and plans."""
-        out = {"speculation": self.speculation_bytes(state)}
+        out = {"speculation": self.speculation_bytes(state),
+               "remainder": tensor_bytes(state.value_sums) + tensor_bytes(state.value_counts)}
         out.update({k: tensor_bytes(getattr(state, k)) for k in ("A", "spec")})
         return {k: v for k, v in out.items() if v}
 
@@ -690,6 +716,10 @@ class InfiniGen(Policy):
         hkv = k.shape[1]
         store = session.store
         st.ready.discard(layer)
+        if st.with_rest:
+            valid = store.valid[layer][:, :, :t]
+            st.value_sums[layer] = (v.float() * valid[..., None]).sum(2)
+            st.value_counts[layer] = valid.sum(-1)
         if st.lazy_keys:
             st.spec_keys.pop(layer, None)  # built from the store at the first step that selects
             return
@@ -759,18 +789,42 @@ class InfiniGen(Policy):
         return layer in session.state.ready or self._dense_pass(session)
 
     def keep(self, layer, rows, session):
+        st = session.state
+        st.rest.pop(layer, None)
         if rows.in_store:
             if self._dense_pass(session):
                 return ALL
-            return self._decoding_row(layer, rows, session)[:, :, None]
-        return self._sequence_rows(layer, rows, session)
+            keep = self._decoding_row(layer, rows, session)[:, :, None]
+        else:
+            keep = self._sequence_rows(layer, rows, session)
+        lse = st.rest.pop(layer, None)
+        if lse is not None and not rows.in_store:  # teacher-forced: the runtime sums the sequence's values
+            st.rest[layer] = Remainder(lse)
+        elif lse is not None and layer in st.value_sums:  # decoding: the sums before this step's append
+            st.rest[layer] = Remainder(lse, st.value_sums[layer], st.value_counts[layer])
+        return keep
 
     def _decoding_row(self, layer, rows, session) -> torch.Tensor:
         st = session.state
         st.ready.discard(layer)
         keep = self._speculated_row(layer, rows, session)
         dense = self._dense_rows(session, rows.first)
-        return keep if dense is None else keep | dense[:, None, None]
+        if dense is None:
+            return keep
+        if layer in st.rest:  # a row reading everything leaves nothing unread
+            st.rest[layer] = st.rest[layer].masked_fill(dense[:, None, None, None], float("-inf"))
+        return keep | dense[:, None, None]
+
+    def unread(self, layer, session):
+        """The unread entries' log-mass of the rows `keep` last answered at `layer` and, while decoding, the
+        running value sums (teacher-forced scoring sums the sequence's values in the runtime)."""
+        return session.state.rest.pop(layer, None)
+
+    @staticmethod
+    def _unread_lse(s: torch.Tensor, unread: torch.Tensor) -> torch.Tensor:
+        """Scaled speculated scores s [B, Hkv, G, R, S] and the unread entries [B, Hkv, R, S] -> the log of
+        their attention mass [B, Hkv, G, R] (-inf where none is unread)."""
+        return torch.logsumexp(s.masked_fill(~unread[:, :, None], float("-inf")), -1)
 
     def _speculated_row(self, layer, rows, session) -> torch.Tensor:
         st = session.state
@@ -783,6 +837,9 @@ class InfiniGen(Policy):
 
     def on_append(self, layer, slots, k, v, session):
         st = session.state
+        if st.with_rest and layer in st.value_sums:
+            st.value_sums[layer] += v[:, :, 0].float()
+            st.value_counts[layer] += 1
         if layer not in st.spec_layers or layer not in st.spec_keys:  # not built yet (lazy_keys)
             return
         spec_keys = st.spec_keys[layer]
@@ -846,7 +903,10 @@ class InfiniGen(Policy):
         # are known on the host and the selection needs no synchronization (see `_choose`)
         shared_length = n if not store.padded and model.cfg.sliding_window is None else None
         cap = self._cap(st, model, layer, n)
-        keep = self._choose(scores * model.scale, valid[:, :, None, :], st.alpha, shared_length, cap)
+        s = scores * model.scale
+        keep = self._choose(s.clone() if st.with_rest else s, valid[:, :, None, :], st.alpha, shared_length, cap)
+        if st.with_rest:  # `_choose` worked on a copy: s holds the scores
+            st.rest[layer] = self._unread_lse(s, valid[:, :, None, :] & ~keep)
         return keep[:, :, 0]
 
     def _sequence_rows(self, layer, rows, session):
@@ -880,6 +940,9 @@ class InfiniGen(Policy):
             every = every.view(b, hkv, g, t - first, t)
         out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=dev)
         out[:, :, :first - p] = True  # the runtime keeps each row's past of these
+        rest = None
+        if st.with_rest:  # rows before `first` read everything: nothing unread
+            rest = torch.full((b, hkv, q.shape[1] // hkv, t - p), float("-inf"), device=dev)
         for r in range(first, t):
             # row r sees the r cached tokens before it: the same shapes, so the same float32 numbers,
             # as `_select_row` when decoding (row by row: the selection's reductions depend on shapes)
@@ -891,10 +954,16 @@ class InfiniGen(Policy):
                 scores = self._scores(st, layer, r, spec_keys, r)[:, :, :, None]  # [B, Hkv, G, 1, r]
             shared_length = r if model.cfg.sliding_window is None else None
             cap = self._cap(st, model, layer, r)
-            out[:, :, r - p, :r] = self._choose(scores * model.scale, valid, st.alpha, shared_length, cap)[:, :, 0]
+            s = scores * model.scale
+            row = self._choose(s.clone() if rest is not None else s, valid, st.alpha, shared_length, cap)[:, :, 0]
             dense = self._dense_rows(session, r)
             if dense is not None:
-                out[:, :, r - p, :r] |= dense[:, None, None]
+                row |= dense[:, None, None]
+            out[:, :, r - p, :r] = row
+            if rest is not None:
+                rest[:, :, :, r - p] = self._unread_lse(s, valid & ~row[:, :, None])[..., 0]
+        if rest is not None:
+            st.rest[layer] = rest
         return out
 
     def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float, shared_length: int | None = None,
