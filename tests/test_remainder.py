@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import test_policies
 
 from infinigen import runtime
 from infinigen.placement import Placement
@@ -19,11 +20,7 @@ UNLIMITED = dict(alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), exact_first=Tr
 LIMITED = dict(max_fetch_ratio=0.3, min_fetch=0, dense_layers=(), exact_first=True, skew=False)
 
 
-@pytest.fixture(scope="module", params=["llama", "opt"])
-def tiny(request):
-    from conftest import build_tiny
-    _, model = build_tiny(request.param)
-    return model
+tiny = test_policies.tiny  # the fixture of the tiny llama and opt models
 
 
 def _tokens(model, seed=1):

@@ -217,9 +217,11 @@ def test_document_restart_runs_two_servers_on_one_cache_folder(sl, tmp_path, mon
                                                                       "argv": "a"}}})
 
 
-def test_no_llama_runs_ours_only_and_keeps_the_runs_beside_llama_server(sl, tmp_path, monkeypatch):
+
+def _fake_servers(sl, monkeypatch, started: list) -> None:
+    """serve_load's servers and clients replaced: each server start is recorded in `started`, every request
+    streams one token."""
     import contextlib
-    started = []
 
     @contextlib.contextmanager
     def fake_server(argv, port, env, log, ready_s=900):
@@ -231,6 +233,11 @@ def test_no_llama_runs_ours_only_and_keeps_the_runs_beside_llama_server(sl, tmp_
     monkeypatch.setattr(sl, "served_model", lambda client: "m")
     monkeypatch.setattr(sl, "warm_up", lambda client, model: None)
     monkeypatch.setattr(sl, "stream_chat", lambda *a, **k: sl.Sent(sent=0.0, arrivals=[1.0]))
+
+def test_no_llama_runs_ours_only_and_keeps_the_runs_beside_llama_server(sl, tmp_path, monkeypatch):
+    started = []
+
+    _fake_servers(sl, monkeypatch, started)
     args = sl.parse_args(["--no-llama", "--questions", "2", "--doc-tokens", "20"])
     assert args.no_llama and not sl.parse_args([]).no_llama
     sy = sl.Systems(bin_dir=None, gguf=None, threads=2, logs=tmp_path, flags={"--prefix-cache", "--prefix-cache-dir"})
@@ -246,17 +253,7 @@ def test_no_llama_runs_ours_only_and_keeps_the_runs_beside_llama_server(sl, tmp_
 
 
 def test_document_without_the_flags_says_so(sl, tmp_path, monkeypatch):
-    import contextlib
-
-    @contextlib.contextmanager
-    def fake_server(argv, port, env, log, ready_s=900):
-        yield "s"
-
-    monkeypatch.setattr(sl, "server", fake_server)
-    monkeypatch.setattr(sl, "openai_client", lambda url: url)
-    monkeypatch.setattr(sl, "served_model", lambda client: "m")
-    monkeypatch.setattr(sl, "warm_up", lambda client, model: None)
-    monkeypatch.setattr(sl, "stream_chat", lambda *a, **k: sl.Sent(sent=0.0, arrivals=[1.0]))
+    _fake_servers(sl, monkeypatch, [])
     sy = sl.Systems(bin_dir=tmp_path, gguf=tmp_path / "m.gguf", threads=2, logs=tmp_path, flags=set())
     result = sl.document_scenario(sy, _FakePrompts(), sl.parse_args(["--questions", "2", "--doc-tokens", "20"]))
     table = "\n".join(sl.document_table(result["rows"]))
