@@ -230,8 +230,10 @@ def test_gqa_selection_covers_query_heads(make_tiny):
 def test_select_rows_equals_decoding(make_tiny, kind, budget, spec_input, key_mode):
     _, model = make_tiny(kind)
     tokens = _tokens(model)
+    # the selections bit for bit: without the remainder, whose mixing rounds differently per path (its own
+    # test, tests/test_remainder.py, holds the paths to 1e-4)
     knobs = dict(alpha=1.0, max_fetch_ratio=0.3, min_fetch=0, dense_layers=(0,), budget=budget, spec_input=spec_input,
-                 key_mode=key_mode)
+                 key_mode=key_mode, remainder=False)
     vec = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))
     s_vec = Placement().new_session(model, 2, T, vec)
     out_vec = runtime.teacher_forced(model, tokens, P, s_vec)

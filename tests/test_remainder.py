@@ -72,7 +72,7 @@ def test_unlimited_budget_equals_dense(tiny):
 def test_decoding_equals_teacher_forced(tiny, knobs):
     tokens = _tokens(tiny)
     tf, _ = _teacher(tiny, make_policy("infinigen", remainder=True, **knobs), tokens)
-    off, _ = _teacher(tiny, make_policy("infinigen", **knobs), tokens)
+    off, _ = _teacher(tiny, make_policy("infinigen", remainder=False, **knobs), tokens)
     assert (tf - off).abs().max() > 1e-2  # the remainder changes something: entries are left unread
     for read_rows in (True, False):  # packed rows, the reference path
         dec, _ = _decode(tiny, make_policy("infinigen", remainder=True, **knobs), tokens, read_rows)
@@ -80,7 +80,7 @@ def test_decoding_equals_teacher_forced(tiny, knobs):
     # several sessions in one step: one with the remainder beside one without, and beside the full cache
     for read_rows in (True, False):
         pair = _decode_together(tiny, [make_policy("infinigen", remainder=True, **knobs),
-                                       make_policy("infinigen", **knobs)], tokens, read_rows)
+                                       make_policy("infinigen", remainder=False, **knobs)], tokens, read_rows)
         assert (tf[:, P - 1:] - pair[0]).abs().max() <= 1e-4
         assert (off[:, P - 1:] - pair[1]).abs().max() <= 1e-4
     mixed = _decode_together(tiny, [make_policy("infinigen", remainder=True, **knobs), make_policy("full")], tokens)
@@ -91,7 +91,7 @@ def test_remainder_brings_the_output_closer_to_dense(tiny):
     tokens = _tokens(tiny)
     dense, _ = _teacher(tiny, make_policy("full"), tokens)
     on, _ = _teacher(tiny, make_policy("infinigen", remainder=True, **LIMITED), tokens)
-    off, _ = _teacher(tiny, make_policy("infinigen", **LIMITED), tokens)
+    off, _ = _teacher(tiny, make_policy("infinigen", remainder=False, **LIMITED), tokens)
     assert (on - dense).abs().mean() < 0.5 * (off - dense).abs().mean()
 
 
@@ -144,7 +144,7 @@ def test_summary_bytes_are_counted(tiny):
     tokens = _tokens(tiny)
     c = tiny.cfg
     _, on = _decode(tiny, make_policy("infinigen", remainder=True, **LIMITED), tokens)
-    _, off = _decode(tiny, make_policy("infinigen", **LIMITED), tokens)
+    _, off = _decode(tiny, make_policy("infinigen", remainder=False, **LIMITED), tokens)
     sums = c.num_layers * B * c.num_kv_heads * c.head_dim * 4  # float32, every selecting layer
     counts = c.num_layers * B * c.num_kv_heads * 8
     assert on.policy.fast_tier_bytes(on.state)["remainder"] == sums + counts
