@@ -78,8 +78,10 @@ class _Leave(nn.Module):
         return h1, self.block.feed_forward(h1)
 
 
-def _weights(prefix: str, block: nn.Module) -> dict:
-    return {f"{prefix}.{n}": t for n, t in (*block.named_parameters(), *block.named_buffers())}
+def _weights(blocks: tuple) -> dict:
+    """The blocks' weights by the names the part's wrapper gives them ("block.…", "nxt.…")."""
+    return {f"{prefix}.{n}": t for prefix, b in zip(("block", "nxt"), blocks)
+            for n, t in (*b.named_parameters(), *b.named_buffers())}
 
 
 def _structure(block: nn.Module) -> tuple:
@@ -133,9 +135,7 @@ class StepParts:
 
             t0 = time.perf_counter()
             wrapper = {"enter": _Enter, "between": _Between, "leave": _Leave}[name](*blocks)
-            weights = {}
-            for prefix, b in zip(("block", "nxt"), blocks):
-                weights.update(_weights(prefix, b))
+            weights = _weights(blocks)
             names = list(weights)
             n, base = len(names), {"enter": 1, "between": 2, "leave": 2}[name]
             has_rope = len(tensors) > base
@@ -166,9 +166,7 @@ class StepParts:
         key = (name, *(id(b) for b in blocks))
         weights = self._inputs.get(key)
         if weights is None:
-            found = {}
-            for prefix, b in zip(("block", "nxt"), blocks):
-                found.update(_weights(prefix, b))
+            found = _weights(blocks)
             weights = self._inputs[key] = [found[n] for n in names]
         out = fn(*weights, *tensors)
         return [o[:rows] for o in out] if pad else list(out)
