@@ -111,10 +111,35 @@ def test_different_attention_different_settings(peaked, flat, text):
     assert a.calibration["kv"] < b.calibration["kv"] - 0.2  # the peaked model reads much less
 
 
+def test_the_remainder_is_chosen_where_it_helps(flat, text):
+    """Left to calibration, the remainder is one more candidate: on the flat model the unread entries' mean
+    value is what attention would have added, so the remainder reaches the target that no subset reaches
+    alone, and is chosen; set by hand, no candidate changes it."""
+    pol = calibrated(flat, text, remainder=None)
+    rec = pol.calibration
+    assert [t["knobs"].get("remainder") for t in rec["trials"]].count(True) == 1
+    assert pol.remainder is True and rec["chosen"]["remainder"] is True and rec["reached"]
+    loss, kv = rescore(flat, text, pol)
+    assert loss <= TARGET and kv <= BOUND + 1e-9
+    assert all("remainder" not in t["knobs"] for t in calibrated(flat, text).calibration["trials"])
+
+
+def test_the_default_preset_calibrates_and_falls_back_without_a_tokenizer(peaked, text, capsys):
+    """The default preset calibrates in prepare(); where calibration cannot run (no tokenizer) it keeps the
+    preset's values and says so in one line, while a caller who asked for calibration gets the error."""
+    pol = InfiniGen(skew=False).prepare(peaked)
+    assert pol.calibration is None and pol.alpha == 9.0 and pol.kv_budget == 0.13 and pol.budget_growth == 0.5
+    assert "not calibrated" in capsys.readouterr().err
+    with pytest.raises(UserError, match="tokenizer"):
+        InfiniGen(skew=False, calibrate=True, budget_ref=REF).prepare(peaked)
+    auto = InfiniGen(skew=False, budget_ref=REF, min_fetch=0, calibrate_text=str(text), calibrate_bound=BOUND)
+    assert auto.prepare(peaked, ByteTokenizer()).calibration["source"] in ("searched", "this process")
+
+
 def test_a_knob_set_by_hand_wins(peaked, text):
     pol = calibrated(peaked, text, alpha=3.5, exact_first=True, dense_layers=())
     assert pol.alpha == 3.5 and pol.exact_first is True and pol.dense_layers == ()
-    assert pol.calibration["set"] == ["alpha", "dense_layers", "exact_first"]
+    assert pol.calibration["set"] == ["alpha", "dense_layers", "exact_first", "remainder"]
     assert set(pol.calibration["chosen"]) == {"kv_budget", "max_fetch_ratio", "budget_growth"}
     # every candidate tried kept them
     assert all("alpha" not in t["knobs"] and "exact_first" not in t["knobs"] for t in pol.calibration["trials"])
@@ -125,9 +150,11 @@ def test_a_knob_set_by_hand_wins(peaked, text):
 
 
 def test_off_keeps_the_preset(peaked):
-    pol = InfiniGen(skew=False).prepare(peaked, ByteTokenizer())
-    assert pol.calibration is None and pol.alpha == 7.0 and pol.max_fetch_ratio == 0.14
+    pol = InfiniGen(skew=False, calibrate=False).prepare(peaked, ByteTokenizer())
+    assert pol.calibration is None and pol.alpha == 9.0 and pol.kv_budget == 0.13 and pol.exact_first
     assert "calibration" not in pol.settings(peaked)
+    flat = InfiniGen(skew=False, preset="flat").prepare(peaked, ByteTokenizer())
+    assert flat.calibration is None and flat.alpha == 7.0 and flat.max_fetch_ratio == 0.14 and flat.remainder
 
 
 def test_recorded_in_settings(peaked, text):

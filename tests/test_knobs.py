@@ -42,9 +42,11 @@ def test_knob_types_follow_the_fields():
 
 
 def test_settings_show_the_values_in_effect(make_tiny):
-    s = make_policy("infinigen").settings()
-    assert s["alpha"] == 7.0 and s["max_fetch_ratio"] == 0.14 and s["dense_layers"] == [0, 1]
-    assert s["kv_budget"] is None and s["exact_first"] is False
+    s = make_policy("infinigen").settings()  # issue 19: calibrated per model in prepare(), from these values
+    assert s["alpha"] == 9.0 and s["kv_budget"] == 0.13 and s["budget_growth"] == 0.5 and s["calibrate"] is True
+    f = make_policy("infinigen", preset="flat").settings()  # issue 3's default
+    assert f["alpha"] == 7.0 and f["max_fetch_ratio"] == 0.14 and f["dense_layers"] == [0, 1] and f["remainder"]
+    assert f["kv_budget"] is None and f["exact_first"] is False and s["exact_first"] is True
     b = make_policy("infinigen", preset="budget").settings()  # issue 12's candidate: one all-layer bound
     assert b["alpha"] == 9.0 and b["kv_budget"] == 0.13 and b["budget_growth"] == 0.5
     assert b["max_fetch_ratio"] is None and b["dense_layers"] == []
@@ -78,5 +80,5 @@ def test_ppl_json_records_the_effective_settings(tiny_checkpoint, tmp_path, monk
                  "--policy", "infinigen", "--kv-offload", "disk", "--capacity", "48", "--json", str(out)])
     assert code == 0, capfd.readouterr().err
     r = json.loads(out.read_text())
-    assert r["settings"]["alpha"] == 7.0 and r["kv_offload"] == "disk" and r["capacity"] == 48
+    assert r["settings"]["alpha"] == 9.0 and r["kv_offload"] == "disk" and r["capacity"] == 48
     assert list((tmp_path / "cache" / "skew").glob("*.safetensors"))  # calibrated into the test's cache

@@ -132,7 +132,8 @@ def _selective(name, model):
     """Policies whose decode steps read a real subset (InfiniGen without its 32-token floor: the
     prompts here are shorter)."""
     if name == "infinigen":
-        return make_policy("infinigen", dense_layers=(0,), min_fetch=0).with_skew(_policy("infinigen", model).matrices)
+        return make_policy("infinigen", preset="flat", dense_layers=(0,), min_fetch=0).with_skew(
+            _policy("infinigen", model).matrices)
     if name == "infinigen-paper":
         mats = _policy("infinigen", model).matrices
         return make_policy("infinigen", preset="paper", dense_layers=(0,)).with_skew(mats)
@@ -365,7 +366,7 @@ def test_bench_cli_smoke(tiny_checkpoint, tmp_path, monkeypatch):
                  "--batch-size", "1,2",
                  "--gen-len", "4", "--policy", "full,infinigen,h2o,int4", "--kv-offload", "cpu,disk",
                  "--pool-dir", str(tmp_path / "pool"), "--breakdown", "1", "--json", str(out), "--plot", str(png),
-                 "--knob", "infinigen.dense_layers=0", "--knob", "infinigen.min_fetch=0",
+                 "--knob", "infinigen.preset=flat", "--knob", "infinigen.dense_layers=0", "--knob", "infinigen.min_fetch=0",
                  "--dtype", "float32"])  # the int4 pool's size is compared with a float32 pool below
     assert code == 0
     data = json.loads(out.read_text())

@@ -66,7 +66,7 @@ def test_unlimited_budget_equals_dense(tiny):
         assert (dec - dense[:, P - 1:]).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("knobs", [LIMITED, dict(alpha=2.0, min_fetch=0, dense_layers=(), skew=False),
+@pytest.mark.parametrize("knobs", [LIMITED, dict(preset="flat", alpha=2.0, min_fetch=0, dense_layers=(), skew=False),
                                    dict(preset="budget", kv_budget=0.3, budget_ref=20, min_fetch=0, skew=False)],
                          ids=["cap", "alpha", "budget-preset"])
 def test_decoding_equals_teacher_forced(tiny, knobs):

@@ -21,7 +21,7 @@ P, T = 9, 24  # prompt length, sequence length
 
 def _policy(name, model, **knobs):
     if name == "infinigen":
-        return make_policy("infinigen", **({"dense_layers": ()} | knobs)).with_skew(_mats(model))
+        return make_policy("infinigen", **({"preset": "flat", "dense_layers": ()} | knobs)).with_skew(_mats(model))
     return make_policy(name, **knobs)
 
 

@@ -881,10 +881,11 @@ def _blocks_and_head(model, h, rope, attend, event) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def teacher_forced(model, tokens: torch.Tensor, prefill_len: int, session: Session) -> torch.Tensor:
+def teacher_forced(model, tokens: torch.Tensor, prefill_len: int, session: Session, head: bool = True) -> torch.Tensor:
     """Logits [B, T, V] for a whole sequence: the first `prefill_len` tokens as a prompt, every later
     position as if decoded one token at a time with the session's policy (same selections, same
-    numbers up to float summation order). Rows must be unpadded."""
+    numbers up to float summation order). Rows must be unpadded. head=False: the hidden states the head
+    would read [B, T, H] (every row's logits at once would be 17 GB at 32K tokens of a 262k vocabulary)."""
     b, t = tokens.shape
     positions = torch.arange(t, device=tokens.device).expand(b, t)
     session.begin_teacher(positions, prefill_len)
@@ -892,7 +893,7 @@ def teacher_forced(model, tokens: torch.Tensor, prefill_len: int, session: Sessi
     rope = model.rope(positions)
     for block in model.layers:
         h = block(h, rope, session.attend, session.event)
-    return model.head(h)
+    return model.head(h) if head else h
 
 
 __all__ = ["Session", "Listener", "KVStats", "prefill", "prefill_in_slices", "decode", "teacher_forced", "attend_all",

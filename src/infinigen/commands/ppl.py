@@ -114,6 +114,10 @@ def _print(r: dict) -> None:
     spec = r["speculated_layers"]
     console.print(f"relative KV size: {100 * r['kv_all']:.2f}% over all {len(r['kv_per_layer'])} layers, "
                   f"{100 * r['kv_speculated']:.2f}% over the {len(spec)} selecting layers")
+    if r["local_layers"]:
+        n_global = len(r["kv_per_layer"]) - len(r["local_layers"])
+        console.print(f"  {100 * r['kv_global']:.2f}% over the {n_global} global layers (the "
+                      f"{len(r['local_layers'])} sliding-window layers read their window, as the full cache does)")
 
 
 def register(app: typer.Typer) -> None:

@@ -75,6 +75,10 @@ class PPLResult:
     chunks: list = field(default_factory=list)  # {"chunk", "start", "end", "perplexity", "tokens"}
     kv_all: float = 1.0  # relative KV size over all layers (dense layers count as read in full)
     kv_speculated: float = 1.0  # over the layers the policy does not keep dense
+    # over the layers a policy may thin: all but a model's local sliding-window layers (Gemma 3's five of six),
+    # which read their window whatever the policy (`Session.selects`); kv_all counts those at 100%
+    kv_global: float = 1.0
+    local_layers: list = field(default_factory=list)
     kv_per_layer: list = field(default_factory=list)
     speculated_layers: list = field(default_factory=list)
     window_perplexities: list = field(default_factory=list)
@@ -90,12 +94,15 @@ class PPLResult:
         return asdict(self)
 
 
-def _nll_rows(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-row NLL of targets [R] under logits [R, V] (float64 result), a few hundred rows at a time."""
+def _nll_rows(model, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-row NLL of targets [R] under the head's logits of hidden [R, H] (float64 result), the head a few
+    hundred rows at a time (all rows' logits at once: [R, vocab])."""
     out = torch.empty(targets.shape[0], dtype=torch.float64)
-    for s in range(0, targets.shape[0], SCORE_ROWS):
-        e = min(targets.shape[0], s + SCORE_ROWS)
-        out[s:e] = F.cross_entropy(logits[s:e].float(), targets[s:e], reduction="none").double().cpu()
+    with torch.no_grad():
+        for s in range(0, targets.shape[0], SCORE_ROWS):
+            e = min(targets.shape[0], s + SCORE_ROWS)
+            logits = model.head(hidden[s:e][None])[0]
+            out[s:e] = F.cross_entropy(logits.float(), targets[s:e], reduction="none").double().cpu()
     return out
 
 
@@ -143,7 +150,9 @@ def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: in
     chunk_nll = torch.zeros(n_chunks, dtype=torch.float64)
     chunk_n = torch.zeros(n_chunks, dtype=torch.long)
     per_layer = torch.zeros(n_layers, dtype=torch.float64)
-    kv_all = kv_spec = 0.0
+    kv_all = kv_spec = kv_global = 0.0
+    local = [i for i in range(n_layers) if model.cfg.local(i)]
+    global_layers = [i for i in range(n_layers) if i not in local]
     window_ppl = []
     bar = _LayerProgress(model, windows * n_layers, progress, f"ppl {getattr(policy, 'name', 'policy')}")
     start = time.perf_counter()
@@ -152,11 +161,11 @@ def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: in
             row = tokens[w:w + 1].to(model.device)
             sess = placement.new_session(model, 1, ctx, policy, prompt_len=prefill)
             try:
-                logits = runtime.teacher_forced(model, row, prefill, sess)[0]
+                hidden = runtime.teacher_forced(model, row, prefill, sess, head=False)[0]
             finally:
                 sess.store.close()
-            nll = _nll_rows(logits[prefill - 1:ctx - 1], row[0, prefill:])
-            del logits
+            nll = _nll_rows(model, hidden[prefill - 1:ctx - 1], row[0, prefill:])
+            del hidden
             window_ppl.append(math.exp(nll.mean().item()))
             idx = torch.arange(nll.shape[0]) // chunk
             chunk_nll.index_add_(0, idx, nll)
@@ -164,6 +173,7 @@ def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: in
             layers = sess.stats.per_layer()
             per_layer += torch.tensor(layers, dtype=torch.float64)
             kv_all += sess.stats.overall()
+            kv_global += sess.stats.overall(global_layers)
             spec = speculated_layers(policy, n_layers)
             kv_spec += sess.stats.overall(spec) if spec else float("nan")
     finally:
@@ -174,6 +184,7 @@ def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: in
               for j in range(n_chunks)]
     return PPLResult(perplexity=math.exp(total_nll / total_n), nll=total_nll / total_n, tokens=total_n,
                      chunks=chunks, kv_all=kv_all / windows, kv_speculated=kv_spec / windows,
+                     kv_global=kv_global / windows, local_layers=local,
                      kv_per_layer=(per_layer / windows).tolist(), speculated_layers=spec,
                      window_perplexities=window_ppl,
                      ctx=ctx, prefill=prefill, windows=windows, capacity=cap if placement.limited else None,

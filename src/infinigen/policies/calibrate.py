@@ -19,7 +19,8 @@ calibration run measured.
 The search is small, so `prepare` stays within minutes on a CPU (each candidate is one teacher-forced pass
 over `ref` tokens): the largest all-layer budget under the bound for each way of treating layer 0 (selected
 with its exact query, or read densely), then, if the better one reaches the target, a bisection down the
-budget and a lower threshold; at most `max_evals` passes after the reference.
+budget and a lower threshold; at most `max_evals` passes after the reference, and one more for the best of
+them with the remainder added (`remainder`, unless the caller set it).
 """
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .. import runtime
 from ..placement import Placement
 
-FORMAT = 1  # of the stored choice: bump when the search changes what it would choose
+FORMAT = 2  # of the stored choice: bump when the search changes what it would choose
 ALPHA_HIGH = 9.0  # the caps decide (measured on SmolLM2: results/presets.md)
 ALPHA_LOW = 7.0  # the threshold trims under the caps
 LONG = 4  # the bound is also checked at LONG * ref tokens
@@ -110,7 +112,7 @@ def score(model, tokens: torch.Tensor, prefill: int, policy) -> tuple[float, flo
     sess = Placement().new_session(model, 1, tokens.shape[1], policy, prompt_len=prefill)
     try:
         with torch.no_grad():
-            h = _hidden(model, tokens.to(model.device), prefill, sess)
+            h = runtime.teacher_forced(model, tokens.to(model.device), prefill, sess, head=False)
     finally:
         sess.store.close()
     targets = tokens[0, prefill:].to(model.device)
@@ -123,18 +125,6 @@ def score(model, tokens: torch.Tensor, prefill: int, policy) -> tuple[float, flo
     per_layer = sess.stats.per_layer()
     counted = [per_layer[i] for i in counted_layers(model) if not math.isnan(per_layer[i])]
     return total / targets.numel(), sum(counted) / len(counted) if counted else 1.0
-
-
-def _hidden(model, tokens, prefill, session):
-    """`runtime.teacher_forced` without the head (the head of every row at once would be [T, vocab] logits)."""
-    b, t = tokens.shape
-    positions = torch.arange(t, device=tokens.device).expand(b, t)
-    session.begin_teacher(positions, prefill)
-    h = model.embed(tokens, positions)
-    rope = model.rope(positions)
-    for block in model.layers:
-        h = block(h, rope, session.attend, session.event)
-    return h
 
 
 def caps_share(policy, model, ctx: int, prefill: int, samples: int = POSITIONS) -> float:
@@ -189,12 +179,15 @@ def largest_budget(make, model, ref: int, bound: float, growth: float, lo: float
 
 def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: list[dict], alphas: tuple,
            budget_free: bool, target: float, bound: float, growth: float, ref: int, key: str, text: str,
-           max_evals: int = 6, log=None) -> Choice:
+           max_evals: int = 6, log=None, remainder: bool = False) -> Choice:
     """Choose the knobs (see the module docstring). `candidate(knobs)` makes the policy of a candidate (knobs:
     the values calibration chooses; the caller's own knobs are fixed inside it); `structures`: the ways to
     treat layer 0 (knob dicts of exact_first, dense_layers; [{}] when the caller fixed them), `alphas` the
     thresholds tried (the first with every structure; none when the caller fixed it); `budget_free`: choose
-    kv_budget (else the caller's cap is the bound)."""
+    kv_budget (else the caller's cap is the bound); `remainder`: also try the best candidate with what the
+    selection leaves unread added (one pass more: it helps some models and layouts and hurts others, measured in
+    results/accuracy.md), chosen by the same rule as every candidate (the cheapest within the target, else the
+    lowest loss)."""
     full, _ = score(model, tokens, prefill, None)
     goal = full + math.log1p(target)
     trials: list[Trial] = []
@@ -249,6 +242,10 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
             fit = [t for t in trials if t.nll <= goal and ok(t)]
             cheapest = min(fit, key=cost) if fit else best
             run(dict(cheapest.knobs, alpha=a))
+    if remainder:
+        fit = [t for t in trials if t.nll <= goal and ok(t)]
+        so_far = min(fit, key=cost) if fit else min([t for t in trials if ok(t)] or trials, key=lambda t: (t.nll, t.kv))
+        run(dict(so_far.knobs, remainder=True))
     fit = [t for t in trials if t.nll <= goal and ok(t)]
     reached = bool(fit)
     chosen = min(fit, key=cost) if fit else min(
