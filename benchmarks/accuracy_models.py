@@ -130,16 +130,15 @@ def report(args) -> str:
         s = ours_any["settings"]
         cal = s.get("calibration") or {}
         lines += [f"## {ours_any['model']}", ""]
-        chosen = cal.get("knobs") or {}
+        chosen = cal.get("chosen") or {}
         shown = {k: s.get(k) for k in ("preset", "calibrate", "alpha", "kv_budget", "budget_growth", "max_fetch_ratio",
                                        "dense_layers", "exact_first", "remainder")}
         lines.append(f"InfiniGen settings: {', '.join(f'{k} {v}' for k, v in shown.items())}.")
         if chosen:
             lines.append(f"Calibration chose {', '.join(f'{k} {v}' for k, v in chosen.items())}: "
-                         f"{100 * (cal['nll'] and __import__('math').exp(cal['nll'] - cal['reference_nll']) - 1):+.2f}% "
-                         f"vs the full cache at {pct(cal['kv'])} of the KV on {cal['tokens']} tokens of "
-                         f"{cal['text']} (target {pct(cal['target'])}: {'reached' if cal['reached'] else 'not reached'}"
-                         f" under the bound {pct(cal['bound'])}).")
+                         f"{100 * cal['vs_full']:+.2f}% vs the full cache at {pct(cal['kv'])} of the KV on "
+                         f"{cal['tokens']} tokens of {Path(cal['text']).name} (target {pct(cal['target'])}: "
+                         f"{'reached' if cal['reached'] else 'not reached'} under the bound {pct(cal['bound'])}).")
         lines += ["", "| text | context (prefill) | full | InfiniGen: KV | ppl | vs full | oracle: KV | ppl | "
                   "vs full | H2O: KV | ppl | vs full |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for (ctx, text), c in sorted(cells.items()):
@@ -149,7 +148,8 @@ def report(args) -> str:
             cols = [text, f"{ctx} ({c['ours']['prefill']})", f"{full['perplexity']:.3f}"]
             for row in ("ours", "oracle", "h2o"):
                 r = c.get(row)
-                cols += ["-"] * 3 if r is None else [pct(r["kv_global"]), f"{r['perplexity']:.3f}", f"{100 * rel(r, full):+.2f}%"]
+                cols += (["-"] * 3 if r is None else
+                         [pct(r["kv_global"]), f"{r['perplexity']:.3f}", f"{100 * rel(r, full):+.2f}%"])
             lines.append("| " + " | ".join(cols) + " |")
             ours = c["ours"]
             bound = BOUND.get(ctx)

@@ -366,7 +366,8 @@ def test_bench_cli_smoke(tiny_checkpoint, tmp_path, monkeypatch):
                  "--batch-size", "1,2",
                  "--gen-len", "4", "--policy", "full,infinigen,h2o,int4", "--kv-offload", "cpu,disk",
                  "--pool-dir", str(tmp_path / "pool"), "--breakdown", "1", "--json", str(out), "--plot", str(png),
-                 "--knob", "infinigen.preset=flat", "--knob", "infinigen.dense_layers=0", "--knob", "infinigen.min_fetch=0",
+                 "--knob", "infinigen.preset=flat", "--knob", "infinigen.dense_layers=0",
+                 "--knob", "infinigen.min_fetch=0",
                  "--dtype", "float32"])  # the int4 pool's size is compared with a float32 pool below
     assert code == 0
     data = json.loads(out.read_text())
