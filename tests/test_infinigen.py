@@ -354,8 +354,10 @@ def test_dense_layers_count_in_relative_kv(make_tiny):
 # ---- the default model ----------------------------------------------------------------------------
 @pytest.mark.integration
 def test_default_model_accuracy(default_model, tmp_path, monkeypatch):
-    """A short perplexity run: the default InfiniGen stays close to the full cache at <= 20% of the KV
-    (all layers), and beats the paper's configuration."""
+    """A short perplexity run: the default InfiniGen (its preset's values: no calibration here) stays close to
+    the full cache within what its caps allow (the share read grows as the context shrinks: 20% over a 2048-token
+    run, its caps' share over this 768-token one), and beats the paper's configuration."""
+    from infinigen.policies.calibrate import caps_share
     from infinigen.skew import load_or_compute_skew, read_tokens, resolve_text
     model, tok = default_model
     monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
@@ -370,10 +372,12 @@ def test_default_model_accuracy(default_model, tmp_path, monkeypatch):
         return math.exp(nll.item()), sess.stats.overall()
 
     full, _ = ppl(None)
-    ours, kv = ppl(make_policy("infinigen").with_skew(skew))
+    pol = make_policy("infinigen").with_skew(skew)
+    ours, kv = ppl(pol)
     paper, kv_paper = ppl(InfiniGen.paper().with_skew(skew))
     print(f"\nfull {full:.3f}; infinigen default {ours:.3f} ({100 * (ours / full - 1):+.2f}%, KV {100 * kv:.1f}%); "
           f"paper {paper:.3f} ({100 * (paper / full - 1):+.2f}%, KV {100 * kv_paper:.1f}%)")
-    assert kv <= 0.20
+    assert kv <= caps_share(pol, model, ids.shape[1], p) + 1e-9 and kv < 0.3
+    assert caps_share(pol, model, 2048, 256) <= 0.20
     assert ours / full - 1 < 0.03
     assert ours < paper
