@@ -359,12 +359,16 @@ class Transformer(nn.Module):
         for s in range(0, t, PREFILL_CHUNK):
             e = min(t, s + PREFILL_CHUNK)
             m = mask[:, :, s:e]
-            # keys no row of the chunk may see (the causal future) are left out: half the work at long prompts
+            # keys no row of the chunk may see are left out: the causal future (half the work at long prompts)
+            # and, under a sliding window, the past behind it (a 512-token window's layer at 32K tokens: the
+            # chunk's rows read ~1.5K keys, not ~16K); a left-out key's weight is exactly 0 either way
             n = e if k.shape[2] > e and not m[..., e:].any() else k.shape[2]
-            m = m[..., :n]
-            m = m[:, :, None].expand(b, m.shape[1], g, e - s, n).reshape(b, m.shape[1], g * (e - s), n)
+            seen = m[..., :n].any(-2).flatten(0, -2).any(0)  # [n]: some row of the chunk sees the key
+            lo = int(seen.to(torch.uint8).argmax())  # the first such key (rows always see themselves)
+            m = m[..., lo:n]
+            m = m[:, :, None].expand(b, m.shape[1], g, e - s, n - lo).reshape(b, m.shape[1], g * (e - s), n - lo)
             qc = qg[:, :, :, s:e].reshape(b, hkv, g * (e - s), d)
-            o = F.scaled_dot_product_attention(qc, k[:, :, :n], v[:, :, :n], attn_mask=m, scale=self.scale)
+            o = F.scaled_dot_product_attention(qc, k[:, :, lo:n], v[:, :, lo:n], attn_mask=m, scale=self.scale)
             out[:, :, :, s:e] = o.view(b, hkv, g, e - s, d)
         return out.view(b, h, t, d)
 
