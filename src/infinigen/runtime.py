@@ -183,17 +183,22 @@ def attend_rows(q, k, v, keep, first: int, codec, scale: float, rest: Remainder 
     lse = None if rest is None else q.new_empty(b, hkv, g, r, dtype=torch.float32)
     for s in range(0, r, ROW_CHUNK):
         e = min(r, s + ROW_CHUNK)
+        # the keys some row of the chunk reads or is: [lo, hi). The rest (the future; behind a sliding window,
+        # the past: a 512-token window at 32K tokens) would get a weight of exactly 0
+        hi = min(t, p + e)
+        seen = keep[:, :, s:e, :hi].any(-2).flatten(0, -2).any(0)
+        lo = min(int(seen.to(torch.uint8).argmax()) if bool(seen.any()) else hi, p + s)
         qc = qg[:, :, :, s:e]
-        scores = torch.matmul(qc, kq[:, :, None].transpose(-1, -2)).float() * scale  # [B,Hkv,G,c,T]
+        scores = torch.matmul(qc, kq[:, :, None, lo:hi].transpose(-1, -2)).float() * scale  # [B,Hkv,G,c,n]
         own = (qc.float() * k[:, :, None, p + s:p + e].float()).sum(-1) * scale  # [B,Hkv,G,c]
-        scores = scores.masked_fill(~keep[:, :, None, s:e], float("-inf"))
-        dg = diag[:, :, None, s:e]
+        scores = scores.masked_fill(~keep[:, :, None, s:e, lo:hi], float("-inf"))
+        dg = diag[:, :, None, s:e, lo:hi]
         scores = torch.where(dg, own[..., None], scores)
         probs = torch.softmax(scores, dim=-1)
         if lse is not None:
             lse[..., s:e] = torch.logsumexp(scores, -1)
         pd = (probs * dg).sum(-1, keepdim=True)
-        past = torch.matmul(probs.masked_fill(dg, 0).to(vq.dtype), vq[:, :, None])
+        past = torch.matmul(probs.masked_fill(dg, 0).to(vq.dtype), vq[:, :, None, lo:hi])
         out[:, :, :, s:e] = past + pd.to(v.dtype) * v[:, :, None, p + s:p + e]
     out = out.view(b, h, r, d)
     if rest is None:
