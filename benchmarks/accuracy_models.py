@@ -162,11 +162,31 @@ def report(args) -> str:
                 checks.append(("vs oracle", gap >= BEAT_ORACLE, f"{100 * gap:.2f} points better"))
             misses.append((model, text, ctx, checks))
         lines.append("")
-    lines += ["## Targets", ""]
+    lines += ["## Targets (issue 19)", ""]
     for model, text, ctx, checks in misses:
         lines.append(f"- {model}, {text}, {ctx}: " + "; ".join(
             f"{name} {val}: {'met' if ok else 'missed'}" for name, ok, val in checks))
     return "\n".join(lines) + "\n"
+
+
+def compact(args) -> str:
+    """One table over the models (README): InfiniGen's KV and loss, and the oracle's and H2O's at that size."""
+    runs = Path(args.runs)
+    found: dict = {}
+    for f in sorted(runs.glob("*.json")):
+        model, text, ctx, row = f.stem.rsplit("-", 3)
+        found.setdefault((model, int(ctx), text), {})[row] = json.loads(f.read_text())
+    out = ["| model | text | context (prefill) | KV read | InfiniGen vs full | oracle vs full | H2O vs full |",
+           "|---|---|---|---|---|---|---|"]
+    for (model, ctx, text), c in sorted(found.items(), key=lambda kv: (kv[0][0] != "default", kv[0][1], kv[0][2])):
+        if "full" not in c or "ours" not in c:
+            continue
+        full = c["full"]
+        cell = lambda row: f"{100 * rel(c[row], full):+.2f}%" if row in c else "-"  # noqa: E731
+        name = "SmolLM2-135M" if model == "default" else "Gemma 3 270M" if model == "gemma" else model
+        out.append(f"| {name} | {text} | {ctx} ({c['ours']['prefill']}) | {pct(c['ours']['kv_global'])} | "
+                   f"{cell('ours')} | {cell('oracle')} | {cell('h2o')} |")
+    return "\n".join(out) + "\n"
 
 
 def main() -> None:
@@ -179,8 +199,11 @@ def main() -> None:
     ap.add_argument("--runs", default=str(RUNS))
     ap.add_argument("--report", action="store_true", help="write --out from the runs, run nothing")
     ap.add_argument("--out", default=str(ROOT / "results" / "accuracy_models.md"))
+    ap.add_argument("--compact", action="store_true", help="print one table over the models (for the README)")
     args = ap.parse_args()
-    if args.report:
+    if args.compact:
+        print(compact(args), end="")
+    elif args.report:
         Path(args.out).write_text(report(args))
         print(f"wrote {args.out}")
     else:

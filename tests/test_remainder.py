@@ -189,3 +189,23 @@ def test_off_where_the_sums_cannot_follow(tiny):
 def _fifo():
     from infinigen.pool import make_pool
     return make_pool("fifo")
+
+
+def test_teacher_forced_scores_in_blocks_as_in_one_call(monkeypatch):
+    """A teacher-forced pass scores its rows against the 4-bit keys in blocks of rows (at 32K tokens one call
+    would hold 15 GB of scores): any block size gives the same selection and logits to the bit."""
+    import infinigen.policies.infinigen as ig
+    from conftest import build_tiny
+    _, model = build_tiny("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    t, p = 128, 16  # a capacity of 64-token blocks: the batched int4 layout where the kernel takes it
+    if ig.int4_layout(model.cfg.head_dim, t, model.device) != "tinygemm":
+        pytest.skip("this CPU's int4 kernel does not take the tiny model's head_dim")
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, t), generator=torch.Generator().manual_seed(4))
+
+    def logits():
+        pol = make_policy("infinigen", **LIMITED)
+        return runtime.teacher_forced(model, tokens, p, Placement().new_session(model, 1, t, pol))
+
+    whole = logits()
+    monkeypatch.setattr(ig, "SCORE_BLOCK", 3 * model.cfg.num_heads * t)  # 3 rows a block
+    assert torch.equal(logits(), whole)

@@ -79,6 +79,7 @@ INT4_GROUP = 32
 # would never select there. 0 (select at every length, as before the knob) stays the default until the
 # speculation's cost comes down (issue 18 items 3-4); `dense_below=8192` is the measured setting on that CPU
 DENSE_BELOW = 0
+SCORE_BLOCK = 2 ** 27  # speculated scores per call when a teacher-forced pass scores its rows in blocks
 
 # Why each preset is what it is, with the measurements: results/presets.md
 PRESETS = {
@@ -960,14 +961,12 @@ class InfiniGen(Policy):
             spec_keys.write(0, self._rotate(st, k, layer))
         else:
             spec_keys = self._project(st, k, layer).to(st.key_dtype)  # [B, Hkv, T, c]
-        every = None
-        if isinstance(spec_keys, PackedKeys) and spec_keys.layout == "tinygemm":
-            # each score of the int4 kernel is its own dot product, the same bits whatever the other rows
-            # of the call: score every row in one call and cut per row
-            qs = self._spec_rows(st, layer, slice(first, t))  # [B, Hkv, G, R, d]
-            g = qs.shape[2]
-            every = spec_keys.scores(qs.reshape(b, hkv, g * (t - first), d).contiguous(), t)
-            every = every.view(b, hkv, g, t - first, t)
+        batched = isinstance(spec_keys, PackedKeys) and spec_keys.layout == "tinygemm"
+        every, block = None, (first, first)
+        # each score of the int4 kernel is its own dot product, the same bits whatever the other rows of the
+        # call: score a block of rows in one call and cut per row (blocks of at most SCORE_BLOCK scores: at
+        # 32K tokens all rows at once would be 15 GB, and past 2**31 scores the kernel faults)
+        rows_per_block = max(1, SCORE_BLOCK // max(1, b * q.shape[1] * t))
         out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=dev)
         out[:, :, :first - p] = True  # the runtime keeps each row's past of these
         rest = None
@@ -978,8 +977,14 @@ class InfiniGen(Policy):
             # as `_select_row` when decoding (row by row: the selection's reductions depend on shapes)
             valid = self._window(model.cfg, torch.ones(b, hkv, 1, r, dtype=torch.bool, device=dev),
                                  torch.arange(r, device=dev), r)
+            if batched and r >= block[1]:
+                block = (r, min(t, r + rows_per_block))
+                qs = self._spec_rows(st, layer, slice(*block))  # [B, Hkv, G, R, d]
+                g = qs.shape[2]
+                every = spec_keys.scores(qs.reshape(b, hkv, g * (block[1] - r), d).contiguous(), block[1])
+                every = every.view(b, hkv, g, block[1] - r, block[1])
             if every is not None:
-                scores = every[:, :, :, r - first, None, :r]
+                scores = every[:, :, :, r - block[0], None, :r]
             else:
                 scores = self._scores(st, layer, r, spec_keys, r)[:, :, :, None]  # [B, Hkv, G, 1, r]
             shared_length = r if model.cfg.sliding_window is None else None
