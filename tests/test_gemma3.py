@@ -266,7 +266,11 @@ def test_windowed_prompt_attention_skips_only_keys_no_row_sees(monkeypatch):
     mask = mask[:, None]  # [B, 1, T, T]
     want = F.scaled_dot_product_attention(q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1),
                                           attn_mask=mask, scale=model.scale)
+    positions = (pos[None] - (~valid).sum(1, keepdim=True)).clamp(min=0)  # left padding shifts the positions
+    built = (positions[:, :, None] - positions[:, None, :] < w) & (pos[:, None] >= pos[None, :]) & valid[:, None, :]
+    built = (built | torch.eye(t, dtype=torch.bool))[:, None]
     for chunk in (4, 7, 64):
         monkeypatch.setattr(model_module, "PREFILL_CHUNK", chunk)
         got = model.dense_attention(q, k, v, mask)
         assert (got - want).abs().max() < 1e-5, chunk
+        assert torch.equal(model.prompt_mask(valid, positions, w)[0], built)  # built by row chunks too

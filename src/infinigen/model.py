@@ -380,6 +380,9 @@ class Transformer(nn.Module):
         if bool(valid.all()) and (window is None or t <= window):
             return None, True
         mask = torch.ones(t, t, dtype=torch.bool, device=valid.device).tril() & valid[:, None, :]
-        if window is not None:
-            mask = mask & ((positions[:, :, None] - positions[:, None, :]) < window)
-        return (mask | torch.eye(t, dtype=torch.bool, device=valid.device))[:, None], False
+        if window is not None:  # by row chunks: the position differences of all pairs at once are int64 [B, T, T]
+            for s in range(0, t, PREFILL_CHUNK):  # (8 GB at 32K tokens)
+                rows = positions[:, s:s + PREFILL_CHUNK, None]
+                mask[:, s:s + PREFILL_CHUNK] &= (rows - positions[:, None, :]) < window
+        mask |= torch.eye(t, dtype=torch.bool, device=valid.device)
+        return mask[:, None], False
