@@ -120,7 +120,7 @@ def report(args) -> str:
         "policy may thin (every layer of SmolLM2, dense layers counting 100%; the 3 global layers of Gemma 3, "
         "whose 15 sliding-window layers read their 512-token window as the full cache does). The oracle (true "
         "top entries per KV head) and H2O (half heavy hitters, half recent) read the share InfiniGen read.",
-        "H2O, which replays decoding row by row, ran at 8192 on one text only (time). InfiniGen ran as "
+        "H2O did not run at 32K (it replays decoding row by row). InfiniGen ran as "
         "`--knob calibrate=true --knob remainder=false`: what the default chooses with no knob on both models "
         "(checked to the bit on Northanger Abbey at 2048). The runs of the 2026-11-25 session span the commits "
         "from the default's change to the evaluation's memory fixes (keys of weight 0 left out, scores in "
