@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .selection import first_key_read
 
 PREFILL_CHUNK = 1024  # query rows per attention call: bounds the score matrix at long contexts
 
@@ -363,8 +364,7 @@ class Transformer(nn.Module):
             # and, under a sliding window, the past behind it (a 512-token window's layer at 32K tokens: the
             # chunk's rows read ~1.5K keys, not ~16K); a left-out key's weight is exactly 0 either way
             n = e if k.shape[2] > e and not m[..., e:].any() else k.shape[2]
-            seen = m[..., :n].any(-2).flatten(0, -2).any(0)  # [n]: some row of the chunk sees the key
-            lo = int(seen.to(torch.uint8).argmax())  # the first such key (rows always see themselves)
+            lo = first_key_read(m[..., :n], 0)  # rows always see themselves: never the default
             m = m[..., lo:n]
             m = m[:, :, None].expand(b, m.shape[1], g, e - s, n - lo).reshape(b, m.shape[1], g * (e - s), n - lo)
             qc = qg[:, :, :, s:e].reshape(b, hkv, g * (e - s), d)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .cache import SelectedRows
 from .policies.base import FullCache, Policy
-from .selection import ALL, All, Remainder, Rows
+from .selection import ALL, All, Remainder, Rows, first_key_read
 
 ROW_CHUNK = 1024  # teacher-forced decoding rows per attention call: bounds the score matrix at long contexts
 
@@ -186,8 +186,7 @@ def attend_rows(q, k, v, keep, first: int, codec, scale: float, rest: Remainder 
         # the keys some row of the chunk reads or is: [lo, hi). The rest (the future; behind a sliding window,
         # the past: a 512-token window at 32K tokens) would get a weight of exactly 0
         hi = min(t, p + e)
-        seen = keep[:, :, s:e, :hi].any(-2).flatten(0, -2).any(0)
-        lo = min(int(seen.to(torch.uint8).argmax()) if bool(seen.any()) else hi, p + s)
+        lo = min(first_key_read(keep[:, :, s:e, :hi], hi), p + s)
         qc = qg[:, :, :, s:e]
         scores = torch.matmul(qc, kq[:, :, None, lo:hi].transpose(-1, -2)).float() * scale  # [B,Hkv,G,c,n]
         own = (qc.float() * k[:, :, None, p + s:p + e].float()).sum(-1) * scale  # [B,Hkv,G,c]

@@ -88,3 +88,10 @@ class Remainder(NamedTuple):
 
 
 __all__ = ["ALL", "All", "Rows", "Remainder"]
+
+
+def first_key_read(mask: torch.Tensor, default: int) -> int:
+    """The first key (last dim) that some row of a bool mask [..., R, S] reads, or `default` when none does:
+    a chunk of rows attends only from there (the keys before get a weight of exactly 0)."""
+    seen = mask.any(-2).flatten(0, -2).any(0)
+    return int(seen.to(torch.uint8).argmax()) if bool(seen.any()) else default

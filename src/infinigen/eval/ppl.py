@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .. import runtime
 from ..errors import UserError
 from ..placement import Placement
+from ..policies.calibrate import counted_layers
 
 CHUNK = 256  # tokens per decoding chunk (the paper's Figure 12)
 SCORE_ROWS = 512  # logits rows turned into log-probabilities at once: bounds memory at large vocabularies
@@ -151,8 +152,8 @@ def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: in
     chunk_n = torch.zeros(n_chunks, dtype=torch.long)
     per_layer = torch.zeros(n_layers, dtype=torch.float64)
     kv_all = kv_spec = kv_global = 0.0
-    local = [i for i in range(n_layers) if model.cfg.local(i)]
-    global_layers = [i for i in range(n_layers) if i not in local]
+    global_layers = counted_layers(model)
+    local = [i for i in range(n_layers) if i not in global_layers]
     window_ppl = []
     bar = _LayerProgress(model, windows * n_layers, progress, f"ppl {getattr(policy, 'name', 'policy')}")
     start = time.perf_counter()

@@ -208,6 +208,12 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
     def ok(t):
         return t.kv <= bound + 1e-9 and t.kv_caps <= bound + 1e-9
 
+    def pick(tried):  # (the choice, whether it reaches the target): the cheapest that does, else the lowest loss
+        fit = [t for t in tried if t.nll <= goal and ok(t)]
+        if fit:
+            return min(fit, key=cost), True
+        return min([t for t in tried if ok(t)] or tried, key=lambda t: (t.nll, t.kv)), False
+
     tops = []
     for s in structures:
         knobs = dict(s, alpha=alphas[0]) if alphas else dict(s)
@@ -243,13 +249,8 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
             cheapest = min(fit, key=cost) if fit else best
             run(dict(cheapest.knobs, alpha=a))
     if remainder:
-        fit = [t for t in trials if t.nll <= goal and ok(t)]
-        so_far = min(fit, key=cost) if fit else min([t for t in trials if ok(t)] or trials, key=lambda t: (t.nll, t.kv))
-        run(dict(so_far.knobs, remainder=True))
-    fit = [t for t in trials if t.nll <= goal and ok(t)]
-    reached = bool(fit)
-    chosen = min(fit, key=cost) if fit else min(
-        [t for t in trials if ok(t)] or trials, key=lambda t: (t.nll, t.kv))
+        run(dict(pick(trials)[0].knobs, remainder=True))
+    chosen, reached = pick(trials)
     return Choice(key=key, knobs=chosen.knobs, reached=reached, reference_nll=full, nll=chosen.nll, kv=chosen.kv,
                   kv_caps=chosen.kv_caps, kv_caps_long=chosen.kv_caps_long, target=target, bound=bound,
                   text=text, tokens=int(tokens.shape[1]), prefill=prefill,

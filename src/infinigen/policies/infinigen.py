@@ -92,8 +92,8 @@ PRESETS = {
     # remainder on held-apart tokens (policies/calibrate.py); the values below are the starting point and what
     # applies where no calibration can run (no tokenizer, a model shorter than budget_ref). Chosen over the
     # others by the validation texts on two families (results/accuracy_models.md): the tokens read grow as
-    # sqrt(length), so the 20% at 2048 is 10% at 8192 and 2.5% at 32K, and the search on both families chose
-    # alpha 9 and the largest budget under that bound (the settings depend little on the model)
+    # sqrt(length), so the 20% over a 2048-token run is 10% over 8192 and 5% over 32K, and the search on both
+    # families chose alpha 9 and the largest budget under that bound (the settings depend little on the model)
     "default": dict(alpha=9.0, partial_ratio=0.3, max_fetch_ratio=None, min_fetch=32,
                     dense_layers=(), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
                     kv_budget=0.13, budget_power=0.0, exact_first=True, budget_growth=0.5, budget_ref=2048,
