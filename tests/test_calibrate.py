@@ -117,8 +117,13 @@ def test_the_remainder_is_chosen_where_it_helps(flat, text):
     alone, and is chosen; set by hand, no candidate changes it."""
     pol = calibrated(flat, text, remainder=None)
     rec = pol.calibration
-    assert [t["knobs"].get("remainder") for t in rec["trials"]].count(True) == 1
+    # tried from layer 0 and from the layer after the first selecting one, before the budget search
+    starts = [t["knobs"].get("remainder_from") for t in rec["trials"] if t["knobs"].get("remainder")]
+    assert set(starts) >= {0, 1}
     assert pol.remainder is True and rec["chosen"]["remainder"] is True and rec["reached"]
+    assert rec["chosen"]["remainder_from"] in (0, 1)
+    # the budget search ran with the remainder: the choice reads less than the bound's largest budget
+    assert pol.kv_budget < max(t["knobs"]["kv_budget"] for t in rec["trials"])
     loss, kv = rescore(flat, text, pol)
     assert loss <= TARGET and kv <= BOUND + 1e-9
     assert all("remainder" not in t["knobs"] for t in calibrated(flat, text).calibration["trials"])

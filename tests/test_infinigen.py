@@ -260,7 +260,7 @@ def test_select_rows_equals_decoding(make_tiny, kind, budget, spec_input, key_mo
 def test_decode_selection_is_ready_one_layer_ahead(make_tiny):
     """At decoding, layer i's selection exists right after layer i-1's hook, before layer i runs."""
     _, model = make_tiny("llama", num_hidden_layers=3)
-    pol = make_policy("infinigen", alpha=1.0, dense_layers=(0,)).with_skew(_mats(model))
+    pol = make_policy("infinigen", alpha=1.0, dense_layers=(0,), query="ahead").with_skew(_mats(model))
     tokens = _tokens(model, b=1)
     sess = Placement().new_session(model, 1, T, pol)
     runtime.prefill(model, tokens[:, :P], sess)

@@ -331,7 +331,7 @@ def test_bad_knobs_are_user_errors(name, knobs):
 
 
 PLANNED = [("h2o", dict(heavy=3, recent=2)), ("streaming", dict(sinks=2, window=3)), ("int4", {}), ("full", {}),
-           ("infinigen", dict(dense_layers=(0,), matrices="random")),  # speculates from attn_out
+           ("infinigen", dict(dense_layers=(0,), query="ahead", matrices="random")),  # speculates from attn_out
            ("infinigen", dict(preset="paper", alpha=1.0, dense_layers=(0,), matrices="random"))]  # from attn_in
 
 

@@ -15,9 +15,9 @@ from infinigen.placement import Placement
 from infinigen.policies import make_policy
 
 T, P, B = 28, 9, 2  # sequence length, prefill length, batch
-UNLIMITED = dict(alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), exact_first=True, skew=False)
+UNLIMITED = dict(alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), exact_first=True, skew=False, remainder_from=0)
 # a budget that really leaves entries unread (min_fetch 0: the default floor of 32 would read all 28 tokens)
-LIMITED = dict(max_fetch_ratio=0.3, min_fetch=0, dense_layers=(), exact_first=True, skew=False)
+LIMITED = dict(max_fetch_ratio=0.3, min_fetch=0, dense_layers=(), exact_first=True, skew=False, remainder_from=0)
 
 
 tiny = test_policies.tiny  # the fixture of the tiny llama and opt models

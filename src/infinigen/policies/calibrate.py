@@ -18,9 +18,13 @@ calibration run measured.
 
 The search is small, so `prepare` stays within minutes on a CPU (each candidate is one teacher-forced pass
 over `ref` tokens): the largest all-layer budget under the bound for each way of treating layer 0 (selected
-with its exact query, or read densely), then, if the better one reaches the target, a bisection down the
-budget and a lower threshold; at most `max_evals` passes after the reference, and one more for the best of
-them with the remainder added (`remainder`, unless the caller set it).
+with its exact query, or read densely); the better one with what the selection leaves unread added from layer
+0 on and from the layer after its first selecting layer (`remainder`, `remainder_from`, unless the caller set
+them); then, if the best of these reaches the target, a bisection down the budget and a lower threshold; at
+most `max_evals` passes after the reference.
+
+Calibration runs in fast memory, so under the knob `query="auto"` it calibrates the selection by each layer's
+own query; an offloaded session (speculation one layer ahead) uses the same alpha, budget and layer 0.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ import torch.nn.functional as F
 from .. import runtime
 from ..placement import Placement
 
-FORMAT = 2  # of the stored choice: bump when the search changes what it would choose
+FORMAT = 3  # of the stored choice: bump when the search changes what it would choose
 ALPHA_HIGH = 9.0  # the caps decide (measured on SmolLM2: results/presets.md)
 ALPHA_LOW = 7.0  # the threshold trims under the caps
 LONG = 4  # the bound is also checked at LONG * ref tokens
@@ -179,15 +183,15 @@ def largest_budget(make, model, ref: int, bound: float, growth: float, lo: float
 
 def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: list[dict], alphas: tuple,
            budget_free: bool, target: float, bound: float, growth: float, ref: int, key: str, text: str,
-           max_evals: int = 6, log=None, remainder: bool = False) -> Choice:
+           max_evals: int = 8, log=None, remainder_starts=None) -> Choice:
     """Choose the knobs (see the module docstring). `candidate(knobs)` makes the policy of a candidate (knobs:
     the values calibration chooses; the caller's own knobs are fixed inside it); `structures`: the ways to
     treat layer 0 (knob dicts of exact_first, dense_layers; [{}] when the caller fixed them), `alphas` the
     thresholds tried (the first with every structure; none when the caller fixed it); `budget_free`: choose
-    kv_budget (else the caller's cap is the bound); `remainder`: also try the best candidate with what the
-    selection leaves unread added (one pass more: it helps some models and layouts and hurts others, measured in
-    results/accuracy.md), chosen by the same rule as every candidate (the cheapest within the target, else the
-    lowest loss)."""
+    kv_budget (else the caller's cap is the bound). `remainder_starts(knobs)`, unless None (the caller set the
+    remainder): the first layers from which to add what the selection leaves unread, each tried on the best
+    structure (a pass each: it helps some layers and hurts others, measured in results/accuracy.md) before the
+    budget is lowered, so the budget search runs on the better of them."""
     full, _ = score(model, tokens, prefill, None)
     goal = full + math.log1p(target)
     trials: list[Trial] = []
@@ -217,6 +221,8 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
     tops = []
     for s in structures:
         knobs = dict(s, alpha=alphas[0]) if alphas else dict(s)
+        if remainder_starts is not None:
+            knobs["remainder"] = False
         if budget_free:
             top = largest_budget(lambda b: candidate(dict(knobs, kv_budget=b)), model, ref, bound, growth)
             if top is None:
@@ -228,6 +234,10 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
     if not tops:
         raise ValueError("no candidate fits the bound")
     best = min(tops, key=lambda t: (t.nll, t.kv))
+    if remainder_starts is not None:
+        for start in remainder_starts(best.knobs):
+            tops.append(run(dict(best.knobs, remainder=True, remainder_from=start)))
+        best = min(tops, key=lambda t: (t.nll, t.kv))
     if best.nll <= goal:
         # the target holds at the top of the budget: find the smallest budget that still reaches it
         if budget_free:
@@ -248,8 +258,6 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
             fit = [t for t in trials if t.nll <= goal and ok(t)]
             cheapest = min(fit, key=cost) if fit else best
             run(dict(cheapest.knobs, alpha=a))
-    if remainder:
-        run(dict(pick(trials)[0].knobs, remainder=True))
     chosen, reached = pick(trials)
     return Choice(key=key, knobs=chosen.knobs, reached=reached, reference_nll=full, nll=chosen.nll, kv=chosen.kv,
                   kv_caps=chosen.kv_caps, kv_caps_long=chosen.kv_caps_long, target=target, bound=bound,
