@@ -5,7 +5,10 @@ and Sensibility; the skew calibrates on Emma, the settings on Mansfield Park) an
 `infinigen ppl` process per row, as a user runs it (`--dtype auto`, the model's own tokenizer):
 
   full     the full cache
-  ours     InfiniGen with the default settings (or `--ours-knobs`)
+  ours     InfiniGen with the default settings (or `--ours-knobs`), the KV in fast memory: each layer
+           selects with its own query (the default's `query="auto"`)
+  offload  the same with the KV pool in host memory (`--kv-offload cpu`): the selection speculated one
+           layer ahead, so that placement can fetch it while the layer before runs
   oracle   the true top entries per KV head, at the share `ours` read (`--knob ratio=`)
   h2o      half heavy hitters, half recent tokens, at that share
 
@@ -34,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "results" / "accuracy_models"
 TEXTS = ("prideprejudice", "northangerabbey", "sensesensibility")
-ROWS = ("full", "ours", "oracle", "h2o")
+ROWS = ("full", "ours", "offload", "oracle", "h2o")
 # the issue's targets: the share read at most, per context (32K: Gemma 3's global layers)
 BOUND = {2048: 0.20, 8192: 0.10, 32768: 0.05}
 WITHIN = 0.01  # of the full cache's perplexity
@@ -60,9 +63,11 @@ def ppl(runs: Path, model: str, text: str, ctx: int, prefill: int, row: str, kno
     out = run_path(runs, model, text, ctx, row)
     if out.exists():
         return json.loads(out.read_text())
-    policy = {"ours": "infinigen"}.get(row, row)
+    policy = {"ours": "infinigen", "offload": "infinigen"}.get(row, row)
     cmd = [str(Path(sys.executable).parent / "infinigen"), "ppl", "--model", model_arg(model), "--policy", policy,
            "--text", text, "--ctx", str(ctx), "--prefill", str(prefill), "--json", str(out) + ".part"]
+    if row == "offload":
+        cmd += ["--kv-offload", "cpu"]
     for k in knobs:
         cmd += ["--knob", k]
     print(" ".join(cmd[1:]), flush=True)
@@ -85,7 +90,7 @@ def measure(args) -> None:
                     continue
                 if row in ("oracle", "h2o") and size is None:
                     size = ppl(runs, args.model, text, ctx, prefill, "ours", ours_knobs)["kv_global"]
-                knobs = (ours_knobs if row == "ours" else [] if row == "full" else [f"ratio={size}"]
+                knobs = (ours_knobs if row in ("ours", "offload") else [] if row == "full" else [f"ratio={size}"]
                          if row == "oracle" else [f"heavy_ratio={size / 2}", f"recent_ratio={size / 2}"])
                 r = ppl(runs, args.model, text, ctx, prefill, row, knobs)
                 if row == "ours":
@@ -120,11 +125,11 @@ def report(args) -> str:
         "policy may thin (every layer of SmolLM2, dense layers counting 100%; the 3 global layers of Gemma 3, "
         "whose 15 sliding-window layers read their 512-token window as the full cache does). The oracle (true "
         "top entries per KV head) and H2O (half heavy hitters, half recent) read the share InfiniGen read.",
-        "H2O did not run at 32K (it replays decoding row by row). InfiniGen ran as "
-        "`--knob calibrate=true --knob remainder=false`: what the default chooses with no knob on both models "
-        "(checked to the bit on Northanger Abbey at 2048). The runs of the 2026-11-25 session span the commits "
-        "from the default's change to the evaluation's memory fixes (keys of weight 0 left out, scores in "
-        "blocks, the head in chunks), which change no selection and round at most in the last bits.",
+        "H2O did not run at 32K (it replays decoding row by row). InfiniGen ran with its defaults (no knob): "
+        "in fast memory each layer selects with its own query and adds what it leaves unread (`query=auto`); "
+        "the offloaded column is the same policy with `--kv-offload cpu`, where the selection is speculated one "
+        "layer ahead (so placement fetches it while the layer before runs) with the same calibrated alpha, "
+        "budget and layer 0, and without the remainder.",
         "",
     ]
     misses = []
@@ -144,14 +149,15 @@ def report(args) -> str:
                          f"{100 * cal['vs_full']:+.2f}% vs the full cache at {pct(cal['kv'])} of the KV on "
                          f"{cal['tokens']} tokens of {Path(cal['text']).name} (target {pct(cal['target'])}: "
                          f"{'reached' if cal['reached'] else 'not reached'} under the bound {pct(cal['bound'])}).")
-        lines += ["", "| text | context (prefill) | full | InfiniGen: KV | ppl | vs full | oracle: KV | ppl | "
-                  "vs full | H2O: KV | ppl | vs full |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| text | context (prefill) | full | InfiniGen: KV | ppl | vs full | offloaded: KV | ppl | "
+                  "vs full | oracle: KV | ppl | vs full | H2O: KV | ppl | vs full |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for (ctx, text), c in sorted(cells.items()):
             full = c.get("full")
             if full is None or "ours" not in c:
                 continue
             cols = [text, f"{ctx} ({c['ours']['prefill']})", f"{full['perplexity']:.3f}"]
-            for row in ("ours", "oracle", "h2o"):
+            for row in ("ours", "offload", "oracle", "h2o"):
                 r = c.get(row)
                 cols += (["-"] * 3 if r is None else
                          [pct(r["kv_global"]), f"{r['perplexity']:.3f}", f"{100 * rel(r, full):+.2f}%"])
@@ -186,16 +192,17 @@ def compact(args) -> str:
     for f in sorted(runs.glob("*.json")):
         model, text, ctx, row = f.stem.rsplit("-", 3)
         found.setdefault((model, int(ctx), text), {})[row] = json.loads(f.read_text())
-    out = ["| model | text | context (prefill) | KV read | InfiniGen vs full | oracle vs full | H2O vs full |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| model | text | context (prefill) | KV read | InfiniGen vs full | offloaded: KV, vs full | oracle vs full "
+           "| H2O vs full |", "|---|---|---|---|---|---|---|---|"]
     for (model, ctx, text), c in sorted(found.items(), key=lambda kv: (kv[0][0] != "default", kv[0][1], kv[0][2])):
         if "full" not in c or "ours" not in c:
             continue
         full = c["full"]
         cell = lambda row: f"{100 * rel(c[row], full):+.2f}%" if row in c else "-"  # noqa: E731
         name = "SmolLM2-135M" if model == "default" else "Gemma 3 270M" if model == "gemma" else model
+        off = f"{pct(c['offload']['kv_global'])}, {cell('offload')}" if "offload" in c else "-"
         out.append(f"| {name} | {text} | {ctx} ({c['ours']['prefill']}) | {pct(c['ours']['kv_global'])} | "
-                   f"{cell('ours')} | {cell('oracle')} | {cell('h2o')} |")
+                   f"{cell('ours')} | {off} | {cell('oracle')} | {cell('h2o')} |")
     return "\n".join(out) + "\n"
 
 
