@@ -257,25 +257,6 @@ def test_select_rows_equals_decoding(make_tiny, kind, budget, spec_input, key_mo
     assert s_vec.stats.per_layer() == pytest.approx(s_rep.stats.per_layer())
 
 
-def test_decode_selection_is_ready_one_layer_ahead(make_tiny):
-    """At decoding, layer i's selection exists right after layer i-1's hook, before layer i runs."""
-    _, model = make_tiny("llama", num_hidden_layers=3)
-    pol = make_policy("infinigen", alpha=1.0, dense_layers=(0,), query="ahead").with_skew(_mats(model))
-    tokens = _tokens(model, b=1)
-    sess = Placement().new_session(model, 1, T, pol)
-    runtime.prefill(model, tokens[:, :P], sess)
-    ready = []
-    hook = pol.on_hidden
-
-    def on_hidden(layer, point, x, s):
-        hook(layer, point, x, s)
-        if point == pol.spec_input and layer + 1 in s.state.spec_layers:
-            ready.append(pol.known_ahead(layer + 1, s))
-    object.__setattr__(pol, "on_hidden", on_hidden)
-    runtime.decode(model, tokens[:, P], sess)
-    assert ready == [True, True]
-
-
 @pytest.mark.parametrize("skew", [False, True])
 def test_partial_index_holds_the_heaviest_columns(make_tiny, skew):
     """The paper's partial index (key_mode "partial"): per request and KV head, the ceil(r*d) columns with

@@ -97,7 +97,7 @@ def _known_ahead(model, pol, tokens) -> list[bool]:
 
 def test_nothing_is_planned_ahead_with_the_own_query(tiny):
     """With "own" no selection exists before a layer's attention (placement has nothing to prefetch); with
-    "ahead" every one does."""
+    "ahead" every selecting layer's exists right after the layer before's speculation point, before it runs."""
     tokens = _tokens(tiny)
     own = _known_ahead(tiny, make_policy("infinigen", query="own", **LIMITED), tokens)
     ahead = _known_ahead(tiny, make_policy("infinigen", query="ahead", **LIMITED), tokens)
