@@ -124,7 +124,10 @@ def report(args) -> str:
         "KV: the share of the cached entries read, averaged over decoding steps and KV heads, over the layers a "
         "policy may thin (every layer of SmolLM2, dense layers counting 100%; the 3 global layers of Gemma 3, "
         "whose 15 sliding-window layers read their 512-token window as the full cache does). The oracle (true "
-        "top entries per KV head) and H2O (half heavy hitters, half recent) read the share InfiniGen read.",
+        "top entries per KV head) and H2O (half heavy hitters, half recent) read the share of the InfiniGen run "
+        "they were sized on; each KV column says what its own run read (a row kept from an earlier InfiniGen "
+        "run shows that run's share: the H2O rows here were sized on the default before it selected with each "
+        "layer's own query, 19.8-19.9% at 2048 and 9.8-9.95% at 8192, more than InfiniGen reads now).",
         "H2O did not run at 32K (it replays decoding row by row). InfiniGen ran with its defaults (no knob): "
         "in fast memory each layer selects with its own query and adds what it leaves unread (`query=auto`); "
         "the offloaded column is the same policy with `--kv-offload cpu`, where the selection is speculated one "
