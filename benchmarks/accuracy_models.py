@@ -145,7 +145,7 @@ def report(args) -> str:
         lines += [f"## {ours_any['model']}", ""]
         chosen = cal.get("chosen") or {}
         shown = {k: s.get(k) for k in ("preset", "calibrate", "alpha", "kv_budget", "budget_growth", "max_fetch_ratio",
-                                       "dense_layers", "exact_first", "remainder")}
+                                       "dense_layers", "exact_first", "remainder", "remainder_from", "query")}
         lines.append(f"InfiniGen settings: {', '.join(f'{k} {v}' for k, v in shown.items())}.")
         if chosen:
             lines.append(f"Calibration chose {', '.join(f'{k} {v}' for k, v in chosen.items())}: "
