@@ -104,8 +104,9 @@ PRESETS = {
     # remainder on held-apart tokens (policies/calibrate.py); the values below are the starting point and what
     # applies where no calibration can run (no tokenizer, a model shorter than budget_ref). Chosen over the
     # others by the validation texts on two families (results/accuracy_models.md): the tokens read grow as
-    # sqrt(length), so the 20% over a 2048-token run is 10% over 8192 and 5% over 32K, and the search on both
-    # families chose alpha 9 and the largest budget under that bound (the settings depend little on the model)
+    # sqrt(length), so the 20% over a 2048-token run is 10% over 8192 and 5% over 32K; the search chose the
+    # largest budget under that bound on both families, alpha 7 on SmolLM2 and 9 on Gemma 3, and the remainder
+    # (from layer 1 on SmolLM2), with each layer's own query where the KV is in fast memory ("auto")
     "default": dict(alpha=9.0, partial_ratio=0.3, max_fetch_ratio=None, min_fetch=32,
                     dense_layers=(), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
                     kv_budget=0.13, budget_power=0.0, exact_first=True, budget_growth=0.5, budget_ref=2048,
@@ -117,12 +118,12 @@ PRESETS = {
                  dense_layers=(0, 1), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
                  kv_budget=None, budget_power=0.0, exact_first=False, budget_growth=1.0, budget_ref=2048,
                  calibrate=False, remainder=True, remainder_from=0, query="ahead"),
-    # issue 12's candidate (`--knob preset=budget`): one all-layer bound that shrinks with the context
+    # issue 12's candidate (`--knob preset=budget`): one all-layer bound that shrinks with the context (the
+    # remainder, with the speculated query, made it worse: +1.44% -> +3.14%)
     "budget": dict(alpha=9.0, partial_ratio=0.3, max_fetch_ratio=None, min_fetch=32,
                    dense_layers=(), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
                    kv_budget=0.13, budget_power=0.0, exact_first=True, budget_growth=0.5, budget_ref=2048,
                    calibrate=False, remainder=False, remainder_from=0, query="ahead"),
-    # (the remainder made it worse: +1.44% -> +3.14%)
 }
 
 
@@ -218,7 +219,6 @@ class InfiniGenState:
     # selecting layer the sum of the values of every cached entry [B, Hkv, d] float32 and their count [B, Hkv],
     # kept in fast memory; the unread entries' log-mass of the rows last selected, until the runtime asks
     with_rest: bool = False
-    rest_from: int = 0  # the first layer that adds the remainder (`remainder_from`)
     # every selecting layer selects with its own query at its attention (knob `query`), not one layer ahead
     own_query: bool = False
     value_sums: dict = field(default_factory=dict)
@@ -487,11 +487,10 @@ class InfiniGen(Policy):
     def _remainder_starts(self, model, knobs: dict, growth: float) -> list[int]:
         """The layers from which calibration tries adding the remainder: the caller's `remainder_from`, else
         0 and the layer after the first selecting one (a model's first selecting layer may attend unlike the
-        rest: SmolLM2's layer 0 lost 2 points with it, results/accuracy.md)."""
+        rest: SmolLM2's layer 0 lost about 3 points with it on Mansfield Park: +3.00% against +0.17% from layer 1)."""
         if "remainder_from" in self.given:
             return [self.remainder_from]
-        pol = self._candidate(model, knobs, growth)
-        selecting = [i for i in range(model.cfg.num_layers) if pol.speculated(i) and not model.cfg.local(i)]
+        selecting = self._candidate(model, knobs, growth).selecting_layers(model.cfg)
         return [0] + [selecting[0] + 1] * (len(selecting) > 1)
 
     def _candidate(self, model, knobs: dict, growth: float) -> "InfiniGen":
@@ -671,7 +670,7 @@ class InfiniGen(Policy):
         st = InfiniGenState(
             A=self._skew_matrices(model), alpha=self.alpha_for(cfg),
             # a local layer of a model mixing local and global layers reads its window (`Session.selects`)
-            spec_layers={i for i in range(cfg.num_layers) if self.speculated(i) and not cfg.local(i)},
+            spec_layers=set(self.selecting_layers(cfg)),
             cols=d if self.key_mode == "int4" else max(1, math.ceil(self.partial_ratio * d)),
             caps=self.layer_caps(model))
         if self.key_mode == "int4":
@@ -689,7 +688,6 @@ class InfiniGen(Policy):
         # to cost accuracy on both models (results/accuracy.md): there it is used only when the caller set it
         rest = self.remainder and (st.own_query or self.query == "ahead" or "remainder" in self.given)
         st.with_rest = rest and cfg.sliding_window is None and session.store.allocator is None
-        st.rest_from = self.remainder_from
         return st
 
     @staticmethod
@@ -707,13 +705,17 @@ class InfiniGen(Policy):
         out.update({k: tensor_bytes(getattr(state, k)) for k in ("A", "spec")})
         return {k: v for k, v in out.items() if v}
 
-    @staticmethod
-    def _adds_rest(st: InfiniGenState, layer: int) -> bool:
+    def _adds_rest(self, st: InfiniGenState, layer: int) -> bool:
         """Whether `layer`'s selection adds what it leaves unread (`remainder`, `remainder_from`)."""
-        return st.with_rest and layer >= st.rest_from
+        return st.with_rest and layer >= self.remainder_from
 
     def speculated(self, layer: int) -> bool:
         return (layer >= 1 or self.exact_first) and layer not in self.dense_layers
+
+    def selecting_layers(self, cfg) -> list[int]:
+        """The layers this policy selects on a model of `cfg`: speculated ones that are not local window
+        layers of a model mixing local and global layers (those read their window: `Session.selects`)."""
+        return [i for i in range(cfg.num_layers) if self.speculated(i) and not cfg.local(i)]
 
     def memory_report(self, model, state: InfiniGenState, kv_bytes: int) -> dict:
         """The speculation state relative to the KV bytes of the layers it covers (`kv_bytes` is the full
