@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ def rescore(model, text, pol):
 def test_reaches_the_target_within_the_bound(peaked, text):
     pol = calibrated(peaked, text)
     rec = pol.calibration
-    assert rec["reached"] and rec["source"] == "searched"
+    assert rec["reached"] and rec["source"] == "computed"
     loss, kv = rescore(peaked, text, pol)
     assert loss <= TARGET + 1e-9
     assert kv <= BOUND + 1e-9
@@ -138,7 +139,7 @@ def test_the_default_preset_calibrates_and_falls_back_without_a_tokenizer(peaked
     with pytest.raises(UserError, match="tokenizer"):
         InfiniGen(skew=False, calibrate=True, budget_ref=REF).prepare(peaked)
     auto = InfiniGen(skew=False, budget_ref=REF, min_fetch=0, calibrate_text=str(text), calibrate_bound=BOUND)
-    assert auto.prepare(peaked, ByteTokenizer()).calibration["source"] in ("searched", "this process")
+    assert auto.prepare(peaked, ByteTokenizer()).calibration["source"] in ("computed", "cached")
 
 
 def test_a_knob_set_by_hand_wins(peaked, text):
@@ -189,7 +190,7 @@ def test_choice_round_trips_through_the_artifact(peaked, text, tmp_path, monkeyp
     try:
         first = InfiniGen(calibrate=True, budget_ref=REF, min_fetch=0, calibrate_text=str(text),
                           calibrate_bound=BOUND).prepare(peaked, ByteTokenizer())
-        assert first.calibration["source"] == "searched"
+        assert first.calibration["source"] == "computed"
         stored = Skew.load(skew.path)
         assert f"calibration-{first.calibration['key']}" in stored.meta
         # a new process: nothing in memory, the artifact read again; the search must not run
@@ -198,7 +199,7 @@ def test_choice_round_trips_through_the_artifact(peaked, text, tmp_path, monkeyp
         monkeypatch.setattr(cal, "search", lambda *a, **k: pytest.fail("searched again"))
         again = InfiniGen(calibrate=True, budget_ref=REF, min_fetch=0, calibrate_text=str(text),
                           calibrate_bound=BOUND).prepare(peaked, ByteTokenizer())
-        assert again.calibration["source"] == "the skew artifact"
+        assert again.calibration["source"] == "cached"
         assert again.calibration["chosen"] == first.calibration["chosen"]
         assert again.settings(peaked) | {"calibration": None} == first.settings(peaked) | {"calibration": None}
     finally:
@@ -224,7 +225,7 @@ def test_broken_stored_choice_is_recomputed(peaked, text, tmp_path, damage):
         _CHOICES.pop(peaked, None)
         _SKEWS[peaked] = {None: Skew.load(skew.path)}
         again = InfiniGen(**knobs).prepare(peaked, ByteTokenizer())
-        assert again.calibration["source"] == "searched"  # not trusted
+        assert again.calibration["source"] == "computed"  # not trusted
         assert again.calibration["chosen"] == first.calibration["chosen"]
         assert json.loads(Skew.load(skew.path).meta[name]) == good  # and written back whole
     finally:
@@ -270,12 +271,16 @@ def test_caps_share_matches_what_a_run_reads(peaked):
 
 def test_largest_budget_is_the_bound(peaked):
     """The budget the search starts from is the largest whose caps hold the bound at ref tokens and, halved,
-    at 4x ref: a little more breaks one of them."""
-    def make(b, **knobs):
-        return InfiniGen(skew=False, budget_ref=REF, min_fetch=0, alpha=9.0, kv_budget=b, budget_growth=0.5,
+    at 4x ref: a little more breaks one of them. Without a floor the run at 4x ref binds (the caps shrink with
+    the bound); with `min_fetch` 8 the floor lifts the short rows of the run at ref, so that check binds alone."""
+    def make(b, min_fetch=0, **knobs):
+        return InfiniGen(skew=False, budget_ref=REF, min_fetch=min_fetch, alpha=9.0, kv_budget=b, budget_growth=0.5,
                          **knobs)
     exact, dense0 = dict(exact_first=True, dense_layers=()), dict(exact_first=False, dense_layers=(0,))
-    for bound, knobs in ((0.3, exact), (0.6, exact), (0.6, dense0)):
+    floored = dict(exact, min_fetch=8)
+    top = cal.largest_budget(lambda b: make(b, **floored), peaked, REF, 0.4, 0.5)
+    assert cal.caps_share(make(top, **floored), peaked, 4 * REF, REF // 2) < 0.2 - 0.005  # the run at ref binds
+    for bound, knobs in ((0.3, exact), (0.6, exact), (0.6, dense0), (0.4, floored)):
         top = cal.largest_budget(lambda b: make(b, **knobs), peaked, REF, bound, 0.5)
         assert cal.caps_share(make(top, **knobs), peaked, REF, REF // 8) <= bound + 1e-9
         assert cal.caps_share(make(top, **knobs), peaked, 4 * REF, REF // 2) <= bound / 2 + 1e-9
@@ -302,3 +307,95 @@ def test_ppl_records_the_choice(tiny_checkpoint, text_file, tmp_path, capsys):
     assert rec["set"] == ["alpha"] and "kv_budget" in rec["chosen"] and "exact_first" in rec["chosen"]
     assert res["settings"]["kv_budget"] == rec["chosen"]["kv_budget"] and res["settings"]["alpha"] == 8.0
     assert res["kv_all"] <= 0.8 + 1e-9
+
+
+# ---- one calibration per model file; shipped, cached, computed; `infinigen calibrate` ----------------------
+def _file_knobs(text_file):
+    """A calibrating InfiniGen for the tiny checkpoint: skew and search both on `text_file`."""
+    return dict(calibrate=True, budget_ref=64, calibrate_text=str(text_file), calib=str(text_file),
+                calibrate_bound=0.8, min_fetch=0)
+
+
+def test_one_calibration_serves_float32_and_bfloat16(tiny_checkpoint, text_file, tmp_path, monkeypatch):
+    """The settings chosen on the float32 load are the bfloat16 load's too: read from the artifact, no search."""
+    from infinigen.loading import load
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    f32, tok, _ = load(tiny_checkpoint, dtype="float32", weights="fp32", progress=False)
+    first = InfiniGen(**_file_knobs(text_file)).prepare(f32, tok)
+    assert first.calibration["source"] == "computed"
+    monkeypatch.setattr(cal, "search", lambda *a, **k: pytest.fail("calibrated again for another dtype"))
+    bf16, _, _ = load(tiny_checkpoint, dtype="bfloat16", progress=False)
+    again = InfiniGen(**_file_knobs(text_file)).prepare(bf16, tok)
+    assert again.calibration["source"] == "cached"
+    assert again.calibration["chosen"] == first.calibration["chosen"]
+    assert len(list((tmp_path / "cache" / "skew").iterdir())) == 1
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--dtype", "float8"], "dtype"),
+    (["--weights", "int3"], "--weights"),
+    (["--device", "tpu"], "device"),
+    (["--knob", "calibrate=false"], "calibrate"),
+    (["--knob", "skew=false"], "skew"),
+    (["--knob", "no_such_knob=1"], "no_such_knob"),
+    (["--knob", "calibrate_target=2"], "target"),
+    (["--knob", "calib=/no/such/text.txt"], "/no/such/text.txt"),
+    (["--out", "calibration.json"], "--out"),
+    (["--model", "/no/such/model"], "/no/such/model"),
+])
+def test_calibrate_command_bad_input(cli, tmp_path, monkeypatch, args, needle):
+    from conftest import one_line_error
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    code, _, err = cli("calibrate", *args)
+    one_line_error(code, err, needle)
+    assert not (tmp_path / "cache" / "skew").exists()
+
+
+def test_calibrate_command_computes_writes_and_ships(cli, tiny_checkpoint, text_file, tmp_path, monkeypatch):
+    """`infinigen calibrate`: computed with a progress bar, then cached; `--out` writes the artifact that, put
+    in the package's data/calibration, is the "shipped" calibration of an empty cache."""
+    from infinigen import skew as skew_module
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    knobs = [a for k, v in _file_knobs(text_file).items() for a in ("--knob", f"{k}={v}")]
+    out = tmp_path / "shipped"
+    out.mkdir()
+    code, stdout, err = cli("calibrate", "--model", tiny_checkpoint, *knobs, "--out", out, "--json")
+    assert code == 0, err
+    res = json.loads(stdout)
+    assert res["source"] == "computed" and "calibrating InfiniGen:" in err  # the bar: passes done, an ETA
+    assert "pass/s" in err or "s/pass" in err
+    written = Path(res["out"])
+    assert written.parent == out and written.name == Path(res["artifact"]).name
+    stored = Skew.load(written)
+    assert f"calibration-{res['calibration']['key']}" in stored.meta and stored.meta["made_with"]
+    code, stdout, _ = cli("calibrate", "--model", tiny_checkpoint, *knobs, "--json", "--dtype", "bfloat16",
+                          "--weights", "auto")
+    assert code == 0 and json.loads(stdout)["source"] == "cached"
+    monkeypatch.setattr(skew_module, "shipped_calibration_dir", lambda: out)
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "empty"))
+    code, stdout, _ = cli("calibrate", "--model", tiny_checkpoint, *knobs, "--json")
+    again = json.loads(stdout)
+    assert code == 0 and again["source"] == "shipped" and again["calibration"]["chosen"] == res["calibration"]["chosen"]
+    assert not (tmp_path / "empty" / "skew").exists()
+    # --force computes both again, whatever is shipped or cached
+    code, stdout, _ = cli("calibrate", "--model", tiny_checkpoint, *knobs, "--json", "--force")
+    assert code == 0 and json.loads(stdout)["source"] == "computed"
+
+
+def test_calibrate_command_interrupted_leaves_nothing_half_written(cli, tiny_checkpoint, text_file, tmp_path,
+                                                                   monkeypatch):
+    """Ctrl-C during the search: exit 130; the cache holds the finished skew artifact only, with no choice in
+    it, and no partial file; the next run computes the choice."""
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    knobs = [a for k, v in _file_knobs(text_file).items() for a in ("--knob", f"{k}={v}")]
+    search = cal.search
+    monkeypatch.setattr(cal, "search", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    code, _, err = cli("calibrate", "--model", tiny_checkpoint, *knobs, "--out", tmp_path / "out.safetensors")
+    assert code == 130 and "interrupted" in err
+    files = list((tmp_path / "cache" / "skew").iterdir())
+    assert len(files) == 1 and not any(k.startswith("calibration-") for k in Skew.load(files[0]).meta)
+    assert not (tmp_path / "out.safetensors").exists()
+    monkeypatch.setattr(cal, "search", search)
+    code, stdout, _ = cli("calibrate", "--model", tiny_checkpoint, *knobs, "--json")
+    assert code == 0 and json.loads(stdout)["source"] == "computed"

@@ -116,11 +116,12 @@ def test_artifact_saved_reused_and_found(tiny_checkpoint, tiny_tokenizer, tmp_pa
     assert torch.equal(sess.state.A, found.matrices.double())
     # prepare() with a tokenizer calibrates what is missing (a fresh install), and caches it
     assert make_policy("infinigen", calib=str(text)).prepare(model, tok) is not None
-    # another model: another fingerprint, nothing cached for it
+    # another model: the fingerprint names the file, the weights' signature tells the changed copy apart:
+    # nothing cached for it
     other, _, _ = load(tiny_checkpoint, progress=False)
     with torch.no_grad():
         other.layers[0].attn.q_proj.weight.mul_(1.5)
-    assert model_fingerprint(other) != model_fingerprint(model) and find_cached_skew(other) is None
+    assert find_cached_skew(other) is None
     with pytest.raises(UserError, match="skew"):
         sess = Placement().new_session(other, 1, 24, make_policy("infinigen", dense_layers=(0,)))
         runtime.teacher_forced(other, _ids(model, 24)[None], 8, sess)
@@ -219,3 +220,72 @@ def test_default_model_skew(default_model, tmp_path, monkeypatch):
     dense = runtime.teacher_forced(model, tokens, 96, Placement().new_session(model, 1, 160))
     out = runtime.teacher_forced(model, tokens, 96, Placement().new_session(model, 1, 160, _unlimited(s)))
     assert (out - dense).abs().max() <= 1e-4
+
+
+def test_one_calibration_per_model_file(tiny_checkpoint, tmp_path, monkeypatch):
+    """The fingerprint names the model file, not its dtype or weight mode: float32, bfloat16 and int8 weights
+    of one checkpoint find the one skew artifact that the float32 load made."""
+    from infinigen.loading import load
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "calib.txt"
+    text.write_text("Emma Woodhouse, handsome, clever, and rich, with a comfortable home. " * 30)
+    f32, tok, _ = load(tiny_checkpoint, dtype="float32", weights="fp32", progress=False)
+    bf16, _, _ = load(tiny_checkpoint, dtype="bfloat16", progress=False)
+    int8, _, _ = load(tiny_checkpoint, dtype="float32", weights="int8", progress=False)
+    assert model_fingerprint(f32) == model_fingerprint(bf16) == model_fingerprint(int8)
+    made = load_or_compute_skew(f32, tok, str(text), tokens=100)
+    assert made.meta["dtype"] == "float32" and made.meta["weights"] == "dense"
+    for model in (bf16, int8):
+        assert find_cached_skew(model).path == made.path
+        again = load_or_compute_skew(model, tok, str(text), tokens=100)
+        assert again.meta.get("reused") == "1" and torch.equal(again.matrices, made.matrices)
+    assert [p.name for p in (tmp_path / "cache" / "skew").iterdir()] == [made.path.name]
+
+
+def test_shipped_artifact_serves_only_its_model(tiny_checkpoint, make_tiny, tmp_path, monkeypatch):
+    """An artifact in the package's data/calibration is found by the model's fingerprint with an empty cache,
+    used without writing anything, and refused for another model, also when renamed to that model's
+    fingerprint, and for the same file's model changed after loading."""
+    import shutil
+
+    from infinigen import skew as skew_module
+    from infinigen.loading import load
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(skew_module, "shipped_calibration_dir", lambda: shipped)
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "made"))
+    text = tmp_path / "calib.txt"
+    text.write_text("Emma Woodhouse, handsome, clever, and rich, with a comfortable home. " * 30)
+    model, tok, _ = load(tiny_checkpoint, dtype="float32", weights="fp32", progress=False)
+    made = load_or_compute_skew(model, tok, str(text), tokens=100)
+    shipped.mkdir()
+    shutil.copy(made.path, shipped / made.path.name)
+    empty = tmp_path / "empty"
+    monkeypatch.setenv("INFINIGEN_CACHE", str(empty))
+    bf16, _, _ = load(tiny_checkpoint, dtype="bfloat16", progress=False)
+    found = find_cached_skew(bf16)
+    assert found.shipped and found.path == shipped / made.path.name
+    again = load_or_compute_skew(bf16, tok, str(text), tokens=100)
+    assert again.shipped and again.meta.get("reused") == "1" and not (empty / "skew").exists()
+    _, other = make_tiny("llama")
+    assert find_cached_skew(other) is None
+    shutil.copy(made.path, shipped / made.path.name.replace(model_fingerprint(model), model_fingerprint(other)))
+    assert find_cached_skew(other) is None
+    with torch.no_grad():
+        bf16.layers[0].attn.q_proj.weight.mul_(1.5)
+    assert find_cached_skew(bf16) is None
+
+
+def test_interrupted_save_leaves_no_file(make_tiny, tmp_path, monkeypatch):
+    """Ctrl-C while an artifact is written (its bytes out, not yet renamed into place): no file stays."""
+    import safetensors.torch
+    _, model = make_tiny("llama")
+    s = compute_skew(model, _ids(model, 50))
+    write = safetensors.torch.save_file
+
+    def interrupted(tensors, filename, metadata=None):
+        write(tensors, filename, metadata=metadata)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.save(tmp_path / "skew" / "x.safetensors")
+    assert list((tmp_path / "skew").iterdir()) == []

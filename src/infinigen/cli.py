@@ -16,7 +16,7 @@ import sys
 
 from .errors import ArgumentError, UserError
 
-COMMAND_MODULES = ["basic", "skew", "ppl", "bench", "fewshot", "needle", "analyze", "serve"]
+COMMAND_MODULES = ["basic", "skew", "calibrate", "ppl", "bench", "fewshot", "needle", "analyze", "serve"]
 INTERRUPTED = 130
 
 _app = None

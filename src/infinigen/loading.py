@@ -267,6 +267,14 @@ def _fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _folder_fingerprint(folder: Path) -> str:
+    """A checkpoint directory's config and the fingerprint (`_fingerprint`) of each of its weight files."""
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for f in sorted(folder.glob("*.safetensors")):
+        h.update(f"{f.name}:{_fingerprint(f)}".encode())
+    return h.hexdigest()[:16]
+
+
 def _convert_gguf(path: Path, progress: bool) -> Path:
     """The GGUF file as a cached safetensors checkpoint directory (converted on first use)."""
     with open(path, "rb") as f:
@@ -394,6 +402,10 @@ def load(spec: str | os.PathLike | None = None, dtype: str | torch.dtype | None 
     quantize_model(model, mode, dtype, device, info)
     _cast_parameters(model, dtype)
     model.weights_info = info
+    # the file the weights came from, whatever dtype and weight mode they were made into: one calibration
+    # (skew matrices and InfiniGen's settings, `skew.model_fingerprint`) serves them all
+    model.source_fingerprint = (f"gguf:{_fingerprint(gguf_file)}" if gguf_file is not None
+                                else f"checkpoint:{_folder_fingerprint(path)}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:

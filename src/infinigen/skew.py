@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,19 +96,100 @@ def read_tokens(tokenizer, path: Path, n: int, offset: int = 0) -> list[int]:
     return ids
 
 
+# ---- progress --------------------------------------------------------------------------------------
+class Progress:
+    """Progress of a calibration step: `done` of `total` units with an ETA, as a tqdm bar on stderr (`progress`
+    True) or given to a callback `progress(desc, done, total, eta_seconds)` (a server's log; eta None until one
+    unit is done), or nowhere (`progress` False/None)."""
+
+    def __init__(self, progress, desc: str, total: int, unit: str):
+        import time
+        self.desc, self.total, self.done, self.clock = desc, total, 0, time.monotonic
+        self.start = self.clock()
+        self.report = progress if callable(progress) else None
+        self.bar = None
+        if progress is True:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True)
+        self._report()
+
+    def _report(self) -> None:
+        if self.report is not None:
+            elapsed = self.clock() - self.start
+            eta = elapsed / self.done * (self.total - self.done) if self.done else None
+            self.report(self.desc, self.done, self.total, eta)
+
+    def update(self, n: int = 1) -> None:
+        self.done = min(self.total, self.done + n)
+        if self.bar is not None:
+            self.bar.update(n)
+        self._report()
+
+    def write(self, message: str) -> None:
+        """A line on stderr that does not break the bar."""
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr)
+
+    def finish(self) -> None:
+        """Done, perhaps with fewer units than the total foresaw (a search that stopped early)."""
+        if self.done < self.total:
+            self.total = self.done
+            if self.bar is not None:
+                self.bar.total = self.done
+                self.bar.refresh()
+            self._report()
+        if self.bar is not None:
+            self.bar.close()
+
+
 # ---- fingerprint -----------------------------------------------------------------------------------
 def model_fingerprint(model) -> str:
-    """Config plus a hash of a few weight tensors: tells models apart without hashing all weights."""
+    """The config plus where the weights came from: the model file's fingerprint when `loading.load` read
+    it (`source_fingerprint`: the same in every dtype and weight mode, so one calibration serves them all),
+    else a hash of a few attention weights (an in-memory model)."""
     if getattr(model, "skew_folded", None) is not None:
         raise ValueError("fingerprint of a skew-folded model: use the original model")
     cfg = model.cfg
     h = hashlib.sha256(json.dumps([cfg.arch, cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads,
                                    cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size]).encode())
+    source = getattr(model, "source_fingerprint", None)
+    if source is not None:
+        h.update(f"file:{source}".encode())
+        return h.hexdigest()[:16]
     for layer in (0, cfg.num_layers - 1):
         attn = model.layers[layer].attn
         for w in (attn.q_proj.weight, attn.k_proj.weight):
             h.update(w.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+SIGNATURE_TOL = 0.05  # relative: int4 re-quantization moves these norms by well under 1%
+
+
+def weight_signature(model) -> list[float]:
+    """The norm of each layer's query and key projection weights: within SIGNATURE_TOL of each other in every
+    dtype and weight mode of one model file, so an artifact is not taken for a model whose weights were
+    changed after loading (`model_fingerprint` names the file only)."""
+    out = []
+    for blk in model.layers:
+        for w in (blk.attn.q_proj.weight, blk.attn.k_proj.weight):
+            out.append(round(float(w.detach().float().norm()), 6))
+    return out
+
+
+def signature_matches(meta: dict, model) -> bool:
+    """Whether an artifact's recorded `weight_signature` is this model's (one recorded before it was: yes)."""
+    if "weight_norms" not in meta:
+        return True
+    try:
+        theirs = [float(x) for x in json.loads(meta["weight_norms"])]
+    except (ValueError, TypeError):
+        return False
+    ours = weight_signature(model)
+    return len(theirs) == len(ours) and all(abs(a - b) <= SIGNATURE_TOL * max(abs(a), abs(b), 1e-12)
+                                            for a, b in zip(theirs, ours))
 
 
 # ---- calibration -----------------------------------------------------------------------------------
@@ -203,6 +285,7 @@ class Skew:
     meta: dict = field(default_factory=dict)
     path: Path | None = None
     sparsity: torch.Tensor | None = None  # [L] share of the entries holding 90% of the attention (None: not recorded)
+    shipped: bool = False  # read from the package's data/calibration (never written there)
 
     def share(self, ratio: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
         """(skewed, unskewed) share of the calibration queries' squared norm in the top `ratio` columns."""
@@ -219,12 +302,16 @@ class Skew:
                    "energy": self.energy.contiguous()}
         if self.sparsity is not None:
             tensors["sparsity"] = self.sparsity.float().contiguous()
-        save_file(tensors, str(tmp), metadata={k: str(v) for k, v in self.meta.items()})
-        os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
+        try:
+            save_file(tensors, str(tmp), metadata={k: str(v) for k, v in self.meta.items()})
+            os.replace(tmp, path)  # atomic: a concurrent run never reads half a file
+        except BaseException:  # a full disk or Ctrl-C: no partial file stays behind
+            tmp.unlink(missing_ok=True)
+            raise
         self.path = path
 
     @classmethod
-    def load(cls, path: Path) -> "Skew":
+    def load(cls, path: Path, shipped: bool = False) -> "Skew":
         """The artifact at `path`, checked: readable, shapes that agree, finite values, orthogonal matrices
         (a UserError naming the file otherwise: a broken artifact would skew every score silently)."""
         from safetensors import safe_open
@@ -239,7 +326,7 @@ class Skew:
         problem = _artifact_problem(t["matrices"], t["sigma2"], t["energy"], sparsity)
         if problem:
             raise UserError(f"corrupt skew artifact {path} ({problem}); recompute it with `infinigen skew --force`")
-        return cls(t["matrices"], t["sigma2"], t["energy"], meta, path, sparsity)
+        return cls(t["matrices"], t["sigma2"], t["energy"], meta, path, sparsity, shipped)
 
 
 ORTHOGONAL_TOL = 1e-3  # |A^T A - I|: float32 storage of a float64 eigenbasis is ~1e-6 off
@@ -273,7 +360,9 @@ def compute_skew(model, token_ids, window: int = 2048, progress=None, **meta) ->
     cfg = model.cfg
     info = {"format": FORMAT_VERSION, "fingerprint": model_fingerprint(model), "arch": cfg.arch,
             "num_layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-            "tokens": n}
+            "tokens": n, "dtype": str(model.dtype).removeprefix("torch."),
+            "weights": getattr(getattr(model, "weights_info", None), "mode", "dense"),
+            "weight_norms": json.dumps(weight_signature(model))}
     info.update(meta)
     return Skew(mats, sigma2, energy, info, sparsity=sparsity)
 
@@ -285,10 +374,11 @@ def skew_path(model, calib: Path, tokens: int) -> Path:
 
 
 def load_or_compute_skew(model, tokenizer, calib: str | os.PathLike | None = None, tokens: int | None = None,
-                         force: bool = False, progress: bool = False) -> Skew:
+                         force: bool = False, progress=False) -> Skew:
     """The skew of `model` calibrated on the first `tokens` tokens of `calib` (path or corpus name; None:
     DEFAULT_TOKENS, or all the text holds when it is shorter): read from the cache when it was computed
-    before (and `force` is off), else computed and saved. The text must be UTF-8 and hold at least
+    before (and `force` is off) or shipped with the package, else computed and saved (`progress`: see
+    `Progress`). The text must be UTF-8 and hold at least
     `min_calibration_tokens` tokens (and `tokens`, when given), so an artifact's name says what it holds."""
     if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
         raise UserError(f"tokens must be a whole number >= 1, got {tokens!r}")
@@ -302,23 +392,21 @@ def load_or_compute_skew(model, tokenizer, calib: str | os.PathLike | None = Non
         asked = f"the {tokens} asked for" if tokens else f"the {minimum} the calibration needs (head_dim {model.cfg.head_dim})"
         raise UserError(f"calibration text {path_text} holds {len(ids)} tokens, fewer than {asked}; give a longer text")
     path = skew_path(model, path_text, len(ids))
-    if path.exists() and not force:
-        skew = Skew.load(path)
+    here = path if path.exists() else shipped_calibration_dir() / path.name
+    if here.exists() and not force:
+        skew = Skew.load(here, shipped=here != path)
         # an artifact of format 1 has no layer sparsity: recompute it (the matrices come out the same)
-        if skew.sparsity is not None and skew.matrices.shape == (
+        if skew.sparsity is not None and skew.meta.get("fingerprint") == model_fingerprint(model) and signature_matches(
+                skew.meta, model) and skew.matrices.shape == (
                 model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.head_dim, model.cfg.head_dim):
             skew.meta["reused"] = "1"
             return skew
     from .paths import writable_cache
     writable_cache("skew")  # fail now, not after the calibration
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(ids), desc="calibrating skew", unit="tok")
-    skew = compute_skew(model, ids, progress=bar.update if bar else None,
+    bar = Progress(progress, "calibrating skew", len(ids), "tok")
+    skew = compute_skew(model, ids, progress=bar.update,
                         calibration=str(path_text), calibration_sha=path.stem.split("-")[-2])
-    if bar:
-        bar.close()
+    bar.finish()
     skew.save(path)
     return skew
 
@@ -331,28 +419,46 @@ def remember(skew: Skew, name: str, value: str) -> None:
     if skew.path is not None:
         reused = skew.meta.pop("reused", None)  # a fact of this load, not of the artifact
         try:
-            skew.save(skew.path)
+            if skew.shipped:  # the package's copy stays as shipped: the cache gets one with the new value
+                from .paths import cache_dir
+                skew.shipped = False
+                skew.save(cache_dir() / "skew" / skew.path.name)
+            else:
+                skew.save(skew.path)
         except OSError:
             pass
         if reused is not None:
             skew.meta["reused"] = reused
 
 
+def shipped_calibration_dir() -> Path:
+    """The package's calibrations (data/calibration): artifacts named like the cache's, so found by the
+    fingerprint of the model they were made on, and never applied to another."""
+    from .paths import PACKAGE_DATA
+    return PACKAGE_DATA / "calibration"
+
+
 def find_cached_skew(model) -> Skew | None:
-    """A skew artifact of this model already in the cache (the default calibration preferred), or None."""
+    """A skew artifact of this model in the cache, else one the package ships for it (the default
+    calibration preferred in each), or None."""
     from .paths import cache_dir
-    folder = cache_dir() / "skew"
-    if not folder.is_dir():
-        return None
     fp = model_fingerprint(model)
-    found = sorted(folder.glob(f"{fp}-*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)
-    preferred = [p for p in found if p.name.startswith(f"{fp}-{DEFAULT_CALIB}-") and p.stem.endswith(f"-{DEFAULT_TOKENS}")]
     corrupt = None
-    for p in preferred + found:
-        try:
-            return Skew.load(p)
-        except UserError as e:
-            corrupt = corrupt or e
+    for folder, shipped in ((cache_dir() / "skew", False), (shipped_calibration_dir(), True)):
+        if not folder.is_dir():
+            continue
+        found = sorted(folder.glob(f"{fp}-*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)
+        preferred = [p for p in found
+                     if p.name.startswith(f"{fp}-{DEFAULT_CALIB}-") and p.stem.endswith(f"-{DEFAULT_TOKENS}")]
+        for p in preferred + found:
+            try:
+                skew = Skew.load(p, shipped=shipped)
+            except UserError as e:
+                corrupt = corrupt or e
+                continue
+            # a file renamed to another model's name, or a model changed after loading: not this model's
+            if skew.meta.get("fingerprint") == fp and signature_matches(skew.meta, model):
+                return skew
     if corrupt is not None:  # only unreadable artifacts: say which file, and how to replace it
         raise corrupt
     return None

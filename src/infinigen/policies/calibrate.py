@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from .. import runtime
 from ..placement import Placement
+from ..skew import Progress
 
 FORMAT = 3  # of the stored choice: bump when the search changes what it would choose
 ALPHA_HIGH = 9.0  # the caps decide (measured on SmolLM2: results/presets.md)
@@ -183,7 +184,7 @@ def largest_budget(make, model, ref: int, bound: float, growth: float, lo: float
 
 def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: list[dict], alphas: tuple,
            budget_free: bool, target: float, bound: float, growth: float, ref: int, key: str, text: str,
-           max_evals: int = 8, log=None, remainder_starts=None) -> Choice:
+           max_evals: int = 8, log=None, remainder_starts=None, progress=False) -> Choice:
     """Choose the knobs (see the module docstring). `candidate(knobs)` makes the policy of a candidate (knobs:
     the values calibration chooses; the caller's own knobs are fixed inside it); `structures`: the ways to
     treat layer 0 (knob dicts of exact_first, dense_layers; [{}] when the caller fixed them), `alphas` the
@@ -191,8 +192,23 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
     kv_budget (else the caller's cap is the bound). `remainder_starts(knobs)`, unless None (the caller set the
     remainder): the first layers from which to add what the selection leaves unread, each tried on the best
     structure (a pass each: it helps some layers and hurts others, measured in results/accuracy.md) before the
-    budget is lowered, so the budget search runs on the better of them."""
+    budget is lowered, so the budget search runs on the better of them. `progress`: passes done of at most
+    1 + max_evals, with an ETA (`skew.Progress`); `log` gets a line per candidate."""
+    bar = Progress(progress, "calibrating InfiniGen", 1 + max_evals, "pass")
+    if log and progress:
+        log = bar.write
+    try:
+        choice = _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound, growth,
+                         ref, key, text, max_evals, log, remainder_starts, bar)
+    finally:
+        bar.finish()
+    return choice
+
+
+def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound, growth, ref, key,
+            text, max_evals, log, remainder_starts, bar) -> Choice:
     full, _ = score(model, tokens, prefill, None)
+    bar.update()
     goal = full + math.log1p(target)
     trials: list[Trial] = []
 
@@ -202,6 +218,7 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
         t = Trial(dict(knobs), nll, kv, caps_share(pol, model, ref, ref // 8),
                   caps_share(pol, model, LONG * ref, LONG * ref // 8, POSITIONS // 2))
         trials.append(t)
+        bar.update()
         if log:
             log(f"  {knobs}: {100 * (math.exp(nll - full) - 1):+.2f}% vs full, {100 * kv:.1f}% of the KV read")
         return t

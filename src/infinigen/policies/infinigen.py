@@ -427,7 +427,7 @@ class InfiniGen(Policy):
         # no rotation, or the weights already produce q~ and k~ (`skew.skew_model`)
         return bool(self.skew) and getattr(model, "skew_folded", None) is None
 
-    def prepare_skew(self, model, tokenizer=None, progress: bool = False) -> "InfiniGen":
+    def prepare_skew(self, model, tokenizer=None, progress=False) -> "InfiniGen":
         """Make the model's skew matrices ready: those of `infinigen skew` (or of an earlier `prepare`)
         from the cache, else calibrated on `calib` (default: a bundled novel) with `tokenizer` and cached."""
         if not self._needs_skew(model) or self.matrices is not None:
@@ -445,10 +445,11 @@ class InfiniGen(Policy):
         cached[self.calib] = skew
         return self
 
-    def prepare(self, model, tokenizer=None, progress: bool = False) -> "InfiniGen":
+    def prepare(self, model, tokenizer=None, progress=False) -> "InfiniGen":
         """The skew matrices (`prepare_skew`), then, with `calibrate`, this model's settings: from the skew
-        artifact's metadata when this search ran before on the same tokens, else searched
-        (`policies.calibrate`) and stored there. Prints one line with the choice."""
+        artifact's metadata when this search ran before on the same tokens (or the package ships it), else
+        searched (`policies.calibrate`) and stored there. Prints one line with the choice. `progress`: True
+        for a bar on stderr, or a callback `progress(desc, done, total, eta_seconds)` (`skew.Progress`)."""
         self.prepare_skew(model, tokenizer, progress)
         done = self.calibrated_on is not None and self.calibrated_on() is model
         if self.calibrate and not done:
@@ -505,7 +506,7 @@ class InfiniGen(Policy):
             pol.with_skew(self.matrices)
         return pol
 
-    def _calibrate(self, model, tokenizer, progress: bool) -> None:
+    def _calibrate(self, model, tokenizer, progress) -> None:
         import hashlib
         import json
         import sys
@@ -533,20 +534,22 @@ class InfiniGen(Policy):
             fp = model_fingerprint(model)
         except ValueError:  # a skew-folded model: its skew's fingerprint
             fp = str(getattr(getattr(model, "skew_folded", None), "meta", {}).get("fingerprint"))
-        what = {"format": cal.FORMAT, "fingerprint": fp, "dtype": str(model.dtype), "target": target,
+        what = {"format": cal.FORMAT, "fingerprint": fp, "target": target,
                 "bound": bound, "ref": ref, "text": text, "setup": {k: v for k, v in setup.items() if k != "fixed"},
                 "fixed": {k: str(v) for k, v in sorted(setup["fixed"].items())},
                 "tokens": None if tokens is None else hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}
         key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
         memo = _CHOICES.setdefault(model, {})
-        choice, source = memo.get(key), "this process"
+        # the settings' source: "shipped" (the package's artifact), "cached" (the cache's), "computed" (searched
+        # in this process)
+        choice, source = memo.get(key, (None, None))
         meta = getattr(skew, "meta", None)
         name = f"calibration-{key}"
         if choice is None and meta is not None and name in meta:
             try:
                 choice = cal.Choice.from_dict(json.loads(meta[name]), key, set(CALIBRATED))
                 self._candidate(model, choice.knobs, setup["growth"])  # knobs a policy accepts
-                source = "the skew artifact"
+                source = "shipped" if getattr(skew, "shipped", False) else "cached"
             except (ValueError, TypeError, KeyError, UserError):
                 choice = None  # foreign or broken metadata: search again, never trust it
         if choice is None:
@@ -563,14 +566,14 @@ class InfiniGen(Policy):
                                     setup["structures"], setup["alphas"], setup["budget_free"], target, bound,
                                     setup["growth"], ref, key, text, log=log,
                                     remainder_starts=(lambda k: self._remainder_starts(model, k, setup["growth"]))
-                                    if setup["remainder"] else None)
+                                    if setup["remainder"] else None, progress=progress)
             except ValueError as e:
                 raise UserError(f"cannot calibrate InfiniGen under a bound of {100 * bound:g}% of the KV ({e}): "
                                 "raise calibrate_bound, or keep fewer layers dense")
-            source = "searched"
+            source = "computed"
             if meta is not None:
                 remember(skew, name, json.dumps(choice.to_dict()))
-        memo[key] = choice
+        memo[key] = (choice, source)
         self._apply(choice, setup, source)
         object.__setattr__(self, "calibrated_on", weakref.ref(model))
         print(f"InfiniGen calibrated ({source}): {self.calibration['summary']}", file=sys.stderr)
