@@ -196,9 +196,14 @@ def test_cache_type():
 
 
 @pytest.mark.integration
-def test_default_model_generate_matches_runtime(default_hf_model, default_model):
+def test_default_model_generate_matches_runtime(default_hf_model, default_model, monkeypatch):
     """On SmolLM2-135M-Instruct: greedy `generate()` tokens equal our runtime's, for the full cache and
-    InfiniGen (and the other registered policies that exist)."""
+    InfiniGen (and the other registered policies that exist). InfiniGen's calibration is the one the package
+    ships (or the cache's copy): nothing is calibrated here."""
+    from infinigen import skew
+    from infinigen.policies import calibrate
+    monkeypatch.setattr(skew, "compute_skew", lambda *a, **k: pytest.fail("the default model's skew computed"))
+    monkeypatch.setattr(calibrate, "search", lambda *a, **k: pytest.fail("the default model calibrated"))
     from infinigen.generate import encode_prompts
     from infinigen.policies import REGISTRY, make_policy
     hf = default_hf_model
@@ -210,7 +215,10 @@ def test_default_model_generate_matches_runtime(default_hf_model, default_model)
     names = [n for n in REGISTRY if _available(n)]
     assert "full" in names and "infinigen" in names
     for name in names:
-        prepare({name: make_policy(name)}, model, tok)  # InfiniGen: skew matrices (cached once computed)
+        prepared = make_policy(name)
+        prepare({name: prepared}, model, tok)  # InfiniGen: the shipped skew matrices and settings
+        if name == "infinigen":
+            assert prepared.calibration["source"] in ("shipped", "cached")
         ref = generate_ids(model, [prompt], 20, policy=make_policy(name)).tokens[0]
         with enable(hf, make_policy(name)) as ig:
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,

@@ -105,17 +105,37 @@ def test_installed_package_reads_its_own_data(venv, tmp_path):
 
 @pytest.mark.integration
 def test_generate_infinigen_on_a_fresh_install(venv, tmp_path):
-    """`infinigen generate --policy infinigen` with an empty cache converts the default model and
-    calibrates its skew on the wheel's own calibration text, then answers."""
-    from safetensors import safe_open
+    """`infinigen generate --policy infinigen` with an empty cache converts the default model and takes its
+    calibration (skew matrices and settings) from the wheel: nothing is calibrated, then it answers. (Quiet,
+    about 30 s on 2 cores; the timeout is 20x that.)"""
     cache, work = tmp_path / "cache", tmp_path / "work"
     cache.mkdir()
     work.mkdir()
     r = _run([venv / "bin" / "infinigen", "generate", "--policy", "infinigen", "-p", "The capital of France is",
               "-n", "8"], cwd=work, env=_clean_env(INFINIGEN_CACHE=str(cache)))
     assert "Paris" in r.stdout, (r.stdout, r.stderr)
-    (artifact,) = (cache / "skew").glob("*.safetensors")
-    with safe_open(str(artifact), "pt") as f:
+    assert "InfiniGen calibrated (shipped)" in r.stderr and "calibrating" not in r.stderr, r.stderr
+    assert not (cache / "skew").exists()  # nothing computed, so nothing cached
+    assert list(work.iterdir()) == []  # nothing written where it ran
+
+
+def test_calibrate_a_model_on_a_fresh_install(venv, tiny_checkpoint, text_file, tmp_path):
+    """A model the wheel has no calibration for calibrates on the wheel's own code and caches it: `infinigen
+    calibrate` computes it once (seconds on the tiny checkpoint; the timeout is 600 s), then reads it back
+    for another dtype."""
+    from safetensors import safe_open
+    cache, work = tmp_path / "cache", tmp_path / "work"
+    cache.mkdir()
+    work.mkdir()
+    knobs = ["--knob", "budget_ref=64", "--knob", f"calibrate_text={text_file}", "--knob", "calibrate_bound=0.8",
+             "--knob", "min_fetch=0"]  # the skew on the wheel's own emma.txt
+    argv = [venv / "bin" / "infinigen", "calibrate", "--model", tiny_checkpoint, *knobs, "--json"]
+    env = _clean_env(INFINIGEN_CACHE=str(cache))
+    first = json.loads(_run(argv, cwd=work, env=env).stdout)
+    assert first["source"] == "computed" and Path(first["artifact"]).parent == cache / "skew"
+    with safe_open(first["artifact"], "pt") as f:
         meta = f.metadata()
     assert Path(meta["calibration"]).is_relative_to(venv) and meta["calibration"].endswith("austen/emma.txt")
-    assert list(work.iterdir()) == []  # nothing written where it ran
+    again = json.loads(_run(argv + ["--dtype", "bfloat16", "--weights", "auto"], cwd=work, env=env).stdout)
+    assert again["source"] == "cached" and again["calibration"]["chosen"] == first["calibration"]["chosen"]
+    assert list(work.iterdir()) == []
