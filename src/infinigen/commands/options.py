@@ -73,14 +73,17 @@ def check_compile_option(mode: str) -> None:
         raise UserError(f"unknown --compile {mode!r}; choose from {', '.join(MODES)}")
 
 
-def enable_compile(net, mode: str, long_running: bool, rows=(1,)) -> str:
+def enable_compile(net, mode: str, long_running: bool, rows=(1,), progress=None) -> str:
     """Compile `net`'s decoding step as `mode` says (`infinigen.compiled.enable`) and warm it for batches of
-    `rows` rows; a few words for the summary line ("" when it stays eager)."""
+    `rows` rows (`progress(i, rows)` hears each before it compiles); a few words for the summary line ("" when
+    it stays eager)."""
     from ..compiled import enable
     parts = enable(net, mode, long_running=long_running)
     if parts is None:
         return ""
-    for r in rows:
+    for i, r in enumerate(rows):
+        if progress is not None:
+            progress(i, r)
         parts.warm(net, r)
     return f"compiled step ({parts.compile_seconds:.1f} s to compile)" if parts.failed is None else ""
 

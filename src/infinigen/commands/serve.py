@@ -1,9 +1,13 @@
 """`infinigen serve`: the OpenAI-compatible server (one process with uvicorn, or N replicas on Ray Serve).
 
-Every option is checked before the model is loaded: the port is bound first (uvicorn serves on that socket)
-and the KV budgets must hold a token of this model. SIGTERM stops accepting connections, lets the running
-requests finish (streams for up to `infinigen.serve.app.DRAIN_S` seconds) and exits 0; SIGINT cancels them
-and exits 130; a second signal exits at once. See `infinigen.serve` for the engine and the API.
+Every option is checked before the model is loaded. The port is bound and served first: while the model
+loads, the policy prepares (calibration) and the step compiles, every route answers 503 with a Retry-After
+(`infinigen.serve.app.WarmingUp`) and stderr says which step runs; then the app serves. A failure while warming
+up is one line: exit 2 when the user's input or environment caused it (a model that does not load, budgets
+that cannot hold a request), exit 1 otherwise. SIGTERM stops accepting connections, lets the running requests
+finish (streams for up to `infinigen.serve.app.DRAIN_S` seconds) and exits 0; SIGINT cancels them and exits 130;
+a second signal exits at once; either during the warm-up exits at once (0 / 130). See `infinigen.serve` for the
+engine and the API.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from ..errors import UserError
 from ..policies import REGISTRY
 from .options import (check_compile_option, check_model_options, check_policies_fit, check_range, compile_option,
                       device_option, dtype_option, enable_compile, knob_option, make_policy_from_cli, model_option,
-                      prepare_policies)
+                      prepare_policies, resolve_dtype)
 from .placement_opts import parse_bytes
 
 OFFLOADS = ("none", "cpu", "disk")
@@ -98,29 +102,48 @@ def serve_cmd(
                 prefix_cache=prefix_cache, prefix_cache_dir=prefix_cache_dir, name=name,
                 device=device, dtype=dtype, compile=compile, **budgets)
     listener = _listen(host, port)
-    with _sigterm_exits():
-        try:
-            _check_budgets(spec)
-            if replicas > 1:
+    if replicas > 1:
+        with _sigterm_exits():
+            try:
+                _check_budgets(spec)
+            finally:
                 listener.close()  # Ray Serve's proxy binds the port itself
-                import functools
+            import functools
 
-                from ..placement import Placement
-                from ..serve.ray import replica_fast_bytes, run
-                if spec["fast_bytes"] is None:
-                    spec["fast_bytes"] = replica_fast_bytes(Placement(kv_offload=kv_offload, pool_dir=pool_dir),
-                                                            device, replicas)
-                run(functools.partial(build, spec), replicas=replicas, host=host, port=port)
-                return
-            app = build(spec)
-            engine = app.state.engine
-        except BaseException:
-            listener.close()
-            raise
-    port = listener.getsockname()[1]  # --port 0: the one the system chose
-    described = ", ".join(filter(None, [engine.describe(), app.state.compiled_note]))
-    print(f"infinigen: serving {app.state.model_name} on http://{host}:{port}/v1 ({described})", file=sys.stderr)
-    if _serve(app, listener, host, port) == signal.SIGINT:
+            from ..placement import Placement
+            from ..serve.ray import replica_fast_bytes, run
+            if spec["fast_bytes"] is None:
+                spec["fast_bytes"] = replica_fast_bytes(Placement(kv_offload=kv_offload, pool_dir=pool_dir),
+                                                        device, replicas)
+            run(functools.partial(build, spec), replicas=replicas, host=host, port=port)
+        return
+    from ..serve.app import WarmingUp
+    gate = WarmingUp()
+    server = _Server(gate, listener, host)  # answers every route with 503 while the model loads
+    url = f"http://{host}:{listener.getsockname()[1]}"  # --port 0: the one the system chose
+
+    def phase(name: str, line: str) -> None:
+        gate.phase = name
+        print(f"infinigen: loading: {line}", file=sys.stderr, flush=True)
+
+    try:
+        with _sigterm_exits():
+            _check_budgets(spec)
+            try:
+                app = build(spec, phase=phase, url=url)
+            except (UserError, KeyboardInterrupt, OSError):
+                raise  # the CLI's one line: the user's input or environment (2), or Ctrl-C (130)
+            except Exception as e:  # noqa: BLE001 -- not the user's fault: one line and exit 1, not a traceback
+                print(f"infinigen: error: warming up failed: {type(e).__name__}: {' '.join(str(e).split())}"[:500],
+                      file=sys.stderr)
+                raise typer.Exit(1)
+    except BaseException:
+        server.stop()
+        raise
+    gate.ready(app)
+    described = ", ".join(filter(None, [app.state.engine.describe(), app.state.compiled_note]))
+    print(f"infinigen: serving {app.state.model_name} on {url}/v1 ({described})", file=sys.stderr, flush=True)
+    if server.wait(app.state.engine) == signal.SIGINT:
         raise KeyboardInterrupt  # the CLI's Ctrl-C: exit 130
 
 
@@ -217,42 +240,78 @@ def _sigterm_exits():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _serve(app, listener: socket.socket, host: str, port: int) -> int | None:
-    """uvicorn on `listener` until a signal stops it; returns that signal. SIGTERM drains: no new connections,
-    running requests finish (streams are cut after DRAIN_S). SIGINT cancels the running requests at once (their
-    clients get an error). A second signal stops without waiting."""
-    import uvicorn
+class _Server:
+    """uvicorn serving `app` on `listener` from a thread of its own, started now, so the main thread can load
+    the model meanwhile and keeps the signals."""
 
-    from ..serve.app import DRAIN_S
-    engine = app.state.engine
-    received: list[int] = []
+    def __init__(self, app, listener: socket.socket, host: str):
+        import uvicorn
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # uvicorn's, without re-raising the signal once it has stopped
+        from ..serve.app import DRAIN_S
+        # the streams' own grace period (DRAIN_S) ends first: they are cut by the app, not by uvicorn
+        config = uvicorn.Config(app, host=host, port=listener.getsockname()[1], log_level="warning",
+                                timeout_graceful_shutdown=DRAIN_S + 5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener]}, name="infinigen-http",
+                                       daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Stop at once (nothing is being served yet: the model did not load)."""
+        self.server.should_exit = self.server.force_exit = True
+        self.thread.join(timeout=60)
+
+    def wait(self, engine) -> int | None:
+        """Serve until a signal stops the server; returns that signal. SIGTERM drains: no new connections,
+        running requests finish (streams are cut after DRAIN_S). SIGINT cancels the running requests at once
+        (their clients get an error). A second signal stops without waiting."""
+        received: list[int] = []
+        server = self.server
+
+        def on_signal(sig, frame):
             received.append(sig)
-            if self.should_exit:
-                self.force_exit = True
-            self.should_exit = True
+            if server.should_exit:
+                server.force_exit = True
+            server.should_exit = True
             if sig == signal.SIGINT:
                 engine.cancel_all()
 
-    # the streams' own grace period (DRAIN_S) ends first: they are cut by the app, not by uvicorn
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=DRAIN_S + 5)
-    Server(config).run(sockets=[listener])
-    return received[0] if received else None
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while self.thread.is_alive():
+                self.thread.join(timeout=0.5)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return received[0] if received else None
 
 
-def build(spec: dict):
-    """Load the model and make the app (also what every Ray Serve replica runs)."""
+def _serve(app, listener: socket.socket, host: str, port: int) -> int | None:
+    """uvicorn serving the (loaded) `app` on `listener` until a signal stops it; returns that signal."""
+    return _Server(app, listener, host).wait(app.state.engine)
+
+
+def build(spec: dict, phase=None, url: str | None = None):
+    """Load the model and make the app (also what every Ray Serve replica runs). `phase(name, line)` hears
+    each step as it starts: "model", "calibrating" (the policy's `prepare`), "compiling" (once per batch
+    size); `url`: where the server answers meanwhile, for the first line."""
     from ..generate import stop_ids
     from ..placement import Placement
     from ..serve.app import create_app
     from ..serve.engine import Engine
     from .basic import load_model
+    phase = phase or (lambda name, line: None)
     pol = make_policy_from_cli(spec["policy"], spec["knob"])
+    label = "the default model" if spec["model"] in ("", "default") else spec["model"]
+    waiting = f" (503 on {url} until ready)" if url else ""
+    phase("model", f"model: {label} ({resolve_dtype(spec['dtype'], spec['device'] or 'cpu')}){waiting}")
     net, tok, name = load_model(spec["model"], spec["dtype"], spec["device"])
     check_policies_fit(pol, net)
+    phase("calibrating", f"calibrating: preparing the {spec['policy']} policy")
     prepare_policies({spec["policy"]: pol}, net, tok)
+    phase("model", "model: measuring what a request holds")
     engine = Engine(net, pol, Placement(kv_offload=spec["kv_offload"], pool_dir=spec["pool_dir"]),
                     eos=stop_ids(net, tok), max_batch=spec["max_batch"], max_queue=spec["max_queue"],
                     fast_bytes=spec["fast_bytes"], pool_bytes=spec["pool_bytes"],
@@ -267,7 +326,11 @@ def build(spec: dict):
     # compiled once the engine accepted the budgets, for every batch size it can decode (a power of two
     # covers those below it: rows are padded)
     sizes = [1 << i for i in range(7) if 1 << i < 2 * spec["max_batch"]]  # up to compiled.MAX_BUCKET
-    compiled_note = enable_compile(net, spec.get("compile", "auto"), long_running=True, rows=sizes)
+
+    def compiling(i: int, rows: int) -> None:
+        phase("compiling", f"compiling: the decoding step for {rows} rows ({i + 1} of {len(sizes)})")
+    compiled_note = enable_compile(net, spec.get("compile", "auto"), long_running=True, rows=sizes,
+                                   progress=compiling)
     served = spec.get("name") or re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")  # URL- and shell-friendly
     app = create_app(engine, tok, served)
     app.state.model_name = served

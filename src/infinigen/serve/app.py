@@ -179,10 +179,11 @@ def error_body(message: str, type_: str = "invalid_request_error", param=None, c
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None):
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
+                   headers: dict | None = None):
     # ASCII-escaped: a message quoting the client's text is sent whatever that text holds
     return Response(json.dumps(error_body(message, type_, param, code)), status_code=status,
-                    media_type="application/json")
+                    media_type="application/json", headers=headers)
 
 
 def validation_error(errors: list[dict]) -> APIError:
@@ -724,6 +725,43 @@ def _registry(engine: Engine):
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Collector())
     return registry
+
+
+class WarmingUp:
+    """The ASGI app of a server that listens while it loads (as llama-server does): every route, /health
+    included, answers 503 with a `Retry-After` header and OpenAI's error body, "loading: model", "loading:
+    calibrating" or "loading: compiling" as `phase` says, until `ready(app)` hands over the app that serves
+    (its engine started then); every request after that goes to it, and the server's shutdown stops its
+    engine (what that app's own lifespan would do)."""
+
+    RETRY_AFTER_S = 2
+
+    def __init__(self, phase: str = "model"):
+        self.phase = phase
+        self.app = None
+
+    def ready(self, app) -> None:
+        app.state.engine.start()
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    if self.app is not None:
+                        self.app.state.engine.stop()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await send({"type": "websocket.close", "code": 1013})  # "try again later"
+        answer = error_response(503, f"loading: {self.phase}", "unavailable_error", code="model_loading",
+                                headers={"Retry-After": str(self.RETRY_AFTER_S)})
+        await answer(scope, receive, send)
 
 
 class BackgroundServer:
