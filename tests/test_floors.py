@@ -12,8 +12,8 @@ PACKAGE = Path(infinigen.__file__).parent
 
 # lowest first; a module's floor is the first pattern it matches
 FLOORS = [
-    ("ground", ["errors", "config", "codecs", "selection", "memory", "paths", "membound", "kernels", "kernels.*",
-                "policies.budgets"]),
+    ("ground", ["errors", "config", "codecs", "selection", "memory", "paths", "sizes", "membound", "kernels",
+                "kernels.*", "policies.budgets"]),
     ("stores and the policy interface", ["cache", "pool", "policies.base"]),
     ("network", ["model", "loading"]),
     ("step", ["runtime", "compiled"]),

@@ -195,3 +195,15 @@ def test_token_windows_start_with_bos_where_the_tokenizer_does():
     with_bos = token_windows(_WordTokenizer(bos=True), text, 16, windows=2)
     assert with_bos.shape == (2, 16) and (with_bos[:, 0] == 1).all()
     assert with_bos[:, 1:].flatten().tolist() == plain.flatten()[:30].tolist()  # then the text, in order
+
+
+def test_kv_shares_on_a_model_with_local_layers():
+    """Gemma 3's local layers read their window (counted as their whole cache): `kv_all` is the share over
+    every layer, `kv_global` over the global ones only, and the two differ."""
+    from test_gemma3 import build_gemma
+    _, model = build_gemma()
+    tokens = torch.randint(3, 256, (1, 48), generator=torch.Generator().manual_seed(2))
+    r = perplexity(model, None, None, make_policy("oracle", ratio=0.3), ctx=48, prefill=8, tokens=tokens)
+    assert r.local_layers == [0, 2, 3] and [round(r.kv_per_layer[i], 6) for i in r.local_layers] == [1.0] * 3
+    assert r.kv_global == pytest.approx(r.kv_per_layer[1]) and r.kv_global < 0.6
+    assert r.kv_all == pytest.approx(sum(r.kv_per_layer) / 4) and r.kv_all > r.kv_global + 0.2

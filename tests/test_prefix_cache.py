@@ -141,6 +141,18 @@ def test_the_cache_never_serves_a_prefix_that_differs_anywhere_before_the_block_
     assert s["prefix_cache_hits"] == 1 and s["prefix_cache_hit_tokens"] == 16
 
 
+def test_a_block_is_keyed_by_everything_before_it_not_by_its_own_tokens(make_tiny):
+    """A block of tokens cached at position 8 is not reused for a prompt that starts with those tokens: its keys
+    were rotated for position 8 and attended to the block before it."""
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    eng = Engine(model, make_policy("full"), Placement(), prefix_block=8)
+    first, second = _tokens(model, 8, seed=30)[0].tolist(), _tokens(model, 8, seed=31)[0].tolist()
+    _run(eng, first + second + [5], 3)  # caches [first] and [first, second]
+    prompt = second + [6, 7, 9]
+    assert _run(eng, prompt, 6) == _alone(model, make_policy("full"), prompt, 6)
+    assert eng.snapshot()["prefix_cache_hits"] == 0
+
+
 def test_lru_eviction_keeps_the_cache_under_its_byte_limit(make_tiny):
     _, model = make_tiny("llama", num_hidden_layers=2)
     probe = Engine(model, make_policy("full"), Placement(), prefix_block=8)
@@ -318,6 +330,29 @@ def test_serve_checks_the_prefix_cache_folder_before_loading(capsys, tmp_path):
         assert main(["serve", "--model", "/nonexistent", "--port", "0", *argv]) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("infinigen: error:") and err.count("\n") == 1 and "prefix-cache-dir" in err, err
+
+
+def test_a_model_that_differs_in_one_layers_values_reads_none_of_the_others_blocks(make_tiny, tmp_path):
+    """The fingerprint samples every tensor: two models that differ only in one middle layer's v_proj (which
+    the skew fingerprint's q/k weights of the first and last layers do not see) keep apart on disk."""
+    import copy
+
+    from infinigen.serve.prefix import prefix_fingerprint
+    _, model = make_tiny("llama", num_hidden_layers=3)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.layers[1].attn.v_proj.weight.mul_(1.25)
+    assert prefix_fingerprint(other) != prefix_fingerprint(model)
+    pol = make_policy("full")
+    prompt = _tokens(model, 24, seed=12)[0].tolist() + [5, 6, 7]
+    foreign = _restarted(other, pol, tmp_path)  # the other model's blocks of this prompt, in the same folder
+    _served(foreign, prompt, 2)
+    foreign.stop()
+    eng = _restarted(model, pol, tmp_path)
+    assert _served(eng, prompt, 6) == _alone(model, pol, prompt, 6)
+    s = eng.snapshot()
+    assert s["prefix_cache_disk_hits"] == 0 and s["prefix_cache_hits"] == 0
+    eng.stop()
 
 
 def test_a_block_evicted_meanwhile_is_a_miss_and_old_temp_files_are_cleaned(make_tiny, tmp_path):

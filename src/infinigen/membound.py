@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from .errors import UserError
+from .sizes import parse_bytes
 
 MECHANISMS = ("cgroup2", "cgroup1", "systemd-run")
 _count = itertools.count()
@@ -224,11 +225,7 @@ def parse_limit(text: str) -> int | None:
         return None
     if t in ("0", "none", "off"):
         return 0
-    import re
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?", t)
-    if not m:
-        raise UserError(f"--memory-limit expects auto, none or a size like 2G, 512M, got {text!r}")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+    return parse_bytes(t, "memory-limit")
 
 
 BOUND_ENV = "INFINIGEN_MEMORY_BOUND"  # set in a re-executed command: the bound it runs under (JSON)

@@ -8,11 +8,11 @@ option, and `placement_from` that turns their values into an `infinigen.placemen
 from __future__ import annotations
 
 import math
-import re
 from pathlib import Path
 
 import typer
 
+from .. import sizes
 from ..errors import UserError
 
 KV_OFFLOAD = typer.Option("none", "--kv-offload",
@@ -29,23 +29,13 @@ EVICT = typer.Option("counter", "--evict", "--eviction", help="Victim choice whe
 
 
 def parse_bytes(text: str | None, name: str = "pool-bytes") -> int | None:
-    """'2G', '512M', '1.5GiB', '1000000' -> bytes (`name`: the option, for the error)."""
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
-    if not m:
-        raise UserError(f"--{name} expects a size like 2G, 512M or 1000000, got {text!r}")
-    value = float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " ")
-    if value < 1:
-        raise UserError(f"--{name} must be positive, got {text!r}")
-    return int(value)
+    """'2G', '512M', '1.5GiB', '1000000' -> bytes (`name`: the option, for the error); `sizes.parse_bytes`."""
+    return sizes.parse_bytes(text, name)
 
 
 def parse_size(text: str | None, name: str) -> int | None:
     """Like `parse_bytes`, but "0" is allowed (it turns the thing off)."""
-    if text is not None and str(text).strip() == "0":
-        return 0
-    return parse_bytes(text, name)
+    return sizes.parse_bytes(text, name, zero=True)
 
 
 def placement_from(kv_offload: str = "none", pool_bytes: str | None = None, capacity: float | None = None,
