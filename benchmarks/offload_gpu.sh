@@ -36,7 +36,7 @@ if [[ $what == quick ]]; then
          --policy full,infinigen --no-transformers)
   for run in "llama-3-8b 2048 0.135" "llama-3-8b 8192 0.068" "opt-13b 2048 0.135"; do
     read -r shape len ratio <<<"$run"
-    COLUMNS=160 timeout -k 10 "${QUICK_TIMEOUT:-90}" infinigen bench "${quick[@]}" --synthetic "$shape" \
+    COLUMNS=160 timeout -k 10 "${QUICK_TIMEOUT:-90}" "$PYTHON" -m infinigen.cli bench "${quick[@]}" --synthetic "$shape" \
       --prompt-len "$len" --fixed-ratio "$ratio" --json "$OUT/${shape}_${len}x8.json" \
       | tee -a "$OUT/quick.txt" || echo "quick: $shape $len failed or timed out" | tee -a "$OUT/quick.txt"
   done
