@@ -8,6 +8,7 @@
 # Run from the repository root on a machine with a CUDA GPU (after `make test` set up .venv):
 #     bash benchmarks/offload_gpu.sh            # all sections below, results in results/gpu/
 #     FIXED_RATIO=0.08 bash benchmarks/offload_gpu.sh synthetic
+#     bash benchmarks/offload_gpu.sh quick      # ~2 minutes: ideal / full offload / InfiniGen, two shapes
 #
 # Paper-size shapes run with random weights (`--synthetic`): speculation on random weights says nothing,
 # so InfiniGen fetches a fixed share of the tokens per step, FIXED_RATIO: set it to the relative KV size
@@ -16,13 +17,31 @@
 # JSON ("synthetic": true, model "... synthetic random weights ..., InfiniGen fixed selection ratio R").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -d .venv ] && . .venv/bin/activate
+if [ -d .venv ]; then . .venv/bin/activate; fi
+PYTHON=${PYTHON:-python3}
+infinigen() { "$PYTHON" -m infinigen.cli "$@"; }  # the source tree's CLI, installed or not (PYTHONPATH=src)
 OUT=${OUT:-results/gpu}
 FIXED_RATIO=${FIXED_RATIO:-0.1}
 mkdir -p "$OUT"
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU visible to torch')"
+"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU visible to torch')"
 what=${1:-all}
 common=(--device cuda --dtype float16 --gen-len 128 --kv-offload cpu --breakdown 3)
+
+if [[ $what == quick ]]; then
+  # Paper-size shapes, random weights, batch 8: the full cache in GPU memory ("ideal"), full offload and
+  # InfiniGen with the KV in pinned host memory. InfiniGen's fixed ratio is the default preset's measured KV
+  # budget on SmolLM2 with the KV in host memory (results/default_preset_speed.md: 13.5% at 2048 tokens,
+  # about half that at 8192, its square-root growth); every row is labelled synthetic in the JSON.
+  quick=(--device cuda --dtype float16 --compile off --gen-len 16 --batch-size 8 --kv-offload cpu
+         --policy full,infinigen --no-transformers)
+  for run in "llama-3-8b 2048 0.135" "llama-3-8b 8192 0.068" "opt-13b 2048 0.135"; do
+    read -r shape len ratio <<<"$run"
+    COLUMNS=160 timeout -k 10 "${QUICK_TIMEOUT:-90}" "$PYTHON" -m infinigen.cli bench "${quick[@]}" --synthetic "$shape" \
+      --prompt-len "$len" --fixed-ratio "$ratio" --json "$OUT/${shape}_${len}x8.json" \
+      | tee -a "$OUT/quick.txt" || echo "quick: $shape $len failed or timed out" | tee -a "$OUT/quick.txt"
+  done
+  exit 0
+fi
 
 if [[ $what == all || $what == real ]]; then
   # the default model (real weights): batch sweep at prompt 1920 (+128 generated = 2048), the paper's setup

@@ -25,6 +25,14 @@ marked `@pytest.mark.integration` (deselect them with `-m "not integration"`):
   default_hf_model  the `transformers` LlamaForCausalLM with the same (dequantized) weights, loaded from
                     the converted checkpoint that `infinigen.loading` caches; float32, sdpa attention (its default).
 
+The device the model-level tests run on (tests/test_exactness.py, test_policies.py, test_offload.py,
+test_int4_kernels.py, test_spec_packed.py):
+
+  device            session-scoped torch.device from INFINIGEN_TEST_DEVICE (default "cpu", what CI runs);
+                    INFINIGEN_TEST_DEVICE=cuda runs the same tests with the same assertions on the GPU, and
+                    errors every test that asks for it where no CUDA device is visible. Tests move their
+                    tiny models (nn.Module.to: in place) and token tensors there; on CPU that is no copy.
+
 Tests that need the CLI run `infinigen.cli.main(argv)` in-process (returns the exit code) or the
 console script in a subprocess.
 """
@@ -101,6 +109,15 @@ def tiny_opt():
 @pytest.fixture
 def make_tiny():
     return build_tiny
+
+
+# ---- the device of the model-level tests ----------------------------------------------------------
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    dev = torch.device(os.environ.get("INFINIGEN_TEST_DEVICE", "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("INFINIGEN_TEST_DEVICE asks for CUDA, but torch sees no CUDA device")
+    return dev
 
 
 # ---- a saved checkpoint with a tokenizer ----------------------------------------------------------

@@ -10,7 +10,7 @@ from infinigen.kernels.int4 import PackedKeys, fake_quantize, pack, quantize, un
 LAYOUTS = ["rows"] + (["tinygemm"] if int4.tinygemm_ok(64) else [])
 METHODS = {"rows": ["reference", "tiled", "algebraic", "bf16"], "tinygemm": ["reference", "tinygemm"]}
 # relative to the largest |score|: float32 paths to float rounding; bf16 paths (q, and scores, in bf16)
-TOL = {"reference": 1e-6, "tiled": 1e-6, "algebraic": 1e-5, "bf16": 2e-2, "tinygemm": 1e-2}
+TOL = {"reference": 1e-6, "tiled": 1e-6, "algebraic": 1e-5, "bf16": 2e-2, "tinygemm": 1e-2, "triton": 1e-5}
 CASES = [(layout, m) for layout in LAYOUTS for m in METHODS[layout]]
 
 
@@ -74,6 +74,28 @@ def test_scores_equal_fake_quant_reference(layout, method, n):
     s = pk.scores(q, n, method)
     assert s.shape == (b, h, G, n) and s.dtype == torch.float32
     assert (s - ref).abs().max() <= TOL[method] * ref.abs().max()
+
+
+@pytest.mark.parametrize("method", [None, "triton", "tiled", "algebraic"], ids=str)
+@pytest.mark.parametrize("n", [1, 63, 64, 200, 256])
+def test_scores_on_the_test_device(device, method, n):
+    """The rows layout written and scored on the `device` fixture's device (INFINIGEN_TEST_DEVICE=cuda: the
+    Triton kernel, the default there): the codes equal the CPU fake-quantization reference's bit for bit,
+    and the scores that reference's q . keys (None: the device's default scorer)."""
+    if method == "triton" and device.type != "cuda":
+        pytest.skip("the Triton scorer runs on CUDA (on CPU: test_triton_scorer_interpreted_on_cpu)")
+    b, h, G, d = 2, 3, 3, 64
+    k = keys(b, h, 256, d, seed=1)
+    q = torch.randn(b, h, G, d, generator=torch.Generator().manual_seed(2))
+    pk = PackedKeys(b, h, 256, d, layout="rows", device=device)
+    pk.write(0, k.to(device))
+    assert torch.equal(pk.dequantize(256).cpu(), fake_quantize(k))
+    ref = q @ fake_quantize(k[:, :, :n]).transpose(-1, -2)
+    s = pk.scores(q.to(device), n, method)
+    assert s.device == pk.codes.device and s.shape == (b, h, G, n) and s.dtype == torch.float32
+    if device.type == "cuda" and method is None:
+        assert pk.default_method() == "triton"
+    assert (s.cpu() - ref).abs().max() <= TOL[method or pk.default_method()] * ref.abs().max()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

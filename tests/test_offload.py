@@ -1,6 +1,8 @@
 """The offloading engine (issue 4, item 7): the KV pool in the slow tier (a memory-mapped file, or another
 host buffer) gives the same tokens as the in-memory store with the same policy, with and without a pool
-limit; the slow tier never holds more than the limit; the pool file is removed afterwards."""
+limit; the slow tier never holds more than the limit; the pool file is removed afterwards. The engine's tests
+run on the `device` fixture's device (INFINIGEN_TEST_DEVICE=cuda: the "cpu" tier is pinned host memory behind
+the GPU, fetched on a copy stream)."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +34,7 @@ class PlannedRandom(Policy):
         self.gen = torch.Generator().manual_seed(7)
 
     def keep(self, layer, rows, session):
-        return torch.rand(rows.valid.shape, generator=self.gen) < 0.4
+        return (torch.rand(rows.valid.shape, generator=self.gen) < 0.4).to(rows.valid.device)
 
 
 def _policy(name, model=None):
@@ -56,7 +58,7 @@ def _prompts(batch=B, length=PROMPT, seed=3):
 
 
 def _run(model, placement, policy, capacity=None, pool_bytes=None, allocator=None, gen=GEN, keep=False):
-    tokens, pad = _prompts()
+    tokens, pad = (x.to(model.device) for x in _prompts())
     placement = dataclasses.replace(placement, capacity=capacity, pool_bytes=pool_bytes)
     sess = placement.new_session(model, B, PROMPT + gen, policy, allocator=allocator)
     logits = runtime.prefill(model, tokens, sess, pad)
@@ -77,8 +79,8 @@ POLICIES = ["full", "int4", "h2o", "streaming", "planned-random", "infinigen"]
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("kind", ["disk", "cpu"])
-def test_offloaded_engine_same_tokens(tiny_llama, policy, kind, tmp_path):
-    _, model = tiny_llama
+def test_offloaded_engine_same_tokens(tiny_llama, policy, kind, tmp_path, device):
+    model = tiny_llama[1].to(device)
     ref_tokens, ref_logits, _ = _run(model, Placement("none"), _policy(policy, model))
     tokens, logits, sess = _run(model, Placement(kind, pool_dir=str(tmp_path)), _policy(policy, model))
     assert torch.equal(tokens, ref_tokens)
@@ -144,15 +146,15 @@ def _selective(name, model):
 
 @pytest.mark.parametrize("policy", ["h2o", "streaming", "infinigen", "infinigen-paper", "full", "int4"])
 @pytest.mark.parametrize("kind", ["cpu", "disk"])
-def test_decode_reads_only_the_selected_rows(tiny_llama, policy, kind, tmp_path):
+def test_decode_reads_only_the_selected_rows(tiny_llama, policy, kind, tmp_path, device):
     """What a decoding step reads from the slow tier, counted at the tier (not by the store's own
     accounting): for each layer, the rows its selection names (B x Hkv x the largest per-head count, as
     `KVStore.slots` lays them out), of key and value; the whole used layer only where every entry is read
     (full cache, INT4, dense layers). A store that reads the layer and selects in fast memory fails.
     (The disk tier's whole-layer reads of selections that touch most pages are off here: the next test.)"""
-    _, model = tiny_llama
+    model = tiny_llama[1].to(device)
     pol = _selective(policy, model)
-    tokens, pad = _prompts()
+    tokens, pad = (x.to(device) for x in _prompts())
     pl = Placement(kind, pool_dir=str(tmp_path), threaded=False, disk_bulk_share=1.0)
     want = [0]
 
@@ -230,8 +232,8 @@ def test_disk_reads_whole_layers_when_a_selection_touches_most_pages(tiny_llama,
 
 
 @pytest.mark.parametrize("prefetch,threaded", [(False, True), (True, False)])
-def test_no_prefetch_and_inline_modes(tiny_llama, prefetch, threaded, tmp_path):
-    _, model = tiny_llama
+def test_no_prefetch_and_inline_modes(tiny_llama, prefetch, threaded, tmp_path, device):
+    model = tiny_llama[1].to(device)
     ref_tokens, _, _ = _run(model, Placement("none"), PlannedRandom())
     tokens, _, sess = _run(model, Placement("disk", pool_dir=str(tmp_path), prefetch=prefetch, threaded=threaded),
                            PlannedRandom())
@@ -239,8 +241,8 @@ def test_no_prefetch_and_inline_modes(tiny_llama, prefetch, threaded, tmp_path):
     assert (sess.store.stats.on_demand > 0) == (not prefetch)
 
 
-def test_opt_model_offloaded(tiny_opt, tmp_path):
-    _, model = tiny_opt
+def test_opt_model_offloaded(tiny_opt, tmp_path, device):
+    model = tiny_opt[1].to(device)
     ref_tokens, _, _ = _run(model, Placement("none"), make_policy("h2o"))
     tokens, _, _ = _run(model, Placement("disk", pool_dir=str(tmp_path)), make_policy("h2o"))
     assert torch.equal(tokens, ref_tokens)
@@ -258,7 +260,7 @@ class FifoVictims:
         slot = self.next[layer]
         self.next[layer] = (slot + 1) % self.capacity
         b, h = store.valid[layer].shape[:2]
-        return torch.full((b, h), slot, dtype=torch.long)
+        return torch.full((b, h), slot, dtype=torch.long, device=store.valid[layer].device)
 
     def on_write(self, layer, slots):
         pass
@@ -279,8 +281,8 @@ def _allocators():
 
 @pytest.mark.parametrize("policy", ["full", "int4", "planned-random", "infinigen"])
 @pytest.mark.parametrize("alloc_name,alloc", list(_allocators()))
-def test_pool_limit_same_tokens_and_bounded(tiny_llama, policy, alloc_name, alloc, tmp_path):
-    _, model = tiny_llama
+def test_pool_limit_same_tokens_and_bounded(tiny_llama, policy, alloc_name, alloc, tmp_path, device):
+    model = tiny_llama[1].to(device)
     capacity = PROMPT + 4  # the last GEN-4 tokens overwrite victims
     ref_tokens, ref_logits, _ = _run(model, Placement("none"), _policy(policy, model), capacity=capacity,
                                      allocator=alloc())
@@ -327,10 +329,10 @@ def test_int4_pool_is_packed(tiny_llama):
     assert packed < plain
 
 
-def test_teacher_forced_on_offloaded_store(tiny_llama, tmp_path):
+def test_teacher_forced_on_offloaded_store(tiny_llama, tmp_path, device):
     """The replay path (stateful policy) reads through the same store methods."""
-    _, model = tiny_llama
-    tokens, _ = _prompts(batch=2, length=30)
+    model = tiny_llama[1].to(device)
+    tokens = _prompts(batch=2, length=30)[0].to(device)
     ref = runtime.teacher_forced(model, tokens, 20, Placement().new_session(model, 2, 30, make_policy("h2o")))
     pl = Placement("disk", pool_dir=str(tmp_path))
     sess = pl.new_session(model, 2, 30, make_policy("h2o"))

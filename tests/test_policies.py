@@ -1,6 +1,6 @@
 """Every KV-cache policy: unlimited budgets reduce to the dense result, teacher-forced evaluation
 reproduces real token-by-token decoding (logits and selections, with and without a pool limit), and
-each method's budget means what it says."""
+each method's budget means what it says. On the `device` fixture's device (INFINIGEN_TEST_DEVICE)."""
 from __future__ import annotations
 
 import importlib.util
@@ -70,15 +70,15 @@ def _ids(cases):
 
 
 @pytest.fixture(scope="module", params=["llama", "opt"])
-def tiny(request):
+def tiny(request, device):
     from conftest import build_tiny
     _, model = build_tiny(request.param)
-    return model
+    return model.to(device)
 
 
 def _tokens(model, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.cfg.vocab_size, (B, T), generator=g)
+    return torch.randint(0, model.cfg.vocab_size, (B, T), generator=g).to(model.device)
 
 
 class FifoPool:
@@ -117,7 +117,7 @@ class Recorder(runtime.Listener):
         keep = keep.expand(sess.batch, sess.model.cfg.num_kv_heads, rows.count, -1)
         pos = rows.entry_pos.expand(*keep.shape[:2], -1)
         for i in range(rows.count):
-            out = torch.zeros(*keep.shape[:2], self.t + 1, dtype=torch.bool)
+            out = torch.zeros(*keep.shape[:2], self.t + 1, dtype=torch.bool, device=keep.device)
             out.scatter_(2, torch.where(keep[:, :, i], pos, self.t), True)
             self.seen[(layer, int(rows.positions[0, i]))] = out[..., :self.t]
 
@@ -196,11 +196,12 @@ def test_h2o_heavy_hitters_are_the_highest_accumulated_scores(tiny):
     colsum = sess.state.score[layer][:, :, :P].clone()
     # independent column sums of the prompt's causal attention (layer 0: input = embeddings)
     with torch.inference_mode():
-        x = tiny.layers[0].attn_norm(tiny.embed(tokens[:, :P], torch.arange(P)[None]))
-        q, k, _ = tiny.qkv(0, x, torch.arange(P)[None])
+        pos = torch.arange(P, device=tiny.device)[None]
+        x = tiny.layers[0].attn_norm(tiny.embed(tokens[:, :P], pos))
+        q, k, _ = tiny.qkv(0, x, pos)
     g = q.shape[1] // k.shape[1]
     s = torch.matmul(q, k.repeat_interleave(g, 1).transpose(-1, -2)) * tiny.scale
-    s = s.masked_fill(~torch.ones(P, P, dtype=torch.bool).tril(), float("-inf"))
+    s = s.masked_fill(~torch.ones(P, P, dtype=torch.bool, device=s.device).tril(), float("-inf"))
     ref = torch.softmax(s, -1).sum(2).view(1, k.shape[1], g, P).sum(2)
     assert torch.allclose(colsum, ref, atol=1e-5)
     runtime.decode(tiny, tokens[:, P], sess)
@@ -225,7 +226,7 @@ def test_h2o_ratio_budget(tiny):
 def test_streaming_keeps_sinks_and_window(tiny, sinks, window):
     seen = _decode_recorded(tiny, "streaming", sinks=sinks, window=window)
     for (layer, t), sel in seen.items():
-        expect = torch.zeros(T, dtype=torch.bool)
+        expect = torch.zeros(T, dtype=torch.bool, device=sel.device)
         expect[:min(sinks, t)] = True
         expect[max(0, t - window):t] = True
         assert torch.equal(sel, expect.expand_as(sel)), (layer, t)

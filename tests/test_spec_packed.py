@@ -144,6 +144,50 @@ def test_decode_selection_needs_no_host_sync_on_cuda(make_tiny):
     assert keep.is_cuda and keep.shape[-1] == sess.store.length[layer]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["infinigen", "full"])
+def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy):
+    """Decoding with the KV pool in pinned host memory (InfiniGen's default, and full offload): the main
+    thread (speculation, selection, attention over the fetched rows, the next token) never waits for the
+    GPU. The fetch worker may: turning a planned selection into a host gather is its job, off the main
+    thread. Synchronizing calls are reported by torch's sync debug mode ("warn": the worker's are
+    expected) and attributed to the thread that made them."""
+    import threading
+    import traceback
+    import warnings
+    model = _model(make_tiny).cuda()
+    knobs = dict(dense_layers=(0,), min_fetch=0, max_fetch_ratio=0.2)
+    pol = make_policy("infinigen", **knobs).with_skew(_mats(model)) if policy == "infinigen" else make_policy(policy)
+    tokens = _tokens(model, t=T).cuda()
+    pl = Placement("cpu")
+    sess = pl.new_session(model, 2, T, pol)
+    assert sess.store.tier.pinned
+    runtime.prefill(model, tokens[:, :P], sess)
+    runtime.decode(model, tokens[:, P], sess)  # the first step sizes the fetch buffers
+    syncs = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            syncs.append((threading.current_thread() is threading.main_thread(), "".join(traceback.format_stack())))
+    torch.cuda.synchronize()
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for t in range(P + 1, T - 1):
+                runtime.decode(model, tokens[:, t], sess)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    st = sess.store.stats
+    pl.close(sess)
+    main = [stack for on_main, stack in syncs if on_main]
+    assert not main, f"{len(main)} synchronizing calls on the main thread; the first:\n{main[0]}"
+    assert st.fetches > 0 and st.on_demand == 0 and st.stale == 0
+
+
 def test_kth_largest_is_the_top_k_threshold():
     """The cut's threshold (numpy's partition on a CPU) is exactly torch's k-th largest value, with the
     ties at -1 of unselected entries and -inf of invalid slots that the cut sees."""

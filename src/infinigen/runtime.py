@@ -137,7 +137,7 @@ def attend_all(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, scale: float
     fused call, no mask, no weights kept."""
     b, h, _, d = q.shape
     out = F.scaled_dot_product_attention(q.view(b, kp.shape[1], h // kp.shape[1], d), kp, vp, scale=scale)
-    return out.view(b, h, 1, d)
+    return out.reshape(b, h, 1, d)  # CUDA's fused kernels return [B,Hkv,G,d] with G outermost: no view
 
 
 def attend_masked(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: torch.Tensor, scale: float):
@@ -147,7 +147,7 @@ def attend_masked(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: tor
     hkv = kp.shape[1]
     mask = mask[:, :, None] if mask.dim() == 3 else mask
     out = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), kp, vp, attn_mask=mask, scale=scale)
-    return out.view(b, h, 1, d)
+    return out.reshape(b, h, 1, d)  # as in attend_all
 
 
 def attend_step(q, kp, vp, mask, kc, vc, scale: float):

@@ -106,15 +106,19 @@ class _Buffers:
         self.fast, self.stats, self.extra = fast, stats, extra_bytes
         self.bufs: dict[tuple, torch.Tensor] = {}
 
-    def get(self, key, rows: int, shape, dtype, host_pinned: bool = False) -> torch.Tensor:
+    def get(self, key, rows: int, shape, dtype, host_pinned: bool = False, read_on=None) -> torch.Tensor:
+        """The first `rows` rows of buffer `key`, grown by 25% at least when too short. CUDA: growth needs no
+        synchronize. The caching allocators reuse a dropped buffer's memory only after the work queued on it
+        is done: a device buffer's on the stream it was allocated on and on `read_on` (a second stream that
+        reads it, recorded here), a pinned host buffer's after the copies that read it."""
         t = self.bufs.get(key)
         if t is None or t.shape[0] < rows:
             cap = max(rows, int(1.25 * t.shape[0]) if t is not None else rows, 1)
-            if t is not None and self.fast.type == "cuda":
-                torch.cuda.synchronize(self.fast)  # rare (growth only): the old buffer may still be read
             self.bufs.pop(key, None)
             device = torch.device("cpu") if host_pinned else self.fast
             t = torch.empty((cap, *shape), dtype=dtype, device=device, pin_memory=host_pinned)
+            if read_on is not None:
+                t.record_stream(read_on)
             self.bufs[key] = t
             self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, self.fast_bytes())
         return t[:rows]
@@ -198,6 +202,7 @@ class OffloadedKVStore(KVStore):
                                         initargs=(n,)) if threaded else None
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.fast)
+            self._compute_stream = torch.cuda.current_stream(self.fast)  # the stream attention reads fetched rows on
             self._consumed = [None, None]  # per parity: compute-stream event once attention read the buffer
             self._copied = [None, None]  # per parity: copy-stream event once the pinned staging was read
 
@@ -351,6 +356,7 @@ class OffloadedKVStore(KVStore):
     # ---- the pipeline -----------------------------------------------------------------------------
     def ahead(self, layer, point, session):
         if self.cuda and point == "attn_out" and layer >= 0:
+            self._compute_stream = torch.cuda.current_stream(self.fast)
             ev = torch.cuda.Event()
             ev.record()  # layer's attention is done with its parity's buffers
             self._consumed[layer % 2] = ev
@@ -522,7 +528,8 @@ class OffloadedKVStore(KVStore):
             for kind in KV:
                 dst = []
                 for p, s in enumerate(src[kind]):
-                    d = self.buffers.get(("raw", parity, kind, p), total, s.shape[1:], s.dtype)
+                    d = self.buffers.get(("raw", parity, kind, p), total, s.shape[1:], s.dtype,
+                                         read_on=self._compute_stream)
                     d.copy_(s, non_blocking=True)
                     dst.append(d)
                 raw.append(dst)
