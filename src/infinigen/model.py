@@ -214,7 +214,9 @@ class Rotary(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor):
         last, inference = self._last, torch.is_inference_mode_enabled()
-        if last is not None and last[3] == inference and last[0].shape == positions.shape \
+        # on CUDA the comparison would wait for the GPU (torch.equal answers on the host): a few small kernels
+        # recompute the rotation instead, so a decoding step never synchronizes here
+        if last is not None and not positions.is_cuda and last[3] == inference and last[0].shape == positions.shape \
                 and last[0].device == positions.device and torch.equal(last[0], positions):
             return last[1], last[2]  # (inference tensors must not leak into autograd-mode calls)
         freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
@@ -222,7 +224,8 @@ class Rotary(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         if self.scaling != 1.0:
             cos, sin = cos * self.scaling, sin * self.scaling
-        self._last = (positions.clone(), cos, sin, inference)
+        if not positions.is_cuda:
+            self._last = (positions.clone(), cos, sin, inference)
         return cos, sin
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rope":
