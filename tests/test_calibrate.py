@@ -341,6 +341,7 @@ def test_one_calibration_serves_float32_and_bfloat16(tiny_checkpoint, text_file,
     (["--knob", "calibrate_target=2"], "target"),
     (["--knob", "calib=/no/such/text.txt"], "/no/such/text.txt"),
     (["--out", "calibration.json"], "--out"),
+    (["--out", "/dev/null/x"], "--out"),
     (["--model", "/no/such/model"], "/no/such/model"),
 ])
 def test_calibrate_command_bad_input(cli, tmp_path, monkeypatch, args, needle):

@@ -289,3 +289,14 @@ def test_interrupted_save_leaves_no_file(make_tiny, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         s.save(tmp_path / "skew" / "x.safetensors")
     assert list((tmp_path / "skew").iterdir()) == []
+
+
+def test_transformers_model_of_the_same_folder_shares_the_calibration(tiny_checkpoint):
+    """`infinigen.hf` on a transformers model loaded from a folder finds the calibration of that folder."""
+    from transformers import AutoModelForCausalLM
+
+    from infinigen.hf import runtime_for
+    from infinigen.loading import load
+    ours, _, _ = load(tiny_checkpoint, dtype="float32", progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32)
+    assert model_fingerprint(runtime_for(hf)) == model_fingerprint(ours)

@@ -28,13 +28,14 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+from pathlib import Path
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import ModelConfig
 from .errors import UserError
-from .loading import build
+from .loading import build, checkpoint_source
 from .model import Transformer
 from .placement import Placement
 from .policies import Policy, make_policy
@@ -64,6 +65,9 @@ def runtime_for(hf_model) -> Transformer:
         p = next(hf_model.parameters())
         # same dtype and device: `.to` returns the tensor itself, and `assign=True` keeps it
         rt = build(cfg, dict(hf_model.state_dict()), dtype=p.dtype, device=p.device)
+        folder = Path(str(getattr(hf_model, "name_or_path", "") or ""))
+        if str(folder) and (folder / "config.json").is_file():  # loaded from a folder: its calibration
+            rt.source_fingerprint = checkpoint_source(folder)
         object.__setattr__(hf_model, "_infinigen_runtime", rt)  # not a submodule: keep it out of state_dict
     return rt
 

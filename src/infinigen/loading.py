@@ -267,12 +267,17 @@ def _fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _folder_fingerprint(folder: Path) -> str:
-    """A checkpoint directory's config and the fingerprint (`_fingerprint`) of each of its weight files."""
+def checkpoint_source(folder: Path) -> str:
+    """Which model file a checkpoint directory holds (`model.source_fingerprint`): a GGUF converted into the
+    cache is its GGUF file (the folder's name ends with that file's fingerprint), so the default model loaded
+    by transformers from there is the same model; else the config and each weight file's `_fingerprint`."""
+    folder = Path(folder)
+    if folder.parent.resolve() == (cache_dir() / "gguf").resolve() and "-" in folder.name:
+        return f"gguf:{folder.name.rsplit('-', 1)[1]}"
     h = hashlib.sha256((folder / "config.json").read_bytes())
     for f in sorted(folder.glob("*.safetensors")):
         h.update(f"{f.name}:{_fingerprint(f)}".encode())
-    return h.hexdigest()[:16]
+    return f"checkpoint:{h.hexdigest()[:16]}"
 
 
 def _convert_gguf(path: Path, progress: bool) -> Path:
@@ -404,8 +409,7 @@ def load(spec: str | os.PathLike | None = None, dtype: str | torch.dtype | None 
     model.weights_info = info
     # the file the weights came from, whatever dtype and weight mode they were made into: one calibration
     # (skew matrices and InfiniGen's settings, `skew.model_fingerprint`) serves them all
-    model.source_fingerprint = (f"gguf:{_fingerprint(gguf_file)}" if gguf_file is not None
-                                else f"checkpoint:{_folder_fingerprint(path)}")
+    model.source_fingerprint = f"gguf:{_fingerprint(gguf_file)}" if gguf_file is not None else checkpoint_source(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:

@@ -18,7 +18,7 @@ import typer
 
 from ..errors import UserError
 from .basic import load_model
-from .options import (check_model_options, check_out_file, check_weights_option, device_option, knob_option,
+from .options import (check_model_options, check_out_dir, check_out_file, check_weights_option, device_option, knob_option,
                       make_policy_from_cli, model_option)
 
 
@@ -60,7 +60,7 @@ def calibrate(
     record = pol.settings(net)["calibration"]
     written = None
     if target is not None:
-        written = target / skew.path.name if target.is_dir() else target
+        written = target if target.suffix and not target.is_dir() else target / skew.path.name
         _write_artifact(skew, written)
     if as_json:
         print(json.dumps({"model": name, "fingerprint": skew.meta.get("fingerprint"), "artifact": str(skew.path),
@@ -72,14 +72,15 @@ def calibrate(
 
 
 def _out_file(out: Optional[Path]) -> Optional[Path]:
-    """`--out` checked before the work: an existing folder, or a .safetensors file that can be written."""
+    """`--out` checked before the work: a .safetensors file that can be written, or a folder (existing, or a
+    name without a suffix: made) that the artifact goes into under its own name."""
     if out is None:
         return None
     out = Path(out).expanduser()
-    if out.is_dir():
-        check_out_file(out / "probe.safetensors", "--out", ("safetensors",))
+    if out.suffix and not out.is_dir():
+        check_out_file(out, "--out", ("safetensors",))
         return out
-    check_out_file(out, "--out", ("safetensors",))
+    check_out_dir(out, "--out")
     return out
 
 
@@ -97,5 +98,6 @@ def _write_artifact(skew, path: Path) -> None:
     meta["made_with"] = f"infinigen {__version__}, torch {torch.__version__}, {sys.platform}"
     try:
         dataclasses.replace(skew, meta=meta, path=None, shipped=False).save(path)
+        path.chmod(0o644)  # package data: readable by every user of an installation
     except OSError as e:
         raise UserError(f"cannot write --out {path}: {e.strerror or e}")
