@@ -15,6 +15,7 @@ from infinigen.placement import Placement
 from infinigen.policies import make_policy
 
 P, T = 10, 22
+SELECTED_AT_MOST = 0.4  # InfiniGen's share of the KV read on its selecting layer here
 
 
 @pytest.fixture(autouse=True)
@@ -28,18 +29,22 @@ def _tokens(model, b, seed=1):
 
 
 def _policy(name, model):
-    if name == "infinigen":
-        return make_policy("infinigen", alpha=1.0, dense_layers=(0,)).with_skew(_mats(model))
+    if name == "infinigen":  # a floor of 2 tokens and a cap of 30%: layer 1 reads a minority (SELECTED_AT_MOST)
+        return make_policy("infinigen", alpha=1.0, dense_layers=(0,), min_fetch=2,
+                           max_fetch_ratio=0.3).with_skew(_mats(model))
     if name == "h2o":
         return make_policy("h2o", heavy_ratio=0.2, recent_ratio=0.2)
     return make_policy(name)
 
 
-def _run(model, policy, tokens, step_parts=None, kv_offload="none"):
-    """Teacher-fed decoding (the given tokens as each step's input): the logits of every step."""
+def _run(model, policy, tokens, step_parts=None, kv_offload="none", listeners=(), sessions=None):
+    """Teacher-fed decoding (the given tokens as each step's input): the logits of every step (the session is
+    appended to `sessions` when given)."""
     model.step_parts = step_parts
     try:
-        sess = Placement(kv_offload=kv_offload).new_session(model, tokens.shape[0], T, policy)
+        sess = Placement(kv_offload=kv_offload).new_session(model, tokens.shape[0], T, policy, listeners=listeners)
+        if sessions is not None:
+            sessions.append(sess)
         out = [runtime.prefill(model, tokens[:, :P], sess)]
         for t in range(P, T - 1):
             out.append(runtime.decode(model, tokens[:, t], sess))
@@ -72,12 +77,16 @@ def _model(kind):
 def test_compiled_step_equals_eager(kind, policy, tier):
     model = _model(kind)
     tokens = _tokens(model, 2)
-    eager = _run(model, _policy(policy, model), tokens, kv_offload=tier)
+    sessions = []
+    eager = _run(model, _policy(policy, model), tokens, kv_offload=tier, sessions=sessions)
     parts = compiled.StepParts()
-    fast = _run(model, _policy(policy, model), tokens, parts, kv_offload=tier)
+    fast = _run(model, _policy(policy, model), tokens, parts, kv_offload=tier, sessions=sessions)
     assert parts.failed is None and parts.compiled == 3  # enter, between, leave: one kernel each for every layer
     torch.testing.assert_close(fast, eager, atol=2e-5, rtol=2e-5)
     assert torch.equal(fast.argmax(-1), eager.argmax(-1))
+    if policy == "infinigen":  # the selection matters: the selecting layer reads a minority, the same in both
+        shares = [sess.stats.per_layer()[1] for sess in sessions]
+        assert shares[0] < SELECTED_AT_MOST and shares[1] == pytest.approx(shares[0])
 
 
 def test_a_batch_is_padded_to_a_power_of_two():
@@ -107,11 +116,22 @@ def test_several_sessions_in_one_compiled_step_equal_each_alone():
         torch.testing.assert_close(torch.stack(got, 1), want, atol=2e-5, rtol=2e-5)
 
 
+class _Hidden(runtime.Listener):
+    """Records the hidden-state events of decoding steps: (layer, point, tensor)."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_hidden(self, layer, point, x, session):
+        self.events.append((layer, point, x.detach().clone()))
+
+
 @pytest.mark.parametrize("failing", ["enter", "between", "leave"])
 def test_a_failed_compile_warns_once_and_decodes_eagerly(monkeypatch, failing):
     model = _model("llama")
     tokens = _tokens(model, 2, seed=5)
-    eager = _run(model, _policy("full", model), tokens)
+    eager_heard, heard = _Hidden(), _Hidden()
+    eager = _run(model, _policy("full", model), tokens, listeners=[eager_heard])
     parts = compiled.StepParts()
     calls = []
     original = parts._part
@@ -125,11 +145,15 @@ def test_a_failed_compile_warns_once_and_decodes_eagerly(monkeypatch, failing):
     monkeypatch.setattr(parts, "_part", part)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        fast = _run(model, _policy("full", model), tokens, parts)
+        fast = _run(model, _policy("full", model), tokens, parts, listeners=[heard])
     ours = [w for w in seen if "torch.compile failed" in str(w.message)]
     assert len(ours) == 1 and "\n" not in str(ours[0].message) and "no compiler" in str(ours[0].message)
     assert parts.failed and calls.count(failing) == 1  # never tried again
     torch.testing.assert_close(fast, eager, atol=2e-5, rtol=2e-5)
+    # every hidden-state event a policy may speculate from, in eager order, in the step that failed too
+    assert [e[:2] for e in heard.events] == [e[:2] for e in eager_heard.events]
+    for (_, _, got), (_, _, want) in zip(heard.events, eager_heard.events):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 def test_blocks_with_hooks_stay_eager():

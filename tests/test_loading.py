@@ -161,3 +161,99 @@ def test_default_model_by_gguf_path(default_model):
         assert name.endswith(".gguf") or name == default_gguf().parent.name
         assert torch.equal(model.layers[7].attn.k_proj.weight, ref.layers[7].attn.k_proj.weight)
         del model
+
+
+# ---- a GGUF file's quantized blocks, in transformers' row order --------------------------------------------
+def _permute_for_llama_cpp(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's conversion permutes q/k rows per head into its RoPE layout (convert_hf_to_gguf's `permute`)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_tiny_gguf(path, gguf):
+    """A tiny random Llama written as llama.cpp writes one (Q4_1 projections, q/k rows permuted, a byte-level
+    gpt2 vocabulary); every projection weight is -0.25 + k/32 with k in 0..15 and both ends in each block of
+    32, so Q4_1 holds it exactly and any reader that gets the rows right gets the source weights back."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    vocab, heads, kv_heads = 300, 4, 2
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
+                      max_position_embeddings=128, rope_theta=10000.0, rms_norm_eps=1e-5,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+                continue
+            k = torch.randint(0, 16, p.shape)
+            k.view(-1, 32)[:, 0], k.view(-1, 32)[:, 1] = 0, 15
+            p.copy_(-0.25 + k / 32)
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("tiny")
+    w.add_context_length(128)
+    w.add_embedding_length(64)
+    w.add_block_count(2)
+    w.add_feed_forward_length(128)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(16)
+    w.add_vocab_size(vocab)
+    chars = list(bytes_to_unicode().values())
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + chars + [f"x{i}" for i in range(vocab - 3 - len(chars))])
+    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    sd = hf.state_dict()
+
+    def add(name, t, qtype=None):
+        a = t.detach().numpy().astype(np.float32)
+        if qtype is None:
+            w.add_tensor(name, a)
+        else:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    for i in range(2):
+        p = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        add(f"blk.{i}.attn_q.weight", _permute_for_llama_cpp(sd[p + "self_attn.q_proj.weight"], heads), "Q4_1")
+        add(f"blk.{i}.attn_k.weight", _permute_for_llama_cpp(sd[p + "self_attn.k_proj.weight"], kv_heads), "Q4_1")
+        for ours, theirs in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                             ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")):
+            add(f"blk.{i}.{ours}.weight", sd[p + theirs + ".weight"], "Q4_1")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+def test_gguf_q4_blocks_are_loaded_in_the_checkpoints_row_order(tmp_path, monkeypatch):
+    """The file's Q4_1 blocks, kept as they are for the int4 kernel, are reordered as transformers' conversion
+    reorders the rows (q/k un-permuted from llama.cpp's layout): each weight equals the source model's, and so
+    do the logits (within the int4 kernel's rounding)."""
+    gguf = pytest.importorskip("gguf")
+    from infinigen.kernels.qlinear import int4_problem
+    if int4_problem(64, 64, 32, "cpu") is not None:
+        pytest.skip(f"no int4 kernel here: {int4_problem(64, 64, 32, 'cpu')}")
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    source = _write_tiny_gguf(tmp_path / "tiny.gguf", gguf)
+    model, _, _ = load(tmp_path / "tiny.gguf", dtype="float32", weights="int4", progress=False)
+    from_file = model.weights_info.from_file
+    assert {f"layers.{i}.attn.{p}_proj" for i in range(2) for p in "qkvo"} <= from_file
+    for i in range(2):
+        for p in "qkvo":
+            ours = getattr(model.layers[i].attn, f"{p}_proj").weight
+            theirs = getattr(source.model.layers[i].self_attn, f"{p}_proj").weight
+            assert torch.equal(ours.float(), theirs), (i, p)
+    assert_same_logits(source, model, 300, tol=0.1)
