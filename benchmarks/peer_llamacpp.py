@@ -105,7 +105,9 @@ def tuning(kind: str, flags: set[str]) -> tuple[str, list[str]]:
     """(the cache folder's name for this build, its CPU options). `isa` names its feature set by a hash,
     so a cache shared with another CPU never runs instructions this one lacks."""
     if kind == "native":
-        return "native", ["-DGGML_NATIVE=ON"]
+        # -march=native compiles in whatever this CPU has: the folder is named by its feature flags, so a
+        # cache shared with another CPU never runs instructions this one lacks
+        return f"native-{hashlib.sha1(' '.join(sorted(flags)).encode()).hexdigest()[:8]}", ["-DGGML_NATIVE=ON"]
     if kind != "isa":
         raise SystemExit(f"unknown llama.cpp build kind {kind!r}; choose isa or native")
     if "avx2" not in flags:

@@ -122,8 +122,8 @@ def test_below_threshold_is_the_full_cache_without_speculation(make_tiny, monkey
     # nothing was packed for speculation while every step read densely (int4 keys are built at the crossing);
     # the paper's partial keys need the prompt's queries, so they are kept up to date from the prefill on
     st = sess.state
-    if key_mode == "int4":
-        assert st.lazy_keys and not st.spec_keys
+    if key_mode == "int4":  # nor were the remainder's value sums kept: summed from the store at the crossing
+        assert st.lazy_keys and not st.spec_keys and not st.value_sums
     else:
         assert set(st.spec_keys) == st.spec_layers
 

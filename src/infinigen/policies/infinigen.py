@@ -838,7 +838,8 @@ class InfiniGen(Policy):
         hkv = k.shape[1]
         store = session.store
         st.ready.discard(layer)
-        if self._adds_rest(st, layer):  # over the keys' length: a continued prefill's q holds only the rest
+        if self._adds_rest(st, layer) and not st.lazy_keys:  # over the keys' length: a continued prefill's q
+            # holds only the rest (lazy_keys: summed from the store at the first step that selects)
             valid = store.valid[layer][:, :, :k.shape[2]]
             st.value_sums[layer] = (v.float() * valid[..., None]).sum(2)
             st.value_counts[layer] = valid.sum(-1)
@@ -924,7 +925,12 @@ class InfiniGen(Policy):
         lse = st.rest.pop(layer, None)
         if lse is not None and not rows.in_store:  # teacher-forced: the runtime sums the sequence's values
             st.rest[layer] = Remainder(lse)
-        elif lse is not None and layer in st.value_sums:  # decoding: the sums before this step's append
+        elif lse is not None and (layer in st.value_sums or st.lazy_keys):  # decoding: the sums before this
+            # step's append; with lazy_keys summed from the store the first time, as the keys are packed
+            if layer not in st.value_sums:
+                _, v, valid, _ = session.store.past(layer)
+                st.value_sums[layer] = (v.float() * valid[..., None]).sum(2)
+                st.value_counts[layer] = valid.sum(-1)
             st.rest[layer] = Remainder(lse, st.value_sums[layer], st.value_counts[layer])
         return keep
 
