@@ -335,3 +335,19 @@ def test_markdown_says_which_build_and_shows_the_profile(peer):
         in text
     assert "| chat | 1 | infinigen | 8192 (measured) | 320 | 100.0% | 0.50 | 0.25 | 0.00 |" in text
     assert f"| chat | 1 | {peer.SELECTING} | 0 (set) | 9000 | 20.0% | 2.00 | 0.00 | 1.00 |" in text
+
+
+def test_bench_counts_aten_calls_after_the_timed_steps(tiny_checkpoint, text_file, tmp_path):
+    """`infinigen bench --count-ops --breakdown N`: one step under the profiler and N timed per block, after the
+    timed steps, in the JSON row (a tiny model: the numbers themselves depend on the machine and torch)."""
+    import json
+
+    from infinigen.cli import main
+    out = tmp_path / "b.json"
+    code = main(["bench", "-m", str(tiny_checkpoint), "--text", str(text_file), "--prompt-len", "20", "--gen-len", "3",
+                 "--batch-size", "1", "--policy", "full", "--kv-offload", "none", "--no-transformers", "--no-ideal",
+                 "--breakdown", "1", "--count-ops", "--compile", "off", "--json", str(out)])
+    assert code == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["aten_calls_per_step"] >= row["aten_calls_top_per_step"] > 0
+    assert row["breakdown"]["per_block_ms"]
