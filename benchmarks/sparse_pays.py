@@ -2,9 +2,11 @@
 `dense_below` settings, KV in fast memory, default model (bfloat16 and int4 weights where the CPU has
 bfloat16: the CLI's defaults), one shared prefill per cell (`eval.fanout.prefill_shared`), then the systems'
 decoding steps interleaved A B ... B A, so that the load of a shared CPU falls on every system alike.
-Each system decodes its own greedy tokens; the first step is left out of the statistics.
+Each system decodes its own greedy tokens; the first step is left out of the statistics. `measured` is the
+default preset's own threshold: where selection pays on this machine (policies/crossing.py, measured once and
+cached; the cost of measuring is printed).
 
-    python benchmarks/sparse_pays.py --cells 512x1,512x4,1024x1 --dense-below 0,8192 --json out.json
+    python benchmarks/sparse_pays.py --cells 512x1,512x4,1024x1 --dense-below 0,8192,measured --json out.json
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from infinigen.policies import make_policy
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default="512x1,512x4", help="PROMPTxBATCH, comma separated")
-    ap.add_argument("--dense-below", default="0", help="InfiniGen dense_below settings, comma separated")
+    ap.add_argument("--dense-below", default="0",
+                    help="InfiniGen dense_below settings, comma separated: a number of cached tokens, or measured")
     ap.add_argument("--gen", type=int, default=16, help="decoding steps per system (the first is not timed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
@@ -38,9 +41,17 @@ def main() -> None:
         length, batch = map(int, cell.split("x"))
         # consecutive rows start 97 tokens apart: different prompts, one length
         tokens = torch.stack([ids[i * 97:i * 97 + length] for i in range(batch)])
-        knobs = [int(k) for k in a.dense_below.split(",")]
-        pols = [make_policy("full")] + [make_policy("infinigen", dense_below=k).prepare(model, tok) for k in knobs]
-        names = ["full"] + [f"infinigen dense_below={k}" for k in knobs]
+        knobs = [None if k.strip() == "measured" else int(k) for k in a.dense_below.split(",")]
+        pols, names = [make_policy("full")], ["full"]
+        for k in knobs:
+            t0 = time.perf_counter()
+            pol = make_policy("infinigen", dense_below=k).prepare(model, tok, progress=k is None)
+            s = pol.settings(model)
+            pols.append(pol)
+            names.append(f"infinigen dense_below={s['dense_below']} ({s['dense_below_source']})")
+            if k is None:
+                print(f"prepare with the crossing: {time.perf_counter() - t0:.1f} s; "
+                      f"crossing {json.dumps(s.get('crossing'))}", flush=True)
         logits, sessions = prefill_shared(model, tokens, pols, length + a.gen)
         nxt = [logits.argmax(-1)] * len(pols)
         times = [[] for _ in pols]
@@ -58,7 +69,8 @@ def main() -> None:
             print(f"{length:5d} x {batch}  {system:28s} median {row['ms_median']:7.1f} ms/step  "
                   f"min {row['ms_min']:7.1f}  relative KV {row['rel_kv']:.3f}", flush=True)
     if a.json:
-        meta = dict(model=name, dtype=str(model.dtype), threads=a.threads, torch=torch.__version__)
+        meta = dict(model=name, dtype=str(model.dtype), threads=a.threads, torch=torch.__version__,
+                    loadavg=open("/proc/loadavg").read().strip())
         with open(a.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 

@@ -4,6 +4,8 @@ takes the full cache's fused path (the same logits, bit for bit); a sequence tha
 mid-decode selects exactly as teacher-forced scoring does; 0 selects everywhere, as before the knob."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from infinigen import runtime
 from infinigen.errors import UserError
 from infinigen.kernels.int4 import PackedKeys
 from infinigen.placement import Placement
-from infinigen.policies import make_policy
+from infinigen.policies import crossing, make_policy
 from infinigen.policies.infinigen import InfiniGen
 from infinigen.policies.knobs import make_policy_from_cli
 from infinigen.selection import ALL
@@ -120,8 +122,8 @@ def test_below_threshold_is_the_full_cache_without_speculation(make_tiny, monkey
     # nothing was packed for speculation while every step read densely (int4 keys are built at the crossing);
     # the paper's partial keys need the prompt's queries, so they are kept up to date from the prefill on
     st = sess.state
-    if key_mode == "int4":
-        assert st.lazy_keys and not st.spec_keys
+    if key_mode == "int4":  # nor were the remainder's value sums kept: summed from the store at the crossing
+        assert st.lazy_keys and not st.spec_keys and not st.value_sums
     else:
         assert set(st.spec_keys) == st.spec_layers
 
@@ -192,3 +194,168 @@ def test_zero_selects_everywhere(make_tiny, monkeypatch):
     assert torch.equal(off, at_prompt)
     one_more, _ = _decode(model, _policy(model, dense_below=P + 1), tokens)
     assert not torch.equal(off[:, 1], one_more[:, 1])  # the first decoding row read densely there
+
+
+# ---- the default preset's threshold: where selection pays, measured once per model and machine -----------------
+def _crossing_policy(model, **knobs):
+    base = dict(alpha=1.0, max_fetch_ratio=0.3, min_fetch=0, dense_layers=(0,), calibrate=False)
+    return make_policy("infinigen", **(base | knobs)).with_skew(_mats(model))
+
+
+@pytest.fixture
+def long_tiny(make_tiny, tmp_path, monkeypatch):
+    """A tiny model with enough positions to be measured, and a cache of its own."""
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    return make_tiny("llama", num_hidden_layers=3, max_position_embeddings=2048)[1]
+
+
+def _no_measuring(monkeypatch):
+    def refuse(*a, **kw):
+        raise AssertionError("measured although a crossing was stored or set")
+    monkeypatch.setattr(crossing, "measure", refuse)
+
+
+def _fake_measuring(monkeypatch, below):
+    """`measure` returns a record with this crossing and counts its calls (no timing in a test)."""
+    calls = []
+
+    def fake(model, policy, **kw):
+        calls.append(model)
+        return {"lengths": [64, 256], "full_ms": [1.0, 2.0], "policy_ms": [1.5, 1.5], "ratio": [1.5, 0.75],
+                "dense_below": below, "seconds": 0.0}
+    monkeypatch.setattr(crossing, "measure", fake)
+    return calls
+
+
+def test_a_stored_crossing_sets_the_threshold(long_tiny, monkeypatch):
+    """Given a stored crossing, `prepare` reads it (no measurement): rows below it read ALL, rows from it on
+    select, exactly as the knob set by hand to that value; the JSON says where the value came from."""
+    model = long_tiny
+    pol = _crossing_policy(model)
+    assert pol.dense_below is None and pol.settings()["dense_below_source"] == "not prepared"
+    crossing.store(crossing.crossing_key(model, pol), {"dense_below": 20, "lengths": [64], "ratio": [0.9]})
+    _no_measuring(monkeypatch)
+    pol.prepare(model)
+    s = pol.settings(model)
+    assert pol.dense_below == 20 and s["dense_below"] == 20 and s["dense_below_source"] == "cached"
+    assert s["crossing"]["ratio"] == [0.9]
+    tokens = _tokens(model)
+    got = _Reads()
+    out, _ = _decode(model, pol, tokens, listeners=[got])
+    by_hand, _ = _decode(model, _crossing_policy(model, dense_below=20), tokens)
+    assert torch.equal(out, by_hand)
+    for layer, rows in got.seen.items():
+        if layer == 0:
+            continue  # a dense layer
+        for r, read in enumerate(rows):
+            if P + r < 20:
+                assert read == "all", (layer, r)
+            else:
+                assert read != "all" and not read.all(), (layer, r)  # selected, and dropped entries
+
+
+def test_an_explicit_knob_wins_over_the_stored_crossing(long_tiny, monkeypatch):
+    model = long_tiny
+    pol = _crossing_policy(model, dense_below=5)
+    crossing.store(crossing.crossing_key(model, pol), {"dense_below": 30})
+    _no_measuring(monkeypatch)
+    pol.prepare(model)
+    assert pol.dense_below == 5 and pol.settings(model)["dense_below_source"] == "set"
+    flat = make_policy("infinigen", preset="flat").with_skew(_mats(model)).prepare(model)  # not the default preset
+    assert flat.dense_below == 0 and flat.settings(model)["dense_below_source"] == "preset"
+
+
+def test_unlimited_crossing_is_the_full_cache(long_tiny, monkeypatch):
+    """A crossing beyond every row (selection never pays here) reads every layer densely: the full cache's
+    logits, bit for bit."""
+    model = long_tiny
+    _fake_measuring(monkeypatch, 2048)
+    pol = _crossing_policy(model).prepare(model)
+    assert pol.dense_below == 2048 and pol.settings(model)["dense_below_source"] == "measured"
+    tokens = _tokens(model)
+    full, _ = _decode(model, make_policy("full"), tokens)
+    out, _ = _decode(model, pol, tokens)
+    assert torch.equal(out, full)
+
+
+@pytest.mark.parametrize("stored", ["{not json", '{"dense_below": -4, "key": null}', "foreign", '"a string"'])
+def test_a_corrupt_or_foreign_crossing_is_measured_again(long_tiny, monkeypatch, stored):
+    model = long_tiny
+    pol = _crossing_policy(model)
+    key = crossing.crossing_key(model, pol)
+    path = crossing._path(key)
+    path.parent.mkdir(parents=True)
+    if stored == "foreign":  # a valid record written for another machine under this file's name
+        other = dict(key, machine=dict(key["machine"], cpu="another CPU"))
+        path.write_text(json.dumps({"dense_below": 7, "key": other}))
+    else:
+        path.write_text(stored)
+    calls = _fake_measuring(monkeypatch, 24)
+    pol.prepare(model)
+    assert calls == [model]  # measured once
+    assert pol.dense_below == 24 and pol.settings(model)["dense_below_source"] == "measured"
+    assert crossing.load(key)["dense_below"] == 24  # stored over the bad file
+    _no_measuring(monkeypatch)  # a later process reads it back
+    assert crossing.measure_crossing(model, _crossing_policy(model)) | {"key": 0} == crossing.load(key) | {
+        "key": 0, "source": "cached"}
+
+
+def test_the_crossing_is_keyed_by_the_policy_and_the_model(long_tiny, make_tiny):
+    model = long_tiny
+    a = crossing.crossing_key(model, _crossing_policy(model))
+    assert a == crossing.crossing_key(model, _crossing_policy(model, dense_below=100))  # not by the threshold
+    assert a != crossing.crossing_key(model, _crossing_policy(model, alpha=2.0))
+    other = make_tiny("llama", seed=9, num_hidden_layers=3, max_position_embeddings=2048)[1]
+    assert a != crossing.crossing_key(other, _crossing_policy(other))
+    assert {"cpu", "threads", "torch"} <= set(a["machine"])
+
+
+def test_offloaded_store_selects_everywhere_under_a_measured_crossing(long_tiny, monkeypatch):
+    """The crossing is measured with the KV in fast memory; an offloaded store keeps selecting (there the full
+    cache moves every row), unless the caller set the knob."""
+    model = long_tiny
+    _fake_measuring(monkeypatch, 2048)
+    pol = _crossing_policy(model).prepare(model)
+    assert Placement().new_session(model, 1, 64, pol).state.dense_below == 2048
+    assert Placement(kv_offload="cpu").new_session(model, 1, 64, pol).state.dense_below == 0
+    set_by_hand = _crossing_policy(model, dense_below=2048)
+    assert Placement(kv_offload="cpu").new_session(model, 1, 64, set_by_hand).state.dense_below == 2048
+
+
+def test_short_models_are_not_measured(make_tiny, monkeypatch):
+    _, model = make_tiny("llama", num_hidden_layers=3)  # 256 positions
+    _no_measuring(monkeypatch)
+    pol = _crossing_policy(model).prepare(model)
+    assert pol.dense_below == 0 and pol.settings(model)["dense_below_source"].startswith("not measured")
+
+
+def test_calibration_candidates_select_everywhere(long_tiny):
+    model = long_tiny
+    pol = _crossing_policy(model, dense_below=4096)
+    assert pol._candidate(model, {"alpha": 3.0}, 0.5).dense_below == 0
+
+
+@pytest.mark.parametrize("ratio,expected", [
+    ([3.0, 2.0, 1.5], 8192),  # never pays: the whole context
+    ([3.0, 1.5, 0.5], 2048 + round(0.5 * 6128)),  # between 2048 and 8176, where the line reaches 1
+    ([1.5, 0.5, 0.4], 512 + round(0.5 * 1536)),
+    ([0.9, 0.7, 0.5], 0),  # pays at 512 already: along the line through the first two points, at least 0
+    ([0.98, 0.9, 0.5], 512 - round(0.02 * 1536 / 0.08)),
+    ([0.9, 1.1, 0.8], 2048 + round(0.1 * 6128 / 0.3)),  # slower at 2048: only from there on
+    ([0.8, 0.5, 1.2], 8192),  # slower at the longest length: never
+    ([0.8, 0.9, 0.7], 512),  # pays everywhere, no slope to follow below the first length
+])
+def test_crossing_rule(ratio, expected):
+    assert crossing.crossing_from([512, 2048, 8176], ratio, 8192) == expected
+
+
+def test_measure_runs_on_synthetic_kv(long_tiny):
+    """The measurement itself, on a tiny model at two short lengths: numbers, and a crossing within reach
+    (which one depends on the machine: not asserted)."""
+    model = long_tiny
+    pol = _crossing_policy(model)
+    got = crossing.measure(model, pol, lengths=[32, 96], steps=2)
+    assert got["lengths"] == [32, 96] and len(got["full_ms"]) == len(got["policy_ms"]) == 2
+    assert all(x > 0 for x in got["full_ms"] + got["policy_ms"])
+    assert 0 <= got["dense_below"] <= 2048
+    assert pol.dense_below is None  # the policy measured is a copy selecting everywhere

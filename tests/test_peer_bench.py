@@ -117,10 +117,18 @@ def test_ours_command(peer, tmp_path):
         assert cmd[cmd.index("--json") + 1] == str(out)
         assert "--no-transformers" in cmd and "--dtype" not in cmd  # dtype and weights: the CLI's defaults
     assert "--no-ideal" in ig and "--no-ideal" not in full  # one system per process
+    for cmd in (full, ig):  # the instrumented steps come after the timed ones, in every system's process
+        assert cmd[cmd.index("--breakdown") + 1] == str(peer.BREAKDOWN_STEPS) and "--count-ops" in cmd
+        assert "--knob" not in cmd  # InfiniGen's default: its dense_below measured on this machine
+    sel = peer.ours_command(peer.SELECTING, 2, peer.CHAT, out)
+    assert sel[sel.index("--policy") + 1] == "infinigen" and sel[sel.index("--knob") + 1] == "dense_below=0"
     gguf = tmp_path / "other.gguf"
-    assert peer.ours_command("full", 2, peer.LONG, out, gguf)[2:4] == ["--model", str(gguf)]
+    long = peer.ours_command("full", 2, peer.LONG, out, gguf)
+    assert long[2:4] == ["--model", str(gguf)]
+    # the timed tokens and the instrumented steps fit SmolLM2's 8192 positions
+    assert peer.LONG.prompt + int(long[long.index("--gen-len") + 1]) + peer.INSTRUMENTED <= 8192
     known = _bench_options()
-    for cmd in (full, ig):
+    for cmd in (full, ig, sel):
         assert {a for a in cmd if a.startswith("--")} <= known
 
 
@@ -158,10 +166,10 @@ def test_cached_build_is_reused(peer, tmp_path, monkeypatch):
     one of another build kind."""
     monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path))
     monkeypatch.setattr(peer, "cpu_flags", lambda: XEON_FLAGS)
-    variant = peer.tuning("isa", XEON_FLAGS)[0]
+    variant, native = peer.tuning("isa", XEON_FLAGS)[0], peer.tuning("native", XEON_FLAGS)[0]
     assert peer.cached_build(None, variant) is None
     for version, kind, names in (("9.0.0", variant, peer.TARGETS), ("10.0.0", variant, peer.TARGETS),
-                                 ("11.0.0", variant, peer.TARGETS[:1]), ("12.0.0", "native", peer.TARGETS)):
+                                 ("11.0.0", variant, peer.TARGETS[:1]), ("12.0.0", native, peer.TARGETS)):
         bin_dir = tmp_path / "llama.cpp" / version / kind / "bin"
         bin_dir.mkdir(parents=True)
         for n in names:
@@ -170,13 +178,13 @@ def test_cached_build_is_reused(peer, tmp_path, monkeypatch):
     assert peer.cached_build(None, variant) == root / "10.0.0" / variant / "bin"  # newest complete one
     assert peer.cached_build("9.0.0", variant) == root / "9.0.0" / variant / "bin"
     assert peer.cached_build("11.0.0", variant) is None
-    assert peer.cached_build(None, "native") == root / "12.0.0" / "native" / "bin"
+    assert peer.cached_build(None, native) == root / "12.0.0" / native / "bin"
 
     def no_network(*a, **k):
         raise AssertionError("a cached build must not download or build")
     monkeypatch.setattr(peer.subprocess, "run", no_network)
     assert peer.build_llama(None, 2, "isa") == root / "10.0.0" / variant / "bin"
-    assert peer.build_llama(None, 2, "native") == root / "12.0.0" / "native" / "bin"
+    assert peer.build_llama(None, 2, "native") == root / "12.0.0" / native / "bin"
 
 
 # /proc/cpuinfo's flags on the 2-core Xeon (the x86 features only)
@@ -197,8 +205,12 @@ def test_isa_tuning_follows_the_cpu_and_leaves_amx_out(peer):
     name2, opts2 = peer.tuning("isa", avx2_only)
     assert "-DGGML_AVX512=OFF" in opts2 and "-DGGML_AVX2=ON" in opts2
     assert name != name2 and name.startswith("isa-")  # another feature set, another cache folder
-    assert peer.tuning("native", set()) == ("native", ["-DGGML_NATIVE=ON"])
-    assert peer.default_kind(XEON_FLAGS) == "isa" and peer.default_kind(set()) == "native"
+    native, opts = peer.tuning("native", XEON_FLAGS)
+    assert opts == ["-DGGML_NATIVE=ON"] and native.startswith("native-")
+    assert native != peer.tuning("native", avx2_only)[0]  # -march=native on another CPU: another cache folder
+    assert peer.default_kind(XEON_FLAGS) == "native" and peer.default_kind(set()) == "native"
+    assert peer.fallback_kind("native", XEON_FLAGS) == "isa"
+    assert peer.fallback_kind("isa", XEON_FLAGS) is None and peer.fallback_kind("native", set()) is None
     with pytest.raises(SystemExit, match="AVX2"):
         peer.tuning("isa", set())
 
@@ -219,33 +231,44 @@ def test_source_tree_and_sdist_name(peer, tmp_path):
     assert cmds[1][-4:] == ["llama-batched-bench", "llama-server", "-j", "3"]
 
 
-def test_llama_falls_back_once_when_amx_crashes(peer, monkeypatch, tmp_path):
-    """A segmentation fault of the default run (llama.cpp's AMX matmul) reruns with --no-repack and says so;
-    any other failure ends the script."""
+def test_llama_falls_back_to_isa_when_native_crashes(peer, monkeypatch, tmp_path):
+    """The native build killed by a signal (ggml's AMX matmul on some AMX CPUs) runs again with the isa build
+    (built then), says so, and keeps it; any other failure, or a crash of the isa build, ends the script."""
     import signal
-    calls = []
+    calls, built = [], []
+    monkeypatch.setattr(peer, "cpu_flags", lambda: XEON_FLAGS)
 
     def fake(argv, label, check=True):
         calls.append(argv)
-        if "--no-repack" not in argv:
+        if argv[0].startswith("/native"):
             return -signal.SIGSEGV, "", {}
         return 0, CAPTURE, {"load_before": 0.1}
     monkeypatch.setattr(peer, "run_process", fake)
-    got = peer.run_llama(Path("/b"), tmp_path / "m.gguf", 2, peer.CHAT)
-    assert len(calls) == 2 and calls[1] == calls[0] + ["--no-repack"]
-    assert got["extra"] == ["--no-repack"] and got["command"].endswith("-npl 1,4 --no-repack")
+    monkeypatch.setattr(peer, "build_llama", lambda version, jobs, kind: built.append(kind) or Path("/isa/bin"))
+    build = peer.LlamaBuild("native", Path("/native/bin"))
+    got = peer.run_llama(build, tmp_path / "m.gguf", 2, peer.CHAT)
+    assert [c[0] for c in calls] == ["/native/bin/llama-batched-bench", "/isa/bin/llama-batched-bench"]
+    assert calls[1][1:] == calls[0][1:] and built == ["isa"]
+    assert got["build"] == "isa" and build.kind == "isa" and "SIGSEGV" in build.crash and "chat" in build.crash
     assert got["rows"][1]["decode_tok_s"] == 55.0 and got["rows"][4]["prefill_tok_s"] == 351.48
+    calls.clear()
+    peer.run_llama(build, tmp_path / "m.gguf", 2, peer.LONG.__class__("c", 512, 64, (1, 4), "tok/s"))
+    assert len(calls) == 1 and built == ["isa"]  # the fallback holds for the rest
+
+    monkeypatch.setattr(peer, "run_process", lambda argv, label, check=True: (-signal.SIGSEGV, "", {}))
+    with pytest.raises(SystemExit, match="failed"):  # the isa build crashing too: nothing left to try
+        peer.run_llama(peer.LlamaBuild("isa", Path("/isa/bin")), tmp_path / "m.gguf", 2, peer.CHAT)
 
     calls.clear()
     monkeypatch.setattr(peer, "run_process", lambda argv, label, check=True: (calls.append(argv) or 1, "boom", {}))
     with pytest.raises(SystemExit, match="failed"):
-        peer.run_llama(Path("/b"), tmp_path / "m.gguf", 2, peer.CHAT)
-    assert len(calls) == 1  # not a crash of the AMX path: no retry
+        peer.run_llama(peer.LlamaBuild("native", Path("/native/bin")), tmp_path / "m.gguf", 2, peer.CHAT)
+    assert len(calls) == 1  # an error exit, not a crash: no fallback
 
     two_rows = CAPTURE.replace("|     64 |    4 |", "|     64 |    2 |")
     monkeypatch.setattr(peer, "run_process", lambda argv, label, check=True: (0, two_rows, {}))
     with pytest.raises(SystemExit, match="expected"):  # a batch llama.cpp skipped or changed is an error
-        peer.run_llama(Path("/b"), tmp_path / "m.gguf", 2, peer.CHAT)
+        peer.run_llama(peer.LlamaBuild("native", Path("/b")), tmp_path / "m.gguf", 2, peer.CHAT)
 
 
 def test_a_run_disturbed_by_other_jobs_is_done_again(peer, monkeypatch):
@@ -279,3 +302,52 @@ def test_a_run_disturbed_by_other_jobs_is_done_again(peer, monkeypatch):
     monkeypatch.setattr(peer, "PACING", peer.Pacing(wait_s=0, retries=1))
     _, _, info = peer.run_process(["sys"], "label")
     assert len(runs) == 2 and info["others_cpu_share"] == pytest.approx(0.5)  # kept, and reported as noisy
+
+
+def test_markdown_says_which_build_and_shows_the_profile(peer):
+    """The report names the llama.cpp build that ran (and a native crash), the load, and per system of ours
+    the aten calls per step, the KV read, the per-block breakdown and where dense_below came from."""
+    def run(rows, **more):
+        return {"rows": rows, **more}
+    runs = {"chat": {"llama.cpp": [run({1: {"decode_tok_s": 100.0, "prefill_tok_s": 300.0}})],
+                     "full": [run({1: {"decode_tok_s": 50.0, "prefill_tok_s": 900.0, "aten_calls_per_step": 300,
+                                       "relative_kv": 1.0, "per_block_ms": {"attention": 0.5, "mlp": 0.25}}})],
+                     "infinigen": [run({1: {"decode_tok_s": 49.0, "prefill_tok_s": 880.0, "aten_calls_per_step": 320,
+                                            "relative_kv": 1.0, "per_block_ms": {"attention": 0.5, "mlp": 0.25}}},
+                                       settings={"dense_below": 8192, "dense_below_source": "measured"})],
+                     peer.SELECTING: [run({1: {"decode_tok_s": 20.0, "prefill_tok_s": 870.0,
+                                               "aten_calls_per_step": 9000, "relative_kv": 0.2,
+                                               "per_block_ms": {"attention": 2.0, "speculation": 1.0}}},
+                                          settings={"dense_below": 0, "dense_below_source": "set"})]}}
+    case = peer.Case("chat", 512, 64, (1,), "tok/s")
+    result = {"date": "2026-11-25", "machine": {"cpu": "AMD EPYC", "cpu_count": 2, "torch": "2"}, "rounds": 1,
+              "threads": 2,
+              "gguf_name": "m.gguf", "model": "m", "ours_dtype": "bfloat16", "cases": ["chat"], "commands": ["x"],
+              "argv": [], "llama_cpp": {"version": "1", "kind": "isa", "binary_version": "v", "settings": {}},
+              "llama_cpp_crash": "native: signal 11 (SIGSEGV) on the chat case", "loads": [
+                  {"others_cpu_share": 0.3, "load_before": 4.0}], "quiet": False,
+              "loadavg_start": "4.00 3.00 2.00 1/100 5", "loadavg_end": "5.00 3.00 2.00 1/100 6",
+              "table": peer.summarize(runs, [case]), "profile": peer.profile_lines(runs, [case])}
+    text = peer.markdown(result)
+    assert "build used: **isa**" in text and "SIGSEGV" in text and "4.00 3.00 2.00" in text
+    assert "noisy" in text
+    assert "| chat (prompt 512, 64 new) | 1 | decode tok/s | 100.0 | 50.0 | 49.0 | 20.0 | 0.50 | 0.49 | 0.98 | 0.40 |" \
+        in text
+    assert "| chat | 1 | infinigen | 8192 (measured) | 320 | 100.0% | 0.50 | 0.25 | 0.00 |" in text
+    assert f"| chat | 1 | {peer.SELECTING} | 0 (set) | 9000 | 20.0% | 2.00 | 0.00 | 1.00 |" in text
+
+
+def test_bench_counts_aten_calls_after_the_timed_steps(tiny_checkpoint, text_file, tmp_path):
+    """`infinigen bench --count-ops --breakdown N`: one step under the profiler and N timed per block, after the
+    timed steps, in the JSON row (a tiny model: the numbers themselves depend on the machine and torch)."""
+    import json
+
+    from infinigen.cli import main
+    out = tmp_path / "b.json"
+    code = main(["bench", "-m", str(tiny_checkpoint), "--text", str(text_file), "--prompt-len", "20", "--gen-len", "3",
+                 "--batch-size", "1", "--policy", "full", "--kv-offload", "none", "--no-transformers", "--no-ideal",
+                 "--breakdown", "1", "--count-ops", "--compile", "off", "--json", str(out)])
+    assert code == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["aten_calls_per_step"] >= row["aten_calls_top_per_step"] > 0
+    assert row["breakdown"]["per_block_ms"]

@@ -43,6 +43,7 @@ class BenchSettings:
     prefetch: bool = True
     threaded: bool = True
     breakdown_steps: int = 0  # extra instrumented decoding steps for the per-layer time breakdown
+    count_ops: bool = False  # one extra decoding step under the torch profiler: its aten operator calls
     weights_offload: float = 0.0  # share of the layers whose weights stream from the slow tier
     share_prefill: bool = False  # one real prefill per cell, replayed into every system's session
     row_cache_bytes: int = 0  # offloaded pools: the row cache (`Placement.row_cache_bytes`; 0: off)
@@ -138,7 +139,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
     placement = Placement(system.kv_offload, pool_dir=s.pool_dir, capacity=s.capacity, pool_bytes=s.pool_bytes,
                           evict=s.eviction, prefetch=s.prefetch, threaded=s.threaded,
                           row_cache_bytes=s.row_cache_bytes if system.kv_offload != "none" else 0)
-    max_len = t + s.gen_len + s.breakdown_steps
+    max_len = t + s.gen_len + s.breakdown_steps + s.count_ops
     probe = MemoryProbe(device)
     _collect(model, b, max_len)
     probe.reset()
@@ -222,6 +223,8 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
                 for _ in range(s.breakdown_steps):
                     tok = bd.step(tok).argmax(-1)
             row["breakdown"] = bd.summary()
+        if s.count_ops:
+            row["aten_calls_per_step"], row["aten_calls_top_per_step"] = aten_calls(model, sess, tok)
         row["_tokens"] = generated
         return row
     finally:
@@ -229,6 +232,16 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
         del sess
         _collect(model, b, max_len)
 
+
+
+def aten_calls(model, session, token) -> tuple[int, int]:
+    """(all aten operator calls, the top-level ones: not called from another aten operator) of one decoding
+    step, from the torch profiler's events (a compiled part's kernels are not aten calls)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        runtime.decode(model, token, session)
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    return len(events), len(top)
 
 
 def run_transformers(hf_model, tokens: torch.Tensor, system: System, s: BenchSettings) -> dict:

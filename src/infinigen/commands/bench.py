@@ -63,6 +63,8 @@ def bench_cmd(
                                        "every system (long prompts on a CPU); decoding is unchanged."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch intra-op threads (CPU)."),
     breakdown: int = typer.Option(0, "--breakdown", help="Extra instrumented steps for a per-layer time breakdown (0: off)."),
+    count_ops: bool = typer.Option(False, "--count-ops", help="One extra step under the torch profiler: its aten "
+                                   "operator calls (after the timed steps)."),
     text: str = typer.Option("prideprejudice", "--text", help="Prompt text: a file or a bundled corpus name."),
     device: str = device_option(),
     dtype: str = dtype_option(),
@@ -133,7 +135,7 @@ def bench_cmd(
     from ..loading import DTYPES
     from .options import resolve_dtype
     dtype = resolve_dtype(dtype, device)  # "auto": what this machine computes fastest in
-    max_len = max(prompt_lens) + gen_len + breakdown
+    max_len = max(prompt_lens) + gen_len + breakdown + count_ops
     body = None
     if synthetic:
         net, hf_model, name = bench.synthetic_models(synthetic, DTYPES[dtype], device, max_len, layers, hf=hf)
@@ -186,7 +188,8 @@ def bench_cmd(
             systems.append(bench.System("transformers DynamicCache(offloading)", hf_offloading=True))
     settings = bench.BenchSettings(prompt_lens=prompt_lens, batch_sizes=batch_sizes, gen_len=gen_len, capacity=capacity,
                                    pool_bytes=limit, eviction=eviction, pool_dir=str(pool_dir) if pool_dir else None,
-                                   prefetch=prefetch, breakdown_steps=breakdown, weights_offload=weights_offload,
+                                   prefetch=prefetch, breakdown_steps=breakdown, count_ops=count_ops,
+                                   weights_offload=weights_offload,
                                    share_prefill=share_prefill, row_cache_bytes=row_cache)
     from rich.console import Console
     err = Console(stderr=True)
@@ -295,6 +298,9 @@ def _print(p: dict) -> None:
             c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}): per step, "
                     f"{r['entries_attended_per_step']:.0f} entries attended, {r['rows_read_per_step']:.0f} rows of "
                     f"keys (and as many of values) read")
+        if r.get("aten_calls_per_step") is not None:
+            c.print(f"{r['system']} (prompt {r['prompt_len']}, batch {r['batch']}): {r['aten_calls_per_step']} aten "
+                    f"calls per decoding step ({r['aten_calls_top_per_step']} top-level)")
         bd = r.get("breakdown")
         if bd:
             blk = bd["per_block_ms"]

@@ -61,6 +61,7 @@ results/accuracy_models.md.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import weakref
@@ -85,12 +86,6 @@ KEY_MODES = ("partial", "int4")
 # to overlap, so nothing is lost by waiting for it) and the speculated one where placement fetches from a slower tier
 QUERIES = ("ahead", "own", "auto")
 INT4_GROUP = 32
-# the default of the `dense_below` knob, in cached tokens. Measured on a 2-core CPU (results/sparse_pays.md):
-# InfiniGen in fast memory was 1.6-3.4x slower than the full cache at every length up to 8000 tokens, batch 1
-# to 8, so the rule "the smallest length where it pays" gives the default model's whole context (8192): it
-# would never select there. 0 (select at every length, as before the knob) stays the default until the
-# speculation's cost comes down (issue 18 items 3-4); `dense_below=8192` is the measured setting on that CPU
-DENSE_BELOW = 0
 SCORE_BLOCK = 2 ** 27  # speculated scores per call when a teacher-forced pass scores its rows in blocks
 
 # Why each preset is what it is, with the measurements: results/presets.md
@@ -99,7 +94,7 @@ PRESETS = {
     "paper": dict(alpha={"opt": 4.0, "llama": 5.0}, partial_ratio=0.3, max_fetch_ratio=0.2, min_fetch=0,
                   dense_layers=(0, 1), budget="mean", spec_input="attn_in", key_mode="partial", skew=True,
                   kv_budget=None, budget_power=0.0, exact_first=False, budget_growth=1.0, budget_ref=2048,
-                  calibrate=False, remainder=False, remainder_from=0, query="ahead"),
+                  calibrate=False, remainder=False, remainder_from=0, query="ahead", dense_below=0),
     # issue 19, item 4: the one default. `prepare` calibrates this model's alpha, kv_budget, layer 0 and the
     # remainder on held-apart tokens (policies/calibrate.py); the values below are the starting point and what
     # applies where no calibration can run (no tokenizer, a model shorter than budget_ref). Chosen over the
@@ -111,19 +106,20 @@ PRESETS = {
                     dense_layers=(), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
                     kv_budget=0.13, budget_power=0.0, exact_first=True, budget_growth=0.5, budget_ref=2048,
                     calibrate=True, remainder=True, remainder_from=1, query="auto"),
+    # (and `dense_below` left to `prepare`: where selection pays on this machine, measured once, policies/crossing.py)
     # issue 3's default (`--knob preset=flat`): a flat 14% cap per selecting layer at every length, layers 0 and 1
     # dense, with what the selection leaves unread added (issue 19: Emma +2.65% -> +0.76%, Mansfield Park +2.59% ->
     # +2.12% at 2048). Under 20% of the KV at 2048 but not less at 8192 (results/accuracy.md)
     "flat": dict(alpha=7.0, partial_ratio=0.3, max_fetch_ratio=0.14, min_fetch=32,
                  dense_layers=(0, 1), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
                  kv_budget=None, budget_power=0.0, exact_first=False, budget_growth=1.0, budget_ref=2048,
-                 calibrate=False, remainder=True, remainder_from=0, query="ahead"),
+                 calibrate=False, remainder=True, remainder_from=0, query="ahead", dense_below=0),
     # issue 12's candidate (`--knob preset=budget`): one all-layer bound that shrinks with the context (the
     # remainder, with the speculated query, made it worse: +1.44% -> +3.14%)
     "budget": dict(alpha=9.0, partial_ratio=0.3, max_fetch_ratio=None, min_fetch=32,
                    dense_layers=(), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
                    kv_budget=0.13, budget_power=0.0, exact_first=True, budget_growth=0.5, budget_ref=2048,
-                   calibrate=False, remainder=False, remainder_from=0, query="ahead"),
+                   calibrate=False, remainder=False, remainder_from=0, query="ahead", dense_below=0),
 }
 
 
@@ -212,6 +208,7 @@ class InfiniGenState:
     # that selects, not kept up to date while every step reads densely (their append costs ~20% of a dense
     # step at 512 tokens, batch 1, on a 2-core CPU; building them once at the crossing, a prefill's work)
     lazy_keys: bool = False
+    dense_below: int = 0  # the policy's `dense_below` in effect for this session's store
     # dense_below: (positions of the pass last asked, per token of the pass the fewest and the most cached
     # tokens of a row), read to the host once per pass
     lengths: tuple = (None, (), ())
@@ -231,6 +228,8 @@ class InfiniGenState:
 _SKEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # Calibrated settings (`calibrate`), per model and search key: the search runs once per process
 _CHOICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Where selection pays (`dense_below` of the default preset), per model and settings: measured once per process
+_CROSSINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -271,9 +270,11 @@ class InfiniGen(Policy):
     # layer 0 selects with its exact query (no prefetch overlap there) instead of reading all
     exact_first: bool | None = None
     # a decoding row with fewer cached tokens than this reads every layer densely (0: never): below it
-    # speculation costs more than the rows it saves (measured: results/sparse_pays.md). A step whose
-    # every row is below it skips speculation altogether and reads ALL (the runtime's fused dense path)
-    dense_below: int = DENSE_BELOW
+    # speculation costs more than the rows it saves (results/sparse_pays.md). A step whose every row is below
+    # it skips speculation altogether and reads ALL (the runtime's fused dense path). None: the preset's; the
+    # default preset's is measured on this machine by `prepare` (policies/crossing.py) and applies where the
+    # KV is in fast memory; before `prepare`, 0
+    dense_below: int | None = None
     # issue 19: `prepare` chooses this model's alpha, kv_budget (growth 0.5) and layer-0 treatment on held-apart
     # calibration tokens (policies/calibrate.py); a knob of CALIBRATED the caller sets is kept as set
     calibrate: bool | None = None
@@ -298,12 +299,18 @@ class InfiniGen(Policy):
     calibration: object = field(default=None, init=False, repr=False, compare=False)
     calibrated_on: object = field(default=None, init=False, repr=False, compare=False)  # weakref to that model
     calibrate_set: bool = field(default=False, init=False, repr=False, compare=False)  # by the caller, not the preset
+    # where `dense_below` came from ("set", "preset", "measured", "cached", "not measured (...)", "not prepared")
+    # and what the measurement found (policies/crossing.py), recorded in `settings()`
+    crossing: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise UserError(f"unknown InfiniGen preset {self.preset!r}; choose from {', '.join(PRESETS)}")
         object.__setattr__(self, "given", frozenset(k for k in CALIBRATED if getattr(self, k) is not None))
         object.__setattr__(self, "calibrate_set", self.calibrate is not None)
+        object.__setattr__(self, "crossing", {"source": "set"} if self.dense_below is not None else
+                           {"source": "preset"} if "dense_below" in PRESETS[self.preset] else
+                           {"source": "not prepared"})
         preset = PRESETS[self.preset]
         # one bound: a cap the caller gives (per selecting layer, or over all layers) replaces the preset's
         if self.max_fetch_ratio is not None and self.kv_budget is None:
@@ -368,7 +375,8 @@ class InfiniGen(Policy):
             raise UserError("dense layers must be non-negative")
         if not isinstance(self.skew, bool):
             raise UserError(f"skew must be true or false, got {self.skew!r}")
-        if not isinstance(self.dense_below, int) or isinstance(self.dense_below, bool) or self.dense_below < 0:
+        if self.dense_below is not None and (not isinstance(self.dense_below, int)
+                                             or isinstance(self.dense_below, bool) or self.dense_below < 0):
             raise UserError(f"dense below must be a whole number of cached tokens >= 0, got {self.dense_below!r}")
         if not isinstance(self.remainder_from, int) or isinstance(self.remainder_from, bool) \
                 or self.remainder_from < 0:
@@ -398,6 +406,9 @@ class InfiniGen(Policy):
             out["alpha"] = dict(PRESETS[self.preset]["alpha"])  # per architecture
         if self.calibrate:
             out["calibration"] = self.calibration  # chosen, set by hand, and what the choice measured
+        out["dense_below_source"] = self.crossing.get("source")
+        if "lengths" in self.crossing:  # what the measurement found
+            out["crossing"] = {k: v for k, v in self.crossing.items() if k != "source"}
         return out
 
     def for_random_weights(self, model, fixed_ratio: float | None) -> "InfiniGen":
@@ -460,7 +471,25 @@ class InfiniGen(Policy):
                     raise
                 # the preset asked for calibration, the caller did not: its own values, said in one line
                 print(f"InfiniGen not calibrated ({e}); the {self.preset} preset's settings apply", file=sys.stderr)
+        if self.crossing["source"] not in ("set", "preset"):
+            self._resolve_dense_below(model, progress)
         return self
+
+    def _resolve_dense_below(self, model, progress: bool) -> None:
+        """`dense_below` from where selection pays on this machine (policies/crossing.py): stored, else measured
+        now (a few seconds) and stored. Once per model and settings in a process."""
+        from .crossing import measure_crossing
+        object.__setattr__(self, "dense_below", None)
+        key = json.dumps({k: v for k, v in self.settings(model).items() if k not in ("dense_below_source", "crossing")},
+                         sort_keys=True, default=str)
+        memo = _CROSSINGS.setdefault(model, {})
+        if key not in memo:
+            memo[key] = measure_crossing(model, self, log=(lambda m: print(m, file=sys.stderr)) if progress else None)
+            if memo[key]["source"] == "measured" or progress:
+                print(f"InfiniGen reads densely below {memo[key]['dense_below']} cached tokens "
+                      f"({memo[key]['source']}: where its selection pays on this machine)", file=sys.stderr)
+        object.__setattr__(self, "dense_below", memo[key]["dense_below"])
+        object.__setattr__(self, "crossing", dict(memo[key]))
 
     # ---- per-model calibration (issue 19) -----------------------------------------------------------
     def _calibration_setup(self, model) -> dict:
@@ -479,7 +508,8 @@ class InfiniGen(Policy):
         # a per-layer cap or a budget the caller gave is the bound; otherwise the search chooses kv_budget
         budget_free = not ({"kv_budget", "max_fetch_ratio"} & given)
         growth = base["budget_growth"] if "budget_growth" in given else CALIBRATE_GROWTH
-        fixed = {k: v for k, v in base.items() if k not in CALIBRATED or k in given}
+        # (dense_below: the search measures selection at every length, whatever it is)
+        fixed = {k: v for k, v in base.items() if (k not in CALIBRATED or k in given) and k != "dense_below"}
         # the remainder needs the int4 keys' scores (on the attention's scale)
         remainder = "remainder" not in given and base["key_mode"] == "int4"
         return dict(structures=structures, alphas=alphas, budget_free=budget_free, growth=growth, fixed=fixed,
@@ -501,7 +531,7 @@ class InfiniGen(Policy):
             over["dense_layers"] = tuple(over["dense_layers"])
         if "kv_budget" in over:
             over.update(max_fetch_ratio=None, budget_growth=growth)
-        pol = dataclasses.replace(InfiniGen(**self.base), calibrate=False, **over)
+        pol = dataclasses.replace(InfiniGen(**self.base), calibrate=False, dense_below=0, **over)
         if self.matrices is not None:
             pol.with_skew(self.matrices)
         return pol
@@ -670,15 +700,18 @@ class InfiniGen(Policy):
     def begin(self, model, session) -> InfiniGenState:
         cfg = model.cfg
         d = cfg.head_dim
+        # a measured crossing was measured in fast memory: an offloaded store selects at every length
+        measured = self.crossing["source"] not in ("set", "preset")
         st = InfiniGenState(
             A=self._skew_matrices(model), alpha=self.alpha_for(cfg),
+            dense_below=0 if measured and session.store.offloaded else self.dense_below or 0,
             # a local layer of a model mixing local and global layers reads its window (`Session.selects`)
             spec_layers=set(self.selecting_layers(cfg)),
             cols=d if self.key_mode == "int4" else max(1, math.ceil(self.partial_ratio * d)),
             caps=self.layer_caps(model))
         if self.key_mode == "int4":
             st.layout = int4_layout(d, session.store.capacity, model.device)
-            st.lazy_keys = self.dense_below > 0 and type(session.store) is KVStore
+            st.lazy_keys = st.dense_below > 0 and type(session.store) is KVStore
         else:
             # the model's dtype (the keys' own precision: at r = 1 the speculation is exact). In float32 the
             # partial columns are 30% of K, 15.6% of K+V: the paper's 8% budget assumes 16-bit models, and
@@ -785,13 +818,15 @@ class InfiniGen(Policy):
 
     def _dense_pass(self, session) -> bool:
         """Every row of the current pass is below `dense_below`: nothing to speculate, every layer reads ALL."""
-        return self.dense_below > 0 and max(self._lengths(session)[1]) < self.dense_below
+        below = session.state.dense_below
+        return below > 0 and max(self._lengths(session)[1]) < below
 
     def _dense_rows(self, session, row: int) -> torch.Tensor | None:
         """Bool [B]: the batch's rows below `dense_below` at token `row` of the pass; None when there is none."""
-        if self.dense_below == 0 or self._lengths(session)[0][row] >= self.dense_below:
+        below = session.state.dense_below
+        if below == 0 or self._lengths(session)[0][row] >= below:
             return None
-        return session.positions[:, row] < self.dense_below
+        return session.positions[:, row] < below
 
     # ---- hooks ----------------------------------------------------------------------------------
     def continues_prefill(self) -> bool:
@@ -806,7 +841,8 @@ class InfiniGen(Policy):
         hkv = k.shape[1]
         store = session.store
         st.ready.discard(layer)
-        if self._adds_rest(st, layer):  # over the keys' length: a continued prefill's q holds only the rest
+        if self._adds_rest(st, layer) and not st.lazy_keys:  # over the keys' length: a continued prefill's q
+            # holds only the rest (lazy_keys: summed from the store at the first step that selects)
             valid = store.valid[layer][:, :, :k.shape[2]]
             st.value_sums[layer] = (v.float() * valid[..., None]).sum(2)
             st.value_counts[layer] = valid.sum(-1)
@@ -892,7 +928,12 @@ class InfiniGen(Policy):
         lse = st.rest.pop(layer, None)
         if lse is not None and not rows.in_store:  # teacher-forced: the runtime sums the sequence's values
             st.rest[layer] = Remainder(lse)
-        elif lse is not None and layer in st.value_sums:  # decoding: the sums before this step's append
+        elif lse is not None and (layer in st.value_sums or st.lazy_keys):  # decoding: the sums before this
+            # step's append; with lazy_keys summed from the store the first time, as the keys are packed
+            if layer not in st.value_sums:
+                _, v, valid, _ = session.store.past(layer)
+                st.value_sums[layer] = (v.float() * valid[..., None]).sum(2)
+                st.value_counts[layer] = valid.sum(-1)
             st.rest[layer] = Remainder(lse, st.value_sums[layer], st.value_counts[layer])
         return keep
 
@@ -1016,7 +1057,7 @@ class InfiniGen(Policy):
             return ALL
         # rows before `first` have every batch row below dense_below: they keep everything, nothing is scored
         most = self._lengths(session)[1]
-        first = next(r for r in range(p, t) if most[r] >= self.dense_below)
+        first = next(r for r in range(p, t) if most[r] >= st.dense_below)
         if layer == 0 or st.own_query:  # the rows' own queries (rows before p are never scored)
             h = q.shape[1]
             st.spec[layer] = torch.cat([q[:, :, :1].expand(b, h, p, d), q], 2).view(b, hkv, h // hkv, t, d)

@@ -1,0 +1,221 @@
+"""Where selecting starts to pay: the cached length below which InfiniGen reads every entry (`dense_below`).
+
+Below some length, speculating and gathering the selected rows costs more than the dense attention it saves.
+Where that crossing lies depends on the model's shapes, the policy's settings and the machine, so the default
+preset measures it once: a few decoding steps of the full cache and of the policy (selecting at every length)
+over synthetic keys and values at three cached lengths, the two interleaved step by step so that a shared
+machine's load falls on both alike, medians compared. The crossing is the shortest length from which the policy
+is faster at every longer length measured (linear between the measured lengths); where it is faster nowhere, the
+model's whole context. The result is stored as a small JSON file in the cache, keyed by the model's fingerprint,
+its dtype and weight kinds, the policy's settings and the machine (CPU or GPU model, threads, torch), so later
+runs read it back; a file that does not parse, or was written for another key, is ignored and measured again.
+
+Measured at batch 1: the policy gains more per step with more rows (its per-step overhead is shared), so the
+crossing of a single request is the latest, and reading densely below it is never slower at any batch. Each row
+decides alone (its output does not depend on the rows beside it). Measured with the KV in fast memory: the
+policy applies it there only (`InfiniGen.begin`); an offloaded store selects at every length unless the caller
+sets `dense_below`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..paths import cache_dir
+
+FORMAT = 1
+# the lengths measured, as shares of the model's context (at most MAX_LENGTH): the chat case's 512 tokens, a
+# quarter and the whole of SmolLM2's 8192
+SHARES = (1 / 16, 1 / 4, 1.0)
+MAX_LENGTH = 32768
+MIN_CONTEXT = 1024  # a model with fewer positions is not measured: it selects at every length
+WARMUP, STEPS = 2, 7  # decoding steps per system and length: not timed, then timed (interleaved)
+BATCH = 1
+
+
+def _machine() -> dict:
+    cpu = platform.processor() or "unknown"
+    flags = ""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = text.splitlines()
+        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
+        flags = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("flags")), "")
+    except OSError:
+        pass
+    out = {"cpu": cpu, "cpu_flags": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12],
+           "threads": torch.get_num_threads(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def _weights(model) -> list[str]:
+    """The kinds of modules holding the weights (int4 or int8 linears, dense ones): the same checkpoint runs at
+    another speed with other kinds, which the fingerprint (a hash of dequantized values) does not tell."""
+    return sorted({type(m).__name__ for m in model.modules() if not list(m.children())})
+
+
+def crossing_key(model, policy) -> dict:
+    """Everything the crossing depends on: the model, the policy's settings but `dense_below` itself, the machine."""
+    from ..skew import model_fingerprint
+    try:
+        fingerprint = model_fingerprint(model)
+    except ValueError:  # a skew-folded model: its skew's fingerprint
+        fingerprint = str(getattr(getattr(model, "skew_folded", None), "meta", {}).get("fingerprint"))
+    settings = {k: v for k, v in policy.settings(model).items() if k not in ("dense_below", "calibration",
+                                                                            "crossing", "dense_below_source")}
+    return {"format": FORMAT, "fingerprint": fingerprint, "dtype": str(model.dtype), "device": str(model.device),
+            "weights": _weights(model), "compiled": getattr(model, "step_parts", None) is not None,
+            "policy": json.loads(json.dumps(settings, sort_keys=True, default=str)), "batch": BATCH,
+            "machine": _machine()}
+
+
+def _path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "crossing" / f"{digest}.json"
+
+
+def load(key: dict) -> dict | None:
+    """The stored measurement for `key`, or None: none, unreadable, written for another key, or not a crossing."""
+    try:
+        stored = json.loads(_path(key).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stored, dict) or stored.get("key") != key:
+        return None
+    below = stored.get("dense_below")
+    if not isinstance(below, int) or isinstance(below, bool) or not 0 <= below <= MAX_LENGTH:
+        return None
+    return stored
+
+
+def store(key: dict, record: dict) -> None:
+    """Write the record atomically (a temporary file renamed into place); a cache that cannot be written keeps
+    nothing: the next run measures again."""
+    path = _path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".partial-{os.getpid()}-")
+        with os.fdopen(fd, "w") as f:
+            json.dump({**record, "key": key}, f, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def lengths_for(model) -> list[int]:
+    """The cached lengths measured: shares of the model's context, leaving room for the decoding steps."""
+    ctx = min(model.cfg.max_position, MAX_LENGTH) - (WARMUP + STEPS + 1)
+    return sorted({max(16, int(ctx * s)) for s in SHARES})
+
+
+def _synthetic_session(model, policy, length: int, gen: torch.Generator):
+    """A session whose store holds `length` random keys and values per layer (a prompt's worth, written as a
+    prefill writes them, so the policy packs its speculation keys as it would), ready to decode."""
+    from ..placement import Placement
+    cfg = model.cfg
+    sess = Placement().new_session(model, BATCH, length + WARMUP + STEPS + 1, policy)
+    dev, dt = model.device, model.dtype
+    k = torch.randn(BATCH, cfg.num_kv_heads, length, cfg.head_dim, generator=gen).to(dev, dt)
+    v = torch.randn(BATCH, cfg.num_kv_heads, length, cfg.head_dim, generator=gen).to(dev, dt)
+    q = torch.randn(BATCH, cfg.num_heads, length, cfg.head_dim, generator=gen).to(dev, dt)
+    positions = torch.arange(length, device=dev).expand(BATCH, length)
+    with torch.inference_mode():
+        sess.begin_prefill(positions, torch.ones(BATCH, length, dtype=torch.bool, device=dev))
+        for layer in range(cfg.num_layers):
+            sess.prefill_layer(layer, q, k, v)
+    return sess
+
+
+def _sync(model) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+
+
+def measure(model, policy, lengths: list[int] | None = None, steps: int = STEPS, log=None) -> dict:
+    """Median ms per decoding step of the full cache and of `policy` selecting at every length, at each cached
+    length, over synthetic KV; the systems' steps interleaved. Returns {"lengths", "full_ms", "policy_ms",
+    "ratio", "dense_below", "seconds"}."""
+    from ..runtime import decode
+    from .base import FullCache
+    t0 = time.perf_counter()
+    lengths = lengths or lengths_for(model)
+    selecting = dataclasses.replace(policy, dense_below=0, calibrate=False)
+    if getattr(policy, "matrices", None) is not None:
+        selecting.with_skew(policy.matrices)
+    gen = torch.Generator().manual_seed(0)
+    full_ms, policy_ms = [], []
+    for n in lengths:
+        sessions = [_synthetic_session(model, FullCache(), n, gen), _synthetic_session(model, selecting, n, gen)]
+        times: list[list[float]] = [[], []]
+        token = torch.randint(0, model.cfg.vocab_size, (BATCH,), generator=gen).to(model.device)
+        for step in range(WARMUP + steps):
+            order = (0, 1) if step % 2 == 0 else (1, 0)  # A B, B A, ...: a drift in load falls on both
+            for i in order:
+                _sync(model)
+                s0 = time.perf_counter()
+                decode(model, token, sessions[i])
+                _sync(model)
+                if step >= WARMUP:
+                    times[i].append(1e3 * (time.perf_counter() - s0))
+        full_ms.append(statistics.median(times[0]))
+        policy_ms.append(statistics.median(times[1]))
+        del sessions
+        if log:
+            log(f"  crossing: {n} cached tokens: full cache {full_ms[-1]:.1f} ms/step, selecting "
+                f"{policy_ms[-1]:.1f}")
+    ratio = [p / f for p, f in zip(policy_ms, full_ms)]
+    return {"lengths": lengths, "full_ms": [round(x, 3) for x in full_ms],
+            "policy_ms": [round(x, 3) for x in policy_ms], "ratio": [round(x, 4) for x in ratio],
+            "dense_below": crossing_from(lengths, ratio, model.cfg.max_position),
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def crossing_from(lengths: list[int], ratio: list[float], context: int) -> int:
+    """The shortest cached length from which selecting is faster (ratio < 1: its time over the full cache's) at
+    every measured length beyond: linear in the length between two measured points, and before the first one
+    along the line through the first two (at least 0). Faster at none of them, or only at some shorter lengths
+    with a longer one slower: the model's whole context (never select)."""
+    first = len(ratio)
+    while first > 0 and ratio[first - 1] < 1:
+        first -= 1
+    if first == len(ratio):
+        return min(context, MAX_LENGTH)
+    if first == 0:
+        if len(ratio) < 2 or ratio[1] >= ratio[0]:
+            return lengths[0]  # no slope to follow below the first length: read densely there
+        (a, ra), (b, rb) = (lengths[0], ratio[0]), (lengths[1], ratio[1])
+    else:
+        (a, ra), (b, rb) = (lengths[first - 1], ratio[first - 1]), (lengths[first], ratio[first])
+    at = a + (ra - 1) * (b - a) / (ra - rb)  # where the line through the two points reaches 1
+    return max(0, min(b, int(round(at))))
+
+
+def measure_crossing(model, policy, log=None, remeasure: bool = False) -> dict:
+    """The crossing for this model, policy and machine: stored before (source "cached"), else measured now and
+    stored (source "measured"); a model shorter than MIN_CONTEXT positions is not measured (0, select at every
+    length). `remeasure`: measure even when stored (`infinigen calibrate` may call it so)."""
+    if model.cfg.max_position < MIN_CONTEXT:
+        return {"dense_below": 0, "source": f"not measured (a model of {model.cfg.max_position} positions: "
+                                            f"under {MIN_CONTEXT})"}
+    key = crossing_key(model, policy)
+    if not remeasure:
+        stored = load(key)
+        if stored is not None:
+            return {**{k: v for k, v in stored.items() if k != "key"}, "source": "cached"}
+    if log:
+        log("measuring where InfiniGen's selection pays on this machine (a few decoding steps, synthetic KV)")
+    record = measure(model, policy, log=log)
+    record["date"] = time.strftime("%Y-%m-%d %H:%M")
+    store(key, record)
+    return {**record, "source": "measured"}
