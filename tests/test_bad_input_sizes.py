@@ -76,3 +76,17 @@ def test_a_bad_size_is_one_line_before_the_work(cli, tiny_checkpoint, text_file,
     text = ["--text", text_file] if command in ("ppl", "bench") else []
     code, _, err = cli(command, "--model", tiny_checkpoint, *ARGS[command], *text, flag, value)
     one_line_error(code, err, flag)
+
+
+def test_a_row_cache_too_small_for_a_row_is_refused_before_the_work(cli, tiny_checkpoint, text_file, monkeypatch):
+    """The row cache's least size depends on the model and the pool (a map of the pool's rows per layer): known
+    once the model's config is, and checked then, before compiling or running anything."""
+    import infinigen.commands.bench as bench_cmd
+
+    def refuse(*a, **k):
+        raise AssertionError("bench went on to compile before the row cache's size was checked")
+    monkeypatch.setattr(bench_cmd, "enable_compile", refuse)
+    code, _, err = cli("bench", "--model", tiny_checkpoint, "--text", text_file, "--policy", "full", "--prompt-len",
+                       "16", "--gen-len", "2", "--batch-size", "1,2", "--no-ideal", "--no-transformers",
+                       "--kv-offload", "cpu", "--row-cache-bytes", "64")
+    one_line_error(code, err, "row cache of 64 bytes holds no row")
