@@ -90,3 +90,11 @@ def test_a_row_cache_too_small_for_a_row_is_refused_before_the_work(cli, tiny_ch
                        "16", "--gen-len", "2", "--batch-size", "1,2", "--no-ideal", "--no-transformers",
                        "--kv-offload", "cpu", "--row-cache-bytes", "64")
     one_line_error(code, err, "row cache of 64 bytes holds no row")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--prefix-cache-dir-bytes", "1G"], "needs --prefix-cache-dir"),
+    (["--no-prefix-cache", "--prefix-cache-bytes", "1G"], "--no-prefix-cache turns off"),
+    (["--no-prefix-cache", "--prefix-cache-dir", "."], "--no-prefix-cache turns off")])
+def test_a_prefix_cache_size_that_would_be_ignored_is_refused(cli, tiny_checkpoint, no_serving, argv, needle):
+    one_line_error(*cli("serve", "--model", tiny_checkpoint, "--port", "0", *argv)[::2], needle)
