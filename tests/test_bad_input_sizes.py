@@ -76,3 +76,25 @@ def test_a_bad_size_is_one_line_before_the_work(cli, tiny_checkpoint, text_file,
     text = ["--text", text_file] if command in ("ppl", "bench") else []
     code, _, err = cli(command, "--model", tiny_checkpoint, *ARGS[command], *text, flag, value)
     one_line_error(code, err, flag)
+
+
+def test_a_row_cache_too_small_for_a_row_is_refused_before_the_work(cli, tiny_checkpoint, text_file, monkeypatch):
+    """The row cache's least size depends on the model and the pool (a map of the pool's rows per layer): known
+    once the model's config is, and checked then, before compiling or running anything."""
+    import infinigen.commands.bench as bench_cmd
+
+    def refuse(*a, **k):
+        raise AssertionError("bench went on to compile before the row cache's size was checked")
+    monkeypatch.setattr(bench_cmd, "enable_compile", refuse)
+    code, _, err = cli("bench", "--model", tiny_checkpoint, "--text", text_file, "--policy", "full", "--prompt-len",
+                       "16", "--gen-len", "2", "--batch-size", "1,2", "--no-ideal", "--no-transformers",
+                       "--kv-offload", "cpu", "--row-cache-bytes", "64")
+    one_line_error(code, err, "row cache of 64 bytes holds no row")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--prefix-cache-dir-bytes", "1G"], "needs --prefix-cache-dir"),
+    (["--no-prefix-cache", "--prefix-cache-bytes", "1G"], "--no-prefix-cache turns off"),
+    (["--no-prefix-cache", "--prefix-cache-dir", "."], "--no-prefix-cache turns off")])
+def test_a_prefix_cache_size_that_would_be_ignored_is_refused(cli, tiny_checkpoint, no_serving, argv, needle):
+    one_line_error(*cli("serve", "--model", tiny_checkpoint, "--port", "0", *argv)[::2], needle)

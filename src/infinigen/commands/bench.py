@@ -156,6 +156,13 @@ def bench_cmd(
                 if limit // per < max(prompt_lens):
                     raise UserError(f"--pool-bytes {pool_bytes} holds {limit // per} tokens at batch {max(batch_sizes)} "
                                     f"({per} bytes each, {tier}), fewer than the prompt ({max(prompt_lens)} tokens)")
+    if row_cache:  # the row cache must hold a row of the largest session, on every offloaded tier
+        from ..placement import Placement
+        for tier in tiers:
+            if tier != "none":
+                placement = Placement(kv_offload=tier, capacity=capacity, pool_bytes=limit, row_cache_bytes=row_cache)
+                for pol in policies.values():
+                    placement.check_row_cache(net, max(batch_sizes), max_len, pol)
     check_policies_fit(policies, net)
     check_kv_fits(net, max(batch_sizes), max_len, device)
     if synthetic:

@@ -88,6 +88,11 @@ def serve_cmd(
     budgets = dict(pool_bytes=parse_bytes(pool_bytes), fast_bytes=parse_bytes(fast_bytes, "fast-bytes"),
                    prefix_cache_bytes=parse_bytes(prefix_cache_bytes, "prefix-cache-bytes"),
                    prefix_cache_dir_bytes=parse_bytes(prefix_cache_dir_bytes, "prefix-cache-dir-bytes"))
+    if prefix_cache_dir_bytes is not None and prefix_cache_dir is None:
+        raise UserError("--prefix-cache-dir-bytes is the limit of the prefix cache's folder and needs --prefix-cache-dir")
+    if not prefix_cache and any(v is not None for v in (prefix_cache_bytes, prefix_cache_dir, prefix_cache_dir_bytes)):
+        raise UserError("--prefix-cache-bytes, --prefix-cache-dir and --prefix-cache-dir-bytes set the prefix cache "
+                        "that --no-prefix-cache turns off")
     if prefix_cache_dir is not None:
         prefix_cache_dir = _check_prefix_dir(prefix_cache_dir)
     make_policy_from_cli(policy, knob)  # knobs checked now, before loading

@@ -17,6 +17,7 @@ import torch
 from ..cache import KVStore
 from ..errors import ArgumentError, UserError
 from ..runtime import Session
+from .rowcache import RowCache
 from .store import OffloadedKVStore, TransferStats
 from .tiers import KINDS, SlowTier
 
@@ -99,6 +100,15 @@ class Placement:
                 raise UserError(f"a KV pool of {self.pool_bytes} bytes holds no token (one token costs {per} bytes)")
             cap = min(cap, by_bytes)
         return cap
+
+    def check_row_cache(self, model, batch: int, max_len: int, policy=None) -> None:
+        """A UserError now, before any work, where the row cache cannot hold one row of the store that
+        `new_store(model, batch, max_len, policy)` would make (its map of the pool's rows grows with both)."""
+        if not self.row_cache_bytes or self.kv_offload == "none":
+            return
+        cfg = model.cfg
+        rows = self.pool_tokens(model, batch, max_len, policy) * batch * cfg.num_kv_heads
+        RowCache.check_budget(cfg.num_layers, rows, cfg.head_dim, model.dtype, self.row_cache_bytes)
 
     def new_store(self, model, batch: int, max_len: int, policy=None, prompt_len: int | None = None,
                   stats: TransferStats | None = None, allocator=None) -> KVStore:

@@ -48,19 +48,26 @@ class RowCache:
     def __init__(self, num_layers: int, slow_rows: int, head_dim: int, dtype: torch.dtype, budget: int, buffers):
         self.num_layers, self.slow_rows, self.head_dim, self.dtype = num_layers, slow_rows, head_dim, dtype
         self.budget, self.buffers = budget, buffers
-        map_bytes = slow_rows * torch.empty((), dtype=MAP_DTYPE).element_size()
         self.row_bytes = self.bytes_per_row(head_dim, dtype)
-        self.rows = self.rows_for(num_layers, slow_rows, head_dim, dtype, budget)
-        if self.rows < 1:
-            need = num_layers * (map_bytes + self.row_bytes)
-            raise UserError(f"a row cache of {budget} bytes holds no row: it needs at least {need} bytes "
-                            f"({num_layers} layers, each a {map_bytes}-byte map and {self.row_bytes} bytes a row)")
+        self.rows = self.check_budget(num_layers, slow_rows, head_dim, dtype, budget)
         self._parts: list[dict | None] = [None] * num_layers
         self._tick = [0] * num_layers  # fetches of each layer so far: the clock of its LRU
 
     @staticmethod
     def bytes_per_row(head_dim: int, dtype: torch.dtype) -> int:
         return 2 * head_dim * torch.empty((), dtype=dtype).element_size() + 2 * 8  # k, v, owner, stamp
+
+    @staticmethod
+    def check_budget(num_layers: int, slow_rows: int, head_dim: int, dtype: torch.dtype, budget: int) -> int:
+        """`rows_for`, or a UserError where `budget` holds no row (callers check it before any work)."""
+        rows = RowCache.rows_for(num_layers, slow_rows, head_dim, dtype, budget)
+        if rows < 1:
+            map_bytes = slow_rows * torch.empty((), dtype=MAP_DTYPE).element_size()
+            row_bytes = RowCache.bytes_per_row(head_dim, dtype)
+            need = num_layers * (map_bytes + row_bytes)
+            raise UserError(f"a row cache of {budget} bytes holds no row: it needs at least {need} bytes "
+                            f"({num_layers} layers, each a {map_bytes}-byte map and {row_bytes} bytes a row)")
+        return rows
 
     @staticmethod
     def rows_for(num_layers: int, slow_rows: int, head_dim: int, dtype: torch.dtype, budget: int) -> int:
