@@ -345,7 +345,11 @@ def test_one_calibration_serves_float32_and_bfloat16(tiny_checkpoint, text_file,
     (["--model", "/no/such/model"], "/no/such/model"),
 ])
 def test_calibrate_command_bad_input(cli, tmp_path, monkeypatch, args, needle):
+    """One line, exit 2, before the model loads (a missing model: when loading it)."""
+    import infinigen.commands.calibrate as command
     from conftest import one_line_error
+    if "--model" not in args:
+        monkeypatch.setattr(command, "load_model", lambda *a, **k: pytest.fail("loaded before the bad input"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
     code, _, err = cli("calibrate", *args)
