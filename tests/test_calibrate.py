@@ -345,7 +345,11 @@ def test_one_calibration_serves_float32_and_bfloat16(tiny_checkpoint, text_file,
     (["--model", "/no/such/model"], "/no/such/model"),
 ])
 def test_calibrate_command_bad_input(cli, tmp_path, monkeypatch, args, needle):
+    """One line, exit 2, before the model loads (a missing model: when loading it)."""
+    import infinigen.commands.calibrate as command
     from conftest import one_line_error
+    if "--model" not in args:
+        monkeypatch.setattr(command, "load_model", lambda *a, **k: pytest.fail("loaded before the bad input"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
     code, _, err = cli("calibrate", *args)
@@ -400,3 +404,19 @@ def test_calibrate_command_interrupted_leaves_nothing_half_written(cli, tiny_che
     monkeypatch.setattr(cal, "search", search)
     code, stdout, _ = cli("calibrate", "--model", tiny_checkpoint, *knobs, "--json")
     assert code == 0 and json.loads(stdout)["source"] == "computed"
+
+
+def test_progress_callback_counts_passes_with_an_eta(peaked, text):
+    """`prepare(..., progress=callback)` (a server's log): the reference and every candidate pass reported,
+    done rising to the total, an ETA once a pass is done, none left at the end."""
+    _CHOICES.pop(peaked, None)
+    seen = []
+    pol = InfiniGen(calibrate=True, skew=False, budget_ref=REF, min_fetch=0, calibrate_text=str(text),
+                    calibrate_bound=BOUND, calibrate_target=TARGET, remainder=False)
+    pol.prepare(peaked, ByteTokenizer(), progress=lambda *a: seen.append(a))
+    _CHOICES.pop(peaked, None)
+    passes = [s for s in seen if s[0] == "calibrating InfiniGen"]
+    done = [s[1] for s in passes]
+    assert done[0] == 0 and passes[0][3] is None and done == sorted(done)
+    assert done[-1] == passes[-1][2] == 1 + len(pol.calibration["trials"])  # the reference and each candidate
+    assert all(s[3] is not None and s[3] >= 0 for s in passes[1:]) and passes[-1][3] == 0

@@ -11,7 +11,8 @@ within `alpha` of each head's maximum are selected and counted per `budget`, at 
 token (the runtime does that).
 
 Skew matrices are a model-wide resource: `prepare(model, tokenizer)` loads the artifact of `infinigen
-skew` from the cache, or calibrates on `calib` (default: a bundled novel) and caches it; `with_skew(skew)`
+skew` from the cache (or the one the package ships for the model), or calibrates on `calib` (default: a
+bundled novel) and caches it; `with_skew(skew)`
 (an `infinigen.skew.Skew` or a tensor [L,Hkv,d,d]) sets them by hand. The rotation is applied at run time
 (after RoPE for the Llama family); for a model whose weights already hold it (`skew.skew_model`) it is
 not applied twice. Per-request state (`InfiniGenState`) lives on the session.
