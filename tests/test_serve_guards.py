@@ -193,7 +193,8 @@ def _alone(model, policy, prompt, n, eos=frozenset()):
     return g.tokens[0], g.stats.overall()
 
 
-def test_default_infinigen_batched_equals_alone(make_tiny):
+@pytest.mark.parametrize("batch_invariant", [True, False], ids=["invariant", "padded"])
+def test_default_infinigen_batched_equals_alone(make_tiny, batch_invariant):
     """`make_policy("infinigen")` (the default preset: layers 0 and 1 dense, 4-bit speculation keys, one
     budget per layer, at least 32 tokens per KV head) with random orthogonal skew matrices on a 4-layer
     model: requests of different lengths join and leave a running batch; each gets exactly its tokens
@@ -205,7 +206,7 @@ def test_default_infinigen_batched_equals_alone(make_tiny):
     prompts = _prompts(model.cfg.vocab_size, lengths, seed=8)
     alone = [_alone(model, policy, p, n) for p, n in zip(prompts, maxt)]
     assert sum(kv < 0.75 for _, kv in alone) >= 3  # the longer prompts read a subset in layers 2 and 3
-    eng = Engine(model, policy, max_batch=4)
+    eng = Engine(model, policy, max_batch=4, batch_invariant=batch_invariant)
     reqs = []
     for i, (p, n) in enumerate(zip(prompts, maxt)):
         reqs.append(eng.submit(Request(p, n)))

@@ -114,7 +114,8 @@ def test_serve_answers_while_it_warms_up(tiny_checkpoint, tmp_path):
     """From the first log line on, /health answers: 503 "loading: ..." (with Retry-After) while the model loads,
     the policy prepares and the step compiles, then 200; the log names each step, in order, and the phases
     the 503s named came in that order too."""
-    s = _Serve(tiny_checkpoint, tmp_path, "--policy", "infinigen", "--compile", "on", "--max-batch", "2")
+    s = _Serve(tiny_checkpoint, tmp_path, "--policy", "infinigen", "--no-batch-invariant", "--compile", "on",
+               "--max-batch", "2")
     try:
         url = s.wait_for(r"503 on (http://\S+) until ready").group(1)
         phases = []
@@ -149,7 +150,7 @@ def test_serve_answers_while_it_warms_up(tiny_checkpoint, tmp_path):
 def test_signal_during_the_warm_up(tiny_checkpoint, tmp_path, sig, code):
     """A signal while the step compiles: exit 0 (SIGTERM) or 130 (SIGINT, "interrupted"), no traceback, the
     server never served, and the port is free again."""
-    s = _Serve(tiny_checkpoint, tmp_path, "--compile", "on", "--max-batch", "1")
+    s = _Serve(tiny_checkpoint, tmp_path, "--no-batch-invariant", "--compile", "on", "--max-batch", "1")
     try:
         url = s.wait_for(r"503 on (http://\S+) until ready").group(1)
         s.wait_for(r"loading: compiling")

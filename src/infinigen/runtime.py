@@ -830,16 +830,23 @@ def prefill_in_slices(model, tokens: torch.Tensor, session: Session, pad_mask: t
 
 
 @torch.inference_mode()
-def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session]) -> torch.Tensor:
+def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session],
+           batch_invariant: bool = False) -> torch.Tensor:
     """One new token per row. One session: tokens [B], logits [B, V]. Several (the server's running
     requests, the sessions of a fan-out): tokens [sum of their B] in the sessions' order, logits likewise;
     everything per token runs on the stacked rows, each session selects from its own store, and each
-    layer's attention is one call over every row. A session's logits are those it gets decoded alone."""
+    layer's attention is one call over every row, each row's entries padded to the longest read: a
+    session's logits are those it gets decoded alone up to rounding (the padding moves its entries within
+    the fused call's reductions, and the compiled step's kernels are chosen per padded batch size, which
+    shows in bfloat16). `batch_invariant`: each session's attention is instead the very call it makes
+    decoded alone (`Session.attend` on its rows) and the dense work runs eagerly (a row's arithmetic there
+    does not depend on the rows beside it), so its logits are bit-identical to those alone whatever runs
+    beside it, provided alone is decoded so too."""
     if isinstance(sessions, Session):
-        return _decode_one(model, tokens, sessions)
+        return _decode_one(model, tokens, sessions, batch_invariant)
     sessions = list(sessions)
     if len(sessions) == 1:
-        return _decode_one(model, tokens, sessions[0])
+        return _decode_one(model, tokens, sessions[0], batch_invariant)
     spans, at = [], 0
     for s in sessions:
         spans.append((at, at + s.batch))
@@ -854,30 +861,33 @@ def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session]) -
     stack = _Stack()
 
     def attend(layer, q, k, v):
+        if batch_invariant:
+            return torch.cat([s.attend(layer, q[a:b], k[a:b], v[a:b]) for s, (a, b) in zip(sessions, spans)])
         return _attend_sessions(layer, q, k, v, sessions, spans, model.scale, stack)
 
     h = model.embed(tokens[:, None], positions)
     event(-1, "embed", h)  # placement: layer 0's rows can start moving now
-    logits = _blocks_and_head(model, h, model.rope(positions), attend, event)
+    logits = _blocks_and_head(model, h, model.rope(positions), attend, event, batch_invariant)
     for s in sessions:
         s.end_step()
     return logits
 
 
-def _decode_one(model, tokens: torch.Tensor, session: Session) -> torch.Tensor:
+def _decode_one(model, tokens: torch.Tensor, session: Session, batch_invariant: bool = False) -> torch.Tensor:
     session.begin_step()
     positions = session.positions
     h = model.embed(tokens[:, None], positions)
     session.event(-1, "embed", h)  # placement: layer 0's rows can start moving now
-    logits = _blocks_and_head(model, h, model.rope(positions), session.attend, session.event)
+    logits = _blocks_and_head(model, h, model.rope(positions), session.attend, session.event, batch_invariant)
     session.end_step()
     return logits
 
 
-def _blocks_and_head(model, h, rope, attend, event) -> torch.Tensor:
+def _blocks_and_head(model, h, rope, attend, event, eager: bool = False) -> torch.Tensor:
     """A decoding step's blocks over h [B, 1, hidden] and the head: logits [B, V]. With a compiled step
-    (`infinigen.compiled.enable`), the dense work between two attentions is one compiled region."""
-    if model.step_parts is not None:
+    (`infinigen.compiled.enable`) and not `eager`, the dense work between two attentions is one compiled
+    region."""
+    if model.step_parts is not None and not eager:
         return model.step_parts.run(model, h, rope, attend, event)
     for block in model.layers:
         h = block(h, rope, attend, event)

@@ -72,8 +72,14 @@ def serve_cmd(
                                  "(RAY_ADDRESS attaches to a running cluster)."),
     device: str = device_option(),
     dtype: str = dtype_option(),
-    compile: str = compile_option("on where it runs: a CPU with a C++ compiler; compiled for every batch "
-                                  "size up to --max-batch before the server listens"),
+    compile: str = compile_option("with --no-batch-invariant, on where it runs: a CPU with a C++ compiler; "
+                                  "compiled for every batch size up to --max-batch while the server warms up"),
+    batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant", help="A request's "
+                                         "greedy tokens do not depend on the requests decoded beside it: each "
+                                         "one's attention is its own call and the step runs eagerly (not "
+                                         "compiled). --no-batch-invariant: one padded attention call over every "
+                                         "request and the compiled step, faster, but in bfloat16 a request's "
+                                         "tokens may then change with the batch."),
 ):
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching."""
     check_model_options(device, dtype)
@@ -85,6 +91,9 @@ def serve_cmd(
     check_range("prefill-chunk-layers", prefill_chunk_layers, lo=0)
     check_range("port", port, lo=0, hi=65535)
     check_range("replicas", replicas, lo=1)
+    if batch_invariant and compile == "on":
+        raise UserError("--compile on: the compiled step's kernels depend on the batch size, so it is not "
+                        "batch-invariant; add --no-batch-invariant to compile it")
     budgets = dict(pool_bytes=parse_bytes(pool_bytes), fast_bytes=parse_bytes(fast_bytes, "fast-bytes"),
                    prefix_cache_bytes=parse_bytes(prefix_cache_bytes, "prefix-cache-bytes"),
                    prefix_cache_dir_bytes=parse_bytes(prefix_cache_dir_bytes, "prefix-cache-dir-bytes"))
@@ -105,7 +114,8 @@ def serve_cmd(
     spec = dict(model=model, policy=policy, knob=list(knob), kv_offload=kv_offload, pool_dir=pool_dir,
                 max_batch=max_batch, max_queue=max_queue, prefill_chunk_layers=prefill_chunk_layers,
                 prefix_cache=prefix_cache, prefix_cache_dir=prefix_cache_dir, name=name,
-                device=device, dtype=dtype, compile=compile, **budgets)
+                device=device, dtype=dtype, compile="off" if batch_invariant else compile,
+                batch_invariant=batch_invariant, **budgets)
     listener = _listen(host, port)
     if replicas > 1:
         with _sigterm_exits():
@@ -323,7 +333,8 @@ def build(spec: dict, phase=None, url: str | None = None):
                     prefill_chunk_layers=spec.get("prefill_chunk_layers", 1),
                     prefix_cache=spec.get("prefix_cache", True), prefix_cache_bytes=spec.get("prefix_cache_bytes"),
                     prefix_cache_dir=spec.get("prefix_cache_dir"),
-                    prefix_cache_dir_bytes=spec.get("prefix_cache_dir_bytes"))
+                    prefix_cache_dir_bytes=spec.get("prefix_cache_dir_bytes"),
+                    batch_invariant=spec.get("batch_invariant", True))
     try:
         engine.check_fits(1, 1)
     except UserError as e:

@@ -155,7 +155,8 @@ class Engine:
                  max_batch: int = 16, max_queue: int = 64, fast_bytes: int | None = None,
                  pool_bytes: int | None = None, cost: KVCost | None = None, prefill_chunk_layers: int = 1,
                  prefix_cache: bool = True, prefix_cache_bytes: int | None = None, prefix_block: int = 256,
-                 prefix_cache_dir: str | os.PathLike | None = None, prefix_cache_dir_bytes: int | None = None):
+                 prefix_cache_dir: str | os.PathLike | None = None, prefix_cache_dir_bytes: int | None = None,
+                 batch_invariant: bool = True):
         from ..placement import Placement
         from ..policies import FullCache
         if max_batch < 1:
@@ -168,6 +169,9 @@ class Engine:
         # a prompt that joins running requests is prefilled this many layers per step, between their decode
         # steps, so their pace holds (0: the whole prompt in one step)
         self.prefill_chunk_layers = prefill_chunk_layers
+        # each request's attention is the call it makes alone (`runtime.decode`'s batch_invariant): its greedy
+        # tokens do not depend on what runs beside it
+        self.batch_invariant = batch_invariant
         self.model, self.policy = model, policy or FullCache()
         self.placement = placement or Placement()
         self.eos = frozenset(eos)
@@ -297,7 +301,8 @@ class Engine:
             self.batch_sizes[len(live)] += 1
             try:
                 last = torch.tensor([r.tokens[-1] for r in live], device=self.model.device)
-                logits = runtime.decode(self.model, last, [r.session for r in live])
+                logits = runtime.decode(self.model, last, [r.session for r in live],
+                                        batch_invariant=self.batch_invariant)
             except Exception as e:  # the batch fails, the server goes on
                 log.exception("decode step failed")
                 for r in live:
@@ -465,7 +470,8 @@ class Engine:
             f" and {p.disk.max_bytes / gib:.2f} GiB in {p.disk.dir}" if p.disk is not None else "")
         return (f"policy {getattr(self.policy, 'name', '?')}, {where}; fast-memory budget "
                 f"{self.fast_budget / gib:.2f} GiB "
-                f"({f1:.0f} B/token){slow}; at most {self.max_batch} running, {self.max_queue} waiting; {prefix}")
+                f"({f1:.0f} B/token){slow}; at most {self.max_batch} running, {self.max_queue} waiting; {prefix}"
+                + ("; batch-invariant" if self.batch_invariant else ""))
 
     def idle(self) -> bool:
         return not self.running and not self.waiting
