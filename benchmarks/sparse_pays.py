@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--cells", default="512x1,512x4", help="PROMPTxBATCH, comma separated")
     ap.add_argument("--dense-below", default="0",
                     help="InfiniGen dense_below settings, comma separated: a number of cached tokens, or measured")
+    ap.add_argument("--no-calibrate", action="store_true",
+                    help="InfiniGen with the preset's values (calibrate=false): where its first calibration cannot run")
     ap.add_argument("--gen", type=int, default=16, help="decoding steps per system (the first is not timed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
@@ -45,7 +47,8 @@ def main() -> None:
         pols, names = [make_policy("full")], ["full"]
         for k in knobs:
             t0 = time.perf_counter()
-            pol = make_policy("infinigen", dense_below=k).prepare(model, tok, progress=k is None)
+            more = {"calibrate": False} if a.no_calibrate else {}
+            pol = make_policy("infinigen", dense_below=k, **more).prepare(model, tok, progress=k is None)
             s = pol.settings(model)
             pols.append(pol)
             names.append(f"infinigen dense_below={s['dense_below']} ({s['dense_below_source']})")
