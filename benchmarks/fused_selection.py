@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12, help="operators listed per profiled step")
     ap.add_argument("--breakdown", type=int, default=0,
                     help="then this many instrumented steps per system: the per-block breakdown (placement.timing)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="calibrate the default preset first (slow where it is not cached); else its starting values")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -59,7 +61,8 @@ def main() -> None:
     for cell in a.cells.split(","):
         length, batch = map(int, cell.split("x"))
         tokens = torch.stack([ids[i * 97:i * 97 + length] for i in range(batch)])  # rows 97 tokens apart
-        pols = [make_policy("full")] + [make_policy("infinigen").prepare(model, tok) for _ in range(2)]
+        knobs = {} if a.calibrate else {"calibrate": False}
+        pols = [make_policy("full")] + [make_policy("infinigen", **knobs).prepare(model, tok) for _ in range(2)]
         fused = [True, False, True]
         logits, sessions = prefill_shared(model, tokens, pols, length + a.gen + a.breakdown + 2)
         for s in sessions:
