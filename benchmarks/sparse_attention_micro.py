@@ -54,7 +54,7 @@ def main() -> None:
     keys.write(0, k.float())
     q = torch.randn(b, hkv * g, 1, d, dtype=dt)
     kc, vc = torch.randn(b, hkv, 1, d, dtype=dt), torch.randn(b, hkv, 1, d, dtype=dt)
-    pol = InfiniGen()  # the default preset: alpha 7, cap 14% pooled over the layer ("layer"), min 32
+    pol = InfiniGen(preset="flat")  # alpha 7, a 14% cap pooled over the layer ("layer"), min 32
     spread = torch.linspace(a.skew, 1.0, hkv).view(1, hkv, 1, 1, 1)
     scores = torch.randn(b, hkv, g, 1, s) * 2 * spread  # ~1/3 within alpha of each head's max
     valid = store.valid[0][:, :, :s]
