@@ -2,7 +2,8 @@
 alone on synthetic tensors: the 4-bit speculation scores, the selection (InfiniGen's default preset: the cap
 pooled over the layer's KV heads), then the rows read and attended, on the reference path (`KVStore.slots` +
 `gather` + `attend_step`: each KV head padded to the largest head's count) and on the packed rows
-(`KVStore.select_rows` + `gather_rows` + one masked fused call), beside dense attention over every entry.
+(`KVStore.select_rows` + `gather_rows` + one masked fused call) and by the fused C++ kernel
+(`kernels/fused_select`, where it builds), beside dense attention over every entry.
 Scores are drawn so that about a third of the entries pass the threshold and the cap binds; `--skew`
 makes the KV heads' shares unequal (as a real layer's are). Runs from main's checkout too (the reference
 pieces only), for a before/after of the selection.
@@ -53,7 +54,7 @@ def main() -> None:
     keys.write(0, k.float())
     q = torch.randn(b, hkv * g, 1, d, dtype=dt)
     kc, vc = torch.randn(b, hkv, 1, d, dtype=dt), torch.randn(b, hkv, 1, d, dtype=dt)
-    pol = InfiniGen()  # the default preset: alpha 7, cap 14% pooled over the layer ("layer"), min 32
+    pol = InfiniGen(preset="flat")  # alpha 7, a 14% cap pooled over the layer ("layer"), min 32
     spread = torch.linspace(a.skew, 1.0, hkv).view(1, hkv, 1, 1, 1)
     scores = torch.randn(b, hkv, g, 1, s) * 2 * spread  # ~1/3 within alpha of each head's max
     valid = store.valid[0][:, :, :s]
@@ -80,6 +81,16 @@ def main() -> None:
         out["packed: head mask + attend_masked"] = _time(
             lambda: runtime.attend_masked(q, kr, vr, _head_mask(head, hkv * g, hkv), scale), a.reps)
         rows["packed rows read"] = sel.rows.numel()
+        try:
+            from infinigen.kernels import fused_select
+        except ImportError:  # main's checkout before the fused kernel
+            fused_select = None
+        if fused_select is not None and fused_select.usable(q, store.k[0]):
+            own = torch.arange(b * hkv).view(b, hkv) * store.capacity + slots
+            kf, vf = store.k[0].view(-1, d), store.v[0].view(-1, d)
+            out["fused: attend_rows (C++, no gather)"] = _time(
+                lambda: fused_select.attend_rows(q.view(b, hkv * g, d), kf, vf, sel.rows, sel.counts, own, scale),
+                a.reps)
         del mask_h
     kd, vd, _, _ = store.past(0)
     out["dense attention (attend_all)"] = _time(lambda: runtime.attend_all(q, kd, vd, scale), a.reps)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import SelectedRows
+from .kernels import fused_select
 from .policies.base import FullCache, Policy
 from .selection import ALL, All, Remainder, Rows, first_key_read
 
@@ -559,6 +560,21 @@ class Session:
         stored first and read among the rows; one masked fused call, each query head over its KV head's rows."""
         store = self.store
         slots = store.append(layer, k, v, read.cur)
+        keys, values = store.k[layer], store.v[layer]
+        if fused_select.usable(q, keys):  # the same attention in one C++ call, reading the store in place
+            b, h, _, d = q.shape
+            hkv = k.shape[1]
+            own = torch.arange(b * hkv, device=q.device).view(b, hkv) * store.capacity + slots
+            out, lse, read_sum = fused_select.attend_rows(q.view(b, h, d), keys.view(-1, d), values.view(-1, d),
+                                                          read.rows.rows, read.rows.counts, own, self.model.scale)
+            self.stats.record_rows(layer, read.rows.rows.numel())
+            out = out.view(b, h, 1, d)
+            rest = self.policy.unread(layer, self)
+            if rest is not None:  # before the token's append: it was read
+                out = _with_remainder(out, lse.view(b, hkv, h // hkv, 1), rest.lse, (rest.sums - read_sum)[:, :, None],
+                                      (rest.counts - read.rows.counts)[:, :, None])
+            self._appended(layer, slots, k, v)
+            return out
         rows, head = _with_own(read.rows, slots, store.capacity)
         kp, vp = store.gather_rows(layer, rows, *self._row_buffers.rows(rows.numel(), k))
         self.stats.record_rows(layer, read.rows.rows.numel())

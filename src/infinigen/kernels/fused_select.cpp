@@ -1,0 +1,156 @@
+// Attention of one decoding token per (batch row, KV head) over the rows a selection packs
+// (KVStore.select_rows): each chosen key and value row is read once from the store, converted to float32
+// once, and used by every query head of its KV head; the softmax is computed online in blocks, so nothing
+// [B, H, S]-sized is built. Returns the output, the log-sum-exp of the scaled scores (for the remainder) and
+// the float32 sum of the past values read (the token's own row excluded).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // rows per online-softmax block: their keys and values fit in L1 at d <= 128
+
+template <typename scalar_t>
+inline void to_float(const scalar_t* src, float* dst, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <typename scalar_t>
+void attend_one(const scalar_t* q, const scalar_t* keys, const scalar_t* values, const int64_t* rows,
+                int64_t count, int64_t own, int64_t g, int64_t d, float scale, scalar_t* out, float* lse,
+                float* read_sum) {
+  std::vector<float> qf(g * d), acc(g * d, 0.f), kb(kBlock * d), vb(kBlock * d), p(g * kBlock);
+  std::vector<float> m(g, -std::numeric_limits<float>::infinity()), l(g, 0.f);
+  for (int64_t j = 0; j < g * d; ++j) qf[j] = static_cast<float>(q[j]);
+  std::fill(read_sum, read_sum + d, 0.f);
+  const int64_t total = count + (own >= 0 ? 1 : 0);  // the past rows, then the token's own row
+  for (int64_t start = 0; start < total; start += kBlock) {
+    const int64_t n = std::min(kBlock, total - start);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t i = start + j;
+      const int64_t row = i < count ? rows[i] : own;
+      to_float(keys + row * d, kb.data() + j * d, d);
+      to_float(values + row * d, vb.data() + j * d, d);
+      if (i < count) {
+        const float* vr = vb.data() + j * d;
+        for (int64_t c = 0; c < d; ++c) read_sum[c] += vr[c];
+      }
+    }
+    for (int64_t h = 0; h < g; ++h) {
+      const float* qh = qf.data() + h * d;
+      float* ph = p.data() + h * kBlock;
+      float block_max = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kr = kb.data() + j * d;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)  // a vectorized dot product (lanes summed at the end)
+        for (int64_t c = 0; c < d; ++c) s += qh[c] * kr[c];
+        ph[j] = s * scale;
+        block_max = std::max(block_max, ph[j]);
+      }
+      const float m_new = std::max(m[h], block_max);
+      const float correction = std::exp(m[h] - m_new);  // exp(-inf) = 0 on the first block
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        ph[j] = std::exp(ph[j] - m_new);
+        sum += ph[j];
+      }
+      l[h] = l[h] * correction + sum;
+      m[h] = m_new;
+      float* ah = acc.data() + h * d;
+      for (int64_t c = 0; c < d; ++c) ah[c] *= correction;
+      for (int64_t j = 0; j < n; ++j) {
+        const float w = ph[j];
+        const float* vr = vb.data() + j * d;
+        for (int64_t c = 0; c < d; ++c) ah[c] += w * vr[c];
+      }
+    }
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    const bool any = l[h] > 0.f;
+    lse[h] = any ? m[h] + std::log(l[h]) : -std::numeric_limits<float>::infinity();
+    const float inv = any ? 1.f / l[h] : 0.f;
+    for (int64_t c = 0; c < d; ++c) out[h * d + c] = static_cast<scalar_t>(acc[h * d + c] * inv);
+  }
+}
+
+}  // namespace
+
+// q [B, H, d]; keys, values [N, d] (a layer's flat store); rows [B, n] int64, each batch row's selected rows
+// head-major (KV head 0's run first); counts [B, Hkv] int64, the length of each run; own [B, Hkv] int64, the
+// token's own row (read last), or an empty tensor for none. Returns out [B, H, d] (q's dtype), lse [B, H] and
+// read_sum [B, Hkv, d] (float32).
+std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                                       torch::Tensor rows, torch::Tensor counts, torch::Tensor own,
+                                       double scale) {
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 2 && values.dim() == 2, "q [B,H,d], keys/values [N,d]");
+  TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
+              "q, keys and values must share a dtype");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && counts.scalar_type() == torch::kLong, "int64 indices");
+  q = q.contiguous();
+  keys = keys.contiguous();
+  values = values.contiguous();
+  rows = rows.contiguous();
+  counts = counts.contiguous();
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = counts.size(1), g = h / hkv;
+  TORCH_CHECK(h % hkv == 0 && keys.size(1) == d && values.size(1) == d, "shapes do not match");
+  TORCH_CHECK(rows.size(0) == b && counts.size(0) == b, "batch sizes do not match");
+  const bool has_own = own.numel() > 0;
+  if (has_own) {
+    TORCH_CHECK(own.scalar_type() == torch::kLong && own.size(0) == b && own.size(1) == hkv, "own [B,Hkv]");
+    own = own.contiguous();
+  }
+  const int64_t n = rows.size(1);
+  const int64_t* rows_p = rows.data_ptr<int64_t>();
+  const int64_t* counts_p = counts.data_ptr<int64_t>();
+  const int64_t* own_p = has_own ? own.data_ptr<int64_t>() : nullptr;
+  // each batch row's runs start at the running sum of its counts; every index is checked before the work
+  const int64_t stored = keys.size(0);
+  std::vector<int64_t> starts(b * hkv);
+  for (int64_t bi = 0; bi < b; ++bi) {
+    int64_t at = 0;
+    for (int64_t kh = 0; kh < hkv; ++kh) {
+      const int64_t c = counts_p[bi * hkv + kh];
+      TORCH_CHECK(c >= 0 && at + c <= n, "counts exceed the packed rows");
+      starts[bi * hkv + kh] = at;
+      at += c;
+      TORCH_CHECK(!has_own || (own_p[bi * hkv + kh] >= 0 && own_p[bi * hkv + kh] < stored), "own row out of range");
+    }
+    for (int64_t i = 0; i < at; ++i) {
+      const int64_t r = rows_p[bi * n + i];
+      TORCH_CHECK(r >= 0 && r < stored, "row out of range");
+    }
+  }
+  TORCH_CHECK(values.size(0) == stored, "keys and values differ in rows");
+  auto out = torch::empty({b, h, d}, q.options());
+  auto lse = torch::empty({b, h}, q.options().dtype(torch::kFloat));
+  auto read_sum = torch::empty({b, hkv, d}, q.options().dtype(torch::kFloat));
+  const int64_t* starts_p = starts.data();
+  float* lse_p = lse.data_ptr<float>();
+  float* sum_p = read_sum.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "attend_rows", [&] {
+    const scalar_t* q_p = q.data_ptr<scalar_t>();
+    const scalar_t* k_p = keys.data_ptr<scalar_t>();
+    const scalar_t* v_p = values.data_ptr<scalar_t>();
+    scalar_t* out_p = out.data_ptr<scalar_t>();
+    at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t bh = lo; bh < hi; ++bh) {
+        const int64_t bi = bh / hkv;
+        attend_one<scalar_t>(q_p + bh * g * d, k_p, v_p, rows_p + bi * n + starts_p[bh], counts_p[bh],
+                             has_own ? own_p[bh] : -1, g, d, sc, out_p + bh * g * d, lse_p + bh * g,
+                             sum_p + bh * d);
+      }
+    });
+  });
+  return {out, lse, read_sum};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend_rows", &attend_rows, "attention over packed selected rows, online softmax");
+}

@@ -1,0 +1,81 @@
+"""A decoding step's attention over the rows a selection packs (`KVStore.select_rows`), as one C++ call.
+
+For each (batch row, KV head) the kernel reads each chosen key and value row once from the layer's flat
+store, scores it against every query head of that KV head and folds it into an online softmax (blocks of
+32 rows, float32 accumulation), then reads the token's own row last. It returns the output, the
+log-sum-exp of the scaled scores (the remainder is applied from it) and the float32 sum of the past values
+read, with no gathered copy of the rows and no [B, H, rows] score or mask tensor.
+
+Built on first use with torch's cpp_extension (-O3, OpenMP through `at::parallel_for`, -march=native so
+AVX-512 is used where the CPU has it) into the cache (`cache_dir()/kernels/...`, keyed by the torch
+version and the CPU's flags, so a shared cache never serves a build for another CPU). Where no compiler
+or build works, `available()` is False after one warning line and callers keep the torch path, which is
+also the reference the tests compare this kernel with.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from ..paths import writable_cache
+
+_SOURCE = Path(__file__).with_name("fused_select.cpp")
+enabled = True  # False: callers take the torch path (benchmarks compare the two in one process)
+
+
+def _cpu_key() -> str:
+    """A short hash of what the native build depends on: torch, the machine and the CPU's flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    text = f"{torch.__version__}|{platform.machine()}|{flags}|{_SOURCE.read_bytes().hex()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _module():
+    """The built extension, or None (after one warning line) where it cannot be built or loaded."""
+    try:
+        from torch.utils import cpp_extension
+
+        build = writable_cache(f"kernels/fused_select-{_cpu_key()}")
+        return cpp_extension.load(
+            name="infinigen_fused_select", sources=[str(_SOURCE)], build_directory=str(build),
+            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build or load failure means: use the torch path
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"infinigen: the fused selection kernel is unavailable ({first[:200]}); using the torch path",
+              file=sys.stderr)
+        return None
+
+
+def available() -> bool:
+    """Whether the kernel is enabled and built (builds it on the first call)."""
+    return enabled and _module() is not None
+
+
+def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `attend_rows` can take these tensors: on the CPU, one floating dtype, the kernel built."""
+    return (q.device.type == "cpu" and keys.device.type == "cpu" and q.dtype == keys.dtype
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and available())
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                counts: torch.Tensor, own: torch.Tensor | None, scale: float):
+    """q [B, H, d]; keys, values [N, d] (a layer's flat store); rows [B, n] int64, each batch row's selected
+    rows head-major (`SelectedRows.rows`: KV head 0's run first, padding after the last run); counts
+    [B, Hkv] the runs' lengths; own [B, Hkv] the token's own row, read after the run (None: no own row).
+    Returns out [B, H, d] (q's dtype), lse [B, H] and read_sum [B, Hkv, d] (float32; past rows only).
+    A (batch row, KV head) that reads nothing gets a zero output and a log-sum-exp of -inf."""
+    own = rows.new_empty(0) if own is None else own
+    return _module().attend_rows(q, keys, values, rows, counts, own, float(scale))
