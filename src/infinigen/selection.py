@@ -69,8 +69,8 @@ class Rows:
 
 
 class Remainder(NamedTuple):
-    """What a selection leaves unread at a layer, as the policy estimates it without reading it (issue 19,
-    item 2; `Policy.unread`). The runtime adds it to the attention over the selection:
+    """What a selection leaves unread at a layer, as the policy estimates it without reading it
+    (`Policy.unread`). The runtime adds it to the attention over the selection:
 
         r = exp(lse) / (exp(lse) + exp(lse_read))    lse_read: the log-sum-exp of the exact scaled scores of
                                                      what attention read (the selection and the row's token)

@@ -1,4 +1,4 @@
-"""Per-layer fetch budgets from one all-layer bound (issue 12).
+"""Per-layer fetch budgets from one all-layer bound.
 
 The bound the user states is over all layers: `kv_budget` is the share of the cached entries that
 attention may read, averaged over every layer, dense layers counting 100%. The per-layer caps are

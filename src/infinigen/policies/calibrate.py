@@ -1,4 +1,4 @@
-"""Per-model calibration of InfiniGen's settings (issue 19, item 1).
+"""Per-model calibration of InfiniGen's settings.
 
 The presets fix the threshold, the caps and the dense layers from measurements on one model. Another model
 has other attention statistics, so `InfiniGen.prepare` (knob `calibrate`) chooses them per model instead:

@@ -27,23 +27,23 @@ same as 30% of the columns in 16 bits, 7.8% of float32 K+V) with torch's CPU int
 pools the cap over a layer's KV heads and spends it on the entries with the most speculated attention
 mass. The default preset combines the three (see PRESETS); `InfiniGen.paper()` is exactly the paper's method.
 
-Issue 12: how much is read is one all-layer bound, `kv_budget` (the share of the cached entries read
+How much is read is one all-layer bound, `kv_budget` (the share of the cached entries read
 over every layer, dense layers counting 100%); the selecting layers' caps are derived from it
 (`budgets.layer_caps`), spread by the attention sparsity the skew calibration recorded per layer
 (`budget_power`: 0 the same cap everywhere, 1 proportional). The bound may shrink with the length:
 with `budget_growth` q < 1 the tokens read grow as n ** q (`budget_at`: kv_budget at `budget_ref` cached
 tokens), because the tokens that matter grow more slowly than the context. `exact_first` selects layer 0
 too, with its exact query (nothing precedes layer 0 to speculate from), scored against layer 0's partial or
-packed keys. That query is known as soon as a decoding step's tokens are embedded (issue 19, item 3), so
+packed keys. That query is known as soon as a decoding step's tokens are embedded, so
 the selection is made then and placement prefetches layer 0's rows like every other layer's. Layer 1 is
 then speculated from layer 0's output like every other layer.
 
-Issue 19, item 1: `calibrate` chooses alpha, kv_budget and the treatment of layer 0 per model in `prepare`
+`calibrate` chooses alpha, kv_budget and the treatment of layer 0 per model in `prepare`
 (`policies.calibrate`: the cheapest setting within `calibrate_target` of the full cache's perplexity on
 held-apart calibration tokens, under `calibrate_bound`); knobs the caller sets are kept. The choice is
 stored in the skew artifact's metadata and recorded in `settings(model)["calibration"]`.
 
-Issue 19, item 2: the speculation scores cover every cached token, so with `remainder` the attention mass of
+The speculation scores cover every cached token, so with `remainder` the attention mass of
 the entries a selection leaves unread is estimated without reading them (the log-sum-exp of their speculated
 scores, `Remainder.lse`), and the runtime adds that mass times their mean value: the sum of every cached value
 per (batch row, KV head), kept in fast memory (float32, updated in `on_prefill` / `on_append`), minus what
@@ -96,7 +96,7 @@ PRESETS = {
                   dense_layers=(0, 1), budget="mean", spec_input="attn_in", key_mode="partial", skew=True,
                   kv_budget=None, budget_power=0.0, exact_first=False, budget_growth=1.0, budget_ref=2048,
                   calibrate=False, remainder=False, remainder_from=0, query="ahead", dense_below=0),
-    # issue 19, item 4: the one default. `prepare` calibrates this model's alpha, kv_budget, layer 0 and the
+    # the one default. `prepare` calibrates this model's alpha, kv_budget, layer 0 and the
     # remainder on held-apart tokens (policies/calibrate.py); the values below are the starting point and what
     # applies where no calibration can run (no tokenizer, a model shorter than budget_ref). Chosen over the
     # others by the validation texts on two families (results/accuracy_models.md): the tokens read grow as
@@ -108,14 +108,14 @@ PRESETS = {
                     kv_budget=0.13, budget_power=0.0, exact_first=True, budget_growth=0.5, budget_ref=2048,
                     calibrate=True, remainder=True, remainder_from=1, query="auto"),
     # (and `dense_below` left to `prepare`: where selection pays on this machine, measured once, policies/crossing.py)
-    # issue 3's default (`--knob preset=flat`): a flat 14% cap per selecting layer at every length, layers 0 and 1
-    # dense, with what the selection leaves unread added (issue 19: Emma +2.65% -> +0.76%, Mansfield Park +2.59% ->
-    # +2.12% at 2048). Under 20% of the KV at 2048 but not less at 8192 (results/accuracy.md)
+    # the earlier default (`--knob preset=flat`): a flat 14% cap per selecting layer at every length, layers 0 and 1
+    # dense, with what the selection leaves unread added (Emma +2.65% -> +0.76%, Mansfield Park +2.59% ->
+    # +2.12% at 2048: results/accuracy.md). Under 20% of the KV at 2048 but not less at 8192 (results/accuracy.md)
     "flat": dict(alpha=7.0, partial_ratio=0.3, max_fetch_ratio=0.14, min_fetch=32,
                  dense_layers=(0, 1), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
                  kv_budget=None, budget_power=0.0, exact_first=False, budget_growth=1.0, budget_ref=2048,
                  calibrate=False, remainder=True, remainder_from=0, query="ahead", dense_below=0),
-    # issue 12's candidate (`--knob preset=budget`): one all-layer bound that shrinks with the context (the
+    # `--knob preset=budget`: one all-layer bound that shrinks with the context (the
     # remainder, with the speculated query, made it worse: +1.44% -> +3.14%)
     "budget": dict(alpha=9.0, partial_ratio=0.3, max_fetch_ratio=None, min_fetch=32,
                    dense_layers=(), budget="layer", spec_input="attn_out", key_mode="int4", skew=True,
@@ -124,7 +124,7 @@ PRESETS = {
 }
 
 
-# issue 19: what `calibrate` chooses per model (policies/calibrate.py), unless the caller sets it
+# what `calibrate` chooses per model (policies/calibrate.py), unless the caller sets it
 CALIBRATED = ("alpha", "kv_budget", "max_fetch_ratio", "budget_growth", "exact_first", "dense_layers", "remainder",
               "remainder_from")
 # perplexity within 0.5% of the full cache's on the calibration tokens: half the 1% a user is promised, as a margin
@@ -213,7 +213,7 @@ class InfiniGenState:
     # dense_below: (positions of the pass last asked, per token of the pass the fewest and the most cached
     # tokens of a row), read to the host once per pass
     lengths: tuple = (None, (), ())
-    # `remainder` (issue 19, item 2), where this session can keep it (no sliding window, no pool limit): per
+    # `remainder`, where this session can keep it (no sliding window, no pool limit): per
     # selecting layer the sum of the values of every cached entry [B, Hkv, d] float32 and their count [B, Hkv],
     # kept in fast memory; the unread entries' log-mass of the rows last selected, until the runtime asks
     with_rest: bool = False
@@ -240,7 +240,7 @@ class InfiniGen(Policy):
     # unless this session selects with each layer's own query (`query`): then nothing is known ahead
     needs_query = False
 
-    # "default" (calibrated per model, issue 19), "flat" (issue 3), "budget" (issue 12) or "paper"; knobs left
+    # "default" (calibrated per model), "flat" (a flat cap), "budget" (one shrinking bound) or "paper"; knobs left
     # None come from it
     preset: str = "default"
     alpha: float | None = None  # select tokens whose speculated score > max - alpha (None: the preset's, per arch)
@@ -252,7 +252,7 @@ class InfiniGen(Policy):
     # selection unit, in consecutive slots per KV head (budget "layer"): a block is read whole when any of its
     # tokens is chosen, blocks ranked by their speculated mass; 1: single tokens. 16 float32 rows at d 64
     # would be one 4 KB page of a pool file laid out per KV head: measured to cost too much accuracy for
-    # what it saves on this machine's disk (README, issue 9's disk target), so a knob for experiments
+    # what it saves on this machine's disk (results/offload.md), so a knob for experiments
     block: int = 1
     # layers attending densely (layer 0 too unless exact_first: nothing precedes it)
     dense_layers: tuple[int, ...] | None = None
@@ -276,13 +276,13 @@ class InfiniGen(Policy):
     # default preset's is measured on this machine by `prepare` (policies/crossing.py) and applies where the
     # KV is in fast memory; before `prepare`, 0
     dense_below: int | None = None
-    # issue 19: `prepare` chooses this model's alpha, kv_budget (growth 0.5) and layer-0 treatment on held-apart
+    # `prepare` chooses this model's alpha, kv_budget (growth 0.5) and layer-0 treatment on held-apart
     # calibration tokens (policies/calibrate.py); a knob of CALIBRATED the caller sets is kept as set
     calibrate: bool | None = None
     calibrate_target: float | None = None  # relative perplexity over the full cache allowed (None: 0.5%)
     calibrate_bound: float | None = None  # all-layer KV share at budget_ref tokens, at most (None: 20%)
     calibrate_text: str | None = None  # file or corpus name (None: mansfieldpark, apart from the skew's emma)
-    # issue 19, item 2: add what the selection leaves unread, estimated from the speculation scores (which cover
+    # add what the selection leaves unread, estimated from the speculation scores (which cover
     # every cached token) and a running sum of the values per KV head kept in fast memory (`remainder`)
     # (None: the preset's; off where the speculation keys are partial columns, whose scores are not on the
     # attention's scale)
@@ -492,7 +492,7 @@ class InfiniGen(Policy):
         object.__setattr__(self, "dense_below", memo[key]["dense_below"])
         object.__setattr__(self, "crossing", dict(memo[key]))
 
-    # ---- per-model calibration (issue 19) -----------------------------------------------------------
+    # ---- per-model calibration -----------------------------------------------------------
     def _calibration_setup(self, model) -> dict:
         """What the search varies and what it keeps, for `model`: a function of the caller's knobs only."""
         from .calibrate import ALPHA_HIGH, ALPHA_LOW
@@ -894,7 +894,7 @@ class InfiniGen(Policy):
             st.ready.add(target)
 
     def _layer0_ahead(self, h, session) -> None:
-        """exact_first (issue 19, item 3): layer 0's exact query is known once a decoding step's tokens are
+        """exact_first: layer 0's exact query is known once a decoding step's tokens are
         embedded (its input is the embedding, normed), so its selection is made then and placement fetches
         layer 0's rows while nothing else waits: every layer is then prefetched on an offloaded tier. The
         same query as the layer's own (the same projection of the same input), so the same selection."""
