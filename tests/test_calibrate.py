@@ -420,3 +420,28 @@ def test_progress_callback_counts_passes_with_an_eta(peaked, text):
     assert done[0] == 0 and passes[0][3] is None and done == sorted(done)
     assert done[-1] == passes[-1][2] == 1 + len(pol.calibration["trials"])  # the reference and each candidate
     assert all(s[3] is not None and s[3] >= 0 for s in passes[1:]) and passes[-1][3] == 0
+
+
+def test_shipped_choice_found_behind_a_cached_skew_without_it(cli, tiny_checkpoint, text_file, tmp_path,
+                                                               monkeypatch):
+    """A cache holding this model's skew but not the choice (an interrupted calibration, an earlier version's
+    artifact): the package's artifact that holds the choice is used, its matrices with it, never searched."""
+    from infinigen import skew as skew_module
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    knobs = [a for k, v in _file_knobs(text_file).items() for a in ("--knob", f"{k}={v}")]
+    out = tmp_path / "shipped"
+    out.mkdir()
+    code, _, err = cli("calibrate", "--model", tiny_checkpoint, *knobs, "--out", out)
+    assert code == 0, err
+    monkeypatch.setattr(skew_module, "shipped_calibration_dir", lambda: out)
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "user"))
+    search = cal.search
+    monkeypatch.setattr(cal, "search", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    code, _, _ = cli("calibrate", "--model", tiny_checkpoint, *knobs, "--force")
+    assert code == 130  # the user's cache: the skew computed, no choice in it
+    (cached,) = (tmp_path / "user" / "skew").iterdir()
+    assert not any(k.startswith("calibration-") for k in Skew.load(cached).meta)
+    monkeypatch.setattr(cal, "search", lambda *a, **k: pytest.fail("the shipped setting was searched again"))
+    code, stdout, err = cli("calibrate", "--model", tiny_checkpoint, *knobs, "--json")
+    assert code == 0 and json.loads(stdout)["source"] == "shipped", err
+    monkeypatch.setattr(cal, "search", search)

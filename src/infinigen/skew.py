@@ -408,6 +408,7 @@ def load_or_compute_skew(model, tokenizer, calib: str | os.PathLike | None = Non
                         calibration=str(path_text), calibration_sha=path.stem.split("-")[-2])
     bar.finish()
     skew.save(path)
+    skew.computed_now = True  # computed on request (`force`): nothing shipped stands in for it
     return skew
 
 
@@ -436,6 +437,23 @@ def shipped_calibration_dir() -> Path:
     fingerprint of the model they were made on, and never applied to another."""
     from .paths import PACKAGE_DATA
     return PACKAGE_DATA / "calibration"
+
+
+def shipped_holding(model, name: str) -> Skew | None:
+    """The package's artifact for `model` whose metadata holds `name` (a calibrated choice), or None."""
+    try:
+        fp = model_fingerprint(model)
+    except ValueError:
+        return None
+    folder = shipped_calibration_dir()
+    for p in sorted(folder.glob(f"{fp}-*.safetensors")) if folder.is_dir() else ():
+        try:
+            skew = Skew.load(p, shipped=True)
+        except UserError:
+            continue
+        if skew.meta.get("fingerprint") == fp and signature_matches(skew.meta, model) and name in skew.meta:
+            return skew
+    return None
 
 
 def find_cached_skew(model) -> Skew | None:

@@ -543,7 +543,7 @@ class InfiniGen(Policy):
         import sys
 
         from ..paths import load_text
-        from ..skew import model_fingerprint, remember
+        from ..skew import model_fingerprint, remember, shipped_holding
         from . import calibrate as cal
         setup = self._calibration_setup(model)
         target = self.calibrate_target or CALIBRATE_TARGET
@@ -576,11 +576,21 @@ class InfiniGen(Policy):
         choice, source = memo.get(key, (None, None))
         meta = getattr(skew, "meta", None)
         name = f"calibration-{key}"
-        if choice is None and meta is not None and name in meta:
+        # the skew in use holds the choice, else the package's artifact for this model does (a cache written by an
+        # earlier version holds other matrices): then the package's matrices and choice are used together
+        twin = None
+        if meta is not None and name not in meta and not getattr(skew, "computed_now", False):
+            twin = shipped_holding(model, name)  # the key names the skew's calibration text too
+        for found in (skew, twin):
+            found_meta = getattr(found, "meta", None)
+            if choice is not None or found_meta is None or name not in found_meta:
+                continue
             try:
-                choice = cal.Choice.from_dict(json.loads(meta[name]), key, set(CALIBRATED))
+                choice = cal.Choice.from_dict(json.loads(found_meta[name]), key, set(CALIBRATED))
                 self._candidate(model, choice.knobs, setup["growth"])  # knobs a policy accepts
-                source = "shipped" if getattr(skew, "shipped", False) else "cached"
+                source = "shipped" if getattr(found, "shipped", False) else "cached"
+                if found is twin:
+                    _SKEWS.setdefault(model, {})[self.calib] = twin
             except (ValueError, TypeError, KeyError, UserError):
                 choice = None  # foreign or broken metadata: search again, never trust it
         if choice is None:
