@@ -68,6 +68,8 @@ def ppl(runs: Path, model: str, text: str, ctx: int, prefill: int, row: str, kno
            "--text", text, "--ctx", str(ctx), "--prefill", str(prefill), "--json", str(out) + ".part"]
     if row == "offload":
         cmd += ["--kv-offload", "cpu"]
+    if policy == "infinigen":
+        cmd += ["--knob", "dense_below=0"]  # the selection's accuracy at every length, whatever pays on this machine
     for k in knobs:
         cmd += ["--knob", k]
     print(" ".join(cmd[1:]), flush=True)

@@ -117,6 +117,8 @@ class Runner:
     def run(self, label: str, policy: str, capacity=None, eviction="counter", **knobs) -> dict:
         if "calib" in knob_types(policy):
             knobs.setdefault("calib", self.args.calib)
+        if "dense_below" in knob_types(policy):
+            knobs.setdefault("dense_below", 0)  # the selection's accuracy at every length
         pol = make_policy(policy, **knobs).prepare(self.model, self.tok)  # InfiniGen: the skew of --calib (cached)
         settings = pol.settings(self.model)
         code = ["infinigen.model", "infinigen.cache", "infinigen.eval.ppl", type(pol).__module__]

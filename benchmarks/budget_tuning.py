@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                 label, policy, knobs = CONFIGS[c]
                 if policy == "infinigen":
                     # a config's own budget wins
-                    knobs = dict(dict(kv_budget=args.kv_budget, calib=args.calib), **knobs)
+                    knobs = dict(dict(kv_budget=args.kv_budget, calib=args.calib, dense_below=0), **knobs)
                 pol = make_policy(policy, **knobs).prepare(model, tok)
                 t0 = time.perf_counter()
                 r = perplexity(model, tok, None, pol, prefill=args.prefill, tokens=ids, placement=Placement())

@@ -61,7 +61,7 @@ def main() -> None:
     for cell in a.cells.split(","):
         length, batch = map(int, cell.split("x"))
         tokens = torch.stack([ids[i * 97:i * 97 + length] for i in range(batch)])  # rows 97 tokens apart
-        knobs = {} if a.calibrate else {"calibrate": False}
+        knobs = {"dense_below": 0} if a.calibrate else {"calibrate": False, "dense_below": 0}
         pols = [make_policy("full")] + [make_policy("infinigen", **knobs).prepare(model, tok) for _ in range(2)]
         fused = [True, False, True]
         logits, sessions = prefill_shared(model, tokens, pols, length + a.gen + a.breakdown + 2)

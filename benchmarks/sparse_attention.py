@@ -41,7 +41,7 @@ def main() -> None:
     for cell in a.cells.split(","):
         length, batch = map(int, cell.split("x"))
         tokens = torch.stack([ids[i * 97:i * 97 + length] for i in range(batch)])  # rows 97 tokens apart
-        pols = [make_policy("full")] + [make_policy("infinigen").prepare(model, tok) for _ in range(2)]
+        pols = [make_policy("full")] + [make_policy("infinigen", dense_below=0).prepare(model, tok) for _ in range(2)]
         names = ["full", "infinigen reference", "infinigen packed rows"]
         logits, sessions = prefill_shared(model, tokens, pols, length + a.gen + a.breakdown)
         sessions[1].read_rows = False
