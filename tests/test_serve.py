@@ -91,6 +91,8 @@ def test_engine_batches_equal_alone(make_tiny, policy, offload, monkeypatch):
     monkeypatch.setattr(runtime, "attend_step", counted(runtime.attend_step))
     monkeypatch.setattr(runtime, "attend_all", counted(runtime.attend_all))
     monkeypatch.setattr(runtime, "attend_masked", counted(runtime.attend_masked))
+    # one request selecting alone attends over its rows in the fused kernel, where it is built
+    monkeypatch.setattr(runtime.fused_select, "attend_rows", counted(runtime.fused_select.attend_rows))
     monkeypatch.setattr(runtime, "prefill_in_slices", counted_prefill)
     batched = []
 

@@ -192,4 +192,4 @@ def test_a_failure_while_warming_up_is_one_line(cli, tiny_checkpoint, monkeypatc
     code, _, err = cli("serve", "--model", tiny_checkpoint, "--port", 0, "--compile", "off")
     assert code == 1
     assert _progress_then_error(err) == "infinigen: error: warming up failed: RuntimeError: a step broke"
-    assert threading.active_count() < 20 and not any(t.name == "infinigen-http" for t in threading.enumerate())
+    assert not any(t.name == "infinigen-http" for t in threading.enumerate())  # the server's thread is gone
