@@ -150,3 +150,20 @@ def load_text(text: str | os.PathLike | None, default: str | None = None) -> str
     if not body.strip():
         raise UserError(f"{path} is empty")
     return body
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` completely or not at all (a temp file beside it, renamed into place)."""
+    path = Path(path).expanduser()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}")

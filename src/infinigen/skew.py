@@ -168,6 +168,15 @@ def model_fingerprint(model) -> str:
 SIGNATURE_TOL = 0.05  # relative: int4 re-quantization moves these norms by well under 1%
 
 
+
+def key_fingerprint(model) -> str:
+    """`model_fingerprint`, or for a skew-folded model (whose weights no longer show it) its skew's: what the
+    settings derived from a model (InfiniGen's calibration, the measured crossing) are keyed by."""
+    try:
+        return model_fingerprint(model)
+    except ValueError:
+        return str(getattr(getattr(model, "skew_folded", None), "meta", {}).get("fingerprint"))
+
 def weight_signature(model) -> list[float]:
     """The norm of each layer's query and key projection weights: within SIGNATURE_TOL of each other in every
     dtype and weight mode of one model file, so an artifact is not taken for a model whose weights were

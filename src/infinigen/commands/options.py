@@ -17,6 +17,7 @@ from typing import Any
 import typer
 
 from ..errors import UserError
+from ..paths import write_atomic
 
 DEVICES = ("cpu", "cuda")
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -198,23 +199,6 @@ def plot_formats() -> tuple[str, ...]:
     """File suffixes matplotlib can write."""
     from matplotlib.backend_bases import FigureCanvasBase
     return tuple(sorted(FigureCanvasBase.get_supported_filetypes()))
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` completely or not at all (a temp file beside it, renamed into place)."""
-    path = Path(path).expanduser()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror or e}")
 
 
 PARTIAL_FOLDER = ".infinigen-partial-"  # + pid: a folder being written by `atomic_folder`

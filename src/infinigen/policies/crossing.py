@@ -21,16 +21,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from ..paths import cache_dir
+from ..errors import UserError
+from ..paths import cache_dir, write_atomic
 
 FORMAT = 1
 # the lengths measured, as shares of the model's context (at most MAX_LENGTH): the chat case's 512 tokens, a
@@ -67,14 +66,11 @@ def _weights(model) -> list[str]:
 
 def crossing_key(model, policy) -> dict:
     """Everything the crossing depends on: the model, the policy's settings but `dense_below` itself, the machine."""
-    from ..skew import model_fingerprint
-    try:
-        fingerprint = model_fingerprint(model)
-    except ValueError:  # a skew-folded model: its skew's fingerprint
-        fingerprint = str(getattr(getattr(model, "skew_folded", None), "meta", {}).get("fingerprint"))
+    from ..skew import key_fingerprint
     settings = {k: v for k, v in policy.settings(model).items() if k not in ("dense_below", "calibration",
                                                                             "crossing", "dense_below_source")}
-    return {"format": FORMAT, "fingerprint": fingerprint, "dtype": str(model.dtype), "device": str(model.device),
+    return {"format": FORMAT, "fingerprint": key_fingerprint(model), "dtype": str(model.dtype),
+            "device": str(model.device),
             "weights": _weights(model), "compiled": getattr(model, "step_parts", None) is not None,
             "policy": json.loads(json.dumps(settings, sort_keys=True, default=str)), "batch": BATCH,
             "machine": _machine()}
@@ -102,14 +98,9 @@ def load(key: dict) -> dict | None:
 def store(key: dict, record: dict) -> None:
     """Write the record atomically (a temporary file renamed into place); a cache that cannot be written keeps
     nothing: the next run measures again."""
-    path = _path(key)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".partial-{os.getpid()}-")
-        with os.fdopen(fd, "w") as f:
-            json.dump({**record, "key": key}, f, indent=1)
-        os.replace(tmp, path)
-    except OSError:
+        write_atomic(_path(key), json.dumps({**record, "key": key}, indent=1))
+    except UserError:
         pass
 
 

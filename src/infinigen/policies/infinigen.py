@@ -543,7 +543,7 @@ class InfiniGen(Policy):
         import sys
 
         from ..paths import load_text
-        from ..skew import model_fingerprint, remember, shipped_holding
+        from ..skew import key_fingerprint, remember, shipped_holding
         from . import calibrate as cal
         setup = self._calibration_setup(model)
         target = self.calibrate_target or CALIBRATE_TARGET
@@ -561,11 +561,7 @@ class InfiniGen(Policy):
             raise UserError(f"budget_ref ({ref}) exceeds the model's {model.cfg.max_position} positions: "
                             "calibration runs over budget_ref tokens")
         skew = _SKEWS.get(model, {}).get(self.calib) if self._needs_skew(model) else None
-        try:
-            fp = model_fingerprint(model)
-        except ValueError:  # a skew-folded model: its skew's fingerprint
-            fp = str(getattr(getattr(model, "skew_folded", None), "meta", {}).get("fingerprint"))
-        what = {"format": cal.FORMAT, "fingerprint": fp, "target": target,
+        what = {"format": cal.FORMAT, "fingerprint": key_fingerprint(model), "target": target,
                 "bound": bound, "ref": ref, "text": text, "setup": {k: v for k, v in setup.items() if k != "fixed"},
                 "fixed": {k: str(v) for k, v in sorted(setup["fixed"].items())},
                 "tokens": None if tokens is None else hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}
