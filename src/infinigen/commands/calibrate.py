@@ -50,12 +50,11 @@ def calibrate(
     target = _out_file(out)
     from ..skew import calibration_text, load_or_compute_skew
     calibration_text(pol.calib)  # a missing, binary or empty text fails before the model loads
+    from ..policies.infinigen import _SKEWS
     net, tok, name = load_model(model, dtype, device, weights)
     if force:
-        from ..policies.infinigen import _SKEWS
         _SKEWS.setdefault(net, {})[pol.calib] = load_or_compute_skew(net, tok, pol.calib, force=True, progress=True)
     pol.prepare(net, tok, progress=True)
-    from ..policies.infinigen import _SKEWS
     skew = _SKEWS[net][pol.calib]
     record = pol.settings(net)["calibration"]
     written = None
