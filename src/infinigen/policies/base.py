@@ -170,9 +170,10 @@ class Policy:
         """How keys and values are stored (None: as computed)."""
         return None
 
-    def prepare(self, model, tokenizer=None, progress: bool = False) -> "Policy":
+    def prepare(self, model, tokenizer=None, progress: bool = False, longest: int | None = None) -> "Policy":
         """Model-wide setup before the first session (InfiniGen: load or compute the skew matrices).
-        Idempotent; returns self."""
+        `longest`: the most tokens a session of this run will cache, when the caller knows it (None: up to the
+        model's context). Idempotent; returns self."""
         return self
 
     def begin(self, model, session) -> object:
