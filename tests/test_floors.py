@@ -12,10 +12,11 @@ PACKAGE = Path(infinigen.__file__).parent
 
 # lowest first; a module's floor is the first pattern it matches
 FLOORS = [
-    ("ground", ["errors", "config", "codecs", "selection", "memory", "paths", "sizes", "membound", "kernels",
+    ("ground", ["errors", "config", "codecs", "selection", "memory", "paths", "sizes", "membound", "machine",
+                "precision", "kernels",
                 "kernels.*", "policies.budgets"]),
     ("stores and the policy interface", ["cache", "pool", "policies.base"]),
-    ("network", ["model", "loading"]),
+    ("network", ["model", "checkpoints", "quantized", "gguf_model", "loading"]),
     ("step", ["runtime", "compiled"]),
     ("placement", ["placement", "placement.*"]),
     ("calibration", ["skew"]),

@@ -223,13 +223,13 @@ def _model_config(model: str):
     from transformers import AutoConfig
 
     from ..config import ModelConfig
-    from ..loading import _convert_gguf, default_gguf
+    from ..loading import convert_gguf, default_gguf
     path = default_gguf() if model in ("", "default") else Path(model).expanduser()
     if path.is_dir() and not (path / "config.json").exists():
         path = next(iter(sorted(path.glob("*.gguf"))), path)
     try:
         if path.is_file() and path.suffix == ".gguf":
-            path = _convert_gguf(path, progress=False)
+            path = convert_gguf(path, progress=False)
         return ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
     except (OSError, ValueError, UserError):
         return None
