@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..machine import cpu_flags
 from ..paths import writable_cache
 
 _SOURCE = Path(__file__).with_name("fused_select.cpp")
@@ -30,14 +31,7 @@ enabled = True  # False: callers take the torch path (benchmarks compare the two
 
 def _cpu_key() -> str:
     """A short hash of what the native build depends on: torch, the machine and the CPU's flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        pass
+    flags = " ".join(sorted(cpu_flags()))
     text = f"{torch.__version__}|{platform.machine()}|{flags}|{_SOURCE.read_bytes().hex()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from .. import machine
 from ..errors import UserError
 from ..paths import cache_dir, write_atomic
 
@@ -42,16 +42,8 @@ BATCH = 1
 
 
 def _machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    flags = ""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = text.splitlines()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
-        flags = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("flags")), "")
-    except OSError:
-        pass
-    out = {"cpu": cpu, "cpu_flags": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12],
+    cpu, flags = machine.cpu_name(), machine.cpu_flags()
+    out = {"cpu": cpu, "cpu_flags": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12],
            "threads": torch.get_num_threads(), "torch": torch.__version__}
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
