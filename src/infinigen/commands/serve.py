@@ -25,8 +25,8 @@ import typer
 
 from ..errors import UserError
 from ..policies import REGISTRY
-from ..serve.config import OFFLOADS, ServerConfig
-from .options import (check_compile_option, check_model_options, check_policies_fit, check_range, compile_option,
+from ..serve.config import ServerConfig
+from .options import (check_compile_option, check_model_options, check_policies_fit, compile_option,
                       device_option, dtype_option, enable_compile, knob_option, make_policy_from_cli, model_option,
                       prepare_policies, resolve_dtype)
 from .placement_opts import parse_bytes
