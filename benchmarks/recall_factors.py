@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -170,7 +169,8 @@ def study(model, tok, ids, prefill: int, share: float, stride: int, groups, matr
     for (qname, kname, how), acc in stats.items():
         out.append({"query": qname, "keys": kname, "pooling": how,
                     "recall": sum(acc["recall"]) / len(acc["recall"]), "mass": sum(acc["mass"]) / len(acc["mass"]),
-                    "mass_top": sum(acc["top"]) / len(acc["top"]), "min_layer_recall": min(acc["layer_recall"].values()),
+                    "mass_top": sum(acc["top"]) / len(acc["top"]),
+                    "min_layer_recall": min(acc["layer_recall"].values()),
                     "layer_recall": acc["layer_recall"]})
     return out
 
@@ -193,9 +193,9 @@ def main(argv=None) -> int:
         ids = torch.randint(3, 500, (1, a.tokens), generator=torch.Generator().manual_seed(0))
         text = "random tokens"
     else:
+        from infinigen.eval.ppl import token_windows
         from infinigen.paths import load_text
-        body = load_text(a.text)
-        ids = torch.tensor([tok(body[: 12 * a.tokens + 1000], add_special_tokens=False)["input_ids"][:a.tokens]])
+        ids = token_windows(tok, load_text(a.text), a.tokens)  # the window `infinigen ppl` scores
         text = a.text
     start = time.perf_counter()
     rows = study(model, tok, ids, a.prefill, a.share, a.stride, [int(x) for x in a.groups.split(",")],

@@ -72,7 +72,12 @@ def analyze_cmd(
     check_context(net, tokens, "--tokens")
     from ..policies import make_policy
     check_policies_fit(make_policy("infinigen", **knobs), net)
-    ids = tok(body[: 12 * (tokens + offset) + 1000], add_special_tokens=False)["input_ids"][offset:offset + tokens]
+    # as `infinigen ppl` reads a window: BOS first where the tokenizer starts every input with it (Gemma)
+    from ..eval.ppl import _leading_bos
+    bos = _leading_bos(tok)
+    per = tokens - (bos is not None)
+    ids = tok(body[: 12 * (tokens + offset) + 1000], add_special_tokens=False)["input_ids"][offset:offset + per]
+    ids = ([] if bos is None else [bos]) + ids
     if len(ids) < tokens:
         raise UserError(f"the text has fewer than {tokens + offset} tokens")
     ids = torch.tensor([ids], device=net.device)
