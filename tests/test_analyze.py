@@ -184,3 +184,30 @@ def test_recall_forms_use_the_query_of_their_tier(tiny):
     for form in ("in_ram", "offloaded"):
         m = rec[form]["mean"]
         assert 0 < m["recall"] < 1 and m["mass_read"] <= m["mass_top"] + 1e-6 and m["read_share"] < 0.6
+
+
+def test_cli_recall_and_the_window_as_ppl_reads_it(tiny_checkpoint, tmp_path, monkeypatch):
+    """`--only recall` writes recall.json beside analyze.md; the window is the one `infinigen ppl` reads: BOS
+    first where the tokenizer starts every input with it, then tokens - 1 of the text."""
+    import json
+
+    import infinigen.eval.ppl as ppl
+    from infinigen.cli import main
+    text = tmp_path / "t.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 40)
+    out = tmp_path / "out"
+    assert main(["analyze", "--model", str(tiny_checkpoint), "--text", str(text), "--tokens", "64", "--prefill", "16",
+                 "--only", "recall", "--knob", "preset=default", "--knob", "calibrate=false", "--knob", "dense_below=0",
+                 "--knob", "skew=false", "--out", str(out)]) == 0
+    rec = json.loads((out / "recall.json").read_text())
+    assert rec["tokens"] == 64 and rec["in_ram"]["layers"] and "Recall" in (out / "analyze.md").read_text()
+    seen = []
+    monkeypatch.setattr(an, "run", lambda model, tok, ids, *a, **k: seen.append((ids, tok)) or "")
+    for bos in (None, 7):
+        monkeypatch.setattr(ppl, "_leading_bos", lambda tok, bos=bos: bos)
+        assert main(["analyze", "--model", str(tiny_checkpoint), "--text", str(text), "--tokens", "64",
+                     "--prefill", "16", "--only", "table1", "--out", str(tmp_path / f"o{bos}")]) == 0
+    (plain, tok), (with_bos, _) = seen
+    body = tok(text.read_text(), add_special_tokens=False)["input_ids"]
+    assert plain.shape == with_bos.shape == (1, 64)
+    assert plain[0].tolist() == body[:64] and with_bos[0].tolist() == [7] + body[:63]
