@@ -79,8 +79,11 @@ def test_run_writes_every_figure(tiny, tmp_path):
                 "fig17_sensitivity", "fig13_skewing"):
         assert (tmp_path / f"{png}.png").read_bytes()[:4] == b"\x89PNG", png
         assert f"({png}.png)" in report
-    for heading in ("Table 1", "Figure 3", "Figure 5", "Figure 17", "Figure 13", "alpha of the maximum"):
+    for heading in ("Table 1", "Figure 3", "Figure 5", "Figure 17", "Figure 13", "alpha of the maximum", "Recall"):
         assert heading in report
+    import json
+    rec = json.loads((tmp_path / "recall.json").read_text())
+    assert rec["tokens"] == 96 and {"full", "in_ram", "offloaded"} <= set(rec) and rec["in_ram"]["layers"]
     assert (tmp_path / "analyze.md").read_text() == report
     # an unlimited alpha with every column reads all tokens: the full-cache perplexity (exactness)
     full = an._ppl(model, None, ids, make_policy("full"), 32).perplexity
@@ -115,3 +118,96 @@ def test_default_model_table1(default_model):
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("tblock_in", "attn_out", "ffn_out")}
     assert (mean["tblock_in"] > 0.8 and mean["tblock_in"] > mean["attn_out"] + 0.3
             and mean["tblock_in"] > mean["ffn_out"] + 0.3)
+
+
+# ---- recall: the selection against the true top entries ------------------------------------------------
+def _in_ram():
+    from infinigen.placement import Placement
+    return {"in_ram": Placement()}
+
+
+def test_recall_of_an_unlimited_selection_is_one_and_its_mass_is_the_attentions(tiny):
+    """Every entry read: recall 1, both sets cover the past's whole attention, which matches transformers'
+    eager weights (1 - each row's weight on its own token, averaged over the KV head's query heads), in fast
+    memory and offloaded; the perplexity is the full cache's."""
+    hf, model, ids = tiny
+    pol = make_policy("infinigen", preset="paper", dense_layers=(), exact_first=True, skew=False, alpha=1e9,
+                      max_fetch_ratio=1.0)
+    pol.prepare(model, None)
+    rec = an.selection_recall(model, ids, pol, prefill=32)
+    with torch.no_grad():
+        attn = hf(ids, output_attentions=True).attentions
+    c = model.cfg
+    g = c.num_heads // c.num_kv_heads
+    for form in ("in_ram", "offloaded"):
+        r = rec[form]
+        assert r["perplexity"] == pytest.approx(rec["full"]["perplexity"], rel=1e-4)
+        assert [(x["layer"], x["kv_head"]) for x in r["layers"]] == [(i, j) for i in range(3) for j in range(2)]
+        for x in r["layers"]:
+            assert x["rows"] == ids.shape[1] - 32
+            assert x["recall"] == pytest.approx(1.0) and x["read_share"] == pytest.approx(1.0)
+            own = attn[x["layer"]][0, x["kv_head"] * g:(x["kv_head"] + 1) * g].diagonal(dim1=-2, dim2=-1)[:, 32:]
+            past = (1 - own).mean().item()
+            for k in ("mass_read", "mass_top", "mass_past"):
+                assert x[k] == pytest.approx(past, abs=1e-5), k
+
+
+def test_recall_finds_a_reversed_ranking(make_tiny):
+    """One query head per KV head: the oracle's top set is the reference's own (recall 1); the same count
+    ranked backwards (the least attended entries) has low recall and covers less mass."""
+    from infinigen.policies.oracle import Oracle
+
+    class Reversed(Oracle):
+        def _choose(self, s, past, s_cur, n_past):
+            return super()._choose(-s, past, s_cur, n_past)
+
+    _, model = make_tiny("llama", num_hidden_layers=2, num_key_value_heads=8)
+    ids = torch.randint(3, 250, (1, 128), generator=torch.Generator().manual_seed(1))
+    best = an.selection_recall(model, ids, make_policy("oracle", ratio=0.25), 32, forms=_in_ram())["in_ram"]
+    worst = an.selection_recall(model, ids, Reversed(ratio=0.25), 32, forms=_in_ram())["in_ram"]
+    assert len(best["layers"]) == 2 * 8
+    for b, w in zip(best["layers"], worst["layers"]):
+        assert b["read_share"] == pytest.approx(w["read_share"]) and 0.2 < b["read_share"] < 0.26
+        assert b["recall"] == pytest.approx(1.0)
+        assert b["mass_read"] == pytest.approx(b["mass_top"])
+        assert w["recall"] < 0.1 and w["mass_read"] < 0.5 * w["mass_top"]
+
+
+def test_recall_forms_use_the_query_of_their_tier(tiny):
+    """The default preset selects with each layer's own query in fast memory and speculates a layer ahead
+    offloaded; with a cap both read about the same share and rank below the top set."""
+    _, model, ids = tiny
+    pol = make_policy("infinigen", calibrate=False, dense_below=0, skew=False, kv_budget=0.3, budget_growth=1.0)
+    pol.prepare(model, None)
+    rec = an.selection_recall(model, ids, pol, prefill=32)
+    assert rec["in_ram"]["query"] == "own" and rec["offloaded"]["query"] == "ahead"
+    for form in ("in_ram", "offloaded"):
+        m = rec[form]["mean"]
+        assert 0 < m["recall"] < 1 and m["mass_read"] <= m["mass_top"] + 1e-6 and m["read_share"] < 0.6
+
+
+def test_cli_recall_and_the_window_as_ppl_reads_it(tiny_checkpoint, tmp_path, monkeypatch):
+    """`--only recall` writes recall.json beside analyze.md; the window is the one `infinigen ppl` reads: BOS
+    first where the tokenizer starts every input with it, then tokens - 1 of the text."""
+    import json
+
+    import infinigen.eval.ppl as ppl
+    from infinigen.cli import main
+    text = tmp_path / "t.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune. " * 40)
+    out = tmp_path / "out"
+    assert main(["analyze", "--model", str(tiny_checkpoint), "--text", str(text), "--tokens", "64", "--prefill", "16",
+                 "--only", "recall", "--knob", "preset=default", "--knob", "calibrate=false", "--knob", "dense_below=0",
+                 "--knob", "skew=false", "--out", str(out)]) == 0
+    rec = json.loads((out / "recall.json").read_text())
+    assert rec["tokens"] == 64 and rec["in_ram"]["layers"] and "Recall" in (out / "analyze.md").read_text()
+    seen = []
+    monkeypatch.setattr(an, "run", lambda model, tok, ids, *a, **k: seen.append((ids, tok)) or "")
+    for bos in (None, 7):
+        monkeypatch.setattr(ppl, "_leading_bos", lambda tok, bos=bos: bos)
+        assert main(["analyze", "--model", str(tiny_checkpoint), "--text", str(text), "--tokens", "64",
+                     "--prefill", "16", "--only", "table1", "--out", str(tmp_path / f"o{bos}")]) == 0
+    (plain, tok), (with_bos, _) = seen
+    body = tok(text.read_text(), add_special_tokens=False)["input_ids"]
+    assert plain.shape == with_bos.shape == (1, 64)
+    assert plain[0].tolist() == body[:64] and with_bos[0].tolist() == [7] + body[:63]

@@ -129,13 +129,14 @@ def test_below_threshold_is_the_full_cache_without_speculation(make_tiny, monkey
 
 
 # ---- crossing the threshold ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("key_mode,budget,exact_first", [("int4", "layer", False), ("partial", "mean", False),
-                                                         ("int4", "union", True)])
-def test_crossing_mid_decode_equals_teacher_forced(make_tiny, key_mode, budget, exact_first):
+@pytest.mark.parametrize("key_mode,budget,exact_first,centre", [
+    ("int4", "layer", False, False), ("partial", "mean", False, False), ("int4", "union", True, False),
+    ("int4", "layer", True, True)])  # centred keys: the mean of the keys cached when the keys are first packed
+def test_crossing_mid_decode_equals_teacher_forced(make_tiny, key_mode, budget, exact_first, centre):
     _, model = make_tiny("llama", num_hidden_layers=3)
     tokens = _tokens(model)
     below = 20  # rows at positions 12..19 read densely, 20..34 select
-    knobs = dict(key_mode=key_mode, budget=budget, exact_first=exact_first, dense_below=below)
+    knobs = dict(key_mode=key_mode, budget=budget, exact_first=exact_first, dense_below=below, key_centre=centre)
     vec = _Reads()
     s_vec = Placement().new_session(model, 2, T, _policy(model, **knobs), listeners=[vec])
     out_vec = runtime.teacher_forced(model, tokens, P, s_vec)

@@ -67,8 +67,9 @@ def test_unlimited_budget_equals_dense(tiny):
 
 
 @pytest.mark.parametrize("knobs", [LIMITED, dict(preset="flat", alpha=2.0, min_fetch=0, dense_layers=(), skew=False),
-                                   dict(preset="budget", kv_budget=0.3, budget_ref=20, min_fetch=0, skew=False)],
-                         ids=["cap", "alpha", "budget-preset"])
+                                   dict(preset="budget", kv_budget=0.3, budget_ref=20, min_fetch=0, skew=False),
+                                   dict(LIMITED, key_centre=True)],
+                         ids=["cap", "alpha", "budget-preset", "centred-keys"])
 def test_decoding_equals_teacher_forced(tiny, knobs):
     tokens = _tokens(tiny)
     tf, _ = _teacher(tiny, make_policy("infinigen", remainder=True, **knobs), tokens)

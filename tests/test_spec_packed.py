@@ -55,7 +55,7 @@ def test_packed_scores_equal_fake_quantization(make_tiny, layout):
 # order (1e-7 in float32, more in bfloat16), and 4-bit codes turn such a difference into a whole code step
 # now and then (seen at head_dim 32); in float64 the speculation's float32 inputs are the same bits on every
 # path, so any difference left would be the speculation's own.
-@pytest.mark.parametrize("key_mode", ["int4", "partial"])
+@pytest.mark.parametrize("key_mode", ["int4", "partial", "int4-centred"])
 @pytest.mark.parametrize("layout", LAYOUTS, indirect=True)
 def test_selections_identical_teacher_replay_decode(make_tiny, layout, key_mode):
     if key_mode == "partial" and layout == "tinygemm":
@@ -63,8 +63,11 @@ def test_selections_identical_teacher_replay_decode(make_tiny, layout, key_mode)
     dtype = torch.float64
     model = _model(make_tiny, dtype)
     tokens = _tokens(model, t=T)
+    centre = key_mode == "int4-centred"
+    key_mode = "int4" if centre else key_mode
     # the selections themselves, bit for bit: without the remainder, whose mixing rounds differently per path
-    knobs = dict(alpha=1.0, max_fetch_ratio=0.3, min_fetch=0, dense_layers=(0,), key_mode=key_mode, remainder=False)
+    knobs = dict(alpha=1.0, max_fetch_ratio=0.3, min_fetch=0, dense_layers=(0,), key_mode=key_mode, remainder=False,
+                 key_centre=centre)
     vec = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))
     runtime.teacher_forced(model, tokens, P, Placement().new_session(model, 2, T, vec))
     rep = _record(make_policy("infinigen", **knobs).with_skew(_mats(model)))

@@ -1,5 +1,5 @@
 """`infinigen analyze`: the paper's analyses (Table 1, Figures 3, 5, 13, 17, the alpha count) as PNGs
-plus a markdown report."""
+plus a markdown report, and the selection's recall against the true top entries (recall.json)."""
 from __future__ import annotations
 
 import math
@@ -28,12 +28,13 @@ def _numbers(text: str, name: str, cast=float) -> tuple:
 
 
 def analyze_cmd(
-    which: str = typer.Option("all", "--only", help="Comma-separated: table1, fig3, fig5, alpha, fig17, fig13 (default all)."),
+    which: str = typer.Option("all", "--only", help="Comma-separated: table1, fig3, fig5, alpha, fig17, fig13, recall (default all)."),
     text: str = typer.Option("prideprejudice", "--text", help="A text file or a bundled novel's name."),
     out: Path = typer.Option(Path("results/analyze"), "--out", help="Folder for the PNGs and analyze.md."),
     tokens: int = typer.Option(1024, "--tokens", help="Tokens of the text to analyse (one window)."),
     offset: int = typer.Option(0, "--offset", help="Skip this many tokens of the text first."),
-    prefill: int = typer.Option(128, "--prefill", help="Dense prompt of the decoding analyses (fig3, fig13, fig17)."),
+    prefill: int = typer.Option(128, "--prefill", help="Dense prompt of the decoding analyses (fig3, fig13, fig17, "
+                                 "recall)."),
     budget: float = typer.Option(0.1, "--budget", **FLOAT, help="fig3: H2O/oracle token budget as a fraction of --tokens."),
     alphas: str = typer.Option("1,2,3,4,5,6,7,8,9", "--alphas", help="fig17: alpha values."),
     ratios: str = typer.Option("0.1,0.2,0.3,0.5,0.7,1.0", "--ratios", help="fig17: partial weight ratios."),
@@ -71,7 +72,12 @@ def analyze_cmd(
     check_context(net, tokens, "--tokens")
     from ..policies import make_policy
     check_policies_fit(make_policy("infinigen", **knobs), net)
-    ids = tok(body[: 12 * (tokens + offset) + 1000], add_special_tokens=False)["input_ids"][offset:offset + tokens]
+    # as `infinigen ppl` reads a window: BOS first where the tokenizer starts every input with it (Gemma)
+    from ..eval.ppl import _leading_bos
+    bos = _leading_bos(tok)
+    per = tokens - (bos is not None)
+    ids = tok(body[: 12 * (tokens + offset) + 1000], add_special_tokens=False)["input_ids"][offset:offset + per]
+    ids = ([] if bos is None else [bos]) + ids
     if len(ids) < tokens:
         raise UserError(f"the text has fewer than {tokens + offset} tokens")
     ids = torch.tensor([ids], device=net.device)

@@ -15,12 +15,18 @@
             (paper Figure 17; the paper's accuracy axis is WinoGrande, ours is perplexity on the text).
   fig13     skewing on and off: perplexity and relative KV size with the dynamic (alpha) budget and with
             a fixed 20% budget (paper Figure 13 uses the fixed budget and lm-eval accuracy).
+  recall    InfiniGen's selection against the true top entries of the same size, per selecting layer and
+            KV head, in fast memory (the query `query` resolves to there: "own" in the default preset) and
+            offloaded (`kv_offload="cpu"`: speculated one layer ahead unless `query="own"`): the share of
+            the selected entries among the top ones (recall), the attention mass each set covers, and each
+            form's perplexity beside the full cache's; also written as recall.json.
 
 All runs use our runtime: prefill or teacher-forced passes over one window of the text; the policies
 come from the registry (`make_policy`), InfiniGen with the paper's settings unless knobs say otherwise.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +38,9 @@ from .. import runtime
 from ..errors import UserError
 from ..placement import Placement
 from ..selection import ALL
+from .recall import FORMS, selection_recall
 
-ANALYSES = ("table1", "fig3", "fig5", "alpha", "fig17", "fig13")
+ANALYSES = ("table1", "fig3", "fig5", "alpha", "fig17", "fig13", "recall")
 ROWS = 256  # query rows per chunk in the prefill statistics
 
 
@@ -213,6 +220,30 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _recall_report(rec: dict, prefill: int, tokens: int) -> list[str]:
+    forms = [f for f in FORMS if f in rec]
+    full = rec["full"]["perplexity"]
+    summary = [[f, rec[f]["query"], rec[f]["kv"], rec[f]["perplexity"],
+                f"{100 * (rec[f]['perplexity'] / full - 1):+.2f}%"]
+               + [rec[f]["mean"][k] for k in ("read_share", "recall", "mass_read", "mass_top")] for f in forms]
+    by_key = {f: {(r["layer"], r["kv_head"]): r for r in rec[f]["layers"]} for f in forms}
+    keys = sorted(set().union(*[set(by_key[f]) for f in forms]))
+    cell = lambda f, key, k: by_key[f][key][k] if key in by_key[f] else "-"  # noqa: E731
+    rows = [[layer, head] + [cell(f, (layer, head), k) for f in forms
+                             for k in ("read_share", "recall", "mass_read", "mass_top")] for layer, head in keys]
+    return [f"## Recall: the selection against the true top entries of the same size (decoding rows {prefill}.."
+            f"{tokens - 1})", "",
+            "Per KV head, an entry's true attention is its query heads' mean softmax probability (the layer's own "
+            "query); \"top\" is the same number of entries with the most of it. recall: the share of the read "
+            "entries among the top ones; mass: the attention each set covers (mean over rows). Full-cache "
+            f"perplexity {full:.3f}.", "",
+            _table(["form", "query", "KV read (all layers)", "perplexity", "vs full", "read share (selecting layers)",
+                    "recall", "mass read", "mass of top"], summary), "",
+            "<details><summary>per layer and KV head</summary>", "",
+            _table(["layer", "KV head"] + [f"{f}: {k}" for f in forms for k in ("read", "recall", "mass", "top mass")],
+                   rows), "", "</details>", ""]
+
+
 @dataclass
 class _Job:
     """One `run`: what every analysis reads, and the folder its figures go to."""
@@ -262,9 +293,23 @@ def run(model, tok, ids: torch.Tensor, out: Path, which=ANALYSES, settings: Sett
             md += _fig17(job, full)
         if "fig13" in which:
             md += _fig13(job, full)
+    if "recall" in which:
+        md += _recall(job, ig_knobs, model_name, text_name)
     report = "\n".join(md)
     (out / "analyze.md").write_text(report)
     return report
+
+
+def _recall(job: _Job, ig_knobs: dict, model_name: str, text_name: str) -> list[str]:
+    from .policyset import prepare
+    pol = _infinigen(ig_knobs, job.st.matrices)
+    prepare({"infinigen": pol}, job.model, job.tok)
+    rec = selection_recall(job.model, job.ids, pol, job.st.prefill)
+    job.tick(1 + len(FORMS))
+    (job.out / "recall.json").write_text(json.dumps(
+        {"model": model_name, "text": text_name, "tokens": job.T, "prefill": job.st.prefill,
+         "settings": pol.settings(job.model), **rec}, indent=1, default=str))
+    return _recall_report(rec, job.st.prefill, job.T)
 
 
 def _table1(job: _Job) -> list[str]:
@@ -474,6 +519,7 @@ def steps(which, settings: Settings) -> int:
     n += 1 if ("fig17" in which or "fig13" in which) else 0
     n += len(settings.alphas) + len(settings.ratios) if "fig17" in which else 0
     n += 4 if "fig13" in which else 0
+    n += 1 + len(FORMS) if "recall" in which else 0
     return n
 
 

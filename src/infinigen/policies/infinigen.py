@@ -222,6 +222,7 @@ class InfiniGenState:
     value_sums: dict = field(default_factory=dict)
     value_counts: dict = field(default_factory=dict)
     rest: dict = field(default_factory=dict)
+    key_mean: dict = field(default_factory=dict)  # key_centre: layer -> [B, Hkv, 1, d] the packed keys' mean key
 
 
 # Skew matrices are a model-wide resource: loaded or computed once per (model, calibration text) by
@@ -259,6 +260,11 @@ class InfiniGen(Policy):
     budget: str | None = None  # "mean" (paper) | "per_head" | "union" | "layer" (see `_choose`)
     spec_input: str | None = None  # "attn_in" (paper) | "attn_out"
     key_mode: str | None = None  # "partial" (paper) | "int4"
+    # int4: pack each key less the layer's mean key (per KV head, of the tokens cached when the keys are first
+    # packed: the prompt's). Every score of a query row shifts by the same q . mean, added back, so the scale is
+    # the attention's; the 4 bits then resolve what tells keys apart instead of what they share (a bias, a
+    # norm's weight: results/recall.md)
+    key_centre: bool = False
     skew: bool | None = None  # rotate queries and keys with the skew matrices
     calib: str | None = None  # calibration text of the skew (file or corpus name; None: the cached or default one)
     # share of the KV read over all layers (dense layers count 100%): the caps follow from it
@@ -388,6 +394,10 @@ class InfiniGen(Policy):
             raise UserError(f"remainder must be true or false, got {self.remainder!r}")
         if self.remainder and self.key_mode != "int4":
             raise UserError("remainder needs key_mode=int4: partial columns do not estimate the scores' scale")
+        if not isinstance(self.key_centre, bool):
+            raise UserError(f"key_centre must be true or false, got {self.key_centre!r}")
+        if self.key_centre and self.key_mode != "int4":
+            raise UserError("key_centre needs key_mode=int4 (it centres the packed 4-bit keys)")
         if not isinstance(self.calibrate, bool):
             raise UserError(f"calibrate must be true or false, got {self.calibrate!r}")
         if self.calibrate_target is not None and not 0 < self.calibrate_target < 1:
@@ -519,7 +529,9 @@ class InfiniGen(Policy):
         budget_free = not ({"kv_budget", "max_fetch_ratio"} & given)
         growth = base["budget_growth"] if "budget_growth" in given else CALIBRATE_GROWTH
         # (dense_below: the search measures selection at every length, whatever it is)
-        fixed = {k: v for k, v in base.items() if (k not in CALIBRATED or k in given) and k != "dense_below"}
+        # (key_centre off: left out, so the choices stored before the knob existed keep their keys)
+        fixed = {k: v for k, v in base.items() if (k not in CALIBRATED or k in given) and k != "dense_below"
+                 and not (k == "key_centre" and v is False)}
         # the remainder needs the int4 keys' scores (on the attention's scale)
         remainder = "remainder" not in given and base["key_mode"] == "int4"
         return dict(structures=structures, alphas=alphas, budget_free=budget_free, growth=growth, fixed=fixed,
@@ -867,7 +879,8 @@ class InfiniGen(Policy):
             return
         if self.key_mode == "int4":
             spec_keys = PackedKeys(b, hkv, store.capacity, d, group=INT4_GROUP, layout=st.layout, device=k.device)
-            spec_keys.write(0, self._rotate(st, k, layer))
+            spec_keys.write(0, self._centre(st, layer, self._rotate(st, k, layer),
+                                             store.valid[layer][:, :, :k.shape[2]]))
             st.spec_keys[layer] = spec_keys
             return
         w = store.valid[layer][:, :, :t, None].float()  # pad tokens of left-padded prompts do not vote
@@ -995,7 +1008,7 @@ class InfiniGen(Policy):
             return
         spec_keys = st.spec_keys[layer]
         if self.key_mode == "int4":
-            spec_keys.scatter(slots, self._rotate(st, k, layer))
+            spec_keys.scatter(slots, self._centre(st, layer, self._rotate(st, k, layer)))
             return
         rows = self._project(st, k, layer).to(st.key_dtype)  # [B, Hkv, 1, cols]
         idx = slots[:, :, None, None].expand(*slots.shape, 1, spec_keys.shape[-1])
@@ -1009,12 +1022,29 @@ class InfiniGen(Policy):
         keys = st.spec_keys.get(layer)
         if keys is None and st.lazy_keys:
             store = session.store
-            k = store.past(layer)[0]
+            k, _, valid, _ = store.past(layer)
             b, hkv, _, d = k.shape
             keys = PackedKeys(b, hkv, store.capacity, d, group=INT4_GROUP, layout=st.layout, device=k.device)
-            keys.write(0, self._rotate(st, k, layer))
+            keys.write(0, self._centre(st, layer, self._rotate(st, k, layer), valid))
             st.spec_keys[layer] = keys
         return keys
+
+    def _centre(self, st: InfiniGenState, layer: int, keys: torch.Tensor, valid: torch.Tensor | None = None):
+        """key_centre: rotated keys [B, Hkv, T, d] less the layer's mean key, first set from the `valid` ones
+        [B, Hkv, T] when given; without key_centre the keys as they are."""
+        if not self.key_centre:
+            return keys
+        if valid is not None:
+            w = valid[..., None].float()
+            st.key_mean[layer] = (keys * w).sum(2, keepdim=True) / w.sum(2, keepdim=True).clamp(min=1)
+        return keys - st.key_mean[layer]
+
+    def _shifted(self, st: InfiniGenState, layer: int, scores: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+        """Scores [B, Hkv, R, n] of queries qs [B, Hkv, R, d] against centred keys plus q . mean key: the
+        scores of the keys themselves (what the remainder's mass needs)."""
+        if not self.key_centre:
+            return scores
+        return scores + (qs * st.key_mean[layer]).sum(-1, keepdim=True)
 
     # ---- selection ------------------------------------------------------------------------------
     def _spec_rows(self, st: InfiniGenState, layer: int, rows: slice) -> torch.Tensor:
@@ -1037,7 +1067,7 @@ class InfiniGen(Policy):
         are the matmul rows (broadcasting the keys over G copied them G times)."""
         qs = self._spec_rows(st, layer, slice(row, row + 1))[:, :, :, 0].contiguous()  # [B, Hkv, G, c]
         if isinstance(spec_keys, PackedKeys):
-            return spec_keys.scores(qs, n)
+            return self._shifted(st, layer, spec_keys.scores(qs, n), qs)
         k = spec_keys[:, :, :n]
         return (qs.to(k.dtype) @ k.transpose(-1, -2)).float()
 
@@ -1079,7 +1109,10 @@ class InfiniGen(Policy):
             st.spec[layer] = torch.cat([q[:, :, :1].expand(b, h, p, d), q], 2).view(b, hkv, h // hkv, t, d)
         if self.key_mode == "int4":
             spec_keys = PackedKeys(b, hkv, t, d, group=INT4_GROUP, layout=st.layout, device=dev)
-            spec_keys.write(0, self._rotate(st, k, layer))
+            # centred on the keys decoding packs first: the prompt's, or (lazy_keys) those before the first row
+            # that selects
+            before = torch.arange(t, device=dev) < (first if st.lazy_keys else p)
+            spec_keys.write(0, self._centre(st, layer, self._rotate(st, k, layer), before.expand(b, hkv, t)))
         else:
             spec_keys = self._project(st, k, layer).to(st.key_dtype)  # [B, Hkv, T, c]
         batched = isinstance(spec_keys, PackedKeys) and spec_keys.layout == "tinygemm"
@@ -1102,7 +1135,8 @@ class InfiniGen(Policy):
                 block = (r, min(t, r + rows_per_block))
                 qs = self._spec_rows(st, layer, slice(*block))  # [B, Hkv, G, R, d]
                 g = qs.shape[2]
-                every = spec_keys.scores(qs.reshape(b, hkv, g * (block[1] - r), d).contiguous(), block[1])
+                flat = qs.reshape(b, hkv, g * (block[1] - r), d).contiguous()
+                every = self._shifted(st, layer, spec_keys.scores(flat, block[1]), flat)
                 every = every.view(b, hkv, g, block[1] - r, block[1])
             if every is not None:
                 scores = every[:, :, :, r - block[0], None, :r]
