@@ -3,7 +3,9 @@ alone on synthetic tensors: the 4-bit speculation scores, the selection (InfiniG
 pooled over the layer's KV heads), then the rows read and attended, on the reference path (`KVStore.slots` +
 `gather` + `attend_step`: each KV head padded to the largest head's count) and on the packed rows
 (`KVStore.select_rows` + `gather_rows` + one masked fused call) and by the fused C++ kernel
-(`kernels/fused_select`, where it builds), beside dense attention over every entry.
+(`kernels/fused_select`, where it builds), beside dense attention over every entry; and the selection, the
+packing and the remainder's log-sum-exp in torch against the one C++ call that makes all three
+(`fused_select.select_packed`).
 Scores are drawn so that about a third of the entries pass the threshold and the cap binds; `--skew`
 makes the KV heads' shares unequal (as a real layer's are). Runs from main's checkout too (the reference
 pieces only), for a before/after of the selection.
@@ -85,6 +87,19 @@ def main() -> None:
             from infinigen.kernels import fused_select
         except ImportError:  # main's checkout before the fused kernel
             fused_select = None
+        rest_ref = lambda: pol._unread_lse(scores, valid[:, :, None] & ~keep[:, :, None])  # noqa: E731
+        out["remainder: unread log-sum-exp"] = _time(rest_ref, a.reps)
+        if fused_select is not None and hasattr(fused_select, "select_packed") and fused_select.available():
+            total = pol._layer_total(pol.max_fetch_ratio, s, hkv, s)
+            flat = scores[:, :, :, 0].contiguous()
+            out["fused: select_packed (C++: threshold, cap, rows, remainder)"] = _time(
+                lambda: fused_select.select_packed(flat.clone(), 1.0, pol.alpha, total, store.capacity, True),
+                a.reps)
+            out["  (the clone of the scores it overwrites)"] = _time(lambda: flat.clone(), a.reps)
+            fk, frows, _, fcounts, _ = fused_select.select_packed(flat.clone(), 1.0, pol.alpha, total,
+                                                                   store.capacity, True)
+            rows["fused selection equals the torch one"] = bool(torch.equal(fk, keep)
+                                                                and torch.equal(frows, sel.rows))
         if fused_select is not None and fused_select.usable(q, store.k[0]):
             own = torch.arange(b * hkv).view(b, hkv) * store.capacity + slots
             kf, vf = store.k[0].view(-1, d), store.v[0].view(-1, d)
@@ -96,7 +111,7 @@ def main() -> None:
     out["dense attention (attend_all)"] = _time(lambda: runtime.attend_all(q, kd, vd, scale), a.reps)
     print(f"one selecting layer, {s} tokens x batch {b}, {a.threads} thread(s), ms (lower quartile of {a.reps}):")
     for name, ms in out.items():
-        print(f"  {name:36s} {ms:7.3f}")
+        print(f"  {name:60s} {ms:7.3f}")
     print("  per (batch row, KV head) selected:", counts[0].tolist(), "...;", rows)
 
 

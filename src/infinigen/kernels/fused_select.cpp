@@ -2,7 +2,8 @@
 // (KVStore.select_rows): each chosen key and value row is read once from the store, converted to float32
 // once, and used by every query head of its KV head; the softmax is computed online in blocks, so nothing
 // [B, H, S]-sized is built. Returns the output, the log-sum-exp of the scaled scores (for the remainder) and
-// the float32 sum of the past values read (the token's own row excluded).
+// the float32 sum of the past values read (the token's own row excluded). And, in front of it, the selection
+// that packs those rows from a layer's speculated scores (`select_packed`).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -151,6 +152,145 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
   return {out, lse, read_sum};
 }
 
+namespace {
+
+struct Candidate {  // one kept (KV head, slot) of a batch row over its layer cap
+  float mass;
+  int64_t index;  // KV head * n + slot
+};
+
+// The cap's order: more mass first; equal mass, the lower (KV head, slot) first.
+inline bool before(const Candidate& a, const Candidate& b) {
+  return a.mass > b.mass || (a.mass == b.mass && a.index < b.index);
+}
+
+}  // namespace
+
+// InfiniGen's "layer" selection of one decoding row per batch row, from its speculated scores to the packed rows
+// the attention reads. scores [B, Hkv, G, n] float32, every slot of the store's first n valid (no padding, no
+// window); OVERWRITTEN with exp(relative). Per query head relative = s * scale - max; a slot is kept when its
+// group's largest relative exceeds -alpha; a batch row keeping more than `total` (KV head, slot) pairs keeps
+// exactly the `total` with the most mass (the sum over the group of exp(relative) / sum over the slots of
+// exp(relative)), ties to the lower (KV head, slot). Returns keep [B, Hkv, n] bool; rows [B, m] int64: each batch
+// row's kept rows of the flat [B * Hkv * capacity, d] store, head-major in ascending slots, padded with row 0 to
+// the longest batch row's m; head [B, m] int64 (-1 on padding); counts [B, Hkv] int64; and, with with_lse, lse
+// [B, Hkv, G] float32: the log-sum-exp of the scaled scores of the slots left unread (-inf where none is, or
+// where their mass underflows float32 next to the head's max: below e^-103 of it).
+std::vector<torch::Tensor> select_packed(torch::Tensor scores, double scale, double alpha, int64_t total,
+                                         int64_t capacity, bool with_lse) {
+  TORCH_CHECK(scores.dim() == 4 && scores.scalar_type() == torch::kFloat, "scores [B,Hkv,G,n] float32");
+  TORCH_CHECK(total >= 0, "the layer cap must be >= 0");
+  scores = scores.contiguous();
+  const int64_t b = scores.size(0), hkv = scores.size(1), g = scores.size(2), n = scores.size(3);
+  TORCH_CHECK(capacity >= n, "the store holds fewer slots than the scores cover");
+  const auto opts = scores.options();
+  auto keep = torch::empty({b, hkv, n}, opts.dtype(torch::kBool));
+  auto counts = torch::empty({b, hkv}, opts.dtype(torch::kLong));
+  auto lse = torch::empty({b, hkv, with_lse ? g : 0}, opts);
+  std::vector<float> head_max(b * hkv * g), head_sum(b * hkv * g);
+  float* s_p = scores.data_ptr<float>();
+  bool* keep_p = keep.data_ptr<bool>();
+  int64_t* counts_p = counts.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale), floor_rel = static_cast<float>(-alpha);
+  // each (batch row, KV head): scaled scores, each head's max, the threshold over the group, exp(relative)
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      bool* kp = keep_p + bh * n;
+      std::fill(kp, kp + n, false);
+      for (int64_t h = 0; h < g; ++h) {
+        float* row = s_p + (bh * g + h) * n;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) {
+          row[j] = row[j] * sc;
+          mx = std::max(mx, row[j]);
+        }
+        mx = std::max(mx, std::numeric_limits<float>::lowest());  // as `_choose` clamps the max
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) {
+          const float rel = row[j] - mx;
+          kp[j] = kp[j] || rel > floor_rel;
+          row[j] = std::exp(rel);
+          sum += row[j];
+        }
+        head_max[bh * g + h] = mx;
+        head_sum[bh * g + h] = sum;
+      }
+      int64_t c = 0;
+      for (int64_t j = 0; j < n; ++j) c += kp[j];
+      counts_p[bh] = c;
+    }
+  });
+  // each batch row over its cap keeps exactly its `total` pairs with the most mass (a partial selection)
+  at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<Candidate> cand;
+    for (int64_t bi = lo; bi < hi; ++bi) {
+      int64_t kept = 0;
+      for (int64_t kh = 0; kh < hkv; ++kh) kept += counts_p[bi * hkv + kh];
+      if (kept <= total) continue;
+      cand.clear();
+      cand.reserve(kept);
+      for (int64_t kh = 0; kh < hkv; ++kh) {
+        const int64_t bh = bi * hkv + kh;
+        const bool* kp = keep_p + bh * n;
+        const float* e = s_p + bh * g * n;
+        const float* z = head_sum.data() + bh * g;
+        for (int64_t j = 0; j < n; ++j) {
+          if (!kp[j]) continue;
+          float mass = 0.f;
+          for (int64_t h = 0; h < g; ++h) mass += e[h * n + j] / z[h];
+          cand.push_back({mass, kh * n + j});
+        }
+      }
+      std::nth_element(cand.begin(), cand.begin() + total, cand.end(), before);
+      for (auto it = cand.begin() + total; it != cand.end(); ++it) {
+        keep_p[bi * hkv * n + it->index] = false;
+        --counts_p[bi * hkv + it->index / n];
+      }
+    }
+  });
+  std::vector<int64_t> starts(b * hkv);
+  int64_t m = 0;
+  for (int64_t bi = 0; bi < b; ++bi) {
+    int64_t at = 0;
+    for (int64_t kh = 0; kh < hkv; ++kh) {
+      starts[bi * hkv + kh] = at;
+      at += counts_p[bi * hkv + kh];
+    }
+    m = std::max(m, at);
+  }
+  auto rows = torch::zeros({b, m}, opts.dtype(torch::kLong));
+  auto head = torch::full({b, m}, -1, opts.dtype(torch::kLong));
+  int64_t* rows_p = rows.data_ptr<int64_t>();
+  int64_t* head_p = head.data_ptr<int64_t>();
+  float* lse_p = with_lse ? lse.data_ptr<float>() : nullptr;
+  // the packed rows, and the mass each query head leaves unread
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t bi = bh / hkv, kh = bh % hkv;
+      const bool* kp = keep_p + bh * n;
+      int64_t* r = rows_p + bi * m + starts[bh];
+      int64_t* hd = head_p + bi * m + starts[bh];
+      int64_t c = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        if (!kp[j]) continue;
+        r[c] = bh * capacity + j;
+        hd[c] = kh;
+        ++c;
+      }
+      if (!with_lse) continue;
+      for (int64_t h = 0; h < g; ++h) {
+        const float* e = s_p + (bh * g + h) * n;
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) sum += kp[j] ? 0.f : e[j];
+        lse_p[bh * g + h] = sum > 0.f ? head_max[bh * g + h] + std::log(sum)
+                                      : -std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+  return {keep, rows, head, counts, lse};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_rows", &attend_rows, "attention over packed selected rows, online softmax");
+  m.def("select_packed", &select_packed, "InfiniGen's layer-capped selection from scores to packed rows");
 }
