@@ -95,9 +95,9 @@ def _scores(case, seed):
     gen = torch.Generator().manual_seed(seed)
     heads = torch.linspace(spread, 1.0, hkv).view(1, hkv, 1, 1)  # KV heads peaked unequally, as a real layer's
     scores = torch.randn(b, hkv, g, n, generator=gen) * heads * 8
-    if grid:
-        scores = (scores / grid).round() * grid
-        scores[:, :, :, n // 2:] = scores[:, :, :, :n - n // 2].clone()  # whole columns repeated: equal masses
+    if grid:  # every query head of a KV head the same few values: many slots of equal mass, at the cut too
+        levels = torch.randint(0, 4, (b, hkv, 1, n), generator=gen).float()
+        scores = (levels * grid * 8).expand(b, hkv, g, n).contiguous()
     return scores
 
 
@@ -142,8 +142,7 @@ def test_the_comparison_catches_a_broken_selection(breakage):
         total -= 1
     if breakage == "tie order":  # the same cut on reversed slots: ties then go to the higher slot
         out = fused_select.select_packed(scores.flip(-1).clone(), SCALE, alpha, total, n + 3, True)
-        keep = out[0].flip(-1)
-        out = (keep, *out[1:])
+        out = (out[0].flip(-1), *out[1:])
     else:
         out = fused_select.select_packed(scores.clone(), SCALE, alpha, total, n + 3, True)
     if breakage == "drop a row":
