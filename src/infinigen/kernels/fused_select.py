@@ -92,7 +92,7 @@ def select_packed(scores: torch.Tensor, scale: float, alpha: float, total: int, 
     n slots, every one valid; overwritten) -> keep [B, Hkv, n] bool, rows [B, m] and head [B, m] int64 (each batch
     row's kept rows of the flat [B * Hkv * capacity, d] store, head-major in ascending slots; padding: row 0, head
     -1), counts [B, Hkv] int64 and lse [B, Hkv, G] float32 (with_lse; else empty): the log-sum-exp of the scaled
-    scores left unread, -inf where none is (or its mass underflows float32 next to the head's max).
+    scores left unread, -inf where none is (or each is below e^-87.3 of its head's max: an exp that counts 0).
 
     Per query head relative = scores * scale - max; a slot is kept where the group's largest relative exceeds
     -alpha; a batch row keeping more than `total` (KV head, slot) pairs keeps exactly the `total` with the most
