@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--cells", default="512x1,4096x4", help="PROMPTxBATCH, comma separated")
     ap.add_argument("--gen", type=int, default=12, help="decoding steps per system (the first is not timed)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this thread's CPU time per step (needs --threads 1), for a machine other jobs load")
     ap.add_argument("--top", type=int, default=12, help="operators listed per profiled step")
     ap.add_argument("--breakdown", type=int, default=0,
                     help="then this many instrumented steps per system: the per-block breakdown (placement.timing)")
@@ -54,6 +56,9 @@ def main() -> None:
                     help="calibrate the default preset first (slow where it is not cached); else its starting values")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.clock == "cpu" and a.threads != 1:
+        raise SystemExit("--clock cpu measures one thread: use --threads 1")
+    clock = time.thread_time if a.clock == "cpu" else time.perf_counter
     torch.set_num_threads(a.threads)
     if not fused_select.available():
         raise SystemExit("the fused kernel is unavailable here: nothing to compare")
@@ -74,9 +79,9 @@ def main() -> None:
             for step in range(a.gen - 1):
                 for i in list(range(len(pols)))[::-1 if step % 2 else 1]:
                     fused_select.enabled, fused_select.packs_selection = FUSED[i]
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     out = runtime.decode(model, nxt[i], sessions[i])
-                    times[i].append((time.perf_counter() - t0) * 1e3)
+                    times[i].append((clock() - t0) * 1e3)
                     nxt[i] = out.argmax(-1)
                     generated[i].append(nxt[i].tolist())
             profiles = []
@@ -99,7 +104,8 @@ def main() -> None:
         for i, (system, ts) in enumerate(zip(NAMES, times)):
             n_all, n_top, ops = profiles[i]
             row = dict(system=system, prompt=length, batch=batch, ms_median=round(statistics.median(ts[1:]), 2),
-                       ms_min=round(min(ts[1:]), 2), aten_calls=n_all, aten_calls_top=n_top, top_ops=ops,
+                       ms_min=round(min(ts[1:]), 2), clock=a.clock, threads=a.threads,
+                       aten_calls=n_all, aten_calls_top=n_top, top_ops=ops,
                        rel_kv=sessions[i].stats.overall(), per_block_ms=breakdowns[i], same_tokens=same)
             rows.append(row)
             print(f"{length:5d} x {batch}  {system:22s} median {row['ms_median']:8.1f} ms/step"
