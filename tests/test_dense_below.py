@@ -359,3 +359,38 @@ def test_measure_runs_on_synthetic_kv(long_tiny):
     assert all(x > 0 for x in got["full_ms"] + got["policy_ms"])
     assert 0 <= got["dense_below"] <= 2048
     assert pol.dense_below is None  # the policy measured is a copy selecting everywhere
+
+
+def test_a_short_run_does_not_wait_for_the_measurement(long_tiny, monkeypatch):
+    """A run that caches fewer tokens than the shortest length measured reads densely without measuring (a
+    short chat's first token does not wait for it); the choice is not remembered, so a longer run in the same
+    process measures; a stored crossing applies to a short run as to any."""
+    model = long_tiny
+    shortest = crossing.lengths_for(model)[0]
+    _no_measuring(monkeypatch)
+    pol = _crossing_policy(model).prepare(model, longest=shortest - 1)
+    assert pol.dense_below == shortest
+    assert pol.settings(model)["dense_below_source"].startswith("not measured (this run caches at most")
+    tokens = _tokens(model)
+    full, _ = _decode(model, make_policy("full"), tokens)
+    out, _ = _decode(model, pol, tokens)
+    assert torch.equal(out, full)
+    calls = _fake_measuring(monkeypatch, 24)
+    pol.prepare(model, longest=shortest)  # reaches the shortest length: measured
+    assert calls == [model] and pol.dense_below == 24 and pol.settings(model)["dense_below_source"] == "measured"
+    again = _crossing_policy(model)
+    _no_measuring(monkeypatch)
+    again.prepare(model, longest=8)  # known now: a short run uses it (this process remembers it, later ones
+    assert again.dense_below == 24  # read it back)
+    assert crossing.measure_crossing(model, again, longest=8)["source"] == "cached"
+
+
+def test_generate_tells_prepare_how_long_it_runs(make_tiny, monkeypatch):
+    """`generate` passes the prompt plus the new tokens as the longest a session caches."""
+    from infinigen.generate import generate_ids
+    seen = []
+    pol = make_policy("full")
+    monkeypatch.setattr(type(pol), "prepare", lambda self, model, tok=None, progress=False, longest=None:
+                        seen.append(longest) or self)
+    generate_ids(make_tiny("llama")[1], [[1, 2, 3, 4, 5]], max_new_tokens=3, policy=pol)
+    assert seen == [5 + 3]

@@ -257,3 +257,33 @@ def test_gguf_q4_blocks_are_loaded_in_the_checkpoints_row_order(tmp_path, monkey
             theirs = getattr(source.model.layers[i].self_attn, f"{p}_proj").weight
             assert torch.equal(ours.float(), theirs), (i, p)
     assert_same_logits(source, model, 300, tol=0.1)
+
+
+def test_gguf_int4_weights_are_packed_once_and_read_back_equal(tmp_path, monkeypatch):
+    """The kernel's packed int4 weights are cached beside the blocks: a second load reads them (no repacking)
+    and holds the same tensors bit for bit; a file written for another torch (or damaged) is rebuilt."""
+    gguf = pytest.importorskip("gguf")
+    from infinigen import gguf_model
+    from infinigen.kernels.qlinear import Int4Linear, int4_problem
+    if int4_problem(64, 64, 32, "cpu") is not None:
+        pytest.skip(f"no int4 kernel here: {int4_problem(64, 64, 32, 'cpu')}")
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    _write_tiny_gguf(tmp_path / "tiny.gguf", gguf)
+
+    def packs(model):
+        return {n: (m.packed, m.scale_zero) for n, m in model.named_modules() if isinstance(m, Int4Linear)}
+    first = packs(load(tmp_path / "tiny.gguf", dtype="bfloat16", weights="int4", progress=False)[0])
+    assert len(first) == 14
+    files = list((tmp_path / "cache").rglob("packed/int4-bfloat16.safetensors"))
+    assert len(files) == 1
+    repacked = []
+    real = Int4Linear.from_gguf_blocks.__func__
+    monkeypatch.setattr(Int4Linear, "from_gguf_blocks",
+                        classmethod(lambda cls, *a, **kw: repacked.append(1) or real(cls, *a, **kw)))
+    second = packs(load(tmp_path / "tiny.gguf", dtype="bfloat16", weights="int4", progress=False)[0])
+    assert not repacked and second.keys() == first.keys()
+    for name, (packed, sz) in first.items():
+        assert torch.equal(second[name][0], packed) and torch.equal(second[name][1], sz), name
+    monkeypatch.setattr(gguf_model, "_packed_key", lambda: {"format": "1", "torch": "another"})
+    load(tmp_path / "tiny.gguf", dtype="bfloat16", weights="int4", progress=False)
+    assert len(repacked) == 14  # a foreign file: every weight packed again (and the file replaced)

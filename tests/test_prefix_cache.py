@@ -176,13 +176,13 @@ def test_metrics_count_prefix_cache_hits(make_tiny):
     pytest.importorskip("prometheus_client")
     from prometheus_client import generate_latest
 
-    from infinigen.serve.app import _registry
+    from infinigen.serve.metrics import registry
     _, model = make_tiny("llama", num_hidden_layers=2)
     eng = Engine(model, make_policy("full"), Placement(), prefix_block=8)
     doc = _tokens(model, 20, seed=3)[0].tolist()
     _run(eng, doc + [7], 2)
     _run(eng, doc + [9, 4], 2)
-    text = generate_latest(_registry(eng)).decode()
+    text = generate_latest(registry(eng)).decode()
     assert "infinigen_prefix_cache_hits_total 1.0" in text and "infinigen_prefix_cache_hit_tokens_total 16.0" in text
 
 
@@ -301,7 +301,7 @@ def test_metrics_count_prefix_cache_disk_hits(make_tiny, tmp_path):
     pytest.importorskip("prometheus_client")
     from prometheus_client import generate_latest
 
-    from infinigen.serve.app import _registry
+    from infinigen.serve.metrics import registry
     _, model = make_tiny("llama", num_hidden_layers=2)
     doc = _tokens(model, 20, seed=3)[0].tolist()
     first = _restarted(model, make_policy("full"), tmp_path)
@@ -309,7 +309,7 @@ def test_metrics_count_prefix_cache_disk_hits(make_tiny, tmp_path):
     first.stop()
     eng = _restarted(model, make_policy("full"), tmp_path)
     _served(eng, doc + [9, 4], 2)
-    text = generate_latest(_registry(eng)).decode()
+    text = generate_latest(registry(eng)).decode()
     assert "infinigen_prefix_cache_disk_hits_total 1.0" in text
     assert "infinigen_prefix_cache_disk_hit_tokens_total 16.0" in text
     assert "infinigen_prefix_cache_hits_total 1.0" in text and "infinigen_prefix_cache_disk_skipped_total 0.0" in text

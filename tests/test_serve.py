@@ -328,13 +328,14 @@ def test_ray_serve_two_replicas(tiny_checkpoint, checkpoint_model):
     from infinigen.commands.serve import build
     from infinigen.serve.ray import deployment
     model, tok = checkpoint_model
-    spec = dict(model=str(tiny_checkpoint), policy="full", knob=[], kv_offload="none", pool_dir=None, max_batch=8,
-                max_queue=16, name=NAME, device="cpu", dtype="float32", fast_bytes=1 << 28, pool_bytes=None)
+    from infinigen.serve.config import ServerConfig
+    config = ServerConfig(model=str(tiny_checkpoint), policy="full", max_batch=8, max_queue=16, served_model_name=NAME,
+                          device="cpu", dtype="float32", fast_bytes=1 << 28)
     port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(deployment(functools.partial(build, spec), 2, num_cpus=0.5), name="infinigen", route_prefix="/")
+        serve.run(deployment(functools.partial(build, config), 2, num_cpus=0.5), name="infinigen", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"] == NAME
         prompts = _prompts(model, (5, 12, 20, 8, 15, 3), seed=11)

@@ -33,7 +33,7 @@ from infinigen import runtime  # noqa: E402
 from infinigen.generate import Sampling, generate_ids  # noqa: E402
 from infinigen.placement import Placement  # noqa: E402
 from infinigen.policies import make_policy  # noqa: E402
-from infinigen.serve import app as app_module  # noqa: E402
+from infinigen.serve import answer, routes  # noqa: E402
 from infinigen.serve.app import BackgroundServer, create_app  # noqa: E402
 from infinigen.serve.engine import Engine  # noqa: E402
 
@@ -279,14 +279,14 @@ def test_a_bug_is_a_json_500_and_the_connection_keeps_serving(server, monkeypatc
     """What no route turned into an answer (a bug, here injected once): a 500 with OpenAI's error body, not
     Starlette's plain text, and the keep-alive connection goes on."""
     url, _ = server
-    real, calls = app_module._usage, []
+    real, calls = routes._usage, []
 
     def usage(ids, req):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected bug")
         return real(ids, req)
-    monkeypatch.setattr(app_module, "_usage", usage)
+    monkeypatch.setattr(routes, "_usage", usage)
     conn = _connection(url)
     r, data = _post(conn, C, OK)
     assert r.status == 500 and r.getheader("content-type") == "application/json"
@@ -370,7 +370,7 @@ def _greedy(model, prompt, n, eos):
 def test_token_pieces_match_the_tokenizer(checkpoint_model):
     """Each token's bytes: its own text where that text is whole characters; special tokens as their text."""
     _, tok = checkpoint_model
-    pieces = app_module._Pieces(tok)
+    pieces = answer.Pieces(tok)
     partial = 0
     for i in range(len(tok)):
         b = pieces.bytes(i)
@@ -400,7 +400,7 @@ def test_completion_logprobs_are_the_models(server, checkpoint_model):
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"])
     kept = [t for t in ids if t not in eos]  # an EOS is not part of the text
     assert len(lp["tokens"]) == len(kept)
-    pieces = app_module._Pieces(tok)
+    pieces = answer.Pieces(tok)
     for i, t in enumerate(kept):
         row = ref[len(prompt) - 1 + i]
         assert lp["tokens"][i] == pieces.text(t)
@@ -494,7 +494,7 @@ def test_echo_with_logprobs_scores_the_prompt(server, checkpoint_model, monkeypa
     text = httpx.post(f"{url}{C}", json={**OK, "echo": True}, timeout=30).json()["choices"][0]
     assert text["text"].startswith(OK["prompt"]) and text["logprobs"] is None
     # echo + logprobs keeps every prompt position's logits: bounded
-    monkeypatch.setattr(app_module, "ECHO_LOGITS_BYTES", (n - 1) * model.cfg.vocab_size * 4)
+    monkeypatch.setattr(routes, "ECHO_LOGITS_BYTES", (n - 1) * model.cfg.vocab_size * 4)
     err = _error_shape(httpx.post(f"{url}{C}", json={**body, "echo": True}, timeout=30).json())
     assert err["param"] == "echo"
 

@@ -13,6 +13,7 @@ from torch import nn
 from infinigen import runtime
 from infinigen import UserError, load
 from infinigen import loading
+from infinigen import precision
 from infinigen.kernels import qlinear
 from infinigen.kernels.qlinear import (DENSE_ROWS, DequantizedView, Int4Linear, Int8Embedding, Int8Linear,
                                        decode_q4, decode_q8_0, int4_problem, parameter_count, weight_bytes)
@@ -220,7 +221,7 @@ def test_int4_problem_names_the_shape():
 # ---- the compute dtype ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("bf16", [True, False])
 def test_auto_dtype_follows_the_hardware(monkeypatch, bf16):
-    monkeypatch.setattr(loading, "_cpu_has_bf16", lambda: bf16)
+    monkeypatch.setattr(precision, "_cpu_has_bf16", lambda: bf16)
     assert loading.auto_dtype("cpu") == ("bfloat16" if bf16 else "float32")
     assert loading.auto_dtype("cuda") == "bfloat16"  # any CUDA GPU
     dtype, mode = loading.resolve_precision("auto", "auto", "cpu")
@@ -232,15 +233,15 @@ def test_auto_dtype_follows_the_hardware(monkeypatch, bf16):
 
 def test_cpu_bf16_probe_reads_the_cpu_flags(monkeypatch):
     """Without torch's probes the Linux flags decide."""
-    loading._cpu_has_bf16.cache_clear()
+    precision._cpu_has_bf16.cache_clear()
     try:
         for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
             monkeypatch.delattr(torch.cpu, name, raising=False)
         flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
-        assert loading._cpu_has_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
+        assert precision._cpu_has_bf16() == ("avx512_bf16" in flags or "amx_bf16" in flags)
     finally:
         monkeypatch.undo()
-        loading._cpu_has_bf16.cache_clear()
+        precision._cpu_has_bf16.cache_clear()
 
 
 @pytest.mark.parametrize("dtype,weights,want", [

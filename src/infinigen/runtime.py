@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .cache import SelectedRows
 from .kernels import fused_select
-from .policies.base import FullCache, Policy
+from .policy import FullCache, Policy
 from .selection import ALL, All, Remainder, Rows, first_key_read
 
 ROW_CHUNK = 1024  # teacher-forced decoding rows per attention call: bounds the score matrix at long contexts

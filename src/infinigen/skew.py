@@ -235,7 +235,7 @@ def attention_rows_sparsity(q, k, scale: float, window: int | None = None, rows:
     """Sparsity (`policies.budgets.attention_sparsity`) of the causal attention of up to `rows` rows of
     the later 3/4 of a prompt (the first rows see too few entries to say anything), per (batch, query
     head, row): q [B, H, T, d], k [B, Hkv, T, d]. None for prompts under 8 tokens."""
-    from .policies.budgets import attention_sparsity
+    from .sparsity import attention_sparsity
     b, h, t, d = q.shape
     if t < 8:
         return None

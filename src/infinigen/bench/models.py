@@ -59,15 +59,15 @@ def hf_model_for(spec: str, dtype: torch.dtype, device: str):
 
     from transformers import AutoModelForCausalLM
 
-    from ..loading import _convert_gguf, default_gguf
+    from ..loading import convert_gguf, default_gguf
     if spec in (None, "", "default"):
-        path = _convert_gguf(default_gguf(), progress=False)
+        path = convert_gguf(default_gguf(), progress=False)
     else:
         path = Path(spec).expanduser()
         if path.is_dir() and not (path / "config.json").exists():
             path = sorted(path.glob("*.gguf"))[0]
         if path.is_file():
-            path = _convert_gguf(path, progress=False)
+            path = convert_gguf(path, progress=False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
 

@@ -7,6 +7,7 @@ import platform
 
 import torch
 
+from ..machine import cpu_name as _cpu_name
 from ..errors import UserError
 
 
@@ -54,14 +55,7 @@ def machine() -> dict:
 
 def cpu_name() -> str:
     """The CPU model, for naming the machine under a result."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return _cpu_name()
 
 
 def strip_private(rows: list[dict]) -> list[dict]:

@@ -203,28 +203,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             **{f"{k}_per_step": v for k, v in sess.stats.per_step().items()},
             "tokens_sha1": hashlib.sha1(generated.numpy().tobytes()).hexdigest()[:12],
         }
-        if getattr(store, "row_cache", None) is not None:  # per step: hits / distinct rows selected, rows fetched
-            steps_rc = stats.row_steps
-            row["row_cache_bytes"] = store.row_cache.budget
-            row["row_cache_hit_rate"] = stats.hit_rate()
-            row["row_cache_hit_rate_per_step"] = [h / n if n else None for h, n, _, _ in steps_rc]
-            row["slow_rows_fetched_per_step"] = [r for _, _, r, _ in steps_rc]
-        if weights is not None:
-            row["weights_offload"] = weights.fraction_of_weights()
-            row["weight_bytes_moved_per_token"] = (weights.bytes_moved - w_moved) / (b * steps) if steps else None
-            row["weight_fast_buffer_bytes"] = weights.fast_buffer_bytes()
-            row["weight_slow_bytes"] = weights.slow_bytes
-        mem = pol.memory_report(model, sess.state, kv_full)
-        if mem:
-            row["speculation_memory"] = mem
-            row["speculation_bytes"] = mem.get("speculation_bytes")
-        if s.breakdown_steps:
-            with Breakdown(model, sess) as bd:
-                for _ in range(s.breakdown_steps):
-                    tok = bd.step(tok).argmax(-1)
-            row["breakdown"] = bd.summary()
-        if s.count_ops:
-            row["aten_calls_per_step"], row["aten_calls_top_per_step"] = aten_calls(model, sess, tok)
+        tok = _add_extras(row, model, sess, s, stats, weights, w_moved, kv_full, tok)
         row["_tokens"] = generated
         return row
     finally:
@@ -232,6 +211,35 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
         del sess
         _collect(model, b, max_len)
 
+
+def _add_extras(row: dict, model, sess, s: BenchSettings, stats: TransferStats, weights, w_moved: int,
+                kv_full: int, tok: torch.Tensor) -> torch.Tensor:
+    """The row's optional parts: the row cache, streamed weights, the speculation's memory, the per-layer
+    breakdown and the aten calls (extra steps after the timed ones); returns the last token decoded."""
+    b, steps, store, pol = row["batch"], s.gen_len - 1, sess.store, sess.policy
+    if getattr(store, "row_cache", None) is not None:  # per step: hits / distinct rows selected, rows fetched
+        steps_rc = stats.row_steps
+        row["row_cache_bytes"] = store.row_cache.budget
+        row["row_cache_hit_rate"] = stats.hit_rate()
+        row["row_cache_hit_rate_per_step"] = [h / n if n else None for h, n, _, _ in steps_rc]
+        row["slow_rows_fetched_per_step"] = [r for _, _, r, _ in steps_rc]
+    if weights is not None:
+        row["weights_offload"] = weights.fraction_of_weights()
+        row["weight_bytes_moved_per_token"] = (weights.bytes_moved - w_moved) / (b * steps) if steps else None
+        row["weight_fast_buffer_bytes"] = weights.fast_buffer_bytes()
+        row["weight_slow_bytes"] = weights.slow_bytes
+    mem = pol.memory_report(model, sess.state, kv_full)
+    if mem:
+        row["speculation_memory"] = mem
+        row["speculation_bytes"] = mem.get("speculation_bytes")
+    if s.breakdown_steps:
+        with Breakdown(model, sess) as bd:
+            for _ in range(s.breakdown_steps):
+                tok = bd.step(tok).argmax(-1)
+        row["breakdown"] = bd.summary()
+    if s.count_ops:
+        row["aten_calls_per_step"], row["aten_calls_top_per_step"] = aten_calls(model, sess, tok)
+    return tok
 
 
 def aten_calls(model, session, token) -> tuple[int, int]:

@@ -76,52 +76,18 @@ def bench_cmd(
                                                "as root) so the page cache cannot hold a disk pool; reported with the rows."),
 ):
     """Prefill/decode latency, throughput, bytes moved, peak memory: policies x KV tiers x sweeps."""
-    from .. import bench
-    from ..placement import KINDS
-    from ..policies import REGISTRY
-
-    from .. import membound
+    from .. import bench, membound
     if memory_limit is not None and membound.current() is None:
         code = membound.rerun_bounded(ctx, ["bench"], parse_bytes(memory_limit, "memory-limit"))
         if code:
             raise typer.Exit(2 if code == 2 else 1)
         return
-    prompt_lens = _int_list("prompt-len", prompt_len)
-    batch_sizes = _int_list("batch-size", batch_size)
-    check_range("batch-size", max(batch_sizes), hi=MAX_ROWS)
-    check_range("gen-len", gen_len, lo=2)
-    check_range("capacity", capacity, lo=1)
-    if capacity is not None and capacity < max(prompt_lens):
-        raise UserError(f"--capacity {capacity} cannot hold the {max(prompt_lens)}-token prompt (--prompt-len); "
-                        "the pool must hold at least the prompt")
-    check_range("breakdown", breakdown, lo=0)
-    check_range("threads", threads, lo=1)
-    check_range("layers", layers, lo=1)
-    check_range("fixed-ratio", fixed_ratio, lo=0, hi=1, lo_open=True)
-    check_range("weights-offload", weights_offload, lo=0, hi=1)
-    check_model_options(device, dtype)
-    check_weights_option(weights)
-    check_compile_option(compile)
-    tiers = [s.strip() for s in kv_offload.split(",") if s.strip()]
-    for t in tiers:
-        if t not in KINDS:
-            raise UserError(f"--kv-offload must be among {', '.join(KINDS)}, got {t!r}")
-    if not tiers:
-        raise UserError("--kv-offload: no tier given")
-    if eviction not in ("counter", "lru", "fifo"):
-        raise UserError(f"unknown --eviction {eviction!r}; choose counter, lru or fifo")
+    prompt_lens, batch_sizes, tiers, names = _check_sweep(prompt_len, batch_size, gen_len, capacity, kv_offload,
+                                                          policy)
+    _check_options(synthetic, layers, fixed_ratio, breakdown, threads, weights_offload, device, dtype, weights,
+                   compile, eviction)
     limit = parse_bytes(pool_bytes)
     row_cache = parse_size(row_cache_bytes, "row-cache-bytes") or 0
-    names = [s.strip() for s in policy.split(",") if s.strip()]
-    for n in names:
-        if n.split("@")[0] not in REGISTRY:
-            raise UserError(f"unknown policy {n!r}; choose from {', '.join(REGISTRY)}")
-    if synthetic is None and (layers is not None or fixed_ratio is not None):
-        raise UserError("--layers and --fixed-ratio apply to --synthetic runs")
-    if synthetic is not None and synthetic not in bench.SYNTHETIC:
-        raise UserError(f"unknown --synthetic shape {synthetic!r}; choose from {', '.join(bench.SYNTHETIC)}")
-
-    from ..policies import make_policy
     policies = parse_policies(names, knob)
     if synthetic:
         for pol in policies.values():
@@ -132,37 +98,12 @@ def bench_cmd(
     import torch
     if threads:
         torch.set_num_threads(threads)
-    from ..loading import DTYPES
     from .options import resolve_dtype
     dtype = resolve_dtype(dtype, device)  # "auto": what this machine computes fastest in
     max_len = max(prompt_lens) + gen_len + breakdown + count_ops
-    body = None
-    if synthetic:
-        net, hf_model, name = bench.synthetic_models(synthetic, DTYPES[dtype], device, max_len, layers, hf=hf)
-        tok = None
-    else:
-        from ..paths import load_text
-        from .basic import load_model
-        body = load_text(text)
-        net, tok, name = load_model(model, dtype, device, weights)
-        if max_len > net.cfg.max_position:
-            raise UserError(f"prompt + generated tokens ({max_len}) exceed the model's context ({net.cfg.max_position})")
-        hf_model = bench.hf_model_for(model, DTYPES[dtype], device) if hf else None
-    if limit is not None:  # a pool of --pool-bytes must hold the longest prompt, on every tier and batch
-        from ..placement import kv_slot_bytes
-        for tier in tiers:
-            for pol in policies.values():
-                per = kv_slot_bytes(net, max(batch_sizes), pol, tier)
-                if limit // per < max(prompt_lens):
-                    raise UserError(f"--pool-bytes {pool_bytes} holds {limit // per} tokens at batch {max(batch_sizes)} "
-                                    f"({per} bytes each, {tier}), fewer than the prompt ({max(prompt_lens)} tokens)")
-    if row_cache:  # the row cache must hold a row of the largest session, on every offloaded tier
-        from ..placement import Placement
-        for tier in tiers:
-            if tier != "none":
-                placement = Placement(kv_offload=tier, capacity=capacity, pool_bytes=limit, row_cache_bytes=row_cache)
-                for pol in policies.values():
-                    placement.check_row_cache(net, max(batch_sizes), max_len, pol)
+    net, tok, hf_model, name, body = _models(model, synthetic, layers, text, dtype, device, weights, hf, max_len)
+    _check_pools(net, policies, tiers, max(batch_sizes), max(prompt_lens), max_len, limit, pool_bytes, capacity,
+                 row_cache)
     check_policies_fit(policies, net)
     check_kv_fits(net, max(batch_sizes), max_len, device)
     if synthetic:
@@ -175,6 +116,118 @@ def bench_cmd(
     if compiled_note:
         print(compiled_note, file=sys.stderr)
 
+    settings = bench.BenchSettings(prompt_lens=prompt_lens, batch_sizes=batch_sizes, gen_len=gen_len, capacity=capacity,
+                                   pool_bytes=limit, eviction=eviction, pool_dir=str(pool_dir) if pool_dir else None,
+                                   prefetch=prefetch, breakdown_steps=breakdown, count_ops=count_ops,
+                                   weights_offload=weights_offload,
+                                   share_prefill=share_prefill, row_cache_bytes=row_cache)
+    from rich.console import Console
+    err = Console(stderr=True)
+    rows = bench.sweep(net, _systems(policies, tiers, ideal, hf, device), settings, tokenizer=tok, text=body,
+                       hf_model=hf_model, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    if not rows:
+        raise UserError("no system ran")
+    label = name + (f", InfiniGen fixed selection ratio {fixed_ratio}" if synthetic and fixed_ratio else "")
+    recorded = dict(kv_offload=tiers, policies=names, knobs=knob, text=None if synthetic else text)
+    payload = _payload(net, label, synthetic, device, dtype, weights, settings, recorded, rows)
+    _print(payload)
+    if json_out is not None:
+        write_json(json_out, payload)
+    if plot_out is not None:
+        dev = payload["machine"].get("gpu") if device.startswith("cuda") else payload["machine"]["cpu"]
+        bench.plot(rows, plot_out, title=f"{label} | {dev}")
+
+
+def _check_sweep(prompt_len: str, batch_size: str, gen_len: int, capacity: int | None, kv_offload: str,
+                 policy: str) -> tuple[list[int], list[int], list[str], list[str]]:
+    """The sweep's lengths, batch sizes, tiers and policy names, each checked."""
+    from ..placement import KINDS
+    from ..policies import REGISTRY
+    prompt_lens = _int_list("prompt-len", prompt_len)
+    batch_sizes = _int_list("batch-size", batch_size)
+    check_range("batch-size", max(batch_sizes), hi=MAX_ROWS)
+    check_range("gen-len", gen_len, lo=2)
+    check_range("capacity", capacity, lo=1)
+    if capacity is not None and capacity < max(prompt_lens):
+        raise UserError(f"--capacity {capacity} cannot hold the {max(prompt_lens)}-token prompt (--prompt-len); "
+                        "the pool must hold at least the prompt")
+    tiers = [s.strip() for s in kv_offload.split(",") if s.strip()]
+    for t in tiers:
+        if t not in KINDS:
+            raise UserError(f"--kv-offload must be among {', '.join(KINDS)}, got {t!r}")
+    if not tiers:
+        raise UserError("--kv-offload: no tier given")
+    names = [s.strip() for s in policy.split(",") if s.strip()]
+    for n in names:
+        if n.split("@")[0] not in REGISTRY:
+            raise UserError(f"unknown policy {n!r}; choose from {', '.join(REGISTRY)}")
+    return prompt_lens, batch_sizes, tiers, names
+
+
+def _check_options(synthetic, layers, fixed_ratio, breakdown, threads, weights_offload, device, dtype, weights,
+                   compile, eviction) -> None:
+    """The options that name no sweep, each checked before anything is loaded."""
+    from .. import bench
+    check_range("breakdown", breakdown, lo=0)
+    check_range("threads", threads, lo=1)
+    check_range("layers", layers, lo=1)
+    check_range("fixed-ratio", fixed_ratio, lo=0, hi=1, lo_open=True)
+    check_range("weights-offload", weights_offload, lo=0, hi=1)
+    check_model_options(device, dtype)
+    check_weights_option(weights)
+    check_compile_option(compile)
+    if eviction not in ("counter", "lru", "fifo"):
+        raise UserError(f"unknown --eviction {eviction!r}; choose counter, lru or fifo")
+    if synthetic is None and (layers is not None or fixed_ratio is not None):
+        raise UserError("--layers and --fixed-ratio apply to --synthetic runs")
+    if synthetic is not None and synthetic not in bench.SYNTHETIC:
+        raise UserError(f"unknown --synthetic shape {synthetic!r}; choose from {', '.join(bench.SYNTHETIC)}")
+
+
+def _models(model, synthetic, layers, text, dtype: str, device, weights, hf: bool, max_len: int):
+    """(our model, tokenizer, transformers' model or None, name, prompt text): random weights of a paper
+    shape, or the model and text given."""
+    from .. import bench
+    from ..loading import DTYPES
+    if synthetic:
+        net, hf_model, name = bench.synthetic_models(synthetic, DTYPES[dtype], device, max_len, layers, hf=hf)
+        return net, None, hf_model, name, None
+    from ..paths import load_text
+    from .basic import load_model
+    body = load_text(text)
+    net, tok, name = load_model(model, dtype, device, weights)
+    if max_len > net.cfg.max_position:
+        raise UserError(f"prompt + generated tokens ({max_len}) exceed the model's context ({net.cfg.max_position})")
+    hf_model = bench.hf_model_for(model, DTYPES[dtype], device) if hf else None
+    return net, tok, hf_model, name, body
+
+
+def _check_pools(net, policies: dict, tiers: list[str], batch: int, prompt: int, max_len: int, limit, pool_bytes,
+                 capacity, row_cache: int) -> None:
+    """A pool of --pool-bytes must hold the longest prompt, and the row cache a row of the largest session, on
+    every tier and batch (known once the model's config is: checked before compiling or running anything)."""
+    if limit is not None:
+        from ..placement import kv_slot_bytes
+        for tier in tiers:
+            for pol in policies.values():
+                per = kv_slot_bytes(net, batch, pol, tier)
+                if limit // per < prompt:
+                    raise UserError(f"--pool-bytes {pool_bytes} holds {limit // per} tokens at batch {batch} "
+                                    f"({per} bytes each, {tier}), fewer than the prompt ({prompt} tokens)")
+    if row_cache:
+        from ..placement import Placement
+        for tier in tiers:
+            if tier != "none":
+                placement = Placement(kv_offload=tier, capacity=capacity, pool_bytes=limit, row_cache_bytes=row_cache)
+                for pol in policies.values():
+                    placement.check_row_cache(net, batch, max_len, pol)
+
+
+def _systems(policies: dict, tiers: list[str], ideal: bool, hf: bool, device: str) -> list:
+    """Every policy on every tier ("full" on a slow tier: FlexGen-style full offload), "ideal" (the full cache
+    in fast memory) and transformers' DynamicCache."""
+    from .. import bench
+    from ..policies import make_policy
     systems = []
     if ideal:
         systems.append(bench.System("ideal", make_policy("full"), "none"))
@@ -193,37 +246,25 @@ def bench_cmd(
         systems.append(bench.System("transformers DynamicCache", hf_offloading=False))
         if device.startswith("cuda"):
             systems.append(bench.System("transformers DynamicCache(offloading)", hf_offloading=True))
-    settings = bench.BenchSettings(prompt_lens=prompt_lens, batch_sizes=batch_sizes, gen_len=gen_len, capacity=capacity,
-                                   pool_bytes=limit, eviction=eviction, pool_dir=str(pool_dir) if pool_dir else None,
-                                   prefetch=prefetch, breakdown_steps=breakdown, count_ops=count_ops,
-                                   weights_offload=weights_offload,
-                                   share_prefill=share_prefill, row_cache_bytes=row_cache)
-    from rich.console import Console
-    err = Console(stderr=True)
-    rows = bench.sweep(net, systems, settings, tokenizer=tok, text=body, hf_model=hf_model,
-                       progress=lambda m: err.print(f"[dim]{m}[/dim]"))
-    if not rows:
-        raise UserError("no system ran")
-    label = name + (f", InfiniGen fixed selection ratio {fixed_ratio}" if synthetic and fixed_ratio else "")
-    payload = {"model": label, "synthetic": bool(synthetic), "device": device, "dtype": dtype,
-               "weights": getattr(getattr(net, "weights_info", None), "mode", weights),
-               "compiled_step": _compiled_facts(net),
-               "machine": bench.machine(), "settings": {"prompt_lens": prompt_lens, "batch_sizes": batch_sizes,
-                                                        "gen_len": gen_len, "kv_offload": tiers, "policies": names,
-                                                        "knobs": knob, "capacity": capacity, "pool_bytes": limit,
-                                                        "eviction": eviction, "prefetch": prefetch,
-                                                        "weights_offload": weights_offload,
-                                                        "share_prefill": share_prefill,
-                                                        "row_cache_bytes": row_cache,
-                                                        "text": None if synthetic else text,
-                                                        "memory_bound": membound.current()},
-               "rows": bench.strip_private(rows)}
-    _print(payload)
-    if json_out is not None:
-        write_json(json_out, payload)
-    if plot_out is not None:
-        dev = payload["machine"].get("gpu") if device.startswith("cuda") else payload["machine"]["cpu"]
-        bench.plot(rows, plot_out, title=f"{label} | {dev}")
+    return systems
+
+
+def _payload(net, label: str, synthetic, device: str, dtype: str, weights: str, s, recorded: dict,
+             rows: list[dict]) -> dict:
+    """What the JSON records: the model, the machine, the settings (`s`: the BenchSettings; `recorded`: the
+    options it does not hold) and the rows."""
+    from .. import bench, membound
+    return {"model": label, "synthetic": bool(synthetic), "device": device, "dtype": dtype,
+            "weights": getattr(getattr(net, "weights_info", None), "mode", weights),
+            "compiled_step": _compiled_facts(net),
+            "machine": bench.machine(),
+            "settings": {"prompt_lens": s.prompt_lens, "batch_sizes": s.batch_sizes, "gen_len": s.gen_len,
+                         "kv_offload": recorded["kv_offload"], "policies": recorded["policies"],
+                         "knobs": recorded["knobs"], "capacity": s.capacity, "pool_bytes": s.pool_bytes,
+                         "eviction": s.eviction, "prefetch": s.prefetch, "weights_offload": s.weights_offload,
+                         "share_prefill": s.share_prefill, "row_cache_bytes": s.row_cache_bytes,
+                         "text": recorded["text"], "memory_bound": membound.current()},
+            "rows": bench.strip_private(rows)}
 
 
 def _kb(x) -> str:

@@ -12,6 +12,7 @@ engine and the API.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import signal
 import socket
@@ -24,12 +25,11 @@ import typer
 
 from ..errors import UserError
 from ..policies import REGISTRY
-from .options import (check_compile_option, check_model_options, check_policies_fit, check_range, compile_option,
+from ..serve.config import ServerConfig
+from .options import (check_compile_option, check_model_options, check_policies_fit, compile_option,
                       device_option, dtype_option, enable_compile, knob_option, make_policy_from_cli, model_option,
                       prepare_policies, resolve_dtype)
 from .placement_opts import parse_bytes
-
-OFFLOADS = ("none", "cpu", "disk")
 
 
 def serve_cmd(
@@ -84,26 +84,16 @@ def serve_cmd(
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching."""
     check_model_options(device, dtype)
     check_compile_option(compile)
-    if kv_offload not in OFFLOADS:
-        raise UserError(f"--kv-offload must be one of {', '.join(OFFLOADS)}, got {kv_offload!r}")
-    check_range("max-batch", max_batch, lo=1)
-    check_range("max-queue", max_queue, lo=0)
-    check_range("prefill-chunk-layers", prefill_chunk_layers, lo=0)
-    check_range("port", port, lo=0, hi=65535)
-    check_range("replicas", replicas, lo=1)
-    if batch_invariant and compile == "on":
-        raise UserError("--compile on: the compiled step's kernels depend on the batch size, so it is not "
-                        "batch-invariant; add --no-batch-invariant to compile it")
-    budgets = dict(pool_bytes=parse_bytes(pool_bytes), fast_bytes=parse_bytes(fast_bytes, "fast-bytes"),
-                   prefix_cache_bytes=parse_bytes(prefix_cache_bytes, "prefix-cache-bytes"),
-                   prefix_cache_dir_bytes=parse_bytes(prefix_cache_dir_bytes, "prefix-cache-dir-bytes"))
-    if prefix_cache_dir_bytes is not None and prefix_cache_dir is None:
-        raise UserError("--prefix-cache-dir-bytes is the limit of the prefix cache's folder and needs --prefix-cache-dir")
-    if not prefix_cache and any(v is not None for v in (prefix_cache_bytes, prefix_cache_dir, prefix_cache_dir_bytes)):
-        raise UserError("--prefix-cache-bytes, --prefix-cache-dir and --prefix-cache-dir-bytes set the prefix cache "
-                        "that --no-prefix-cache turns off")
+    config = ServerConfig(
+        model=model, policy=policy, knobs=tuple(knob), kv_offload=kv_offload, pool_dir=pool_dir,
+        pool_bytes=parse_bytes(pool_bytes), fast_bytes=parse_bytes(fast_bytes, "fast-bytes"),
+        max_batch=max_batch, max_queue=max_queue, prefix_cache=prefix_cache,
+        prefix_cache_bytes=parse_bytes(prefix_cache_bytes, "prefix-cache-bytes"), prefix_cache_dir=prefix_cache_dir,
+        prefix_cache_dir_bytes=parse_bytes(prefix_cache_dir_bytes, "prefix-cache-dir-bytes"),
+        prefill_chunk_layers=prefill_chunk_layers, host=host, port=port, served_model_name=name,
+        replicas=replicas, device=device, dtype=dtype, compile=compile, batch_invariant=batch_invariant)
     if prefix_cache_dir is not None:
-        prefix_cache_dir = _check_prefix_dir(prefix_cache_dir)
+        config = dataclasses.replace(config, prefix_cache_dir=_check_prefix_dir(prefix_cache_dir))
     make_policy_from_cli(policy, knob)  # knobs checked now, before loading
     try:
         import fastapi  # noqa: F401
@@ -111,31 +101,38 @@ def serve_cmd(
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise UserError(f"serving needs the 'serve' extra: pip install 'infinigen[serve]' ({e.name} is missing)")
-    spec = dict(model=model, policy=policy, knob=list(knob), kv_offload=kv_offload, pool_dir=pool_dir,
-                max_batch=max_batch, max_queue=max_queue, prefill_chunk_layers=prefill_chunk_layers,
-                prefix_cache=prefix_cache, prefix_cache_dir=prefix_cache_dir, name=name,
-                device=device, dtype=dtype, compile="off" if batch_invariant else compile,
-                batch_invariant=batch_invariant, **budgets)
-    listener = _listen(host, port)
     if replicas > 1:
-        with _sigterm_exits():
-            try:
-                _check_budgets(spec)
-            finally:
-                listener.close()  # Ray Serve's proxy binds the port itself
-            import functools
-
-            from ..placement import Placement
-            from ..serve.ray import replica_fast_bytes, run
-            if spec["fast_bytes"] is None:
-                spec["fast_bytes"] = replica_fast_bytes(Placement(kv_offload=kv_offload, pool_dir=pool_dir),
-                                                        device, replicas)
-            run(functools.partial(build, spec), replicas=replicas, host=host, port=port)
+        _serve_on_ray(config)
         return
+    _serve_here(config)
+
+
+def _serve_on_ray(config: ServerConfig) -> None:
+    """`--replicas N`: the budgets checked here, then N replicas that each build the app on Ray Serve."""
+    import functools
+
+    from ..placement import Placement
+    from ..serve.ray import replica_fast_bytes, run
+    listener = _listen(config.host, config.port)
+    with _sigterm_exits():
+        try:
+            _check_budgets(config)
+        finally:
+            listener.close()  # Ray Serve's proxy binds the port itself
+        if config.fast_bytes is None:
+            placement = Placement(kv_offload=config.kv_offload, pool_dir=config.pool_dir)
+            config = dataclasses.replace(config, fast_bytes=replica_fast_bytes(placement, config.device,
+                                                                               config.replicas))
+        run(functools.partial(build, config), replicas=config.replicas, host=config.host, port=config.port)
+
+
+def _serve_here(config: ServerConfig) -> None:
+    """One process: the port served at once (503 while warming up), then the app until a signal stops it."""
     from ..serve.app import WarmingUp
+    listener = _listen(config.host, config.port)
     gate = WarmingUp()
-    server = _Server(gate, listener, host)  # answers every route with 503 while the model loads
-    url = f"http://{host}:{listener.getsockname()[1]}"  # --port 0: the one the system chose
+    server = _Server(gate, listener, config.host)  # answers every route with 503 while the model loads
+    url = f"http://{config.host}:{listener.getsockname()[1]}"  # --port 0: the one the system chose
 
     def phase(name: str, line: str) -> None:
         gate.phase = name
@@ -143,9 +140,9 @@ def serve_cmd(
 
     try:
         with _sigterm_exits():
-            _check_budgets(spec)
+            _check_budgets(config)
             try:
-                app = build(spec, phase=phase, url=url)
+                app = build(config, phase=phase, url=url)
             except (UserError, KeyboardInterrupt, OSError):
                 raise  # the CLI's one line: the user's input or environment (2), or Ctrl-C (130)
             except Exception as e:  # noqa: BLE001 -- not the user's fault: one line and exit 1, not a traceback
@@ -190,28 +187,28 @@ def _check_prefix_dir(folder: str) -> str:
     return str(path)
 
 
-def _check_budgets(spec: dict) -> None:
+def _check_budgets(config: ServerConfig) -> None:
     """--fast-bytes and --pool-bytes must hold one token's KV of this model (read from its config, before the
     weights): a server that can never admit a request is refused. What a request holds beyond its KV (policy
     state, fetched rows) is measured once the model is loaded (`Engine.check_fits`)."""
-    if spec["fast_bytes"] is None and spec["pool_bytes"] is None:
+    if config.fast_bytes is None and config.pool_bytes is None:
         return
     from types import SimpleNamespace
 
     from ..loading import resolve_precision
     from ..placement import kv_slot_bytes
-    cfg = _model_config(spec["model"])
+    cfg = _model_config(config.model)
     if cfg is None:
         return  # loading says what is wrong with the model
-    pol = make_policy_from_cli(spec["policy"], spec["knob"])
-    offload = spec["kv_offload"]
-    dtype, _ = resolve_precision(spec["dtype"], "auto", spec["device"] or "cpu")  # "auto" -> what loading picks
+    pol = make_policy_from_cli(config.policy, list(config.knobs))
+    offload = config.kv_offload
+    dtype, _ = resolve_precision(config.dtype, "auto", config.device or "cpu")  # "auto" -> what loading picks
     per = kv_slot_bytes(SimpleNamespace(cfg=cfg, dtype=dtype), 1, pol, offload)
     if offload == "none":  # the pool is in fast memory: both limits bound it
-        given = [(name, spec[key]) for name, key in (("fast-bytes", "fast_bytes"), ("pool-bytes", "pool_bytes"))
-                 if spec[key] is not None]
+        given = [(name, value) for name, value in (("fast-bytes", config.fast_bytes),
+                                                   ("pool-bytes", config.pool_bytes)) if value is not None]
     else:
-        given = [("pool-bytes", spec["pool_bytes"])] if spec["pool_bytes"] is not None else []
+        given = [("pool-bytes", config.pool_bytes)] if config.pool_bytes is not None else []
     for name, value in given:
         if value < per:
             where = "fast memory" if offload == "none" else f"the {offload} pool"
@@ -226,13 +223,13 @@ def _model_config(model: str):
     from transformers import AutoConfig
 
     from ..config import ModelConfig
-    from ..loading import _convert_gguf, default_gguf
+    from ..loading import convert_gguf, default_gguf
     path = default_gguf() if model in ("", "default") else Path(model).expanduser()
     if path.is_dir() and not (path / "config.json").exists():
         path = next(iter(sorted(path.glob("*.gguf"))), path)
     try:
         if path.is_file() and path.suffix == ".gguf":
-            path = _convert_gguf(path, progress=False)
+            path = convert_gguf(path, progress=False)
         return ModelConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=True))
     except (OSError, ValueError, UserError):
         return None
@@ -308,46 +305,37 @@ def _serve(app, listener: socket.socket, host: str, port: int) -> int | None:
     return _Server(app, listener, host).wait(app.state.engine)
 
 
-def build(spec: dict, phase=None, url: str | None = None):
+def build(config: ServerConfig, phase=None, url: str | None = None):
     """Load the model and make the app (also what every Ray Serve replica runs). `phase(name, line)` hears
     each step as it starts: "model", "calibrating" (the policy's `prepare`), "compiling" (once per batch
     size); `url`: where the server answers meanwhile, for the first line."""
     from ..generate import stop_ids
-    from ..placement import Placement
     from ..serve.app import create_app
     from ..serve.engine import Engine
     from .basic import load_model
     phase = phase or (lambda name, line: None)
-    pol = make_policy_from_cli(spec["policy"], spec["knob"])
-    label = "the default model" if spec["model"] in ("", "default") else spec["model"]
+    pol = make_policy_from_cli(config.policy, list(config.knobs))
+    label = "the default model" if config.model in ("", "default") else config.model
     waiting = f" (503 on {url} until ready)" if url else ""
-    phase("model", f"model: {label} ({resolve_dtype(spec['dtype'], spec['device'] or 'cpu')}){waiting}")
-    net, tok, name = load_model(spec["model"], spec["dtype"], spec["device"])
+    phase("model", f"model: {label} ({resolve_dtype(config.dtype, config.device or 'cpu')}){waiting}")
+    net, tok, name = load_model(config.model, config.dtype, config.device)
     check_policies_fit(pol, net)
-    phase("calibrating", f"calibrating: preparing the {spec['policy']} policy")
-    prepare_policies({spec["policy"]: pol}, net, tok)
+    phase("calibrating", f"calibrating: preparing the {config.policy} policy")
+    prepare_policies({config.policy: pol}, net, tok)
     phase("model", "model: measuring what a request holds")
-    engine = Engine(net, pol, Placement(kv_offload=spec["kv_offload"], pool_dir=spec["pool_dir"]),
-                    eos=stop_ids(net, tok), max_batch=spec["max_batch"], max_queue=spec["max_queue"],
-                    fast_bytes=spec["fast_bytes"], pool_bytes=spec["pool_bytes"],
-                    prefill_chunk_layers=spec.get("prefill_chunk_layers", 1),
-                    prefix_cache=spec.get("prefix_cache", True), prefix_cache_bytes=spec.get("prefix_cache_bytes"),
-                    prefix_cache_dir=spec.get("prefix_cache_dir"),
-                    prefix_cache_dir_bytes=spec.get("prefix_cache_dir_bytes"),
-                    batch_invariant=spec.get("batch_invariant", True))
+    engine = Engine.from_config(net, pol, config, eos=stop_ids(net, tok))
     try:
         engine.check_fits(1, 1)
     except UserError as e:
         raise UserError(f"the KV budgets cannot hold a request of one prompt token and one new token: {e}")
     # compiled once the engine accepted the budgets, for every batch size it can decode (a power of two
     # covers those below it: rows are padded)
-    sizes = [1 << i for i in range(7) if 1 << i < 2 * spec["max_batch"]]  # up to compiled.MAX_BUCKET
+    sizes = [1 << i for i in range(7) if 1 << i < 2 * config.max_batch]  # up to compiled.MAX_BUCKET
 
     def compiling(i: int, rows: int) -> None:
         phase("compiling", f"compiling: the decoding step for {rows} rows ({i + 1} of {len(sizes)})")
-    compiled_note = enable_compile(net, spec.get("compile", "auto"), long_running=True, rows=sizes,
-                                   progress=compiling)
-    served = spec.get("name") or re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")  # URL- and shell-friendly
+    compiled_note = enable_compile(net, config.compile_mode, long_running=True, rows=sizes, progress=compiling)
+    served = config.served_model_name or re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")  # URL-friendly
     app = create_app(engine, tok, served)
     app.state.model_name = served
     app.state.compiled_note = compiled_note

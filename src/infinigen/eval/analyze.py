@@ -213,197 +213,256 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class _Job:
+    """One `run`: what every analysis reads, and the folder its figures go to."""
+    model: object
+    tok: object
+    ids: torch.Tensor
+    out: Path
+    st: Settings
+    plt: object
+    tick: object
+
+    @property
+    def L(self) -> int:
+        return self.model.cfg.num_layers
+
+    @property
+    def T(self) -> int:
+        return self.ids.shape[1]
+
+
 def run(model, tok, ids: torch.Tensor, out: Path, which=ANALYSES, settings: Settings | None = None,
         model_name: str = "", text_name: str = "", progress=None) -> str:
     """Run the analyses in `which` on ids [1, T]; write PNGs into `out`; return the markdown report."""
-    from ..policies import make_policy
     st = settings or Settings()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    plt = _plt()
-    L = model.cfg.num_layers
-    T = ids.shape[1]
+    job = _Job(model, tok, ids, out, st, _plt(), progress or (lambda n=1: None))
     ig_knobs = dict(st.knobs)
     md = [f"# Analyses: {model_name}", "",
-          f"Text: {text_name}, {T} tokens (one window). InfiniGen knobs: "
+          f"Text: {text_name}, {job.T} tokens (one window). InfiniGen knobs: "
           f"{ {k: v for k, v in ig_knobs.items() if not isinstance(v, torch.Tensor)} }.", ""]
-    tick = progress or (lambda n=1: None)
-
     if "table1" in which:
-        rows = block_similarity(model, ids)
-        tick(1)
-        mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("tblock_in", "attn_out", "ffn_out")}
-        fig, ax = plt.subplots(figsize=(7, 3.2), constrained_layout=True)
-        for k, label in (("tblock_in", "Tblock_in(i-1)"), ("attn_out", "Attn_out(i-1)"), ("ffn_out", "FFN_out(i-1)")):
-            ax.plot([r["layer"] for r in rows], [r[k] for r in rows], marker="o", ms=3, label=label)
-        ax.set_xlabel("layer i")
-        ax.set_ylabel("cosine similarity with Tblock_in(i)")
-        ax.set_ylim(-0.2, 1.05)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.savefig(out / "table1_block_similarity.png", dpi=120)
-        plt.close(fig)
-        md += ["## Table 1: similarity of consecutive block inputs", "",
-               _table(["tensor", "mean cosine similarity with Tblock_in(i), layers 1.." + str(L - 1)],
-                      [["Tblock_in(i-1)", mean["tblock_in"]], ["Attn_out(i-1)", mean["attn_out"]],
-                       ["FFN_out(i-1)", mean["ffn_out"]]]), "",
-               "<details><summary>per layer</summary>", "",
-               _table(["layer", "Tblock_in(i-1)", "Attn_out(i-1)", "FFN_out(i-1)"],
-                      [[r["layer"], r["tblock_in"], r["attn_out"], r["ffn_out"]] for r in rows]), "", "</details>", "",
-               "![table 1](table1_block_similarity.png)", ""]
-
+        md += _table1(job)
     if "fig5" in which or "alpha" in which:
         stats = prompt_statistics(model, ids, st.count_alphas)
-        tick(1)
+        job.tick(1)
         if "fig5" in which:
-            cols = min(6, L)
-            nrow = math.ceil(L / cols)
-            fig, axes = plt.subplots(nrow, cols, figsize=(2.1 * cols, 1.6 * nrow), squeeze=False,
-                                     constrained_layout=True)
-            rows = []
-            for i in range(L):
-                need = stats.keys_for_mass[i].flatten().float()
-                ax = axes[i // cols][i % cols]
-                ax.hist(need.numpy(), bins=range(0, int(need.max()) + 17, 16), color="tab:blue")
-                ax.set_title(f"layer {i}", fontsize=8)
-                ax.tick_params(labelsize=6)
-                # keys needed over the keys the query row can see (query t sees t + 1)
-                share = need / (torch.arange(T).float() + 1).repeat(stats.keys_for_mass[i].shape[0])
-                rows.append([i, need.mean().item(), need.median().item(), need.quantile(0.9).item(),
-                             share.mean().item()])
-            for j in range(L, nrow * cols):
-                axes[j // cols][j % cols].axis("off")
-            fig.suptitle("keys needed for 0.9 of the attention weight (x: keys, bins of 16; y: query rows x heads)",
-                         fontsize=9)
-            fig.savefig(out / "fig5_keys_for_90pct.png", dpi=120)
-            plt.close(fig)
-            md += ["## Figure 5: keys needed to reach 0.9 of the attention weight (full cache)", "",
-                   _table(["layer", "mean keys", "median", "90th percentile", "mean share of the row's keys"],
-                          rows), "",
-                   "![figure 5](fig5_keys_for_90pct.png)", ""]
+            md += _fig5(job, stats)
         if "alpha" in which:
-            nb = min(16, T)
-            edges = torch.linspace(0, T, nb + 1).long()
-            fig, ax = plt.subplots(figsize=(6, 3.2), constrained_layout=True)
-            table_rows = []
-            curves = {}
-            for a, alpha in enumerate(st.count_alphas):
-                per_pos = torch.stack([stats.above[i][a].float().mean(0) for i in range(L)]).mean(0)  # [T]
-                curves[alpha] = [per_pos[edges[j]:edges[j + 1]].mean().item() for j in range(nb)]
-                ax.plot(edges[1:].tolist(), curves[alpha], marker="o", ms=3, label=f"alpha {alpha}")
-            for j in range(nb):
-                table_rows.append([int(edges[j + 1])] + [curves[al][j] for al in st.count_alphas]
-                                  + [curves[al][j] / max(1.0, (edges[j] + edges[j + 1]).item() / 2)
-                                     for al in st.count_alphas])
-            ax.set_xlabel("sequence length (query position)")
-            ax.set_ylabel("tokens with score > max - alpha")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-            fig.savefig(out / "tokens_above_alpha.png", dpi=120)
-            plt.close(fig)
-            md += ["## Tokens within alpha of the maximum score, against sequence length (full cache, true scores)", "",
-                   "Mean over layers and query heads; the share divides by the bin's mean length.", "",
-                   _table(["up to length"] + [f"alpha {a}" for a in st.count_alphas]
-                          + [f"share, alpha {a}" for a in st.count_alphas], table_rows), "",
-                   "![tokens above max - alpha](tokens_above_alpha.png)", ""]
-
+            md += _tokens_above_alpha(job, stats)
     if "fig3" in which:
-        b = max(2, int(round(st.budget * T)))
-        pols = {"h2o": make_policy("h2o", heavy=b // 2, recent=b - b // 2), "oracle": make_policy("oracle", tokens=b),
-                "infinigen": _infinigen(ig_knobs, st.matrices)}
-        from .policyset import prepare
-        prepare(pols, model, tok)
-        sims = attention_similarity(model, ids, pols, st.prefill, progress=tick)
-        positions = torch.arange(st.prefill, T)
-        mid = L * 2 // 3
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), constrained_layout=True)
-        for name, c in sims.items():
-            axes[0].plot(range(L), c.mean(1).tolist(), marker="o", ms=3, label=name)
-            for ax, layer in ((axes[1], 0), (axes[2], mid)):
-                w = 16
-                smooth = F.avg_pool1d(c[layer][None, None], w, 1).flatten() if c.shape[1] >= w else c[layer]
-                ax.plot(positions[: smooth.shape[0]].tolist(), smooth.tolist(), label=name)
-        axes[0].set_xlabel("layer")
-        axes[0].set_ylabel("mean cosine similarity")
-        axes[1].set_title("layer 0", fontsize=9)
-        axes[2].set_title(f"layer {mid}", fontsize=9)
-        for ax in axes[1:]:
-            ax.set_xlabel("token position")
-            ax.axvline(b, color="grey", ls=":", lw=1)
-        for ax in axes:
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.suptitle(f"attention weights vs the full cache (H2O and oracle: {b} tokens)", fontsize=10)
-        fig.savefig(out / "fig3_attention_similarity.png", dpi=120)
-        plt.close(fig)
-        names = list(sims)
-        rows = [[i] + [sims[n][i].mean().item() for n in names] for i in range(L)]
-        rows.append(["mean"] + [sims[n].mean().item() for n in names])
-        md += [f"## Figure 3: attention cosine similarity vs the full cache (budget {b} tokens = {st.budget:.0%} "
-               f"of {T}; decoding rows {st.prefill}..{T - 1})", "",
-               _table(["layer"] + names, rows), "", "![figure 3](fig3_attention_similarity.png)", ""]
-
+        md += _fig3(job)
     if "fig17" in which or "fig13" in which:
-        from ..policies import make_policy as mk
-        from .policyset import prepare
-        prepare({"infinigen": _infinigen(ig_knobs, st.matrices)}, model, tok)
-        full = _ppl(model, tok, ids, mk("full"), st.prefill)
-        tick(1)
-        md += [f"Full-cache perplexity on this window (prefill {st.prefill}, {T - st.prefill} decoded tokens): "
-               f"{full.perplexity:.3f}", ""]
-
-    if "fig17" in which:
-        a_pts = sweep(model, tok, ids, st.prefill, ig_knobs, "alpha", st.alphas, "alpha", tick, st.matrices)
-        r_pts = sweep(model, tok, ids, st.prefill, ig_knobs, "partial_ratio", st.ratios, "partial_ratio", tick,
-                      st.matrices)
-        fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), constrained_layout=True)
-        for ax, pts, label in ((axes[0], a_pts, "alpha"), (axes[1], r_pts, "partial weight ratio")):
-            xs = [p.value for p in pts]
-            ax.plot(xs, [p.ppl for p in pts], marker="o", color="tab:blue", label="perplexity")
-            ax.axhline(full.perplexity, color="tab:blue", ls=":", lw=1, label="full cache")
-            ax.set_xlabel(label)
-            ax.set_ylabel("perplexity", color="tab:blue")
-            ax2 = ax.twinx()
-            ax2.plot(xs, [p.kv for p in pts], marker="s", color="tab:red", label="relative KV size")
-            ax2.set_ylabel("relative KV size", color="tab:red")
-            ax2.set_ylim(0, 1.05)
-            ax.grid(alpha=0.3)
-        fig.suptitle("InfiniGen sensitivity", fontsize=10)
-        fig.savefig(out / "fig17_sensitivity.png", dpi=120)
-        plt.close(fig)
-        md += ["## Figure 17: InfiniGen sensitivity to alpha and the partial weight ratio", "",
-               _table(["sweep", "value", "perplexity", "vs full", "relative KV size (all layers)",
-                       "(speculated layers)"],
-                      [[p.sweep, p.value, p.ppl, f"{100 * (p.ppl / full.perplexity - 1):+.2f}%", p.kv, p.kv_speculated]
-                       for p in a_pts + r_pts]), "", "![figure 17](fig17_sensitivity.png)", ""]
-
-    if "fig13" in which:
-        rows, bars = [], []
-        for budget, extra in (("dynamic (alpha)", {}), ("fixed 20%", {"alpha": 1e9, "max_fetch_ratio": 0.2})):
-            for skew in (True, False):
-                knobs = {**ig_knobs, **extra, "skew": skew}
-                r = _ppl(model, tok, ids, _infinigen(knobs, st.matrices), st.prefill)
-                tick(1)
-                rows.append([budget, "on" if skew else "off", r.perplexity,
-                             f"{100 * (r.perplexity / full.perplexity - 1):+.2f}%", r.kv_all, r.kv_speculated])
-                bars.append((f"{budget}\nskew {'on' if skew else 'off'}", r.perplexity))
-        fig, ax = plt.subplots(figsize=(6, 3.2), constrained_layout=True)
-        ax.bar(range(len(bars)), [b for _, b in bars], color=["tab:green", "tab:gray"] * 2)
-        ax.axhline(full.perplexity, color="k", ls=":", lw=1, label="full cache")
-        ax.set_xticks(range(len(bars)), [n for n, _ in bars], fontsize=7)
-        ax.set_ylabel("perplexity")
-        lo = min(full.perplexity, min(b for _, b in bars))
-        ax.set_ylim(lo * 0.95, max(b for _, b in bars) * 1.02)
-        ax.legend(fontsize=8)
-        fig.savefig(out / "fig13_skewing.png", dpi=120)
-        plt.close(fig)
-        md += ["## Figure 13: skewing on and off", "",
-               _table(["budget", "skewing", "perplexity", "vs full", "relative KV size (all layers)",
-                       "(speculated layers)"], rows),
-               "", "![figure 13](fig13_skewing.png)", ""]
+        full, lines = _full_perplexity(job)
+        md += lines
+        if "fig17" in which:
+            md += _fig17(job, full)
+        if "fig13" in which:
+            md += _fig13(job, full)
     report = "\n".join(md)
     (out / "analyze.md").write_text(report)
     return report
+
+
+def _table1(job: _Job) -> list[str]:
+    """Table 1: how alike consecutive blocks' inputs are."""
+    model, ids, out, plt, tick, L = job.model, job.ids, job.out, job.plt, job.tick, job.L
+    rows = block_similarity(model, ids)
+    tick(1)
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("tblock_in", "attn_out", "ffn_out")}
+    fig, ax = plt.subplots(figsize=(7, 3.2), constrained_layout=True)
+    for k, label in (("tblock_in", "Tblock_in(i-1)"), ("attn_out", "Attn_out(i-1)"), ("ffn_out", "FFN_out(i-1)")):
+        ax.plot([r["layer"] for r in rows], [r[k] for r in rows], marker="o", ms=3, label=label)
+    ax.set_xlabel("layer i")
+    ax.set_ylabel("cosine similarity with Tblock_in(i)")
+    ax.set_ylim(-0.2, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(out / "table1_block_similarity.png", dpi=120)
+    plt.close(fig)
+    return ["## Table 1: similarity of consecutive block inputs", "",
+            _table(["tensor", "mean cosine similarity with Tblock_in(i), layers 1.." + str(L - 1)],
+                   [["Tblock_in(i-1)", mean["tblock_in"]], ["Attn_out(i-1)", mean["attn_out"]],
+                    ["FFN_out(i-1)", mean["ffn_out"]]]), "",
+            "<details><summary>per layer</summary>", "",
+            _table(["layer", "Tblock_in(i-1)", "Attn_out(i-1)", "FFN_out(i-1)"],
+                   [[r["layer"], r["tblock_in"], r["attn_out"], r["ffn_out"]] for r in rows]), "", "</details>", "",
+            "![table 1](table1_block_similarity.png)", ""]
+
+
+def _fig5(job: _Job, stats) -> list[str]:
+    """Figure 5: the keys needed to reach 0.9 of the attention weight."""
+    out, plt, L, T = job.out, job.plt, job.L, job.T
+    cols = min(6, L)
+    nrow = math.ceil(L / cols)
+    fig, axes = plt.subplots(nrow, cols, figsize=(2.1 * cols, 1.6 * nrow), squeeze=False,
+                             constrained_layout=True)
+    rows = []
+    for i in range(L):
+        need = stats.keys_for_mass[i].flatten().float()
+        ax = axes[i // cols][i % cols]
+        ax.hist(need.numpy(), bins=range(0, int(need.max()) + 17, 16), color="tab:blue")
+        ax.set_title(f"layer {i}", fontsize=8)
+        ax.tick_params(labelsize=6)
+        # keys needed over the keys the query row can see (query t sees t + 1)
+        share = need / (torch.arange(T).float() + 1).repeat(stats.keys_for_mass[i].shape[0])
+        rows.append([i, need.mean().item(), need.median().item(), need.quantile(0.9).item(),
+                     share.mean().item()])
+    for j in range(L, nrow * cols):
+        axes[j // cols][j % cols].axis("off")
+    fig.suptitle("keys needed for 0.9 of the attention weight (x: keys, bins of 16; y: query rows x heads)",
+                 fontsize=9)
+    fig.savefig(out / "fig5_keys_for_90pct.png", dpi=120)
+    plt.close(fig)
+    return ["## Figure 5: keys needed to reach 0.9 of the attention weight (full cache)", "",
+            _table(["layer", "mean keys", "median", "90th percentile", "mean share of the row's keys"],
+                   rows), "",
+            "![figure 5](fig5_keys_for_90pct.png)", ""]
+
+
+def _tokens_above_alpha(job: _Job, stats) -> list[str]:
+    """The tokens within alpha of the maximum score, against sequence length."""
+    out, plt, st, L, T = job.out, job.plt, job.st, job.L, job.T
+    nb = min(16, T)
+    edges = torch.linspace(0, T, nb + 1).long()
+    fig, ax = plt.subplots(figsize=(6, 3.2), constrained_layout=True)
+    table_rows = []
+    curves = {}
+    for a, alpha in enumerate(st.count_alphas):
+        per_pos = torch.stack([stats.above[i][a].float().mean(0) for i in range(L)]).mean(0)  # [T]
+        curves[alpha] = [per_pos[edges[j]:edges[j + 1]].mean().item() for j in range(nb)]
+        ax.plot(edges[1:].tolist(), curves[alpha], marker="o", ms=3, label=f"alpha {alpha}")
+    for j in range(nb):
+        table_rows.append([int(edges[j + 1])] + [curves[al][j] for al in st.count_alphas]
+                          + [curves[al][j] / max(1.0, (edges[j] + edges[j + 1]).item() / 2)
+                             for al in st.count_alphas])
+    ax.set_xlabel("sequence length (query position)")
+    ax.set_ylabel("tokens with score > max - alpha")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(out / "tokens_above_alpha.png", dpi=120)
+    plt.close(fig)
+    return ["## Tokens within alpha of the maximum score, against sequence length (full cache, true scores)", "",
+            "Mean over layers and query heads; the share divides by the bin's mean length.", "",
+            _table(["up to length"] + [f"alpha {a}" for a in st.count_alphas]
+                   + [f"share, alpha {a}" for a in st.count_alphas], table_rows), "",
+            "![tokens above max - alpha](tokens_above_alpha.png)", ""]
+
+
+def _fig3(job: _Job) -> list[str]:
+    """Figure 3: attention weights of H2O, the oracle and InfiniGen against the full cache."""
+    from ..policies import make_policy
+    model, tok, ids, out, plt, st, tick = job.model, job.tok, job.ids, job.out, job.plt, job.st, job.tick
+    L, T = job.L, job.T
+    ig_knobs = dict(st.knobs)
+    b = max(2, int(round(st.budget * T)))
+    pols = {"h2o": make_policy("h2o", heavy=b // 2, recent=b - b // 2), "oracle": make_policy("oracle", tokens=b),
+            "infinigen": _infinigen(ig_knobs, st.matrices)}
+    from .policyset import prepare
+    prepare(pols, model, tok)
+    sims = attention_similarity(model, ids, pols, st.prefill, progress=tick)
+    positions = torch.arange(st.prefill, T)
+    mid = L * 2 // 3
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), constrained_layout=True)
+    for name, c in sims.items():
+        axes[0].plot(range(L), c.mean(1).tolist(), marker="o", ms=3, label=name)
+        for ax, layer in ((axes[1], 0), (axes[2], mid)):
+            w = 16
+            smooth = F.avg_pool1d(c[layer][None, None], w, 1).flatten() if c.shape[1] >= w else c[layer]
+            ax.plot(positions[: smooth.shape[0]].tolist(), smooth.tolist(), label=name)
+    axes[0].set_xlabel("layer")
+    axes[0].set_ylabel("mean cosine similarity")
+    axes[1].set_title("layer 0", fontsize=9)
+    axes[2].set_title(f"layer {mid}", fontsize=9)
+    for ax in axes[1:]:
+        ax.set_xlabel("token position")
+        ax.axvline(b, color="grey", ls=":", lw=1)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"attention weights vs the full cache (H2O and oracle: {b} tokens)", fontsize=10)
+    fig.savefig(out / "fig3_attention_similarity.png", dpi=120)
+    plt.close(fig)
+    names = list(sims)
+    rows = [[i] + [sims[n][i].mean().item() for n in names] for i in range(L)]
+    rows.append(["mean"] + [sims[n].mean().item() for n in names])
+    return [f"## Figure 3: attention cosine similarity vs the full cache (budget {b} tokens = {st.budget:.0%} "
+            f"of {T}; decoding rows {st.prefill}..{T - 1})", "",
+            _table(["layer"] + names, rows), "", "![figure 3](fig3_attention_similarity.png)", ""]
+
+
+def _full_perplexity(job: _Job):
+    """The full cache's perplexity on the window (what figures 13 and 17 compare with) and its line."""
+    model, tok, ids, st, tick, T = job.model, job.tok, job.ids, job.st, job.tick, job.T
+    ig_knobs = dict(st.knobs)
+    from ..policies import make_policy
+    from .policyset import prepare
+    prepare({"infinigen": _infinigen(ig_knobs, st.matrices)}, model, tok)
+    full = _ppl(model, tok, ids, make_policy("full"), st.prefill)
+    tick(1)
+    return full, [f"Full-cache perplexity on this window (prefill {st.prefill}, {T - st.prefill} decoded tokens): "
+                  f"{full.perplexity:.3f}", ""]
+
+
+def _fig17(job: _Job, full) -> list[str]:
+    """Figure 17: InfiniGen's sensitivity to alpha and the partial weight ratio."""
+    model, tok, ids, out, plt, st, tick = job.model, job.tok, job.ids, job.out, job.plt, job.st, job.tick
+    ig_knobs = dict(st.knobs)
+    a_pts = sweep(model, tok, ids, st.prefill, ig_knobs, "alpha", st.alphas, "alpha", tick, st.matrices)
+    r_pts = sweep(model, tok, ids, st.prefill, ig_knobs, "partial_ratio", st.ratios, "partial_ratio", tick,
+                  st.matrices)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.4), constrained_layout=True)
+    for ax, pts, label in ((axes[0], a_pts, "alpha"), (axes[1], r_pts, "partial weight ratio")):
+        xs = [p.value for p in pts]
+        ax.plot(xs, [p.ppl for p in pts], marker="o", color="tab:blue", label="perplexity")
+        ax.axhline(full.perplexity, color="tab:blue", ls=":", lw=1, label="full cache")
+        ax.set_xlabel(label)
+        ax.set_ylabel("perplexity", color="tab:blue")
+        ax2 = ax.twinx()
+        ax2.plot(xs, [p.kv for p in pts], marker="s", color="tab:red", label="relative KV size")
+        ax2.set_ylabel("relative KV size", color="tab:red")
+        ax2.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+    fig.suptitle("InfiniGen sensitivity", fontsize=10)
+    fig.savefig(out / "fig17_sensitivity.png", dpi=120)
+    plt.close(fig)
+    return ["## Figure 17: InfiniGen sensitivity to alpha and the partial weight ratio", "",
+            _table(["sweep", "value", "perplexity", "vs full", "relative KV size (all layers)",
+                    "(speculated layers)"],
+                   [[p.sweep, p.value, p.ppl, f"{100 * (p.ppl / full.perplexity - 1):+.2f}%", p.kv, p.kv_speculated]
+                    for p in a_pts + r_pts]), "", "![figure 17](fig17_sensitivity.png)", ""]
+
+
+def _fig13(job: _Job, full) -> list[str]:
+    """Figure 13: skewing on and off, with a dynamic and a fixed budget."""
+    model, tok, ids, out, plt, st, tick = job.model, job.tok, job.ids, job.out, job.plt, job.st, job.tick
+    ig_knobs = dict(st.knobs)
+    rows, bars = [], []
+    for budget, extra in (("dynamic (alpha)", {}), ("fixed 20%", {"alpha": 1e9, "max_fetch_ratio": 0.2})):
+        for skew in (True, False):
+            knobs = {**ig_knobs, **extra, "skew": skew}
+            r = _ppl(model, tok, ids, _infinigen(knobs, st.matrices), st.prefill)
+            tick(1)
+            rows.append([budget, "on" if skew else "off", r.perplexity,
+                         f"{100 * (r.perplexity / full.perplexity - 1):+.2f}%", r.kv_all, r.kv_speculated])
+            bars.append((f"{budget}\nskew {'on' if skew else 'off'}", r.perplexity))
+    fig, ax = plt.subplots(figsize=(6, 3.2), constrained_layout=True)
+    ax.bar(range(len(bars)), [b for _, b in bars], color=["tab:green", "tab:gray"] * 2)
+    ax.axhline(full.perplexity, color="k", ls=":", lw=1, label="full cache")
+    ax.set_xticks(range(len(bars)), [n for n, _ in bars], fontsize=7)
+    ax.set_ylabel("perplexity")
+    lo = min(full.perplexity, min(b for _, b in bars))
+    ax.set_ylim(lo * 0.95, max(b for _, b in bars) * 1.02)
+    ax.legend(fontsize=8)
+    fig.savefig(out / "fig13_skewing.png", dpi=120)
+    plt.close(fig)
+    return ["## Figure 13: skewing on and off", "",
+            _table(["budget", "skewing", "perplexity", "vs full", "relative KV size (all layers)",
+                    "(speculated layers)"], rows),
+            "", "![figure 13](fig13_skewing.png)", ""]
 
 
 def steps(which, settings: Settings) -> int:

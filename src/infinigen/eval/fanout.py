@@ -18,7 +18,7 @@ import torch
 
 from .. import runtime
 from ..placement import Placement
-from ..policies.base import Policy
+from ..policy import Policy
 
 
 class _Fanout(runtime.Listener):

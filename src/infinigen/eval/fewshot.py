@@ -263,7 +263,7 @@ def score_continuations(model, ctx: list[int], conts: list[list[int]], policy=No
                         max_len: int | None = None, placement: Placement | None = None) -> list[Scored]:
     """Log-likelihood of each continuation after `ctx`, with `policy` (prepared) on the decoded part.
     Continuations of equal length share one batched teacher-forced pass."""
-    from ..policies.base import FullCache
+    from ..policy import FullCache
     policy = policy or FullCache()
     placement = placement or Placement()
     max_len = max_len or model.cfg.max_position

@@ -129,7 +129,7 @@ def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: in
                chunk: int = CHUNK) -> PPLResult:
     """Perplexity of `text` (path, corpus name or None with `tokens` [N, ctx]) under `policy`, the KV pool
     placed and limited by `placement` (its capacity may be a fraction of the window, e.g. 0.8)."""
-    from ..policies.base import FullCache
+    from ..policy import FullCache
     policy = (policy or FullCache()).prepare(model, tokenizer, progress=progress)
     placement = placement or Placement()
     if tokens is None:
@@ -193,4 +193,4 @@ def perplexity(model, tokenizer, text, policy=None, ctx: int = 2048, prefill: in
                      seconds=time.perf_counter() - start)
 
 
-from ..policies.base import jsonable  # noqa: E402,F401 (re-exported for the commands)
+from ..policy import jsonable  # noqa: E402,F401 (re-exported for the commands)

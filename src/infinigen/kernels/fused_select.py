@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..machine import cpu_flags
 from ..paths import writable_cache
 
 _SOURCE = Path(__file__).with_name("fused_select.cpp")
@@ -36,14 +37,7 @@ packs_selection = True  # False: the selection stays in torch, only the attentio
 
 def _cpu_key() -> str:
     """A short hash of what the native build depends on: torch, the machine and the CPU's flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        pass
+    flags = " ".join(sorted(cpu_flags()))
     text = f"{torch.__version__}|{platform.machine()}|{flags}|{_SOURCE.read_bytes().hex()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

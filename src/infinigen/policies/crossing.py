@@ -21,13 +21,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from .. import machine
 from ..errors import UserError
 from ..paths import cache_dir, write_atomic
 
@@ -42,16 +42,8 @@ BATCH = 1
 
 
 def _machine() -> dict:
-    cpu = platform.processor() or "unknown"
-    flags = ""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        lines = text.splitlines()
-        cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), cpu)
-        flags = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("flags")), "")
-    except OSError:
-        pass
-    out = {"cpu": cpu, "cpu_flags": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:12],
+    cpu, flags = machine.cpu_name(), machine.cpu_flags()
+    out = {"cpu": cpu, "cpu_flags": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:12],
            "threads": torch.get_num_threads(), "torch": torch.__version__}
     if torch.cuda.is_available():
         out["gpu"] = torch.cuda.get_device_name(0)
@@ -192,10 +184,12 @@ def crossing_from(lengths: list[int], ratio: list[float], context: int) -> int:
     return max(0, min(b, int(round(at))))
 
 
-def measure_crossing(model, policy, log=None, remeasure: bool = False) -> dict:
+def measure_crossing(model, policy, log=None, remeasure: bool = False, longest: int | None = None) -> dict:
     """The crossing for this model, policy and machine: stored before (source "cached"), else measured now and
     stored (source "measured"); a model shorter than MIN_CONTEXT positions is not measured (0, select at every
-    length). `remeasure`: measure even when stored (`infinigen calibrate` may call it so)."""
+    length). `remeasure`: measure even when stored (`infinigen calibrate` may call it so). `longest`: the most
+    tokens a session of this run caches; under the shortest length measured nothing is measured (a short chat's
+    first token does not wait for it) and the run reads densely, which is exact and costs nothing there."""
     if model.cfg.max_position < MIN_CONTEXT:
         return {"dense_below": 0, "source": f"not measured (a model of {model.cfg.max_position} positions: "
                                             f"under {MIN_CONTEXT})"}
@@ -204,6 +198,10 @@ def measure_crossing(model, policy, log=None, remeasure: bool = False) -> dict:
         stored = load(key)
         if stored is not None:
             return {**{k: v for k, v in stored.items() if k != "key"}, "source": "cached"}
+    shortest = lengths_for(model)[0]
+    if longest is not None and longest < shortest and not remeasure:
+        return {"dense_below": shortest, "source": f"not measured (this run caches at most {longest} tokens, under "
+                                                   f"the shortest length measured, {shortest}: it reads densely)"}
     if log:
         log("measuring where InfiniGen's selection pays on this machine (a few decoding steps, synthetic KV)")
     record = measure(model, policy, log=log)

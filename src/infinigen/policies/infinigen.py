@@ -458,11 +458,12 @@ class InfiniGen(Policy):
         cached[self.calib] = skew
         return self
 
-    def prepare(self, model, tokenizer=None, progress=False) -> "InfiniGen":
+    def prepare(self, model, tokenizer=None, progress=False, longest: int | None = None) -> "InfiniGen":
         """The skew matrices (`prepare_skew`), then, with `calibrate`, this model's settings: from the skew
         artifact's metadata when this search ran before on the same tokens (or the package ships it), else
         searched (`policies.calibrate`) and stored there. Prints one line with the choice. `progress`: True
-        for a bar on stderr, or a callback `progress(desc, done, total, eta_seconds)` (`skew.Progress`)."""
+        for a bar on stderr, or a callback `progress(desc, done, total, eta_seconds)` (`skew.Progress`).
+        `longest`: the most tokens a session of this run caches (None: unknown), see `_resolve_dense_below`."""
         self.prepare_skew(model, tokenizer, progress)
         done = self.calibrated_on is not None and self.calibrated_on() is model
         if self.calibrate and not done:
@@ -474,19 +475,27 @@ class InfiniGen(Policy):
                 # the preset asked for calibration, the caller did not: its own values, said in one line
                 print(f"InfiniGen not calibrated ({e}); the {self.preset} preset's settings apply", file=sys.stderr)
         if self.crossing["source"] not in ("set", "preset"):
-            self._resolve_dense_below(model, progress)
+            self._resolve_dense_below(model, progress, longest)
         return self
 
-    def _resolve_dense_below(self, model, progress: bool) -> None:
+    def _resolve_dense_below(self, model, progress: bool, longest: int | None = None) -> None:
         """`dense_below` from where selection pays on this machine (policies/crossing.py): stored, else measured
-        now (a few seconds) and stored. Once per model and settings in a process."""
+        now (a few seconds) and stored. Once per model and settings in a process. A run that caches fewer tokens
+        than the shortest length measured (`longest`) measures nothing and reads densely (not remembered: a
+        longer run in the same process measures)."""
         from .crossing import measure_crossing
         object.__setattr__(self, "dense_below", None)
         key = json.dumps({k: v for k, v in self.settings(model).items() if k not in ("dense_below_source", "crossing")},
                          sort_keys=True, default=str)
         memo = _CROSSINGS.setdefault(model, {})
         if key not in memo:
-            memo[key] = measure_crossing(model, self, log=(lambda m: print(m, file=sys.stderr)) if progress else None)
+            found = measure_crossing(model, self, log=(lambda m: print(m, file=sys.stderr)) if progress else None,
+                                     longest=longest)
+            if found["source"].startswith("not measured (this run"):
+                object.__setattr__(self, "dense_below", found["dense_below"])
+                object.__setattr__(self, "crossing", found)
+                return
+            memo[key] = found
             if memo[key]["source"] == "measured" or progress:
                 print(f"InfiniGen reads densely below {memo[key]['dense_below']} cached tokens "
                       f"({memo[key]['source']}: where its selection pays on this machine)", file=sys.stderr)

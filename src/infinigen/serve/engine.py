@@ -151,6 +151,17 @@ class Request:
 class Engine:
     """The scheduler and the decoding loop (its own thread, `start`); `submit` and `cancel` are thread-safe."""
 
+    @classmethod
+    def from_config(cls, model, policy, config, eos: set[int] | frozenset = frozenset()) -> "Engine":
+        """The engine a `ServerConfig` describes (its placement, admission limits and prefix cache)."""
+        from ..placement import Placement
+        return cls(model, policy, Placement(kv_offload=config.kv_offload, pool_dir=config.pool_dir), eos=eos,
+                   max_batch=config.max_batch, max_queue=config.max_queue, fast_bytes=config.fast_bytes,
+                   pool_bytes=config.pool_bytes, prefill_chunk_layers=config.prefill_chunk_layers,
+                   prefix_cache=config.prefix_cache, prefix_cache_bytes=config.prefix_cache_bytes,
+                   prefix_cache_dir=config.prefix_cache_dir, prefix_cache_dir_bytes=config.prefix_cache_dir_bytes,
+                   batch_invariant=config.batch_invariant)
+
     def __init__(self, model, policy=None, placement=None, eos: set[int] | frozenset = frozenset(),
                  max_batch: int = 16, max_queue: int = 64, fast_bytes: int | None = None,
                  pool_bytes: int | None = None, cost: KVCost | None = None, prefill_chunk_layers: int = 1,

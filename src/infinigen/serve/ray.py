@@ -10,7 +10,7 @@ the request.
 
 From Python: `ray.init(address=...)`, then `serve.run(deployment(builder, replicas))`, or `run(builder,
 replicas)`; `builder` is any picklable callable that returns the FastAPI app (`infinigen serve` passes
-`functools.partial(commands.serve.build, spec)`), so this module knows nothing of the command line.
+`functools.partial(commands.serve.build, config)`, a `ServerConfig`), so this module knows nothing of the command line.
 """
 from __future__ import annotations
 
