@@ -1,10 +1,11 @@
-"""A decoding step with the fused selecting attention (`kernels/fused_select`, one C++ call over the packed
-rows) against the torch path it replaces (`gather_rows` + head mask + `attend_masked`) and the full cache,
-side by side in one process: default model and dtype, KV in fast memory, one shared prefill per cell
-(`eval.fanout.prefill_shared`), the systems' steps interleaved A B C ... C B A so that a shared CPU's load
-falls on each alike; the first step is left out. Per system: median and min ms/step, the aten operator
-calls of one step (torch profiler: all aten events and the top-level ones), the operators that took the
-most self time in that step, and whether the two InfiniGen paths decoded the same greedy tokens.
+"""A decoding step with the fused selecting layer (`kernels/fused_select`: `select_packed` from the 4-bit scores
+to the packed rows and the remainder's log-sum-exp, then `attend_rows` over those rows) against the torch path
+(`_choose`, `select_rows`, `_unread_lse`, `gather_rows` + head mask + `attend_masked`), the fused attention
+alone (the selection in torch) and the full cache, side by side in one process: default model and dtype, KV in
+fast memory, one shared prefill per cell (`eval.fanout.prefill_shared`), the systems' steps interleaved
+A B C ... C B A so that a shared CPU's load falls on each alike; the first step is left out. Per system: median
+and min ms/step, the aten operator calls of one step (torch profiler: all aten events and the top-level ones),
+the operators that took the most self time in that step, and whether the InfiniGen paths decoded the same greedy tokens.
 
     PYTHONPATH=src python benchmarks/fused_selection.py --cells 512x1,8176x8 --gen 12 --json out.json
 """
@@ -25,7 +26,8 @@ from infinigen.paths import resolve_text
 from infinigen.placement.timing import Breakdown
 from infinigen.policies import make_policy
 
-NAMES = ["full", "infinigen torch rows", "infinigen fused"]
+NAMES = ["full", "infinigen torch", "infinigen fused attention", "infinigen fused selection+attention"]
+FUSED = [(True, True), (False, False), (True, False), (True, True)]  # (attention fused, selection fused)
 
 
 def _profiled(model, token, session, top: int):
@@ -45,6 +47,8 @@ def main() -> None:
     ap.add_argument("--cells", default="512x1,4096x4", help="PROMPTxBATCH, comma separated")
     ap.add_argument("--gen", type=int, default=12, help="decoding steps per system (the first is not timed)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this thread's CPU time per step (needs --threads 1), for a machine other jobs load")
     ap.add_argument("--top", type=int, default=12, help="operators listed per profiled step")
     ap.add_argument("--breakdown", type=int, default=0,
                     help="then this many instrumented steps per system: the per-block breakdown (placement.timing)")
@@ -52,6 +56,9 @@ def main() -> None:
                     help="calibrate the default preset first (slow where it is not cached); else its starting values")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.clock == "cpu" and a.threads != 1:
+        raise SystemExit("--clock cpu measures one thread: use --threads 1")
+    clock = time.thread_time if a.clock == "cpu" else time.perf_counter
     torch.set_num_threads(a.threads)
     if not fused_select.available():
         raise SystemExit("the fused kernel is unavailable here: nothing to compare")
@@ -62,8 +69,7 @@ def main() -> None:
         length, batch = map(int, cell.split("x"))
         tokens = torch.stack([ids[i * 97:i * 97 + length] for i in range(batch)])  # rows 97 tokens apart
         knobs = {"dense_below": 0} if a.calibrate else {"calibrate": False, "dense_below": 0}
-        pols = [make_policy("full")] + [make_policy("infinigen", **knobs).prepare(model, tok) for _ in range(2)]
-        fused = [True, False, True]
+        pols = [make_policy("full")] + [make_policy("infinigen", **knobs).prepare(model, tok) for _ in NAMES[1:]]
         logits, sessions = prefill_shared(model, tokens, pols, length + a.gen + a.breakdown + 2)
         for s in sessions:
             s.stats.reset()
@@ -72,33 +78,34 @@ def main() -> None:
         with torch.inference_mode():
             for step in range(a.gen - 1):
                 for i in list(range(len(pols)))[::-1 if step % 2 else 1]:
-                    fused_select.enabled = fused[i]
-                    t0 = time.perf_counter()
+                    fused_select.enabled, fused_select.packs_selection = FUSED[i]
+                    t0 = clock()
                     out = runtime.decode(model, nxt[i], sessions[i])
-                    times[i].append((time.perf_counter() - t0) * 1e3)
+                    times[i].append((clock() - t0) * 1e3)
                     nxt[i] = out.argmax(-1)
                     generated[i].append(nxt[i].tolist())
             profiles = []
             for i, s in enumerate(sessions):
-                fused_select.enabled = fused[i]
+                fused_select.enabled, fused_select.packs_selection = FUSED[i]
                 out, n_all, n_top, ops = _profiled(model, nxt[i], s, a.top)
                 nxt[i] = out.argmax(-1)
                 profiles.append((n_all, n_top, ops))
             breakdowns = [None] * len(pols)
             if a.breakdown:
                 for i, s in enumerate(sessions):
-                    fused_select.enabled = fused[i]
+                    fused_select.enabled, fused_select.packs_selection = FUSED[i]
                     with Breakdown(model, s) as bd:
                         for _ in range(a.breakdown):
                             nxt[i] = bd.step(nxt[i]).argmax(-1)
                     breakdowns[i] = bd.summary()["per_block_ms"]
-        fused_select.enabled = True
-        same = generated[1] == generated[2]
-        print(f"{length:5d} x {batch}  torch rows and fused decode the same greedy tokens: {same}", flush=True)
+        fused_select.enabled, fused_select.packs_selection = True, True
+        same = generated[1] == generated[2] == generated[3]
+        print(f"{length:5d} x {batch}  the InfiniGen paths decode the same greedy tokens: {same}", flush=True)
         for i, (system, ts) in enumerate(zip(NAMES, times)):
             n_all, n_top, ops = profiles[i]
             row = dict(system=system, prompt=length, batch=batch, ms_median=round(statistics.median(ts[1:]), 2),
-                       ms_min=round(min(ts[1:]), 2), aten_calls=n_all, aten_calls_top=n_top, top_ops=ops,
+                       ms_min=round(min(ts[1:]), 2), clock=a.clock, threads=a.threads,
+                       aten_calls=n_all, aten_calls_top=n_top, top_ops=ops,
                        rel_kv=sessions[i].stats.overall(), per_block_ms=breakdowns[i], same_tokens=same)
             rows.append(row)
             print(f"{length:5d} x {batch}  {system:22s} median {row['ms_median']:8.1f} ms/step"

@@ -3,7 +3,9 @@ alone on synthetic tensors: the 4-bit speculation scores, the selection (InfiniG
 pooled over the layer's KV heads), then the rows read and attended, on the reference path (`KVStore.slots` +
 `gather` + `attend_step`: each KV head padded to the largest head's count) and on the packed rows
 (`KVStore.select_rows` + `gather_rows` + one masked fused call) and by the fused C++ kernel
-(`kernels/fused_select`, where it builds), beside dense attention over every entry.
+(`kernels/fused_select`, where it builds), beside dense attention over every entry; and the selection, the
+packing and the remainder's log-sum-exp in torch against the one C++ call that makes all three
+(`fused_select.select_packed`).
 Scores are drawn so that about a third of the entries pass the threshold and the cap binds; `--skew`
 makes the KV heads' shares unequal (as a real layer's are). Runs from main's checkout too (the reference
 pieces only), for a before/after of the selection.
@@ -23,14 +25,18 @@ from infinigen.kernels.int4 import PackedKeys
 from infinigen.policies.infinigen import InfiniGen
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.thread_time, the CPU time of this thread (with --threads 1 every
+# piece runs in it): what a loaded machine's preemption does not inflate
+
+
 def _time(fn, reps: int) -> float:
     """The lower quartile of `reps` calls, ms (a shared CPU: the least disturbed calls)."""
     fn()
     ts = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        ts.append(time.perf_counter() - t0)
+        ts.append(CLOCK() - t0)
     ts.sort()
     return 1e3 * ts[len(ts) // 4]
 
@@ -42,7 +48,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skew", type=float, default=2.0, help="score spread of KV head 0 over head 2's")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: this thread's CPU time (needs --threads 1), for a machine other jobs load")
     a = ap.parse_args()
+    if a.clock == "cpu":
+        if a.threads != 1:
+            raise SystemExit("--clock cpu measures one thread: use --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     b, hkv, g, d, s = a.batch, 3, 3, 64, a.length  # SmolLM2-135M: 9 query heads over 3 KV heads, d 64
@@ -85,6 +98,19 @@ def main() -> None:
             from infinigen.kernels import fused_select
         except ImportError:  # main's checkout before the fused kernel
             fused_select = None
+        rest_ref = lambda: pol._unread_lse(scores, valid[:, :, None] & ~keep[:, :, None])  # noqa: E731
+        out["remainder: unread log-sum-exp"] = _time(rest_ref, a.reps)
+        if fused_select is not None and hasattr(fused_select, "select_packed") and fused_select.available():
+            total = pol._layer_total(pol.max_fetch_ratio, s, hkv, s)
+            flat = scores[:, :, :, 0].contiguous()
+            out["fused: select_packed (C++: threshold, cap, rows, remainder)"] = _time(
+                lambda: fused_select.select_packed(flat.clone(), 1.0, pol.alpha, total, store.capacity, True),
+                a.reps)
+            out["  (the clone of the scores it overwrites)"] = _time(lambda: flat.clone(), a.reps)
+            fk, frows, _, fcounts, _ = fused_select.select_packed(flat.clone(), 1.0, pol.alpha, total,
+                                                                   store.capacity, True)
+            rows["fused selection equals the torch one"] = bool(torch.equal(fk, keep)
+                                                                and torch.equal(frows, sel.rows))
         if fused_select is not None and fused_select.usable(q, store.k[0]):
             own = torch.arange(b * hkv).view(b, hkv) * store.capacity + slots
             kf, vf = store.k[0].view(-1, d), store.v[0].view(-1, d)
@@ -94,9 +120,10 @@ def main() -> None:
         del mask_h
     kd, vd, _, _ = store.past(0)
     out["dense attention (attend_all)"] = _time(lambda: runtime.attend_all(q, kd, vd, scale), a.reps)
-    print(f"one selecting layer, {s} tokens x batch {b}, {a.threads} thread(s), ms (lower quartile of {a.reps}):")
+    print(f"one selecting layer, {s} tokens x batch {b}, {a.threads} thread(s), {a.clock} ms "
+          f"(lower quartile of {a.reps}):")
     for name, ms in out.items():
-        print(f"  {name:36s} {ms:7.3f}")
+        print(f"  {name:60s} {ms:7.3f}")
     print("  per (batch row, KV head) selected:", counts[0].tolist(), "...;", rows)
 
 

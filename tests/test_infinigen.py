@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from infinigen import runtime
+from infinigen.cache import SelectedRows
 from infinigen.errors import UserError
 from infinigen.policies import make_policy
 from infinigen.policies.infinigen import BUDGETS, InfiniGen, fake_int4
@@ -39,8 +40,9 @@ def _record(pol):
 
     def keep(layer, rows, sess):
         out = inner(layer, rows, sess)
-        if rows.in_store:  # decoding: one row over the store's slots
-            pol.seen.setdefault(layer, []).append(out[:, :, 0].clone())
+        if rows.in_store:  # decoding: one row over the store's slots (or its rows packed: their mask)
+            mask = out.keep if isinstance(out, SelectedRows) else out[:, :, 0]
+            pol.seen.setdefault(layer, []).append(mask.clone())
         else:  # teacher-forced: every row at once
             pol.seen[layer] = [out[:, :, r, :rows.first + r] for r in range(out.shape[2])]
         return out
@@ -175,7 +177,8 @@ def test_exact_speculation_selects_true_top_tokens(make_tiny, budget, spec_input
     inner = pol.keep
 
     def select(layer, rows, sess):
-        keep = inner(layer, rows, sess)[:, :, 0]
+        keep = inner(layer, rows, sess)
+        keep = keep.keep if isinstance(keep, SelectedRows) else keep[:, :, 0]  # the packed rows' mask
         q = rows.query
         n = sess.store.length[layer]
         k = sess.store.k[layer][:, :, :n].double()

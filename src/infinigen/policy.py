@@ -199,7 +199,8 @@ class Policy:
         candidates are the store's slots; rows.query is None when asked one layer ahead); else
         teacher-forced scoring, every decoding row of the sequence at once (never for a policy that
         `replays`). The runtime removes invalid entries and the sliding window afterwards, and always
-        attends each row's own token."""
+        attends each row's own token. Where `rows.packs`, the answer may instead be the selection packed as
+        `cache.SelectedRows` (the runtime then reads those rows as they are)."""
         return ALL
 
     def known_ahead(self, layer: int, session) -> bool:

@@ -490,11 +490,11 @@ class Session:
             mask = mask & window
         return self.model.dense_attention(q, kp, vp, mask)
 
-    def _rows(self, valid, pos, q=None, k=None, keys=None) -> Rows:
+    def _rows(self, valid, pos, q=None, k=None, keys=None, packs: bool = False) -> Rows:
         """The current decoding row against the store's used slots."""
         r = self._row
         return Rows(first=r, positions=self._positions[:, r:r + 1], entry_pos=pos, valid=valid[:, :, None],
-                    in_store=True, query=q, own_keys=k, keys=keys)
+                    in_store=True, query=q, own_keys=k, keys=keys, packs=packs)
 
     @staticmethod
     def _one_row(keep):
@@ -507,12 +507,18 @@ class Session:
         kp, _, valid, pos = store.past(layer)
         cur = self._positions[:, self._row]  # [B]
         window = model.cfg.window(layer)
-        rows = None
+        rows = packed = None
         keep = self._plans.pop(layer, None)
         if keep is None:
             if self.selects(layer):
-                rows = self._rows(valid, pos, q, k, kp)
-                keep = self._one_row(pol.keep(layer, rows, self))
+                # every used slot a visible candidate, read as packed rows: the policy may pack them itself
+                packs = in_place and self.reads_rows() and window is None and not store.padded
+                rows = self._rows(valid, pos, q, k, kp, packs)
+                keep = pol.keep(layer, rows, self)
+                if isinstance(keep, SelectedRows):
+                    packed, keep = keep, keep.keep
+                else:
+                    keep = self._one_row(keep)
             else:
                 keep = ALL
         if self.listeners:
@@ -534,7 +540,8 @@ class Session:
             self.stats.record(layer, visible.sum(-1, keepdim=True), past)
             return self._read_dense(layer, _Read(cur, ALL, visible, None, None, None, ALL, False))
         if in_place and self.reads_rows():
-            sel = store.select_rows(layer, keep, visible)  # the rows are read by the attention itself
+            # the rows are read by the attention itself
+            sel = packed if packed is not None else store.select_rows(layer, keep, visible)
             self.stats.record(layer, sel.counts[..., None], past)
             return _Read(cur, sel.keep, sel.keep, None, None, None, None, False, sel)
         return self._read_slots(layer, cur, keep, visible, past)

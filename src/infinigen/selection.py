@@ -2,10 +2,12 @@
 
 A policy answers one question per layer, `keep(layer, rows, session)`: which of the candidate entries
 each decoding row in `rows` reads. The answer is a bool mask [B, Hkv, R, S] (R rows, S candidates), or
-`ALL` for every candidate. The runtime asks it in three situations and takes the same answer in each:
-decoding (one row against the store's slots, at the layer's attention), the prefetch plan (the same row,
-asked one layer ahead when the policy says it can answer without the layer's query) and teacher-forced
-scoring (every decoding row of a sequence at once, against the sequence's own tokens).
+`ALL` for every candidate; while decoding, where the runtime offers it (`Rows.packs`), also the selection
+already packed as the rows it reads (`cache.SelectedRows`, whose `keep` is that mask). The runtime asks it
+in three situations and takes the same answer in each: decoding (one row against the store's slots, at the
+layer's attention), the prefetch plan (the same row, asked one layer ahead when the policy says it can answer
+without the layer's query) and teacher-forced scoring (every decoding row of a sequence at once, against the
+sequence's own tokens).
 
 Placement and the cache import this module, never a policy.
 """
@@ -53,6 +55,9 @@ class Rows:
     own_keys   [B, Hkv, R, d] the rows' own keys (not among the candidates), or None when asked ahead
     keys       [B, Hkv, S, d] the candidates' keys, or None when asked ahead (or when the store keeps
                them packed in the slow tier)
+    packs      decoding only: the runtime reads the answer as packed rows (`KVStore.select_rows`) and every
+               used slot is a valid, visible candidate (no padding, no window, no victims); the policy may
+               then answer with the packed selection itself (`cache.SelectedRows`) instead of the mask
     """
     first: int
     positions: torch.Tensor
@@ -62,6 +67,7 @@ class Rows:
     query: torch.Tensor | None = None
     own_keys: torch.Tensor | None = None
     keys: torch.Tensor | None = None
+    packs: bool = False
 
     @property
     def count(self) -> int:

@@ -2,18 +2,42 @@
 // (KVStore.select_rows): each chosen key and value row is read once from the store, converted to float32
 // once, and used by every query head of its KV head; the softmax is computed online in blocks, so nothing
 // [B, H, S]-sized is built. Returns the output, the log-sum-exp of the scaled scores (for the remainder) and
-// the float32 sum of the past values read (the token's own row excluded).
+// the float32 sum of the past values read (the token's own row excluded). And, in front of it, the selection
+// that packs those rows from a layer's speculated scores (`select_packed`).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // rows per online-softmax block: their keys and values fit in L1 at d <= 128
+constexpr int64_t kBlock = 32;
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (no call, no branch): Cephes' expf polynomial on
+// x - n ln 2, times 2^n built in the exponent bits; within 2 ulp of expf; 0 below -87.3 (where float32 turns
+// subnormal).
+inline float exp_nonpositive(float x) {
+  const float below = x < -87.3f ? 0.f : 1.f;
+  x = x > -87.3f ? x : -87.3f;
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale * below;
+}  // rows per online-softmax block: their keys and values fit in L1 at d <= 128
 
 template <typename scalar_t>
 inline void to_float(const scalar_t* src, float* dst, int64_t d) {
@@ -151,6 +175,157 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
   return {out, lse, read_sum};
 }
 
+namespace {
+
+struct Candidate {  // one kept (KV head, slot) of a batch row over its layer cap
+  float mass;
+  int64_t index;  // KV head * n + slot
+};
+
+// The cap's order: more mass first; equal mass, the lower (KV head, slot) first.
+inline bool before(const Candidate& a, const Candidate& b) {
+  return a.mass > b.mass || (a.mass == b.mass && a.index < b.index);
+}
+
+}  // namespace
+
+// InfiniGen's "layer" selection of one decoding row per batch row, from its speculated scores to the packed rows
+// the attention reads. scores [B, Hkv, G, n] float32, every slot of the store's first n valid (no padding, no
+// window); OVERWRITTEN with exp(relative). Per query head relative = s * scale - max; a slot is kept when its
+// group's largest relative exceeds -alpha; a batch row keeping more than `total` (KV head, slot) pairs keeps
+// exactly the `total` with the most mass (the sum over the group of exp(relative) / sum over the slots of
+// exp(relative)), ties to the lower (KV head, slot). Returns keep [B, Hkv, n] bool; rows [B, m] int64: each batch
+// row's kept rows of the flat [B * Hkv * capacity, d] store, head-major in ascending slots, padded with row 0 to
+// the longest batch row's m; head [B, m] int64 (-1 on padding); counts [B, Hkv] int64; and, with with_lse, lse
+// [B, Hkv, G] float32: the log-sum-exp of the scaled scores of the slots left unread (-inf where none is, or
+// where their mass underflows next to the head's max: each slot below e^-87.3 of it counts 0).
+std::vector<torch::Tensor> select_packed(torch::Tensor scores, double scale, double alpha, int64_t total,
+                                         int64_t capacity, bool with_lse) {
+  TORCH_CHECK(scores.dim() == 4 && scores.scalar_type() == torch::kFloat, "scores [B,Hkv,G,n] float32");
+  TORCH_CHECK(total >= 0, "the layer cap must be >= 0");
+  scores = scores.contiguous();
+  const int64_t b = scores.size(0), hkv = scores.size(1), g = scores.size(2), n = scores.size(3);
+  TORCH_CHECK(capacity >= n, "the store holds fewer slots than the scores cover");
+  const auto opts = scores.options();
+  auto keep = torch::empty({b, hkv, n}, opts.dtype(torch::kBool));
+  auto counts = torch::empty({b, hkv}, opts.dtype(torch::kLong));
+  auto lse = torch::empty({b, hkv, with_lse ? g : 0}, opts);
+  std::vector<float> head_max(b * hkv * g), head_sum(b * hkv * g);
+  float* s_p = scores.data_ptr<float>();
+  bool* keep_p = keep.data_ptr<bool>();
+  int64_t* counts_p = counts.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale), floor_rel = static_cast<float>(-alpha);
+  // each (batch row, KV head): scaled scores, each head's max, the threshold over the group, exp(relative). One
+  // simple loop per step, so that each vectorizes (a loop mixing the bool mask with floats, or a store with
+  // the max, does not)
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> group_max(n);
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      std::fill(group_max.begin(), group_max.end(), -std::numeric_limits<float>::infinity());
+      float* gm = group_max.data();
+      for (int64_t h = 0; h < g; ++h) {
+        float* row = s_p + (bh * g + h) * n;
+        for (int64_t j = 0; j < n; ++j) row[j] = row[j] * sc;  // as torch: the scaled score rounded
+        float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < n; ++j) mx = mx > row[j] ? mx : row[j];
+        mx = std::max(mx, std::numeric_limits<float>::lowest());  // as `_choose` clamps the max
+        for (int64_t j = 0; j < n; ++j) gm[j] = std::max(gm[j], row[j] - mx);  // then the max subtracted
+        for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) sum += row[j];
+        head_max[bh * g + h] = mx;
+        head_sum[bh * g + h] = sum;
+      }
+      bool* kp = keep_p + bh * n;
+      int64_t c = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        kp[j] = gm[j] > floor_rel;
+        c += kp[j];
+      }
+      counts_p[bh] = c;
+    }
+  });
+  // each batch row over its cap keeps exactly its `total` pairs with the most mass (a partial selection)
+  at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<Candidate> cand;
+    std::vector<float> mass(n);
+    for (int64_t bi = lo; bi < hi; ++bi) {
+      int64_t kept = 0;
+      for (int64_t kh = 0; kh < hkv; ++kh) kept += counts_p[bi * hkv + kh];
+      if (kept <= total) continue;
+      cand.resize(kept + 1);  // + 1: the branch-free compaction below writes one past the last kept pair
+      int64_t c = 0;
+      for (int64_t kh = 0; kh < hkv; ++kh) {
+        const int64_t bh = bi * hkv + kh;
+        const bool* kp = keep_p + bh * n;
+        float* ms = mass.data();
+        std::fill(mass.begin(), mass.end(), 0.f);
+        for (int64_t h = 0; h < g; ++h) {  // as torch: each head's weights, then summed over the group in order
+          const float* e = s_p + (bh * g + h) * n;
+          const float z = head_sum[bh * g + h];
+          for (int64_t j = 0; j < n; ++j) ms[j] += e[j] / z;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          cand[c] = {ms[j], kh * n + j};
+          c += kp[j];
+        }
+      }
+      cand.resize(kept);
+      std::nth_element(cand.begin(), cand.begin() + total, cand.end(), before);
+      for (auto it = cand.begin() + total; it != cand.end(); ++it) {
+        keep_p[bi * hkv * n + it->index] = false;
+        --counts_p[bi * hkv + it->index / n];
+      }
+    }
+  });
+  std::vector<int64_t> starts(b * hkv);
+  int64_t m = 0;
+  for (int64_t bi = 0; bi < b; ++bi) {
+    int64_t at = 0;
+    for (int64_t kh = 0; kh < hkv; ++kh) {
+      starts[bi * hkv + kh] = at;
+      at += counts_p[bi * hkv + kh];
+    }
+    m = std::max(m, at);
+  }
+  auto rows = torch::zeros({b, m}, opts.dtype(torch::kLong));
+  auto head = torch::full({b, m}, -1, opts.dtype(torch::kLong));
+  int64_t* rows_p = rows.data_ptr<int64_t>();
+  int64_t* head_p = head.data_ptr<int64_t>();
+  float* lse_p = with_lse ? lse.data_ptr<float>() : nullptr;
+  // the packed rows, and the mass each query head leaves unread
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<int64_t> kept(n);
+    std::vector<float> unread(with_lse ? n : 0);
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t bi = bh / hkv, kh = bh % hkv;
+      const bool* kp = keep_p + bh * n;
+      int64_t c = 0;
+      for (int64_t j = 0; j < n; ++j) {  // branch-free: each slot written, the count moved past the kept ones
+        kept[c] = bh * capacity + j;
+        c += kp[j];
+      }
+      std::copy(kept.begin(), kept.begin() + c, rows_p + bi * m + starts[bh]);
+      std::fill(head_p + bi * m + starts[bh], head_p + bi * m + starts[bh] + c, kh);
+      if (!with_lse) continue;
+      for (int64_t j = 0; j < n; ++j) unread[j] = kp[j] ? 0.f : 1.f;
+      for (int64_t h = 0; h < g; ++h) {
+        const float* e = s_p + (bh * g + h) * n;
+        const float* u = unread.data();
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) sum += e[j] * u[j];
+        lse_p[bh * g + h] = sum > 0.f ? head_max[bh * g + h] + std::log(sum)
+                                      : -std::numeric_limits<float>::infinity();
+      }
+    }
+  });
+  return {keep, rows, head, counts, lse};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_rows", &attend_rows, "attention over packed selected rows, online softmax");
+  m.def("select_packed", &select_packed, "InfiniGen's layer-capped selection from scores to packed rows");
 }

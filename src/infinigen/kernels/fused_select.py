@@ -1,10 +1,15 @@
-"""A decoding step's attention over the rows a selection packs (`KVStore.select_rows`), as one C++ call.
+"""A decoding step's attention over the rows a selection packs (`KVStore.select_rows`), as one C++ call, and
+InfiniGen's layer-capped selection that packs them straight from the speculated scores (`select_packed`).
 
 For each (batch row, KV head) the kernel reads each chosen key and value row once from the layer's flat
 store, scores it against every query head of that KV head and folds it into an online softmax (blocks of
 32 rows, float32 accumulation), then reads the token's own row last. It returns the output, the
 log-sum-exp of the scaled scores (the remainder is applied from it) and the float32 sum of the past values
 read, with no gathered copy of the rows and no [B, H, rows] score or mask tensor.
+
+`select_packed` takes a layer's speculated scores [B, Hkv, G, n] and makes, in one pass per (batch row, KV
+head) and a partial selection (no sort) per batch row over its cap, what `_choose` (budget "layer"),
+`KVStore.select_rows` and the remainder's log-sum-exp make in some two hundred torch calls.
 
 Built on first use with torch's cpp_extension (-O3, OpenMP through `at::parallel_for`, -march=native so
 AVX-512 is used where the CPU has it) into the cache (`cache_dir()/kernels/...`, keyed by the torch
@@ -27,6 +32,7 @@ from ..paths import writable_cache
 
 _SOURCE = Path(__file__).with_name("fused_select.cpp")
 enabled = True  # False: callers take the torch path (benchmarks compare the two in one process)
+packs_selection = True  # False: the selection stays in torch, only the attention is fused (a benchmark's middle row)
 
 
 def _cpu_key() -> str:
@@ -73,3 +79,16 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows:
     A (batch row, KV head) that reads nothing gets a zero output and a log-sum-exp of -inf."""
     own = rows.new_empty(0) if own is None else own
     return _module().attend_rows(q, keys, values, rows, counts, own, float(scale))
+
+
+def select_packed(scores: torch.Tensor, scale: float, alpha: float, total: int, capacity: int, with_lse: bool):
+    """scores [B, Hkv, G, n] float32 (the speculated q . k of one decoding row per batch row over a store's first
+    n slots, every one valid; overwritten) -> keep [B, Hkv, n] bool, rows [B, m] and head [B, m] int64 (each batch
+    row's kept rows of the flat [B * Hkv * capacity, d] store, head-major in ascending slots; padding: row 0, head
+    -1), counts [B, Hkv] int64 and lse [B, Hkv, G] float32 (with_lse; else empty): the log-sum-exp of the scaled
+    scores left unread, -inf where none is (or each is below e^-87.3 of its head's max: an exp that counts 0).
+
+    Per query head relative = scores * scale - max; a slot is kept where the group's largest relative exceeds
+    -alpha; a batch row keeping more than `total` (KV head, slot) pairs keeps exactly the `total` with the most
+    mass (sum over the group of exp(relative) / its head's sum), ties to the lower (KV head, slot)."""
+    return _module().select_packed(scores, float(scale), float(alpha), int(total), int(capacity), bool(with_lse))

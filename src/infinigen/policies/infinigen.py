@@ -71,8 +71,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..cache import KVStore
+from ..cache import KVStore, SelectedRows
 from ..errors import UserError
+from ..kernels import fused_select
 from ..kernels.int4 import PackedKeys, tinygemm_ok
 from ..memory import tensor_bytes, weight_bytes
 from .base import ALL, Policy, Remainder, jsonable, parse_layers
@@ -951,7 +952,9 @@ class InfiniGen(Policy):
         if rows.in_store:
             if self._dense_pass(session):
                 return ALL
-            keep = self._decoding_row(layer, rows, session)[:, :, None]
+            keep = self._decoding_row(layer, rows, session)
+            if not isinstance(keep, SelectedRows):
+                keep = keep[:, :, None]
         else:
             keep = self._sequence_rows(layer, rows, session)
         lse = st.rest.pop(layer, None)
@@ -966,11 +969,12 @@ class InfiniGen(Policy):
             st.rest[layer] = Remainder(lse, st.value_sums[layer], st.value_counts[layer])
         return keep
 
-    def _decoding_row(self, layer, rows, session) -> torch.Tensor:
+    def _decoding_row(self, layer, rows, session) -> torch.Tensor | SelectedRows:
         st = session.state
         st.ready.discard(layer)
-        keep = self._speculated_row(layer, rows, session)
         dense = self._dense_rows(session, rows.first)
+        # no batch row below dense_below: the answer may be the packed rows themselves
+        keep = self._speculated_row(layer, rows, session, packs=rows.packs and dense is None)
         if dense is None:
             return keep
         if layer in st.rest:  # a row reading everything leaves nothing unread
@@ -988,7 +992,7 @@ class InfiniGen(Policy):
         their attention mass [B, Hkv, G, R] (-inf where none is unread)."""
         return torch.logsumexp(s.masked_fill(~unread[:, :, None], float("-inf")), -1)
 
-    def _speculated_row(self, layer, rows, session) -> torch.Tensor:
+    def _speculated_row(self, layer, rows, session, packs: bool = False) -> torch.Tensor | SelectedRows:
         st = session.state
         # the layer's own query at its attention (row `rows.first` of a view): layer 0 with exact_first when
         # its selection was not made at the embedding, every layer with `own_query`
@@ -997,7 +1001,7 @@ class InfiniGen(Policy):
             b, h, _, d = q.shape
             hkv = session.model.cfg.num_kv_heads
             st.spec[layer] = q.view(b, hkv, h // hkv, 1, d).expand(b, hkv, h // hkv, rows.first + 1, d)
-        return self._select_row(layer, rows.first, session)
+        return self._select_row(layer, rows.first, session, packs)
 
     def on_append(self, layer, slots, k, v, session):
         st = session.state
@@ -1071,21 +1075,31 @@ class InfiniGen(Policy):
         k = spec_keys[:, :, :n]
         return (qs.to(k.dtype) @ k.transpose(-1, -2)).float()
 
-    def _select_row(self, layer: int, row: int, session) -> torch.Tensor:
-        """Selection [B, Hkv, S] over the store's slots for decoding row `row`."""
+    def _select_row(self, layer: int, row: int, session, packs: bool = False) -> torch.Tensor | SelectedRows:
+        """Selection [B, Hkv, S] over the store's slots for decoding row `row`; with `packs` (the runtime reads
+        packed rows, every used slot valid) and the fused kernel built, budget "layer" makes the packed rows
+        and the remainder's log-sum-exp in one C++ call (`fused_select.select_packed`: the same cut)."""
         st, store, model = session.state, session.store, session.model
         n = store.length[layer]
         spec_keys = self._spec_keys(st, layer, session)
-        scores = self._scores(st, layer, row, spec_keys, n)[:, :, :, None]  # [B, Hkv, G, 1, S]
+        scores = self._scores(st, layer, row, spec_keys, n)  # [B, Hkv, G, S]
+        cap = self._cap(st, model, layer, n)
+        rest = self._adds_rest(st, layer)
+        if packs and not store.padded and model.cfg.sliding_window is None and self._fuses_selection(scores):
+            total = self._layer_total(cap, n, scores.shape[1], n)
+            keep, rows, head, counts, lse = fused_select.select_packed(scores, model.scale, st.alpha, total,
+                                                                       store.capacity, rest)
+            if rest:
+                st.rest[layer] = lse[..., None]
+            return SelectedRows(keep, rows, head, counts)
+        scores = scores[:, :, :, None]  # [B, Hkv, G, 1, S]
         valid = store.valid[layer][:, :, :n]
         cur = session.positions[:, row]
         valid = self._window(model.cfg, valid, store.pos[layer][:, :, :n], cur[:, None, None])
         # every row has n valid tokens unless a prompt was padded or a window hides some: then the caps
         # are known on the host and the selection needs no synchronization (see `_choose`)
         shared_length = n if not store.padded and model.cfg.sliding_window is None else None
-        cap = self._cap(st, model, layer, n)
         s = scores * model.scale
-        rest = self._adds_rest(st, layer)
         keep = self._choose(s.clone() if rest else s, valid[:, :, None, :], st.alpha, shared_length, cap)
         if rest:  # `_choose` worked on a copy: s holds the scores
             st.rest[layer] = self._unread_lse(s, valid[:, :, None, :] & ~keep)
@@ -1156,6 +1170,21 @@ class InfiniGen(Policy):
             st.rest[layer] = rest
         return out
 
+    def _fuses_selection(self, scores: torch.Tensor) -> bool:
+        """Whether `fused_select.select_packed` makes this selection: budget "layer" slot by slot, scores on the
+        CPU, the kernel built."""
+        return (self.budget == "layer" and self.block <= 1 and scores.device.type == "cpu"
+                and fused_select.packs_selection and fused_select.available())
+
+    def _layer_total(self, ratio: float | None, shared_length: int, hkv: int, slots: int) -> int:
+        """budget "layer"'s cap of a row that has `shared_length` valid tokens per KV head: the (KV head, slot)
+        pairs it may read over the layer's `hkv` KV heads, at least `min_fetch` per KV head (`slots` slots)."""
+        ratio = self.max_fetch_ratio if ratio is None else ratio
+        floor = min(max(1, self.min_fetch), slots)
+        # float32 arithmetic on a tensor, as `_choose` computes it where the lengths are data
+        length = torch.tensor(shared_length).view(1, 1, 1)
+        return int((ratio * (length * hkv)).floor().clamp(min=floor * hkv))
+
     def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float, shared_length: int | None = None,
                 ratio: float | None = None) -> torch.Tensor:
         """Scores s [B, Hkv, G, R, S] (float32) of R rows over S slots, valid [B|1, Hkv|1, R, S] ->
@@ -1205,7 +1234,7 @@ class InfiniGen(Policy):
             if shared_length is None:
                 total = (ratio * length.expand(b, hkv, r).sum(1)).floor().clamp(min=floor * hkv).long()  # [B, R]
             else:
-                total = int((ratio * (length * hkv)).floor().clamp(min=floor * hkv))
+                total = self._layer_total(ratio, shared_length, hkv, s.shape[-1])
             if self.block > 1:
                 return self._choose_blocks(relative, keep, valid, total)
             over = keep.sum((1, 3)) > total
