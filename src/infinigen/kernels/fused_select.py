@@ -35,8 +35,9 @@ enabled = True  # False: callers take the torch path (benchmarks compare the two
 packs_selection = True  # False: the selection stays in torch, only the attention is fused (a benchmark's middle row)
 
 
-def _cpu_key() -> str:
-    """A short hash of what the native build depends on: torch, the machine and the CPU's flags."""
+def build_key() -> str:
+    """A short hash of what the native build depends on: torch, the machine, the CPU's flags and the source
+    (also what keys a measurement of its speed: policies/crossing.py)."""
     flags = " ".join(sorted(cpu_flags()))
     text = f"{torch.__version__}|{platform.machine()}|{flags}|{_SOURCE.read_bytes().hex()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -48,7 +49,7 @@ def _module():
     try:
         from torch.utils import cpp_extension
 
-        build = writable_cache(f"kernels/fused_select-{_cpu_key()}")
+        build = writable_cache(f"kernels/fused_select-{build_key()}")
         return cpp_extension.load(
             name="infinigen_fused_select", sources=[str(_SOURCE)], build_directory=str(build),
             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
