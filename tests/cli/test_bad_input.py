@@ -1,6 +1,6 @@
-"""Issue 10 B: every bad input and every interrupt gets exit code 2 (or 130), one line on stderr, no
+"""Every bad input and every interrupt gets exit code 2 (or 130), one line on stderr, no
 traceback, no half-written output, and, where the input alone tells, before any expensive work.
-One test per class of case; each parametrized case is a repro from the issue."""
+One test per class of case; each parametrized case is a reported failure."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
-"""Issue 16, items 2-4: the second sweep of bad input. Each CLI case is exit 2 and one line on stderr (130 for
-an interrupt), before the work (before the model loads where the check does not need it), nothing half
-written; a killed run leaves nothing behind; the Python API answers like the CLI. One test per class."""
+"""Bad input at the edges: knobs beyond 64 bits, memory limits, broken data files, a full or closed stdout,
+killed runs, the Python API. Each CLI case is exit 2 and one line on stderr (130 for an interrupt), before the
+work (before the model loads where the check does not need it), nothing half written; a killed run leaves
+nothing behind; the Python API answers like the CLI. One test per class."""
 from __future__ import annotations
 
 import json
@@ -184,7 +185,7 @@ def test_cli_refuses_a_batch_beyond_ulimit_v(tiny_checkpoint):
 
 @pytest.mark.integration
 def test_issue_repro_default_model_under_ulimit_v():
-    """The issue's command on the default model: `ulimit -v 6000000; infinigen generate -p hi -b 65536 -n 1`."""
+    """The reported command on the default model: `ulimit -v 6000000; infinigen generate -p hi -b 65536 -n 1`."""
     cmd = " ".join(_cli_process("generate", "-p", "hi", "-b", "65536", "-n", "1"))
     p = subprocess.run(["bash", "-c", f"ulimit -v 6000000; exec {cmd}"], capture_output=True, text=True, env=_env(),
                        timeout=600)

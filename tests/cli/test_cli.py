@@ -1,4 +1,4 @@
-"""Issue 2, items 6 and 7: `infinigen generate` and `infinigen info`, and how bad input is reported
+"""`infinigen generate` and `infinigen info`, and how bad input is reported
 (one line on stderr, exit code 2, no traceback, before any expensive work where possible)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The disk tier fails early and in one line (issue 9, item 5): the pool file is preallocated, so a full
+"""The disk tier fails early and in one line: the pool file is preallocated, so a full
 filesystem is a UserError (CLI exit 2) before any work, never a SIGBUS from a write through a sparse
 mapping; a pool smaller than the prompt is refused when the arguments are checked."""
 from __future__ import annotations
@@ -131,7 +131,7 @@ def test_bench_under_a_memory_limit(tiny_checkpoint, tmp_path):
     assert main(["bench", "-m", str(tiny_checkpoint), "--memory-limit", "lots"]) == 2
 
 
-# ---- issue 16, item 5: a selection on few pages reads those pages, not the layer ------------------------------
+# ---- a selection on few pages reads those pages, not the layer ------------------------------------------------
 def _few_pages_share(store, layer, keep):
     """Share of the used layer's file pages the rows `keep` selects lie on (the store's own measure)."""
     from infinigen.placement.store import touched_page_share

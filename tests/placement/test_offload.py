@@ -1,4 +1,4 @@
-"""The offloading engine (issue 4, item 7): the KV pool in the slow tier (a memory-mapped file, or another
+"""The offloading engine: the KV pool in the slow tier (a memory-mapped file, or another
 host buffer) gives the same tokens as the in-memory store with the same policy, with and without a pool
 limit; the slow tier never holds more than the limit; the pool file is removed afterwards. The engine's tests
 run on the `device` fixture's device (INFINIGEN_TEST_DEVICE=cuda: the "cpu" tier is pinned host memory behind

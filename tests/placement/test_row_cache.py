@@ -1,4 +1,4 @@
-"""The row cache of an offloaded KV pool (issue 18, item 6): a step fetches from the slow tier only the
+"""The row cache of an offloaded KV pool: a step fetches from the slow tier only the
 selected rows the fast-memory cache does not hold. It changes no token and no logit, on either tier and
 under any selecting policy; it reads fewer bytes from the slow tier when consecutive steps select
 overlapping rows (counted at the tier itself); it stays within its byte bound, which counts in the store's

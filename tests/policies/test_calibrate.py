@@ -1,4 +1,4 @@
-"""Per-model calibration of InfiniGen's settings (issue 19, item 1; `policies/calibrate.py`).
+"""Per-model calibration of InfiniGen's settings (`policies/calibrate.py`).
 
 Two tiny random Llama models that differ only in their attention statistics: "peaked" (queries scaled up,
 so each head attends to about one entry) and "flat" (queries zeroed, so every head spreads its attention

@@ -1,4 +1,4 @@
-"""InfiniGen's `dense_below` (issue 18 item 5, "sparse only where it pays"): a row with fewer cached tokens
+"""InfiniGen's `dense_below` ("sparse only where it pays"): a row with fewer cached tokens
 than the knob reads every layer densely. A step whose every row is below it does no speculation at all and
 takes the full cache's fused path (the same logits, bit for bit); a sequence that crosses the threshold
 mid-decode selects exactly as teacher-forced scoring does; 0 selects everywhere, as before the knob."""

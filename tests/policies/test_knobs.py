@@ -42,12 +42,12 @@ def test_knob_types_follow_the_fields():
 
 
 def test_settings_show_the_values_in_effect(make_tiny):
-    s = make_policy("infinigen").settings()  # issue 19: calibrated per model in prepare(), from these values
+    s = make_policy("infinigen").settings()  # calibrated per model in prepare(), from these values
     assert s["alpha"] == 9.0 and s["kv_budget"] == 0.13 and s["budget_growth"] == 0.5 and s["calibrate"] is True
-    f = make_policy("infinigen", preset="flat").settings()  # issue 3's default
+    f = make_policy("infinigen", preset="flat").settings()  # one cap per layer, two dense layers
     assert f["alpha"] == 7.0 and f["max_fetch_ratio"] == 0.14 and f["dense_layers"] == [0, 1] and f["remainder"]
     assert f["kv_budget"] is None and f["exact_first"] is False and s["exact_first"] is True
-    b = make_policy("infinigen", preset="budget").settings()  # issue 12's candidate: one all-layer bound
+    b = make_policy("infinigen", preset="budget").settings()  # one all-layer bound
     assert b["alpha"] == 9.0 and b["kv_budget"] == 0.13 and b["budget_growth"] == 0.5
     assert b["max_fetch_ratio"] is None and b["dense_layers"] == []
     json.dumps(s)  # JSON-able

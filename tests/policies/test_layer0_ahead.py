@@ -1,4 +1,4 @@
-"""Layer 0 ahead of time (issue 19, item 3): with `exact_first` (the `budget` preset) layer 0 selects with its
+"""Layer 0 ahead of time: with `exact_first` (the `budget` preset) layer 0 selects with its
 exact query, which exists as soon as a decoding step's tokens are embedded. The selection is made then, so an
 offloaded tier prefetches layer 0's rows like every other layer's: no fetch on demand, every layer's plan
 reused, and the same tokens and logits as with the KV in fast memory."""

@@ -1,4 +1,4 @@
-"""InfiniGen's knob `query` (issue 19): which query selects a layer's entries. "ahead" is the paper's
+"""InfiniGen's knob `query`: which query selects a layer's entries. "ahead" is the paper's
 speculation one layer ahead (its rows can be fetched while the layer before runs); "own" is each layer's own
 query at its attention, scored against the same 4-bit speculation keys (nothing is known ahead); "auto", the
 default preset's, is "own" where the KV is in fast memory and "ahead" where placement fetches it from a slower

@@ -1,4 +1,4 @@
-"""InfiniGen's `remainder` (issue 19, item 2): the entries a selection leaves unread are added from a summary
+"""InfiniGen's `remainder`: the entries a selection leaves unread are added from a summary
 kept in fast memory (a running sum of the values per KV head, weighted by their estimated attention mass).
 With nothing left unread the result is the dense one to the bit; decoding (packed rows, the reference path,
 several sessions at once) equals teacher-forced scoring; the weight is 0 when everything is read and moves the

@@ -1,4 +1,4 @@
-"""Issue 18 item 4: a decoding selection read as rows packed per batch row (`KVStore.select_rows`, one masked
+"""A decoding selection read as rows packed per batch row (`KVStore.select_rows`, one masked
 fused call) against the reference path (each KV head's slots padded to the largest head's count, gathered,
 `attend_step`): the same selections, the same outputs, the same greedy tokens, and the rows read bounded by
 the cap where the reference pads every KV head to the largest head's count."""
@@ -98,7 +98,7 @@ def test_many_sessions_equal_each_alone(make_tiny):
 
 # ---- rows read: bounded by the cap ---------------------------------------------------------------------------
 def test_select_rows_packs_each_batch_row_within_the_cap():
-    """The issue's case: two KV heads select 50 and 0 of 100 entries under a 25% cap pooled over the layer
+    """An uneven case: two KV heads select 50 and 0 of 100 entries under a 25% cap pooled over the layer
     (50 entries): 50 rows are packed, where the reference pads both heads to 50 and gathers 100."""
     store = KVStore(1, 2, 2, 128, 4, torch.float32)
     k = torch.randn(2, 2, 100, 4)
@@ -133,7 +133,7 @@ class _HalfOfOneHead(Policy):
 
 
 def test_rows_read_are_bounded_by_the_cap(make_tiny):
-    """Decoding with the issue's selection: the packed path reads the selected entries (and nothing more, at
+    """Decoding with that uneven selection: the packed path reads the selected entries (and nothing more, at
     batch 1); the reference reads every KV head padded to head 0's count, twice as many."""
     _, model = make_tiny("llama", num_hidden_layers=2)
     tokens, mask = padded_prompts(model, (9,))

@@ -1,4 +1,4 @@
-"""H2O's prefill scoring without the attention matrix (issue 9, item 7): the blocked column sums equal
+"""H2O's prefill scoring without the attention matrix: the blocked column sums equal
 the materialized definition, with left padding, GQA and any block size."""
 from __future__ import annotations
 

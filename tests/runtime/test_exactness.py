@@ -1,4 +1,4 @@
-"""Issue 2, item 5: the runtime computes what `transformers` computes, with the same weights.
+"""The runtime computes what `transformers` computes, with the same weights.
 
 Prefill logits at every position and the logits of every decode step are compared with the reference
 implementation (float32, its own KV cache) to max abs error <= 1e-4, on the `device` fixture's device (CPU by

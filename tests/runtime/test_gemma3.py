@@ -1,4 +1,4 @@
-"""Gemma 3 (issue 19, item 0): the runtime computes what `transformers`' Gemma3ForCausalLM computes.
+"""Gemma 3: the runtime computes what `transformers`' Gemma3ForCausalLM computes.
 
 A tiny random Gemma 3: four norms per block, QK-norm, GeGLU, scaled embeddings, query_pre_attn_scalar,
 GQA 4:1, head_dim 16 (not hidden/heads), and local layers with a window (8) shorter than the prompt beside

@@ -1,4 +1,4 @@
-"""Issue 2, item 3: loading Hugging Face checkpoint directories (Llama family and OPT), the default
+"""Loading Hugging Face checkpoint directories (Llama family and OPT), the default
 GGUF model, and what goes wrong with bad files (as `UserError`, never a traceback)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 18, items 1 and 2: weights as the file stores them (int4 / int8 through torch's weight-only
+"""Weights as the file stores them (int4 / int8 through torch's weight-only
 kernels, infinigen.kernels.qlinear) and the compute dtype chosen by the hardware (dtype "auto").
 
 Fast tests use synthetic matrices, GGUF blocks made by `gguf.quants.quantize` and tiny checkpoints; the

@@ -1,4 +1,4 @@
-"""`infinigen serve`, every request's fate (issue 20, item 3): a client that goes away cancels its request
+"""`infinigen serve`, every request's fate: a client that goes away cancels its request
 within a step; malformed bodies and unsupported fields get 400 with OpenAI's error body and the connection
 keeps serving; logprobs, top_logprobs and echo are the model's own numbers; the port and the budgets are
 checked before the model loads; SIGTERM drains (exit 0), SIGINT cancels (exit 130); an error mid-stream is

@@ -1,4 +1,4 @@
-"""Serving tests that guard what test_serve.py's numbers cannot (issue 16, item 5):
+"""Serving tests that guard what test_serve.py's numbers cannot:
 
 - a cancelled request's KV store is really gone: nothing holds its session or store (weak references die
   once collected) and, on disk, its pool files are removed when it leaves, while the request beside it
