@@ -318,7 +318,7 @@ and pages of the mapped pool count in RSS while a request runs (they go when its
 
 
 # ==== beside llama-server (issue 20, item 4) ============================================================
-# ---- what a client saw, and the numbers from it (pure: tests/test_serve_load.py) -------------------------
+# ---- what a client saw, and the numbers from it (pure: tests/benchmarks/test_serve_load.py) --------------
 @dataclass
 class Sent:
     """One streamed request as its client saw it (time.perf_counter seconds): when it was sent, when each chunk

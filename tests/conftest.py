@@ -1,4 +1,5 @@
-"""Shared test fixtures. Other test modules rely on these names: keep them stable.
+"""The fixtures every test folder shares (a folder's own conftest.py adds its own; functions the tests share
+live in tests/support/). Test modules rely on these names: keep them stable.
 
 Tiny random models (float32, CPU, fixed seed, every weight perturbed so that biases and norm weights
 are non-trivial and a wrong mapping shows up in the logits):
@@ -25,16 +26,16 @@ marked `@pytest.mark.integration` (deselect them with `-m "not integration"`):
   default_hf_model  the `transformers` LlamaForCausalLM with the same (dequantized) weights, loaded from
                     the converted checkpoint that `infinigen.loading` caches; float32, sdpa attention (its default).
 
-The device the model-level tests run on (tests/test_exactness.py, test_policies.py, test_offload.py,
-test_int4_kernels.py, test_spec_packed.py):
+The device the model-level tests run on (runtime/test_exactness.py, runtime/test_int4_kernels.py,
+policies/test_policies.py, policies/test_spec_packed.py, placement/test_offload.py):
 
   device            session-scoped torch.device from INFINIGEN_TEST_DEVICE (default "cpu", what CI runs);
                     INFINIGEN_TEST_DEVICE=cuda runs the same tests with the same assertions on the GPU, and
                     errors every test that asks for it where no CUDA device is visible. Tests move their
                     tiny models (nn.Module.to: in place) and token tensors there; on CPU that is no copy.
 
-Tests that need the CLI run `infinigen.cli.main(argv)` in-process (returns the exit code) or the
-console script in a subprocess.
+Tests that need the CLI run `infinigen.cli.main(argv)` in-process (the `cli` fixture: exit code, stdout,
+stderr) or the console script in a subprocess.
 """
 from __future__ import annotations
 
@@ -44,56 +45,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.models import CORPUS, SEED, build_tiny, make_tokenizer, perturb
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-SEED = 0
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256)
-
-
-def _perturb(model: torch.nn.Module, seed: int) -> None:
-    """Random init leaves biases at 0 and norm weights at 1, which would hide a missing or misnamed
-    tensor; give every 1-d tensor random values and make the matrices large enough that logits are
-    peaked (argmax ties would make greedy comparisons fragile)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if p.dim() == 1:
-                base = 1.0 if "norm" in name and "bias" not in name else 0.0
-                p.copy_(base + 0.1 * noise)
-            else:
-                big = "lm_head" in name or "embed_tokens" in name  # peaked logits
-                p.copy_(noise * (0.25 if big else 0.08))
-
-
-def _hf_config(kind: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, OPTConfig, Qwen2Config
-    if kind == "opt":
-        base = dict(vocab_size=TINY["vocab_size"], hidden_size=64, ffn_dim=128, num_hidden_layers=2,
-                    num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64,
-                    do_layer_norm_before=True, dropout=0.0, attention_dropout=0.0, pad_token_id=1,
-                    bos_token_id=2, eos_token_id=2)
-        base.update(overrides)
-        return OPTConfig(**base)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[kind]
-    base = dict(TINY, num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-6,  # head_dim 64/8
-                rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if kind == "mistral":
-        base["sliding_window"] = 4096
-    base.update(overrides)
-    return cls(**base)
-
-
-def build_tiny(kind: str = "llama", seed: int = SEED, **overrides):
-    """(hf_model, our_model) for a tiny random config of `kind` (see the module docstring)."""
-    from transformers import AutoModelForCausalLM
-
-    from infinigen.loading import from_transformers
-    torch.manual_seed(seed)
-    cfg = _hf_config(kind, **overrides)
-    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
-    _perturb(hf, seed)
-    return hf, from_transformers(hf)
 
 
 @pytest.fixture(params=[False, True], ids=["nobias", "qkvbias"])
@@ -121,35 +75,6 @@ def device() -> torch.device:
 
 
 # ---- a saved checkpoint with a tokenizer ----------------------------------------------------------
-_CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
-                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-_CORPUS = [
-    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
-    "must be in want of a wife.",
-    "Emma Woodhouse, handsome, clever, and rich, with a comfortable home and happy disposition.",
-    "The family of Dashwood had long been settled in Sussex. Their estate was large.",
-    "No one who had ever seen Catherine Morland in her infancy would have supposed her born to be a heroine.",
-    "the quick brown fox jumps over the lazy dog 0123456789 , . ; : ! ? ' \" ( ) - +",
-]
-
-
-def make_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE tokenizer trained on a few sentences, with ChatML special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   unk_token="<|endoftext|>", pad_token="<|im_end|>")
-    fast.chat_template = _CHAT_TEMPLATE
-    return fast
-
-
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -160,7 +85,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
                       rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    _perturb(hf, SEED)
+    perturb(hf, SEED)
     out = tmp_path_factory.mktemp("tiny-llama")
     hf.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
@@ -173,7 +98,7 @@ def text_file(tmp_path_factory):
     import random
     rng = random.Random(0)
     path = tmp_path_factory.mktemp("text") / "story.txt"
-    path.write_text(" ".join(rng.choice(_CORPUS) for _ in range(400)), encoding="utf-8")
+    path.write_text(" ".join(rng.choice(CORPUS) for _ in range(400)), encoding="utf-8")
     return path
 
 
@@ -213,12 +138,3 @@ def cli(capfd):
         return code, out, err
     return run
 
-
-def one_line_error(code, err, *needles):
-    """Bad input: exit code 2 and one line on stderr, `infinigen: error: ...` naming each needle."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert code == 2, err
-    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
-    assert lines[0].startswith("infinigen: error: ") and "Traceback" not in err
-    for n in needles:
-        assert n.lower() in lines[0].lower(), lines[0]

@@ -6,7 +6,7 @@ keeps (a codec may quantize). `prefill_shared` runs the prompt once, and a liste
 each policy's own session exactly what `runtime.prefill` does to a session (`Session.begin_prefill`,
 `prefill_layer`, `event`) with the same tensors. Each session then decodes on its own, as after its own
 prefill (or all of them in one `runtime.decode` call).
-tests/test_eval_fanout.py checks the equality against separate prefills.
+tests/eval/test_eval_fanout.py checks the equality against separate prefills.
 
 `repeat=n` gives each session n copies of every prompt row (row i of the prompt becomes rows
 i*n .. i*n+n-1), as if the prompt had been prefilled n times: n continuations of one prompt then

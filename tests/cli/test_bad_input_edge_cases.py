@@ -1,0 +1,495 @@
+"""Bad input at the edges: knobs beyond 64 bits, memory limits, broken data files, a full or closed stdout,
+killed runs, the Python API. Each CLI case is exit 2 and one line on stderr (130 for an interrupt), before the
+work (before the model loads where the check does not need it), nothing half written; a killed run leaves
+nothing behind; the Python API answers like the CLI. One test per class."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from infinigen import runtime
+from support.cli import REPO, one_line_error
+from support.models import CORPUS
+
+INT64_MAX = 2 ** 63 - 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _commands_imported():
+    """Import every command module before `no_model_load` patches `basic.load_model`: a module imported
+    while it is patched would keep the patched function after the test."""
+    from infinigen.cli import build_app
+    build_app()
+
+
+@pytest.fixture
+def tiny(tiny_checkpoint):
+    from infinigen.loading import load
+    model, tok, _ = load(tiny_checkpoint, progress=False)
+    return model, tok
+
+
+def _env(**extra):
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src"), **extra}
+
+
+def _cli_process(*argv) -> list[str]:
+    return [sys.executable, "-m", "infinigen.cli", *[str(a) for a in argv]]
+
+
+# ---- knob values out of range for their type -----------------------------------------------------------------
+KNOBS = [
+    (["generate", "-p", "hi", "--policy", "infinigen", "--knob", "min_fetch=99999999999999999999"], "min_fetch"),
+    (["generate", "-p", "hi", "--policy", "infinigen", "--knob", "min_fetch=9223372036854775808"], "min_fetch"),
+    (["generate", "-p", "hi", "--policy", "infinigen", "--knob", "block=99999999999999999999"], "block"),
+    (["ppl", "--policy", "streaming", "--knob", "sinks=99999999999999999999"], "sinks"),
+    (["ppl", "--policy", "h2o", "--knob", "heavy=-9223372036854775809"], "heavy"),
+    (["ppl", "--policy", "oracle", "--knob", "dense_layers=0,18446744073709551616"], "dense_layers"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", KNOBS, ids=[" ".join(a[-2:]) for a, _ in KNOBS])
+def test_knob_out_of_int64_is_refused_before_loading(cli, tiny_checkpoint, text_file, no_model_load, argv, needle):
+    text = ["--text", text_file] if argv[0] == "ppl" else []
+    one_line_error(*cli(*argv, "--model", tiny_checkpoint, *text)[::2], needle, "64-bit")
+
+
+def test_a_knob_of_thousands_of_digits(cli, tiny_checkpoint, no_model_load):
+    """Beyond what Python parses as an int: the same one line, and it is not 5000 digits long."""
+    code, _, err = cli("generate", "-p", "hi", "--policy", "streaming", "--knob", "sinks=" + "9" * 5000,
+                       "--model", tiny_checkpoint)
+    one_line_error(code, err, "sinks", "whole number", "5000 characters")
+    assert len(err) < 300
+
+
+def _int_knobs():
+    from infinigen.policies import REGISTRY, knob_types
+    return [(name, knob) for name in REGISTRY for knob, tp in knob_types(name).items() if tp in (int, tuple)]
+
+
+def test_every_int_knob_is_checked_at_construction():
+    """Generic, from the dataclass annotations: every policy's whole-number knobs refuse what int64 cannot
+    hold (and a bool, a float or text), at make_policy, not in the first decoding step."""
+    from infinigen.errors import UserError
+    from infinigen.policies import make_policy
+    knobs = _int_knobs()
+    assert {("infinigen", "min_fetch"), ("infinigen", "block"), ("streaming", "sinks"), ("h2o", "heavy"),
+            ("oracle", "tokens"), ("int4", "group"), ("oracle", "dense_layers")} <= set(knobs)
+    for name, knob in knobs:
+        for bad in (10 ** 20, 2 ** 63, -(2 ** 63) - 1):
+            value = (0, bad) if knob == "dense_layers" else bad
+            with pytest.raises(UserError, match=f"{knob}.*64-bit") as e:
+                make_policy(name, **{knob: value})
+            assert "\n" not in str(e.value)
+        if knob != "dense_layers":
+            for bad in (True, 2.0, "3"):
+                with pytest.raises(UserError, match=knob):
+                    make_policy(name, **{knob: bad})
+    with pytest.raises(UserError, match="alpha"):  # a float knob given an int no float holds
+        make_policy("infinigen", alpha=10 ** 400)
+    with pytest.raises(UserError, match="skew"):
+        make_policy("infinigen", skew=1)
+
+
+LIMITLESS = [("streaming", dict(sinks=INT64_MAX, window=INT64_MAX)), ("h2o", dict(heavy=INT64_MAX, recent=INT64_MAX)),
+             ("oracle", dict(tokens=INT64_MAX)), ("int4", dict(bits=INT64_MAX)),
+             ("infinigen", dict(min_fetch=INT64_MAX, skew=False)),
+             ("infinigen", dict(min_fetch=INT64_MAX, block=INT64_MAX, budget="layer", skew=False)),
+             ("infinigen", dict(min_fetch=INT64_MAX, budget_ref=INT64_MAX, skew=False))]
+
+
+@pytest.mark.parametrize("name,knobs", LIMITLESS, ids=[f"{n}-{'-'.join(k)}" for n, k in LIMITLESS])
+def test_the_largest_accepted_knob_runs(tiny_llama, name, knobs):
+    """What the check lets through, the runtime can hold: int64's largest value as a token budget runs the
+    prefill, decoding and the teacher-forced path without an overflow, and (a budget beyond any context)
+    reads every entry, as the full cache does."""
+    from infinigen.placement import Placement
+    from infinigen.policies import make_policy
+    _, model = tiny_llama
+    tokens = torch.randint(3, 200, (2, 40), generator=torch.Generator().manual_seed(0))
+
+    def run(pol):
+        forced = runtime.teacher_forced(model, tokens, 16, Placement().new_session(model, 2, 40, pol))
+        sess = Placement().new_session(model, 2, 30, pol)
+        steps = [runtime.prefill(model, tokens[:, :16], sess)]
+        steps += [runtime.decode(model, tokens[:, 16 + i], sess) for i in range(8)]
+        return forced, torch.stack(steps)
+
+    want, got = run(make_policy("full")), run(make_policy(name, **knobs))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+# ---- memory: everything a batch allocates, logits included -------------------------------------------------------
+def test_python_generate_checks_memory_before_allocating(tiny, monkeypatch):
+    import importlib
+
+    import infinigen
+    from infinigen.errors import UserError
+    g = importlib.import_module("infinigen.generate")  # the module (`infinigen.generate` is the function)
+    model, tok = tiny
+    rows = 2000
+    need = g.batch_memory(model, rows, len(tok("hi")["input_ids"]), 1, padded=False)  # what generate will ask
+    assert need["logits"] >= rows * model.cfg.vocab_size * 4  # the [rows, vocab] float32 scores are counted
+    total = need["kv"] + need["logits"] + need["activations"] + need["policy"]
+
+    def no_work(*a, **k):
+        raise AssertionError("allocated before the memory check")
+    monkeypatch.setattr(g.runtime, "prefill", no_work)
+    monkeypatch.setattr(g, "left_pad", no_work)
+    # room for everything but the logits: still refused (the logits alone are most of this batch)
+    monkeypatch.setattr(g, "free_memory", lambda device: {"ram": total - need["logits"] // 2})
+    with pytest.raises(UserError, match="logits") as e:
+        infinigen.generate(model, tok, ["hi"] * rows, max_new_tokens=1)
+    assert "\n" not in str(e.value) and "2000 prompts" in str(e.value)
+    # an address-space limit (ulimit -v) is a bound of its own, the disk pool's mapping included
+    monkeypatch.setattr(g, "free_memory", lambda device: {"ram": 1 << 40, "address space": total // 2})
+    with pytest.raises(UserError, match="address space"):
+        infinigen.generate(model, tok, ["hi"] * rows, max_new_tokens=1)
+    # with the room it needs, the same batch runs
+    monkeypatch.undo()
+    monkeypatch.setattr(g, "free_memory", lambda device: {"ram": total + (1 << 20)})
+    out = infinigen.generate(model, tok, ["hi"] * 50, max_new_tokens=1)
+    assert len(out.texts) == 50
+
+
+def _under_ulimit_v() -> str:
+    """A Python program that runs the CLI with its address space limited to 1 GiB more than it maps now."""
+    return (
+        "import resource, sys, torch\n"
+        "from infinigen.generate import _read_kib\n"
+        "room = _read_kib('/proc/self/status', 'VmSize') + (1 << 30)\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (room, room))\n"
+        "from infinigen.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+
+
+def test_cli_refuses_a_batch_beyond_ulimit_v(tiny_checkpoint):
+    """`ulimit -v` and a batch far beyond it: exit 2 and one line, not the allocator's traceback."""
+    p = subprocess.run([sys.executable, "-c", _under_ulimit_v(), "generate",
+                        "-p", "the quick brown fox jumps over the lazy dog", "-b", "65536", "-n", "1",
+                        "--model", str(tiny_checkpoint)], capture_output=True, text=True, env=_env(), timeout=300)
+    one_line_error(p.returncode, p.stderr, "address space", "logits", "65536 prompts")
+    assert p.stdout == ""
+
+
+@pytest.mark.integration
+def test_issue_repro_default_model_under_ulimit_v():
+    """The reported command on the default model: `ulimit -v 6000000; infinigen generate -p hi -b 65536 -n 1`."""
+    cmd = " ".join(_cli_process("generate", "-p", "hi", "-b", "65536", "-n", "1"))
+    p = subprocess.run(["bash", "-c", f"ulimit -v 6000000; exec {cmd}"], capture_output=True, text=True, env=_env(),
+                       timeout=600)
+    one_line_error(p.returncode, p.stderr, "65536 prompts", "logits", "GiB")
+
+
+# ---- a BIG-bench folder with broken tasks ---------------------------------------------------------------------
+@pytest.fixture
+def bigbench(tmp_path):
+    root = tmp_path / "bb"
+    good = root / "good_task"
+    good.mkdir(parents=True)
+    examples = [{"input": f"question {i}?", "target_scores": {"yes": 1, "no": 0}} for i in range(4)]
+    (good / "task.json").write_text(json.dumps({"name": "good_task", "examples": examples}))
+    broken = {"random_bytes": random.Random(0).randbytes(300), "a_list": b"[1, 2]",
+              "string_scores": json.dumps({"examples": [{"input": "q", "target_scores": "yes"}]}).encode()}
+    for name, body in broken.items():
+        (root / name).mkdir()
+        (root / name / "task.json").write_bytes(body)
+    return root, sorted(broken)
+
+
+def test_broken_bigbench_tasks_are_skipped_or_named(cli, tiny_checkpoint, bigbench, no_model_load):
+    root, broken = bigbench
+    code, out, err = cli("fewshot", "--data", root, "--list")
+    assert code == 0 and out.split("\t")[0] == "good_task" and len(out.splitlines()) == 1, err
+    warnings = err.strip().splitlines()
+    assert len(warnings) == 3 and "Traceback" not in err
+    for name, line in zip(broken, warnings):
+        assert line.startswith("infinigen: warning: skipping BIG-bench task ") and name in line
+    for name in broken:  # the one asked for: exit 2 naming it, before the model loads
+        one_line_error(*cli("fewshot", "--data", root, "--task", name, "--model", tiny_checkpoint)[::2],
+                       name, "task.json")
+
+
+def test_other_tasks_still_run_beside_a_broken_one(cli, tiny_checkpoint, bigbench):
+    root, broken = bigbench
+    code, out, err = cli("fewshot", "--data", root, "--task", "all", "--policy", "full", "--shots", "1",
+                         "--limit", "2", "--model", tiny_checkpoint)
+    assert code == 0, err
+    assert "good_task" in out and "Traceback" not in err
+    assert all(f"skipping BIG-bench task {name}" in err for name in broken)
+
+
+# ---- skew artifacts that are NaN or not orthogonal ---------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["nan", "not-orthogonal"])
+def test_broken_skew_artifact_is_refused(cli, tiny_checkpoint, text_file, tmp_path, monkeypatch, damage):
+    """Checked when loaded, as a truncated file is: the file named, and how to replace it. A cache entry is
+    refused, not recomputed behind the user's back: the cache is shared by runs and a broken entry means
+    something went wrong that a silent recomputation would hide (recomputing is one `--force` away)."""
+    from safetensors.torch import load_file, save_file
+
+    from infinigen.errors import UserError
+    from infinigen.skew import Skew
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    args = ["skew", "--model", tiny_checkpoint, "--calib", text_file, "--tokens", "64", "--json"]
+    code, out, err = cli(*args)
+    assert code == 0, err
+    path = Path(json.loads(out)["path"])
+    t = load_file(str(path))
+    if damage == "nan":
+        t["matrices"][1, 0, 2, 3] = float("nan")
+    else:
+        t["matrices"][0, 1] *= 1.5  # a scaled basis: no longer orthogonal
+    save_file(t, str(path), metadata={"format": "2"})
+    with pytest.raises(UserError, match="NaN" if damage == "nan" else "orthogonal"):
+        Skew.load(path)
+    one_line_error(*cli(*args)[::2], str(path), "--force")
+    # the policy that would use it (the only artifact of this model in the cache) refuses it too
+    one_line_error(*cli("generate", "-p", "hi", "-n", "2", "--policy", "infinigen", "--model", tiny_checkpoint)[::2],
+                   str(path))
+    code, out, err = cli(*args, "--force")
+    assert code == 0 and Skew.load(path) is not None, err
+
+
+# ---- calibration text: binary, or too short ----------------------------------------------------------------------
+@pytest.mark.parametrize("body,needle", [(bytes(range(256)) * 8, "UTF-8"), (b"It is a truth.\0\0\0 " * 50, "NUL"),
+                                          (b"", "empty")], ids=["binary", "nul", "empty"])
+def test_calibration_text_must_be_text(cli, tiny_checkpoint, tmp_path, monkeypatch, no_model_load, body, needle):
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    calib = tmp_path / "calib.bin"
+    calib.write_bytes(body)
+    one_line_error(*cli("skew", "--calib", calib, "--model", tiny_checkpoint)[::2], str(calib), needle)
+    assert not (tmp_path / "cache" / "skew").exists()
+
+
+def test_calibration_text_too_short(cli, tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    calib = tmp_path / "short.txt"
+    calib.write_text("Emma Woodhouse.")  # a few tokens
+    one_line_error(*cli("skew", "--calib", calib, "--tokens", "256", "--model", tiny_checkpoint)[::2],
+                   str(calib), "fewer than the 256 asked for")
+    # no --tokens: all the text holds, but at least a head's width (head_dim 8 here)
+    one_line_error(*cli("skew", "--calib", calib, "--model", tiny_checkpoint)[::2], str(calib), "head_dim 8")
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))
+    # a shorter text than the default 4096 tokens, and no --tokens: calibrates on what it holds, named so
+    calib.write_text(" ".join(CORPUS) * 3)
+    code, out, err = cli("skew", "--calib", calib, "--json", "--model", tiny_checkpoint)
+    assert code == 0, err
+    r = json.loads(out)
+    assert 8 <= r["tokens"] < 4096 and r["path"].endswith(f"-{r['tokens']}.safetensors")
+
+
+# ---- standard output that cannot be written -----------------------------------------------------------------------
+def test_stdout_to_a_full_device(tiny_checkpoint):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    for argv in (["info"], ["generate", "-p", "hello there", "-n", "8"]):
+        with open("/dev/full", "w") as full:
+            p = subprocess.run(_cli_process(*argv, "--model", tiny_checkpoint), stdout=full, stderr=subprocess.PIPE,
+                               text=True, env=_env(), timeout=120)
+        one_line_error(p.returncode, p.stderr, "standard output", "No space left")
+
+
+def test_stdout_closed_by_the_reader(tiny_checkpoint):
+    """`| head`: the reader left; the command ends quietly (no traceback, no message)."""
+    for argv in (["info"], ["generate", "-p", "hello there", "-n", "30"]):
+        p = subprocess.Popen(_cli_process(*argv, "--model", tiny_checkpoint), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=_env())
+        p.stdout.close()
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == 1 and err == "", err
+
+
+# ---- misleading messages --------------------------------------------------------------------------------------------
+def test_the_right_option_is_blamed(cli, tiny_checkpoint, text_file, bigbench, tmp_path, no_model_load):
+    m = ["--model", tiny_checkpoint]
+    one_line_error(*cli("generate", "-f", tmp_path, *m)[::2], str(tmp_path), "folder")
+    for argv in (["generate", "-p", "hi"], ["ppl", "--text", text_file], ["needle"],
+                 ["fewshot", "--data", bigbench[0], "--task", "good_task"]):
+        code, out, err = cli(*argv, "--pool-dir", tmp_path / "pool", *m)
+        one_line_error(code, err, "--pool-dir", "--kv-offload disk")
+    assert not (tmp_path / "pool").exists()
+
+
+def test_max_new_tokens_beyond_the_context_is_not_a_batch_size_error(cli, tiny_checkpoint):
+    code, out, err = cli("generate", "-p", "hi", "-n", "99999999999999999999", "--model", tiny_checkpoint)
+    one_line_error(code, err, "max-new-tokens", "context")
+    assert "batch" not in err and "GiB" not in err
+
+
+# ---- analyze: its folder written whole ----------------------------------------------------------------------------
+def test_interrupted_analyze_leaves_no_figure_without_its_report(cli, tiny_checkpoint, text_file, tmp_path,
+                                                                  monkeypatch):
+    import infinigen.eval.analyze as an
+    out = tmp_path / "results" / "analyze"
+    args = ["analyze", "--model", tiny_checkpoint, "--text", text_file, "--tokens", "64", "--prefill", "16",
+            "--only", "table1,fig5", "--knob", "skew=false", "--out", out]
+    real = an.prompt_statistics
+
+    def interrupted(*a, **k):  # Ctrl-C after table 1's figure was saved
+        raise KeyboardInterrupt
+    monkeypatch.setattr(an, "prompt_statistics", interrupted)
+    code, _, err = cli(*args)
+    assert code == 130 and "Traceback" not in err
+    assert list((tmp_path / "results").iterdir()) == []  # no PNG, no half-made folder
+    monkeypatch.setattr(an, "prompt_statistics", real)
+    code, _, err = cli(*args)
+    assert code == 0, err
+    assert {"analyze.md", "table1_block_similarity.png", "fig5_keys_for_90pct.png"} <= {p.name for p in out.iterdir()}
+    first = (out / "analyze.md").read_text()
+    # into an existing folder: an interrupted run leaves the earlier report and figures as they were
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr(an, "prompt_statistics", interrupted)
+    assert cli(*args)[0] == 130
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in (tmp_path / "results").iterdir()] == ["analyze"] and "Table 1" in first
+
+
+def test_a_killed_writers_partial_folder_is_removed(cli, tiny_checkpoint, text_file, tmp_path):
+    from infinigen.commands.options import PARTIAL_FOLDER
+    results = tmp_path / "results"
+    dead = results / f"{PARTIAL_FOLDER}999999999-analyze-x"  # no such pid: a killed analyze
+    live = results / f"{PARTIAL_FOLDER}{os.getpid()}-analyze-y"
+    for d in (dead, live):
+        d.mkdir(parents=True)
+        (d / "table1_block_similarity.png").write_bytes(b"png")
+    code, _, err = cli("analyze", "--model", tiny_checkpoint, "--text", text_file, "--tokens", "64", "--prefill", "16",
+                       "--only", "table1", "--out", results / "analyze")
+    assert code == 0, err
+    assert not dead.exists() and live.exists()
+
+
+# ---- item 3: a killed run leaves nothing behind ---------------------------------------------------------------------
+def _fds_into(pid: int, folder: Path) -> list[str]:
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(folder) + "/"):
+            out.append(target)
+    return out
+
+
+def test_sigkill_leaves_no_disk_pool(tiny_checkpoint, text_file, tmp_path):
+    """A real run, killed with SIGKILL while its disk pool is open: the pool folder holds nothing."""
+    pool = tmp_path / "pool"
+    p = subprocess.Popen(_cli_process("ppl", "--model", tiny_checkpoint, "--text", text_file, "--ctx", "128",
+                                      "--prefill", "16", "--windows", "8", "--policy", "h2o", "--kv-offload", "disk",
+                                      "--pool-dir", pool),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
+    try:
+        deadline = time.monotonic() + 120
+        while not (pool.is_dir() and _fds_into(p.pid, pool)):
+            if p.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the run ended before its pool was seen: {p.stderr.read().decode()[-500:]}")
+            time.sleep(0.02)
+        held = _fds_into(p.pid, pool)
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert held and all(t.endswith("(deleted)") or "/#" in t for t in held), held  # no name, even while in use
+    assert p.returncode == -signal.SIGKILL
+    assert os.listdir(pool) == []
+
+
+def test_named_pool_files_when_there_is_no_o_tmpfile(tmp_path, monkeypatch):
+    """Without O_TMPFILE the pool file is named (with our pid) until it is mapped, then unlinked; names of
+    dead writers are removed when the next tier is made, a live writer's are left alone."""
+    from infinigen.placement import tiers
+    monkeypatch.setattr(tiers, "_USE_TMPFILE", False)
+    dead = tmp_path / f"{tiers.POOL_PREFIX}999999999-abc.bin"
+    live = tmp_path / f"{tiers.POOL_PREFIX}{os.getpid()}-def.bin"
+    for f in (dead, live):
+        f.write_bytes(b"\0" * 4096)
+    tier = tiers.SlowTier("disk", directory=tmp_path)
+    assert not dead.exists() and live.exists()
+    t = tier.empty((256, 16), torch.float32)
+    t.fill_(2.5)
+    assert sorted(os.listdir(tmp_path)) == [live.name]  # mapped, so unlinked already
+    assert float(t.sum()) == 2.5 * 256 * 16 and tier.files_bytes() == 256 * 16 * 4
+    tier.close()
+
+
+# ---- item 4: the Python API answers like the CLI ------------------------------------------------------------------
+def test_python_generate_prompts(tiny):
+    import infinigen
+    model, tok = tiny
+    empty = infinigen.generate(model, tok, [], max_new_tokens=4)
+    assert empty.texts == [] and empty.tokens == [] and empty.prompt_tokens == 0
+    one = infinigen.generate(model, tok, "Hello there", max_new_tokens=4)
+    listed = infinigen.generate(model, tok, ["Hello there"], max_new_tokens=4)
+    assert len(one.texts) == 1 and one.tokens == listed.tokens
+    assert len(infinigen.generate(model, tok, ("a b", "c d"), max_new_tokens=2).texts) == 2
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(prompts=None), "prompts"), (dict(prompts=["hi", None]), "prompt 1"), (dict(prompts=b"hi"), "prompts"),
+    (dict(sampling="greedy"), "sampling"), (dict(max_new_tokens=2.5), "max_new_tokens"),
+    (dict(max_new_tokens=None), "max_new_tokens"), (dict(policy=42), "policy"), (dict(policy="nope"), "nope"),
+])
+def test_python_generate_bad_arguments(tiny, kwargs, needle):
+    import infinigen
+    from infinigen.errors import UserError
+    model, tok = tiny
+    args = dict(prompts=["hi"], max_new_tokens=2) | kwargs
+    with pytest.raises(UserError, match=needle) as e:
+        infinigen.generate(model, tok, args.pop("prompts"), **args)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("field,value", [("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0),
+                                         ("top_p", math.nan), ("top_p", math.inf), ("top_k", 1.5), ("seed", -1),
+                                         ("seed", 2 ** 64), ("temperature", "hot")])
+def test_python_sampling_is_checked(tiny, field, value):
+    import infinigen
+    from infinigen.errors import UserError
+    model, tok = tiny
+    with pytest.raises(UserError, match=field) as e:
+        infinigen.generate(model, tok, ["hi"], max_new_tokens=2, sampling=infinigen.Sampling(**{field: value}))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.count(". ") == 0  # one sentence
+
+
+def test_python_policy_by_name(tiny, tmp_path, monkeypatch):
+    """`policy="infinigen"` is `make_policy("infinigen")`, prepared (its skew matrices calibrated) the same way."""
+    import infinigen
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("INFINIGEN_DATA", str(REPO / "src" / "infinigen" / "data"))  # the bundled calibration text
+    model, tok = tiny
+    by_name = infinigen.generate(model, tok, ["It is a truth universally"], max_new_tokens=6, policy="infinigen")
+    by_object = infinigen.generate(model, tok, ["It is a truth universally"], max_new_tokens=6,
+                                   policy=infinigen.make_policy("infinigen"))
+    assert by_name.tokens == by_object.tokens and len(by_name.tokens[0]) == 6
+    assert list((tmp_path / "cache" / "skew").glob("*.safetensors"))  # calibrated, as make_policy's would be
+    assert len(infinigen.generate(model, tok, ["It is a truth"], max_new_tokens=3, policy="h2o").tokens[0]) == 3
+
+
+def test_free_memory_sees_a_cgroup_limit(tmp_path):
+    """Inside a memory cgroup (a container's limit) the room left is the group's, not the host's RAM."""
+    from infinigen.errors import UserError
+    from infinigen.membound import MemoryBound
+    try:
+        mb = MemoryBound(256 << 20)
+    except UserError as e:
+        pytest.skip(f"no memory bound here: {e}")
+    out = tmp_path / "free.json"
+    probe = ("import importlib, json, sys\n"
+             "g = importlib.import_module('infinigen.generate')\n"
+             f"open({str(out)!r}, 'w').write(json.dumps(g.free_memory('cpu')))\n")
+    with mb:
+        if mb.group is None:
+            pytest.skip(f"{mb.mechanism}: no group to read")
+        assert mb.run([sys.executable, "-c", probe], env=_env()) == 0
+    assert json.loads(out.read_text())["ram"] <= 256 << 20

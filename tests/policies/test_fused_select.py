@@ -1,0 +1,227 @@
+"""The fused selecting attention (`kernels/fused_select`: one C++ call over the rows `KVStore.select_rows`
+packs) against the torch path it replaces (`gather_rows` + the head mask + `attend_masked`, the remainder
+from a log-sum-exp over the gathered rows): the same outputs, log-sum-exps and value sums on random shapes,
+and in a decoding session the same selections and logits; the checks fail when a row is dropped, the cap
+is wrong or the remainder is applied from a stale log-sum-exp; without a build the torch path serves."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from infinigen import runtime
+from infinigen.cache import KVStore
+from infinigen.kernels import fused_select
+from support.packed_rows import decode_rows, packed_policy, padded_prompts
+
+needs_kernel = pytest.mark.skipif(not fused_select.available(), reason="the fused kernel cannot be built here")
+
+
+def _store(b, hkv, s, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    store = KVStore(1, b, hkv, s + 5, d, dtype)
+    k = torch.randn(b, hkv, s, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, s, d, generator=g).to(dtype)
+    valid = torch.rand(b, s, generator=g) > 0.1
+    store.write_prompt(0, k, v, valid, torch.arange(s).expand(b, s))
+    return store, g
+
+
+def _reference(store, sel, q, slots, scale):
+    """The torch path of `Session._attend_selected`: out [B,H,1,d], lse [B,Hkv,G], the past values' sum."""
+    b, h, _, d = q.shape
+    hkv = sel.counts.shape[1]
+    rows, head = runtime._with_own(sel, slots, store.capacity)
+    kp, vp = store.gather_rows(0, rows, *runtime._Stack().rows(rows.numel(), store.k[0]))
+    mask = runtime._head_mask(head, h, hkv)
+    out = runtime.attend_masked(q, kp, vp, mask, scale)
+    scores = (q.view(b, 1, h, d).float() @ kp.float().transpose(-1, -2)) * scale
+    lse = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1).view(b, hkv, h // hkv)
+    past = head[:, :-hkv]
+    sums = torch.stack([torch.stack([(vp[i, 0, :-hkv].float() * (past[i] == j)[:, None]).sum(0)
+                                     for j in range(hkv)]) for i in range(b)])
+    return out, lse, sums
+
+
+def _case(b, hkv, g, d, s, ratio, dtype, seed, empty_head=False, one_row=False):
+    store, gen = _store(b, hkv, s, d, dtype, seed)
+    keep = torch.rand(b, hkv, s, generator=gen) < ratio
+    if empty_head:
+        keep[0, 0] = False  # a (batch row, KV head) reading only its own token
+    if one_row:
+        keep[-1, -1] = False
+        keep[-1, -1, s // 2] = True
+    sel = store.select_rows(0, keep, store.valid[0][:, :, :s])
+    q = torch.randn(b, hkv * g, 1, d, generator=gen).to(dtype)
+    k1 = torch.randn(b, hkv, 1, d, generator=gen).to(dtype)
+    slots = store.append(0, k1, k1 * 0.5, torch.full((b,), s))  # the current token, stored first
+    own = torch.arange(b * hkv).view(b, hkv) * store.capacity + slots
+    return store, sel, q, slots, own
+
+
+SHAPES = [(1, 3, 3, 64, 517, 0.1), (3, 2, 4, 16, 33, 0.5), (2, 1, 1, 8, 1, 1.0), (4, 3, 3, 64, 200, 0.02),
+          (2, 4, 2, 32, 77, 1.0), (1, 2, 8, 64, 1000, 0.3)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES, ids=["x".join(map(str, s[:5])) for s in SHAPES])
+@pytest.mark.parametrize("empty_head,one_row", [(False, False), (True, True)])
+def test_kernel_equals_the_torch_path_float32(shape, empty_head, one_row):
+    """Random GQA shapes and odd lengths, every row padded differently; a head that reads only its own
+    token and one that reads one past row: output, log-sum-exp and the past values' sum within 1e-5."""
+    b, hkv, g, d, s, ratio = shape
+    store, sel, q, slots, own = _case(b, hkv, g, d, s, ratio, torch.float32, seed=s,
+                                      empty_head=empty_head, one_row=one_row)
+    ref, lse_ref, sums_ref = _reference(store, sel, q, slots, d ** -0.5)
+    out, lse, sums = fused_select.attend_rows(q.view(b, hkv * g, d), store.k[0].view(-1, d), store.v[0].view(-1, d),
+                                              sel.rows, sel.counts, own, d ** -0.5)
+    assert (out.view_as(ref) - ref).abs().max() <= 1e-5
+    assert (lse.view_as(lse_ref) - lse_ref).abs().max() <= 1e-5
+    assert (sums - sums_ref).abs().max() <= 1e-4 * max(1.0, float(sums_ref.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_in_16_bits_within_rounding(dtype):
+    """16-bit stores: read as float32, accumulated in float32, rounded once (the torch path rounds more)."""
+    b, hkv, g, d, s = 2, 3, 3, 64, 300
+    store, sel, q, slots, own = _case(b, hkv, g, d, s, 0.2, dtype, seed=7)
+    ref, lse_ref, _ = _reference(store, sel, q, slots, d ** -0.5)
+    out, lse, _ = fused_select.attend_rows(q.view(b, -1, d), store.k[0].view(-1, d), store.v[0].view(-1, d),
+                                           sel.rows, sel.counts, own, d ** -0.5)
+    assert out.dtype == dtype
+    assert (out.view_as(ref).float() - ref.float()).abs().max() <= 2e-2
+    assert (lse.view_as(lse_ref) - lse_ref).abs().max() <= 2e-2
+
+
+@needs_kernel
+def test_nothing_read_gives_zero_and_minus_infinity():
+    """No rows and no own token: a zero output and a log-sum-exp of -inf (a remainder weight of 1)."""
+    keys = torch.randn(10, 8)
+    out, lse, sums = fused_select.attend_rows(torch.randn(2, 4, 8), keys, keys, torch.zeros(2, 0, dtype=torch.long),
+                                              torch.zeros(2, 2, dtype=torch.long), None, 1.0)
+    assert torch.equal(out, torch.zeros(2, 4, 8)) and torch.equal(sums, torch.zeros(2, 2, 8))
+    assert torch.isneginf(lse).all()
+
+
+@needs_kernel
+def test_bad_indices_are_refused_before_the_work():
+    keys = torch.randn(10, 8)
+    q = torch.randn(1, 2, 8)
+    with pytest.raises(RuntimeError, match="row out of range"):
+        fused_select.attend_rows(q, keys, keys, torch.tensor([[3, 10]]), torch.tensor([[2]]), None, 1.0)
+    with pytest.raises(RuntimeError, match="counts exceed"):
+        fused_select.attend_rows(q, keys, keys, torch.tensor([[3, 4]]), torch.tensor([[3]]), None, 1.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("breakage", ["drop a row", "wrong cap", "stale lse", "sums without the run"])
+def test_a_broken_kernel_call_is_caught(breakage):
+    """The comparison above has teeth: a row dropped from a run, a run cut short (a wrong cap), the
+    log-sum-exp of another step, or the value sums of another selection each differ from the torch path."""
+    b, hkv, g, d, s = 2, 3, 3, 64, 300
+    store, sel, q, slots, own = _case(b, hkv, g, d, s, 0.2, torch.float32, seed=3)
+    ref, lse_ref, sums_ref = _reference(store, sel, q, slots, d ** -0.5)
+    rows, counts, qq = sel.rows, sel.counts, q
+    if breakage == "drop a row":
+        rows = rows.clone()
+        rows[0, 0] = rows[0, 1]  # the first row read twice, the first read never
+    elif breakage == "wrong cap":
+        counts = counts.clone()
+        counts[1, 2] -= 1
+    elif breakage == "stale lse":
+        qq = torch.randn_like(q)
+    elif breakage == "sums without the run":
+        counts = counts.clone()
+        counts[0, 0] = 0
+    out, lse, sums = fused_select.attend_rows(qq.view(b, -1, d), store.k[0].view(-1, d), store.v[0].view(-1, d),
+                                              rows, counts, own, d ** -0.5)
+    errors = [(out.view_as(ref) - ref).abs().max(), (lse.view_as(lse_ref) - lse_ref).abs().max(),
+              (sums - sums_ref).abs().max()]
+    assert max(errors) > 1e-3
+
+
+# ---- in a decoding session ------------------------------------------------------------------------
+REST = dict(remainder=True, remainder_from=0, max_fetch_ratio=0.3, min_fetch=0)  # entries left unread, added back
+CASES = [("infinigen", {}), ("infinigen", dict(budget="union", alpha=1.0)),
+         ("infinigen", dict(budget="layer", max_fetch_ratio=0.1)), ("oracle", dict(ratio=0.3)), ("infinigen", REST)]
+
+
+def _decode_with(model, name, knobs, fused, monkeypatch):
+    monkeypatch.setattr(fused_select, "enabled", fused)
+    tokens, mask = padded_prompts(model, (9, 4, 6))
+    return decode_rows(model, packed_policy(name, model, **knobs), tokens, mask, read_rows=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,knobs", CASES, ids=["infinigen", "union", "cap-0.1", "oracle", "remainder"])
+def test_session_fused_equals_the_torch_path(make_tiny, monkeypatch, name, knobs):
+    """float32, GQA (8 query heads over 2 KV heads), 3 rows of different prompt lengths: the fused path is
+    taken, selects what the torch path selects at every layer and step, and its logits are within 1e-5."""
+    _, model = make_tiny("llama", num_hidden_layers=3)
+    ref, seen_ref, _ = _decode_with(model, name, knobs, False, monkeypatch)
+    calls = [0]
+    inner = fused_select.attend_rows
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return inner(*a, **kw)
+    monkeypatch.setattr(fused_select, "attend_rows", counted)
+    out, seen, _ = _decode_with(model, name, knobs, True, monkeypatch)
+    assert calls[0] > 0
+    assert seen.keys() == seen_ref.keys()
+    for key in seen:
+        assert (seen[key] == "all" and seen_ref[key] == "all") or torch.equal(seen[key], seen_ref[key]), key
+    assert (out - ref).abs().max() <= 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("breakage", ["drop a row", "stale lse"])
+def test_session_check_catches_a_broken_fused_path(make_tiny, monkeypatch, breakage):
+    """The session comparison fails when the fused path drops a selected row or applies the remainder from
+    the previous call's log-sum-exp."""
+    _, model = make_tiny("llama", num_hidden_layers=3)
+    ref, _, _ = _decode_with(model, "infinigen", REST, False, monkeypatch)
+    inner, last = fused_select.attend_rows, {}
+
+    def broken(q, keys, values, rows, counts, own, scale):
+        if breakage == "drop a row":
+            counts = counts.clone()
+            counts[counts > 0] -= 1
+            return inner(q, keys, values, rows, counts, own, scale)
+        out, lse, sums = inner(q, keys, values, rows, counts, own, scale)
+        stale = last.get(lse.shape, lse)
+        last[lse.shape] = lse
+        return out, stale, sums
+    monkeypatch.setattr(fused_select, "attend_rows", broken)
+    out, _, _ = _decode_with(model, "infinigen", REST, True, monkeypatch)
+    assert (out - ref).abs().max() > 1e-4
+
+
+def test_without_a_build_the_torch_path_serves(make_tiny, monkeypatch):
+    """The kernel unavailable: `usable` is False, the session takes the torch path and decodes the same."""
+    _, model = make_tiny("llama", num_hidden_layers=3)
+    monkeypatch.setattr(fused_select, "_module", lambda: None)
+    assert not fused_select.available()
+    assert not fused_select.usable(torch.zeros(1, 1, 1, 4), torch.zeros(1, 1, 1, 4))
+    called = []
+    monkeypatch.setattr(fused_select, "attend_rows", lambda *a: called.append(1))
+    out, _, _ = _decode_with(model, "infinigen", {}, True, monkeypatch)
+    assert not called and torch.isfinite(out).all()
+
+
+def test_a_failed_build_warns_in_one_line(tmp_path):
+    """No compiler: one warning line on stderr, `available()` False, nothing raised."""
+    code = ("import torch.utils.cpp_extension as c\n"
+            "def fail(*a, **k):\n    raise RuntimeError('no compiler found\\nsecond line')\n"
+            "c.load = fail\n"
+            "from infinigen.kernels import fused_select as f\n"
+            "print(f.available(), f.available())\n")
+    env = {"INFINIGEN_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False False"
+    lines = [ln for ln in done.stderr.splitlines() if "fused selection kernel" in ln]
+    assert len(lines) == 1 and "no compiler found" in lines[0] and "second line" not in done.stderr
