@@ -87,6 +87,7 @@ KEY_MODES = ("partial", "int4")
 # to overlap, so nothing is lost by waiting for it) and the speculated one where placement fetches from a slower tier
 QUERIES = ("ahead", "own", "auto")
 INT4_GROUP = 32
+ROWS_PER_CHOICE = 64  # teacher-forced rows per `_choose` call in `_rows_in_blocks`
 SCORE_BLOCK = 2 ** 27  # speculated scores per call when a teacher-forced pass scores its rows in blocks
 
 # Why each preset is what it is, with the measurements: results/presets.md
@@ -126,7 +127,7 @@ PRESETS = {
 
 # what `calibrate` chooses per model (policies/calibrate.py), unless the caller sets it
 CALIBRATED = ("alpha", "kv_budget", "max_fetch_ratio", "budget_growth", "exact_first", "dense_layers", "remainder",
-              "remainder_from")
+              "remainder_from", "budget")
 # perplexity within 0.5% of the full cache's on the calibration tokens: half the 1% a user is promised, as a margin
 # for text the calibration never saw (SmolLM2, own query with the remainder at the largest budget: Mansfield
 # Park +0.17%, the three validation texts +0.09% to +0.71%; at 14% of the KV, chosen with a 1% target, Mansfield
@@ -219,6 +220,8 @@ class InfiniGenState:
     with_rest: bool = False
     # every selecting layer selects with its own query at its attention (knob `query`), not one layer ahead
     own_query: bool = False
+    # teacher-forced rows chosen a block at a time (`_rows_in_blocks`: calibration's scoring), not row by row
+    rows_in_blocks: bool = False
     value_sums: dict = field(default_factory=dict)
     value_counts: dict = field(default_factory=dict)
     rest: dict = field(default_factory=dict)
@@ -282,6 +285,9 @@ class InfiniGen(Policy):
     calibrate_target: float | None = None  # relative perplexity over the full cache allowed (None: 0.5%)
     calibrate_bound: float | None = None  # all-layer KV share at budget_ref tokens, at most (None: 20%)
     calibrate_text: str | None = None  # file or corpus name (None: mansfieldpark, apart from the skew's emma)
+    # score each candidate on this many rows, in windows spread over the run (`calibrate.spread`), not on every
+    # row after the prompt (None): faster, but the loss measured on fewer rows is noisier (results/calibration.md)
+    calibrate_rows: int | None = None
     # add what the selection leaves unread, estimated from the speculation scores (which cover
     # every cached token) and a running sum of the values per KV head kept in fast memory (`remainder`)
     # (None: the preset's; off where the speculation keys are partial columns, whose scores are not on the
@@ -394,6 +400,8 @@ class InfiniGen(Policy):
             raise UserError(f"calibrate target must be a relative perplexity in (0, 1), got {self.calibrate_target}")
         if self.calibrate_bound is not None and not 0 < self.calibrate_bound <= 1:
             raise UserError(f"calibrate bound must be a share of the KV in (0, 1], got {self.calibrate_bound}")
+        if self.calibrate_rows is not None and not (isinstance(self.calibrate_rows, int) and self.calibrate_rows >= 4):
+            raise UserError(f"calibrate_rows must be an integer of at least 4, got {self.calibrate_rows}")
 
     def alpha_for(self, cfg) -> float:
         """The threshold in effect on a model of this config (the paper's preset depends on the architecture)."""
@@ -513,8 +521,11 @@ class InfiniGen(Policy):
         fixed = {k: v for k, v in base.items() if (k not in CALIBRATED or k in given) and k != "dense_below"}
         # the remainder needs the int4 keys' scores (on the attention's scale)
         remainder = "remainder" not in given and base["key_mode"] == "int4"
+        # where the target is out of reach: the other ways of counting the budget (per KV head), tried last
+        budgets = [] if "budget" in given else [b for b in ("union", "per_head") if b != base["budget"]]
         return dict(structures=structures, alphas=alphas, budget_free=budget_free, growth=growth, fixed=fixed,
-                    remainder=remainder)
+                    remainder=remainder, budgets=budgets, rows=base["calibrate_rows"],
+                    own_query=base["query"] != "ahead")
 
     def _remainder_starts(self, model, knobs: dict, growth: float) -> list[int]:
         """The layers from which calibration tries adding the remainder: the caller's `remainder_from`, else
@@ -603,7 +614,8 @@ class InfiniGen(Policy):
                                     setup["structures"], setup["alphas"], setup["budget_free"], target, bound,
                                     setup["growth"], ref, key, text, log=log,
                                     remainder_starts=(lambda k: self._remainder_starts(model, k, setup["growth"]))
-                                    if setup["remainder"] else None, progress=progress)
+                                    if setup["remainder"] else None, progress=progress, rows=setup["rows"],
+                                    own_query=setup["own_query"], budgets=tuple(setup["budgets"]))
             except ValueError as e:
                 raise UserError(f"cannot calibrate InfiniGen under a bound of {100 * bound:g}% of the KV ({e}): "
                                 "raise calibrate_bound, or keep fewer layers dense")
@@ -614,6 +626,8 @@ class InfiniGen(Policy):
         self._apply(choice, setup, source)
         object.__setattr__(self, "calibrated_on", weakref.ref(model))
         print(f"InfiniGen calibrated ({source}): {self.calibration['summary']}", file=sys.stderr)
+        if not choice.reached:
+            print(f"warning: {self.calibration['warning']}", file=sys.stderr)
 
     def _apply(self, choice, setup: dict, source: str) -> None:
         """Set the chosen knobs on this policy (from the values before calibration) and record the choice."""
@@ -632,10 +646,16 @@ class InfiniGen(Policy):
                    + f" -> {100 * vs_full:+.2f}% vs the full cache, {100 * choice.kv:.1f}% of the KV read on "
                    f"{choice.tokens} tokens of {choice.text} (target {100 * choice.target:g}%: "
                    f"{'reached' if choice.reached else 'not reached under the bound'}; bound {100 * choice.bound:g}%)")
-        record = {"chosen": chosen, "set": sorted(self.given), "reached": choice.reached,
+        warning = None if choice.reached else (
+            f"InfiniGen's calibration did not reach its target: {100 * vs_full:+.2f}% vs the full cache (target "
+            f"{100 * choice.target:g}%) with the lowest loss under the bound of {100 * choice.bound:g}% of the KV ("
+            + ", ".join(f"{k} {v}" for k, v in chosen.items()) + f"; {len(choice.trials)} settings tried); raise "
+            "calibrate_bound or calibrate_target, or set the knobs by hand")
+        record = {"chosen": chosen, "set": sorted(self.given), "reached": choice.reached, "warning": warning,
                   "vs_full": vs_full, "kv": choice.kv, "kv_caps": choice.kv_caps, "kv_caps_long": choice.kv_caps_long,
                   "target": choice.target, "bound": choice.bound, "text": choice.text, "tokens": choice.tokens,
-                  "prefill": choice.prefill, "key": choice.key, "source": source, "summary": summary,
+                  "prefill": choice.prefill, "rows": choice.rows, "key": choice.key, "source": source,
+                  "summary": summary,
                   "trials": [{"knobs": t["knobs"], "vs_full": math.exp(t["nll"] - choice.reference_nll) - 1,
                               "kv": t["kv"]} for t in choice.trials]}
         object.__setattr__(self, "calibration", record)
@@ -930,6 +950,8 @@ class InfiniGen(Policy):
             if self._dense_pass(session):
                 return ALL
             keep = self._decoding_row(layer, rows, session)[:, :, None]
+        elif st.rows_in_blocks:
+            keep = self._rows_in_blocks(layer, rows, session)
         else:
             keep = self._sequence_rows(layer, rows, session)
         lse = st.rest.pop(layer, None)
@@ -1109,6 +1131,43 @@ class InfiniGen(Policy):
             out[:, :, r - p, :r] = row
             if rest is not None:
                 rest[:, :, :, r - p] = self._unread_lse(s, valid & ~row[:, :, None])[..., 0]
+        if rest is not None:
+            st.rest[layer] = rest
+        return out
+
+    def _rows_in_blocks(self, layer, rows, session, block: int = ROWS_PER_CHOICE):
+        """`_sequence_rows` with the rows chosen `block` at a time (one `_choose` of each block, every row its
+        own length and cap): the same selection up to float summation order over the block's longer rows,
+        so not bit for bit the decoding path's, several times faster (calibration's scoring: `state.rows_in_blocks`).
+        Where it does not apply (partial keys, `dense_below`, a query speculated ahead): `_sequence_rows`."""
+        st, model = session.state, session.model
+        q, k = rows.query, rows.keys
+        if self.key_mode != "int4" or st.dense_below or q is None or not (layer == 0 or st.own_query):
+            return self._sequence_rows(layer, rows, session)
+        p, t = rows.first, k.shape[2]
+        b, hkv, _, d = k.shape
+        h = q.shape[1]
+        g = h // hkv
+        dev = k.device
+        st.spec[layer] = torch.cat([q[:, :, :1].expand(b, h, p, d), q], 2).view(b, hkv, g, t, d)
+        spec_keys = PackedKeys(b, hkv, t, d, group=INT4_GROUP, layout=st.layout, device=dev)
+        spec_keys.write(0, self._rotate(st, k, layer))
+        out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=dev)
+        rest = torch.empty(b, hkv, g, t - p, device=dev) if self._adds_rest(st, layer) else None
+        for r0 in range(p, t, block):
+            r1 = min(t, r0 + block)
+            n = r1 - 1  # the block's last row sees the most tokens
+            qs = self._spec_rows(st, layer, slice(r0, r1))  # [B, Hkv, G, R, c]
+            scores = spec_keys.scores(qs.reshape(b, hkv, g * (r1 - r0), d).contiguous(), n)
+            s = scores.view(b, hkv, g, r1 - r0, n) * model.scale
+            lengths = torch.arange(r0, r1, device=dev)
+            valid = self._window(model.cfg, torch.arange(n, device=dev) < lengths[:, None], torch.arange(n, device=dev),
+                                 lengths[:, None])[None, None]  # [1, 1, R, n]: row r sees the r tokens before it
+            caps = torch.tensor([[self._cap(st, model, layer, r) for r in range(r0, r1)]], dtype=torch.float32)
+            keep = self._choose(s.clone() if rest is not None else s, valid, st.alpha, None, caps.to(dev))
+            out[:, :, r0 - p:r1 - p, :n] = keep
+            if rest is not None:
+                rest[..., r0 - p:r1 - p] = self._unread_lse(s, valid & ~keep)
         if rest is not None:
             st.rest[layer] = rest
         return out
