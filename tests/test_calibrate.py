@@ -270,7 +270,7 @@ def test_the_key_follows_the_search_settings(peaked, text):
 
 def test_bad_calibration_knobs():
     for bad in (dict(calibrate_target=0.0), dict(calibrate_target=1.5), dict(calibrate_bound=0.0),
-                dict(calibrate_bound=1.2), dict(calibrate="yes"), dict(calibrate_rows=2), dict(calibrate_rows=8.5)):
+                dict(calibrate_bound=1.2), dict(calibrate="yes")):
         with pytest.raises(UserError):
             InfiniGen(**bad)
 
@@ -299,9 +299,10 @@ def test_caps_share_matches_what_a_run_reads(peaked):
 
 @pytest.mark.parametrize("first", [REF // 8, REF - 24])
 def test_the_window_scores_as_the_runtime(peaked, flat, first):
-    """A candidate's score on the window (the rows from `first` on, the tokens before them computed once, its
-    rows chosen a block at a time) is the runtime's teacher-forced score with a prompt of `first` tokens, for
-    every way of counting the budget, with the remainder, with layer 0 dense; the full cache's loss too."""
+    """A candidate's score on the window (the rows from `first` on, the tokens before them computed once in a
+    shared dense pass, its rows chosen a block at a time or row by row) is the runtime's teacher-forced score
+    with a prompt of `first` tokens, for every way of counting the budget, with the remainder, with layer 0
+    dense; the full cache's loss too."""
     tokens = torch.randint(0, 256, (1, REF), generator=torch.Generator().manual_seed(0))
     for model in (peaked, flat):
         win = cal.window(model, tokens, first)
@@ -320,49 +321,23 @@ def test_the_window_scores_as_the_runtime(peaked, flat, first):
                 assert got[0] == pytest.approx(nll, abs=1e-4) and got[1] == pytest.approx(kv, abs=1e-6), (knobs, blocks)
 
 
-def test_windows_spread_over_the_run(peaked):
-    """Fewer rows than the run holds: windows ending evenly over it (the last at its end), so that their cached
-    lengths span the run's; each scored as the runtime scores those rows after a prompt of the tokens before."""
-    assert cal.spread(8, 64, 56) == [(8, 64)] and cal.spread(8, 64, 512) == [(8, 64)]
-    spans = cal.spread(8, 64, 32, 4)
-    assert spans == [(14, 22), (28, 36), (42, 50), (56, 64)]
-    tokens = torch.randint(0, 256, (1, REF), generator=torch.Generator().manual_seed(1))
-    pol = InfiniGen(skew=False, budget_ref=REF, min_fetch=0, alpha=5.0, kv_budget=0.3, budget_growth=0.5,
-                    calibrate=False, dense_below=0)
-    wins = cal.windows(peaked, tokens, spans)
-    each = [cal.score(peaked, tokens[:, :end], first, pol) for first, end in spans]
-    assert cal.score_windows(peaked, wins, pol) == pytest.approx(
-        (sum(e[0] for e in each) / 4, sum(e[1] for e in each) / 4), abs=1e-4)
-    full = [cal.score(peaked, tokens[:, :end], first, None)[0] for first, end in spans]
-    assert [w.reference_nll for w in wins] == pytest.approx(full, abs=1e-5)
-
-
-def test_calibrate_rows_scores_windows(peaked, text):
-    """`calibrate_rows`: every candidate scored on that many rows in windows spread over the run (recorded), a
-    key of its own; by default every row after the prompt."""
-    every = calibrated(peaked, text)
-    assert every.calibration["rows"] == [[REF // 8, REF]]
-    few = calibrated(peaked, text, calibrate_rows=16)
-    assert few.calibration["rows"] == [list(s) for s in cal.spread(REF // 8, REF, 16)]
-    assert few.calibration["key"] != every.calibration["key"]
-
-
 def test_the_fast_search_chooses_as_the_exhaustive_one(peaked, flat, text):
-    """The search as `prepare` runs it (candidates scored on the window, chosen a block of rows at a time: here
-    the window holds every row after the prompt) tries the same candidates, measures the same losses and
-    chooses the same setting as the search scoring each candidate with the runtime's row-by-row pass."""
+    """The search as `prepare` runs it (the full cache's loss and the prompt's keys and values from one shared
+    dense pass, each candidate's rows chosen a block at a time) tries the same candidates, measures the same
+    losses and chooses the same setting as the search scoring each candidate with the runtime's row-by-row
+    teacher-forced pass."""
     tokens = cal.calibration_tokens(ByteTokenizer(), text.read_text(), REF)
     for model in (peaked, flat, attention_model(3.0)):
         pol = InfiniGen(calibrate=True, skew=False, budget_ref=REF, min_fetch=0, calibrate_bound=BOUND,
                         calibrate_target=TARGET)
         setup = pol._calibration_setup(model)
-        assert setup["own_query"] and setup["rows"] >= REF
+        assert setup["own_query"]
 
         def run(own_query):
             return cal.search(model, tokens, REF // 8, lambda k: pol._candidate(model, k, setup["growth"]),
                               setup["structures"], setup["alphas"], setup["budget_free"], TARGET, BOUND,
                               setup["growth"], REF, "key", "text", remainder_starts=lambda k: pol._remainder_starts(
-                                  model, k, setup["growth"]), rows=setup["rows"], own_query=own_query,
+                                  model, k, setup["growth"]), own_query=own_query,
                               budgets=tuple(setup["budgets"]))
         fast, exhaustive = run(True), run(False)
         assert fast.knobs == exhaustive.knobs and fast.reached == exhaustive.reached

@@ -23,8 +23,24 @@ with its exact query, or read densely); the better one with what the selection l
 them); then, if the best of these reaches the target, a bisection down the budget and a lower threshold; at
 most `max_evals` passes after the reference.
 
+How a candidate is scored: its teacher-forced loss over the rows after the prompt, as `runtime.teacher_forced`
+computes it, with the work every candidate shares done once (`window`: one dense pass over the tokens for the
+full cache's loss and the prompt's keys and values) and each candidate's rows chosen a block at a time
+(`InfiniGen._rows_in_blocks`: the same selection up to float summation order). Not on fewer rows: the loss of
+one candidate has a sampling error of 0.3 points over the 1792 rows of a 2048-token run already, as much as
+what separates the candidates of one search, and scoring windows of rows after a dense past hides the error
+that compounds through the keys and values of earlier rows read under the selection (up to a point of
+perplexity on SmolLM2: results/calibration.md).
+
+Where no candidate reaches the target, the search tries the other ways of counting the budget (each KV head its
+own cap, "union", or its query heads' mean count, "per_head", instead of one cap pooled over the layer) on the
+best setting before giving up; then `prepare` prints a warning line with the loss and what it chose, and the
+record says `reached: false`.
+
 Calibration runs in fast memory, so under the knob `query="auto"` it calibrates the selection by each layer's
-own query; an offloaded session (speculation one layer ahead) uses the same alpha, budget and layer 0.
+own query; an offloaded session (speculation one layer ahead) uses the same alpha, budget and layer 0. A
+policy that speculates ahead (`query="ahead"`) is scored by `score` itself (its speculation hears of every
+row's hidden state one layer early).
 """
 from __future__ import annotations
 
@@ -45,7 +61,6 @@ ALPHA_LOW = 7.0  # the threshold trims under the caps
 LONG = 4  # the bound is also checked at LONG * ref tokens
 SCORE_ROWS = 512  # logits rows turned into log-probabilities at once (a 262k vocabulary: Gemma 3)
 POSITIONS = 256  # cached lengths sampled to average the caps over a run
-WINDOWS = 4  # the rows a candidate is scored on: this many windows spread over the run (`spread`)
 
 
 @dataclass
@@ -74,7 +89,6 @@ class Choice:
     tokens: int
     prefill: int
     trials: list = field(default_factory=list)  # every candidate tried: knobs, nll, kv
-    rows: list = field(default_factory=list)  # the spans [first, end) of the tokens scored (`spread`)
 
     def loss_vs_full(self) -> float:
         """Relative perplexity over the full cache on the calibration tokens."""
@@ -140,9 +154,9 @@ def _counted_share(model, per_layer: list) -> float:
 
 @dataclass
 class Window:
-    """The rows a candidate is scored on: the calibration tokens' last rows, from `first` on, every token before
-    them read densely. One dense pass over every token (`window`) gives the full cache's loss on them and the
-    keys and values of the tokens before them, shared by every candidate, so a candidate costs its rows alone."""
+    """The rows a candidate is scored on, from `first` on, every token before them read densely. One dense
+    pass over every token (`window`) gives the full cache's loss on them and the keys and values of the
+    tokens before them, shared by every candidate, so a candidate costs its rows alone."""
     tokens: torch.Tensor  # [1, T] the calibration tokens
     first: int  # the window's first row (tokens before it are its dense prefix)
     prefix: list  # per layer (keys, values) [1, Hkv, first, d] as the store holds them
@@ -150,57 +164,27 @@ class Window:
     reference_nll: float  # the full cache's mean NLL of tokens[first:]
 
 
-def windows(model, tokens: torch.Tensor, spans: list[tuple[int, int]]) -> list[Window]:
-    """The shared part of scoring the rows of each span [first, end): one dense pass over every token (a
-    prefill of the whole sequence, its hidden states kept) gives the full cache's loss on them and, the
-    attention being causal, each span's prefix keys and values (those of its first tokens)."""
+def window(model, tokens: torch.Tensor, first: int) -> Window:
+    """The shared part of scoring the rows from `first` on: one dense pass over every token (a prefill of the
+    whole sequence, its hidden states kept) gives the full cache's loss on them and, the attention being
+    causal, the keys and values of the tokens before them."""
     tokens = tokens.to(model.device)
-    t = max(end for _, end in spans)
+    t = tokens.shape[1]
     sess = Placement().new_session(model, 1, t, None, prompt_len=t)
     try:
         with torch.no_grad():
             positions = torch.arange(t, device=tokens.device)[None]
-            sess.begin_prefill(positions, torch.ones_like(tokens[:, :t], dtype=torch.bool))
-            h = model.embed(tokens[:, :t], positions)
+            sess.begin_prefill(positions, torch.ones_like(tokens, dtype=torch.bool))
+            h = model.embed(tokens, positions)
             rope = model.rope(positions)
             for block in model.layers:
                 h = block(h, rope, sess.attend, sess.event)
-            first = min(f for f, _ in spans)
-            nll = _nll(model, h[0, first - 1:t - 1], tokens[0, first:t])
-        kv = [tuple(x.clone() for x in sess.store.used_keys_values(i)) for i in range(model.cfg.num_layers)]
-        out = []
-        for f, end in spans:
-            mine = nll[f - first:end - first]
-            out.append(Window(tokens[:, :end], f, [(k[:, :, :f], v[:, :, :f]) for k, v in kv], float(mine[0]),
-                              float(mine.mean())))
+            nll = _nll(model, h[0, first - 1:-1], tokens[0, first:])
+        prefix = [tuple(x[:, :, :first].clone() for x in sess.store.used_keys_values(i))
+                  for i in range(model.cfg.num_layers)]
     finally:
         sess.store.close()
-    return out
-
-
-def window(model, tokens: torch.Tensor, first: int) -> Window:
-    """The one window of the rows from `first` to the end (`windows`)."""
-    return windows(model, tokens, [(first, tokens.shape[1])])[0]
-
-
-def spread(prefill: int, t: int, rows: int, count: int = WINDOWS) -> list[tuple[int, int]]:
-    """`count` windows of rows / count rows each, ending evenly over the rows after a `prefill`-token prompt
-    of a `t`-token run (the last at its end), so that their cached lengths span the run's; the rows after
-    the prompt themselves when they are no more than `rows`."""
-    if t - prefill <= rows:
-        return [(prefill, t)]
-    size = rows // count
-    ends = [prefill + round((t - prefill) * (i + 1) / count) for i in range(count)]
-    return [(end - size, end) for end in ends]
-
-
-def score_windows(model, wins: list[Window], policy) -> tuple[float, float]:
-    """`score_window` over several windows: the mean NLL over all their rows, the share read averaged over them
-    by rows."""
-    rows = [w.tokens.shape[1] - w.first for w in wins]
-    scores = [score_window(model, w, policy) for w in wins]
-    return (sum(r * s[0] for r, s in zip(rows, scores)) / sum(rows),
-            sum(r * s[1] for r, s in zip(rows, scores)) / sum(rows))
+    return Window(tokens, first, prefix, float(nll[0]), float(nll.mean()))
 
 
 def _nll(model, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -310,8 +294,8 @@ def largest_budget(make, model, ref: int, bound: float, growth: float, lo: float
 
 def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: list[dict], alphas: tuple,
            budget_free: bool, target: float, bound: float, growth: float, ref: int, key: str, text: str,
-           max_evals: int = 8, log=None, remainder_starts=None, progress=False, rows: int | None = None,
-           own_query: bool = True, budgets: tuple = ()) -> Choice:
+           max_evals: int = 8, log=None, remainder_starts=None, progress=False, own_query: bool = True,
+           budgets: tuple = ()) -> Choice:
     """Choose the knobs (see the module docstring). `candidate(knobs)` makes the policy of a candidate (knobs:
     the values calibration chooses; the caller's own knobs are fixed inside it); `structures`: the ways to
     treat layer 0 (knob dicts of exact_first, dense_layers; [{}] when the caller fixed them), `alphas` the
@@ -320,29 +304,27 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
     remainder): the first layers from which to add what the selection leaves unread, each tried on the best
     structure (a pass each: it helps some layers and hurts others, measured in results/accuracy.md) before the
     budget is lowered, so the budget search runs on the better of them. `budgets`: the other ways to count the
-    budget (knob `budget`) tried on the best setting when the target is out of reach. `rows`: score every
-    candidate on the last `rows` tokens only, those before them read densely and computed once (`window`;
-    None or `own_query` False: every token after the prompt, `score`). `progress`: passes done of at most
+    budget (knob `budget`) tried on the best setting when the target is out of reach. `own_query`: the
+    candidates select with each layer's own query, so they are scored with the shared pass (`window`,
+    `score_window`); else each by `score`. `progress`: passes done of at most
     1 + max_evals (+ the budgets), with an ETA (`skew.Progress`); `log` gets a line per candidate."""
     bar = Progress(progress, "calibrating InfiniGen", 1 + max_evals + len(budgets), "pass")
     if log and progress:
         log = bar.write
-    spans = spread(prefill, tokens.shape[1], rows if rows is not None and own_query else tokens.shape[1])
     try:
-        choice = _search(model, tokens, prefill, spans, candidate, structures, alphas, budget_free, target, bound,
+        choice = _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound,
                          growth, ref, key, text, max_evals, log, remainder_starts, bar, own_query, budgets)
     finally:
         bar.finish()
     return choice
 
 
-def _search(model, tokens, prefill, spans, candidate, structures, alphas, budget_free, target, bound, growth, ref,
+def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound, growth, ref,
             key, text, max_evals, log, remainder_starts, bar, own_query, budgets) -> Choice:
     if own_query:
-        wins = windows(model, tokens, spans)
-        rows = [end - first for first, end in spans]
-        full = sum(r * w.reference_nll for r, w in zip(rows, wins)) / sum(rows)
-        measure = lambda pol: score_windows(model, wins, pol)  # noqa: E731
+        win = window(model, tokens, prefill)
+        full = win.reference_nll
+        measure = lambda pol: score_window(model, win, pol)  # noqa: E731
     else:
         measure = lambda pol: score(model, tokens, prefill, pol)  # noqa: E731
         full, _ = measure(None)
@@ -431,5 +413,4 @@ def _search(model, tokens, prefill, spans, candidate, structures, alphas, budget
     return Choice(key=key, knobs=chosen.knobs, reached=reached, reference_nll=full, nll=chosen.nll, kv=chosen.kv,
                   kv_caps=chosen.kv_caps, kv_caps_long=chosen.kv_caps_long, target=target, bound=bound,
                   text=text, tokens=int(tokens.shape[1]), prefill=prefill,
-                  rows=[list(span) for span in spans] if own_query else [[prefill, int(tokens.shape[1])]],
                   trials=[{"knobs": t.knobs, "nll": t.nll, "kv": t.kv} for t in trials])

@@ -285,9 +285,6 @@ class InfiniGen(Policy):
     calibrate_target: float | None = None  # relative perplexity over the full cache allowed (None: 0.5%)
     calibrate_bound: float | None = None  # all-layer KV share at budget_ref tokens, at most (None: 20%)
     calibrate_text: str | None = None  # file or corpus name (None: mansfieldpark, apart from the skew's emma)
-    # score each candidate on this many rows, in windows spread over the run (`calibrate.spread`), not on every
-    # row after the prompt (None): faster, but the loss measured on fewer rows is noisier (results/calibration.md)
-    calibrate_rows: int | None = None
     # add what the selection leaves unread, estimated from the speculation scores (which cover
     # every cached token) and a running sum of the values per KV head kept in fast memory (`remainder`)
     # (None: the preset's; off where the speculation keys are partial columns, whose scores are not on the
@@ -400,8 +397,6 @@ class InfiniGen(Policy):
             raise UserError(f"calibrate target must be a relative perplexity in (0, 1), got {self.calibrate_target}")
         if self.calibrate_bound is not None and not 0 < self.calibrate_bound <= 1:
             raise UserError(f"calibrate bound must be a share of the KV in (0, 1], got {self.calibrate_bound}")
-        if self.calibrate_rows is not None and not (isinstance(self.calibrate_rows, int) and self.calibrate_rows >= 4):
-            raise UserError(f"calibrate_rows must be an integer of at least 4, got {self.calibrate_rows}")
 
     def alpha_for(self, cfg) -> float:
         """The threshold in effect on a model of this config (the paper's preset depends on the architecture)."""
@@ -524,8 +519,7 @@ class InfiniGen(Policy):
         # where the target is out of reach: the other ways of counting the budget (per KV head), tried last
         budgets = [] if "budget" in given else [b for b in ("union", "per_head") if b != base["budget"]]
         return dict(structures=structures, alphas=alphas, budget_free=budget_free, growth=growth, fixed=fixed,
-                    remainder=remainder, budgets=budgets, rows=base["calibrate_rows"],
-                    own_query=base["query"] != "ahead")
+                    remainder=remainder, budgets=budgets, own_query=base["query"] != "ahead")
 
     def _remainder_starts(self, model, knobs: dict, growth: float) -> list[int]:
         """The layers from which calibration tries adding the remainder: the caller's `remainder_from`, else
@@ -614,7 +608,7 @@ class InfiniGen(Policy):
                                     setup["structures"], setup["alphas"], setup["budget_free"], target, bound,
                                     setup["growth"], ref, key, text, log=log,
                                     remainder_starts=(lambda k: self._remainder_starts(model, k, setup["growth"]))
-                                    if setup["remainder"] else None, progress=progress, rows=setup["rows"],
+                                    if setup["remainder"] else None, progress=progress,
                                     own_query=setup["own_query"], budgets=tuple(setup["budgets"]))
             except ValueError as e:
                 raise UserError(f"cannot calibrate InfiniGen under a bound of {100 * bound:g}% of the KV ({e}): "
@@ -654,8 +648,7 @@ class InfiniGen(Policy):
         record = {"chosen": chosen, "set": sorted(self.given), "reached": choice.reached, "warning": warning,
                   "vs_full": vs_full, "kv": choice.kv, "kv_caps": choice.kv_caps, "kv_caps_long": choice.kv_caps_long,
                   "target": choice.target, "bound": choice.bound, "text": choice.text, "tokens": choice.tokens,
-                  "prefill": choice.prefill, "rows": choice.rows, "key": choice.key, "source": source,
-                  "summary": summary,
+                  "prefill": choice.prefill, "key": choice.key, "source": source, "summary": summary,
                   "trials": [{"knobs": t["knobs"], "vs_full": math.exp(t["nll"] - choice.reference_nll) - 1,
                               "kv": t["kv"]} for t in choice.trials]}
         object.__setattr__(self, "calibration", record)
