@@ -134,6 +134,23 @@ def test_out_of_reach_tries_the_other_budgets_then_warns(flat, text, capsys):
     assert "warning:" not in capsys.readouterr().err
 
 
+def test_calibrate_command_warns_when_out_of_reach(cli, tiny_checkpoint, text_file, tmp_path, monkeypatch):
+    """`infinigen calibrate` on a target out of reach (the search asked for a perplexity half the full
+    cache's: the tiny random model reaches any positive target): exit 0, one warning line on stderr with the
+    loss, and the JSON's calibration says reached false with the loss and the warning."""
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    search = cal.search
+    monkeypatch.setattr(cal, "search", lambda *a, **k: search(*a[:7], -0.5, *a[8:], **k))
+    args = [a for k, v in _file_knobs(text_file).items() for a in ("--knob", f"{k}={v}")]
+    code, stdout, err = cli("calibrate", "--model", tiny_checkpoint, *args, "--json")
+    assert code == 0, err
+    rec = json.loads(stdout)["calibration"]
+    assert rec["reached"] is False and rec["vs_full"] > -0.5 and rec["warning"]
+    assert {"union", "per_head"} <= {t["knobs"].get("budget") for t in rec["trials"]}
+    (line,) = [x for x in err.splitlines() if x.startswith("warning:")]
+    assert line == f"warning: {rec['warning']}" and f"{100 * rec['vs_full']:+.2f}%" in line
+
+
 def test_different_attention_different_settings(peaked, flat, text):
     a, b = calibrated(peaked, text), calibrated(flat, text)
     assert a.calibration["chosen"] != b.calibration["chosen"]
