@@ -1156,6 +1156,7 @@ class InfiniGen(Policy):
             lengths = torch.arange(r0, r1, device=dev)
             valid = self._window(model.cfg, torch.arange(n, device=dev) < lengths[:, None], torch.arange(n, device=dev),
                                  lengths[:, None])[None, None]  # [1, 1, R, n]: row r sees the r tokens before it
+            # each row's cap, [1, R]: `_choose` multiplies it by each row's length (float32, as a row's own call)
             caps = torch.tensor([[self._cap(st, model, layer, r) for r in range(r0, r1)]], dtype=torch.float32)
             keep = self._choose(s.clone() if rest is not None else s, valid, st.alpha, None, caps.to(dev))
             out[:, :, r0 - p:r1 - p, :n] = keep
