@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -97,13 +98,57 @@ def test_reaches_the_target_within_the_bound(peaked, text):
 
 
 def test_respects_the_bound_when_the_target_is_out_of_reach(flat, text):
-    pol = calibrated(flat, text)
+    pol = calibrated(flat, text, budget="layer")  # set: no other way of counting the budget is tried
     rec = pol.calibration
     assert not rec["reached"]
     loss, kv = rescore(flat, text, pol)
     assert loss > TARGET  # the flat model cannot keep its loss with a subset...
     assert kv <= BOUND + 1e-9  # ...and the bound still holds: accuracy never buys more entries
     assert cal.caps_share(pol, flat, REF, REF // 8) <= BOUND + 1e-9
+
+
+def test_out_of_reach_tries_the_other_budgets_then_warns(flat, text, capsys):
+    """Where no candidate reaches the target, the search tries counting the budget per KV head ("union",
+    "per_head") instead of pooled over the layer before giving up; still out of reach, it says so in a warning
+    line with the loss and what it chose, and the record (every command's JSON) has `reached` false, the loss
+    and the warning. The budget set by hand: no other way is tried."""
+    _CHOICES.pop(flat, None)
+    pol = calibrated(flat, text, calibrate_bound=0.3)
+    rec = pol.settings(flat)["calibration"]
+    json.dumps(rec)
+    tried = [t["knobs"].get("budget") for t in rec["trials"]]
+    assert tried.count(None) >= 1 and {"union", "per_head"} <= set(tried)
+    assert not rec["reached"] and rec["vs_full"] > TARGET and rec["warning"]
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("warning:")]
+    assert "did not reach its target" in line and f"{100 * rec['vs_full']:+.2f}%" in line
+    assert f"kv_budget {pol.kv_budget}" in line
+    # the other budgets were worth trying: the pooled cap's best loses more than the choice
+    pooled = min(t["vs_full"] for t in rec["trials"] if "budget" not in t["knobs"])
+    assert rec["vs_full"] < pooled
+    fixed = calibrated(flat, text, calibrate_bound=0.3, budget="layer").calibration
+    assert all("budget" not in t["knobs"] for t in fixed["trials"]) and not fixed["reached"]
+    assert "warning:" in capsys.readouterr().err
+    reached = calibrated(flat, text)  # within reach: no warning
+    assert reached.calibration["warning"] is None
+    assert "warning:" not in capsys.readouterr().err
+
+
+def test_calibrate_command_warns_when_out_of_reach(cli, tiny_checkpoint, text_file, tmp_path, monkeypatch):
+    """`infinigen calibrate` on a target out of reach (the search asked for a perplexity half the full
+    cache's: the tiny random model reaches any positive target): exit 0, one warning line on stderr with the
+    loss, and the JSON's calibration says reached false with the loss and the warning."""
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    search = cal.search
+    monkeypatch.setattr(cal, "search", lambda *a, **k: search(*a[:7], -0.5, *a[8:], **k))
+    args = [a for k, v in _file_knobs(text_file).items() for a in ("--knob", f"{k}={v}")]
+    code, stdout, err = cli("calibrate", "--model", tiny_checkpoint, *args, "--json")
+    assert code == 0, err
+    rec = json.loads(stdout)["calibration"]
+    assert rec["reached"] is False and rec["vs_full"] > -0.5 and rec["warning"]
+    assert {"union", "per_head"} <= {t["knobs"].get("budget") for t in rec["trials"]}
+    (line,) = [x for x in err.splitlines() if x.startswith("warning:")]
+    assert line == f"warning: {rec['warning']}" and f"{100 * rec['vs_full']:+.2f}%" in line
 
 
 def test_different_attention_different_settings(peaked, flat, text):
@@ -267,6 +312,55 @@ def test_caps_share_matches_what_a_run_reads(peaked):
         _, kv = cal.score(peaked, tokens, REF // 8, pol)
         assert kv == pytest.approx(cal.caps_share(pol, peaked, REF, REF // 8), abs=1e-6)
         assert not math.isnan(kv)
+
+
+@pytest.mark.parametrize("first", [REF // 8, REF - 24])
+def test_the_window_scores_as_the_runtime(peaked, flat, first):
+    """A candidate's score on the window (the rows from `first` on, the tokens before them computed once in a
+    shared dense pass, its rows chosen a block at a time or row by row) is the runtime's teacher-forced score
+    with a prompt of `first` tokens, for every way of counting the budget, with the remainder, with layer 0
+    dense; the full cache's loss too."""
+    tokens = torch.randint(0, 256, (1, REF), generator=torch.Generator().manual_seed(0))
+    for model in (peaked, flat):
+        win = cal.window(model, tokens, first)
+        assert win.reference_nll == pytest.approx(cal.score(model, tokens, first, None)[0], abs=1e-5)
+        for knobs in (dict(), dict(remainder=True, remainder_from=1, skew=True), dict(budget="union"),
+                      dict(budget="per_head", alpha=2.0), dict(exact_first=False, dense_layers=(0,)),
+                      dict(kv_budget=0.1, remainder=True, remainder_from=0, skew=True)):
+            pol = InfiniGen(**(dict(skew=False, budget_ref=REF, min_fetch=0, alpha=5.0, kv_budget=0.3,
+                                    budget_growth=0.5, calibrate=False, dense_below=0) | knobs))
+            if pol.skew:
+                pol.with_skew(_with_artifact(model, Path(tempfile.mkdtemp())))
+            nll, kv = cal.score(model, tokens, first, pol)
+            assert kv < 0.9
+            for blocks in (True, False):  # (the tiny models' int4 scores are tiled matmuls: last bits may differ)
+                got = cal.score_window(model, win, pol, blocks)
+                assert got[0] == pytest.approx(nll, abs=1e-4) and got[1] == pytest.approx(kv, abs=1e-6), (knobs, blocks)
+
+
+def test_the_fast_search_chooses_as_the_exhaustive_one(peaked, flat, text):
+    """The search as `prepare` runs it (the full cache's loss and the prompt's keys and values from one shared
+    dense pass, each candidate's rows chosen a block at a time) tries the same candidates, measures the same
+    losses and chooses the same setting as the search scoring each candidate with the runtime's row-by-row
+    teacher-forced pass."""
+    tokens = cal.calibration_tokens(ByteTokenizer(), text.read_text(), REF)
+    for model in (peaked, flat, attention_model(3.0)):
+        pol = InfiniGen(calibrate=True, skew=False, budget_ref=REF, min_fetch=0, calibrate_bound=BOUND,
+                        calibrate_target=TARGET)
+        setup = pol._calibration_setup(model)
+        assert setup["own_query"]
+
+        def run(own_query):
+            return cal.search(model, tokens, REF // 8, lambda k: pol._candidate(model, k, setup["growth"]),
+                              setup["structures"], setup["alphas"], setup["budget_free"], TARGET, BOUND,
+                              setup["growth"], REF, "key", "text", remainder_starts=lambda k: pol._remainder_starts(
+                                  model, k, setup["growth"]), own_query=own_query,
+                              budgets=tuple(setup["budgets"]))
+        fast, exhaustive = run(True), run(False)
+        assert fast.knobs == exhaustive.knobs and fast.reached == exhaustive.reached
+        assert [t["knobs"] for t in fast.trials] == [t["knobs"] for t in exhaustive.trials]
+        for a, b in zip(fast.trials, exhaustive.trials):
+            assert a["nll"] == pytest.approx(b["nll"], abs=1e-5) and a["kv"] == pytest.approx(b["kv"], abs=1e-6)
 
 
 def test_largest_budget_is_the_bound(peaked):

@@ -23,8 +23,24 @@ with its exact query, or read densely); the better one with what the selection l
 them); then, if the best of these reaches the target, a bisection down the budget and a lower threshold; at
 most `max_evals` passes after the reference.
 
+How a candidate is scored: its teacher-forced loss over the rows after the prompt, as `runtime.teacher_forced`
+computes it, with the work every candidate shares done once (`window`: one dense pass over the tokens for the
+full cache's loss and the prompt's keys and values) and each candidate's rows chosen a block at a time
+(`InfiniGen._rows_in_blocks`: the same selection up to float summation order). Not on fewer rows: the loss of
+one candidate has a sampling error of 0.3 points over the 1792 rows of a 2048-token run already, as much as
+what separates the candidates of one search, and scoring windows of rows after a dense past hides the error
+that compounds through the keys and values of earlier rows read under the selection (up to a point of
+perplexity on SmolLM2: results/calibration.md).
+
+Where no candidate reaches the target, the search tries the other ways of counting the budget (each KV head its
+own cap, "union", or its query heads' mean count, "per_head", instead of one cap pooled over the layer) on the
+best setting before giving up; then `prepare` prints a warning line with the loss and what it chose, and the
+record says `reached: false`.
+
 Calibration runs in fast memory, so under the knob `query="auto"` it calibrates the selection by each layer's
-own query; an offloaded session (speculation one layer ahead) uses the same alpha, budget and layer 0.
+own query; an offloaded session (speculation one layer ahead) uses the same alpha, budget and layer 0. A
+policy that speculates ahead (`query="ahead"`) is scored by `score` itself (its speculation hears of every
+row's hidden state one layer early).
 """
 from __future__ import annotations
 
@@ -36,9 +52,10 @@ import torch.nn.functional as F
 
 from .. import runtime
 from ..placement import Placement
+from ..selection import ALL, Rows
 from ..skew import Progress
 
-FORMAT = 3  # of the stored choice: bump when the search changes what it would choose
+FORMAT = 4  # of the stored choice: bump when the search changes what it would choose
 ALPHA_HIGH = 9.0  # the caps decide (measured on SmolLM2: results/presets.md)
 ALPHA_LOW = 7.0  # the threshold trims under the caps
 LONG = 4  # the bound is also checked at LONG * ref tokens
@@ -127,9 +144,102 @@ def score(model, tokens: torch.Tensor, prefill: int, policy) -> tuple[float, flo
         for s in range(0, rows.shape[0], SCORE_ROWS):  # the head's logits a few hundred rows at a time
             logits = model.head(rows[s:s + SCORE_ROWS][None])[0]
             total += float(F.cross_entropy(logits.float(), targets[s:s + SCORE_ROWS], reduction="sum"))
-    per_layer = sess.stats.per_layer()
+    return total / targets.numel(), _counted_share(model, sess.stats.per_layer())
+
+
+def _counted_share(model, per_layer: list) -> float:
     counted = [per_layer[i] for i in counted_layers(model) if not math.isnan(per_layer[i])]
-    return total / targets.numel(), sum(counted) / len(counted) if counted else 1.0
+    return sum(counted) / len(counted) if counted else 1.0
+
+
+@dataclass
+class Window:
+    """The rows a candidate is scored on, from `first` on, every token before them read densely. One dense
+    pass over every token (`window`) gives the full cache's loss on them and the keys and values of the
+    tokens before them, shared by every candidate, so a candidate costs its rows alone."""
+    tokens: torch.Tensor  # [1, T] the calibration tokens
+    first: int  # the window's first row (tokens before it are its dense prefix)
+    prefix: list  # per layer (keys, values) [1, Hkv, first, d] as the store holds them
+    first_nll: float  # NLL of tokens[first], predicted by the prefix's last row (dense whatever the candidate)
+    reference_nll: float  # the full cache's mean NLL of tokens[first:]
+
+
+def window(model, tokens: torch.Tensor, first: int) -> Window:
+    """The shared part of scoring the rows from `first` on: one dense pass over every token (a prefill of the
+    whole sequence, its hidden states kept) gives the full cache's loss on them and, the attention being
+    causal, the keys and values of the tokens before them."""
+    tokens = tokens.to(model.device)
+    t = tokens.shape[1]
+    sess = Placement().new_session(model, 1, t, None, prompt_len=t)
+    try:
+        with torch.no_grad():
+            positions = torch.arange(t, device=tokens.device)[None]
+            sess.begin_prefill(positions, torch.ones_like(tokens, dtype=torch.bool))
+            h = model.embed(tokens, positions)
+            rope = model.rope(positions)
+            for block in model.layers:
+                h = block(h, rope, sess.attend, sess.event)
+            nll = _nll(model, h[0, first - 1:-1], tokens[0, first:])
+        prefix = [tuple(x[:, :, :first].clone() for x in sess.store.used_keys_values(i))
+                  for i in range(model.cfg.num_layers)]
+    finally:
+        sess.store.close()
+    return Window(tokens, first, prefix, float(nll[0]), float(nll.mean()))
+
+
+def _nll(model, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per target, its NLL from the hidden states `rows` [n, hidden] (the head's logits SCORE_ROWS at a time)."""
+    out = []
+    for s in range(0, rows.shape[0], SCORE_ROWS):
+        logits = model.head(rows[s:s + SCORE_ROWS][None])[0]
+        out.append(F.cross_entropy(logits.float(), targets[s:s + SCORE_ROWS], reduction="none"))
+    return torch.cat(out)
+
+
+def score_window(model, win: Window, policy, blocks: bool = True) -> tuple[float, float]:
+    """`score` of the rows from `win.first` on, with the tokens before them read densely (their keys and
+    values shared, `window`): the teacher-forced decoding rows of `runtime` (the policy's `keep` of every row
+    at once, `runtime.attend_rows`), run over the window's rows only. With the window's first row at the
+    prompt's end it is `score` itself (up to float summation order). The policy must select with each
+    layer's own query (speculation one layer ahead hears of every row's hidden state: `score` runs it)."""
+    tokens, p = win.tokens, win.first
+    t = tokens.shape[1]
+    sess = Placement().new_session(model, 1, t, policy, prompt_len=p)
+    if policy is not None and not getattr(sess.state, "own_query", False):
+        sess.store.close()
+        raise ValueError("a window scores a policy that selects with each layer's own query")
+    if policy is not None:
+        sess.state.rows_in_blocks = blocks
+    positions = torch.arange(t, device=tokens.device)[None]
+    sess.begin_teacher(positions, p)
+    row_pos = positions[0, p:, None]
+    cols = positions[:, :]
+    before = cols < row_pos  # [R, T]
+
+    def attend(layer, q, k, v):
+        pk, pv = win.prefix[layer]
+        k, v = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+        rows = Rows(first=p, positions=positions[:, p:], entry_pos=cols[None], valid=before[None, None],
+                    in_store=False, query=q, own_keys=k[:, :, p:], keys=k)
+        keep = sess.policy.keep(layer, rows, sess) if sess.selects(layer) else ALL
+        visible, past = before, row_pos.T
+        if model.window(row_pos, cols, layer) is not None:
+            visible = visible & model.window(row_pos, cols, layer)
+            past = past.clamp(max=model.cfg.window(layer) - 1)
+        keep = visible[None, None] if keep is ALL else keep & visible
+        sess.stats.record(layer, keep.sum(-1).expand(1, k.shape[1], t - p), past.expand(1, 1, t - p))
+        return runtime.attend_rows(q, k, v, keep, p, sess.store.codec, model.scale, sess.policy.unread(layer, sess))
+
+    try:
+        with torch.no_grad():
+            h = model.embed(tokens[:, p:], positions[:, p:])
+            rope = model.rope(positions[:, p:])
+            for block in model.layers:
+                h = block(h, rope, attend, lambda *a: None)  # own queries: nothing is speculated ahead
+            total = win.first_nll + float(_nll(model, h[0, :-1], tokens[0, p + 1:]).double().sum())
+    finally:
+        sess.store.close()
+    return total / (t - p), _counted_share(model, sess.stats.per_layer())
 
 
 def caps_share(policy, model, ctx: int, prefill: int, samples: int = POSITIONS) -> float:
@@ -184,7 +294,8 @@ def largest_budget(make, model, ref: int, bound: float, growth: float, lo: float
 
 def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: list[dict], alphas: tuple,
            budget_free: bool, target: float, bound: float, growth: float, ref: int, key: str, text: str,
-           max_evals: int = 8, log=None, remainder_starts=None, progress=False) -> Choice:
+           max_evals: int = 8, log=None, remainder_starts=None, progress=False, own_query: bool = True,
+           budgets: tuple = ()) -> Choice:
     """Choose the knobs (see the module docstring). `candidate(knobs)` makes the policy of a candidate (knobs:
     the values calibration chooses; the caller's own knobs are fixed inside it); `structures`: the ways to
     treat layer 0 (knob dicts of exact_first, dense_layers; [{}] when the caller fixed them), `alphas` the
@@ -192,29 +303,38 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
     kv_budget (else the caller's cap is the bound). `remainder_starts(knobs)`, unless None (the caller set the
     remainder): the first layers from which to add what the selection leaves unread, each tried on the best
     structure (a pass each: it helps some layers and hurts others, measured in results/accuracy.md) before the
-    budget is lowered, so the budget search runs on the better of them. `progress`: passes done of at most
-    1 + max_evals, with an ETA (`skew.Progress`); `log` gets a line per candidate."""
-    bar = Progress(progress, "calibrating InfiniGen", 1 + max_evals, "pass")
+    budget is lowered, so the budget search runs on the better of them. `budgets`: the other ways to count the
+    budget (knob `budget`) tried on the best setting when the target is out of reach. `own_query`: the
+    candidates select with each layer's own query, so they are scored with the shared pass (`window`,
+    `score_window`); else each by `score`. `progress`: passes done of at most
+    1 + max_evals (+ the budgets), with an ETA (`skew.Progress`); `log` gets a line per candidate."""
+    bar = Progress(progress, "calibrating InfiniGen", 1 + max_evals + len(budgets), "pass")
     if log and progress:
         log = bar.write
     try:
-        choice = _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound, growth,
-                         ref, key, text, max_evals, log, remainder_starts, bar)
+        choice = _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound,
+                         growth, ref, key, text, max_evals, log, remainder_starts, bar, own_query, budgets)
     finally:
         bar.finish()
     return choice
 
 
-def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound, growth, ref, key,
-            text, max_evals, log, remainder_starts, bar) -> Choice:
-    full, _ = score(model, tokens, prefill, None)
+def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound, growth, ref,
+            key, text, max_evals, log, remainder_starts, bar, own_query, budgets) -> Choice:
+    if own_query:
+        win = window(model, tokens, prefill)
+        full = win.reference_nll
+        measure = lambda pol: score_window(model, win, pol)  # noqa: E731
+    else:
+        measure = lambda pol: score(model, tokens, prefill, pol)  # noqa: E731
+        full, _ = measure(None)
     bar.update()
     goal = full + math.log1p(target)
     trials: list[Trial] = []
 
     def run(knobs):
         pol = candidate(knobs)
-        nll, kv = score(model, tokens, prefill, pol)
+        nll, kv = measure(pol)
         t = Trial(dict(knobs), nll, kv, caps_share(pol, model, ref, ref // 8),
                   caps_share(pol, model, LONG * ref, LONG * ref // 8, POSITIONS // 2))
         trials.append(t)
@@ -276,6 +396,20 @@ def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, 
             cheapest = min(fit, key=cost) if fit else best
             run(dict(cheapest.knobs, alpha=a))
     chosen, reached = pick(trials)
+    if not reached and budgets:
+        # the target is out of reach with the caller's way of counting the budget: try the other ways (each KV
+        # head its own cap, or each its query heads' mean count, instead of one cap pooled over the layer's
+        # KV heads) on the best setting, at the largest budget under the bound, before giving up
+        best = min([t for t in trials if ok(t)] or trials, key=lambda t: (t.nll, t.kv))
+        for option in budgets:
+            knobs = dict(best.knobs, budget=option)
+            if budget_free:
+                top = largest_budget(lambda b: candidate(dict(knobs, kv_budget=b)), model, ref, bound, growth)
+                if top is None:
+                    continue
+                knobs["kv_budget"] = round(top, 4)
+            run(knobs)
+        chosen, reached = pick(trials)
     return Choice(key=key, knobs=chosen.knobs, reached=reached, reference_nll=full, nll=chosen.nll, kv=chosen.kv,
                   kv_caps=chosen.kv_caps, kv_caps_long=chosen.kv_caps_long, target=target, bound=bound,
                   text=text, tokens=int(tokens.shape[1]), prefill=prefill,

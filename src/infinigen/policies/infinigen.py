@@ -88,6 +88,7 @@ KEY_MODES = ("partial", "int4")
 # to overlap, so nothing is lost by waiting for it) and the speculated one where placement fetches from a slower tier
 QUERIES = ("ahead", "own", "auto")
 INT4_GROUP = 32
+ROWS_PER_CHOICE = 64  # teacher-forced rows per `_choose` call in `_rows_in_blocks`
 SCORE_BLOCK = 2 ** 27  # speculated scores per call when a teacher-forced pass scores its rows in blocks
 
 # Why each preset is what it is, with the measurements: results/presets.md
@@ -127,7 +128,7 @@ PRESETS = {
 
 # what `calibrate` chooses per model (policies/calibrate.py), unless the caller sets it
 CALIBRATED = ("alpha", "kv_budget", "max_fetch_ratio", "budget_growth", "exact_first", "dense_layers", "remainder",
-              "remainder_from")
+              "remainder_from", "budget")
 # perplexity within 0.5% of the full cache's on the calibration tokens: half the 1% a user is promised, as a margin
 # for text the calibration never saw (SmolLM2, own query with the remainder at the largest budget: Mansfield
 # Park +0.17%, the three validation texts +0.09% to +0.71%; at 14% of the KV, chosen with a 1% target, Mansfield
@@ -220,6 +221,8 @@ class InfiniGenState:
     with_rest: bool = False
     # every selecting layer selects with its own query at its attention (knob `query`), not one layer ahead
     own_query: bool = False
+    # teacher-forced rows chosen a block at a time (`_rows_in_blocks`: calibration's scoring), not row by row
+    rows_in_blocks: bool = False
     value_sums: dict = field(default_factory=dict)
     value_counts: dict = field(default_factory=dict)
     rest: dict = field(default_factory=dict)
@@ -535,8 +538,10 @@ class InfiniGen(Policy):
                  and not (k == "key_centre" and v is False)}
         # the remainder needs the int4 keys' scores (on the attention's scale)
         remainder = "remainder" not in given and base["key_mode"] == "int4"
+        # where the target is out of reach: the other ways of counting the budget (per KV head), tried last
+        budgets = [] if "budget" in given else [b for b in ("union", "per_head") if b != base["budget"]]
         return dict(structures=structures, alphas=alphas, budget_free=budget_free, growth=growth, fixed=fixed,
-                    remainder=remainder)
+                    remainder=remainder, budgets=budgets, own_query=base["query"] != "ahead")
 
     def _remainder_starts(self, model, knobs: dict, growth: float) -> list[int]:
         """The layers from which calibration tries adding the remainder: the caller's `remainder_from`, else
@@ -625,7 +630,8 @@ class InfiniGen(Policy):
                                     setup["structures"], setup["alphas"], setup["budget_free"], target, bound,
                                     setup["growth"], ref, key, text, log=log,
                                     remainder_starts=(lambda k: self._remainder_starts(model, k, setup["growth"]))
-                                    if setup["remainder"] else None, progress=progress)
+                                    if setup["remainder"] else None, progress=progress,
+                                    own_query=setup["own_query"], budgets=tuple(setup["budgets"]))
             except ValueError as e:
                 raise UserError(f"cannot calibrate InfiniGen under a bound of {100 * bound:g}% of the KV ({e}): "
                                 "raise calibrate_bound, or keep fewer layers dense")
@@ -636,6 +642,8 @@ class InfiniGen(Policy):
         self._apply(choice, setup, source)
         object.__setattr__(self, "calibrated_on", weakref.ref(model))
         print(f"InfiniGen calibrated ({source}): {self.calibration['summary']}", file=sys.stderr)
+        if not choice.reached:
+            print(f"warning: {self.calibration['warning']}", file=sys.stderr)
 
     def _apply(self, choice, setup: dict, source: str) -> None:
         """Set the chosen knobs on this policy (from the values before calibration) and record the choice."""
@@ -654,7 +662,12 @@ class InfiniGen(Policy):
                    + f" -> {100 * vs_full:+.2f}% vs the full cache, {100 * choice.kv:.1f}% of the KV read on "
                    f"{choice.tokens} tokens of {choice.text} (target {100 * choice.target:g}%: "
                    f"{'reached' if choice.reached else 'not reached under the bound'}; bound {100 * choice.bound:g}%)")
-        record = {"chosen": chosen, "set": sorted(self.given), "reached": choice.reached,
+        warning = None if choice.reached else (
+            f"InfiniGen's calibration did not reach its target: {100 * vs_full:+.2f}% vs the full cache (target "
+            f"{100 * choice.target:g}%) with the lowest loss under the bound of {100 * choice.bound:g}% of the KV ("
+            + ", ".join(f"{k} {v}" for k, v in chosen.items()) + f"; {len(choice.trials)} settings tried); raise "
+            "calibrate_bound or calibrate_target, or set the knobs by hand")
+        record = {"chosen": chosen, "set": sorted(self.given), "reached": choice.reached, "warning": warning,
                   "vs_full": vs_full, "kv": choice.kv, "kv_caps": choice.kv_caps, "kv_caps_long": choice.kv_caps_long,
                   "target": choice.target, "bound": choice.bound, "text": choice.text, "tokens": choice.tokens,
                   "prefill": choice.prefill, "key": choice.key, "source": source, "summary": summary,
@@ -955,6 +968,8 @@ class InfiniGen(Policy):
             keep = self._decoding_row(layer, rows, session)
             if not isinstance(keep, SelectedRows):
                 keep = keep[:, :, None]
+        elif st.rows_in_blocks:
+            keep = self._rows_in_blocks(layer, rows, session)
         else:
             keep = self._sequence_rows(layer, rows, session)
         lse = st.rest.pop(layer, None)
@@ -1184,6 +1199,44 @@ class InfiniGen(Policy):
         # float32 arithmetic on a tensor, as `_choose` computes it where the lengths are data
         length = torch.tensor(shared_length).view(1, 1, 1)
         return int((ratio * (length * hkv)).floor().clamp(min=floor * hkv))
+
+    def _rows_in_blocks(self, layer, rows, session, block: int = ROWS_PER_CHOICE):
+        """`_sequence_rows` with the rows chosen `block` at a time (one `_choose` of each block, every row its
+        own length and cap): the same selection up to float summation order over the block's longer rows,
+        so not bit for bit the decoding path's, several times faster (calibration's scoring: `state.rows_in_blocks`).
+        Where it does not apply (partial keys, `dense_below`, a query speculated ahead): `_sequence_rows`."""
+        st, model = session.state, session.model
+        q, k = rows.query, rows.keys
+        if self.key_mode != "int4" or st.dense_below or q is None or not (layer == 0 or st.own_query):
+            return self._sequence_rows(layer, rows, session)
+        p, t = rows.first, k.shape[2]
+        b, hkv, _, d = k.shape
+        h = q.shape[1]
+        g = h // hkv
+        dev = k.device
+        st.spec[layer] = torch.cat([q[:, :, :1].expand(b, h, p, d), q], 2).view(b, hkv, g, t, d)
+        spec_keys = PackedKeys(b, hkv, t, d, group=INT4_GROUP, layout=st.layout, device=dev)
+        spec_keys.write(0, self._rotate(st, k, layer))
+        out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=dev)
+        rest = torch.empty(b, hkv, g, t - p, device=dev) if self._adds_rest(st, layer) else None
+        for r0 in range(p, t, block):
+            r1 = min(t, r0 + block)
+            n = r1 - 1  # the block's last row sees the most tokens
+            qs = self._spec_rows(st, layer, slice(r0, r1))  # [B, Hkv, G, R, c]
+            scores = spec_keys.scores(qs.reshape(b, hkv, g * (r1 - r0), d).contiguous(), n)
+            s = scores.view(b, hkv, g, r1 - r0, n) * model.scale
+            lengths = torch.arange(r0, r1, device=dev)
+            valid = self._window(model.cfg, torch.arange(n, device=dev) < lengths[:, None], torch.arange(n, device=dev),
+                                 lengths[:, None])[None, None]  # [1, 1, R, n]: row r sees the r tokens before it
+            # each row's cap, [1, R]: `_choose` multiplies it by each row's length (float32, as a row's own call)
+            caps = torch.tensor([[self._cap(st, model, layer, r) for r in range(r0, r1)]], dtype=torch.float32)
+            keep = self._choose(s.clone() if rest is not None else s, valid, st.alpha, None, caps.to(dev))
+            out[:, :, r0 - p:r1 - p, :n] = keep
+            if rest is not None:
+                rest[..., r0 - p:r1 - p] = self._unread_lse(s, valid & ~keep)
+        if rest is not None:
+            st.rest[layer] = rest
+        return out
 
     def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float, shared_length: int | None = None,
                 ratio: float | None = None) -> torch.Tensor:
