@@ -319,6 +319,31 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
     return choice
 
 
+def _halve_budget(run, best, goal, spent) -> None:
+    """Two bisection steps between 0 and the best trial's kv_budget toward the smallest that still reaches the
+    goal (each `run` is recorded as a trial); stops when `spent()`."""
+    lo, hi = 0.0, best.knobs["kv_budget"]
+    for _ in range(2):
+        if spent():
+            break
+        mid = round((lo + hi) / 2, 4)
+        try:
+            t = run(dict(best.knobs, kv_budget=mid))
+        except Exception:  # the dense layers alone exceed it
+            lo = mid
+            continue
+        lo, hi = (lo, mid) if t.nll <= goal else (mid, hi)
+
+
+def _at_largest_budget(knobs, candidate, model, ref, bound, growth, budget_free) -> dict | None:
+    """`knobs` at the largest kv_budget under the bound (as they are when the budget is the caller's); None
+    where no budget fits."""
+    if not budget_free:
+        return knobs
+    top = largest_budget(lambda b: candidate(dict(knobs, kv_budget=b)), model, ref, bound, growth)
+    return None if top is None else dict(knobs, kv_budget=round(top, 4))
+
+
 def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound, growth, ref,
             key, text, max_evals, log, remainder_starts, bar, own_query, budgets) -> Choice:
     if own_query:
@@ -343,11 +368,9 @@ def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, 
             log(f"  {knobs}: {100 * (math.exp(nll - full) - 1):+.2f}% vs full, {100 * kv:.1f}% of the KV read")
         return t
 
-    def cost(t):  # what it reads; at equal reads (the threshold trims under the caps) the tighter caps
-        return (t.kv, t.kv_caps, t.nll)
-
-    def ok(t):
-        return t.kv <= bound + 1e-9 and t.kv_caps <= bound + 1e-9
+    # what a trial costs: what it reads; at equal reads (the threshold trims under the caps) the tighter caps
+    cost = lambda t: (t.kv, t.kv_caps, t.nll)  # noqa: E731
+    ok = lambda t: t.kv <= bound + 1e-9 and t.kv_caps <= bound + 1e-9  # noqa: E731
 
     def pick(tried):  # (the choice, whether it reaches the target): the cheapest that does, else the lowest loss
         fit = [t for t in tried if t.nll <= goal and ok(t)]
@@ -378,17 +401,7 @@ def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, 
     if best.nll <= goal:
         # the target holds at the top of the budget: find the smallest budget that still reaches it
         if budget_free:
-            lo, hi = 0.0, best.knobs["kv_budget"]
-            for _ in range(2):
-                if len(trials) >= max_evals:
-                    break
-                mid = round((lo + hi) / 2, 4)
-                try:
-                    t = run(dict(best.knobs, kv_budget=mid))
-                except Exception:  # the dense layers alone exceed it
-                    lo = mid
-                    continue
-                lo, hi = (lo, mid) if t.nll <= goal else (mid, hi)
+            _halve_budget(run, best, goal, lambda: len(trials) >= max_evals)
         for a in alphas[1:]:
             if len(trials) >= max_evals:
                 break
@@ -402,13 +415,10 @@ def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, 
         # KV heads) on the best setting, at the largest budget under the bound, before giving up
         best = min([t for t in trials if ok(t)] or trials, key=lambda t: (t.nll, t.kv))
         for option in budgets:
-            knobs = dict(best.knobs, budget=option)
-            if budget_free:
-                top = largest_budget(lambda b: candidate(dict(knobs, kv_budget=b)), model, ref, bound, growth)
-                if top is None:
-                    continue
-                knobs["kv_budget"] = round(top, 4)
-            run(knobs)
+            knobs = _at_largest_budget(dict(best.knobs, budget=option), candidate, model, ref, bound, growth,
+                                       budget_free)
+            if knobs is not None:
+                run(knobs)
         chosen, reached = pick(trials)
     return Choice(key=key, knobs=chosen.knobs, reached=reached, reference_nll=full, nll=chosen.nll, kv=chosen.kv,
                   kv_caps=chosen.kv_caps, kv_caps_long=chosen.kv_caps_long, target=target, bound=bound,
