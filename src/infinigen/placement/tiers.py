@@ -122,6 +122,30 @@ class SlowTier:
         self.nbytes += t.numel() * t.element_size()
         return t
 
+    def file(self, nbytes: int) -> int:
+        """Disk tier: a new unnamed pool file of `nbytes` bytes, reserved now, read and written by the caller
+        with positioned reads and writes (no mapping); its descriptor, closed with the tier. The kernel is
+        told the reads are random (no readahead around them)."""
+        if self.kind != "disk":
+            raise ValueError("only the disk tier has files")
+        try:
+            fd, path, named = _pool_file(self.dir)
+        except OSError as e:
+            raise UserError(f"cannot create a KV pool file in {self.dir}: {e.strerror or e}")
+        try:
+            _preallocate(fd, max(nbytes, 1), self.dir)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            if named:  # the descriptor keeps the data; the name would only outlive a killed run
+                os.unlink(path)
+        self.fds.append(fd)
+        self.nbytes += nbytes
+        return fd
+
     def file_stats(self) -> list[os.stat_result]:
         """`os.fstat` of each pool file (size, blocks reserved); [] for host memory."""
         return [os.fstat(fd) for fd in self.fds]
