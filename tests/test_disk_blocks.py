@@ -15,6 +15,7 @@ from infinigen.placement import blocks as blocks_mod
 from infinigen.policies import make_policy
 from infinigen.selection import ALL
 
+from test_bad_input import no_model_load  # noqa: F401 (a fixture)
 from test_offload import B, GEN, PROMPT, PlannedRandom, _allocators, _policy, _prompts, _run
 
 
@@ -203,3 +204,38 @@ def test_unwritable_pool_dir_is_a_user_error(tiny_llama, tmp_path):
             Placement("disk", pool_dir=str(folder), disk_block=4).new_session(model, B, 40, make_policy("full"))
     finally:
         folder.chmod(0o700)
+
+
+def test_pool_folder_removed_mid_run(tiny_llama, tmp_path):
+    """The pool file has no name: removing its folder while a request decodes changes nothing."""
+    import shutil
+    _, model = tiny_llama
+    ref_tokens, _, _ = _run(model, Placement("none"), PlannedRandom())
+    folder = tmp_path / "kv"
+    pl = Placement("disk", pool_dir=str(folder), disk_block=4)
+    tokens, pad = _prompts()
+    sess = pl.new_session(model, B, PROMPT + GEN, PlannedRandom())
+    logits = runtime.prefill(model, tokens, sess, pad)
+    shutil.rmtree(folder)
+    out = []
+    for _ in range(GEN):
+        out.append(logits.argmax(-1))
+        logits = runtime.decode(model, out[-1], sess)
+    pl.close(sess)
+    assert torch.equal(torch.stack(out, 1), ref_tokens)
+
+
+def test_cli_bad_pool_folder_before_loading(cli, tiny_checkpoint, tmp_path, no_model_load):  # noqa: F811
+    """A pool folder that cannot hold a file (a file in its place, under /proc) or a block layout off the
+    disk tier: one line, exit 2, before the model loads."""
+    from conftest import one_line_error
+    a_file = tmp_path / "a_file"
+    a_file.write_text("keep me")
+    m = ["generate", "-p", "hi", "--model", tiny_checkpoint, "--kv-offload", "disk", "--disk-block", "16"]
+    one_line_error(*cli(*m, "--pool-dir", a_file)[::2], str(a_file))
+    one_line_error(*cli(*m, "--pool-dir", "/proc/infinigen-kv")[::2], "/proc/infinigen-kv")
+    one_line_error(*cli(*m, "--pool-dir", a_file / "sub")[::2], str(a_file / "sub"))
+    one_line_error(*cli("generate", "-p", "hi", "--model", tiny_checkpoint, "--disk-block", "16")[::2],
+                   "--disk-block", "disk")
+    one_line_error(*cli(*m[:-1], "-3")[::2], "--disk-block")
+    assert a_file.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
