@@ -13,8 +13,9 @@ file is never written a row at a time and a write never makes the kernel read a 
 full (victims), a victim's key and value rows are written in place.
 
 Reads. A layer's selection (prefetched one layer ahead on the store's worker thread, like `OffloadedKVStore`)
-names slots; the store reads exactly the units they lie in (`os.preadv` into a staging buffer in fast
-memory, one call per run of adjacent units; the open block is copied from memory), then gathers the
+names slots; the store reads exactly the units they lie in (every run of adjacent units announced to the kernel
+first, POSIX_FADV_WILLNEED, so the device has them all in its queue, then `os.preadv` into a staging buffer in
+fast memory, one call per run; the open block is copied from memory), then gathers the
 selected rows from the staging buffer. A selection made in blocks of this size reads each unit it names
 whole; a token-level selection reads every unit one of its tokens lies in. The file is opened with
 POSIX_FADV_RANDOM: the kernel reads what is asked, no readahead around it.
@@ -34,6 +35,12 @@ from ..errors import UserError
 from .rows import layout_for
 from .store import KV, PAGE, OffloadedKVStore, TransferStats, _Buffers, _Job
 from .tiers import SlowTier
+
+
+# A positioned read waits for its pages before the next is issued: one request at a time in the device's queue.
+# Announcing every run first (POSIX_FADV_WILLNEED starts their reads without waiting) lets the device serve them
+# together; the reads then find their pages arriving or arrived.
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
 def unit_bytes(block: int, row_bytes: int) -> int:
@@ -247,7 +254,11 @@ class BlockedKVStore(OffloadedKVStore):
             where = rank[first]
             mv = _bytes(stage)
             base = layer * self.bh * nb
-            for f, c, w in zip(first.tolist(), counts.tolist(), where.tolist()):
+            runs = list(zip(first.tolist(), counts.tolist(), where.tolist()))
+            if _WILLNEED is not None:  # every run's read queued at once, then taken in order
+                for f, c, _ in runs:
+                    os.posix_fadvise(self.fd, (base + f) * self.unit, c * self.unit, _WILLNEED)
+            for f, c, w in runs:
                 _read_all(self.fd, mv[w * self.unit:(w + c) * self.unit], (base + f) * self.unit)
         row = rank[unit_id].clamp(min=0) * self.unit_rows + slot % bs  # padding: any staged row (masked later)
         row = row.reshape(-1)
