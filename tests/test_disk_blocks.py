@@ -239,3 +239,16 @@ def test_cli_bad_pool_folder_before_loading(cli, tiny_checkpoint, tmp_path, no_m
                    "--disk-block", "disk")
     one_line_error(*cli(*m[:-1], "-3")[::2], "--disk-block")
     assert a_file.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "infinigen-blocks"])
+def test_teacher_forced_on_the_block_layout(tiny_llama, policy, tmp_path):
+    """Teacher-forced scoring (perplexity) reads through the same store methods: the same scores as in RAM."""
+    _, model = tiny_llama
+    tokens = _prompts(batch=2, length=30)[0]
+    ref = runtime.teacher_forced(model, tokens, 20, Placement().new_session(model, 2, 30, _make(policy, model)))
+    pl = Placement("disk", pool_dir=str(tmp_path), disk_block=4)
+    sess = pl.new_session(model, 2, 30, _make(policy, model))
+    got = runtime.teacher_forced(model, tokens, 20, sess)
+    pl.close(sess)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=0)
