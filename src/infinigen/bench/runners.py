@@ -144,6 +144,20 @@ def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings,
     return row
 
 
+def _timed_decode(model, sess, tok: torch.Tensor, steps: int):
+    """`steps` greedy decoding steps after `tok`: (every token, `tok` first; the seconds they took; the bytes
+    this process read from storage meanwhile, None where unknown)."""
+    out = [tok]
+    read0 = device_read_bytes()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = runtime.decode(model, tok, sess).argmax(-1)
+        out.append(tok)
+    _sync(model.device)
+    seconds = time.perf_counter() - t0
+    return out, seconds, device_read_bytes() - read0 if read0 is not None else None
+
+
 def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, weights=None,
               shared: SharedPrefill | None = None) -> dict:
     b, t = tokens.shape
@@ -172,16 +186,8 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
         stats.reset()
         w_moved = weights.bytes_moved if weights is not None else 0
         sess.stats.reset()  # the relative KV size (and the rows read) of decoding only
-        tok = logits.argmax(-1)
-        out = [tok]
-        read0 = device_read_bytes()
-        t0 = time.perf_counter()
-        for _ in range(s.gen_len - 1):
-            tok = runtime.decode(model, tok, sess).argmax(-1)
-            out.append(tok)
-        _sync(device)
-        decode_s = time.perf_counter() - t0
-        device_read = device_read_bytes() - read0 if read0 is not None else None
+        out, decode_s, device_read = _timed_decode(model, sess, logits.argmax(-1), s.gen_len - 1)
+        tok = out[-1]
         steps = s.gen_len - 1
         generated = torch.stack(out, 1).cpu()
         store = sess.store

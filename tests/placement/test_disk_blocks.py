@@ -15,13 +15,20 @@ from infinigen.placement import blocks as blocks_mod
 from infinigen.policies import make_policy
 from infinigen.selection import ALL
 
-from test_bad_input import no_model_load  # noqa: F401 (a fixture)
-from test_offload import B, GEN, PROMPT, PlannedRandom, _allocators, _policy, _prompts, _run
+from support.offload import (B, GEN, PROMPT, FifoVictims, PlannedRandom, offload_policy, offload_prompts,
+                             run_placed)
+
+
+def _allocators():
+    yield "fifo-local", FifoVictims
+    from infinigen import pool
+    for name in ("counter", "lru", "fifo"):
+        yield f"pool-{name}", (lambda name=name: pool.make_pool(name))
 
 
 def _block_policy(model, block, **kw):
     """InfiniGen choosing blocks of `block` slots (budget "layer"), random orthogonal skew."""
-    mats = _policy("infinigen", model).matrices
+    mats = offload_policy("infinigen", model).matrices
     knobs = dict(preset="flat", dense_layers=(0,), min_fetch=0, budget="layer", block=block) | kw
     return make_policy("infinigen", **knobs).with_skew(mats)
 
@@ -29,16 +36,16 @@ def _block_policy(model, block, **kw):
 def _make(name, model):
     if name == "infinigen-blocks":
         return _block_policy(model, 4)
-    return _policy(name, model)
+    return offload_policy(name, model)
 
 
 @pytest.mark.parametrize("policy", ["full", "h2o", "planned-random", "infinigen", "infinigen-blocks"])
 @pytest.mark.parametrize("block", [4, 16])
 def test_block_layout_same_tokens(tiny_llama, policy, block, tmp_path):
     _, model = tiny_llama
-    ref_tokens, ref_logits, _ = _run(model, Placement("none"), _make(policy, model))
+    ref_tokens, ref_logits, _ = run_placed(model, Placement("none"), _make(policy, model))
     pl = Placement("disk", pool_dir=str(tmp_path), disk_block=block)
-    tokens, logits, sess = _run(model, pl, _make(policy, model))
+    tokens, logits, sess = run_placed(model, pl, _make(policy, model))
     assert isinstance(sess.store, BlockedKVStore)
     assert torch.equal(tokens, ref_tokens)
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=0)
@@ -51,9 +58,9 @@ def test_block_layout_same_tokens(tiny_llama, policy, block, tmp_path):
 @pytest.mark.parametrize("threaded,prefetch", [(False, True), (True, False)])
 def test_block_layout_inline_and_on_demand(tiny_llama, threaded, prefetch, tmp_path):
     _, model = tiny_llama
-    ref_tokens, ref_logits, _ = _run(model, Placement("none"), PlannedRandom())
+    ref_tokens, ref_logits, _ = run_placed(model, Placement("none"), PlannedRandom())
     pl = Placement("disk", pool_dir=str(tmp_path), disk_block=4, threaded=threaded, prefetch=prefetch)
-    tokens, logits, _ = _run(model, pl, PlannedRandom())
+    tokens, logits, _ = run_placed(model, pl, PlannedRandom())
     assert torch.equal(tokens, ref_tokens)
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=0)
 
@@ -63,9 +70,10 @@ def test_block_layout_with_victims(tiny_llama, alloc_name, alloc, tmp_path):
     """A pool limit below the sequence: victims' rows are written in place in their blocks."""
     _, model = tiny_llama
     capacity = PROMPT + 4  # not a multiple of the block: the last block is partial
-    ref_tokens, ref_logits, _ = _run(model, Placement("none"), PlannedRandom(), capacity=capacity, allocator=alloc())
+    ref_tokens, ref_logits, _ = run_placed(model, Placement("none"), PlannedRandom(), capacity=capacity,
+                                           allocator=alloc())
     pl = Placement("disk", pool_dir=str(tmp_path), disk_block=8)
-    tokens, logits, sess = _run(model, pl, PlannedRandom(), capacity=capacity, allocator=alloc())
+    tokens, logits, sess = run_placed(model, pl, PlannedRandom(), capacity=capacity, allocator=alloc())
     assert sess.store.capacity == capacity
     assert torch.equal(tokens, ref_tokens)
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=0)
@@ -75,9 +83,9 @@ def test_unlimited_block_selection_is_dense(tiny_llama, tmp_path):
     """Exactness on the block layout: InfiniGen choosing blocks with no threshold and no cap reads every
     entry, and its logits are those of the full cache in fast memory."""
     _, model = tiny_llama
-    _, ref_logits, _ = _run(model, Placement("none"), make_policy("full"))
+    _, ref_logits, _ = run_placed(model, Placement("none"), make_policy("full"))
     pol = _block_policy(model, 4, alpha=1e9, max_fetch_ratio=1.0)
-    _, logits, sess = _run(model, Placement("disk", pool_dir=str(tmp_path), disk_block=4), pol)
+    _, logits, sess = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=4), pol)
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=0)
 
 
@@ -106,7 +114,7 @@ def test_reads_exactly_the_named_blocks(tiny_llama, tmp_path, monkeypatch):
     the open blocks (in memory): counted at the reads. Writes are whole units at unit boundaries."""
     _, model = tiny_llama
     pol = _block_policy(model, 4)
-    tokens, pad = _prompts()
+    tokens, pad = offload_prompts()
     want = [0]
 
     class Units(runtime.Listener):  # the units each layer's selection names, as it reads
@@ -154,7 +162,7 @@ def test_disk_reads_match_the_blocks(tiny_llama, tmp_path):
     a decoding step reads from the device at most 1.5x the bytes of the units it names (no readahead)."""
     _, model = tiny_llama
     pol = _block_policy(model, 4)
-    tokens, pad = _prompts()
+    tokens, pad = offload_prompts()
     pl = Placement("disk", pool_dir=str(tmp_path), disk_block=4, threaded=False)
     sess = pl.new_session(model, B, PROMPT + GEN, pol)
     store = sess.store
@@ -210,10 +218,10 @@ def test_pool_folder_removed_mid_run(tiny_llama, tmp_path):
     """The pool file has no name: removing its folder while a request decodes changes nothing."""
     import shutil
     _, model = tiny_llama
-    ref_tokens, _, _ = _run(model, Placement("none"), PlannedRandom())
+    ref_tokens, _, _ = run_placed(model, Placement("none"), PlannedRandom())
     folder = tmp_path / "kv"
     pl = Placement("disk", pool_dir=str(folder), disk_block=4)
-    tokens, pad = _prompts()
+    tokens, pad = offload_prompts()
     sess = pl.new_session(model, B, PROMPT + GEN, PlannedRandom())
     logits = runtime.prefill(model, tokens, sess, pad)
     shutil.rmtree(folder)
@@ -225,27 +233,11 @@ def test_pool_folder_removed_mid_run(tiny_llama, tmp_path):
     assert torch.equal(torch.stack(out, 1), ref_tokens)
 
 
-def test_cli_bad_pool_folder_before_loading(cli, tiny_checkpoint, tmp_path, no_model_load):  # noqa: F811
-    """A pool folder that cannot hold a file (a file in its place, under /proc) or a block layout off the
-    disk tier: one line, exit 2, before the model loads."""
-    from conftest import one_line_error
-    a_file = tmp_path / "a_file"
-    a_file.write_text("keep me")
-    m = ["generate", "-p", "hi", "--model", tiny_checkpoint, "--kv-offload", "disk", "--disk-block", "16"]
-    one_line_error(*cli(*m, "--pool-dir", a_file)[::2], str(a_file))
-    one_line_error(*cli(*m, "--pool-dir", "/proc/infinigen-kv")[::2], "/proc/infinigen-kv")
-    one_line_error(*cli(*m, "--pool-dir", a_file / "sub")[::2], str(a_file / "sub"))
-    one_line_error(*cli("generate", "-p", "hi", "--model", tiny_checkpoint, "--disk-block", "16")[::2],
-                   "--disk-block", "disk")
-    one_line_error(*cli(*m[:-1], "-3")[::2], "--disk-block")
-    assert a_file.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
-
-
 @pytest.mark.parametrize("policy", ["h2o", "infinigen-blocks"])
 def test_teacher_forced_on_the_block_layout(tiny_llama, policy, tmp_path):
     """Teacher-forced scoring (perplexity) reads through the same store methods: the same scores as in RAM."""
     _, model = tiny_llama
-    tokens = _prompts(batch=2, length=30)[0]
+    tokens = offload_prompts(batch=2, length=30)[0]
     ref = runtime.teacher_forced(model, tokens, 20, Placement().new_session(model, 2, 30, _make(policy, model)))
     pl = Placement("disk", pool_dir=str(tmp_path), disk_block=4)
     sess = pl.new_session(model, 2, 30, _make(policy, model))
