@@ -25,6 +25,7 @@ class System:
     policy: object = None  # a Policy (ours) or None (transformers)
     kv_offload: str = "none"
     hf_offloading: bool | None = None  # transformers baseline: DynamicCache(offloading=...)
+    disk_block: int = 0  # disk tier in blocks of this many tokens (`Placement.disk_block`; 0: the mapped file)
 
     @property
     def ours(self) -> bool:
@@ -120,6 +121,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def device_read_bytes() -> int | None:
+    """Bytes this process has read from storage (`read_bytes` of /proc/self/io); None where it is missing."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings,
              shared: SharedPrefill | None = None) -> dict:
     if not s.weights_offload:
@@ -131,6 +144,20 @@ def run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings,
     return row
 
 
+def _timed_decode(model, sess, tok: torch.Tensor, steps: int):
+    """`steps` greedy decoding steps after `tok`: (every token, `tok` first; the seconds they took; the bytes
+    this process read from storage meanwhile, None where unknown)."""
+    out = [tok]
+    read0 = device_read_bytes()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        tok = runtime.decode(model, tok, sess).argmax(-1)
+        out.append(tok)
+    _sync(model.device)
+    seconds = time.perf_counter() - t0
+    return out, seconds, device_read_bytes() - read0 if read0 is not None else None
+
+
 def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, weights=None,
               shared: SharedPrefill | None = None) -> dict:
     b, t = tokens.shape
@@ -138,7 +165,8 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
     pol = system.policy
     placement = Placement(system.kv_offload, pool_dir=s.pool_dir, capacity=s.capacity, pool_bytes=s.pool_bytes,
                           evict=s.eviction, prefetch=s.prefetch, threaded=s.threaded,
-                          row_cache_bytes=s.row_cache_bytes if system.kv_offload != "none" else 0)
+                          row_cache_bytes=s.row_cache_bytes if system.kv_offload != "none" else 0,
+                          disk_block=system.disk_block)
     max_len = t + s.gen_len + s.breakdown_steps + s.count_ops
     probe = MemoryProbe(device)
     _collect(model, b, max_len)
@@ -158,14 +186,8 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
         stats.reset()
         w_moved = weights.bytes_moved if weights is not None else 0
         sess.stats.reset()  # the relative KV size (and the rows read) of decoding only
-        tok = logits.argmax(-1)
-        out = [tok]
-        t0 = time.perf_counter()
-        for _ in range(s.gen_len - 1):
-            tok = runtime.decode(model, tok, sess).argmax(-1)
-            out.append(tok)
-        _sync(device)
-        decode_s = time.perf_counter() - t0
+        out, decode_s, device_read = _timed_decode(model, sess, logits.argmax(-1), s.gen_len - 1)
+        tok = out[-1]
         steps = s.gen_len - 1
         generated = torch.stack(out, 1).cpu()
         store = sess.store
@@ -202,6 +224,11 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             # values) attention read from the store for them (a gather's padding included)
             **{f"{k}_per_step": v for k, v in sess.stats.per_step().items()},
             "tokens_sha1": hashlib.sha1(generated.numpy().tobytes()).hexdigest()[:12],
+            # what this process read from storage while decoding (/proc/self/io: every thread, page cache misses)
+            "device_read_bytes_per_step": device_read / max(steps, 1) if device_read is not None else None,
+            "slow_bytes_read_per_step": stats.bytes_moved / max(steps, 1),
+            "disk_block": system.disk_block,
+            "blocks_read_per_step": stats.blocks / max(steps, 1),
         }
         tok = _add_extras(row, model, sess, s, stats, weights, w_moved, kv_full, tok)
         row["_tokens"] = generated

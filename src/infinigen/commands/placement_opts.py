@@ -25,6 +25,9 @@ POOL_DIR = typer.Option(None, "--pool-dir", help="With --kv-offload disk: the fo
 ROW_CACHE_BYTES = typer.Option(None, "--row-cache-bytes",
                                help="Fast memory for the rows recent steps fetched from an offloaded pool (e.g. 256M), "
                                     "so a step fetches only the rows it lacks (CPU hosts); default 0: off.")
+DISK_BLOCK = typer.Option(0, "--disk-block", help="With --kv-offload disk: lay the pool out in page-aligned blocks of "
+                                                   "this many tokens per layer, sequence and KV head, and read only the "
+                                                   "blocks a selection names (e.g. 16, with --knob block=16); 0: off.")
 EVICT = typer.Option("counter", "--evict", "--eviction", help="Victim choice when the pool is full: counter, lru or fifo.")
 
 
@@ -54,6 +57,9 @@ def placement_from(kv_offload: str = "none", pool_bytes: str | None = None, capa
             capacity = int(capacity)
         else:
             capacity = float(capacity)
+    if kv_offload.strip().lower() == "disk":  # a folder that cannot hold the pool: said now, before loading
+        from ..placement.tiers import check_pool_folder
+        check_pool_folder(pool_dir)
     return Placement(kv_offload=kv_offload.strip().lower(), pool_dir=str(pool_dir) if pool_dir else None,
                      capacity=capacity, pool_bytes=parse_bytes(pool_bytes), evict=evict.strip().lower(),
                      row_cache_bytes=parse_size(row_cache_bytes, "row-cache-bytes") or 0, **extra)

@@ -17,11 +17,13 @@ import torch
 from ..cache import KVStore
 from ..errors import ArgumentError, UserError
 from ..runtime import Session
+from .blocks import BlockedKVStore
 from .rowcache import RowCache
 from .store import OffloadedKVStore, TransferStats
 from .tiers import KINDS, SlowTier
 
-__all__ = ["Placement", "OffloadedKVStore", "TransferStats", "SlowTier", "KINDS", "kv_slot_bytes"]
+__all__ = ["Placement", "OffloadedKVStore", "BlockedKVStore", "TransferStats", "SlowTier", "KINDS",
+           "kv_slot_bytes"]
 
 EVICTIONS = ("counter", "lru", "fifo")
 
@@ -53,6 +55,10 @@ class Placement:
     # fast-tier bytes of the row cache (`rowcache.RowCache`: the rows recent steps fetched, so a step fetches
     # only those it lacks); 0: off, the default (results/row_cache.md: on this disk it saves no read)
     row_cache_bytes: int = 0
+    # disk tier on a CPU host: the pool in page-aligned blocks of this many consecutive tokens per (layer,
+    # batch row, KV head), read with positioned reads of exactly the blocks a selection names
+    # (`blocks.BlockedKVStore`); 0: the slot-major memory-mapped file
+    disk_block: int = 0
 
     def __post_init__(self):
         if self.kv_offload not in KINDS:
@@ -77,6 +83,13 @@ class Placement:
             raise ArgumentError("row_cache_bytes", f"must be a whole number of bytes >= 0 (0: off), got {r!r}")
         if r and self.kv_offload == "none":
             raise ArgumentError("row_cache_bytes", "needs an offloaded KV pool (kv_offload cpu or disk)")
+        d = self.disk_block
+        if isinstance(d, bool) or not isinstance(d, int) or d < 0:
+            raise ArgumentError("disk_block", f"must be a whole number of tokens >= 0 (0: off), got {d!r}")
+        if d and self.kv_offload != "disk":
+            raise ArgumentError("disk_block", "needs the disk tier (kv_offload disk)")
+        if d and r:
+            raise ArgumentError("disk_block", "the block layout has no row cache (row_cache_bytes 0)")
         if self.protect_recent < 0:
             raise ArgumentError("protect_recent", f"must be >= 0, got {self.protect_recent}")
 
@@ -95,6 +108,10 @@ class Placement:
                 raise UserError(f"a KV pool of capacity {c} holds no token of a {max_len}-token sequence")
         if self.pool_bytes is not None:
             per = kv_slot_bytes(model, batch, policy, self.kv_offload, self.pack)
+            if self.disk_block:  # the file's units are padded to whole pages
+                cfg = model.cfg
+                per = BlockedKVStore.slot_bytes(cfg.num_layers, batch, cfg.num_kv_heads, cfg.head_dim, model.dtype,
+                                                policy.codec() if policy is not None else None, block=self.disk_block)
             by_bytes = self.pool_bytes // per
             if by_bytes < 1:
                 raise UserError(f"a KV pool of {self.pool_bytes} bytes holds no token (one token costs {per} bytes)")
@@ -130,6 +147,9 @@ class Placement:
             return KVStore(*shape, codec=codec, allocator=allocator)
         tier = SlowTier(self.kv_offload, model.device, self.pool_dir)
         try:
+            if self.disk_block:
+                return BlockedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
+                                      threaded=self.threaded, stats=stats, block=self.disk_block)
             return OffloadedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
                                     threaded=self.threaded, pack=self.pack, stats=stats,
                                     bulk_share=self.disk_bulk_share, row_cache_bytes=self.row_cache_bytes)
@@ -155,7 +175,8 @@ class Placement:
     def settings(self) -> dict:
         """The placement as JSON-able values (for results)."""
         return {"kv_offload": self.kv_offload, "capacity": self.capacity, "pool_bytes": self.pool_bytes,
-                "evict": self.evict, "protect_recent": self.protect_recent, "row_cache_bytes": self.row_cache_bytes}
+                "evict": self.evict, "protect_recent": self.protect_recent, "row_cache_bytes": self.row_cache_bytes,
+                "disk_block": self.disk_block}
 
     def describe(self, device: torch.device | str) -> str:
         device = torch.device(device)

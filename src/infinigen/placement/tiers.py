@@ -58,6 +58,31 @@ def _preallocate(fd: int, nbytes: int, folder: str) -> None:
                         f"({free} bytes free): {e.strerror or e}") from None
 
 
+def pool_folder(directory: str | os.PathLike | None) -> Path:
+    """The disk tier's folder (default: the system temp dir), made if missing; a UserError naming it where it
+    cannot be made or is not a folder."""
+    base = Path(directory).expanduser() if directory else Path(tempfile.gettempdir())
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the KV pool directory {base}: {e.strerror or e}")
+    if not base.is_dir():
+        raise UserError(f"the KV pool directory {base} is not a folder")
+    return base
+
+
+def check_pool_folder(directory: str | os.PathLike | None) -> None:
+    """Before any work: the folder can hold a pool file (one is made and closed at once, leaving nothing)."""
+    base = pool_folder(directory)
+    try:
+        fd, path, named = _pool_file(str(base))
+    except OSError as e:
+        raise UserError(f"cannot create a KV pool file in {base}: {e.strerror or e}")
+    os.close(fd)
+    if named:
+        os.unlink(path)
+
+
 class SlowTier:
     """Allocates slow-tier tensors and accounts for their bytes.
 
@@ -82,13 +107,7 @@ class SlowTier:
         self.fds: list[int] = []  # the disk tier's open files, one per tensor
         if kind == "disk":
             from ..paths import remove_dead_owners
-            base = Path(directory).expanduser() if directory else Path(tempfile.gettempdir())
-            try:
-                base.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise UserError(f"cannot create the KV pool directory {base}: {e.strerror or e}")
-            if not base.is_dir():
-                raise UserError(f"the KV pool directory {base} is not a folder")
+            base = pool_folder(directory)
             remove_dead_owners(base, POOL_PREFIX)
             self.dir = str(base)
             self._cleanup = weakref.finalize(self, _close_all, self.fds)  # also runs at interpreter exit
@@ -121,6 +140,30 @@ class SlowTier:
         self.tensors.append(t)
         self.nbytes += t.numel() * t.element_size()
         return t
+
+    def file(self, nbytes: int) -> int:
+        """Disk tier: a new unnamed pool file of `nbytes` bytes, reserved now, read and written by the caller
+        with positioned reads and writes (no mapping); its descriptor, closed with the tier. The kernel is
+        told the reads are random (no readahead around them)."""
+        if self.kind != "disk":
+            raise ValueError("only the disk tier has files")
+        try:
+            fd, path, named = _pool_file(self.dir)
+        except OSError as e:
+            raise UserError(f"cannot create a KV pool file in {self.dir}: {e.strerror or e}")
+        try:
+            _preallocate(fd, max(nbytes, 1), self.dir)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            if named:  # the descriptor keeps the data; the name would only outlive a killed run
+                os.unlink(path)
+        self.fds.append(fd)
+        self.nbytes += nbytes
+        return fd
 
     def file_stats(self) -> list[os.stat_result]:
         """`os.fstat` of each pool file (size, blocks reserved); [] for host memory."""

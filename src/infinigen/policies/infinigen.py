@@ -1315,7 +1315,8 @@ class InfiniGen(Policy):
         """budget "layer" in blocks of `block` consecutive slots per KV head: a block qualifies when any of
         its tokens does, the blocks with the most speculated mass win until their tokens reach the cap
         (`total` tokens per row over the layer's KV heads: total // block blocks), and a chosen block is
-        read whole (its valid slots)."""
+        read whole (its valid slots). Rows whose qualifying blocks hold at most `total` valid tokens keep them
+        all (so an unlimited cap reads everything: partial blocks, padding and the last block included)."""
         b, hkv, r, n = keep.shape
         k = min(self.block, n)  # a block over the cached slots is all of them
         nb = -(-n // k)
@@ -1329,7 +1330,10 @@ class InfiniGen(Policy):
         mb = mass.view(b, hkv, r, nb, k).sum(-1).masked_fill(~kb, -1.0)
         nblocks = max(1, total // k) if isinstance(total, int) else (total // k).clamp(min=1)
         flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, r, hkv * nb)  # noqa: E731
-        cut = self._top_n_per_row(flat(kb), flat(mb), nblocks).view(b, r, hkv, nb).permute(0, 2, 1, 3)
+        held = valid.expand(b, hkv, r, n)  # each block's valid tokens
+        held = torch.nn.functional.pad(held, (0, pad)) if pad else held
+        fits = (kb * held.reshape(b, hkv, r, nb, k).sum(-1)).sum((1, 3)) <= total  # [B, R]
+        cut = self._top_n_per_row(flat(kb), flat(mb), nblocks, as_is=fits).view(b, r, hkv, nb).permute(0, 2, 1, 3)
         out = cut[..., None].expand(b, hkv, r, nb, k).reshape(b, hkv, r, nb * k)[..., :n]
         return out & valid  # a block past the valid tokens (padding, a window) reads only its valid slots
 

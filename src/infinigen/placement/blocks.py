@@ -1,0 +1,280 @@
+"""The disk tier in blocks: a KV pool file read with positioned reads of whole pages, never through a mapping.
+
+Layout. One file for every layer. A *unit* is a block of `block` consecutive slots of one (layer, batch row,
+KV head): their keys, then their values, padded to whole pages, so a unit starts on a page and one read
+brings both. Units are numbered (layer, batch row * KV heads + KV head, block), so a (batch row, KV head)'s
+blocks follow one another in the file and a run of chosen blocks is one read:
+
+    offset(layer, bh, j) = ((layer * B * Hkv + bh) * blocks_per_head + j) * unit_bytes
+
+Writes. The block a sequence is filling (slot `length // block`, the *open* block) lives in fast memory,
+one per (layer, batch row, KV head); it goes to the file in one write of whole pages when it is full, so the
+file is never written a row at a time and a write never makes the kernel read a page first. Once the pool is
+full (victims), a victim's key and value rows are written in place.
+
+Reads. A layer's selection (prefetched one layer ahead on the store's worker thread, like `OffloadedKVStore`)
+names slots; the store reads exactly the units they lie in (every run of adjacent units announced to the kernel
+first, POSIX_FADV_WILLNEED, so the device has them all in its queue, then `os.preadv` into a staging buffer in
+fast memory, one call per run; the open block is copied from memory), then gathers the
+selected rows from the staging buffer. A selection made in blocks of this size reads each unit it names
+whole; a token-level selection reads every unit one of its tokens lies in. The file is opened with
+POSIX_FADV_RANDOM: the kernel reads what is asked, no readahead around it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ..cache import KVCodec, KVStore
+from ..errors import UserError
+from .rows import layout_for
+from .store import KV, PAGE, OffloadedKVStore, TransferStats, _Buffers, _Job
+from .tiers import SlowTier
+
+
+# A positioned read waits for its pages before the next is issued: one request at a time in the device's queue.
+# Announcing every run first (POSIX_FADV_WILLNEED starts their reads without waiting) lets the device serve them
+# together; the reads then find their pages arriving or arrived.
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+
+
+def unit_bytes(block: int, row_bytes: int) -> int:
+    """Bytes of one unit: `block` key rows and `block` value rows, padded to whole pages (and to whole rows,
+    so the staging buffer is a stack of rows)."""
+    step = math.lcm(PAGE, row_bytes)
+    return -(-2 * block * row_bytes // step) * step
+
+
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _read_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise OSError(f"the KV pool file ended at byte {offset}")
+        view, offset = view[n:], offset + n
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes (no copy)."""
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+class BlockedKVStore(OffloadedKVStore):
+    """`OffloadedKVStore` with the pool on disk in page-aligned blocks (see the module doc); CPU hosts only,
+    keys and values as computed (no packed codec), no row cache."""
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
+                 allocator=None, tier: SlowTier | None = None, prefetch: bool = True, threaded: bool = True,
+                 stats: TransferStats | None = None, block: int = 16):
+        if torch.device(device).type != "cpu":
+            raise UserError("the block layout of the disk tier runs on a CPU host; behind a GPU use the cpu tier")
+        if tier is None or tier.kind != "disk":
+            raise UserError("the block layout needs the disk tier")
+        self.layout = layout_for(codec, head_dim, dtype, pack=False)
+        self.block = block
+        self.row_bytes = self.layout.row_bytes
+        self.unit = unit_bytes(block, self.row_bytes)
+        self.unit_rows = self.unit // self.row_bytes
+        self.capacity, self.bulk_share = capacity, 1.0
+        self.codec = codec or KVCodec()
+        self.allocator = allocator
+        self.fast = torch.device("cpu")
+        self.cuda = False
+        self.tier = tier
+        self.packed = False
+        self.num_layers, self.batch, self.kv_heads = num_layers, batch, kv_heads
+        self.head_dim, self.dtype = head_dim, dtype
+        self.bh = batch * kv_heads
+        self.blocks_per_head = -(-capacity // block)
+        self.fd = tier.file(num_layers * self.bh * self.blocks_per_head * self.unit)
+        meta = (batch, kv_heads, capacity)
+        self.valid = [torch.zeros(meta, dtype=torch.bool) for _ in range(num_layers)]
+        self.pos = [torch.full(meta, -1, dtype=torch.long) for _ in range(num_layers)]
+        self.length = [0] * num_layers
+        self.padded = False
+        # no float view of the pool: policies that look at store.k for its shape and device get a placeholder
+        ph = torch.zeros((), dtype=dtype).expand(batch, kv_heads, capacity, head_dim)
+        self.k = self.v = [ph] * num_layers
+        # the open block of every (layer, batch row, KV head), laid out as its unit
+        self.open = torch.zeros(num_layers, self.bh, self.unit_rows, head_dim, dtype=dtype)
+        self.stats = stats or TransferStats()
+        meta_bytes = sum(t.numel() * t.element_size() for t in self.valid + self.pos) + self.open.nbytes
+        self.buffers = _Buffers(self.fast, self.stats, meta_bytes)
+        self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, meta_bytes)
+        self.row_cache = None
+        self.prefetch = prefetch
+        self._jobs: dict[int, _Job] = {}
+        self._step = 0
+        self._pending: list[list] = [[] for _ in range(num_layers)]
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch", initializer=torch.set_num_threads,
+                                        initargs=(1,)) if threaded else None
+
+    @staticmethod
+    def slot_bytes(num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, codec=None,
+                   pack: bool = True, block: int = 16) -> int:
+        """File bytes per slot (a unit's share, padding included)."""
+        row = layout_for(codec, head_dim, dtype, pack=False).row_bytes
+        return math.ceil(num_layers * batch * kv_heads * unit_bytes(block, row) / block)
+
+    def _offset(self, layer: int, bh: int, j: int) -> int:
+        return ((layer * self.bh + bh) * self.blocks_per_head + j) * self.unit
+
+    def _open_block(self, layer: int) -> int:
+        """The block the next append fills (in fast memory), or -1 once the pool is full."""
+        n = self.length[layer]
+        return n // self.block if n < self.capacity else -1
+
+    # ---- writes -----------------------------------------------------------------------------------
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv, T, d] -> [B * Hkv, T, d] as stored (the codec's rounding, the store's dtype)."""
+        b, h, t, d = x.shape
+        return self.layout.encode(x.reshape(b * h * t, d))[0].view(b * h, t, d)
+
+    def write_prompt(self, layer, k, v, token_valid, positions):
+        t = k.shape[2]
+        if t > self.capacity:
+            raise ValueError(f"prompt of {t} tokens does not fit a KV pool of {self.capacity}")
+        self._drop(layer)
+        keys, values = self._encode(k), self._encode(v)
+        bs, full = self.block, t // self.block
+        if t == self.capacity:  # no open block: the last, partial one goes to the file too
+            full = self.blocks_per_head
+        if full:
+            units = torch.zeros(self.bh, full, self.unit_rows, self.head_dim, dtype=self.dtype)
+            n = min(t, full * bs)
+            pad = full * bs - n
+            for kind, x in zip(KV, (keys, values)):
+                rows = torch.nn.functional.pad(x[:, :n], (0, 0, 0, pad)) if pad else x[:, :n]
+                units[:, :, kind * bs:(kind + 1) * bs] = rows.view(self.bh, full, bs, self.head_dim)
+            for bh in range(self.bh):  # a (batch row, KV head)'s blocks are one run of the file
+                _write_all(self.fd, _bytes(units[bh]), self._offset(layer, bh, 0))
+        self.open[layer].zero_()
+        rest = t - full * bs
+        if rest > 0:
+            self.open[layer, :, :rest] = keys[:, full * bs:]
+            self.open[layer, :, bs:bs + rest] = values[:, full * bs:]
+        self.valid[layer][:, :, :t] = token_valid[:, None, :]
+        self.valid[layer][:, :, t:] = False
+        self.pos[layer][:, :, :t] = positions[:, None, :]
+        self.length[layer] = t
+        if layer == 0:
+            self.padded = not bool(token_valid.all())
+
+    def append(self, layer, k, v, positions):
+        b, h = k.shape[:2]
+        n = self.length[layer]
+        slots = self._claim(layer, b, h, k.device)
+        self._drop(layer)  # an unused prefetched copy of this layer no longer matches the pool
+        keys, values = self._encode(k)[:, 0], self._encode(v)[:, 0]  # [B * Hkv, d]
+        bs = self.block
+        if n < self.capacity:  # every row's token goes to slot n, in the open block
+            j, i = divmod(n, bs)
+            self.open[layer, :, i] = keys
+            self.open[layer, :, bs + i] = values
+            if i == bs - 1 or n + 1 == self.capacity:  # the block is full: to the file, whole pages
+                for bh in range(self.bh):
+                    _write_all(self.fd, _bytes(self.open[layer, bh]), self._offset(layer, bh, j))
+        else:  # victims anywhere in the pool: their rows in place
+            for bh, s in enumerate(slots.reshape(-1).tolist()):
+                j, i = divmod(s, bs)
+                at = self._offset(layer, bh, j)
+                _write_all(self.fd, _bytes(keys[bh]), at + i * self.row_bytes)
+                _write_all(self.fd, _bytes(values[bh]), at + (bs + i) * self.row_bytes)
+        self._mark(layer, slots, positions)
+        return slots
+
+    # ---- reads ------------------------------------------------------------------------------------
+    def past(self, layer):
+        """Metadata only: the keys and values are read through `dense`/`gather`."""
+        n = self.length[layer]
+        return None, None, self.valid[layer][:, :, :n], self.pos[layer][:, :, :n]
+
+    def _run(self, job: _Job, ondemand: bool = False) -> None:
+        """Bring job.layer's selected rows (every used slot for a full job) to fast memory."""
+        t0 = time.perf_counter()
+        mask = None
+        if job.plan is not None and job.idx is None:  # the slots of the plan, as the runtime derives them
+            n = job.n
+            job.selection = KVStore.slots(self, job.layer, job.plan[:, :, :n], self.valid[job.layer][:, :, :n])
+            job.idx = job.selection[1]
+            job.n = job.idx.shape[-1]
+        if job.selection is not None:
+            mask = job.selection[2]
+        idx = job.idx
+        if job.full:
+            idx = torch.arange(job.n).expand(self.batch, self.kv_heads, job.n)
+        job.kv, units = self._read(job.layer, idx, mask)
+        self.stats.bytes_moved += units * self.unit
+        self.stats.rows_moved += idx.numel()
+        self.stats.fetches += 1
+        if not ondemand:
+            self.stats.gather_s += time.perf_counter() - t0
+
+    def _read(self, layer: int, idx: torch.Tensor, mask: torch.Tensor | None):
+        """Rows `idx` [B, Hkv, n] (entries where `mask` is False are padding: read nothing for them) ->
+        (keys, values [B * Hkv * n, d] in (b, h, i) order, units read from the file)."""
+        parity, bs, nb = layer % 2, self.block, self.blocks_per_head
+        n = idx.shape[-1]
+        slot = idx.reshape(self.bh, n)
+        blk = slot // bs
+        unit_id = blk + torch.arange(self.bh).view(-1, 1) * nb  # [BH, n] unit within the layer
+        hit = torch.zeros(self.bh * nb, dtype=torch.bool)
+        hit[unit_id.reshape(-1) if mask is None else unit_id[mask.reshape(self.bh, n)]] = True
+        rank = hit.cumsum(0) - 1  # a hit unit's place in the staging buffer
+        nhit = int(rank[-1]) + 1 if rank.numel() else 0
+        stage = self.buffers.get(("disk", parity), max(nhit, 1) * self.unit_rows, (self.head_dim,), self.dtype)
+        units = stage.view(-1, self.unit_rows, self.head_dim)
+        open_j = self._open_block(layer)
+        on_disk = hit.clone()
+        if open_j >= 0:  # the open blocks come from fast memory
+            opened = torch.arange(self.bh) * nb + open_j
+            from_mem = opened[hit[opened]]
+            on_disk[from_mem] = False
+            if from_mem.numel():
+                units[rank[from_mem]] = self.open[layer, from_mem // nb]
+        ids = on_disk.nonzero().squeeze(1)
+        read = ids.numel()
+        if read:
+            starts = torch.ones(read, dtype=torch.bool)
+            starts[1:] = ids[1:] != ids[:-1] + 1
+            first = ids[starts]
+            counts = torch.diff(torch.cat([starts.nonzero().squeeze(1), torch.tensor([read])]))
+            where = rank[first]
+            mv = _bytes(stage)
+            base = layer * self.bh * nb
+            runs = list(zip(first.tolist(), counts.tolist(), where.tolist()))
+            if _WILLNEED is not None:  # every run's read queued at once, then taken in order
+                for f, c, _ in runs:
+                    os.posix_fadvise(self.fd, (base + f) * self.unit, c * self.unit, _WILLNEED)
+            for f, c, w in runs:
+                _read_all(self.fd, mv[w * self.unit:(w + c) * self.unit], (base + f) * self.unit)
+        row = rank[unit_id].clamp(min=0) * self.unit_rows + slot % bs  # padding: any staged row (masked later)
+        row = row.reshape(-1)
+        out = []
+        for kind in KV:
+            buf = self.buffers.get(("fast", parity, kind, 0), row.numel(), (self.head_dim,), self.dtype)
+            torch.index_select(stage, 0, row + kind * bs, out=buf)
+            out.append(buf)
+        self.stats.blocks += read
+        return tuple(out), read
+
+    def close(self) -> None:
+        for layer in list(self._jobs):
+            self._drop(layer)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.k = self.v = []
+        self.tier.close()
