@@ -165,12 +165,7 @@ class BlockedKVStore(OffloadedKVStore):
         if rest > 0:
             self.open[layer, :, :rest] = keys[:, full * bs:]
             self.open[layer, :, bs:bs + rest] = values[:, full * bs:]
-        self.valid[layer][:, :, :t] = token_valid[:, None, :]
-        self.valid[layer][:, :, t:] = False
-        self.pos[layer][:, :, :t] = positions[:, None, :]
-        self.length[layer] = t
-        if layer == 0:
-            self.padded = not bool(token_valid.all())
+        self._prompt_written(layer, t, token_valid, positions)
 
     def append(self, layer, k, v, positions):
         b, h = k.shape[:2]

@@ -258,6 +258,10 @@ class OffloadedKVStore(KVStore):
             x = x.permute(2, 0, 1, 3).reshape(t * self.bh, self.head_dim)  # slot-major rows
             for plane, rows in zip(self.planes[layer][kind], self.layout.encode(x)):
                 plane[: t * self.bh].copy_(rows)  # synchronous on CUDA: prefill is not the hot loop
+        self._prompt_written(layer, t, token_valid, positions)
+
+    def _prompt_written(self, layer, t, token_valid, positions) -> None:
+        """The bookkeeping of a prompt of t tokens written at slots 0..t-1 of `layer` (which are valid, where)."""
         self.valid[layer][:, :, :t] = token_valid[:, None, :]
         self.valid[layer][:, :, t:] = False
         self.pos[layer][:, :, :t] = positions[:, None, :]
