@@ -264,12 +264,3 @@ class BlockedKVStore(OffloadedKVStore):
             out.append(buf)
         self.stats.blocks += read
         return tuple(out), read
-
-    def close(self) -> None:
-        for layer in list(self._jobs):
-            self._drop(layer)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self.k = self.v = []
-        self.tier.close()
