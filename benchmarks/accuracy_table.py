@@ -11,14 +11,14 @@ Rows:
   threshold rule with InfiniGen's dense layers (the issue's reference points); INT4; InfiniGen with
   the KV pool at 80% under counter, LRU and FIFO (the paper's Table 2); skewing on and off (Figure 13).
 
-    OMP_NUM_THREADS=2 python benchmarks/accuracy_table.py              # writes results/accuracy.md (+ .json)
+    OMP_NUM_THREADS=2 python benchmarks/accuracy_table.py              # writes results/accuracy/accuracy.md (+ .json)
     python benchmarks/accuracy_table.py --ctx 512 --prefill 128 --out /tmp/acc.md   # a quick smoke run
     python benchmarks/accuracy_table.py --resume                      # reuse runs already in the .json
 
 Out-of-sample validation (issue 12): `--validation` runs the full cache, the default preset, and the
 oracle and H2O at the same all-layer size on texts nothing was tuned on (Pride and Prejudice, Northanger
 Abbey, Sense and Sensibility; the tuning is `benchmarks/budget_tuning.py` on Emma and Mansfield Park) at
-contexts 2048 and 8192 (prefill 1/8), and rewrites the last section of results/accuracy.md:
+contexts 2048 and 8192 (prefill 1/8), and rewrites the last section of results/accuracy/accuracy.md:
 
     python benchmarks/accuracy_table.py --validation --val-ctx 2048 --val-parts ours       # split over processes
     python benchmarks/accuracy_table.py --validation --val-ctx 8192 --val-long-texts northangerabbey  # one text at 8192
@@ -179,8 +179,8 @@ SECTION = "## Out-of-sample validation (issue 12)"
 def validation(args, model, tok, name) -> int:
     """Full cache, the default preset, and the oracle and H2O at the same all-layer size, on texts nothing
     was tuned on, at each (context, prefill) of `--val-ctx`; runs split over processes with `--val-parts`
-    share results/accuracy_validation.json, and the section of results/accuracy.md is (re)written from it
-    by a run that has all of them."""
+    share results/accuracy/accuracy_validation.json, and the section of results/accuracy/accuracy.md is
+    (re)written from it by a run that has all of them."""
     from infinigen.policies.infinigen import InfiniGen
     json_path = Path(args.out).with_name("accuracy_validation.json")
     parts = set(args.val_parts.split(","))
@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     ap.add_argument("--alphas", default="3,4,5,6,7")
     ap.add_argument("--match-alpha", type=float, default=5.0, help="baselines get InfiniGen's KV size at this alpha")
     ap.add_argument("--capacity", type=float, default=0.8)
-    ap.add_argument("--out", default=str(ROOT / "results" / "accuracy.md"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "accuracy" / "accuracy.md"))
     ap.add_argument("--resume", action="store_true", help="reuse runs with identical settings from the .json")
     ap.add_argument("--progress", action="store_true", help="per-layer progress bars")
     ap.add_argument("--validation", action="store_true",

@@ -1,4 +1,4 @@
-"""What the server's batch-invariant decoding costs per step (results/batch_invariant.md).
+"""What the server's batch-invariant decoding costs per step (results/batch_invariant/batch_invariant.md).
 
 The default model as `serve` loads it (dtype auto, its Q4_1 weights); for each policy and batch size, two
 sets of sessions over the same prompts decode side by side in one process, steps interleaved: today's fast

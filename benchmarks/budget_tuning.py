@@ -8,7 +8,7 @@ Candidates, all at the same all-layer bound (kv_budget 0.2 at context 2048, pref
   + budget_power 0.5 / 1: layer caps spread by the calibrated attention sparsity
   + alpha 9      more tokens qualify, up to the caps (with exact first: the default it chose)
 
-    OMP_NUM_THREADS=2 python benchmarks/budget_tuning.py                 # writes results/budget_tuning.md (+ .json)
+    OMP_NUM_THREADS=2 python benchmarks/budget_tuning.py     # writes results/budget_tuning/budget_tuning.md (+ .json)
     python benchmarks/budget_tuning.py --texts emma --configs full,exact_first
 
 Each record keeps the code it was measured with (`code`): runs of an earlier prototype are labelled so
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=256)
     ap.add_argument("--kv-budget", type=float, default=0.2)
     ap.add_argument("--calib", default="emma")
-    ap.add_argument("--out", default=str(ROOT / "results" / "budget_tuning.md"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "budget_tuning" / "budget_tuning.md"))
     ap.add_argument("--report-only", action="store_true", help="rewrite the table from the .json")
     args = ap.parse_args(argv)
     jpath = Path(args.out).with_suffix(".json")
@@ -122,7 +122,7 @@ def write(args, runs) -> None:
     texts = [t for t in CALIB_SPLIT if any(r["text"] == t for r in runs)]
     others = sorted({r["text"] for r in runs} - set(CALIB_SPLIT))
     full = {r["text"]: r["ppl"] for r in runs if r["config"] == "full" and r["ctx"] == args.ctx}
-    val = Path(args.out).with_name("accuracy_validation.json")  # full-cache runs of the validation texts
+    val = ROOT / "results" / "accuracy" / "accuracy_validation.json"  # accuracy_table.py's full-cache runs
     if val.exists():
         for r in json.loads(val.read_text())["runs"]:
             if r["policy"] == "full" and r["label"].endswith(f" {args.ctx}"):
@@ -138,7 +138,7 @@ def write(args, runs) -> None:
     ] + _table(runs, texts, args.ctx, full)
     if others:
         lines += ["", "For comparison only (not used to choose): the same configurations on validation texts "
-                  "(their full-cache perplexity from results/accuracy_validation.json).", ""]
+                  "(their full-cache perplexity from results/accuracy/accuracy_validation.json).", ""]
         lines += _table(runs, others, args.ctx, full)
     out = Path(args.out)
     out.write_text("\n".join(lines) + "\n")

@@ -7,7 +7,7 @@ profiler: all aten events, and the top-level ones), the compile time (cold or fr
 run found it) and whether the greedy tokens agreed.
 
     PYTHONPATH=src python benchmarks/compiled_step.py [--threads 2] [--steps 40] [--cases 512x1,512x4]
-        [--policies full,infinigen] [--out results/compiled_step.md]
+        [--policies full,infinigen] [--out results/compiled_step/compiled_step.md]
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--cases", default="512x1,512x4", help="PROMPTxBATCH, comma separated")
     ap.add_argument("--policies", default="full,infinigen")
-    ap.add_argument("--out", type=Path, default=REPO / "results" / "compiled_step.md")
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "compiled_step" / "compiled_step.md")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     model, tok, name = infinigen.load("default", dtype="auto", weights="auto")

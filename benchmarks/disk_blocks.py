@@ -10,7 +10,7 @@ The disk rows run in a child process bounded after its shared prefill (`offload_
 where the machine allows it), so the page cache cannot hold the pool. Per disk row: ms/step, the bytes the
 store read from the pool per step (for the block layout: the units the selections named) and what the process
 read from storage per step (/proc/self/io read_bytes, every thread: the kernel's own count).
-Writes results/disk_blocks.md and results/disk_blocks.json.
+Writes results/disk_blocks/disk_blocks.md and results/disk_blocks/disk_blocks.json.
 """
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.context, args.batch, args.gen_len = 160, "2", 4
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="disk-blocks-")) if args.smoke \
-        else ROOT / "results"
+        else ROOT / "results" / "disk_blocks"
     out.mkdir(parents=True, exist_ok=True)
 
     from infinigen import bench

@@ -1,8 +1,8 @@
 """Evaluation on the default model (issue 5, item 5): few-shot accuracy, long-context retrieval and the
 paper's analyses, for the full cache, InfiniGen and H2O at InfiniGen's relative KV size.
 
-    OMP_NUM_THREADS=2 python benchmarks/evaluation.py            # writes results/evaluation.md (+ PNGs, .json)
-    python benchmarks/evaluation.py --quick --out /tmp/eval.md   # a smoke run at tiny sizes
+    OMP_NUM_THREADS=2 python benchmarks/evaluation.py          # writes results/evaluation/evaluation.md (+ PNGs, .json)
+    python benchmarks/evaluation.py --quick --out /tmp/eval/evaluation.md  # a smoke run at tiny sizes
 
 Steps:
   1. H2O's budget: InfiniGen's (default settings) relative KV size over all layers, measured by
@@ -47,7 +47,7 @@ FEWSHOT_HALF_TASKS = ["analytic_entailment", "entailed_polarity", "cause_and_eff
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "evaluation.md")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "evaluation" / "evaluation.md")
     ap.add_argument("--parts", default="fewshot,needle,analyze")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     ap.add_argument("--limit", type=int, default=8, help="few-shot examples per task")
@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.limit, args.half_limit, args.lengths, args.depths = 2, 1, "512", "0.5"
         args.analyze_tokens, args.match_ctx = 160, 256
-    figdir = args.out.parent / args.out.stem
+    figdir = args.out.parent  # the study's folder: the report, its PNGs and analyze.md side by side
     figdir.mkdir(parents=True, exist_ok=True)
 
     t0 = time.perf_counter()
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
                "filler text, scored 1 if the answer's first number is the key; niah: Kamradt's San Francisco "
                "needle in Paul Graham's essays, scored by the share of its key phrases (sandwich, Dolores Park) "
                "in the answer. The prompt is prefilled densely; the policy acts on the answer's decoding steps.", "",
-               nd.markdown_tables(res), "", f"![needle heat map]({figdir.name}/{png.name})", "",
+               nd.markdown_tables(res), "", f"![needle heat map]({png.name})", "",
                "<details><summary>answers</summary>", "",
                "| task | policy | length | depth | score | answer |", "|---|---|---:|---:|---:|---|"]
         md += [f"| {r.task} | {r.policy} | {r.length} | {r.depth:g} | {r.score:g} | {r.output.strip()!r} |"
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         with tqdm(total=an.steps(an.ANALYSES, st), desc="analyze", file=sys.stderr) as bar:
             report = an.run(model, tok, ids, figdir, an.ANALYSES, st, name, "prideprejudice.txt", progress=bar.update)
         timings["analyze"] = time.perf_counter() - t
-        body = report.split("\n", 1)[1].replace("](", f"]({figdir.name}/").replace("\n## ", "\n### ")
+        body = report.split("\n", 1)[1].replace("\n## ", "\n### ")
         md += ["## The paper's analyses (`infinigen analyze`)", "",
                f"`infinigen analyze --tokens {n} --prefill {st.prefill} --alphas 1,3,5,7,9 --ratios 0.1,0.3,0.5,1.0` "
                "(InfiniGen with the paper's settings: alpha 5, partial ratio 0.3, speculation from layer i-1's "

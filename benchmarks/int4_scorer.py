@@ -11,9 +11,9 @@ q [B, Hkv, G, d] float32 against n cached keys per (batch, KV head), at the defa
 
 plus the append of one token per (batch, KV head) at a random slot (what `on_append` does each step).
 Each case is timed in `--rounds` interleaved rounds of `--reps` calls; the table gives the best call
-(the machine is shared: the load average is printed with it). Writes results/int4_scorer.md.
+(the machine is shared: the load average is printed with it). Writes results/int4_scorer/int4_scorer.md.
 
-    PYTHONPATH=src python benchmarks/int4_scorer.py [--rounds 3] [--reps 10] [--out results/int4_scorer.md]
+    PYTHONPATH=src python benchmarks/int4_scorer.py [--rounds 3] [--reps 10] [--out results/int4_scorer/int4_scorer.md]
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", default="results/int4_scorer.md")
+    ap.add_argument("--out", default="results/int4_scorer/int4_scorer.md")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     threads = [int(x) for x in a.threads.split(",")]

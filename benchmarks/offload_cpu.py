@@ -5,8 +5,8 @@ cache in RAM and on disk; InfiniGen and the baselines against transformers' Dyna
     python benchmarks/offload_cpu.py --dtype float32      # the table in the README
     python benchmarks/offload_cpu.py --smoke              # tiny sizes, results in a temp dir
 
-Writes results/offload.md (table, machine named, targets checked), results/offload_cpu.json and
-results/offload_cpu.png. Targets: InfiniGen decode throughput >= 3x DynamicCache at 8192 x 8 with the
+Writes results/offload/offload.md (table, machine named, targets checked), results/offload/offload_cpu.json and
+results/offload/offload_cpu.png. Targets: InfiniGen decode throughput >= 3x DynamicCache at 8192 x 8 with the
 KV in RAM; with the KV on disk still faster than DynamicCache in RAM.
 
 Every system of a (context, batch) cell decodes from one shared real prefill (`--share-prefill` of
@@ -203,13 +203,13 @@ def main(argv=None) -> int:
     ap.add_argument("--breakdown", type=int, default=2, help="instrumented steps for the per-block breakdown")
     ap.add_argument("--pool-dir", default=None, help="where the disk tier's files go")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--out", default=None, help="output folder (default: results/, or a temp dir with --smoke)")
+    ap.add_argument("--out", default=None, help="output folder (default: results/offload/, or a temp dir with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (context 160, batch 1,2, 4 tokens)")
     ap.add_argument("--memory-limit", default="auto",
                     help="memory bound of the disk rows' process, so the page cache cannot hold the pool: "
                          "auto (the fast tier's needs + slack, below the pool size), none, or a size (2G)")
     # bfloat16 is the default: on this AVX512-BF16 CPU it decoded faster than float32 for the full cache and
-    # for InfiniGen at 8192 x 8, with a 1.6x faster prefill and half the memory (results/dtype_cpu.md)
+    # for InfiniGen at 8192 x 8, with a 1.6x faster prefill and half the memory (results/dtype_cpu/dtype_cpu.md)
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                     help="our runtime's dtype (weights, KV); transformers runs with its own defaults")
     # internal: run the disk rows, write JSON here
@@ -221,7 +221,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.context, args.batch, args.gen_len, args.breakdown = 160, "1,2", 4, 1
     out = (Path(args.out) if args.out
-           else Path(tempfile.mkdtemp(prefix="offload-smoke-")) if args.smoke else ROOT / "results")
+           else Path(tempfile.mkdtemp(prefix="offload-smoke-")) if args.smoke else ROOT / "results" / "offload")
     before = None
     if args.disk_only and not args.disk_child:  # checked before any work: the table the disk rows go into
         table = out / "offload_cpu.json"

@@ -30,7 +30,7 @@ common=(--device cuda --dtype float16 --gen-len 128 --kv-offload cpu --breakdown
 if [[ $what == quick ]]; then
   # Paper-size shapes, random weights, batch 8: the full cache in GPU memory ("ideal"), full offload and
   # InfiniGen with the KV in pinned host memory. InfiniGen's fixed ratio is the default preset's measured KV
-  # budget on SmolLM2 with the KV in host memory (results/default_preset_speed.md: 13.5% at 2048 tokens,
+  # budget on SmolLM2 with the KV in host memory (results/default_preset_speed/default_preset_speed.md: 13.5% at 2048 tokens,
   # about half that at 8192, its square-root growth); every row is labelled synthetic in the JSON.
   # Batch 1 runs first: its rows take the process's one-time CUDA costs (module loading, library handles), which
   # the bench does not warm up and the first system of the batch-8 cell would otherwise carry.

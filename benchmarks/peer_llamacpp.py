@@ -620,7 +620,7 @@ def markdown(result: dict) -> str:
     if "long" not in result["cases"] and "chat" in result["cases"]:
         out += ["", ("The long case (prompt 8176, 16 new tokens, batch 8) was not run here: it takes many minutes "
                      "per system; `--long` adds it, `--cases long` runs it alone "
-                     "(results/peer_llamacpp_long.md is such a run).")]
+                     "(results/peer_llamacpp/peer_llamacpp_long.md is such a run).")]
     if rounds > 1:
         out += ["", "Every round's numbers are in the JSON beside this file (`table[].all`)."]
     out += ["", "Commands (`infinigen bench` ran as `python -m infinigen.cli bench` from this checkout):", ""]
@@ -667,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retries", type=int, default=0,
                     help="run a system again (at most this many times) when other jobs took over "
                          f"{100 * QUIET_SHARE:.0f}%% of the CPU during its run")
-    ap.add_argument("--out", type=Path, default=REPO / "results" / "peer_llamacpp.md",
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "peer_llamacpp" / "peer_llamacpp.md",
                     help="the Markdown table; the JSON goes beside it (.json)")
     ap.add_argument("--build-only", action="store_true", help="build (or find) llama.cpp and stop")
     ap.add_argument("--dry-run", action="store_true", help="print the commands and stop (builds nothing)")

@@ -10,7 +10,7 @@ then this process enters a memory bound (a cgroup, `infinigen.membound`) of offl
 the disk rows plus the largest row cache, so the page cache cannot hold the pool and every system runs
 under the same bound. Also InfiniGen with the pool in host memory, with and without the cache: its
 bytes fetched per step are what a GPU would copy over PCIe (the rows the cache lacks; no whole-layer
-reads there). Writes results/row_cache.json and results/row_cache.md (the machine named).
+reads there). Writes results/row_cache/row_cache.json and results/row_cache/row_cache.md (the machine named).
 """
 from __future__ import annotations
 
@@ -81,17 +81,18 @@ def main(argv=None) -> int:
     ap.add_argument("--gen-len", type=int, default=16)
     ap.add_argument("--shares", default="0.125,0.25", help="row cache sizes, as shares of the KV pool's bytes")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="float32: the dtype of the disk row the issue quotes (results/offload.md)")
+                    help="float32: the dtype of the disk row the issue quotes (results/offload/offload.md)")
     ap.add_argument("--tiers", default="disk,cpu", help="which rows: disk (bounded), cpu (host RAM, unbounded)")
     ap.add_argument("--text", default="prideprejudice")
     ap.add_argument("--pool-dir", default=None)
-    ap.add_argument("--out", default=None, help="output folder (default: results/, or a temp dir with --smoke)")
+    ap.add_argument("--out", default=None,
+                    help="output folder (default: results/row_cache/, or a temp dir with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (context 160, batch 2, 4 tokens)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.context, args.batch, args.gen_len = 160, 2, 4
     out = Path(args.out) if args.out else (
-        Path(tempfile.mkdtemp(prefix="row-cache-")) if args.smoke else ROOT / "results")
+        Path(tempfile.mkdtemp(prefix="row-cache-")) if args.smoke else ROOT / "results" / "row_cache")
     out.mkdir(parents=True, exist_ok=True)
 
     from offload_cpu import auto_limit

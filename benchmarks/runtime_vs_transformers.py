@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="runs per point, alternating the implementations; "
                    "the table shows the best of each")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per point")
-    p.add_argument("--out", default=str(ROOT / "results" / "runtime_vs_transformers"),
+    p.add_argument("--out", default=str(ROOT / "results" / "runtime_vs_transformers" / "runtime_vs_transformers"),
                    help="writes OUT.json and OUT.md")
     p.add_argument("--point", choices=["ours", "hf"], help=argparse.SUPPRESS)  # internal: one point, JSON on stdout
     args = p.parse_args(argv)

@@ -37,7 +37,7 @@ and its defaults otherwise (`--no-llama`: not built nor run; ours alone, in a se
 unrelated prompt) before each measured run. A token's arrival is that of the stream chunk carrying its text
 (both servers send one chunk per token); tokens/s counts the servers' own usage.completion_tokens.
 
-Writes results/serve.md and results/serve.json (`--quick`: under $TMPDIR/serve-smoke); a scenario run replaces
+Writes results/serve/serve.md and results/serve/serve.json (`--quick`: under $TMPDIR/serve-smoke); a scenario run replaces
 its own section and keeps the others'. `--render serve.json` rewrites serve.md from the JSON.
 """
 from __future__ import annotations
@@ -947,7 +947,7 @@ def parse_args(argv=None):
     ap.add_argument("--scenario", default="all", help=f"comma separated: {', '.join(SCENARIOS)}, or all")
     ap.add_argument("--quick", "--smoke", action="store_true", help="small sizes, to try the script out "
                     "(writes under $TMPDIR/serve-smoke unless --out)")
-    ap.add_argument("--out", type=Path, default=None, help="folder of serve.md and serve.json (default: results/)")
+    ap.add_argument("--out", type=Path, default=None, help="folder of serve.md and serve.json (default: results/serve/)")
     ap.add_argument("--render", type=Path, help="only rewrite serve.md from this serve.json")
     g = ap.add_argument_group("load (issue 11)")
     g.add_argument("--model", default="default")
@@ -1009,7 +1009,7 @@ def parse_args(argv=None):
     if args.join_after >= args.stream_tokens:
         ap.error("--join-after must be below --stream-tokens")
     if args.out is None:
-        args.out = Path(os.environ.get("TMPDIR", "/tmp")) / "serve-smoke" if args.quick else ROOT / "results"
+        args.out = Path(os.environ.get("TMPDIR", "/tmp")) / "serve-smoke" if args.quick else ROOT / "results" / "serve"
     return args
 
 

@@ -12,7 +12,7 @@ The server is started the way a user starts it (`infinigen serve --port P --poli
     OpenAI's error body.
 Every `--sample-s` seconds the server's RSS (/proc/PID/status) and its /metrics KV bytes are sampled.
 
-Pass conditions, checked at the end and written to results/serve_soak.md (+ .json):
+Pass conditions, checked at the end and written to results/serve_soak/serve_soak.md (+ .json):
   - no answer that is not the client's fault: no 5xx, no dropped connection on a well-formed request, no
     malformed body answered 2xx, every 4xx body is OpenAI's error object;
   - RSS flat after warm-up: the last quarter's median RSS within `--rss-slack-mib` of the median of the
@@ -182,7 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-s", type=float, default=10.0)
     ap.add_argument("--rss-slack-mib", type=float, default=64.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "results"), help="folder for serve_soak.md and serve_soak.json")
+    ap.add_argument("--out", default=str(ROOT / "results" / "serve_soak"),
+                    help="folder for serve_soak.md and serve_soak.json")
     a = ap.parse_args(argv)
     if a.minutes <= 0 or a.clients < 1 or a.max_tokens < 4 or a.max_words < 8:
         ap.error("--minutes must be > 0, --clients >= 1, --max-tokens >= 4, --max-words >= 8")

@@ -13,7 +13,8 @@ stop at EOS so every run decodes 64): prefill and decode tokens/s, the variants 
 `--rounds` rounds (A B C A B C ...; the table gives the median and the spread). The machine is shared:
 the load average is printed with the numbers.
 
-    PYTHONPATH=src python benchmarks/weights_cpu.py [--threads 1] [--rounds 3] [--json results/weights_cpu.json]
+    PYTHONPATH=src python benchmarks/weights_cpu.py [--threads 1] [--rounds 3] \\
+        [--json results/weights_cpu/weights_cpu.json]
 """
 from __future__ import annotations
 

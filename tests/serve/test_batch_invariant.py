@@ -124,7 +124,7 @@ def test_default_model_greedy_tokens_do_not_depend_on_the_batch(name, tmp_path_f
     """The default model as `serve` runs it (dtype auto, its Q4_1 weights, a compiled step enabled, which the
     batch-invariant engine leaves unused): 8 requests together, each equal to the request alone (InfiniGen's
     settings fixed, not calibrated, here). With the padded path and the compiled step, 1 of the 8 InfiniGen
-    answers parted from the request alone (results/batch_invariant.md)."""
+    answers parted from the request alone (results/batch_invariant/batch_invariant.md)."""
     from infinigen.loading import load
     from infinigen.serve.engine import Engine, Request
     if compiled.available() is not None:
