@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import typer
 
@@ -94,49 +94,78 @@ def bench_cmd(
             pol.for_random_weights(None, fixed_ratio)  # checked before the random weights are built
     check_out_file(json_out, "--json")
     check_out_file(plot_out, "--plot", suffixes=plot_formats())
-
-    import torch
-    if threads:
-        torch.set_num_threads(threads)
-    from .options import resolve_dtype
-    dtype = resolve_dtype(dtype, device)  # "auto": what this machine computes fastest in
-    max_len = max(prompt_lens) + gen_len + breakdown + count_ops
-    net, tok, hf_model, name, body = _models(model, synthetic, layers, text, dtype, device, weights, hf, max_len)
-    _check_pools(net, policies, tiers, max(batch_sizes), max(prompt_lens), max_len, limit, pool_bytes, capacity,
-                 row_cache)
-    check_policies_fit(policies, net)
-    check_kv_fits(net, max(batch_sizes), max_len, device)
-    if synthetic:
-        policies = {label: pol.for_random_weights(net, fixed_ratio) for label, pol in policies.items()}
-    else:
-        prepare_policies(policies, net, tok)  # InfiniGen: skew from the cache, else calibrated once and cached
-    # auto: not under a memory bound, which is there to bound the KV tier's page cache: Inductor's compile
-    # workers would be charged to it (and a 512 MiB bound cannot hold them)
-    compiled_note = enable_compile(net, compile, long_running=membound.current() is None, rows=batch_sizes)
-    if compiled_note:
-        print(compiled_note, file=sys.stderr)
-
     settings = bench.BenchSettings(prompt_lens=prompt_lens, batch_sizes=batch_sizes, gen_len=gen_len, capacity=capacity,
                                    pool_bytes=limit, eviction=eviction, pool_dir=str(pool_dir) if pool_dir else None,
                                    prefetch=prefetch, breakdown_steps=breakdown, count_ops=count_ops,
                                    weights_offload=weights_offload,
                                    share_prefill=share_prefill, row_cache_bytes=row_cache)
+    run = _prepare(settings, policies, tiers, model=model, synthetic=synthetic, layers=layers, fixed_ratio=fixed_ratio,
+                   text=text, device=device, dtype=dtype, weights=weights, hf=hf, threads=threads, compile=compile,
+                   pool_bytes=pool_bytes)
     from rich.console import Console
     err = Console(stderr=True)
-    rows = bench.sweep(net, _systems(policies, tiers, ideal, hf, device), settings, tokenizer=tok, text=body,
-                       hf_model=hf_model, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+    rows = bench.sweep(run.net, _systems(run.policies, tiers, ideal, hf, device), settings, tokenizer=run.tokenizer,
+                       text=run.text, hf_model=run.hf_model, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     if not rows:
         raise UserError("no system ran")
-    label = name + (f", InfiniGen fixed selection ratio {fixed_ratio}" if synthetic and fixed_ratio else "")
     recorded = dict(kv_offload=tiers, policies=names, knobs=knob, text=None if synthetic else text)
-    payload = _payload(net, label, synthetic, device, dtype, weights, settings, recorded, rows)
+    _report(run, rows, settings, recorded, synthetic=synthetic, fixed_ratio=fixed_ratio, device=device,
+            weights=weights, json_out=json_out, plot_out=plot_out)
+
+
+class _Prepared(NamedTuple):
+    """What a sweep runs on: the model (and transformers' twin), its tokenizer and prompt text (None for random
+    weights), the policies made ready for it and the dtype "auto" resolved to."""
+    net: object
+    tokenizer: object
+    hf_model: object
+    name: str
+    text: str | None
+    policies: dict
+    dtype: str
+
+
+def _prepare(settings, policies: dict, tiers: list[str], *, model, synthetic, layers, fixed_ratio, text, device,
+             dtype, weights, hf: bool, threads, compile, pool_bytes) -> _Prepared:
+    """Loads the model, checks what needs its config (pools, policies, the KV's size), readies the policies
+    (InfiniGen: skew from the cache, else calibrated once and cached) and compiles the step where asked."""
+    import torch
+
+    from .. import membound
+    from .options import resolve_dtype
+    if threads:
+        torch.set_num_threads(threads)
+    dtype = resolve_dtype(dtype, device)  # "auto": what this machine computes fastest in
+    longest, batch = max(settings.prompt_lens), max(settings.batch_sizes)
+    max_len = longest + settings.gen_len + settings.breakdown_steps + settings.count_ops
+    net, tok, hf_model, name, body = _models(model, synthetic, layers, text, dtype, device, weights, hf, max_len)
+    _check_pools(net, policies, tiers, batch, longest, max_len, settings.pool_bytes, pool_bytes, settings.capacity,
+                 settings.row_cache_bytes)
+    check_policies_fit(policies, net)
+    check_kv_fits(net, batch, max_len, device)
+    if synthetic:
+        policies = {label: pol.for_random_weights(net, fixed_ratio) for label, pol in policies.items()}
+    else:
+        prepare_policies(policies, net, tok)
+    # auto: not under a memory bound, which is there to bound the KV tier's page cache: Inductor's compile
+    # workers would be charged to it (and a 512 MiB bound cannot hold them)
+    compiled_note = enable_compile(net, compile, long_running=membound.current() is None, rows=settings.batch_sizes)
+    if compiled_note:
+        print(compiled_note, file=sys.stderr)
+    return _Prepared(net, tok, hf_model, name, body, policies, dtype)
+
+def _report(run: _Prepared, rows: list[dict], settings, recorded: dict, *, synthetic, fixed_ratio, device: str,
+            weights: str, json_out: Path | None, plot_out: Path | None) -> None:
+    """The rows as tables on the terminal, and as JSON and a plot where asked."""
+    from .. import bench
+    label = run.name + (f", InfiniGen fixed selection ratio {fixed_ratio}" if synthetic and fixed_ratio else "")
+    payload = _payload(run.net, label, synthetic, device, run.dtype, weights, settings, recorded, rows)
     _print(payload)
     if json_out is not None:
         write_json(json_out, payload)
     if plot_out is not None:
         dev = payload["machine"].get("gpu") if device.startswith("cuda") else payload["machine"]["cpu"]
         bench.plot(rows, plot_out, title=f"{label} | {dev}")
-
 
 def _check_sweep(prompt_len: str, batch_size: str, gen_len: int, capacity: int | None, kv_offload: str,
                  policy: str) -> tuple[list[int], list[int], list[str], list[str]]:
