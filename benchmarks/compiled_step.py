@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import infinigen  # noqa: E402
 from infinigen import compiled, runtime  # noqa: E402
-from infinigen.paths import load_text  # noqa: E402
+from infinigen.bench.side_by_side import staggered_prompts, text_ids  # noqa: E402
 from infinigen.placement import Placement  # noqa: E402
 from infinigen.policies import make_policy  # noqa: E402
 
@@ -41,8 +41,7 @@ def aten_calls(model, session, token, parts) -> tuple[int, int]:
 
 
 def run_case(model, tok, policy_name: str, prompt: int, batch: int, steps: int, parts) -> dict:
-    ids = tok(load_text("prideprejudice"), return_tensors="pt").input_ids[0]
-    prompts = torch.stack([ids[i * 97: i * 97 + prompt] for i in range(batch)])
+    prompts = staggered_prompts(text_ids(tok), prompt, batch)
     pol = make_policy(policy_name).prepare(model, tok)
     sessions, tokens, times = {}, {}, {"eager": [], "compiled": []}
     with torch.inference_mode():

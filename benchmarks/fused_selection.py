@@ -20,14 +20,19 @@ import torch
 
 import infinigen
 from infinigen import runtime
+from infinigen.bench.side_by_side import (interleaved_decode, parse_cells, per_block_breakdown, staggered_prompts,
+                                          text_ids)
 from infinigen.eval.fanout import prefill_shared
 from infinigen.kernels import fused_select
-from infinigen.paths import resolve_text
-from infinigen.placement.timing import Breakdown
 from infinigen.policies import make_policy
 
 NAMES = ["full", "infinigen torch", "infinigen fused attention", "infinigen fused selection+attention"]
 FUSED = [(True, True), (False, False), (True, False), (True, True)]  # (attention fused, selection fused)
+
+
+def _use_paths(system: int) -> None:
+    """The kernel paths system `system` decodes with (FUSED)."""
+    fused_select.enabled, fused_select.packs_selection = FUSED[system]
 
 
 def _profiled(model, token, session, top: int):
@@ -63,41 +68,28 @@ def main() -> None:
     if not fused_select.available():
         raise SystemExit("the fused kernel is unavailable here: nothing to compare")
     model, tok, _ = infinigen.load("default", dtype="auto", weights="auto", progress=False)
-    ids = tok(open(resolve_text("prideprejudice"), encoding="utf-8").read(), return_tensors="pt").input_ids[0]
+    ids = text_ids(tok)
     rows = []
-    for cell in a.cells.split(","):
-        length, batch = map(int, cell.split("x"))
-        tokens = torch.stack([ids[i * 97:i * 97 + length] for i in range(batch)])  # rows 97 tokens apart
+    for length, batch in parse_cells(a.cells):
+        tokens = staggered_prompts(ids, length, batch)
         knobs = {"dense_below": 0} if a.calibrate else {"calibrate": False, "dense_below": 0}
         pols = [make_policy("full")] + [make_policy("infinigen", **knobs).prepare(model, tok) for _ in NAMES[1:]]
         logits, sessions = prefill_shared(model, tokens, pols, length + a.gen + a.breakdown + 2)
         for s in sessions:
             s.stats.reset()
-        nxt = [logits.argmax(-1)] * len(pols)
-        times, generated = [[] for _ in pols], [[] for _ in pols]
+        times, generated, nxt = interleaved_decode(model, logits.argmax(-1), sessions, a.gen - 1, clock, _use_paths)
         with torch.inference_mode():
-            for step in range(a.gen - 1):
-                for i in list(range(len(pols)))[::-1 if step % 2 else 1]:
-                    fused_select.enabled, fused_select.packs_selection = FUSED[i]
-                    t0 = clock()
-                    out = runtime.decode(model, nxt[i], sessions[i])
-                    times[i].append((clock() - t0) * 1e3)
-                    nxt[i] = out.argmax(-1)
-                    generated[i].append(nxt[i].tolist())
             profiles = []
             for i, s in enumerate(sessions):
-                fused_select.enabled, fused_select.packs_selection = FUSED[i]
+                _use_paths(i)
                 out, n_all, n_top, ops = _profiled(model, nxt[i], s, a.top)
                 nxt[i] = out.argmax(-1)
                 profiles.append((n_all, n_top, ops))
             breakdowns = [None] * len(pols)
             if a.breakdown:
                 for i, s in enumerate(sessions):
-                    fused_select.enabled, fused_select.packs_selection = FUSED[i]
-                    with Breakdown(model, s) as bd:
-                        for _ in range(a.breakdown):
-                            nxt[i] = bd.step(nxt[i]).argmax(-1)
-                    breakdowns[i] = bd.summary()["per_block_ms"]
+                    _use_paths(i)
+                    breakdowns[i], nxt[i] = per_block_breakdown(model, s, nxt[i], a.breakdown)
         fused_select.enabled, fused_select.packs_selection = True, True
         same = generated[1] == generated[2] == generated[3]
         print(f"{length:5d} x {batch}  the InfiniGen paths decode the same greedy tokens: {same}", flush=True)

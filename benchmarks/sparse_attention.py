@@ -13,15 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 import infinigen
-from infinigen import runtime
+from infinigen.bench.side_by_side import (interleaved_decode, parse_cells, per_block_breakdown, staggered_prompts,
+                                          text_ids)
 from infinigen.eval.fanout import prefill_shared
-from infinigen.paths import resolve_text
-from infinigen.placement.timing import Breakdown
 from infinigen.policies import make_policy
 
 
@@ -36,35 +34,23 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok, _ = infinigen.load("default", dtype="auto", weights="auto", progress=False)
-    ids = tok(open(resolve_text("prideprejudice"), encoding="utf-8").read(), return_tensors="pt").input_ids[0]
+    ids = text_ids(tok)
     rows = []
-    for cell in a.cells.split(","):
-        length, batch = map(int, cell.split("x"))
-        tokens = torch.stack([ids[i * 97:i * 97 + length] for i in range(batch)])  # rows 97 tokens apart
+    for length, batch in parse_cells(a.cells):
+        tokens = staggered_prompts(ids, length, batch)
         pols = [make_policy("full")] + [make_policy("infinigen", dense_below=0).prepare(model, tok) for _ in range(2)]
         names = ["full", "infinigen reference", "infinigen packed rows"]
         logits, sessions = prefill_shared(model, tokens, pols, length + a.gen + a.breakdown)
         sessions[1].read_rows = False
         for s in sessions:
             s.stats.reset()
-        nxt = [logits.argmax(-1)] * len(pols)
-        times, generated = [[] for _ in pols], [[] for _ in pols]
-        for step in range(a.gen - 1):
-            for i in list(range(len(pols)))[::-1 if step % 2 else 1]:
-                t0 = time.perf_counter()
-                out = runtime.decode(model, nxt[i], sessions[i])
-                times[i].append((time.perf_counter() - t0) * 1e3)
-                nxt[i] = out.argmax(-1)
-                generated[i].append(nxt[i].tolist())
+        times, generated, nxt = interleaved_decode(model, logits.argmax(-1), sessions, a.gen - 1)
         breakdowns = [None] * len(pols)
         print(f"{length:5d} x {batch}  reference and packed rows decode the same greedy tokens: "
               f"{generated[1] == generated[2]}", flush=True)
         if a.breakdown:
             for i, s in enumerate(sessions):
-                with Breakdown(model, s) as bd:
-                    for _ in range(a.breakdown):
-                        nxt[i] = bd.step(nxt[i]).argmax(-1)
-                breakdowns[i] = bd.summary()["per_block_ms"]
+                breakdowns[i], nxt[i] = per_block_breakdown(model, s, nxt[i], a.breakdown)
                 print(f"{length:5d} x {batch}  {names[i]:24s} per-block ms: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in breakdowns[i].items()), flush=True)
         for system, ts, s, bd in zip(names, times, sessions, breakdowns):

@@ -18,9 +18,8 @@ import time
 import torch
 
 import infinigen
-from infinigen import runtime
+from infinigen.bench.side_by_side import interleaved_decode, parse_cells, staggered_prompts, text_ids
 from infinigen.eval.fanout import prefill_shared
-from infinigen.paths import resolve_text
 from infinigen.policies import make_policy
 
 
@@ -37,12 +36,10 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok, name = infinigen.load("default", dtype="auto", weights="auto", progress=False)
-    ids = tok(open(resolve_text("prideprejudice"), encoding="utf-8").read(), return_tensors="pt").input_ids[0]
+    ids = text_ids(tok)
     rows = []
-    for cell in a.cells.split(","):
-        length, batch = map(int, cell.split("x"))
-        # consecutive rows start 97 tokens apart: different prompts, one length
-        tokens = torch.stack([ids[i * 97:i * 97 + length] for i in range(batch)])
+    for length, batch in parse_cells(a.cells):
+        tokens = staggered_prompts(ids, length, batch)
         knobs = [None if k.strip() == "measured" else int(k) for k in a.dense_below.split(",")]
         pols, names = [make_policy("full")], ["full"]
         for k in knobs:
@@ -56,15 +53,7 @@ def main() -> None:
                 print(f"prepare with the crossing: {time.perf_counter() - t0:.1f} s; "
                       f"crossing {json.dumps(s.get('crossing'))}", flush=True)
         logits, sessions = prefill_shared(model, tokens, pols, length + a.gen)
-        nxt = [logits.argmax(-1)] * len(pols)
-        times = [[] for _ in pols]
-        for step in range(a.gen - 1):
-            order = list(range(len(pols)))[::-1 if step % 2 else 1]
-            for i in order:
-                t0 = time.perf_counter()
-                out = runtime.decode(model, nxt[i], sessions[i])
-                times[i].append((time.perf_counter() - t0) * 1e3)
-                nxt[i] = out.argmax(-1)
+        times, _, _ = interleaved_decode(model, logits.argmax(-1), sessions, a.gen - 1)
         for system, ts, s in zip(names, times, sessions):
             row = dict(system=system, prompt=length, batch=batch, ms_median=statistics.median(ts[1:]),
                        ms_min=min(ts[1:]), rel_kv=s.stats.overall())
