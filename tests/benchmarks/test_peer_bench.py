@@ -2,27 +2,9 @@
 real capture below), the command lines it runs for both systems, and the ratios of its table."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-
-from support.cli import REPO
-
-SCRIPT = REPO / "benchmarks" / "peer_llamacpp.py"
-
-
-@pytest.fixture(scope="module")
-def peer():
-    spec = importlib.util.spec_from_file_location("peer_llamacpp", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the script is being run
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 # llama-batched-bench's whole output (stdout, then its one stderr line) from

@@ -2,26 +2,7 @@
 percentiles, the document and join summaries), its tables, and the command lines it starts each system with."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
-
-from support.cli import REPO
-
-SCRIPT = REPO / "benchmarks" / "serve_load.py"
-
-
-@pytest.fixture(scope="module")
-def sl():
-    spec = importlib.util.spec_from_file_location("serve_load", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the script is being run
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_percentiles_are_nearest_rank(sl):

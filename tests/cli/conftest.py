@@ -22,3 +22,11 @@ def no_model_load(monkeypatch):
     for m in commands:
         if hasattr(m, "load_model"):
             monkeypatch.setattr(m, "load_model", refuse)
+
+
+@pytest.fixture
+def tiny(tiny_checkpoint):
+    """(model, tokenizer) of the tiny checkpoint, loaded as the Python API loads it."""
+    from infinigen.loading import load
+    model, tok, _ = load(tiny_checkpoint, progress=False)
+    return model, tok

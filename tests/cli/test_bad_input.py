@@ -8,13 +8,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from support.cli import one_line_error
+from support.cli import console, one_line_error
 
 
 
@@ -39,15 +38,10 @@ def test_interrupt_exits_130(cli, monkeypatch, tiny_checkpoint, text_file, argv)
     assert "Traceback" not in err and "interrupted" in err
 
 
-def _console(*argv):
-    exe = Path(sys.executable).with_name("infinigen")
-    return ([str(exe)] if exe.exists() else [sys.executable, "-m", "infinigen.cli"]) + [str(a) for a in argv]
-
-
 @pytest.mark.parametrize("delay", [0.6, 2.0], ids=["while-importing", "later"])
 def test_sigint_to_the_process(tiny_checkpoint, text_file, delay):
     """A real SIGINT to the console script, early (torch still importing) and later: 130, no traceback."""
-    p = subprocess.Popen(_console("ppl", "--model", tiny_checkpoint, "--text", text_file, "--ctx", "128",
+    p = subprocess.Popen(console("ppl", "--model", tiny_checkpoint, "--text", text_file, "--ctx", "128",
                                   "--prefill", "16", "--windows", "3"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -7,11 +7,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from support.cli import console
 from support.cli import one_line_error as assert_one_line_error
 
 
@@ -159,9 +159,7 @@ def test_truncated_gguf(cli, tmp_path, monkeypatch, keep):
                                   ["generate", "-p", "hi", "--batch-size", "x"]], ids=["missing", "range", "type"])
 def test_console_script_exit_code(argv):
     """The real process: exit status 2, one line, no traceback."""
-    exe = Path(sys.executable).with_name("infinigen")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "infinigen.cli"]
-    r = subprocess.run(cmd + argv, capture_output=True, text=True, timeout=120,
+    r = subprocess.run(console(*argv), capture_output=True, text=True, timeout=120,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert_one_line_error(r.returncode, r.stderr)
     assert r.stdout == ""

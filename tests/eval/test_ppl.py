@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 
 import pytest
 import torch
@@ -15,15 +14,6 @@ from infinigen.policies import make_policy
 from infinigen.placement import Placement
 
 CTX, PREFILL = 64, 16
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    from support.models import CORPUS
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("text") / "story.txt"
-    path.write_text(" ".join(rng.choice(CORPUS) for _ in range(300)), encoding="utf-8")
-    return path
 
 
 def _run(args, tmp_path, capsys):
