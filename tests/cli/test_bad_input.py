@@ -16,10 +16,6 @@ import pytest
 from support.cli import console, one_line_error
 
 
-
-
-
-
 # ---- interrupts ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv", [["ppl", "--ctx", "64", "--prefill", "16"],
                                   ["bench", "--prompt-len", "32", "--gen-len", "4"],
@@ -42,7 +38,7 @@ def test_interrupt_exits_130(cli, monkeypatch, tiny_checkpoint, text_file, argv)
 def test_sigint_to_the_process(tiny_checkpoint, text_file, delay):
     """A real SIGINT to the console script, early (torch still importing) and later: 130, no traceback."""
     p = subprocess.Popen(console("ppl", "--model", tiny_checkpoint, "--text", text_file, "--ctx", "128",
-                                  "--prefill", "16", "--windows", "3"),
+                                 "--prefill", "16", "--windows", "3"),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     time.sleep(delay)

@@ -64,7 +64,7 @@ def checkpoint_model(tiny_checkpoint):
     return model, tok
 
 
-# ---- item 3: concurrent greedy requests equal the same requests run alone -----------------------------------
+# ---- concurrent greedy requests equal the same requests run alone -----------------------------------
 @pytest.mark.parametrize("policy,offload", [("full", "none"), ("infinigen", "none"), ("h2o", "none"), ("full", "disk")])
 def test_engine_batches_equal_alone(make_tiny, policy, offload, monkeypatch):
     """10 requests of different lengths join and leave a running batch at different steps (at most 6 at
@@ -188,7 +188,7 @@ def test_http_concurrent_requests_equal_alone(checkpoint_model, policy):
     assert eng.idle()
 
 
-# ---- item 4: bad input ------------------------------------------------------------------------------------
+# ---- bad input ------------------------------------------------------------------------------------------
 def _error(r, status):
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -311,7 +311,7 @@ def test_disconnect_mid_stream_frees_the_row(checkpoint_model, offload, tmp_path
         assert r.status_code == 200
 
 
-# ---- item 6: Ray Serve -------------------------------------------------------------------------------------
+# ---- Ray Serve -------------------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
