@@ -1,4 +1,4 @@
-"""Validation across model families (issue 19): InfiniGen's default beside the full cache, the oracle and H2O.
+"""Validation across model families: InfiniGen's default beside the full cache, the oracle and H2O.
 
 For each model, validation text (never read by any calibration: Pride and Prejudice, Northanger Abbey, Sense
 and Sensibility; the skew calibrates on Emma, the settings on Mansfield Park) and context, one fresh

@@ -1,4 +1,4 @@
-"""Accuracy table (issue 3, item 7): perplexity and relative KV size of every policy on the default model.
+"""Accuracy table: perplexity and relative KV size of every policy on the default model.
 
 Setup: SmolLM2-135M-Instruct (Q4_1), Pride and Prejudice (the package's data/austen/prideprejudice.txt,
 the first `ctx` tokens of the raw file), context 2048, the first 256 tokens as a dense prompt, the

@@ -1,4 +1,4 @@
-"""The compiled decoding step against the eager one (issue 18, item 3), side by side in one process.
+"""The compiled decoding step against the eager one, side by side in one process.
 
 For each case (policy, prompt length, batch) two sessions of the same prompt decode in turn, one step each,
 one with the compiled step (`infinigen.compiled`) and one eager, so both see the same machine load; the

@@ -1,4 +1,4 @@
-"""Evaluation on the default model (issue 5, item 5): few-shot accuracy, long-context retrieval and the
+"""Evaluation on the default model: few-shot accuracy, long-context retrieval and the
 paper's analyses, for the full cache, InfiniGen and H2O at InfiniGen's relative KV size.
 
     OMP_NUM_THREADS=2 python benchmarks/evaluation.py          # writes results/evaluation/evaluation.md (+ PNGs, .json)

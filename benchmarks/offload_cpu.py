@@ -1,4 +1,4 @@
-"""CPU offloading benchmark (issue 4, item 5): the default model at context 8192, batch 4 and 8, the KV
+"""CPU offloading benchmark: the default model at context 8192, batch 4 and 8, the KV
 cache in RAM and on disk; InfiniGen and the baselines against transformers' DynamicCache in the same run.
 
     python benchmarks/offload_cpu.py                      # the real run (tens of minutes; a quiet machine), bfloat16

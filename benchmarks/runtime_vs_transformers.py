@@ -1,4 +1,4 @@
-"""Speed sanity (issue 2, item 8): our runtime against `transformers` with the same weights.
+"""Speed sanity: our runtime against `transformers` with the same weights.
 
 For each context length and batch size: prefill tokens/s (a batch of `context`-token prompts) and
 decode tokens/s measured from a filled cache (prefill the context, then time `--steps` greedy decode

@@ -1,4 +1,4 @@
-"""Soak test of `infinigen serve` as a user runs it (issue 20): one server process, mixed clients for a while.
+"""Soak test of `infinigen serve` as a user runs it: one server process, mixed clients for a while.
 
     python benchmarks/serve_soak.py                      # 30 minutes, InfiniGen, KV in RAM
     python benchmarks/serve_soak.py --minutes 2          # a short try

@@ -1,4 +1,4 @@
-"""Selection read as packed rows against the reference path (issue 18 item 4): decode ms/step of the full
+"""Selection read as packed rows against the reference path: decode ms/step of the full
 cache, InfiniGen on the reference path (each KV head's slots padded to the largest head's count, gathered,
 then `attend_step`) and InfiniGen reading its packed rows (`KVStore.select_rows`, one masked fused call), KV
 in fast memory, default model and dtype, one shared prefill per cell (`eval.fanout.prefill_shared`), the

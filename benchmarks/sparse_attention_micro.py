@@ -1,4 +1,4 @@
-"""One selecting layer of a decoding step at the long case's shape (issue 18 item 4), its pieces timed
+"""One selecting layer of a decoding step at the long case's shape, its pieces timed
 alone on synthetic tensors: the 4-bit speculation scores, the selection (InfiniGen's default preset: the cap
 pooled over the layer's KV heads), then the rows read and attended, on the reference path (`KVStore.slots` +
 `gather` + `attend_step`: each KV head padded to the largest head's count) and on the packed rows

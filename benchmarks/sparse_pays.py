@@ -1,4 +1,4 @@
-"""Where sparse pays (issue 18 item 5): decode ms/step of the full cache against InfiniGen at given
+"""Where sparse pays: decode ms/step of the full cache against InfiniGen at given
 `dense_below` settings, KV in fast memory, default model (bfloat16 and int4 weights where the CPU has
 bfloat16: the CLI's defaults), one shared prefill per cell (`eval.fanout.prefill_shared`), then the systems'
 decoding steps interleaved A B ... B A, so that the load of a shared CPU falls on every system alike.

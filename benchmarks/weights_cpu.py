@@ -1,8 +1,8 @@
-"""Weights as the GGUF stores them against dequantized weights (issue 18, items 1 and 2), on the CPU.
+"""Weights as the GGUF stores them against dequantized weights, on the CPU.
 
 Default model (SmolLM2-135M-Instruct, Q4_1), three ways of holding it, all in one process:
 
-  fp32        the GGUF dequantized to float32, float32 compute (the default before issue 18)
+  fp32        the GGUF dequantized to float32, float32 compute (the earlier default)
   bf16        the GGUF dequantized to bfloat16, bfloat16 compute
   int4+bf16   the file's Q4_1 blocks as int4 and its Q8_0 table as int8, bfloat16 compute (the new default
               where the CPU has AVX512-BF16 or AMX)

@@ -247,7 +247,7 @@ class PackedKeys:
         return (c - 8) * scale + zero
 
     def default_method(self) -> str:
-        """The fastest measured scorer for this layout and device (results/int4_scorer/int4_scorer.md)."""
+        """The fastest measured scorer for this layout and device (results/int4_scorer/)."""
         if self.layout == "tinygemm":
             return "tinygemm"
         if self.codes.is_cuda and _has_triton() and self.dim >= 4 and (self.dim // 2) & (self.dim // 2 - 1) == 0:
