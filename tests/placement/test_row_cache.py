@@ -5,7 +5,6 @@ overlapping rows (counted at the tier itself); it stays within its byte bound, w
 fast bytes; a slot reused under a pool limit is never served from the cache; 0 bytes turns it off."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
@@ -17,7 +16,7 @@ from infinigen.errors import UserError
 from infinigen.placement import Placement
 from infinigen.placement.rowcache import RowCache
 from infinigen.policies import make_policy
-from support.offload import FifoVictims, SlowReads, offload_policy, selective_policy
+from support.offload import FifoVictims, SlowReads, offload_policy, run_placed, selective_policy
 
 B, PROMPT, GEN = 2, 24, 8
 BIG = 1 << 22  # holds every row of these tiny pools
@@ -28,19 +27,9 @@ def _tokens(seed=3):
 
 
 def _decode(model, placement, policy, gen=GEN, capacity=None, allocator=None, close=True):
-    """(tokens [B, gen], logits [B, gen, V], session) of greedy decoding from one prompt."""
-    placement = dataclasses.replace(placement, capacity=capacity)
-    sess = placement.new_session(model, B, PROMPT + gen, policy, allocator=allocator)
-    logits = runtime.prefill(model, _tokens(), sess)
-    out, steps = [], []
-    for _ in range(gen):
-        t = logits.argmax(-1)
-        out.append(t)
-        logits = runtime.decode(model, t, sess)
-        steps.append(logits)
-    if close:
-        placement.close(sess)
-    return torch.stack(out, 1), torch.stack(steps, 1), sess
+    """(tokens [B, gen], logits [B, gen, V], session) of greedy decoding from one unpadded batch of prompts."""
+    return run_placed(model, placement, policy, capacity=capacity, allocator=allocator, gen=gen, keep=not close,
+                      prompts=(_tokens(), None))
 
 
 def _make(name, model):

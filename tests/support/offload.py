@@ -53,12 +53,15 @@ def offload_prompts(batch=B, length=PROMPT, seed=3):
     return tokens, pad
 
 
-def run_placed(model, placement, policy, capacity=None, pool_bytes=None, allocator=None, gen=GEN, keep=False):
-    """Greedy decoding of `gen` tokens after the prompts, in a session of `placement`: (tokens [B, gen], the
-    logits of each step [B, gen, V], the session), the session closed unless `keep`."""
-    tokens, pad = (x.to(model.device) for x in offload_prompts())
+def run_placed(model, placement, policy, capacity=None, pool_bytes=None, allocator=None, gen=GEN, keep=False,
+               prompts=None):
+    """Greedy decoding of `gen` tokens after the prompts (`prompts`: (tokens, pad mask or None), else
+    `offload_prompts()`), in a session of `placement`: (tokens [B, gen], the logits of each step [B, gen, V], the
+    session), the session closed unless `keep`."""
+    tokens, pad = prompts if prompts is not None else offload_prompts()
+    tokens, pad = tokens.to(model.device), None if pad is None else pad.to(model.device)
     placement = dataclasses.replace(placement, capacity=capacity, pool_bytes=pool_bytes)
-    sess = placement.new_session(model, B, PROMPT + gen, policy, allocator=allocator)
+    sess = placement.new_session(model, tokens.shape[0], tokens.shape[1] + gen, policy, allocator=allocator)
     logits = runtime.prefill(model, tokens, sess, pad)
     out, steps = [], []
     for _ in range(gen):
