@@ -102,6 +102,14 @@ def text_file(tmp_path_factory):
     return path
 
 
+@pytest.fixture
+def checkpoint_model(tiny_checkpoint):
+    """(model, tokenizer) of the tiny checkpoint, loaded as `infinigen.load` loads a user's checkpoint."""
+    from infinigen.loading import load
+    model, tok, _ = load(str(tiny_checkpoint), progress=False)
+    return model, tok
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_checkpoint):
     from transformers import AutoTokenizer

@@ -6,6 +6,14 @@ import importlib
 import pytest
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _commands_imported():
+    """Import every command module before `no_model_load` patches `basic.load_model`: a module imported
+    while it is patched would keep the patched function after the test."""
+    from infinigen.cli import build_app
+    build_app()
+
+
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Loading the model fails the test: the error had to come before it."""
@@ -22,11 +30,3 @@ def no_model_load(monkeypatch):
     for m in commands:
         if hasattr(m, "load_model"):
             monkeypatch.setattr(m, "load_model", refuse)
-
-
-@pytest.fixture
-def tiny(tiny_checkpoint):
-    """(model, tokenizer) of the tiny checkpoint, loaded as the Python API loads it."""
-    from infinigen.loading import load
-    model, tok, _ = load(tiny_checkpoint, progress=False)
-    return model, tok

@@ -20,14 +20,6 @@ from support.models import CORPUS
 INT64_MAX = 2 ** 63 - 1
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _commands_imported():
-    """Import every command module before `no_model_load` patches `basic.load_model`: a module imported
-    while it is patched would keep the patched function after the test."""
-    from infinigen.cli import build_app
-    build_app()
-
-
 # ---- knob values out of range for their type -----------------------------------------------------------------
 KNOBS = [
     (["generate", "-p", "hi", "--policy", "infinigen", "--knob", "min_fetch=99999999999999999999"], "min_fetch"),
@@ -112,13 +104,13 @@ def test_the_largest_accepted_knob_runs(tiny_llama, name, knobs):
 
 
 # ---- memory: everything a batch allocates, logits included -------------------------------------------------------
-def test_python_generate_checks_memory_before_allocating(tiny, monkeypatch):
+def test_python_generate_checks_memory_before_allocating(checkpoint_model, monkeypatch):
     import importlib
 
     import infinigen
     from infinigen.errors import UserError
     g = importlib.import_module("infinigen.generate")  # the module (`infinigen.generate` is the function)
-    model, tok = tiny
+    model, tok = checkpoint_model
     rows = 2000
     need = g.batch_memory(model, rows, len(tok("hi")["input_ids"]), 1, padded=False)  # what generate will ask
     assert need["logits"] >= rows * model.cfg.vocab_size * 4  # the [rows, vocab] float32 scores are counted

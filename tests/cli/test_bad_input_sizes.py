@@ -14,13 +14,6 @@ TOO_LARGE = [HUGE, HUGE + "G", "1" + "0" * 5000, "8E", "8EiB", str(MAX_BYTES + 1
 MALFORMED = ["inf", "nan", "-1", "-2G", "garbage", "", "2X", "1e9", "0x10", "2 G B", "1,000"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _commands_imported():
-    """Every command module imported before `no_model_load` patches `basic.load_model` (see conftest.py)."""
-    from infinigen.cli import build_app
-    build_app()
-
-
 @pytest.mark.parametrize("text, value", [
     ("2G", 2 << 30), ("512M", 512 << 20), ("1.5GiB", 3 << 29), ("1000000", 1000000), ("2gb", 2 << 30),
     ("64k", 65536), (" 3 KiB ", 3072), ("0.5K", 512), ("7E", 7 << 60), (str(MAX_BYTES), MAX_BYTES), ("1", 1),

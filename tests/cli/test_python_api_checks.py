@@ -10,9 +10,9 @@ from support.cli import REPO
 
 
 # ---- prompts, arguments, sampling, policies by name ------------------------------------------------------------------
-def test_python_generate_prompts(tiny):
+def test_python_generate_prompts(checkpoint_model):
     import infinigen
-    model, tok = tiny
+    model, tok = checkpoint_model
     empty = infinigen.generate(model, tok, [], max_new_tokens=4)
     assert empty.texts == [] and empty.tokens == [] and empty.prompt_tokens == 0
     one = infinigen.generate(model, tok, "Hello there", max_new_tokens=4)
@@ -26,10 +26,10 @@ def test_python_generate_prompts(tiny):
     (dict(sampling="greedy"), "sampling"), (dict(max_new_tokens=2.5), "max_new_tokens"),
     (dict(max_new_tokens=None), "max_new_tokens"), (dict(policy=42), "policy"), (dict(policy="nope"), "nope"),
 ])
-def test_python_generate_bad_arguments(tiny, kwargs, needle):
+def test_python_generate_bad_arguments(checkpoint_model, kwargs, needle):
     import infinigen
     from infinigen.errors import UserError
-    model, tok = tiny
+    model, tok = checkpoint_model
     args = dict(prompts=["hi"], max_new_tokens=2) | kwargs
     with pytest.raises(UserError, match=needle) as e:
         infinigen.generate(model, tok, args.pop("prompts"), **args)
@@ -39,22 +39,22 @@ def test_python_generate_bad_arguments(tiny, kwargs, needle):
 @pytest.mark.parametrize("field,value", [("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0),
                                          ("top_p", math.nan), ("top_p", math.inf), ("top_k", 1.5), ("seed", -1),
                                          ("seed", 2 ** 64), ("temperature", "hot")])
-def test_python_sampling_is_checked(tiny, field, value):
+def test_python_sampling_is_checked(checkpoint_model, field, value):
     import infinigen
     from infinigen.errors import UserError
-    model, tok = tiny
+    model, tok = checkpoint_model
     with pytest.raises(UserError, match=field) as e:
         infinigen.generate(model, tok, ["hi"], max_new_tokens=2, sampling=infinigen.Sampling(**{field: value}))
     msg = str(e.value)
     assert "\n" not in msg and msg.count(". ") == 0  # one sentence
 
 
-def test_python_policy_by_name(tiny, tmp_path, monkeypatch):
+def test_python_policy_by_name(checkpoint_model, tmp_path, monkeypatch):
     """`policy="infinigen"` is `make_policy("infinigen")`, prepared (its skew matrices calibrated) the same way."""
     import infinigen
     monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("INFINIGEN_DATA", str(REPO / "src" / "infinigen" / "data"))  # the bundled calibration text
-    model, tok = tiny
+    model, tok = checkpoint_model
     by_name = infinigen.generate(model, tok, ["It is a truth universally"], max_new_tokens=6, policy="infinigen")
     by_object = infinigen.generate(model, tok, ["It is a truth universally"], max_new_tokens=6,
                                    policy=infinigen.make_policy("infinigen"))

@@ -12,7 +12,6 @@ pytest.importorskip("lm_eval", reason="lm_eval is an optional dependency")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from infinigen import runtime
-from infinigen import load  # noqa: E402
 from infinigen.eval.lm_eval_adapter import InfiniGenLM  # noqa: E402
 from infinigen.placement import Placement  # noqa: E402
 
@@ -21,21 +20,15 @@ def _req(kind, args, i=0):
     return Instance(request_type=kind, doc={}, arguments=args, idx=i)
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_checkpoint):
-    model, tok, _ = load(str(tiny_checkpoint), progress=False)
-    return model, tok
-
-
 def _ll(model, ids, n_ctx):
     sess = Placement().new_session(model, 1, len(ids))
     lp = F.log_softmax(runtime.prefill(model, torch.tensor([ids]), sess, all_logits=True)[0].float(), -1)
     return sum(lp[t - 1, ids[t]].item() for t in range(n_ctx, len(ids)))
 
 
-def test_unknown_model_args_are_an_error(tiny):
+def test_unknown_model_args_are_an_error(checkpoint_model):
     from infinigen.errors import UserError
-    model, tok = tiny
+    model, tok = checkpoint_model
     with pytest.raises(UserError, match="no knob 'alhpa'"):
         InfiniGenLM(model=model, tokenizer=tok, policy="infinigen", alhpa=5)
     lm = InfiniGenLM(model=model, tokenizer=tok, policy="h2o", heavy_ratio=0.2, max_batch_size=None)
@@ -47,8 +40,8 @@ def test_registered():
     assert get_model("infinigen") is InfiniGenLM
 
 
-def test_loglikelihood_full_matches_manual(tiny):
-    model, tok = tiny
+def test_loglikelihood_full_matches_manual(checkpoint_model):
+    model, tok = checkpoint_model
     lm = InfiniGenLM(policy="full", model=model, tokenizer=tok)
     reqs = [_req("loglikelihood", ("The family of Dashwood had long been", c), i)
             for i, c in enumerate([" settled in Sussex.", " a heroine.", " settled"])]
@@ -62,8 +55,8 @@ def test_loglikelihood_full_matches_manual(tiny):
     assert out[2][0] > out[0][0]  # a prefix of a continuation is more likely than the whole
 
 
-def test_policy_knobs_and_generation(tiny):
-    model, tok = tiny
+def test_policy_knobs_and_generation(checkpoint_model):
+    model, tok = checkpoint_model
     lm = InfiniGenLM(policy="streaming", model=model, tokenizer=tok, sinks=1, window=2, batch_size="auto")
     assert lm.policy.window == 2 and lm.policy.sinks == 1
     ctx = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
@@ -78,7 +71,7 @@ def test_policy_knobs_and_generation(tiny):
     assert isinstance(text, str) and "\n" not in text
 
 
-def test_simple_evaluate_on_a_local_task(tiny, tmp_path, monkeypatch):
+def test_simple_evaluate_on_a_local_task(checkpoint_model, tmp_path, monkeypatch):
     """lm_eval runs our model type end to end on a task whose data is a local file."""
     import json
 
@@ -86,7 +79,7 @@ def test_simple_evaluate_on_a_local_task(tiny, tmp_path, monkeypatch):
     from lm_eval.tasks import TaskManager
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
-    model, tok = tiny
+    model, tok = checkpoint_model
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps(d) for d in [
         {"question": "The family of Dashwood had long been", "choices": [" settled in Sussex.", " a fox."], "label": 0},
