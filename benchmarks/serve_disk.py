@@ -36,6 +36,7 @@ import os
 import platform
 import signal
 import statistics
+import tempfile
 import subprocess
 import sys
 import time
@@ -186,18 +187,22 @@ def run_system(name: str, argv: list[str], port: int, chats: list[list[dict]], a
             stats = mb.stats()
             row["cgroup_peak_mib"] = round(stats.get("peak", 0) / 2**20) if stats.get("peak") else None
             row["bound"] = mb.describe()
+            row["startup"] = next((line for line in tail(log, 20000).splitlines() if "serving" in line), "")[:600]
     except RuntimeError as e:
         row["failed"] = " ".join(str(e).split())[:600]
     return row
 
 
 def summary(recs, wall: float, answer_tokens: int) -> dict:
-    ok = [r for r in recs if not r.error and r.arrivals]
+    # lost: an error, or a stream that ended without its usage (an answer may be empty: EOS first)
+    lost = [r for r in recs if r.error or r.completion_tokens is None]
+    ok = [r for r in recs if r not in lost and r.arrivals]
     ttft = [r.arrivals[0] - r.sent for r in ok]
     after_first = sum(max(0, (r.completion_tokens or len(r.arrivals)) - 1) for r in ok)
     span = (max(r.arrivals[-1] for r in ok) - min(r.arrivals[0] for r in ok)) if ok else 0.0
-    lost = sum(1 for r in recs if r.error or not r.arrivals or (r.completion_tokens or 0) < 1)
-    return {"requests": len(recs), "lost": lost, "errors": [r.error for r in recs if r.error][:3],
+    each = [{"ttft_s": round(r.arrivals[0] - r.sent, 2) if r.arrivals else None,
+             "completion_tokens": r.completion_tokens, "error": r.error} for r in recs]
+    return {"requests": len(recs), "lost": len(lost), "errors": [r.error for r in lost][:3], "each": each,
             "completion_tokens": sum(r.completion_tokens or len(r.arrivals) for r in ok),
             "decode_tok_s": round(after_first / span, 2) if span > 0 else None,
             "tok_s_wall": round(sum(r.completion_tokens or len(r.arrivals) for r in ok) / wall, 2),
@@ -254,8 +259,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     sl = _module("serve_load")
     out = Path(args.out)
-    logs = out.parent / (out.name + "-logs")
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="serve-disk-logs-"))  # each server's output, named on failure
     load_before = Path("/proc/loadavg").read_text().strip()
     chats = documents(args.clients, args.doc_tokens)
     n, b = args.clients, args.disk_block

@@ -262,3 +262,17 @@ def test_memory_bound_below_the_weights_is_refused_before_loading(cli, default_m
     assert code == 2 and len(lines) == 1, err
     assert "--memory-limit of 64 MiB cannot hold the server: it needs at least" in lines[0]
     assert "model's weights" in lines[0] and "loading" not in err
+
+
+def test_read_only_pool_folder_is_refused_before_loading(cli, tmp_path):
+    """`serve --kv-offload disk --pool-dir` on a read-only file system: one line naming the folder, exit 2,
+    before the model is loaded."""
+    with _tmpfs(tmp_path / "pool", "1m") as pool:
+        _remount(pool, "ro")
+        try:
+            code, out, err = cli("serve", "--kv-offload", "disk", "--disk-block", "16", "--pool-dir", str(pool),
+                                 "--port", "0")
+        finally:
+            _remount(pool, "rw")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and str(pool) in lines[0] and "loading" not in err, err
