@@ -276,3 +276,46 @@ def test_read_only_pool_folder_is_refused_before_loading(cli, tmp_path):
             _remount(pool, "rw")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and str(pool) in lines[0] and "loading" not in err, err
+
+
+def test_memory_limit_reruns_the_server_inside_a_bound_and_sigterm_stops_it(default_model, tmp_path):
+    """`serve --memory-limit`: the server runs in a child inside a memory cgroup, sets its fast budget from the
+    bound (said on its serving line), answers a request from a block-file pool; SIGTERM to the command reaches
+    the child, which drains and exits 0, and the group and the pool folder are left empty."""
+    import signal
+    import sys
+    import time
+
+    import httpx
+    pool = tmp_path / "pool"
+    argv = [sys.executable, "-m", "infinigen.cli", "serve", "--memory-limit", "1.5G", "--kv-offload", "disk",
+            "--disk-block", "16", "--pool-dir", str(pool), "--port", "0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    try:
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "infinigen: serving" in line:
+                break
+        text = "".join(lines)
+        if proc.poll() == 2 and "cannot bound memory" in text:
+            pytest.skip(text.strip().splitlines()[-1])
+        assert "infinigen: running under" in text and "under --memory-limit of 1.50 GiB" in lines[-1], text
+        url = lines[-1].split(" on ", 1)[1].split("/v1", 1)[0]
+        group = text.split("infinigen: running under", 1)[1].split("(", 1)[1].split(")", 1)[0]
+        r = httpx.post(f"{url}/v1/completions", json={"model": lines[-1].split()[2], "prompt": "Once upon a time",
+                                                      "max_tokens": 4, "temperature": 0}, timeout=300)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=300) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not os.path.exists(group), "the memory cgroup was left behind"
+    assert os.listdir(pool) == []
