@@ -264,6 +264,75 @@ def rerun_bounded(ctx, module_argv: list[str], limit: int) -> int:
     return code
 
 
+UNLIMITED = 1 << 60  # a cgroup's "no limit" reads as a number near 2^63 (v1) or "max" (v2)
+
+
+def cgroup_limit() -> int | None:
+    """The memory limit this process runs under: the tightest limit of its memory cgroup and the groups above
+    it (v2 memory.max, v1 memory.limit_in_bytes); None where there is none or none can be read."""
+    limits = []
+    for mnt, fstype, opts in _mounts():
+        if fstype == "cgroup2":
+            own, name = _own_path(None), "memory.max"
+        elif fstype == "cgroup" and "memory" in opts:
+            own, name = _own_path("memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        if own is None:
+            continue
+        group = Path(mnt) / own.lstrip("/")
+        while True:
+            try:
+                text = (group / name).read_text().strip()
+            except OSError:
+                text = "max"
+            if text.isdigit() and int(text) < UNLIMITED:
+                limits.append(int(text))
+            if group == Path(mnt):
+                break
+            group = group.parent
+    return min(limits) if limits else None
+
+
+def popen_bounded(mb: MemoryBound, argv: list[str], env: dict) -> subprocess.Popen:
+    """Start `argv` inside the bound, in a session of its own (signals reach it only through the caller)."""
+    if mb.mechanism == "systemd-run":
+        argv = ["systemd-run", "--scope", "--quiet", "-p", f"MemoryMax={mb.limit}", "-p", "MemorySwapMax=0",
+                "--", *argv]
+        return subprocess.Popen(argv, env=env, start_new_session=True)
+    procs = str(mb._procs())
+
+    def join():
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+
+    return subprocess.Popen(argv, env=env, preexec_fn=join, start_new_session=True)
+
+
+def serve_bounded(ctx, module_argv: list[str], limit: int) -> int:
+    """Like `rerun_bounded`, for a long-running command: SIGINT and SIGTERM sent to this process are passed on
+    to the bounded child, which decides what they mean; returns the child's exit code once it ends."""
+    import json
+    import signal
+    with MemoryBound(limit) as mb:
+        print(f"infinigen: running under {mb.describe()}", file=sys.stderr, flush=True)
+        env = dict(os.environ, **{BOUND_ENV: json.dumps(mb.info())})
+        child = popen_bounded(mb, [sys.executable, "-m", "infinigen.cli", *module_argv, *command_args(ctx)], env)
+
+        def forward(sig, frame):
+            child.send_signal(sig)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
 def current() -> dict | None:
     """The bound this process runs under (set by rerun_bounded), or None."""
     import json

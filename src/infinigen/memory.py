@@ -80,6 +80,18 @@ def session_bytes(session, shared: dict | None = None) -> tuple[int, int]:
     return fast, slow
 
 
+def resident_bytes() -> int | None:
+    """This process's resident set now (Linux VmRSS); None where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def device_memory_bytes(device) -> int | None:
     """Memory of the device the KV cache lives on (total, not free: a bound, not a forecast); None when unknown."""
     try:

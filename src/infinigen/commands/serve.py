@@ -33,12 +33,22 @@ from .placement_opts import parse_bytes
 
 
 def serve_cmd(
+    ctx: typer.Context,
     model: str = model_option(),
     policy: str = typer.Option("full", "--policy", help=f"KV-cache policy: {', '.join(REGISTRY)}."),
     knob: list[str] = knob_option(),
     kv_offload: str = typer.Option("none", "--kv-offload", help="Where the KV pool lives: none (fast memory), cpu "
                                    "(host memory behind a GPU), disk (memory-mapped files)."),
     pool_dir: Optional[str] = typer.Option(None, "--pool-dir", help="Folder of the disk pool's files (default: temp dir)."),
+    disk_block: int = typer.Option(0, "--disk-block", help="With --kv-offload disk: each request's pool in "
+                                   "page-aligned blocks of this many tokens per layer and KV head, read with "
+                                   "positioned reads of the blocks a selection names (e.g. 16); 0: a memory-mapped "
+                                   "file."),
+    memory_limit: Optional[str] = typer.Option(None, "--memory-limit", help="Serve under this memory bound (e.g. "
+                                               "1.5G; a cgroup, as root), page cache included; the fast-memory "
+                                               "budget defaults to half of what it leaves beside the loaded "
+                                               "server. Default: the limit of the cgroup the server runs in, if "
+                                               "any."),
     pool_bytes: Optional[str] = typer.Option(None, "--pool-bytes", help="KV pool budget in the tier that holds it "
                                              "(e.g. 8G). Default: a quarter of RAM (none), half of RAM (cpu), half "
                                              "of the free disk (disk)."),
@@ -84,25 +94,44 @@ def serve_cmd(
     """Serve the model over an OpenAI-compatible HTTP API with continuous batching."""
     check_model_options(device, dtype)
     check_compile_option(compile)
+    limit = parse_bytes(memory_limit, "memory-limit")
     config = ServerConfig(
         model=model, policy=policy, knobs=tuple(knob), kv_offload=kv_offload, pool_dir=pool_dir,
-        pool_bytes=parse_bytes(pool_bytes), fast_bytes=parse_bytes(fast_bytes, "fast-bytes"),
+        disk_block=disk_block, memory_limit=limit, pool_bytes=parse_bytes(pool_bytes),
+        fast_bytes=parse_bytes(fast_bytes, "fast-bytes"),
         max_batch=max_batch, max_queue=max_queue, prefix_cache=prefix_cache,
         prefix_cache_bytes=parse_bytes(prefix_cache_bytes, "prefix-cache-bytes"), prefix_cache_dir=prefix_cache_dir,
         prefix_cache_dir_bytes=parse_bytes(prefix_cache_dir_bytes, "prefix-cache-dir-bytes"),
         prefill_chunk_layers=prefill_chunk_layers, host=host, port=port, served_model_name=name,
         replicas=replicas, device=device, dtype=dtype, compile=compile, batch_invariant=batch_invariant)
-    if prefix_cache_dir is not None:
-        config = dataclasses.replace(config, prefix_cache_dir=_check_prefix_dir(prefix_cache_dir))
-    make_policy_from_cli(policy, knob)  # knobs checked now, before loading
+    from ..membound import current
+    _start(ctx, config, bounded=current() is not None)  # a parent process re-ran this one under the bound
+
+
+def _start(ctx, config: ServerConfig, bounded: bool) -> None:
+    """Everything checked that can be before loading, then the server: here, on Ray, or re-run under the
+    memory bound (`bounded`: this process is that re-run)."""
+    if config.prefix_cache_dir is not None:
+        config = dataclasses.replace(config, prefix_cache_dir=_check_prefix_dir(config.prefix_cache_dir))
+    make_policy_from_cli(config.policy, list(config.knobs))  # knobs checked now, before loading
     try:
         import fastapi  # noqa: F401
         import sse_starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise UserError(f"serving needs the 'serve' extra: pip install 'infinigen[serve]' ({e.name} is missing)")
-    if replicas > 1:
+    if config.kv_offload == "disk":  # a folder that cannot hold a pool file: said now, before loading
+        from ..placement.tiers import check_pool_folder
+        check_pool_folder(config.pool_dir)
+    if config.replicas > 1:
         _serve_on_ray(config)
+        return
+    if config.memory_limit is not None and not bounded:
+        _check_memory_bound(config)  # before a group is made and a child started
+        from .. import membound
+        code = membound.serve_bounded(ctx, ["serve"], config.memory_limit)
+        if code:
+            raise typer.Exit(code if code in (2, 130) else 1)
         return
     _serve_here(config)
 
@@ -141,6 +170,7 @@ def _serve_here(config: ServerConfig) -> None:
     try:
         with _sigterm_exits():
             _check_budgets(config)
+            _check_memory_bound(config)
             try:
                 app = build(config, phase=phase, url=url)
             except (UserError, KeyboardInterrupt, OSError):
@@ -153,7 +183,8 @@ def _serve_here(config: ServerConfig) -> None:
         server.stop()
         raise
     gate.ready(app)
-    described = ", ".join(filter(None, [app.state.engine.describe(), app.state.compiled_note]))
+    described = ", ".join(filter(None, [app.state.engine.describe(), app.state.compiled_note,
+                                        app.state.bound_note]))
     print(f"infinigen: serving {app.state.model_name} on {url}/v1 ({described})", file=sys.stderr, flush=True)
     if server.wait(app.state.engine) == signal.SIGINT:
         raise KeyboardInterrupt  # the CLI's Ctrl-C: exit 130
@@ -215,6 +246,26 @@ def _check_budgets(config: ServerConfig) -> None:
             raise UserError(f"--{name} {value} bytes cannot hold one token's KV in {where}: a token takes {per} "
                             f"bytes with this model ({cfg.num_layers} layers, {cfg.num_kv_heads} KV heads of "
                             f"{cfg.head_dim}, {str(dtype).removeprefix('torch.')})")
+
+
+def _check_memory_bound(config: ServerConfig) -> None:
+    """Under a memory bound (--memory-limit or a cgroup's): refused before loading when the bound cannot hold
+    this process, the model's weights and one request's fast state."""
+    from ..loading import default_gguf, resolve_precision
+    from ..memory import resident_bytes
+    from ..serve.bound import check_before_loading, request_fast_floor, server_bound, weights_bytes
+    bound = server_bound(config.memory_limit)
+    cfg = _model_config(config.model)
+    if bound is None or cfg is None:
+        return  # loading says what is wrong with the model
+    dtype, mode = resolve_precision(config.dtype, "auto", config.device or "cpu")
+    element = dtype.itemsize
+    path = default_gguf() if config.model in ("", "default") else Path(config.model).expanduser()
+    if path.is_dir():
+        path = next(iter(sorted(path.glob("*.gguf"))), path)
+    gguf = path if path.is_file() and path.suffix == ".gguf" else None
+    check_before_loading(bound, resident_bytes() or 0, weights_bytes(cfg, gguf, element, mode),
+                         request_fast_floor(cfg, element, config.disk_block))
 
 
 def _model_config(model: str):
@@ -322,6 +373,9 @@ def build(config: ServerConfig, phase=None, url: str | None = None):
     check_policies_fit(pol, net)
     phase("calibrating", f"calibrating: preparing the {config.policy} policy")
     prepare_policies({config.policy: pol}, net, tok)
+    bound_note = _budget_under_bound(config)
+    if bound_note is not None:
+        config = dataclasses.replace(config, fast_bytes=bound_note[0])
     phase("model", "model: measuring what a request holds")
     engine = Engine.from_config(net, pol, config, eos=stop_ids(net, tok))
     try:
@@ -339,7 +393,23 @@ def build(config: ServerConfig, phase=None, url: str | None = None):
     app = create_app(engine, tok, served)
     app.state.model_name = served
     app.state.compiled_note = compiled_note
+    app.state.bound_note = bound_note[1] if bound_note is not None else None
     return app
+
+
+def _budget_under_bound(config: ServerConfig) -> tuple[int, str] | None:
+    """Under a memory bound and without --fast-bytes: (the fast budget it leaves beside the loaded server,
+    a line saying so); None otherwise."""
+    from ..memory import resident_bytes
+    from ..serve.bound import fast_budget_under, server_bound
+    bound = server_bound(config.memory_limit)
+    if bound is None or config.fast_bytes is not None:
+        return None
+    resident = resident_bytes() or 0
+    fast = fast_budget_under(bound, resident)
+    gib = 2 ** 30
+    return fast, (f"under {bound[1]} of {bound[0] / gib:.2f} GiB (the loaded server {resident / gib:.2f} GiB, "
+                  f"fast budget {fast / gib:.2f} GiB)")
 
 
 def register(app: typer.Typer) -> None:

@@ -183,5 +183,7 @@ class Placement:
         fast = "GPU memory" if device.type == "cuda" else "RAM"
         if self.kv_offload == "none":
             return f"KV in {fast}"
-        slow = {"cpu": "pinned host memory" if device.type == "cuda" else "host memory", "disk": "a memory-mapped file"}
+        slow = {"cpu": "pinned host memory" if device.type == "cuda" else "host memory",
+                "disk": f"a file of page-aligned blocks of {self.disk_block} tokens" if self.disk_block
+                else "a memory-mapped file"}
         return f"KV pool in {slow[self.kv_offload]}, fetched to {fast}"

@@ -32,6 +32,12 @@ class ServerConfig:
     kv_offload: str = _option("none", "where the KV pool lives: fast memory, host memory behind a GPU, or "
                               "memory-mapped files", "--kv-offload", choices=OFFLOADS)
     pool_dir: Optional[str] = _option(None, "folder of the disk pool's files (None: a temp dir)", "--pool-dir")
+    disk_block: int = _option(0, "the disk pool in page-aligned blocks of this many tokens per layer and KV "
+                              "head, read with positioned reads of the blocks a selection names (0: a "
+                              "memory-mapped file)", "--disk-block", lo=0)
+    memory_limit: Optional[int] = _option(None, "the memory bound the server runs under in bytes, its page cache "
+                                          "included (None: the cgroup's limit, if any)", "--memory-limit",
+                                          lo=1 << 20, hi=MAX_INT64)
     pool_bytes: Optional[int] = _option(None, "KV pool budget in bytes in the tier that holds it (None: the "
                                         "tier's default)", "--pool-bytes", lo=1, hi=MAX_INT64)
     fast_bytes: Optional[int] = _option(None, "fast-memory budget in bytes for the KV and what requests hold "
@@ -69,6 +75,12 @@ class ServerConfig:
         if self.batch_invariant and self.compile == "on":
             raise UserError("--compile on: the compiled step's kernels depend on the batch size, so it is not "
                             "batch-invariant; add --no-batch-invariant to compile it")
+        if self.disk_block and self.kv_offload != "disk":
+            raise UserError(f"--disk-block lays out the disk pool and needs --kv-offload disk (got --kv-offload "
+                            f"{self.kv_offload})")
+        if self.memory_limit is not None and self.replicas > 1:
+            raise UserError("--memory-limit bounds one server process; with --replicas give each replica's "
+                            "--fast-bytes instead")
         if self.prefix_cache_dir_bytes is not None and self.prefix_cache_dir is None:
             raise UserError("--prefix-cache-dir-bytes is the limit of the prefix cache's folder and needs "
                             "--prefix-cache-dir")

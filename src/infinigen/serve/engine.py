@@ -155,7 +155,8 @@ class Engine:
     def from_config(cls, model, policy, config, eos: set[int] | frozenset = frozenset()) -> "Engine":
         """The engine a `ServerConfig` describes (its placement, admission limits and prefix cache)."""
         from ..placement import Placement
-        return cls(model, policy, Placement(kv_offload=config.kv_offload, pool_dir=config.pool_dir), eos=eos,
+        return cls(model, policy, Placement(kv_offload=config.kv_offload, pool_dir=config.pool_dir,
+                                                  disk_block=config.disk_block), eos=eos,
                    max_batch=config.max_batch, max_queue=config.max_queue, fast_bytes=config.fast_bytes,
                    pool_bytes=config.pool_bytes, prefill_chunk_layers=config.prefill_chunk_layers,
                    prefix_cache=config.prefix_cache, prefix_cache_bytes=config.prefix_cache_bytes,
@@ -450,9 +451,11 @@ class Engine:
                 log.exception("engine step failed")
 
     def _trim_heap(self, every_s: float = 2.0) -> None:
-        """Once requests have finished, at most every `every_s` seconds: their freed tensors' pages go back to
-        the OS, so the server's RSS stays flat under requests of ever-different sizes (a few ms per call)."""
+        """Once requests have finished or prompts been prefilled, at most every `every_s` seconds: their freed
+        tensors' pages (a long prompt's activations) go back to the OS, so the server's RSS stays flat under
+        requests of ever-different sizes and within a memory bound (a few ms per call)."""
         finished = sum(self.counters["requests_" + r] for r in ("stop", "length", "cancelled", "error"))
+        finished += self.counters["prompt_tokens"]
         now = time.monotonic()
         if finished != self._finished_at_trim and now - self._trimmed_at >= every_s:
             self._finished_at_trim, self._trimmed_at = finished, now

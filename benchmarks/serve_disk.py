@@ -1,0 +1,301 @@
+"""Conversations that live on disk: N concurrent clients, each with its own D-token document and an A-token answer,
+against servers that run under one memory bound (below the requests' total KV).
+
+    python benchmarks/serve_disk.py                                      # 16 clients x 8000 tokens, 1.5 GiB
+    python benchmarks/serve_disk.py --clients 4 --doc-tokens 2000 --memory-limit 1G --out results/serve_disk
+
+Systems, each a fresh process on a free port of 127.0.0.1 inside a fresh memory cgroup of `--memory-limit`
+(made here with `infinigen.membound`, page cache charged; root needed), started and stopped by this script:
+
+  full offload   `infinigen serve --policy full --kv-offload disk` (the pool in a memory-mapped file, its faster
+                 layout for whole-layer reads: results/disk_blocks.md)
+  InfiniGen      `infinigen serve --policy infinigen --kv-offload disk --disk-block B --knob block=B` and the
+                 default model's calibrated settings as knobs (`CALIBRATED`: no calibration at start-up, every
+                 row selects): every layer selects blocks of B tokens, read with positioned reads
+  llama-server   llama.cpp's server (the native build benchmarks/peer_llamacpp.py caches) with the same GGUF,
+                 `-np N` slots of `-c` holding each request, its defaults otherwise (`--no-llama`: not run)
+
+Our servers find the bound from the cgroup they start in (no --memory-limit flag: the cgroup's limit sets their
+fast budget); --max-batch N and a queue for every client. Each system gets one warm-up request, then the N
+clients at once (threads of the `openai` package, streamed chat, temperature 0), then each request again alone,
+one after another, whose answer is compared with the concurrent one. Reported per system: aggregate decode
+tok/s (completion tokens after each client's first, over the span from the first first token to the last
+token), completion tokens/s over the whole run, TTFT p50/max, the cgroup's peak charge (page cache included) and
+the server's peak RSS (VmHWM), lost requests (errors or short answers), answers equal to the same request alone.
+
+Writes OUT.md and OUT.json (default results/serve_disk).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import signal
+import statistics
+import tempfile
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _module(name: str):
+    """A sibling benchmark imported from its file (serve_load: the servers' helpers and prompts)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+# the default model's shipped calibration (the server's first lines print it), given as knobs so that choosing
+# blocks does not calibrate again at start-up; dense_below 0: every row selects (the crossing is not measured)
+CALIBRATED = ("calibrate=false", "alpha=7", "kv_budget=0.1354", "budget_growth=0.5", "exact_first=true",
+              "remainder_from=1", "dense_layers=", "dense_below=0")
+INSTRUCTION = "Read the text below, then say in a few sentences what happens in it."
+
+
+def peak_rss(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def bounded_server(argv: list[str], port: int, env: dict, log: Path, limit: int, ready_s: float = 1800):
+    """`argv` started inside a fresh memory cgroup of `limit` bytes; yields (url, process, bound) once /health
+    answers 200; SIGTERM (SIGKILL after 60 s) at the end."""
+    import httpx
+
+    from infinigen.membound import MemoryBound
+    with MemoryBound(limit) as mb, open(log, "wb") as out:
+        if mb.group is None:
+            raise RuntimeError(f"{mb.describe()} cannot hold a server started here: a cgroup is needed (root)")
+        procs = str(mb.group / "cgroup.procs")
+
+        def join():  # in the child, before exec: everything it touches is charged to the group
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                preexec_fn=join)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + ready_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{argv[0]} exited ({proc.returncode}) before it served:\n{tail(log)}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{argv[0]} did not answer /health within {ready_s:.0f} s:\n{tail(log)}")
+                time.sleep(0.5)
+            yield url, proc, mb
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def tail(log: Path, n: int = 3000) -> str:
+    try:
+        return log.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def documents(clients: int, doc_tokens: int) -> list[list[dict]]:
+    """One chat per client: the instruction and a passage of its own (consecutive pieces of the Austen texts)."""
+    pr = _module("serve_load").Prompts()
+    books = ("emma", "prideprejudice", "sensesensibility")
+    out = []
+    for i in range(clients):
+        book = books[i % len(books)]
+        start = (i // len(books)) * doc_tokens
+        out.append(pr.chat(INSTRUCTION, book, start, doc_tokens))
+    return out
+
+
+def text_of(client, model, messages, answer_tokens) -> str | None:
+    """The greedy answer (not streamed), or None on an error."""
+    try:
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=answer_tokens, temperature=0)
+        return r.choices[0].message.content
+    except Exception:  # noqa: BLE001 -- counted, the run goes on
+        return None
+
+
+def run_system(name: str, argv: list[str], port: int, chats: list[list[dict]], args, logs: Path) -> dict:
+    sl = _module("serve_load")
+    env = sl.child_env(args.threads)
+    row = {"system": name, "command": " ".join(argv)}
+    try:
+        log = logs / f"{name.split()[0].lower()}.log"
+        with bounded_server(argv, port, env, log, args.memory_limit) as (url, proc, mb):
+            client = sl.openai_client(url)
+            model = sl.served_model(client)
+            sl.warm_up(client, model)
+            t0 = time.perf_counter()
+            answers = {}
+
+            def concurrent_one(i):
+                rec = sl.Sent(sent=time.perf_counter())
+                try:
+                    stream = client.chat.completions.create(
+                        model=model, messages=chats[i], max_tokens=args.answer_tokens, temperature=0, stream=True,
+                        stream_options={"include_usage": True})
+                    parts = []
+                    for chunk in stream:
+                        now = time.perf_counter()
+                        if chunk.choices and chunk.choices[0].delta is not None and chunk.choices[0].delta.content:
+                            rec.arrivals.append(now)
+                            parts.append(chunk.choices[0].delta.content)
+                        if chunk.usage is not None:
+                            rec.completion_tokens = chunk.usage.completion_tokens
+                    answers[i] = "".join(parts)
+                except Exception as e:  # noqa: BLE001
+                    rec.error = repr(e)[:300]
+                rec.done = time.perf_counter()
+                return rec
+
+            with concurrent.futures.ThreadPoolExecutor(len(chats)) as pool:
+                recs = list(pool.map(concurrent_one, range(len(chats))))
+            wall = time.perf_counter() - t0
+            alone = [text_of(client, model, c, args.answer_tokens) for c in chats] if args.alone else []
+            row.update(summary(recs, wall, args.answer_tokens))
+            row["equal_alone"] = sum(alone[i] is not None and alone[i] == answers.get(i) for i in range(len(alone)))
+            row["compared_alone"] = len(alone)
+            row["rss_peak_mib"] = round((peak_rss(proc.pid) or 0) / 2**20)
+            stats = mb.stats()
+            row["cgroup_peak_mib"] = round(stats.get("peak", 0) / 2**20) if stats.get("peak") else None
+            row["bound"] = mb.describe()
+            row["startup"] = next((line for line in tail(log, 20000).splitlines() if "serving" in line), "")[:600]
+    except RuntimeError as e:
+        row["failed"] = " ".join(str(e).split())[:600]
+    return row
+
+
+def summary(recs, wall: float, answer_tokens: int) -> dict:
+    # lost: an error, or a stream that ended without its usage (an answer may be empty: EOS first)
+    lost = [r for r in recs if r.error or r.completion_tokens is None]
+    ok = [r for r in recs if r not in lost and r.arrivals]
+    ttft = [r.arrivals[0] - r.sent for r in ok]
+    after_first = sum(max(0, (r.completion_tokens or len(r.arrivals)) - 1) for r in ok)
+    span = (max(r.arrivals[-1] for r in ok) - min(r.arrivals[0] for r in ok)) if ok else 0.0
+    each = [{"ttft_s": round(r.arrivals[0] - r.sent, 2) if r.arrivals else None,
+             "completion_tokens": r.completion_tokens, "error": r.error} for r in recs]
+    return {"requests": len(recs), "lost": len(lost), "errors": [r.error for r in lost][:3], "each": each,
+            "completion_tokens": sum(r.completion_tokens or len(r.arrivals) for r in ok),
+            "decode_tok_s": round(after_first / span, 2) if span > 0 else None,
+            "tok_s_wall": round(sum(r.completion_tokens or len(r.arrivals) for r in ok) / wall, 2),
+            "ttft_p50_s": round(statistics.median(ttft), 2) if ttft else None,
+            "ttft_max_s": round(max(ttft), 2) if ttft else None, "wall_s": round(wall, 1)}
+
+
+def llama_bin() -> Path | None:
+    """The cached build of llama.cpp tuned for this CPU (benchmarks/peer_llamacpp.py builds it), or None."""
+    peer = _module("peer_llamacpp")
+    variant = peer.tuning(peer.default_kind(peer.cpu_flags()), peer.cpu_flags())[0]
+    return peer.cached_build(None, variant)
+
+
+def markdown(d: dict) -> str:
+    a = d["args"]
+    lines = [f"# Conversations on disk: {a['clients']} clients x {a['doc_tokens']}-token documents, "
+             f"{a['answer_tokens']}-token answers, under {a['memory_limit'] / 2**30:.2f} GiB", "",
+             f"Command: `{d['command']}`; date {d['date']}; machine: {d['machine']}; "
+             f"/proc/loadavg before: {d['load_before']}, after: {d['load_after']}.", "",
+             "| system | lost | decode tok/s (aggregate) | tok/s (whole run) | TTFT p50 s | TTFT max s "
+             "| cgroup peak MiB | server RSS peak MiB | answers = alone | wall s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        if "failed" in r:
+            lines.append(f"| {r['system']} | failed: {r['failed'][:300]} | | | | | | | | |")
+            continue
+        lines.append(f"| {r['system']} | {r['lost']} of {r['requests']} | {r['decode_tok_s']} | {r['tok_s_wall']} | "
+                     f"{r['ttft_p50_s']} | {r['ttft_max_s']} | {r['cgroup_peak_mib']} | {r['rss_peak_mib']} | "
+                     f"{r['equal_alone']} of {r['compared_alone']} | {r['wall_s']} |")
+    lines += ["", "Commands:"] + [f"- {r['system']}: `{r['command']}`" for r in d["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    from infinigen.sizes import parse_bytes
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--doc-tokens", type=int, default=8000)
+    p.add_argument("--answer-tokens", type=int, default=64)
+    p.add_argument("--memory-limit", default="1.5G")
+    p.add_argument("--disk-block", type=int, default=16)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--no-llama", action="store_true")
+    p.add_argument("--no-alone", dest="alone", action="store_false", help="skip the requests alone")
+    p.add_argument("--systems", default="full,infinigen,llama")
+    p.add_argument("--out", default="results/serve_disk")
+    args = p.parse_args(argv)
+    args.memory_limit = parse_bytes(args.memory_limit, "memory-limit")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sl = _module("serve_load")
+    out = Path(args.out)
+    logs = Path(tempfile.mkdtemp(prefix="serve-disk-logs-"))  # each server's output, named on failure
+    load_before = Path("/proc/loadavg").read_text().strip()
+    chats = documents(args.clients, args.doc_tokens)
+    n, b = args.clients, args.disk_block
+    common = ["--max-batch", str(n), "--max-queue", str(4 * n), "--host", "127.0.0.1", "--kv-offload", "disk"]
+    ours = [sys.executable, "-m", "infinigen.cli", "serve"]
+    systems = {
+        "full": ("full offload (disk, mapped file)", lambda port: ours + ["--policy", "full", *common,
+                                                                          "--port", str(port)]),
+        "infinigen": (f"InfiniGen (disk, blocks of {b})", lambda port: ours + [
+            "--policy", "infinigen", *[x for k in (*CALIBRATED, f"block={b}") for x in ("--knob", k)], *common,
+            "--disk-block", str(b), "--port", str(port)]),
+    }
+    binary = None if args.no_llama else llama_bin()
+    if binary is not None:
+        slot = sl.ctx_per_slot(args.doc_tokens + args.answer_tokens + 64)
+        gguf = _module("peer_llamacpp").default_gguf()
+        systems["llama"] = (f"llama-server ({n} slots of {slot})",
+                            lambda port: sl.llama_server_command(binary, gguf, args.threads, n, slot, port))
+    rows = []
+    for key in args.systems.split(","):
+        if key not in systems:
+            continue
+        name, command = systems[key]
+        port = sl.free_port()
+        print(f"serve_disk: {name}", file=sys.stderr, flush=True)
+        rows.append(run_system(name, command(port), port, chats, args, logs))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    d = {"args": {**vars(args)}, "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+         "command": "python benchmarks/serve_disk.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+         "load_before": load_before, "load_after": Path("/proc/loadavg").read_text().strip()}
+    out.with_suffix(".json").write_text(json.dumps(d, indent=1))
+    out.with_suffix(".md").write_text(markdown(d))
+    print(markdown(d))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
