@@ -2,13 +2,13 @@
 against servers that run under one memory bound (below the requests' total KV).
 
     python benchmarks/serve_disk.py                                      # 16 clients x 8000 tokens, 1.5 GiB
-    python benchmarks/serve_disk.py --clients 4 --doc-tokens 2000 --memory-limit 1G --out results/serve_disk
+    python benchmarks/serve_disk.py --clients 4 --doc-tokens 2000 --memory-limit 1G --out results/serve_disk/serve_disk
 
 Systems, each a fresh process on a free port of 127.0.0.1 inside a fresh memory cgroup of `--memory-limit`
 (made here with `infinigen.membound`, page cache charged; root needed), started and stopped by this script:
 
   full offload   `infinigen serve --policy full --kv-offload disk` (the pool in a memory-mapped file, its faster
-                 layout for whole-layer reads: results/disk_blocks.md)
+                 layout for whole-layer reads: results/disk_blocks/disk_blocks.md)
   InfiniGen      `infinigen serve --policy infinigen --kv-offload disk --disk-block B --knob block=B` and the
                  default model's calibrated settings as knobs (`CALIBRATED`: no calibration at start-up, every
                  row selects): every layer selects blocks of B tokens, read with positioned reads
@@ -23,7 +23,7 @@ tok/s (completion tokens after each client's first, over the span from the first
 token), completion tokens/s over the whole run, TTFT p50/max, the cgroup's peak charge (page cache included) and
 the server's peak RSS (VmHWM), lost requests (errors or short answers), answers equal to the same request alone.
 
-Writes OUT.md and OUT.json (default results/serve_disk).
+Writes OUT.md and OUT.json (default results/serve_disk/serve_disk).
 """
 from __future__ import annotations
 
@@ -249,7 +249,7 @@ def parse_args(argv=None):
     p.add_argument("--no-llama", action="store_true")
     p.add_argument("--no-alone", dest="alone", action="store_false", help="skip the requests alone")
     p.add_argument("--systems", default="full,infinigen,llama")
-    p.add_argument("--out", default="results/serve_disk")
+    p.add_argument("--out", default="results/serve_disk/serve_disk")
     args = p.parse_args(argv)
     args.memory_limit = parse_bytes(args.memory_limit, "memory-limit")
     return args
