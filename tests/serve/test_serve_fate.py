@@ -14,10 +14,8 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +26,7 @@ pytest.importorskip("sse_starlette")
 pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 
-from support.cli import one_line_error  # noqa: E402
+from support.cli import console, one_line_error  # noqa: E402
 from infinigen import runtime  # noqa: E402
 from infinigen.generate import Sampling, generate_ids  # noqa: E402
 from infinigen.placement import Placement  # noqa: E402
@@ -650,7 +648,7 @@ def test_budgets_checked_after_loading_too(tiny_checkpoint):
     """A budget that holds a token's KV but not a whole request (the store's positions, the policy state):
     still refused before serving, in one line after the warm-up's progress lines (a subprocess: a server that
     started would not return)."""
-    r = subprocess.run(_console("serve", "--model", tiny_checkpoint, "--port", 0, "--fast-bytes", "300"),
+    r = subprocess.run(console("serve", "--model", tiny_checkpoint, "--port", 0, "--fast-bytes", "300"),
                        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     progress = [line for line in r.stderr.splitlines() if line.startswith("infinigen: loading: ")]
     assert progress, r.stderr
@@ -658,14 +656,9 @@ def test_budgets_checked_after_loading_too(tiny_checkpoint):
     one_line_error(r.returncode, rest, "one prompt token and one new token")
 
 
-def _console(*argv):
-    exe = Path(sys.executable).with_name("infinigen")
-    return ([str(exe)] if exe.exists() else [sys.executable, "-m", "infinigen.cli"]) + [str(a) for a in argv]
-
-
 def _start(tiny_checkpoint, *extra):
     """`infinigen serve` in a subprocess on a port the system picks; (process, url) once it answers."""
-    argv = _console("serve", "--model", tiny_checkpoint, "--served-model-name", NAME, "--port", 0, *extra)
+    argv = console("serve", "--model", tiny_checkpoint, "--served-model-name", NAME, "--port", 0, *extra)
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     lines = []
@@ -694,7 +687,7 @@ def test_busy_port_in_the_console_script(tiny_checkpoint):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        r = subprocess.run(_console("serve", "--model", tiny_checkpoint, "--port", port), capture_output=True,
+        r = subprocess.run(console("serve", "--model", tiny_checkpoint, "--port", port), capture_output=True,
                            text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 2, r.stderr
     expected = f"infinigen: error: cannot listen on 127.0.0.1:{port}: Address already in use"

@@ -8,10 +8,8 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -23,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 from infinigen.policies import make_policy  # noqa: E402
 from infinigen.serve.app import BackgroundServer, WarmingUp, create_app  # noqa: E402
 from infinigen.serve.engine import Engine  # noqa: E402
+from support.cli import console  # noqa: E402
 
 NAME = "tiny"
 BODY = {"model": NAME, "prompt": "the cat", "max_tokens": 3, "temperature": 0}
@@ -67,11 +66,6 @@ def test_every_route_answers_503_until_the_app_is_ready(checkpoint_model):
 
 
 # ---- the console script -------------------------------------------------------------------------------------
-def _console(*argv):
-    exe = Path(sys.executable).with_name("infinigen")
-    return ([str(exe)] if exe.exists() else [sys.executable, "-m", "infinigen.cli"]) + [str(a) for a in argv]
-
-
 class _Serve:
     """`infinigen serve` in a subprocess with a cache of its own (so the step compiles cold: a warm-up of
     seconds); its stderr lines are read by a thread as they come."""
@@ -79,7 +73,7 @@ class _Serve:
     def __init__(self, tiny_checkpoint, tmp_path, *extra):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "INFINIGEN_CACHE": str(tmp_path / "cache")}
         env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-        argv = _console("serve", "--model", tiny_checkpoint, "--served-model-name", NAME, "--port", 0, *extra)
+        argv = console("serve", "--model", tiny_checkpoint, "--served-model-name", NAME, "--port", 0, *extra)
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self.reader = threading.Thread(target=lambda: self.lines.extend(self.p.stderr), daemon=True)
