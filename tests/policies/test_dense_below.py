@@ -15,6 +15,7 @@ from infinigen.kernels.int4 import PackedKeys
 from infinigen.placement import Placement
 from infinigen.policies import crossing, make_policy
 from infinigen.policies.infinigen import InfiniGen
+from infinigen.policies.speculation import SpeculationKeys
 from infinigen.policies.knobs import make_policy_from_cli
 from infinigen.selection import ALL
 
@@ -52,7 +53,7 @@ class _Reads(runtime.Listener):
 def _count_speculation(monkeypatch):
     """Count the speculation's work: queries of the next layer, partial-key and packed-key scoring."""
     calls = {"query": 0, "scores": 0, "packed": 0}
-    scores, packed = InfiniGen._scores, PackedKeys.scores
+    scores, packed = SpeculationKeys.scores, PackedKeys.scores
 
     def counted_scores(self, *a, **kw):
         calls["scores"] += 1
@@ -61,7 +62,7 @@ def _count_speculation(monkeypatch):
     def counted_packed(self, *a, **kw):
         calls["packed"] += 1
         return packed(self, *a, **kw)
-    monkeypatch.setattr(InfiniGen, "_scores", counted_scores)
+    monkeypatch.setattr(SpeculationKeys, "scores", counted_scores)
     monkeypatch.setattr(PackedKeys, "scores", counted_packed)
     return calls
 

@@ -38,20 +38,20 @@ def test_scores_are_the_centred_reference_on_the_keys_scale(make_tiny):
     st, store = sess.state, sess.store
     layer = model.cfg.num_layers - 1
     n = store.length[layer]
-    keys = pol._rotate(st, store.k[layer][:, :, :n], layer)
+    keys = pol.speculation.rotate(st, store.k[layer][:, :, :n], layer)
     mean = st.key_mean[layer]
     # the mean of the prompt's keys, fixed from then on
-    prompt = pol._rotate(st, store.k[layer][:, :, :P], layer).mean(2, keepdim=True)
+    prompt = pol.speculation.rotate(st, store.k[layer][:, :, :P], layer).mean(2, keepdim=True)
     torch.testing.assert_close(mean, prompt)
-    got = pol._scores(st, layer, 0, st.spec_keys[layer], n)
-    qs = pol._spec_rows(st, layer, slice(0, 1))[:, :, :, 0]
+    got = pol.speculation.scores(st, layer, 0, st.spec_keys[layer], n)
+    qs = pol.speculation.queries(st, layer, slice(0, 1))[:, :, :, 0]
     want = qs @ (fake_quantize(keys - mean, layout=st.layout) + mean).transpose(-1, -2)
     assert (got - want).abs().max() <= 1e-2 * want.abs().max()
     exact = qs @ keys.transpose(-1, -2)
     plain = make_policy("infinigen", skew=False, calibrate=False, dense_below=0, max_fetch_ratio=0.3, kv_budget=None,
                         budget_growth=1.0, min_fetch=0)
     _, s2 = _decode(model, plain, _tokens(model, t=T))
-    uncentred = plain._scores(s2.state, layer, 0, s2.state.spec_keys[layer], n)
+    uncentred = plain.speculation.scores(s2.state, layer, 0, s2.state.spec_keys[layer], n)
     # on the attention's scale, and closer to the exact scores than the uncentred 4-bit keys' scores
     assert (got - exact).abs().mean() < 0.5 * (uncentred - exact).abs().mean()
 
