@@ -66,15 +66,23 @@ def _finite(owner: str, name: str, value) -> None:
             raise UserError(f"{owner} knob {name} must be a finite number, got {v}")
 
 
+# metadata of a dataclass field of a policy that is not a knob (a record the policy is built from): it is given
+# to the constructor, but `--knob`, `settings()` and the knob checks leave it out
+NOT_A_KNOB = {"knob": False}
+
+
+def knob_fields(cls_or_policy) -> list[dataclasses.Field]:
+    """The knobs of a policy class (or object): its constructor's fields but those marked NOT_A_KNOB."""
+    return [f for f in dataclasses.fields(cls_or_policy) if f.init and f.metadata.get("knob", True)]
+
+
 @functools.cache
 def _field_kinds(cls) -> dict[str, tuple[type | None, bool]]:
     """Knob name -> (int, float, bool or None for any other type; whether None is allowed), read from the
     dataclass's annotations; a tuple of ints counts as int (each item is checked)."""
     hints = typing.get_type_hints(cls)
     out = {}
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
+    for f in knob_fields(cls):
         tp, optional = hints[f.name], False
         if typing.get_origin(tp) in (typing.Union, types.UnionType):
             args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -164,7 +172,7 @@ class Policy:
 
     def settings(self, model=None) -> dict:
         """The knob values in effect, JSON-able (with `model`: also what depends on its architecture)."""
-        return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init}
+        return {f.name: jsonable(getattr(self, f.name)) for f in knob_fields(self)}
 
     def codec(self) -> KVCodec | None:
         """How keys and values are stored (None: as computed)."""

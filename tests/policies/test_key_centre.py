@@ -12,6 +12,7 @@ from infinigen.eval import analyze as an
 from infinigen.kernels.int4 import fake_quantize
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
+from infinigen.policies.infinigen_calibration import search_setup
 from support.speculation import prefill_then_decode as _decode
 from support.speculation import random_tokens as _tokens
 
@@ -64,7 +65,7 @@ def test_centred_keys_rank_closer_to_the_true_top(make_tiny):
     got = {}
     for centre in (False, True):
         pol = make_policy("infinigen", key_centre=centre, **knobs)
-        pol.prepare(model, None)
+        pol = pol.prepare(model, None)
         got[centre] = an.selection_recall(model, ids, pol, 32, forms={"in_ram": Placement()})["in_ram"]["mean"]
     assert got[True]["recall"] > got[False]["recall"] + 0.02  # 0.915 -> 0.941 here
     assert got[True]["mass_read"] > got[False]["mass_read"]
@@ -77,5 +78,5 @@ def test_knob_checks_and_the_default_calibration_key(make_tiny):
         make_policy("infinigen", key_centre=1)
     _, model = make_tiny("llama")
     # off (the default): not part of what the stored calibration choices are keyed by; on: part of it
-    assert "key_centre" not in make_policy("infinigen")._calibration_setup(model)["fixed"]
-    assert make_policy("infinigen", key_centre=True)._calibration_setup(model)["fixed"]["key_centre"] is True
+    assert "key_centre" not in search_setup(make_policy("infinigen"), model)["fixed"]
+    assert search_setup(make_policy("infinigen", key_centre=True), model)["fixed"]["key_centre"] is True

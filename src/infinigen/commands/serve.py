@@ -321,7 +321,7 @@ def build(config: ServerConfig, phase=None, url: str | None = None):
     net, tok, name = load_model(config.model, config.dtype, config.device)
     check_policies_fit(pol, net)
     phase("calibrating", f"calibrating: preparing the {config.policy} policy")
-    prepare_policies({config.policy: pol}, net, tok)
+    pol = prepare_policies({config.policy: pol}, net, tok)[config.policy]
     phase("model", "model: measuring what a request holds")
     engine = Engine.from_config(net, pol, config, eos=stop_ids(net, tok))
     try:

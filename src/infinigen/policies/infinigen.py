@@ -1,69 +1,41 @@
 """InfiniGen (paper section 4.3): speculate layer i's important tokens one layer ahead, fetch only those.
 
-Per request, at prefill, layer i >= 1 (except dense layers) gets a partial index: the top ceil(r*d)
-columns of |Q~| + |K~| summed over the prompt (Q~ = Q A, K~ = K A skewed, A from `infinigen.skew`),
-the partial weights A[:, idx], and a partial key cache K~[:, idx] of every cached token in the model's
-dtype (rewritten in `on_append`, so it follows pool evictions). At decoding, when layer i-1's hook
-fires, the speculative query of layer i is computed from the hidden state available there, projected
-by the partial weights and scored against the partial key cache; tokens
-within `alpha` of each head's maximum are selected and counted per `budget`, at most
-`max_fetch_ratio` of the cached tokens. Layer i's attention then runs over those plus the current
-token (the runtime does that).
+The policy in parts: this module holds the knobs (a frozen dataclass), the per-request state and the hooks the
+runtime calls; policies/infinigen_settings.py the knobs' choices, defaults, presets and checks;
+policies/speculation.py the skew matrices and the speculation keys and their scorer; policies/infinigen_select.py
+the selection rules; policies/budgets.py the per-layer caps; policies/infinigen_calibration.py the per-model
+calibration record `prepare` builds the policy from (policies/calibrate.py: its search).
 
-Skew matrices are a model-wide resource: `prepare(model, tokenizer)` loads the artifact of `infinigen
-skew` from the cache (or the one the package ships for the model), or calibrates on `calib` (default: a
-bundled novel) and caches it; `with_skew(skew)`
-(an `infinigen.skew.Skew` or a tensor [L,Hkv,d,d]) sets them by hand. The rotation is applied at run time
-(after RoPE for the Llama family); for a model whose weights already hold it (`skew.skew_model`) it is
-not applied twice. Per-request state (`InfiniGenState`) lives on the session.
+Per request, at prefill, every selecting layer gets its speculation keys: the partial columns K~[:, idx] (the
+paper: the top ceil(r*d) columns of |Q~| + |K~| over the prompt, Q~ = Q A, K~ = K A, A the skew) or, with
+`key_mode="int4"`, every skewed column packed in 4 bits (40 B per token and KV head at d 64: 7.8% of float32
+K+V), rewritten in `on_append`, so they follow pool evictions. At decoding, when layer i-1's hook fires, layer
+i's query is speculated from the hidden state there (`spec_input`: the paper's attention input, or
+LN_i(h_{i-1} + attn_out_{i-1}) with "attn_out") and scored against those keys; the tokens within `alpha` of
+each head's maximum are selected and counted per `budget` ("layer": the cap pooled over the layer's KV heads,
+spent on the most speculated attention mass), at most a cap. Layer i's attention then runs over those plus the
+current token (the runtime does that). `InfiniGen.paper()` is exactly the paper's method.
 
-Modes beyond the paper (ARCHITECTURE.md, "The default InfiniGen preset", says what was measured):
-`spec_input="attn_out"` speculates from
-LN_i(h_{i-1} + attn_out_{i-1}) (layer i's own input norm of the residual after layer i-1's attention);
-`key_mode="int4"` scores all columns against packed 4-bit skewed keys (`kernels.int4.PackedKeys`:
-two codes per byte, a 16-bit scale and minimum per group of 32; 40 B per token and KV head at d 64, the
-same as 30% of the columns in 16 bits, 7.8% of float32 K+V) with torch's CPU int4 kernel where it fits;
-`budget="union"` lets a KV head fetch every token any of its query heads selects, and `budget="layer"`
-pools the cap over a layer's KV heads and spends it on the entries with the most speculated attention
-mass. The default preset combines the three (see PRESETS); `InfiniGen.paper()` is exactly the paper's method.
+How much is read is one all-layer bound, `kv_budget` (the share of the cached entries read over every layer,
+dense layers counting 100%); the selecting layers' caps follow from it (`budgets.layer_caps`), and with
+`budget_growth` q < 1 the tokens read grow as n ** q (`budget_at`: kv_budget at `budget_ref` cached tokens).
+`exact_first` selects layer 0 too, with its exact query, known once a decoding step's tokens are embedded, so
+placement prefetches layer 0's rows like every other layer's.
 
-How much is read is one all-layer bound, `kv_budget` (the share of the cached entries read
-over every layer, dense layers counting 100%); the selecting layers' caps are derived from it
-(`budgets.layer_caps`), spread by the attention sparsity the skew calibration recorded per layer
-(`budget_power`: 0 the same cap everywhere, 1 proportional). The bound may shrink with the length:
-with `budget_growth` q < 1 the tokens read grow as n ** q (`budget_at`: kv_budget at `budget_ref` cached
-tokens), because the tokens that matter grow more slowly than the context. `exact_first` selects layer 0
-too, with its exact query (nothing precedes layer 0 to speculate from), scored against layer 0's partial or
-packed keys. That query is known as soon as a decoding step's tokens are embedded, so
-the selection is made then and placement prefetches layer 0's rows like every other layer's. Layer 1 is
-then speculated from layer 0's output like every other layer.
+With `remainder` the attention mass of the entries a selection leaves unread is estimated from their speculated
+scores (which cover every cached token) and the runtime adds that mass times their mean value (the sum of every
+cached value per batch row and KV head, kept in fast memory, less what attention read). Nothing unread: the
+dense result to the bit. Off under a pool limit and a sliding window; needs key_mode int4.
 
-`calibrate` chooses alpha, kv_budget and the treatment of layer 0 per model in `prepare`
-(`policies.calibrate`: the cheapest setting within `calibrate_target` of the full cache's perplexity on
-held-apart calibration tokens, under `calibrate_bound`); knobs the caller sets are kept. The choice is
-stored in the skew artifact's metadata and recorded in `settings(model)["calibration"]`.
-
-The speculation scores cover every cached token, so with `remainder` the attention mass of
-the entries a selection leaves unread is estimated without reading them (the log-sum-exp of their speculated
-scores, `Remainder.lse`), and the runtime adds that mass times their mean value: the sum of every cached value
-per (batch row, KV head), kept in fast memory (float32, updated in `on_prefill` / `on_append`), minus what
-attention read, over their count. Their share of the row's mass is measured against the exact scores of
-what was read (the row's own token included). Nothing unread: the dense result to the bit. Off under a pool
-limit (an append overwrites a value the sums hold) and a sliding window; needs key_mode int4 (the partial
-columns' scores are not on the scores' scale). `remainder_from`: the selecting layers before it go without.
-
-Which query selects (`query`): the paper speculates layer i's query at layer i-1 so that the rows can be fetched
-while layer i-1 still runs. Where the KV sits in fast memory there is no transfer to hide, and the layer's own
-query, known once its projection ran, ranks the same 4-bit keys better (and its unread mass is the remainder's
-weight): "own" selects with it at the layer's attention, "ahead" speculates as the paper does, and "auto" (the
-default preset) takes "own" in fast memory and "ahead" on an offloaded tier. Measured on the validation texts:
-results/accuracy_models.md.
+Which query selects (`query`): "ahead" speculates as the paper does, so the rows can be fetched while layer i-1
+still runs; "own" selects with the layer's own query at its attention (nothing to overlap where the KV is in
+fast memory, and it ranks the same keys better); "auto" (the default) takes "own" in fast memory and "ahead" on
+an offloaded tier. Measured on the validation texts: results/accuracy_models.md.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import sys
 import weakref
@@ -76,8 +48,10 @@ from ..errors import UserError
 from ..kernels.int4 import PackedKeys
 from ..memory import tensor_bytes, weight_bytes
 from . import infinigen_select as select
-from .base import ALL, Policy, Remainder, jsonable, parse_layers
+from .base import ALL, NOT_A_KNOB, Policy, Remainder, knob_fields, parse_layers
 from .budgets import layer_caps
+from .crossing import crossing_for
+from .infinigen_calibration import _CHOICES, announce, calibration_record  # noqa: F401
 from .infinigen_settings import (BUDGETS, CALIBRATE_BOUND, CALIBRATE_GROWTH, CALIBRATE_TARGET,  # noqa: F401
                                  CALIBRATE_TEXT, CALIBRATED, KEY_MODES, PRESETS, QUERIES, SPEC_INPUTS, check_bounds,
                                  check_choices)
@@ -124,10 +98,10 @@ class InfiniGenState:
     rest: dict = field(default_factory=dict)
     key_mean: dict = field(default_factory=dict)  # key_centre: layer -> [B, Hkv, 1, d] the packed keys' mean key
 
-# Calibrated settings (`calibrate`), per model and search key: the search runs once per process
-_CHOICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# Where selection pays (`dense_below` of the default preset), per model and settings: measured once per process
-_CROSSINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+# The policies `prepare` returned, per model (by id, held weakly): preparing one again for its model keeps its
+# calibration. Kept here, not on the policy: a policy holds no reference to a model.
+_PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -195,25 +169,35 @@ class InfiniGen(Policy):
     query: str | None = None  # which query selects: "ahead" (paper), "own" or "auto" (see QUERIES)
     # explicit skew matrices (`with_skew`): a resource, not a knob
     matrices: object = field(default=None, init=False, repr=False, compare=False)
-    # the knobs of CALIBRATED the caller set, and every knob's value before calibration (`prepare`)
+    # what calibration chose for a model (`infinigen_calibration.calibration_record`): `prepare` returns the policy
+    # built from the caller's knobs and this record, whose `chosen` values apply where the caller left a knob unset
+    calibration: dict | None = field(default=None, repr=False, compare=False, metadata=NOT_A_KNOB)
+    # where `dense_below` came from ("measured", "cached", "not measured (...)") and what the measurement found
+    # (policies/crossing.py): `prepare` builds the policy with it where the caller left `dense_below` unset;
+    # None: from the knobs ("set", "preset" or "not prepared"). Recorded in `settings()`
+    crossing: dict | None = field(default=None, repr=False, compare=False, metadata=NOT_A_KNOB)
+    # the knobs as the caller gave them, those of CALIBRATED among them, and every knob's value before calibration
+    requested: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     given: frozenset = field(default=frozenset(), init=False, repr=False, compare=False)
     base: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # what calibration chose for the model last prepared (`calibration_record`), None before
-    calibration: object = field(default=None, init=False, repr=False, compare=False)
-    calibrated_on: object = field(default=None, init=False, repr=False, compare=False)  # weakref to that model
     calibrate_set: bool = field(default=False, init=False, repr=False, compare=False)  # by the caller, not the preset
-    # where `dense_below` came from ("set", "preset", "measured", "cached", "not measured (...)", "not prepared")
-    # and what the measurement found (policies/crossing.py), recorded in `settings()`
-    crossing: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        """The effective knob values, settled here only: the caller's, the preset's for the rest, then the
+        records `prepare` built this policy from (calibration, crossing) where the caller left a knob unset."""
         if self.preset not in PRESETS:
             raise UserError(f"unknown InfiniGen preset {self.preset!r}; choose from {', '.join(PRESETS)}")
-        object.__setattr__(self, "given", frozenset(k for k in CALIBRATED if getattr(self, k) is not None))
+        requested = {f.name: getattr(self, f.name) for f in knob_fields(self)}
+        object.__setattr__(self, "requested", requested)
+        object.__setattr__(self, "given", frozenset(k for k in CALIBRATED if requested[k] is not None))
         object.__setattr__(self, "calibrate_set", self.calibrate is not None)
-        object.__setattr__(self, "crossing", {"source": "set"} if self.dense_below is not None else
-                           {"source": "preset"} if "dense_below" in PRESETS[self.preset] else
-                           {"source": "not prepared"})
+        self._apply_preset()
+        object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
+        object.__setattr__(self, "base", {f.name: getattr(self, f.name) for f in knob_fields(self)})
+        self._apply_records(requested["dense_below"])
+        super().__post_init__()
+
+    def _apply_preset(self) -> None:
         preset = PRESETS[self.preset]
         # one bound: a cap the caller gives (per selecting layer, or over all layers) replaces the preset's
         if self.max_fetch_ratio is not None and self.kv_budget is None:
@@ -230,9 +214,23 @@ class InfiniGen(Policy):
                         continue  # depends on the architecture: `alpha_for` resolves it
                     v = next(iter(v.values()))
                 object.__setattr__(self, k, v)
-        object.__setattr__(self, "dense_layers", parse_layers(self.dense_layers))
-        super().__post_init__()
-        object.__setattr__(self, "base", {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init})
+
+    def _apply_records(self, dense_below_given) -> None:
+        """The calibration's chosen values on the knobs the caller left unset (a record whose every knob the
+        caller set, as `dataclasses.replace` does, no longer applies: dropped), and the crossing's `dense_below`
+        where the caller left it unset."""
+        if self.calibration is not None:
+            free = {k: v for k, v in self.calibration["chosen"].items() if k not in self.given}
+            if not free:
+                object.__setattr__(self, "calibration", None)
+            for k, v in free.items():
+                object.__setattr__(self, k, tuple(v) if k == "dense_layers" else v)
+        if self.crossing is None or dense_below_given is not None:
+            object.__setattr__(self, "crossing", {"source": "set"} if dense_below_given is not None else
+                               {"source": "preset"} if "dense_below" in PRESETS[self.preset] else
+                               {"source": "not prepared"})
+        else:
+            object.__setattr__(self, "dense_below", self.crossing["dense_below"])
 
     @classmethod
     def paper(cls, **overrides) -> "InfiniGen":
@@ -299,208 +297,42 @@ class InfiniGen(Policy):
 
 
     def prepare(self, model, tokenizer=None, progress=False, longest: int | None = None) -> "InfiniGen":
-        """The skew matrices (`prepare_skew`), then, with `calibrate`, this model's settings: from the skew
-        artifact's metadata when this search ran before on the same tokens (or the package ships it), else
-        searched (`policies.calibrate`) and stored there. Prints one line with the choice. `progress`: True
-        for a bar on stderr, or a callback `progress(desc, done, total, eta_seconds)` (`skew.Progress`).
-        `longest`: the most tokens a session of this run caches (None: unknown), see `_resolve_dense_below`."""
+        """This policy ready for `model`: the skew matrices (`prepare_skew`), then, with `calibrate`, the policy
+        built from the caller's knobs and this model's calibration record (policies/infinigen_calibration.py:
+        from the skew artifact's metadata when this search ran before on the same tokens, or the package ships
+        it, else searched and stored there; one line printed with the choice), and `dense_below` from where
+        selection pays on this machine where the knobs leave it to `prepare` (`crossing_for`). Returns that
+        policy (self where nothing changes); self is left as it was. `progress`: True for a bar on stderr, or a
+        callback `progress(desc, done, total, eta_seconds)` (`skew.Progress`). `longest`: the most tokens a
+        session of this run caches (None: unknown), see `crossing_for`."""
         self.prepare_skew(model, tokenizer, progress)
-        done = self.calibrated_on is not None and self.calibrated_on() is model
-        if self.calibrate and not done:
+        prepared = _PREPARED.get(model)
+        record = self.calibration if prepared is not None and prepared.get(id(self)) is self else None
+        if self.calibrate and record is None:
             try:
-                self._calibrate(model, tokenizer, progress)
+                record = calibration_record(self, model, tokenizer, progress)
+                self._rebuilt(record)  # the chosen values pass the knob checks
             except UserError as e:
                 if self.calibrate_set:
                     raise
                 # the preset asked for calibration, the caller did not: its own values, said in one line
                 print(f"InfiniGen not calibrated ({e}); the {self.preset} preset's settings apply", file=sys.stderr)
-        if self.crossing["source"] not in ("set", "preset"):
-            self._resolve_dense_below(model, progress, longest)
-        return self
-
-    def _resolve_dense_below(self, model, progress: bool, longest: int | None = None) -> None:
-        """`dense_below` from where selection pays on this machine (policies/crossing.py): stored, else measured
-        now (a few seconds) and stored. Once per model and settings in a process. A run that caches fewer tokens
-        than the shortest length measured (`longest`) measures nothing and reads densely (not remembered: a
-        longer run in the same process measures)."""
-        from .crossing import measure_crossing
-        object.__setattr__(self, "dense_below", None)
-        key = json.dumps({k: v for k, v in self.settings(model).items() if k not in ("dense_below_source", "crossing")},
-                         sort_keys=True, default=str)
-        memo = _CROSSINGS.setdefault(model, {})
-        if key not in memo:
-            found = measure_crossing(model, self, log=(lambda m: print(m, file=sys.stderr)) if progress else None,
-                                     longest=longest)
-            if found["source"].startswith("not measured (this run"):
-                object.__setattr__(self, "dense_below", found["dense_below"])
-                object.__setattr__(self, "crossing", found)
-                return
-            memo[key] = found
-            if memo[key]["source"] == "measured" or progress:
-                print(f"InfiniGen reads densely below {memo[key]['dense_below']} cached tokens "
-                      f"({memo[key]['source']}: where its selection pays on this machine)", file=sys.stderr)
-        object.__setattr__(self, "dense_below", memo[key]["dense_below"])
-        object.__setattr__(self, "crossing", dict(memo[key]))
-
-    # ---- per-model calibration -----------------------------------------------------------
-    def _calibration_setup(self, model) -> dict:
-        """What the search varies and what it keeps, for `model`: a function of the caller's knobs only."""
-        from .calibrate import ALPHA_HIGH, ALPHA_LOW
-        base, given = self.base, self.given
-        structures = [{}]
-        if not ({"exact_first", "dense_layers"} & given) and not model.cfg.local(0):
-            # layer 0 selected with its exact query (every layer selects), or read densely (layer 1 speculated
-            # from layer 0's output): which one costs less accuracy per entry read depends on the model
-            structures = [{"exact_first": True, "dense_layers": []}, {"exact_first": False, "dense_layers": [0]}]
-        elif not ({"exact_first", "dense_layers"} & given):
-            # a local layer 0 reads its window whatever the policy: speculate every global layer
-            structures = [{"exact_first": False, "dense_layers": []}]
-        alphas = () if "alpha" in given else (ALPHA_HIGH, ALPHA_LOW)
-        # a per-layer cap or a budget the caller gave is the bound; otherwise the search chooses kv_budget
-        budget_free = not ({"kv_budget", "max_fetch_ratio"} & given)
-        growth = base["budget_growth"] if "budget_growth" in given else CALIBRATE_GROWTH
-        # (dense_below: the search measures selection at every length, whatever it is)
-        # (key_centre off: left out, so the choices stored before the knob existed keep their keys)
-        fixed = {k: v for k, v in base.items() if (k not in CALIBRATED or k in given) and k != "dense_below"
-                 and not (k == "key_centre" and v is False)}
-        # the remainder needs the int4 keys' scores (on the attention's scale)
-        remainder = "remainder" not in given and base["key_mode"] == "int4"
-        # where the target is out of reach: the other ways of counting the budget (per KV head), tried last
-        budgets = [] if "budget" in given else [b for b in ("union", "per_head") if b != base["budget"]]
-        return dict(structures=structures, alphas=alphas, budget_free=budget_free, growth=growth, fixed=fixed,
-                    remainder=remainder, budgets=budgets, own_query=base["query"] != "ahead")
-
-    def _remainder_starts(self, model, knobs: dict, growth: float) -> list[int]:
-        """The layers from which calibration tries adding the remainder: the caller's `remainder_from`, else
-        0 and the layer after the first selecting one (a model's first selecting layer may attend unlike the
-        rest: SmolLM2's layer 0 lost about 3 points with it on Mansfield Park: +3.00% against +0.17% from layer 1)."""
-        if "remainder_from" in self.given:
-            return [self.remainder_from]
-        selecting = self._candidate(model, knobs, growth).selecting_layers(model.cfg)
-        return [0] + [selecting[0] + 1] * (len(selecting) > 1)
-
-    def _candidate(self, model, knobs: dict, growth: float) -> "InfiniGen":
-        """The policy of a calibration candidate: the caller's knobs, the preset's for the rest, `knobs` on top."""
-        over = dict(knobs)
-        if "dense_layers" in over:
-            over["dense_layers"] = tuple(over["dense_layers"])
-        if "kv_budget" in over:
-            over.update(max_fetch_ratio=None, budget_growth=growth)
-        pol = dataclasses.replace(InfiniGen(**self.base), calibrate=False, dense_below=0, **over)
-        if self.matrices is not None:
-            pol.with_skew(self.matrices)
+                record = None
+            else:
+                announce(record)
+        if record is self.calibration and self.crossing["source"] in ("set", "preset"):
+            pol = self
+        else:
+            pol = self._rebuilt(record)
+            if pol.crossing["source"] not in ("set", "preset"):
+                pol = self._rebuilt(record, crossing_for(pol, model, progress, longest))
+        _PREPARED.setdefault(model, weakref.WeakValueDictionary())[id(pol)] = pol
         return pol
 
-    def _calibrate(self, model, tokenizer, progress) -> None:
-        import hashlib
-        import json
-        import sys
-
-        from ..paths import load_text
-        from ..skew import key_fingerprint, remember, shipped_holding
-        from . import calibrate as cal
-        setup = self._calibration_setup(model)
-        target = self.calibrate_target or CALIBRATE_TARGET
-        bound = self.calibrate_bound or CALIBRATE_BOUND
-        text = self.calibrate_text or CALIBRATE_TEXT
-        ref = self.budget_ref
-        if tokenizer is None:
-            tokens = None
-        else:
-            tokens = cal.calibration_tokens(tokenizer, load_text(text), ref)
-            if tokens.shape[1] < ref:
-                raise UserError(f"calibration text {text!r} holds {tokens.shape[1]} tokens, fewer than budget_ref "
-                                f"({ref}) the calibration runs over")
-        if ref > model.cfg.max_position:
-            raise UserError(f"budget_ref ({ref}) exceeds the model's {model.cfg.max_position} positions: "
-                            "calibration runs over budget_ref tokens")
-        skew = _SKEWS.get(model, {}).get(self.calib) if self._needs_skew(model) else None
-        what = {"format": cal.FORMAT, "fingerprint": key_fingerprint(model), "target": target,
-                "bound": bound, "ref": ref, "text": text, "setup": {k: v for k, v in setup.items() if k != "fixed"},
-                "fixed": {k: str(v) for k, v in sorted(setup["fixed"].items())},
-                "tokens": None if tokens is None else hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}
-        key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        memo = _CHOICES.setdefault(model, {})
-        # the settings' source: "shipped" (the package's artifact), "cached" (the cache's), "computed" (searched
-        # in this process)
-        choice, source = memo.get(key, (None, None))
-        meta = getattr(skew, "meta", None)
-        name = f"calibration-{key}"
-        # the skew in use holds the choice, else the package's artifact for this model does (a cache written by an
-        # earlier version holds other matrices): then the package's matrices and choice are used together
-        twin = None
-        if meta is not None and name not in meta and not getattr(skew, "computed_now", False):
-            twin = shipped_holding(model, name)  # the key names the skew's calibration text too
-        for found in (skew, twin):
-            found_meta = getattr(found, "meta", None)
-            if choice is not None or found_meta is None or name not in found_meta:
-                continue
-            try:
-                choice = cal.Choice.from_dict(json.loads(found_meta[name]), key, set(CALIBRATED))
-                self._candidate(model, choice.knobs, setup["growth"])  # knobs a policy accepts
-                source = "shipped" if getattr(found, "shipped", False) else "cached"
-                if found is twin:
-                    _SKEWS.setdefault(model, {})[self.calib] = twin
-            except (ValueError, TypeError, KeyError, UserError):
-                choice = None  # foreign or broken metadata: search again, never trust it
-        if choice is None:
-            if tokens is None:
-                raise UserError("InfiniGen's calibration needs the tokenizer: give prepare() the tokenizer "
-                                "(or set the knob calibrate=false)")
-            log = (lambda m: print(m, file=sys.stderr)) if progress else None
-            if log:
-                log(f"calibrating InfiniGen's settings on {text} ({ref} tokens; target {100 * target:g}%, "
-                    f"bound {100 * bound:g}% of the KV)")
-            prefill = max(1, ref // 8)
-            try:
-                choice = cal.search(model, tokens, prefill, lambda k: self._candidate(model, k, setup["growth"]),
-                                    setup["structures"], setup["alphas"], setup["budget_free"], target, bound,
-                                    setup["growth"], ref, key, text, log=log,
-                                    remainder_starts=(lambda k: self._remainder_starts(model, k, setup["growth"]))
-                                    if setup["remainder"] else None, progress=progress,
-                                    own_query=setup["own_query"], budgets=tuple(setup["budgets"]))
-            except ValueError as e:
-                raise UserError(f"cannot calibrate InfiniGen under a bound of {100 * bound:g}% of the KV ({e}): "
-                                "raise calibrate_bound, or keep fewer layers dense")
-            source = "computed"
-            if meta is not None:
-                remember(skew, name, json.dumps(choice.to_dict()))
-        memo[key] = (choice, source)
-        self._apply(choice, setup, source)
-        object.__setattr__(self, "calibrated_on", weakref.ref(model))
-        print(f"InfiniGen calibrated ({source}): {self.calibration['summary']}", file=sys.stderr)
-        if not choice.reached:
-            print(f"warning: {self.calibration['warning']}", file=sys.stderr)
-
-    def _apply(self, choice, setup: dict, source: str) -> None:
-        """Set the chosen knobs on this policy (from the values before calibration) and record the choice."""
-        for k, v in self.base.items():
-            object.__setattr__(self, k, v)
-        for k, v in choice.knobs.items():
-            object.__setattr__(self, k, tuple(v) if k == "dense_layers" else v)
-        if "kv_budget" in choice.knobs:
-            object.__setattr__(self, "max_fetch_ratio", None)
-            object.__setattr__(self, "budget_growth", setup["growth"])
-        self.validate()
-        varied = set(choice.knobs) | ({"max_fetch_ratio", "budget_growth"} if "kv_budget" in choice.knobs else set())
-        chosen = {k: jsonable(getattr(self, k)) for k in CALIBRATED if k in varied}
-        vs_full = choice.loss_vs_full()
-        summary = (", ".join(f"{k} {v}" for k, v in chosen.items())
-                   + f" -> {100 * vs_full:+.2f}% vs the full cache, {100 * choice.kv:.1f}% of the KV read on "
-                   f"{choice.tokens} tokens of {choice.text} (target {100 * choice.target:g}%: "
-                   f"{'reached' if choice.reached else 'not reached under the bound'}; bound {100 * choice.bound:g}%)")
-        warning = None if choice.reached else (
-            f"InfiniGen's calibration did not reach its target: {100 * vs_full:+.2f}% vs the full cache (target "
-            f"{100 * choice.target:g}%) with the lowest loss under the bound of {100 * choice.bound:g}% of the KV ("
-            + ", ".join(f"{k} {v}" for k, v in chosen.items()) + f"; {len(choice.trials)} settings tried); raise "
-            "calibrate_bound or calibrate_target, or set the knobs by hand")
-        record = {"chosen": chosen, "set": sorted(self.given), "reached": choice.reached, "warning": warning,
-                  "vs_full": vs_full, "kv": choice.kv, "kv_caps": choice.kv_caps, "kv_caps_long": choice.kv_caps_long,
-                  "target": choice.target, "bound": choice.bound, "text": choice.text, "tokens": choice.tokens,
-                  "prefill": choice.prefill, "key": choice.key, "source": source, "summary": summary,
-                  "trials": [{"knobs": t["knobs"], "vs_full": math.exp(t["nll"] - choice.reference_nll) - 1,
-                              "kv": t["kv"]} for t in choice.trials]}
-        object.__setattr__(self, "calibration", record)
+    def _rebuilt(self, calibration: dict | None, crossing: dict | None = None) -> "InfiniGen":
+        """The policy of the caller's knobs (`requested`) built with these records, on this policy's skew."""
+        pol = type(self)(**self.requested, calibration=calibration, crossing=crossing)
+        return pol.with_skew(self.matrices) if self.matrices is not None else pol
 
     def budget_at(self, cached: int) -> float:
         """The all-layer share read at `cached` tokens: kv_budget at budget_ref tokens, the tokens read
