@@ -225,12 +225,12 @@ class InfiniGen(Policy):
                 object.__setattr__(self, "calibration", None)
             for k, v in free.items():
                 object.__setattr__(self, k, tuple(v) if k == "dense_layers" else v)
-        if self.crossing is None or dense_below_given is not None:
+        if dense_below_given is None and self.crossing is not None and "dense_below" in self.crossing:
+            object.__setattr__(self, "dense_below", self.crossing["dense_below"])
+        else:  # (a copy by `dataclasses.replace` carries the derived record: derived again)
             object.__setattr__(self, "crossing", {"source": "set"} if dense_below_given is not None else
                                {"source": "preset"} if "dense_below" in PRESETS[self.preset] else
                                {"source": "not prepared"})
-        else:
-            object.__setattr__(self, "dense_below", self.crossing["dense_below"])
 
     @classmethod
     def paper(cls, **overrides) -> "InfiniGen":
