@@ -125,7 +125,7 @@ def test_policy_estimates_no_unread_mass_when_everything_is_selected(tiny):
 
     class Spy(runtime.Listener):
         def on_select(self, layer, rows, keep, sess):
-            seen[(layer, int(rows.positions[0, 0]))] = sess.state.rest[layer].lse.clone()
+            seen[(layer, int(rows.positions[0, 0]))] = sess.state.remainders[layer].lse.clone()
 
     for knobs, unread in ((UNLIMITED, False), (LIMITED, True)):
         seen.clear()

@@ -228,7 +228,8 @@ def score_window(model, win: Window, policy, blocks: bool = True) -> tuple[float
             past = past.clamp(max=model.cfg.window(layer) - 1)
         keep = visible[None, None] if keep is ALL else keep & visible
         sess.stats.record(layer, keep.sum(-1).expand(1, k.shape[1], t - p), past.expand(1, 1, t - p))
-        return runtime.attend_rows(q, k, v, keep, p, sess.store.codec, model.scale, sess.policy.unread(layer, sess))
+        remainder = sess.policy.remainder_at(layer, sess)
+        return runtime.attend_rows(q, k, v, keep, p, sess.store.codec, model.scale, remainder)
 
     try:
         with torch.no_grad():

@@ -88,14 +88,14 @@ class InfiniGenState:
     # `remainder`, where this session can keep it (no sliding window, no pool limit): per
     # selecting layer the sum of the values of every cached entry [B, Hkv, d] float32 and their count [B, Hkv],
     # kept in fast memory; the unread entries' log-mass of the rows last selected, until the runtime asks
-    with_rest: bool = False
+    with_remainder: bool = False
     # every selecting layer selects with its own query at its attention (knob `query`), not one layer ahead
     own_query: bool = False
     # teacher-forced rows chosen a block at a time (`infinigen_select.rows_in_blocks`: calibration's scoring)
     rows_in_blocks: bool = False
     value_sums: dict = field(default_factory=dict)
     value_counts: dict = field(default_factory=dict)
-    rest: dict = field(default_factory=dict)
+    remainders: dict = field(default_factory=dict)  # layer -> the unread entries' log-mass, then Remainder
     key_mean: dict = field(default_factory=dict)  # key_centre: layer -> [B, Hkv, 1, d] the packed keys' mean key
 
 
@@ -349,7 +349,7 @@ class InfiniGen(Policy):
         # global layers (Gemma 3) reads its window whatever the policy (`Session.selects`)
         counted = [i for i in range(model.cfg.num_layers) if not model.cfg.local(i)]
         n = len(counted)
-        sel = [j for j, i in enumerate(counted) if self.speculated(i)]
+        sel = [j for j, i in enumerate(counted) if self.selects(i)]
         if self.kv_budget is None:
             return {counted[j]: self.max_fetch_ratio for j in sel}
         share = self.budget_at(self.budget_ref if cached is None else cached)
@@ -397,8 +397,8 @@ class InfiniGen(Policy):
         # the running sums cannot follow a pool's victims (an append overwrites a value they hold) nor a window.
         # Under "auto" on an offloaded tier the query is the speculated one, with which the remainder was measured
         # to cost accuracy on both models (results/accuracy.md): there it is used only when the caller set it
-        rest = self.remainder and (st.own_query or self.query == "ahead" or "remainder" in self.given)
-        st.with_rest = rest and cfg.sliding_window is None and session.store.allocator is None
+        wanted = self.remainder and (st.own_query or self.query == "ahead" or "remainder" in self.given)
+        st.with_remainder = wanted and cfg.sliding_window is None and session.store.allocator is None
         return st
 
     @staticmethod
@@ -416,17 +416,17 @@ class InfiniGen(Policy):
         out.update({k: tensor_bytes(getattr(state, k)) for k in ("A", "spec")})
         return {k: v for k, v in out.items() if v}
 
-    def _adds_rest(self, st: InfiniGenState, layer: int) -> bool:
+    def _adds_remainder(self, st: InfiniGenState, layer: int) -> bool:
         """Whether `layer`'s selection adds what it leaves unread (`remainder`, `remainder_from`)."""
-        return st.with_rest and layer >= self.remainder_from
+        return st.with_remainder and layer >= self.remainder_from
 
-    def speculated(self, layer: int) -> bool:
+    def selects(self, layer: int) -> bool:
         return (layer >= 1 or self.exact_first) and layer not in self.dense_layers
 
     def selecting_layers(self, cfg) -> list[int]:
         """The layers this policy selects on a model of `cfg`: speculated ones that are not local window
         layers of a model mixing local and global layers (those read their window: `Session.selects`)."""
-        return [i for i in range(cfg.num_layers) if self.speculated(i) and not cfg.local(i)]
+        return [i for i in range(cfg.num_layers) if self.selects(i) and not cfg.local(i)]
 
     def memory_report(self, model, state: InfiniGenState, kv_bytes: int) -> dict:
         """The speculation state relative to the KV bytes of the layers it covers (`kv_bytes` is the full
@@ -452,7 +452,7 @@ class InfiniGen(Policy):
             return
         store = session.store
         st.ready.discard(layer)
-        if self._adds_rest(st, layer) and not st.lazy_keys:  # over the keys' length: a continued prefill's q
+        if self._adds_remainder(st, layer) and not st.lazy_keys:  # over the keys' length: a continued prefill's q
             # holds only the rest (lazy_keys: summed from the store at the first step that selects)
             valid = store.valid[layer][:, :, :k.shape[2]]
             st.value_sums[layer] = (v.float() * valid[..., None]).sum(2)
@@ -513,7 +513,7 @@ class InfiniGen(Policy):
 
     def keep(self, layer, rows, session):
         st = session.state
-        st.rest.pop(layer, None)
+        st.remainders.pop(layer, None)
         if rows.in_store:
             if select.dense_pass(session):
                 return ALL
@@ -524,16 +524,16 @@ class InfiniGen(Policy):
             keep = select.rows_in_blocks(self, layer, rows, session)
         else:
             keep = select.sequence_rows(self, layer, rows, session)
-        lse = st.rest.pop(layer, None)
+        lse = st.remainders.pop(layer, None)
         if lse is not None and not rows.in_store:  # teacher-forced: the runtime sums the sequence's values
-            st.rest[layer] = Remainder(lse)
+            st.remainders[layer] = Remainder(lse)
         elif lse is not None and (layer in st.value_sums or st.lazy_keys):  # decoding: the sums before this
             # step's append; with lazy_keys summed from the store the first time, as the keys are packed
             if layer not in st.value_sums:
                 _, v, valid, _ = session.store.past(layer)
                 st.value_sums[layer] = (v.float() * valid[..., None]).sum(2)
                 st.value_counts[layer] = valid.sum(-1)
-            st.rest[layer] = Remainder(lse, st.value_sums[layer], st.value_counts[layer])
+            st.remainders[layer] = Remainder(lse, st.value_sums[layer], st.value_counts[layer])
         return keep
 
     def _decoding_row(self, layer, rows, session) -> torch.Tensor | SelectedRows:
@@ -544,14 +544,14 @@ class InfiniGen(Policy):
         keep = self._speculated_row(layer, rows, session, packs=rows.packs and dense is None)
         if dense is None:
             return keep
-        if layer in st.rest:  # a row reading everything leaves nothing unread
-            st.rest[layer] = st.rest[layer].masked_fill(dense[:, None, None, None], float("-inf"))
+        if layer in st.remainders:  # a row reading everything leaves nothing unread
+            st.remainders[layer] = st.remainders[layer].masked_fill(dense[:, None, None, None], float("-inf"))
         return keep | dense[:, None, None]
 
-    def unread(self, layer, session):
+    def remainder_at(self, layer, session):
         """The unread entries' log-mass of the rows `keep` last answered at `layer` and, while decoding, the
         running value sums (teacher-forced scoring sums the sequence's values in the runtime)."""
-        return session.state.rest.pop(layer, None)
+        return session.state.remainders.pop(layer, None)
 
     def _speculated_row(self, layer, rows, session, packs: bool = False) -> torch.Tensor | SelectedRows:
         st = session.state

@@ -101,13 +101,13 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     spec_keys = policy.speculation.keys(st, layer, session)
     scores = policy.speculation.scores(st, layer, row, spec_keys, n)  # [B, Hkv, G, S]
     cap = policy._cap(st, model, layer, n)
-    rest = policy._adds_rest(st, layer)
+    adds = policy._adds_remainder(st, layer)
     if packs and not store.padded and model.cfg.sliding_window is None and fuses_selection(policy, scores):
         total = policy._layer_total(cap, n, scores.shape[1], n)
         keep, rows, head, counts, lse = fused_select.select_packed(scores, model.scale, st.alpha, total,
-                                                                   store.capacity, rest)
-        if rest:
-            st.rest[layer] = lse[..., None]
+                                                                   store.capacity, adds)
+        if adds:
+            st.remainders[layer] = lse[..., None]
         return SelectedRows(keep, rows, head, counts)
     scores = scores[:, :, :, None]  # [B, Hkv, G, 1, S]
     valid = store.valid[layer][:, :, :n]
@@ -117,9 +117,9 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     # are known on the host and the selection needs no synchronization (see `choose`)
     shared_length = n if not store.padded and model.cfg.sliding_window is None else None
     s = scores * model.scale
-    keep = policy._choose(s.clone() if rest else s, valid[:, :, None, :], st.alpha, shared_length, cap)
-    if rest:  # `choose` worked on a copy: s holds the scores
-        st.rest[layer] = remainder_lse(s, valid[:, :, None, :] & ~keep)
+    keep = policy._choose(s.clone() if adds else s, valid[:, :, None, :], st.alpha, shared_length, cap)
+    if adds:  # `choose` worked on a copy: s holds the scores
+        st.remainders[layer] = remainder_lse(s, valid[:, :, None, :] & ~keep)
     return keep[:, :, 0]
 
 
@@ -156,9 +156,9 @@ def sequence_rows(policy, layer, rows, session):
     rows_per_block = max(1, SCORE_BLOCK // max(1, b * q.shape[1] * t))
     out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=dev)
     out[:, :, :first - p] = True  # the runtime keeps each row's past of these
-    rest = None
-    if policy._adds_rest(st, layer):  # rows before `first` read everything: nothing unread
-        rest = torch.full((b, hkv, q.shape[1] // hkv, t - p), float("-inf"), device=dev)
+    unread_lse = None
+    if policy._adds_remainder(st, layer):  # rows before `first` read everything: nothing unread
+        unread_lse = torch.full((b, hkv, q.shape[1] // hkv, t - p), float("-inf"), device=dev)
     for r in range(first, t):
         # row r sees the r cached tokens before it: the same shapes, so the same float32 numbers,
         # as `select_row` when decoding (row by row: the selection's reductions depend on shapes)
@@ -178,15 +178,15 @@ def sequence_rows(policy, layer, rows, session):
         shared_length = r if model.cfg.sliding_window is None else None
         cap = policy._cap(st, model, layer, r)
         s = scores * model.scale
-        row = policy._choose(s.clone() if rest is not None else s, valid, st.alpha, shared_length, cap)[:, :, 0]
+        row = policy._choose(s.clone() if unread_lse is not None else s, valid, st.alpha, shared_length, cap)[:, :, 0]
         dense = dense_rows(session, r)
         if dense is not None:
             row |= dense[:, None, None]
         out[:, :, r - p, :r] = row
-        if rest is not None:
-            rest[:, :, :, r - p] = remainder_lse(s, valid & ~row[:, :, None])[..., 0]
-    if rest is not None:
-        st.rest[layer] = rest
+        if unread_lse is not None:
+            unread_lse[:, :, :, r - p] = remainder_lse(s, valid & ~row[:, :, None])[..., 0]
+    if unread_lse is not None:
+        st.remainders[layer] = unread_lse
     return out
 
 
@@ -224,7 +224,7 @@ def rows_in_blocks(policy, layer, rows, session, block: int = ROWS_PER_CHOICE):
     spec_keys = PackedKeys(b, hkv, t, d, group=INT4_GROUP, layout=st.layout, device=dev)
     spec_keys.write(0, policy.speculation.rotate(st, k, layer))
     out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=dev)
-    rest = torch.empty(b, hkv, g, t - p, device=dev) if policy._adds_rest(st, layer) else None
+    unread_lse = torch.empty(b, hkv, g, t - p, device=dev) if policy._adds_remainder(st, layer) else None
     for r0 in range(p, t, block):
         r1 = min(t, r0 + block)
         n = r1 - 1  # the block's last row sees the most tokens
@@ -236,12 +236,12 @@ def rows_in_blocks(policy, layer, rows, session, block: int = ROWS_PER_CHOICE):
                              lengths[:, None])[None, None]  # [1, 1, R, n]: row r sees the r tokens before it
         # each row's cap, [1, R]: `choose` multiplies it by each row's length (float32, as a row's own call)
         caps = torch.tensor([[policy._cap(st, model, layer, r) for r in range(r0, r1)]], dtype=torch.float32)
-        keep = policy._choose(s.clone() if rest is not None else s, valid, st.alpha, None, caps.to(dev))
+        keep = policy._choose(s.clone() if unread_lse is not None else s, valid, st.alpha, None, caps.to(dev))
         out[:, :, r0 - p:r1 - p, :n] = keep
-        if rest is not None:
-            rest[..., r0 - p:r1 - p] = remainder_lse(s, valid & ~keep)
-    if rest is not None:
-        st.rest[layer] = rest
+        if unread_lse is not None:
+            unread_lse[..., r0 - p:r1 - p] = remainder_lse(s, valid & ~keep)
+    if unread_lse is not None:
+        st.remainders[layer] = unread_lse
     return out
 
 
