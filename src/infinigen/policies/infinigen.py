@@ -53,8 +53,8 @@ from .budgets import layer_caps
 from .crossing import crossing_for
 from .infinigen_calibration import _CHOICES, announce, calibration_record  # noqa: F401
 from .infinigen_settings import (BUDGETS, CALIBRATE_BOUND, CALIBRATE_GROWTH, CALIBRATE_TARGET,  # noqa: F401
-                                 CALIBRATE_TEXT, CALIBRATED, KEY_MODES, PRESETS, QUERIES, SPEC_INPUTS, check_bounds,
-                                 check_choices)
+                                 CALIBRATE_TEXT, CALIBRATED, KEY_MODES, PRESETS, QUERIES, SPEC_INPUTS,
+                                 InfiniGenExperimental, InfiniGenSettings, check_declared, check_rules)
 from .speculation import (_SKEWS, INT4_GROUP, SpeculationKeys, fake_int4, int4_layout,  # noqa: F401
                           layer_sparsity, needs_skew, prepare_skew, skew_matrices)
 
@@ -105,68 +105,13 @@ _PREPARED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
-class InfiniGen(Policy):
+class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
     name = "infinigen"
     # the speculation made at the layer before decides (see `known_ahead`; layer 0 with exact_first: its query),
     # unless this session selects with each layer's own query (`query`): then nothing is known ahead
     needs_query = False
 
-    # "default" (calibrated per model), "flat" (a flat cap), "budget" (one shrinking bound) or "paper"; knobs left
-    # None come from it
-    preset: str = "default"
-    alpha: float | None = None  # select tokens whose speculated score > max - alpha (None: the preset's, per arch)
-    partial_ratio: float | None = None  # r: share of the d columns in the partial weights / key cache
-    # at most this share of the cached tokens per step and selecting layer (per KV head; per layer for budget
-    # "layer"): the paper's cap, instead of kv_budget
-    max_fetch_ratio: float | None = None
-    min_fetch: int | None = None  # ... but the cap is never below this many tokens per KV head (short prompts)
-    # selection unit, in consecutive slots per KV head (budget "layer"): a block is read whole when any of its
-    # tokens is chosen, blocks ranked by their speculated mass; 1: single tokens. 16 float32 rows at d 64
-    # would be one 4 KB page of a pool file laid out per KV head: measured to cost too much accuracy for
-    # what it saves on this machine's disk (results/offload.md), so a knob for experiments
-    block: int = 1
-    # layers attending densely (layer 0 too unless exact_first: nothing precedes it)
-    dense_layers: tuple[int, ...] | None = None
-    budget: str | None = None  # "mean" (paper) | "per_head" | "union" | "layer" (see `infinigen_select.choose`)
-    spec_input: str | None = None  # "attn_in" (paper) | "attn_out"
-    key_mode: str | None = None  # "partial" (paper) | "int4"
-    # int4: pack each key less the layer's mean key (per KV head, of the tokens cached when the keys are first
-    # packed: the prompt's). Every score of a query row shifts by the same q . mean, added back, so the scale is
-    # the attention's; the 4 bits then resolve what tells keys apart instead of what they share (a bias, a
-    # norm's weight: results/recall.md)
-    key_centre: bool = False
-    skew: bool | None = None  # rotate queries and keys with the skew matrices
-    calib: str | None = None  # calibration text of the skew (file or corpus name; None: the cached or default one)
-    # share of the KV read over all layers (dense layers count 100%): the caps follow from it
-    kv_budget: float | None = None
-    budget_power: float | None = None  # kv_budget's layer caps ~ calibrated sparsity ** this (0: the same for all)
-    # how the tokens read grow with the cached length n: n ** budget_growth, kv_budget being the share at
-    # budget_ref tokens (1: the same share at every length; 0.5: twice the tokens for 4x the context)
-    budget_growth: float | None = None
-    budget_ref: int | None = None
-    # layer 0 selects with its exact query (no prefetch overlap there) instead of reading all
-    exact_first: bool | None = None
-    # a decoding row with fewer cached tokens than this reads every layer densely (0: never): below it
-    # speculation costs more than the rows it saves (results/sparse_pays.md). A step whose every row is below
-    # it skips speculation altogether and reads ALL (the runtime's fused dense path). None: the preset's; the
-    # default preset's is measured on this machine by `prepare` (policies/crossing.py) and applies where the
-    # KV is in fast memory; before `prepare`, 0
-    dense_below: int | None = None
-    # `prepare` chooses this model's alpha, kv_budget (growth 0.5) and layer-0 treatment on held-apart
-    # calibration tokens (policies/calibrate.py); a knob of CALIBRATED the caller sets is kept as set
-    calibrate: bool | None = None
-    calibrate_target: float | None = None  # relative perplexity over the full cache allowed (None: 0.5%)
-    calibrate_bound: float | None = None  # all-layer KV share at budget_ref tokens, at most (None: 20%)
-    calibrate_text: str | None = None  # file or corpus name (None: mansfieldpark, apart from the skew's emma)
-    # add what the selection leaves unread, estimated from the speculation scores (which cover
-    # every cached token) and a running sum of the values per KV head kept in fast memory (`remainder`)
-    # (None: the preset's; off where the speculation keys are partial columns, whose scores are not on the
-    # attention's scale)
-    remainder: bool | None = None
-    # the first layer whose selection adds the remainder (the selecting layers before it read only what they
-    # select): calibration tries 0 and the layer after the first selecting one
-    remainder_from: int | None = None
-    query: str | None = None  # which query selects: "ahead" (paper), "own" or "auto" (see QUERIES)
+    # the knobs: InfiniGenSettings (the user's), InfiniGenExperimental (lab-only), in policies/infinigen_settings.py
     # explicit skew matrices (`with_skew`): a resource, not a knob
     matrices: object = field(default=None, init=False, repr=False, compare=False)
     # what calibration chose for a model (`infinigen_calibration.calibration_record`): `prepare` returns the policy
@@ -238,8 +183,8 @@ class InfiniGen(Policy):
         return cls(preset="paper", **overrides)
 
     def validate(self) -> None:
-        check_bounds(self)
-        check_choices(self)
+        check_declared(self)
+        check_rules(self)
 
 
     def alpha_for(self, cfg) -> float:

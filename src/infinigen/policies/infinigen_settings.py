@@ -1,9 +1,14 @@
-"""InfiniGen's knobs as data: the choices each knob takes, the defaults, the presets (each lists only what it
-changes from the defaults), what calibration chooses, and the checks every knob value passes.
+"""InfiniGen's knobs as data: two typed records declaring them (`InfiniGenSettings`, the user's;
+`InfiniGenExperimental`, the lab-only ones), each knob with one line of doc, its unit and bounds or choices, held
+to them where declared (`check_declared`); the defaults, the presets (each lists only what it changes from the
+defaults), what calibration chooses, and the rules between knobs (`check_rules`).
 
 Why each preset is what it is, with the measurements: results/presets.md.
 """
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
 
 from ..errors import UserError
 
@@ -62,73 +67,124 @@ CALIBRATE_TEXT = "mansfieldpark"  # held apart: the skew calibrates on emma, eva
 CALIBRATE_GROWTH = 0.5  # the tokens read grow as n ** 0.5: the bound at 4x the length is half the share
 
 
-def _whole(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def knob(doc: str, unit: str = "", low: float | None = None, high: float | None = None, low_open: bool = False,
+         high_open: bool = False, choices: tuple = ()) -> dict:
+    """A knob's declaration (dataclass field metadata): one line of doc, its unit, its bounds (None: unbounded
+    there; `low_open`, `high_open`: the bound itself refused) or its choices. `check_declared` holds every value
+    (each item of a tuple) to it."""
+    return {"doc": doc, "unit": unit, "low": low, "high": high, "low_open": low_open, "high_open": high_open,
+            "choices": tuple(choices)}
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _bounds_text(d: dict) -> str:
+    if d["high"] is None:
+        return f"{'>' if d['low_open'] else '>='} {d['low']}"
+    return f"in {'(' if d['low_open'] else '['}{d['low']}, {d['high']}{')' if d['high_open'] else ']'}"
 
 
-def check_bounds(p) -> None:
-    """UserError for a share, count or bound of policy `p` out of its range."""
-    if p.alpha is not None and not p.alpha > 0:
-        raise UserError(f"alpha must be positive, got {p.alpha}")
-    if not 0 < p.partial_ratio <= 1:
-        raise UserError(f"partial ratio must be in (0, 1], got {p.partial_ratio}")
+@dataclass(frozen=True)
+class InfiniGenSettings:
+    """The knobs a user touches (None: the preset's value; `settings(model)` shows what runs)."""
+    preset: str = field(default="default", metadata=knob(
+        "the starting values: default (calibrated per model), flat, budget or paper", choices=tuple(PRESETS)))
+    kv_budget: float | None = field(default=None, metadata=knob(
+        "share of the cached entries read over all layers at budget_ref tokens, dense layers counting 100%",
+        "share", 0, 1, low_open=True))
+    max_fetch_ratio: float | None = field(default=None, metadata=knob(
+        "instead of kv_budget, the paper's cap: share of the cached tokens each selecting layer reads per step",
+        "share", 0, 1, low_open=True))
+    budget_growth: float | None = field(default=None, metadata=knob(
+        "the tokens read grow as n ** this with the cached length n (1: the same share at every length)",
+        "exponent", 0, 1, low_open=True))
+    alpha: float | None = field(default=None, metadata=knob(
+        "select the tokens whose speculated score is within this of their head's maximum", "logit", 0,
+        low_open=True))
+    query: str | None = field(default=None, metadata=knob(
+        "which query selects: ahead (speculated a layer ahead, the paper), own, or auto (own in fast memory)",
+        choices=QUERIES))
+    remainder: bool | None = field(default=None, metadata=knob(
+        "add the unread entries' contribution, estimated from the speculation scores (needs key_mode int4)"))
+    dense_below: int | None = field(default=None, metadata=knob(
+        "rows with fewer cached tokens read densely (default preset: where selection pays, measured once)",
+        "tokens", 0))
+    calibrate: bool | None = field(default=None, metadata=knob(
+        "choose alpha, kv_budget, layer 0 and the remainder for the model in prepare (the caller's knobs kept)"))
+
+
+@dataclass(frozen=True)
+class InfiniGenExperimental:
+    """Lab-only knobs: the method's parts, for experiments and the paper's setting (None: the preset's value)."""
+    partial_ratio: float | None = field(default=None, metadata=knob(
+        "key_mode partial: share of the head_dim columns in the partial weights and keys", "share", 0, 1,
+        low_open=True))
+    min_fetch: int | None = field(default=None, metadata=knob(
+        "the cap is never below this many tokens per KV head (short prompts)", "tokens", 0))
+    block: int = field(default=1, metadata=knob(
+        "budget layer: selection unit in consecutive slots per KV head, read whole (results/offload.md)",
+        "tokens", 1))
+    dense_layers: tuple[int, ...] | None = field(default=None, metadata=knob(
+        "layers attending densely (layer 0 too unless exact_first: nothing precedes it)", "layers", 0))
+    budget: str | None = field(default=None, metadata=knob(
+        "how the cap is counted (`infinigen_select.choose`): mean (the paper), per_head, union or layer",
+        choices=BUDGETS))
+    spec_input: str | None = field(default=None, metadata=knob(
+        "the hidden state the next layer's query is speculated from: attn_in (the paper) or attn_out",
+        choices=SPEC_INPUTS))
+    key_mode: str | None = field(default=None, metadata=knob(
+        "the speculation keys: partial columns in the model's dtype (the paper) or every column in int4",
+        choices=KEY_MODES))
+    key_centre: bool = field(default=False, metadata=knob(
+        "int4: pack each key less the layer's mean key, the 4 bits resolving what tells keys apart"))
+    skew: bool | None = field(default=None, metadata=knob("rotate queries and keys with the skew matrices"))
+    calib: str | None = field(default=None, metadata=knob(
+        "calibration text of the skew (file or corpus name; None: the cached or default one)"))
+    budget_power: float | None = field(default=None, metadata=knob(
+        "kv_budget's layer caps follow the calibrated sparsity ** this (0: the same for all)", "exponent", 0))
+    budget_ref: int | None = field(default=None, metadata=knob(
+        "the cached length at which kv_budget is the share read", "tokens", 1))
+    exact_first: bool | None = field(default=None, metadata=knob(
+        "layer 0 selects with its exact query instead of reading all"))
+    calibrate_target: float | None = field(default=None, metadata=knob(
+        "calibration: relative perplexity over the full cache allowed (None: 0.5%)", "share", 0, 1,
+        low_open=True, high_open=True))
+    calibrate_bound: float | None = field(default=None, metadata=knob(
+        "calibration: all-layer KV share at budget_ref tokens, at most (None: 20%)", "share", 0, 1,
+        low_open=True))
+    calibrate_text: str | None = field(default=None, metadata=knob(
+        "calibration text, file or corpus name (None: mansfieldpark, apart from the skew's emma)"))
+    remainder_from: int | None = field(default=None, metadata=knob(
+        "the first layer whose selection adds the remainder", "layer", 0))
+
+
+def check_declared(p) -> None:
+    """UserError for a knob value of policy `p` outside the bounds or choices its declaration states."""
+    for f in dataclasses.fields(InfiniGenSettings) + dataclasses.fields(InfiniGenExperimental):
+        d, v = f.metadata, getattr(p, f.name)
+        if v is None or isinstance(v, dict):  # unset, or the paper's alpha per architecture
+            continue
+        if d["choices"] and v not in d["choices"]:
+            raise UserError(f"{f.name} must be one of {', '.join(map(str, d['choices']))}, got {v!r}")
+        for x in v if isinstance(v, tuple) else (v,):
+            below = d["low"] is not None and (x <= d["low"] if d["low_open"] else x < d["low"])
+            above = d["high"] is not None and (x >= d["high"] if d["high_open"] else x > d["high"])
+            if below or above:
+                unit = f" ({d['unit']})" if d["unit"] else ""
+                raise UserError(f"{f.name} must be {_bounds_text(d)}{unit}, got {x!r}")
+
+
+def check_rules(p) -> None:
+    """UserError for a value of policy `p` that another knob rules out (each knob's own bounds and choices are
+    held to its declaration by `check_declared`)."""
     if (p.kv_budget is None) == (p.max_fetch_ratio is None):
         raise UserError("give one of kv_budget (all layers) and max_fetch_ratio (per selecting layer)")
-    if p.kv_budget is not None and not 0 < p.kv_budget <= 1:
-        raise UserError(f"kv budget must be in (0, 1], got {p.kv_budget}")
-    if p.max_fetch_ratio is not None and not 0 < p.max_fetch_ratio <= 1:
-        raise UserError(f"max fetch ratio must be in (0, 1], got {p.max_fetch_ratio}")
-    if not _number(p.budget_power) or p.budget_power < 0:
-        raise UserError(f"budget power must be a number >= 0, got {p.budget_power!r}")
-    if not _number(p.budget_growth) or not 0 < p.budget_growth <= 1:
-        raise UserError(f"budget growth must be in (0, 1], got {p.budget_growth!r}")
-    if not _whole(p.budget_ref) or p.budget_ref < 1:
-        raise UserError(f"budget ref must be a whole number of tokens >= 1, got {p.budget_ref!r}")
     if p.budget_growth != 1 and p.kv_budget is None:
         raise UserError("budget growth applies to kv_budget (give kv_budget instead of max_fetch_ratio)")
-    if not _whole(p.block) or p.block < 1:
-        raise UserError(f"block must be a whole number of tokens >= 1, got {p.block!r}")
     if p.block > 1 and p.budget != "layer":
         raise UserError("block selection needs budget=layer")
-    if not isinstance(p.exact_first, bool):
-        raise UserError(f"exact_first must be true or false, got {p.exact_first!r}")
-    if not _whole(p.min_fetch) or p.min_fetch < 0:
-        raise UserError(f"min fetch must be a whole number of tokens >= 0, got {p.min_fetch}")
-
-
-def check_choices(p) -> None:
-    """UserError for a mode of policy `p` that is not one of its choices, or that another knob rules out."""
-    if p.budget not in BUDGETS:
-        raise UserError(f"budget must be one of {', '.join(BUDGETS)}, got {p.budget!r}")
-    if p.spec_input not in SPEC_INPUTS:
-        raise UserError(f"speculation input must be one of {', '.join(SPEC_INPUTS)}, got {p.spec_input!r}")
-    if p.key_mode not in KEY_MODES:
-        raise UserError(f"key mode must be one of {', '.join(KEY_MODES)}, got {p.key_mode!r}")
-    if any(i < 0 for i in p.dense_layers):
-        raise UserError("dense layers must be non-negative")
-    if not isinstance(p.skew, bool):
-        raise UserError(f"skew must be true or false, got {p.skew!r}")
-    if p.dense_below is not None and (not _whole(p.dense_below) or p.dense_below < 0):
-        raise UserError(f"dense below must be a whole number of cached tokens >= 0, got {p.dense_below!r}")
-    if not _whole(p.remainder_from) or p.remainder_from < 0:
-        raise UserError(f"remainder from must be a layer index >= 0, got {p.remainder_from!r}")
-    if p.query not in QUERIES:
-        raise UserError(f"query must be one of {', '.join(QUERIES)}, got {p.query!r}")
-    if not isinstance(p.remainder, bool):
-        raise UserError(f"remainder must be true or false, got {p.remainder!r}")
+    for name in ("exact_first", "skew", "remainder", "key_centre", "calibrate"):
+        if not isinstance(getattr(p, name), bool):
+            raise UserError(f"{name} must be true or false, got {getattr(p, name)!r}")
     if p.remainder and p.key_mode != "int4":
         raise UserError("remainder needs key_mode=int4: partial columns do not estimate the scores' scale")
-    if not isinstance(p.key_centre, bool):
-        raise UserError(f"key_centre must be true or false, got {p.key_centre!r}")
     if p.key_centre and p.key_mode != "int4":
         raise UserError("key_centre needs key_mode=int4 (it centres the packed 4-bit keys)")
-    if not isinstance(p.calibrate, bool):
-        raise UserError(f"calibrate must be true or false, got {p.calibrate!r}")
-    if p.calibrate_target is not None and not 0 < p.calibrate_target < 1:
-        raise UserError(f"calibrate target must be a relative perplexity in (0, 1), got {p.calibrate_target}")
-    if p.calibrate_bound is not None and not 0 < p.calibrate_bound <= 1:
-        raise UserError(f"calibrate bound must be a share of the KV in (0, 1], got {p.calibrate_bound}")
