@@ -38,7 +38,7 @@ def main() -> None:
     print(f"dtype {model.dtype}, prompt {args.prompt}, {args.steps} steps, {torch.get_num_threads()} threads")
     for name in ("full", "infinigen"):
         pol = make_policy("full") if name == "full" else make_policy("infinigen", calibrate=False, dense_below=0)
-        pol.prepare(model, tok, progress=False)
+        pol = pol.prepare(model, tok, progress=False)
         for b in batches:
             prompts = [ids[i * 997:i * 997 + args.prompt] for i in range(b)]
 

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batch.split(",")]
     from infinigen.policies import make_policy
     ig = make_policy("infinigen")
-    ig.prepare(model, tok, progress=True)
+    ig = ig.prepare(model, tok, progress=True)
     syst = systems(ig, [int(b) for b in args.blocks.split(",")])
     limit = parse_limit(args.memory_limit)
     if limit is None and args.memory_limit.strip().lower() == "auto":
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     disk = [s for s in syst if s.kv_offload == "disk"]
     syst = disk if args.disk_child else [s for s in syst if s not in disk] if limit else syst
     for s in syst:
-        s.policy.prepare(model, tok, progress=True)
+        s.policy = s.policy.prepare(model, tok, progress=True)
     settings = bench.BenchSettings(prompt_lens=[args.context - args.gen_len], batch_sizes=batches,
                                    gen_len=args.gen_len, pool_dir=args.pool_dir, share_prefill=True)
 

@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model, tok, name = load("default", progress=False)
     infinigen = make_policy("infinigen", dense_below=0)  # the selection at every length
-    prepare({"infinigen": infinigen}, model, tok, progress=True)
+    infinigen = prepare({"infinigen": infinigen}, model, tok, progress=True)["infinigen"]
     timings, raw = {}, {}
 
     # 1. H2O at InfiniGen's relative KV size

@@ -1,6 +1,6 @@
 """A decoding step with the fused selecting layer (`kernels/fused_select`: `select_packed` from the 4-bit scores
 to the packed rows and the remainder's log-sum-exp, then `attend_rows` over those rows) against the torch path
-(`_choose`, `select_rows`, `_unread_lse`, `gather_rows` + head mask + `attend_masked`), the fused attention
+(`_choose`, `select_rows`, `remainder_lse`, `gather_rows` + head mask + `attend_masked`), the fused attention
 alone (the selection in torch) and the full cache, side by side in one process: default model and dtype, KV in
 fast memory, one shared prefill per cell (`eval.fanout.prefill_shared`), the systems' steps interleaved
 A B C ... C B A so that a shared CPU's load falls on each alike; the first step is left out. Per system: median

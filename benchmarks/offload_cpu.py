@@ -258,7 +258,7 @@ def main(argv=None) -> int:
         syst = [s for s in syst if s not in disk]
     for s in syst:
         if s.policy is not None:
-            s.policy.prepare(model, tok, progress=True)  # InfiniGen: skew from the cache, or calibrated once
+            s.policy = s.policy.prepare(model, tok, progress=True)  # InfiniGen: skew from the cache, or calibrated once
     settings = bench.BenchSettings(prompt_lens=[prompt], batch_sizes=batches, gen_len=args.gen_len,
                                    pool_dir=args.pool_dir, breakdown_steps=args.breakdown, share_prefill=True)
 

@@ -35,6 +35,7 @@ import torch
 from infinigen import runtime
 from infinigen.placement import Placement
 from infinigen.policies.infinigen import fake_int4
+from infinigen.policies import speculation
 
 
 class _Capture(runtime.Listener):
@@ -97,7 +98,7 @@ def skew_matrices(model, tok):
         return None
     from infinigen.policies import make_policy
     pol = make_policy("infinigen", calibrate=False, dense_below=0).prepare_skew(model, tok)
-    return pol._skew_matrices(model)
+    return speculation.skew_matrices(pol, model)
 
 
 def _pool(s: torch.Tensor, own: torch.Tensor, how: str) -> torch.Tensor:

@@ -23,6 +23,7 @@ from infinigen import runtime
 from infinigen.cache import KVStore
 from infinigen.kernels.int4 import PackedKeys
 from infinigen.policies.infinigen import InfiniGen
+from infinigen.policies.infinigen_select import remainder_lse
 
 
 CLOCK = time.perf_counter  # --clock cpu: time.thread_time, the CPU time of this thread (with --threads 1 every
@@ -98,7 +99,7 @@ def main() -> None:
             from infinigen.kernels import fused_select
         except ImportError:  # main's checkout before the fused kernel
             fused_select = None
-        rest_ref = lambda: pol._unread_lse(scores, valid[:, :, None] & ~keep[:, :, None])  # noqa: E731
+        rest_ref = lambda: remainder_lse(scores, valid[:, :, None] & ~keep[:, :, None])  # noqa: E731
         out["remainder: unread log-sum-exp"] = _time(rest_ref, a.reps)
         if fused_select is not None and hasattr(fused_select, "select_packed") and fused_select.available():
             total = pol._layer_total(pol.max_fetch_ratio, s, hkv, s)

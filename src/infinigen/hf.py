@@ -129,7 +129,7 @@ class InfiniGenCache(Cache):
         self.rt = runtime_for(hf_model)
         super().__init__(layers=[_PassLayer() for _ in range(self.rt.cfg.num_layers)])
         self.policy = make_policy(policy) if isinstance(policy, str) else (policy or make_policy("full"))
-        self.policy.prepare(self.rt)
+        self.policy = self.policy.prepare(self.rt)
         self.max_len = max_len or self.rt.cfg.max_position
         self.placement = placement or Placement()
         self.session = None
@@ -330,7 +330,7 @@ def enable(hf_model, policy: Policy | str | None = None, tokenizer=None, placeme
         policy = make_policy(policy or "full", **knobs)
     elif knobs:
         raise UserError(f"enable: knobs {', '.join(knobs)} given with a policy object (set them on the policy)")
-    policy.prepare(rt, tokenizer)
+    policy = policy.prepare(rt, tokenizer)
     register()
     handle = Enabled(hf_model, policy, placement)
     previous = hf_model.config._attn_implementation

@@ -66,15 +66,23 @@ def _finite(owner: str, name: str, value) -> None:
             raise UserError(f"{owner} knob {name} must be a finite number, got {v}")
 
 
+# metadata of a dataclass field of a policy that is not a knob (a record the policy is built from): it is given
+# to the constructor, but `--knob`, `settings()` and the knob checks leave it out
+NOT_A_KNOB = {"knob": False}
+
+
+def knob_fields(cls_or_policy) -> list[dataclasses.Field]:
+    """The knobs of a policy class (or object): its constructor's fields but those marked NOT_A_KNOB."""
+    return [f for f in dataclasses.fields(cls_or_policy) if f.init and f.metadata.get("knob", True)]
+
+
 @functools.cache
 def _field_kinds(cls) -> dict[str, tuple[type | None, bool]]:
     """Knob name -> (int, float, bool or None for any other type; whether None is allowed), read from the
     dataclass's annotations; a tuple of ints counts as int (each item is checked)."""
     hints = typing.get_type_hints(cls)
     out = {}
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
+    for f in knob_fields(cls):
         tp, optional = hints[f.name], False
         if typing.get_origin(tp) in (typing.Union, types.UnionType):
             args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -164,7 +172,7 @@ class Policy:
 
     def settings(self, model=None) -> dict:
         """The knob values in effect, JSON-able (with `model`: also what depends on its architecture)."""
-        return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self) if f.init}
+        return {f.name: jsonable(getattr(self, f.name)) for f in knob_fields(self)}
 
     def codec(self) -> KVCodec | None:
         """How keys and values are stored (None: as computed)."""
@@ -195,7 +203,7 @@ class Policy:
 
     def keep(self, layer: int, rows: Rows, session) -> torch.Tensor | All:
         """Which candidate entries each of `rows` reads at `layer`: bool [B|1, Hkv|1, R, S] (broadcast by
-        the runtime) or ALL. Asked only where `speculated(layer)`. rows.in_store: decoding (R is 1, the
+        the runtime) or ALL. Asked only where `selects(layer)`. rows.in_store: decoding (R is 1, the
         candidates are the store's slots; rows.query is None when asked one layer ahead); else
         teacher-forced scoring, every decoding row of the sequence at once (never for a policy that
         `replays`). The runtime removes invalid entries and the sliding window afterwards, and always
@@ -215,16 +223,24 @@ class Policy:
     def on_append(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, session) -> None:
         pass
 
-    def unread(self, layer: int, session) -> Remainder | None:
-        """After `keep` at `layer`: the estimated contribution of the entries its answer leaves unread
-        (`infinigen.selection.Remainder`), which the runtime adds to the attention over the selection on
+    def remainder_at(self, layer: int, session) -> Remainder | None:
+        """After `keep` at `layer`: the remainder, the estimated contribution of the entries its answer leaves
+        unread (`infinigen.selection.Remainder`), which the runtime adds to the attention over the selection on
         every path; None (the default): attention is over the selection alone. Asked once per attention call,
         after the keep it answers for."""
         return None
 
-    def speculated(self, layer: int) -> bool:
+    def unread(self, layer: int, session) -> Remainder | None:
+        """The former name of `remainder_at`, kept while callers move to it."""
+        return self.remainder_at(layer, session)
+
+    def selects(self, layer: int) -> bool:
         """Whether the policy selects entries at `layer` (False: it reads them all there, `keep` is not asked)."""
         return True
+
+    def speculated(self, layer: int) -> bool:
+        """The former name of `selects`, kept while callers move to it."""
+        return self.selects(layer)
 
     def for_random_weights(self, model, fixed_ratio: float | None) -> "Policy":
         """This policy for a model with random weights (`infinigen bench --synthetic`), where choices made

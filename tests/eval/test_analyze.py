@@ -133,7 +133,7 @@ def test_recall_of_an_unlimited_selection_is_one_and_its_mass_is_the_attentions(
     hf, model, ids = tiny
     pol = make_policy("infinigen", preset="paper", dense_layers=(), exact_first=True, skew=False, alpha=1e9,
                       max_fetch_ratio=1.0)
-    pol.prepare(model, None)
+    pol = pol.prepare(model, None)
     rec = an.selection_recall(model, ids, pol, prefill=32)
     with torch.no_grad():
         attn = hf(ids, output_attentions=True).attentions
@@ -178,7 +178,7 @@ def test_recall_forms_use_the_query_of_their_tier(tiny):
     offloaded; with a cap both read about the same share and rank below the top set."""
     _, model, ids = tiny
     pol = make_policy("infinigen", calibrate=False, dense_below=0, skew=False, kv_budget=0.3, budget_growth=1.0)
-    pol.prepare(model, None)
+    pol = pol.prepare(model, None)
     rec = an.selection_recall(model, ids, pol, prefill=32)
     assert rec["in_ram"]["query"] == "own" and rec["offloaded"]["query"] == "ahead"
     for form in ("in_ram", "offloaded"):

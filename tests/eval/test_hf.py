@@ -203,7 +203,7 @@ def test_default_model_generate_matches_runtime(default_hf_model, default_model,
     knobs = {"infinigen": {"dense_below": 0}}
     for name in names:
         prepared = make_policy(name, **knobs.get(name, {}))
-        prepare({name: prepared}, model, tok)  # InfiniGen: the shipped skew matrices and settings
+        prepared = prepare({name: prepared}, model, tok)[name]  # InfiniGen: the shipped skew matrices and settings
         if name == "infinigen":
             assert prepared.calibration["source"] in ("shipped", "cached")
         ref = generate_ids(model, [prompt], 20, policy=make_policy(name, **knobs.get(name, {}))).tokens[0]

@@ -11,7 +11,6 @@ PACKAGE = Path(infinigen.__file__).parent
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 600, 80
 
 LONG_FILES = {
-    "policies/infinigen.py": "one class holds the whole method: knobs, calibration, speculation, selection",
     "runtime.py": "the three passes and every attention path in one module",
 }
 LONG_FUNCTIONS: dict[str, str] = {}

@@ -174,7 +174,7 @@ def test_partial_keys_match_pool(victim, capacity, steps, key_mode, seed):
         if key_mode == "int4":  # the packed 4-bit copy of every slot's rotated key, dequantized
             from infinigen.kernels.int4 import fake_quantize
             got = st.spec_keys[layer].dequantize(capacity)
-            want = fake_quantize(pol._rotate(st, kp, layer), layout=st.layout)
+            want = fake_quantize(pol.speculation.rotate(st, kp, layer), layout=st.layout)
         else:
-            got, want = st.spec_keys[layer], pol._project(st, kp, layer).to(st.key_dtype)
+            got, want = st.spec_keys[layer], pol.speculation.project(st, kp, layer).to(st.key_dtype)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"layer {layer}")

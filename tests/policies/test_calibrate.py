@@ -21,6 +21,7 @@ from infinigen.errors import UserError
 from infinigen.eval.ppl import perplexity
 from infinigen.policies import calibrate as cal
 from infinigen.policies.infinigen import _CHOICES, _SKEWS, InfiniGen
+from infinigen.policies.infinigen_calibration import candidate, remainder_starts, search_setup
 from infinigen.skew import Skew, remember
 
 REF = 64  # calibration tokens (budget_ref): the first 8 are the prompt
@@ -200,6 +201,26 @@ def test_a_knob_set_by_hand_wins(peaked, text):
     assert "kv_budget" not in capped.calibration["chosen"]
 
 
+def test_prepare_returns_the_policy_built_from_the_record_and_leaves_the_caller_s_as_it_was(peaked, text,
+                                                                                          monkeypatch):
+    """Calibration produces a record; `prepare` returns a new policy built from the caller's knobs and that record
+    (the same knob values, nothing rewritten afterwards), holds no reference to the model, and leaves the policy
+    it was called on as it was. Prepared again for its model, it keeps its calibration without searching."""
+    import weakref
+    mine = InfiniGen(calibrate=True, skew=False, budget_ref=REF, min_fetch=0, calibrate_text=str(text),
+                     calibrate_bound=BOUND, calibrate_target=TARGET, remainder=False)
+    before = mine.settings(peaked)
+    prepared = mine.prepare(peaked, ByteTokenizer())
+    assert prepared is not mine and mine.calibration is None and mine.settings(peaked) == before
+    assert prepared.calibration["chosen"] and prepared.settings(peaked) != before
+    rebuilt = InfiniGen(**mine.requested, calibration=prepared.calibration, crossing=prepared.crossing)
+    assert rebuilt.settings(peaked) == prepared.settings(peaked)
+    assert not any(v is peaked or (isinstance(v, weakref.ref) and v() is peaked) for v in vars(prepared).values())
+    monkeypatch.setattr(cal, "search", lambda *a, **k: pytest.fail("searched again for the model it was built for"))
+    _CHOICES.clear()
+    assert prepared.prepare(peaked, ByteTokenizer()).settings(peaked) == prepared.settings(peaked)
+
+
 def test_off_keeps_the_preset(peaked):
     pol = InfiniGen(skew=False, calibrate=False).prepare(peaked, ByteTokenizer())
     assert pol.calibration is None and pol.alpha == 9.0 and pol.kv_budget == 0.13 and pol.exact_first
@@ -347,14 +368,14 @@ def test_the_fast_search_chooses_as_the_exhaustive_one(peaked, flat, text):
     for model in (peaked, flat, attention_model(3.0)):
         pol = InfiniGen(calibrate=True, skew=False, budget_ref=REF, min_fetch=0, calibrate_bound=BOUND,
                         calibrate_target=TARGET)
-        setup = pol._calibration_setup(model)
+        setup = search_setup(pol, model)
         assert setup["own_query"]
 
         def run(own_query):
-            return cal.search(model, tokens, REF // 8, lambda k: pol._candidate(model, k, setup["growth"]),
+            return cal.search(model, tokens, REF // 8, lambda k: candidate(pol, model, k, setup["growth"]),
                               setup["structures"], setup["alphas"], setup["budget_free"], TARGET, BOUND,
-                              setup["growth"], REF, "key", "text", remainder_starts=lambda k: pol._remainder_starts(
-                                  model, k, setup["growth"]), own_query=own_query,
+                              setup["growth"], REF, "key", "text", remainder_starts=lambda k: remainder_starts(
+                                  pol, model, k, setup["growth"]), own_query=own_query,
                               budgets=tuple(setup["budgets"]))
         fast, exhaustive = run(True), run(False)
         assert fast.knobs == exhaustive.knobs and fast.reached == exhaustive.reached
@@ -507,7 +528,7 @@ def test_progress_callback_counts_passes_with_an_eta(peaked, text):
     seen = []
     pol = InfiniGen(calibrate=True, skew=False, budget_ref=REF, min_fetch=0, calibrate_text=str(text),
                     calibrate_bound=BOUND, calibrate_target=TARGET, remainder=False)
-    pol.prepare(peaked, ByteTokenizer(), progress=lambda *a: seen.append(a))
+    pol = pol.prepare(peaked, ByteTokenizer(), progress=lambda *a: seen.append(a))
     _CHOICES.pop(peaked, None)
     passes = [s for s in seen if s[0] == "calibrating InfiniGen"]
     done = [s[1] for s in passes]

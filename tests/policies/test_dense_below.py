@@ -15,7 +15,9 @@ from infinigen.kernels.int4 import PackedKeys
 from infinigen.placement import Placement
 from infinigen.policies import crossing, make_policy
 from infinigen.policies.infinigen import InfiniGen
+from infinigen.policies.infinigen_calibration import candidate
 from infinigen.policies.knobs import make_policy_from_cli
+from infinigen.policies.speculation import SpeculationKeys
 from infinigen.selection import ALL
 
 T, P = 36, 12
@@ -52,7 +54,7 @@ class _Reads(runtime.Listener):
 def _count_speculation(monkeypatch):
     """Count the speculation's work: queries of the next layer, partial-key and packed-key scoring."""
     calls = {"query": 0, "scores": 0, "packed": 0}
-    scores, packed = InfiniGen._scores, PackedKeys.scores
+    scores, packed = SpeculationKeys.scores, PackedKeys.scores
 
     def counted_scores(self, *a, **kw):
         calls["scores"] += 1
@@ -61,7 +63,7 @@ def _count_speculation(monkeypatch):
     def counted_packed(self, *a, **kw):
         calls["packed"] += 1
         return packed(self, *a, **kw)
-    monkeypatch.setattr(InfiniGen, "_scores", counted_scores)
+    monkeypatch.setattr(SpeculationKeys, "scores", counted_scores)
     monkeypatch.setattr(PackedKeys, "scores", counted_packed)
     return calls
 
@@ -236,7 +238,7 @@ def test_a_stored_crossing_sets_the_threshold(long_tiny, monkeypatch):
     assert pol.dense_below is None and pol.settings()["dense_below_source"] == "not prepared"
     crossing.store(crossing.crossing_key(model, pol), {"dense_below": 20, "lengths": [64], "ratio": [0.9]})
     _no_measuring(monkeypatch)
-    pol.prepare(model)
+    pol = pol.prepare(model)
     s = pol.settings(model)
     assert pol.dense_below == 20 and s["dense_below"] == 20 and s["dense_below_source"] == "cached"
     assert s["crossing"]["ratio"] == [0.9]
@@ -260,7 +262,7 @@ def test_an_explicit_knob_wins_over_the_stored_crossing(long_tiny, monkeypatch):
     pol = _crossing_policy(model, dense_below=5)
     crossing.store(crossing.crossing_key(model, pol), {"dense_below": 30})
     _no_measuring(monkeypatch)
-    pol.prepare(model)
+    pol = pol.prepare(model)
     assert pol.dense_below == 5 and pol.settings(model)["dense_below_source"] == "set"
     # not the default preset
     flat = make_policy("infinigen", preset="flat").with_skew(random_skew(model)).prepare(model)
@@ -293,7 +295,7 @@ def test_a_corrupt_or_foreign_crossing_is_measured_again(long_tiny, monkeypatch,
     else:
         path.write_text(stored)
     calls = _fake_measuring(monkeypatch, 24)
-    pol.prepare(model)
+    pol = pol.prepare(model)
     assert calls == [model]  # measured once
     assert pol.dense_below == 24 and pol.settings(model)["dense_below_source"] == "measured"
     assert crossing.load(key)["dense_below"] == 24  # stored over the bad file
@@ -334,7 +336,7 @@ def test_short_models_are_not_measured(make_tiny, monkeypatch):
 def test_calibration_candidates_select_everywhere(long_tiny):
     model = long_tiny
     pol = _crossing_policy(model, dense_below=4096)
-    assert pol._candidate(model, {"alpha": 3.0}, 0.5).dense_below == 0
+    assert candidate(pol, model, {"alpha": 3.0}, 0.5).dense_below == 0
 
 
 @pytest.mark.parametrize("ratio,expected", [
@@ -378,11 +380,11 @@ def test_a_short_run_does_not_wait_for_the_measurement(long_tiny, monkeypatch):
     out, _ = _decode(model, pol, tokens)
     assert torch.equal(out, full)
     calls = _fake_measuring(monkeypatch, 24)
-    pol.prepare(model, longest=shortest)  # reaches the shortest length: measured
+    pol = pol.prepare(model, longest=shortest)  # reaches the shortest length: measured
     assert calls == [model] and pol.dense_below == 24 and pol.settings(model)["dense_below_source"] == "measured"
     again = _crossing_policy(model)
     _no_measuring(monkeypatch)
-    again.prepare(model, longest=8)  # known now: a short run uses it (this process remembers it, later ones
+    again = again.prepare(model, longest=8)  # known now: a short run uses it (this process remembers it, later ones
     assert again.dense_below == 24  # read it back)
     assert crossing.measure_crossing(model, again, longest=8)["source"] == "cached"
 

@@ -1,6 +1,6 @@
 """InfiniGen's layer-capped selection as one C++ call (`fused_select.select_packed`: from the speculated scores
 to the packed rows and the remainder's log-sum-exp) against the torch path it replaces (`InfiniGen._choose`
-with budget "layer", `KVStore.select_rows`, `InfiniGen._unread_lse`): the same cut on random float32 scores
+with budget "layer", `KVStore.select_rows`, `infinigen_select.remainder_lse`): the same cut on random float32 scores
 (G 1, 3 and 7; the cap binding or not; ties), and in decoding sessions the same selections and logits; the
 checks fail when a row is dropped, the cap is wrong or the remainder is stale.
 
@@ -16,6 +16,7 @@ from infinigen.cache import KVStore
 from infinigen.kernels import fused_select
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
+from infinigen.policies.infinigen_select import remainder_lse
 from support.packed_rows import P, T
 from support.packed_rows import Selections as _Seen
 from support.speculation import random_skew as _mats
@@ -31,7 +32,7 @@ def _reference(pol, scores, scale, alpha, ratio, capacity, rest=True):
     s = scores[:, :, :, None] * scale
     valid = torch.ones(b, hkv, 1, n, dtype=torch.bool)
     keep = pol._choose(s.clone(), valid, alpha, n, ratio)
-    lse = pol._unread_lse(s, valid & ~keep)[..., 0] if rest else None
+    lse = remainder_lse(s, valid & ~keep)[..., 0] if rest else None
     keep = keep[:, :, 0]
     store = KVStore(1, b, hkv, capacity, 4, torch.float32)
     store.length[0] = n
@@ -111,7 +112,7 @@ def _policy(min_fetch=32):
 @pytest.mark.parametrize("rest", [True, False])
 def test_select_packed_equals_the_torch_selection(case, rest):
     """keep, packed rows, heads and counts equal to `_choose` + `select_rows`; the unread log-sum-exp within
-    2e-6 of `_unread_lse` (where the unread mass is representable next to the head's max)."""
+    2e-6 of `remainder_lse` (where the unread mass is representable next to the head's max)."""
     b, hkv, g, n, alpha, ratio, _, _ = case
     pol = _policy()
     scores = _scores(case, seed=n + g)

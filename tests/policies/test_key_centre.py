@@ -12,6 +12,7 @@ from infinigen.eval import analyze as an
 from infinigen.kernels.int4 import fake_quantize
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
+from infinigen.policies.infinigen_calibration import search_setup
 from support.speculation import prefill_then_decode as _decode
 from support.speculation import random_tokens as _tokens
 
@@ -38,20 +39,20 @@ def test_scores_are_the_centred_reference_on_the_keys_scale(make_tiny):
     st, store = sess.state, sess.store
     layer = model.cfg.num_layers - 1
     n = store.length[layer]
-    keys = pol._rotate(st, store.k[layer][:, :, :n], layer)
+    keys = pol.speculation.rotate(st, store.k[layer][:, :, :n], layer)
     mean = st.key_mean[layer]
     # the mean of the prompt's keys, fixed from then on
-    prompt = pol._rotate(st, store.k[layer][:, :, :P], layer).mean(2, keepdim=True)
+    prompt = pol.speculation.rotate(st, store.k[layer][:, :, :P], layer).mean(2, keepdim=True)
     torch.testing.assert_close(mean, prompt)
-    got = pol._scores(st, layer, 0, st.spec_keys[layer], n)
-    qs = pol._spec_rows(st, layer, slice(0, 1))[:, :, :, 0]
+    got = pol.speculation.scores(st, layer, 0, st.spec_keys[layer], n)
+    qs = pol.speculation.queries(st, layer, slice(0, 1))[:, :, :, 0]
     want = qs @ (fake_quantize(keys - mean, layout=st.layout) + mean).transpose(-1, -2)
     assert (got - want).abs().max() <= 1e-2 * want.abs().max()
     exact = qs @ keys.transpose(-1, -2)
     plain = make_policy("infinigen", skew=False, calibrate=False, dense_below=0, max_fetch_ratio=0.3, kv_budget=None,
                         budget_growth=1.0, min_fetch=0)
     _, s2 = _decode(model, plain, _tokens(model, t=T))
-    uncentred = plain._scores(s2.state, layer, 0, s2.state.spec_keys[layer], n)
+    uncentred = plain.speculation.scores(s2.state, layer, 0, s2.state.spec_keys[layer], n)
     # on the attention's scale, and closer to the exact scores than the uncentred 4-bit keys' scores
     assert (got - exact).abs().mean() < 0.5 * (uncentred - exact).abs().mean()
 
@@ -64,7 +65,7 @@ def test_centred_keys_rank_closer_to_the_true_top(make_tiny):
     got = {}
     for centre in (False, True):
         pol = make_policy("infinigen", key_centre=centre, **knobs)
-        pol.prepare(model, None)
+        pol = pol.prepare(model, None)
         got[centre] = an.selection_recall(model, ids, pol, 32, forms={"in_ram": Placement()})["in_ram"]["mean"]
     assert got[True]["recall"] > got[False]["recall"] + 0.02  # 0.915 -> 0.941 here
     assert got[True]["mass_read"] > got[False]["mass_read"]
@@ -77,5 +78,5 @@ def test_knob_checks_and_the_default_calibration_key(make_tiny):
         make_policy("infinigen", key_centre=1)
     _, model = make_tiny("llama")
     # off (the default): not part of what the stored calibration choices are keyed by; on: part of it
-    assert "key_centre" not in make_policy("infinigen")._calibration_setup(model)["fixed"]
-    assert make_policy("infinigen", key_centre=True)._calibration_setup(model)["fixed"]["key_centre"] is True
+    assert "key_centre" not in search_setup(make_policy("infinigen"), model)["fixed"]
+    assert search_setup(make_policy("infinigen", key_centre=True), model)["fixed"]["key_centre"] is True

@@ -133,17 +133,17 @@ def test_auto_speculates_ahead_exactly_where_the_kv_is_offloaded(tiny):
 def test_auto_leaves_the_remainder_to_the_own_query_unless_set(tiny):
     """The preset's remainder (measured to cost accuracy with the speculated query) is used on an offloaded
     tier under "auto" only when the caller set it."""
-    def with_rest(placement, **knobs):
+    def with_remainder(placement, **knobs):
         sess = placement.new_session(tiny, B, T, make_policy("infinigen", **knobs))
         try:
-            return sess.state.with_rest
+            return sess.state.with_remainder
         finally:
             sess.store.close()
     preset = {k: v for k, v in LIMITED.items() if k != "remainder"}
-    assert with_rest(Placement(), **preset)  # the default preset's remainder, own query
-    assert not with_rest(Placement(kv_offload="cpu"), **preset)
-    assert with_rest(Placement(kv_offload="cpu"), **preset, remainder=True)
-    assert with_rest(Placement(kv_offload="cpu"), **preset, query="ahead")  # the caller chose speculation
+    assert with_remainder(Placement(), **preset)  # the default preset's remainder, own query
+    assert not with_remainder(Placement(kv_offload="cpu"), **preset)
+    assert with_remainder(Placement(kv_offload="cpu"), **preset, remainder=True)
+    assert with_remainder(Placement(kv_offload="cpu"), **preset, query="ahead")  # the caller chose speculation
 
 
 def test_an_unlimited_budget_is_the_dense_result(tiny):

@@ -125,7 +125,7 @@ def test_policy_estimates_no_unread_mass_when_everything_is_selected(tiny):
 
     class Spy(runtime.Listener):
         def on_select(self, layer, rows, keep, sess):
-            seen[(layer, int(rows.positions[0, 0]))] = sess.state.rest[layer].lse.clone()
+            seen[(layer, int(rows.positions[0, 0]))] = sess.state.remainders[layer].lse.clone()
 
     for knobs, unread in ((UNLIMITED, False), (LIMITED, True)):
         seen.clear()
@@ -193,11 +193,12 @@ def _fifo():
 def test_teacher_forced_scores_in_blocks_as_in_one_call(monkeypatch):
     """A teacher-forced pass scores its rows against the 4-bit keys in blocks of rows (at 32K tokens one call
     would hold 15 GB of scores): any block size gives the same selection and logits to the bit."""
-    import infinigen.policies.infinigen as ig
+    import infinigen.policies.infinigen_select as ig
+    from infinigen.policies.speculation import int4_layout
     from support.models import build_tiny
     _, model = build_tiny("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     t, p = 128, 16  # a capacity of 64-token blocks: the batched int4 layout where the kernel takes it
-    if ig.int4_layout(model.cfg.head_dim, t, model.device) != "tinygemm":
+    if int4_layout(model.cfg.head_dim, t, model.device) != "tinygemm":
         pytest.skip("this CPU's int4 kernel does not take the tiny model's head_dim")
     tokens = torch.randint(0, model.cfg.vocab_size, (1, t), generator=torch.Generator().manual_seed(4))
 

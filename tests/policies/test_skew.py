@@ -125,7 +125,7 @@ def test_artifact_saved_reused_and_found(tiny_checkpoint, tiny_tokenizer, tmp_pa
     with pytest.raises(UserError, match="skew"):
         sess = Placement().new_session(other, 1, 24, make_policy("infinigen", dense_layers=(0,)))
         runtime.teacher_forced(other, _ids(model, 24)[None], 8, sess)
-    pol.prepare(other, tok)  # the same policy object calibrates for the other model, on the default text
+    pol = pol.prepare(other, tok)  # the same policy object calibrates for the other model, on the default text
     assert find_cached_skew(other) is not None
 
 

@@ -161,16 +161,16 @@ def test_rows_of_a_dense_step_are_every_used_slot(make_tiny):
 @pytest.mark.parametrize("levels,short", [(3, False), (50, False), (10**6, False), (10**6, True)],
                          ids=["many-ties", "some-ties", "no-ties", "short-row"])
 def test_cut_takes_exactly_n_lower_slots_first(levels, short):
-    """`_top_n_per_row` with a host n: exactly the n highest scores of each row, ties broken lower slot first,
+    """`top_n_per_row` with a host n: exactly the n highest scores of each row, ties broken lower slot first,
     whether the ties at the threshold all fit (the one-pass `_at_least`) or not (the cumulative sum)."""
-    from infinigen.policies.infinigen import InfiniGen
+    from infinigen.policies.infinigen_select import top_n_per_row
     g = torch.Generator().manual_seed(levels % 97)
     score = (torch.rand(6, 40, generator=g) * levels).floor()
     if short:
         score[0, 5:] = float("-inf")  # fewer finite entries than n: the -inf ones are never taken
     keep = torch.ones_like(score, dtype=torch.bool)
     n = 7
-    got = InfiniGen._top_n_per_row(keep, score, n, as_is=torch.zeros(6, dtype=torch.bool))
+    got = top_n_per_row(keep, score, n, as_is=torch.zeros(6, dtype=torch.bool))
     for r in range(6):
         order = sorted((i for i in range(40) if score[r, i] > float("-inf")), key=lambda i: (-score[r, i], i))
         assert got[r].nonzero().flatten().tolist() == sorted(order[:n]), r

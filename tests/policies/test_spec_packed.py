@@ -11,6 +11,7 @@ from infinigen import runtime
 from infinigen.kernels.int4 import fake_quantize, tinygemm_ok
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
+from infinigen.policies.infinigen_select import select_row
 from infinigen.pool import KVPool
 from support.speculation import prefill_then_decode, random_skew, random_tokens, record_selections  # P = 12 too
 
@@ -41,9 +42,9 @@ def test_packed_scores_equal_fake_quantization(make_tiny, layout):
     assert st.layout == layout and isinstance(st.spec_keys[2], ig.PackedKeys) and st.spec_keys[2].layout == layout
     layer = model.cfg.num_layers - 1
     n = store.length[layer]
-    got = pol._scores(st, layer, 0, st.spec_keys[layer], n)
-    qs = pol._spec_rows(st, layer, slice(0, 1))[:, :, :, 0]
-    keys = fake_quantize(pol._rotate(st, store.k[layer][:, :, :n], layer), layout=layout)
+    got = pol.speculation.scores(st, layer, 0, st.spec_keys[layer], n)
+    qs = pol.speculation.queries(st, layer, slice(0, 1))[:, :, :, 0]
+    keys = fake_quantize(pol.speculation.rotate(st, store.k[layer][:, :, :n], layer), layout=layout)
     want = qs @ keys.transpose(-1, -2)
     tol = 1e-5 if layout == "rows" else 1e-2  # tinygemm: bfloat16 queries and scores
     assert (got - want).abs().max() <= tol * want.abs().max()
@@ -141,7 +142,7 @@ def test_decode_selection_needs_no_host_sync_on_cuda(make_tiny):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        keep = pol._select_row(layer, 0, sess)
+        keep = select_row(pol, layer, 0, sess)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert keep.is_cuda and keep.shape[-1] == sess.store.length[layer]
@@ -203,7 +204,7 @@ def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy)
 def test_kth_largest_is_the_top_k_threshold():
     """The cut's threshold (numpy's partition on a CPU) is exactly torch's k-th largest value, with the
     ties at -1 of unselected entries and -inf of invalid slots that the cut sees."""
-    from infinigen.policies.infinigen import _kth_largest
+    from infinigen.policies.infinigen_select import _kth_largest
     g = torch.Generator().manual_seed(0)
     score = torch.rand(4, 3, 500, generator=g)
     score[torch.rand(4, 3, 500, generator=g) < 0.4] = -1.0

@@ -131,7 +131,7 @@ def test_default_model_greedy_tokens_do_not_depend_on_the_batch(name, tmp_path_f
         pytest.skip(compiled.available())
     model, tok, _ = load("default", dtype="auto", progress=False)
     policy = make_policy("full") if name == "full" else make_policy("infinigen", calibrate=False)
-    policy.prepare(model, tok, progress=False)
+    policy = policy.prepare(model, tok, progress=False)
     parts = compiled.enable(model, "on")
     texts = ["The capital of France is", "Once upon a time, in a land far away, there lived a",
              "def fibonacci(n):", "The three primary colors are", "In 1492, Columbus",

@@ -193,7 +193,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
         store = sess.store
         slow = store.slow_bytes()
         kv_full = kv_bytes(model.cfg, b, store.capacity, model.dtype)
-        spec = [i for i in range(model.cfg.num_layers) if pol.speculated(i)]
+        spec = [i for i in range(model.cfg.num_layers) if pol.selects(i)]
         state = pol.fast_tier_bytes(sess.state)
         fast_weights = weight_bytes(model) if weights is None else (
             weight_bytes(model) - weights.slow_bytes + weights.fast_buffer_bytes())
@@ -325,7 +325,7 @@ def sweep(model, systems: list[System], settings: BenchSettings, tokenizer=None,
     context manager factory wrapped around each shared prefill (a memory bound steps aside for it)."""
     for system in systems:
         if system.ours:
-            system.policy.prepare(model, tokenizer)
+            system.policy = system.policy.prepare(model, tokenizer)
     rows = []
     for t in settings.prompt_lens:
         for b in settings.batch_sizes:

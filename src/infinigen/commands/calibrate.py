@@ -54,7 +54,7 @@ def calibrate(
     net, tok, name = load_model(model, dtype, device, weights)
     if force:
         _SKEWS.setdefault(net, {})[pol.calib] = load_or_compute_skew(net, tok, pol.calib, force=True, progress=True)
-    pol.prepare(net, tok, progress=True)
+    pol = pol.prepare(net, tok, progress=True)
     skew = _SKEWS[net][pol.calib]
     record = pol.settings(net)["calibration"]
     written = None

@@ -298,8 +298,10 @@ def policy_settings(pol, model=None) -> dict:
     return pol.settings(model)
 
 
-def prepare_policies(policies: dict, model, tokenizer, progress: bool = True) -> None:
+def prepare_policies(policies: dict, model, tokenizer, progress: bool = True) -> dict:
     """Model-wide setup of each policy before use (`Policy.prepare`; InfiniGen: its skew matrices, from
-    the cache, else calibrated once on its `calib` text and cached)."""
-    for pol in policies.values():
-        pol.prepare(model, tokenizer, progress=progress)
+    the cache, else calibrated once on its `calib` text and cached): each entry of `policies` replaced by the
+    prepared policy, and `policies` returned."""
+    for name, pol in policies.items():
+        policies[name] = pol.prepare(model, tokenizer, progress=progress)
+    return policies

@@ -82,7 +82,7 @@ def ppl_cmd(
     net, tok, model_name = load_model(model, dtype, device, weights)
     check_context(net, ctx, "--ctx")
     check_policies_fit(pol, net)
-    prepare_policies({policy: pol}, net, tok)  # InfiniGen: skew from the cache, else calibrated once and cached
+    pol = prepare_policies({policy: pol}, net, tok)[policy]  # InfiniGen: skew from the cache, else calibrated once and cached
     from ..eval.ppl import token_windows
     ids = token_windows(tok, body, ctx, windows)
     res = perplexity(net, tok, None, pol, prefill=prefill, placement=placement, progress=True, tokens=ids, chunk=chunk)

@@ -372,7 +372,7 @@ def build(config: ServerConfig, phase=None, url: str | None = None):
     net, tok, name = load_model(config.model, config.dtype, config.device)
     check_policies_fit(pol, net)
     phase("calibrating", f"calibrating: preparing the {config.policy} policy")
-    prepare_policies({config.policy: pol}, net, tok)
+    pol = prepare_policies({config.policy: pol}, net, tok)[config.policy]
     bound_note = _budget_under_bound(config)
     if bound_note is not None:
         config = dataclasses.replace(config, fast_bytes=bound_note[0])

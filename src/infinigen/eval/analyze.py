@@ -302,8 +302,7 @@ def run(model, tok, ids: torch.Tensor, out: Path, which=ANALYSES, settings: Sett
 
 def _recall(job: _Job, ig_knobs: dict, model_name: str, text_name: str) -> list[str]:
     from .policyset import prepare
-    pol = _infinigen(ig_knobs, job.st.matrices)
-    prepare({"infinigen": pol}, job.model, job.tok)
+    pol = prepare({"infinigen": _infinigen(ig_knobs, job.st.matrices)}, job.model, job.tok)["infinigen"]
     rec = selection_recall(job.model, job.ids, pol, job.st.prefill)
     job.tick(1 + len(FORMS))
     (job.out / "recall.json").write_text(json.dumps(

@@ -386,8 +386,7 @@ def evaluate_task(model, tokenizer, task: Task, policies: dict, shots: int = 5, 
         pols = {"full": make_policy("full"), **pols}
     else:
         pols = {"full": pols.pop("full"), **pols}
-    for p in pols.values():
-        p.prepare(model, tokenizer)
+    pols = {name: p.prepare(model, tokenizer) for name, p in pols.items()}
     items = make_items(task, shots, limit, seed)
     preds = {name: ([], []) for name in pols}
     kvs = {name: [] for name in pols}

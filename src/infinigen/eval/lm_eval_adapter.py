@@ -46,7 +46,7 @@ class InfiniGenLM(LM):
         elif tokenizer is None:
             raise UserError("InfiniGenLM(model=...) needs its tokenizer too")
         self.model, self.tok = model, tokenizer
-        self.policy.prepare(model, tokenizer)
+        self.policy = self.policy.prepare(model, tokenizer)
         self.prefill_frac = float(prefill_frac)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 1
         self.max_length = int(max_length) if max_length else model.cfg.max_position

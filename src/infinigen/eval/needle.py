@@ -197,8 +197,7 @@ def run_cases(model, tokenizer, cases: list[Case], policies: dict, max_new_token
     eos = stop_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (model.cfg.eos_token_ids or [0])[0]
     names = list(policies)
-    for p in policies.values():
-        p.prepare(model, tokenizer)
+    policies = {name: p.prepare(model, tokenizer) for name, p in policies.items()}
     out = []
     i = 0
     while i < len(cases):

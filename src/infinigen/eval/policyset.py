@@ -9,7 +9,9 @@ from __future__ import annotations
 from ..policies.knobs import knob_dict, parse_policies  # noqa: F401 (re-exported: the one knob parser)
 
 
-def prepare(policies: dict, model, tokenizer, progress: bool = False) -> None:
-    """`Policy.prepare` for each (InfiniGen: skew matrices from the cache, or calibrated once and cached)."""
-    for p in policies.values():
-        p.prepare(model, tokenizer, progress=progress)
+def prepare(policies: dict, model, tokenizer, progress: bool = False) -> dict:
+    """`Policy.prepare` for each (InfiniGen: skew matrices from the cache, or calibrated once and cached): each
+    entry of `policies` replaced by the prepared policy, and `policies` returned."""
+    for name, p in policies.items():
+        policies[name] = p.prepare(model, tokenizer, progress=progress)
+    return policies

@@ -64,7 +64,7 @@ def _leading_bos(tokenizer) -> int | None:
 # ---- policy facts ----------------------------------------------------------------------------------
 def speculated_layers(policy, num_layers: int) -> list[int]:
     """Layers where the policy selects entries (the others it reads in full)."""
-    return [i for i in range(num_layers) if policy.speculated(i)]
+    return [i for i in range(num_layers) if policy.selects(i)]
 
 
 # ---- the measurement ---------------------------------------------------------------------------------

@@ -1,13 +1,12 @@
 """KV-cache methods, each a small frozen dataclass of knobs behind `Policy`, made by name with `make_policy`."""
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import types
 import typing
 
 from ..errors import UserError
-from .base import FullCache, Policy
+from .base import FullCache, Policy, knob_fields
 
 # name -> "module:Class"; modules are imported on first use so the CLI starts fast
 REGISTRY = {
@@ -33,9 +32,7 @@ def knob_types(name: str) -> dict[str, type]:
     cls = policy_class(name)
     hints = typing.get_type_hints(cls)
     out = {}
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
+    for f in knob_fields(cls):
         t = hints[f.name]
         if typing.get_origin(t) in (typing.Union, types.UnionType):
             args = [a for a in typing.get_args(t) if a is not type(None)]

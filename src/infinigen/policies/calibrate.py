@@ -26,7 +26,7 @@ most `max_evals` passes after the reference.
 How a candidate is scored: its teacher-forced loss over the rows after the prompt, as `runtime.teacher_forced`
 computes it, with the work every candidate shares done once (`window`: one dense pass over the tokens for the
 full cache's loss and the prompt's keys and values) and each candidate's rows chosen a block at a time
-(`InfiniGen._rows_in_blocks`: the same selection up to float summation order). Not on fewer rows: the loss of
+(`infinigen_select.rows_in_blocks`: the same selection up to float summation order). Not on fewer rows: the loss of
 one candidate has a sampling error of 0.3 points over the 1792 rows of a 2048-token run already, as much as
 what separates the candidates of one search, and scoring windows of rows after a dense past hides the error
 that compounds through the keys and values of earlier rows read under the selection (up to a point of
@@ -228,7 +228,8 @@ def score_window(model, win: Window, policy, blocks: bool = True) -> tuple[float
             past = past.clamp(max=model.cfg.window(layer) - 1)
         keep = visible[None, None] if keep is ALL else keep & visible
         sess.stats.record(layer, keep.sum(-1).expand(1, k.shape[1], t - p), past.expand(1, 1, t - p))
-        return runtime.attend_rows(q, k, v, keep, p, sess.store.codec, model.scale, sess.policy.unread(layer, sess))
+        remainder = sess.policy.remainder_at(layer, sess)
+        return runtime.attend_rows(q, k, v, keep, p, sess.store.codec, model.scale, remainder)
 
     try:
         with torch.no_grad():
@@ -250,7 +251,7 @@ def caps_share(policy, model, ctx: int, prefill: int, samples: int = POSITIONS) 
     step = max(1, (ctx - prefill) // samples)
     ns = range(prefill + step // 2, ctx, step)  # row r has r cached tokens
     hkv = model.cfg.num_kv_heads
-    pooled = policy.budget == "layer"  # the cap is over the layer's KV heads together (`_choose`)
+    pooled = policy.budget == "layer"  # the cap is over the layer's KV heads together (`infinigen_select.choose`)
     floor = max(1, policy.min_fetch)
     total = 0.0
     for n in ns:

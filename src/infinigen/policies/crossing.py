@@ -22,7 +22,9 @@ import dataclasses
 import hashlib
 import json
 import statistics
+import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -209,3 +211,27 @@ def measure_crossing(model, policy, log=None, remeasure: bool = False, longest: 
     record["date"] = time.strftime("%Y-%m-%d %H:%M")
     store(key, record)
     return {**record, "source": "measured"}
+
+
+# Where selection pays (`dense_below` of the default preset), per model and settings: measured once per process
+_CROSSINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def crossing_for(policy, model, progress: bool, longest: int | None = None) -> dict:
+    """Where `policy` (its `dense_below` unset) starts to select on this machine (`measure_crossing`), with
+    `dense_below`: stored, else measured now (a few seconds) and stored. Once per model and settings in a
+    process. A run that caches fewer tokens than the shortest length measured (`longest`) measures nothing and
+    reads densely (not remembered: a longer run in the same process measures)."""
+    key = json.dumps({k: v for k, v in policy.settings(model).items() if k not in ("dense_below_source", "crossing")},
+                     sort_keys=True, default=str)
+    memo = _CROSSINGS.setdefault(model, {})
+    if key not in memo:
+        found = measure_crossing(model, policy, log=(lambda m: print(m, file=sys.stderr)) if progress else None,
+                                 longest=longest)
+        if found["source"].startswith("not measured (this run"):
+            return found
+        memo[key] = found
+        if memo[key]["source"] == "measured" or progress:
+            print(f"InfiniGen reads densely below {memo[key]['dense_below']} cached tokens "
+                  f"({memo[key]['source']}: where its selection pays on this machine)", file=sys.stderr)
+    return dict(memo[key])

@@ -46,7 +46,7 @@ class Oracle(Policy):
         if any(i < 0 for i in self.dense_layers):
             raise UserError("dense layers must be non-negative")
 
-    def speculated(self, layer: int) -> bool:
+    def selects(self, layer: int) -> bool:
         return layer not in self.dense_layers
 
     def _unlimited(self, layer: int | None = None) -> bool:
