@@ -109,8 +109,7 @@ def main(argv=None) -> int:
     model, tok, name = load("default", dtype=args.dtype, device="cpu")
     prompt = args.context - args.gen_len
     policies = {"full": make_policy("full"), "infinigen": make_policy("infinigen")}
-    for p in policies.values():
-        p.prepare(model, tok, progress=True)
+    policies = {key: p.prepare(model, tok, progress=True) for key, p in policies.items()}
     pool = kv_slot_bytes(model, args.batch, policies["infinigen"], "disk") * args.context
     shares = [float(s) for s in args.shares.split(",")]
     rows_spec = systems(shares, pool, args.tiers.split(","))

@@ -95,7 +95,7 @@ def make_engine(model, tok, policy_name, offload, **kw):
     from infinigen.placement import Placement
     from infinigen.serve.engine import Engine
     pol = make_policy_from_cli(policy_name, [])
-    prepare_policies({policy_name: pol}, model, tok, progress=False)
+    pol = prepare_policies({policy_name: pol}, model, tok, progress=False)[policy_name]
     return Engine(model, pol, Placement(kv_offload=offload), eos=stop_ids(model, tok), **kw)
 
 

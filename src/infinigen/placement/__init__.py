@@ -53,7 +53,7 @@ class Placement:
     # used layer, sequentially, and selected in RAM (`OffloadedKVStore`; 1: always only the rows)
     disk_bulk_share: float = 0.25
     # fast-tier bytes of the row cache (`rowcache.RowCache`: the rows recent steps fetched, so a step fetches
-    # only those it lacks); 0: off, the default (results/row_cache.md: on this disk it saves no read)
+    # only those it lacks); 0: off, the default (results/row_cache/: on this disk it saves no read)
     row_cache_bytes: int = 0
     # disk tier on a CPU host: the pool in page-aligned blocks of this many consecutive tokens per (layer,
     # batch row, KV head), read with positioned reads of exactly the blocks a selection names

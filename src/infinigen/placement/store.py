@@ -140,7 +140,7 @@ class OffloadedKVStore(KVStore):
     Where a selection touches more than `bulk_share` of the used layer's pages, the layer is read front
     to back (the kernel's readahead streams it) into a RAM staging buffer and the rows are selected there.
     Measured at context 8192, batch 8, under a memory bound below the pool: faulting the selected rows in
-    took 3.5x the time per step of streaming every layer (results/offload.md), hence 0.25.
+    took 3.5x the time per step of streaming every layer (results/offload/), hence 0.25.
     """
     offloaded = True
 

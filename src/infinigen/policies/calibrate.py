@@ -30,7 +30,7 @@ full cache's loss and the prompt's keys and values) and each candidate's rows ch
 one candidate has a sampling error of 0.3 points over the 1792 rows of a 2048-token run already, as much as
 what separates the candidates of one search, and scoring windows of rows after a dense past hides the error
 that compounds through the keys and values of earlier rows read under the selection (up to a point of
-perplexity on SmolLM2: results/calibration.md).
+perplexity on SmolLM2: results/calibration/).
 
 Where no candidate reaches the target, the search tries the other ways of counting the budget (each KV head its
 own cap, "union", or its query heads' mean count, "per_head", instead of one cap pooled over the layer) on the
@@ -56,7 +56,7 @@ from ..selection import ALL, Rows
 from ..skew import Progress
 
 FORMAT = 4  # of the stored choice: bump when the search changes what it would choose
-ALPHA_HIGH = 9.0  # the caps decide (measured on SmolLM2: results/presets.md)
+ALPHA_HIGH = 9.0  # the caps decide (measured on SmolLM2: results/presets/)
 ALPHA_LOW = 7.0  # the threshold trims under the caps
 LONG = 4  # the bound is also checked at LONG * ref tokens
 SCORE_ROWS = 512  # logits rows turned into log-probabilities at once (a 262k vocabulary: Gemma 3)
@@ -303,7 +303,7 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
     thresholds tried (the first with every structure; none when the caller fixed it); `budget_free`: choose
     kv_budget (else the caller's cap is the bound). `remainder_starts(knobs)`, unless None (the caller set the
     remainder): the first layers from which to add what the selection leaves unread, each tried on the best
-    structure (a pass each: it helps some layers and hurts others, measured in results/accuracy.md) before the
+    structure (a pass each: it helps some layers and hurts others, measured in results/accuracy/) before the
     budget is lowered, so the budget search runs on the better of them. `budgets`: the other ways to count the
     budget (knob `budget`) tried on the best setting when the target is out of reach. `own_query`: the
     candidates select with each layer's own query, so they are scored with the shared pass (`window`,

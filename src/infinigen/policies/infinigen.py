@@ -30,7 +30,7 @@ dense result to the bit. Off under a pool limit and a sliding window; needs key_
 Which query selects (`query`): "ahead" speculates as the paper does, so the rows can be fetched while layer i-1
 still runs; "own" selects with the layer's own query at its attention (nothing to overlap where the KV is in
 fast memory, and it ranks the same keys better); "auto" (the default) takes "own" in fast memory and "ahead" on
-an offloaded tier. Measured on the validation texts: results/accuracy_models.md.
+an offloaded tier. Measured on the validation texts: results/accuracy_models/.
 """
 from __future__ import annotations
 
@@ -341,7 +341,7 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         st.own_query = self.query == "own" or (self.query == "auto" and not offloaded)
         # the running sums cannot follow a pool's victims (an append overwrites a value they hold) nor a window.
         # Under "auto" on an offloaded tier the query is the speculated one, with which the remainder was measured
-        # to cost accuracy on both models (results/accuracy.md): there it is used only when the caller set it
+        # to cost accuracy on both models (results/accuracy/): there it is used only when the caller set it
         wanted = self.remainder and (st.own_query or self.query == "ahead" or "remainder" in self.given)
         st.with_remainder = wanted and cfg.sliding_window is None and session.store.allocator is None
         return st

@@ -3,7 +3,7 @@
 to them where declared (`check_declared`); the defaults, the presets (each lists only what it changes from the
 defaults), what calibration chooses, and the rules between knobs (`check_rules`).
 
-Why each preset is what it is, with the measurements: results/presets.md.
+Why each preset is what it is, with the measurements: results/presets/.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ QUERIES = ("ahead", "own", "auto")
 # The one default. `prepare` calibrates this model's alpha, kv_budget, layer 0 and the remainder on held-apart
 # tokens (policies/calibrate.py); the values below are the starting point and what applies where no calibration
 # can run (no tokenizer, a model shorter than budget_ref). Chosen over the presets by the validation texts on two
-# families (results/accuracy_models.md): the tokens read grow as sqrt(length), so the 20% over a 2048-token run is
+# families (results/accuracy_models/): the tokens read grow as sqrt(length), so the 20% over a 2048-token run is
 # 10% over 8192 and 5% over 32K; the search chose the largest budget under that bound on both families, alpha 7
 # on SmolLM2 and 9 on Gemma 3, and the remainder (from layer 1 on SmolLM2), with each layer's own query where the
 # KV is in fast memory ("auto"). `dense_below` is left to `prepare`: where selection pays on this machine,
@@ -44,7 +44,7 @@ PRESET_CHANGES = {
     "default": {},
     # the earlier default (`--knob preset=flat`): a flat 14% cap per selecting layer at every length, layers 0 and 1
     # dense, with what the selection leaves unread added (Emma +2.65% -> +0.76%, Mansfield Park +2.59% ->
-    # +2.12% at 2048: results/accuracy.md). Under 20% of the KV at 2048 but not less at 8192 (results/accuracy.md)
+    # +2.12% at 2048: results/accuracy/). Under 20% of the KV at 2048 but not less at 8192 (results/accuracy/)
     "flat": dict(alpha=7.0, max_fetch_ratio=0.14, dense_layers=(0, 1), kv_budget=None, exact_first=False,
                  budget_growth=1.0, calibrate=False, remainder_from=0, query="ahead", dense_below=0),
     # `--knob preset=budget`: one all-layer bound that shrinks with the context (the
@@ -120,7 +120,7 @@ class InfiniGenExperimental:
     min_fetch: int | None = field(default=None, metadata=knob(
         "the cap is never below this many tokens per KV head (short prompts)", "tokens", 0))
     block: int = field(default=1, metadata=knob(
-        "budget layer: selection unit in consecutive slots per KV head, read whole (results/offload.md)",
+        "budget layer: selection unit in consecutive slots per KV head, read whole (results/offload/)",
         "tokens", 1))
     dense_layers: tuple[int, ...] | None = field(default=None, metadata=knob(
         "layers attending densely (layer 0 too unless exact_first: nothing precedes it)", "layers", 0))
