@@ -1,0 +1,183 @@
+"""The attention of a decoding step or of teacher-forced rows, and the remainder a selection leaves unread."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import SelectedRows
+from ..selection import Remainder, first_key_read
+
+ROW_CHUNK = 1024  # teacher-forced decoding rows per attention call: bounds the score matrix at long contexts
+
+
+def attend_all(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token per row, q [B,H,1,d], over every entry of kp, vp [B,Hkv,S,d] (its own included): one
+    fused call, no mask, no weights kept."""
+    b, h, _, d = q.shape
+    out = F.scaled_dot_product_attention(q.view(b, kp.shape[1], h // kp.shape[1], d), kp, vp, scale=scale)
+    return out.reshape(b, h, 1, d)  # CUDA's fused kernels return [B,Hkv,G,d] with G outermost: no view
+
+
+def attend_masked(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: torch.Tensor, scale: float):
+    """One token per row, q [B,H,1,d], over the entries of kp, vp [B,Hkv,S,d] where mask [B,Hkv,S] (its own
+    included), or mask [B,Hkv,G,S] per query head of each group: one fused call, no weights kept."""
+    b, h, _, d = q.shape
+    hkv = kp.shape[1]
+    mask = mask[:, :, None] if mask.dim() == 3 else mask
+    out = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), kp, vp, attn_mask=mask, scale=scale)
+    return out.reshape(b, h, 1, d)  # as in attend_all
+
+
+def attend_step(q, kp, vp, mask, kc, vc, scale: float):
+    """One token per row, q [B,H,1,d], over the past entries kp, vp [B,Hkv,n,d] where mask [B,Hkv,n], and
+    over itself (kc, vc [B,Hkv,1,d], kept apart from the past: nothing is copied). Returns the output
+    [B,H,1,d] and the weights probs [B,Hkv,G,n+1] (the current token last)."""
+    b, h, _, d = q.shape
+    hkv = kp.shape[1]
+    qg = q.view(b, hkv, h // hkv, d)
+    s_past = torch.matmul(qg, kp.transpose(-1, -2)).float() * scale
+    s_past = torch.where(mask[:, :, None, :], s_past, float("-inf"))
+    s_cur = (qg.float() * kc.float()).sum(-1, keepdim=True) * scale
+    probs = torch.softmax(torch.cat([s_past, s_cur], dim=-1), dim=-1)
+    out = torch.matmul(probs[..., :-1].to(vp.dtype), vp) + probs[..., -1:].to(vc.dtype) * vc
+    return out.view(b, h, 1, d), probs
+
+
+def attend_rows(q, k, v, keep, first: int, codec, scale: float, rest: Remainder | None = None) -> torch.Tensor:
+    """Decoding rows q [B,H,R,d] (positions first..first+R-1 of a sequence with keys and values k, v
+    [B,Hkv,T,d]) at once: each reads the entries in keep [B,Hkv,R,T] plus itself, past entries as the
+    store would hold them (`codec`), its own token as computed; plus what the policy estimates the unread
+    entries add (`rest`, see `Remainder`: their mean value from the sequence's values)."""
+    b, h, r, d = q.shape
+    t = k.shape[2]
+    p = first
+    rows = torch.arange(p, p + r, device=q.device)[:, None]
+    cols = torch.arange(t, device=q.device)[None, :]
+    kq, vq = codec.encode(k), codec.encode(v)
+    diag = (cols == rows)[None, None]
+    hkv, g = k.shape[1], h // k.shape[1]
+    qg = q.view(b, hkv, g, r, d)
+    out = torch.empty_like(qg)
+    lse = None if rest is None else q.new_empty(b, hkv, g, r, dtype=torch.float32)
+    for s in range(0, r, ROW_CHUNK):
+        e = min(r, s + ROW_CHUNK)
+        # the keys some row of the chunk reads or is: [lo, hi). The rest (the future; behind a sliding window,
+        # the past: a 512-token window at 32K tokens) would get a weight of exactly 0
+        hi = min(t, p + e)
+        lo = min(first_key_read(keep[:, :, s:e, :hi], hi), p + s)
+        qc = qg[:, :, :, s:e]
+        scores = torch.matmul(qc, kq[:, :, None, lo:hi].transpose(-1, -2)).float() * scale  # [B,Hkv,G,c,n]
+        own = (qc.float() * k[:, :, None, p + s:p + e].float()).sum(-1) * scale  # [B,Hkv,G,c]
+        scores = scores.masked_fill(~keep[:, :, None, s:e, lo:hi], float("-inf"))
+        dg = diag[:, :, None, s:e, lo:hi]
+        scores = torch.where(dg, own[..., None], scores)
+        probs = torch.softmax(scores, dim=-1)
+        if lse is not None:
+            lse[..., s:e] = torch.logsumexp(scores, -1)
+        pd = (probs * dg).sum(-1, keepdim=True)
+        past = torch.matmul(probs.masked_fill(dg, 0).to(vq.dtype), vq[:, :, None, lo:hi])
+        out[:, :, :, s:e] = past + pd.to(v.dtype) * v[:, :, None, p + s:p + e]
+    out = out.view(b, h, r, d)
+    if rest is None:
+        return out
+    vf = vq.float()
+    totals = F.pad(vf.cumsum(2), (0, 0, 1, 0))[:, :, p:p + r]  # [B, Hkv, R, d]: every entry before each row
+    counts = torch.arange(p, p + r, device=q.device)
+    read = keep.float()
+    return _with_remainder(out, lse, rest.lse, totals - read @ vf, counts - read.sum(-1))
+
+
+def _with_remainder(out, lse_read, lse_unread, unread_sum, unread_count) -> torch.Tensor:
+    """out [B,H,R,d] attention over what was read, whose exact scaled scores have the log-sum-exp lse_read
+    [B,Hkv,G,R]; the unread past entries' estimated log-mass lse_unread [B,Hkv,G,R], their values' sum
+    unread_sum [B,Hkv,R,d] and count [B,Hkv,R] -> (1 - w) * out + w * their mean, w their share of the mass.
+    Nothing unread (count 0, or a log-mass of -inf): w is 0 and out is returned to the bit."""
+    b, h, r, d = out.shape
+    hkv = lse_unread.shape[1]
+    lse_unread = lse_unread.masked_fill((unread_count <= 0)[:, :, None], float("-inf"))
+    w = torch.sigmoid(lse_unread - lse_read)[..., None]  # exp(u) / (exp(u) + exp(read))
+    mean = (unread_sum / unread_count.clamp(min=1)[..., None])[:, :, None]  # [B, Hkv, 1, R, d]
+    o = out.view(b, hkv, h // hkv, r, d).float()
+    return (o + w * (mean - o)).to(out.dtype).view(b, h, r, d)
+
+
+def _plus_unread(out, rest: Remainder, q, kp, mask, scale: float, own_k=None, read_sum=None, read_count=None):
+    """A decoding step's `_with_remainder`: out [B,H,1,d] attention of q [B,H,1,d] over the entries of kp
+    [B,X,S,d] where mask ([B,X,G|H,S]; X = Hkv, or 1 for packed rows) and its own key own_k [B,Hkv,1,d] when
+    kept apart; what it read of the past sums to read_sum [B,Hkv,d] over read_count [B,Hkv] entries."""
+    b, h, _, d = q.shape
+    x = kp.shape[1]
+    qg = q.view(b, x, h // x, d)
+    scores = torch.matmul(qg.float(), kp.float().transpose(-1, -2)) * scale  # (a 16-bit bmm is slower on a CPU)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if own_k is not None:
+        own = (q.view(b, own_k.shape[1], -1, d).float() * own_k.float()).sum(-1, keepdim=True) * scale
+        scores = torch.cat([scores, own.view(b, x, h // x, 1)], -1)
+    hkv = rest.lse.shape[1]
+    lse = torch.logsumexp(scores, -1).view(b, hkv, h // hkv, 1)
+    return _with_remainder(out, lse, rest.lse, (rest.sums - read_sum)[:, :, None],
+                           (rest.counts - read_count)[:, :, None])
+
+
+def _plus_unread_rows(out, rest: Remainder, q, kp, vp, head, hkv: int, scale: float):
+    """`_plus_unread` over packed rows kp, vp [B,1,m,d] whose KV heads are head [B,m] (-1: padding), the
+    row's own tokens the last hkv columns."""
+    b, m = head.shape
+    d = vp.shape[-1]
+    past = head[:, :m - hkv]
+    # each past row's (batch row, KV head), padding to a spare last segment
+    seg = torch.where(past >= 0, past + hkv * torch.arange(b, device=head.device)[:, None], b * hkv).reshape(-1)
+    sums = vp.new_zeros(b * hkv + 1, d, dtype=torch.float32)
+    sums.index_add_(0, seg, vp[:, 0, :m - hkv].reshape(-1, d).float())
+    counts = torch.bincount(seg, minlength=b * hkv + 1)
+    return _plus_unread(out, rest, q, kp, head_mask(head, q.shape[1], hkv), scale,
+                        read_sum=sums[:-1].view(b, hkv, d), read_count=counts[:-1].view(b, hkv))
+
+
+class StepBuffers:
+    """The padded buffers one decoding step stacks every session's entries into, allocated once per step at
+    the longest read so far and reused by every layer (each layer's attention is done with them before the
+    next layer writes; a large allocation per layer costs page faults on a CPU). Allocated as zeros: a
+    padded entry then always holds a finite number (zero, or an earlier layer's key or value), which its
+    weight of exactly 0 cancels."""
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.flat_keys = self.flat_values = None
+
+    def rows(self, n: int, like: torch.Tensor):
+        """Flat buffers [n, d] for the rows a packed selection gathers (`KVStore.gather_rows`)."""
+        if self.flat_keys is None or self.flat_keys.shape[0] < n:
+            cap = max(n, int(1.25 * self.flat_keys.shape[0]) if self.flat_keys is not None else n)
+            self.flat_keys = like.new_empty(cap, like.shape[-1])
+            self.flat_values = like.new_empty(cap, like.shape[-1])
+        return self.flat_keys[:n], self.flat_values[:n]
+
+    def views(self, rows: int, hkv: int, n: int, like: torch.Tensor):
+        if self.keys is None or self.keys.shape[2] < n:
+            cap = max(n, int(1.25 * self.keys.shape[2]) if self.keys is not None else n)
+            self.keys = like.new_zeros(rows, hkv, cap, like.shape[3])
+            self.values = like.new_zeros(rows, hkv, cap, like.shape[3])
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+
+def with_own(sel: SelectedRows, slots: torch.Tensor, capacity: int):
+    """A packed selection's rows and KV heads [B, n + Hkv] with each row's own token (stored in slots [B, Hkv])
+    after them, one row per KV head."""
+    b, hkv = slots.shape
+    seg = torch.arange(b * hkv, device=slots.device).view(b, hkv)
+    own = seg * capacity + slots
+    return torch.cat([sel.rows, own], 1), torch.cat([sel.head, seg - seg[:, :1]], 1)
+
+
+def read_sums(values, mask):
+    """The sum [B, Hkv, d] (float32) and count [B, Hkv] of the values [B, Hkv, n, d] read where mask [B, Hkv, n]."""
+    return values.float().masked_fill(~mask[..., None], 0).sum(2), mask.sum(-1)
+
+
+def head_mask(head: torch.Tensor, h: int, hkv: int) -> torch.Tensor:
+    """[B, 1, H, m]: query head j reads the columns of its KV head j // (H / Hkv) (`head` [B, m], -1 on
+    padding)."""
+    group = torch.arange(h, device=head.device) // (h // hkv)
+    return head[:, None, None, :] == group[None, None, :, None]
+
