@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from infinigen import runtime
-from infinigen.runtime import attention
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
+from infinigen.runtime.attention import Attended, with_remainder
+from infinigen.selection import Remainder
 
 T, P, B = 28, 9, 2  # sequence length, prefill length, batch
 UNLIMITED = dict(alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), exact_first=True, skew=False, remainder_from=0)
@@ -104,13 +105,14 @@ def test_weight_is_zero_when_everything_is_read_and_grows_to_the_unread_mean():
     count = torch.full((b, hkv, r), 5.0)
     mean = (unread_sum / 5)[:, :, None].expand(b, hkv, grp, r, d).reshape(b, hkv * grp, r, d)
     none = torch.full((b, hkv, grp, r), float("-inf"))
-    assert torch.equal(attention._with_remainder(out, lse_read, none, unread_sum, count), out)
-    # a finite estimated mass but no entry left unread: weight 0 all the same
     zero = torch.zeros(b, hkv, r)
-    assert torch.equal(attention._with_remainder(out, lse_read, lse_read, unread_sum, zero), out)
+    read = Attended(out, lse_read, torch.zeros(b, hkv, r, d), zero)  # nothing of the past read: all of it unread
+    assert torch.equal(with_remainder(read, Remainder(none, unread_sum, count)), out)
+    # a finite estimated mass but no entry left unread: weight 0 all the same
+    assert torch.equal(with_remainder(read, Remainder(lse_read, unread_sum, zero)), out)
     dists = []
     for shift in (-20.0, -2.0, 0.0, 2.0, 20.0):  # the unread mass from e^-20 to e^20 times the read one
-        mixed = attention._with_remainder(out, lse_read, lse_read + shift, unread_sum, count)
+        mixed = with_remainder(read, Remainder(lse_read + shift, unread_sum, count))
         dists.append((mixed - mean).norm().item())
         if shift == 0.0:  # equal masses: halfway
             assert torch.allclose(mixed, (out + mean) / 2, atol=1e-6)

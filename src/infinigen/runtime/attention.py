@@ -1,6 +1,8 @@
 """The attention of a decoding step or of teacher-forced rows, and the remainder a selection leaves unread."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -28,19 +30,81 @@ def attend_masked(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: tor
     return out.reshape(b, h, 1, d)  # as in attend_all
 
 
-def attend_step(q, kp, vp, mask, kc, vc, scale: float):
+class Attended(NamedTuple):
+    """An attention over what decoding rows read, with what the remainder needs to be mixed in once
+    (`with_remainder`); lse, read_sum and read_count are None where no remainder was asked for."""
+    out: torch.Tensor  # [B, H, R, d]
+    lse: torch.Tensor | None = None  # [B, Hkv, G, R] float32: log-sum-exp of the exact scaled scores read
+    read_sum: torch.Tensor | None = None  # [B, Hkv, R, d] float32: the sum of the past values read
+    read_count: torch.Tensor | None = None  # [B, Hkv, R]: how many past entries were read
+
+    def rows(self, a: int, b: int) -> "Attended":
+        """Batch rows a..b-1 (one session's of several stacked)."""
+        return Attended(*(None if x is None else x[a:b] for x in self))
+
+
+def with_remainder(att: Attended, rest: Remainder | None) -> torch.Tensor:
+    """att.out mixed with what the policy estimates the unread past entries add (`Remainder`): (1 - w) * out
+    + w * their mean value, w their share of the mass, exp(rest.lse) / (exp(rest.lse) + exp(att.lse)). The
+    unread entries are every cached one (rest.sums [B,Hkv,d] over rest.counts [B,Hkv] for one decoding row per
+    batch row, or [B,Hkv,R,d] over [B,Hkv,R] per row) less those read. Nothing unread (a count of 0, or a
+    log-mass of -inf), or no remainder: w is 0 and att.out is returned to the bit."""
+    if rest is None:
+        return att.out
+    sums, counts = rest.sums, rest.counts
+    if counts.dim() == 2:
+        sums, counts = sums[:, :, None], counts[:, :, None]
+    unread_sum, unread_count = sums - att.read_sum, counts - att.read_count
+    out = att.out
+    b, h, r, d = out.shape
+    hkv = rest.lse.shape[1]
+    lse_unread = rest.lse.masked_fill((unread_count <= 0)[:, :, None], float("-inf"))
+    w = torch.sigmoid(lse_unread - att.lse)[..., None]  # exp(u) / (exp(u) + exp(read))
+    mean = (unread_sum / unread_count.clamp(min=1)[..., None])[:, :, None]  # [B, Hkv, 1, R, d]
+    o = out.view(b, hkv, h // hkv, r, d).float()
+    return (o + w * (mean - o)).to(out.dtype).view(b, h, r, d)
+
+
+def attend_step(q, kp, vp, mask, kc, vc, scale: float, remainder: bool = False):
     """One token per row, q [B,H,1,d], over the past entries kp, vp [B,Hkv,n,d] where mask [B,Hkv,n], and
-    over itself (kc, vc [B,Hkv,1,d], kept apart from the past: nothing is copied). Returns the output
-    [B,H,1,d] and the weights probs [B,Hkv,G,n+1] (the current token last)."""
+    over itself (kc, vc [B,Hkv,1,d], kept apart from the past: nothing is copied). Returns the attention
+    (`Attended`: what the remainder needs too, if `remainder`) and the weights probs [B,Hkv,G,n+1] (the
+    current token last)."""
     b, h, _, d = q.shape
     hkv = kp.shape[1]
     qg = q.view(b, hkv, h // hkv, d)
     s_past = torch.matmul(qg, kp.transpose(-1, -2)).float() * scale
     s_past = torch.where(mask[:, :, None, :], s_past, float("-inf"))
     s_cur = (qg.float() * kc.float()).sum(-1, keepdim=True) * scale
-    probs = torch.softmax(torch.cat([s_past, s_cur], dim=-1), dim=-1)
+    scores = torch.cat([s_past, s_cur], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs[..., :-1].to(vp.dtype), vp) + probs[..., -1:].to(vc.dtype) * vc
-    return out.view(b, h, 1, d), probs
+    out = out.view(b, h, 1, d)
+    if not remainder:
+        return Attended(out), probs
+    read_sum, read_count = read_sums(vp, mask)
+    return Attended(out, torch.logsumexp(scores, -1)[..., None], read_sum[:, :, None], read_count[:, :, None]), probs
+
+
+def attend_packed(q, kp, vp, head, hkv: int, scale: float, remainder: bool = False) -> Attended:
+    """One token per row, q [B,H,1,d], over packed rows kp, vp [B,1,m,d] whose KV heads are head [B,m] (-1:
+    padding), each row's own tokens the last hkv columns: one masked fused call, each query head over its KV
+    head's rows; with `remainder`, also the log-sum-exp and the past rows' value sums per KV head."""
+    b, m = head.shape
+    h, d = q.shape[1], vp.shape[-1]
+    mask = head_mask(head, h, hkv)
+    out = attend_masked(q, kp, vp, mask, scale)
+    if not remainder:
+        return Attended(out)
+    scores = torch.matmul(q.view(b, 1, h, d).float(), kp.float().transpose(-1, -2)) * scale  # (a 16-bit bmm
+    lse = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1)  # is slower on a CPU)
+    past = head[:, :m - hkv]
+    # each past row's (batch row, KV head), padding to a spare last segment
+    seg = torch.where(past >= 0, past + hkv * torch.arange(b, device=head.device)[:, None], b * hkv).reshape(-1)
+    sums = vp.new_zeros(b * hkv + 1, d, dtype=torch.float32)
+    sums.index_add_(0, seg, vp[:, 0, :m - hkv].reshape(-1, d).float())
+    counts = torch.bincount(seg, minlength=b * hkv + 1)
+    return Attended(out, lse.view(b, hkv, h // hkv, 1), sums[:-1].view(b, hkv, 1, d), counts[:-1].view(b, hkv, 1))
 
 
 def attend_rows(q, k, v, keep, first: int, codec, scale: float, rest: Remainder | None = None) -> torch.Tensor:
@@ -81,57 +145,11 @@ def attend_rows(q, k, v, keep, first: int, codec, scale: float, rest: Remainder 
     if rest is None:
         return out
     vf = vq.float()
-    totals = F.pad(vf.cumsum(2), (0, 0, 1, 0))[:, :, p:p + r]  # [B, Hkv, R, d]: every entry before each row
-    counts = torch.arange(p, p + r, device=q.device)
     read = keep.float()
-    return _with_remainder(out, lse, rest.lse, totals - read @ vf, counts - read.sum(-1))
-
-
-def _with_remainder(out, lse_read, lse_unread, unread_sum, unread_count) -> torch.Tensor:
-    """out [B,H,R,d] attention over what was read, whose exact scaled scores have the log-sum-exp lse_read
-    [B,Hkv,G,R]; the unread past entries' estimated log-mass lse_unread [B,Hkv,G,R], their values' sum
-    unread_sum [B,Hkv,R,d] and count [B,Hkv,R] -> (1 - w) * out + w * their mean, w their share of the mass.
-    Nothing unread (count 0, or a log-mass of -inf): w is 0 and out is returned to the bit."""
-    b, h, r, d = out.shape
-    hkv = lse_unread.shape[1]
-    lse_unread = lse_unread.masked_fill((unread_count <= 0)[:, :, None], float("-inf"))
-    w = torch.sigmoid(lse_unread - lse_read)[..., None]  # exp(u) / (exp(u) + exp(read))
-    mean = (unread_sum / unread_count.clamp(min=1)[..., None])[:, :, None]  # [B, Hkv, 1, R, d]
-    o = out.view(b, hkv, h // hkv, r, d).float()
-    return (o + w * (mean - o)).to(out.dtype).view(b, h, r, d)
-
-
-def _plus_unread(out, rest: Remainder, q, kp, mask, scale: float, own_k=None, read_sum=None, read_count=None):
-    """A decoding step's `_with_remainder`: out [B,H,1,d] attention of q [B,H,1,d] over the entries of kp
-    [B,X,S,d] where mask ([B,X,G|H,S]; X = Hkv, or 1 for packed rows) and its own key own_k [B,Hkv,1,d] when
-    kept apart; what it read of the past sums to read_sum [B,Hkv,d] over read_count [B,Hkv] entries."""
-    b, h, _, d = q.shape
-    x = kp.shape[1]
-    qg = q.view(b, x, h // x, d)
-    scores = torch.matmul(qg.float(), kp.float().transpose(-1, -2)) * scale  # (a 16-bit bmm is slower on a CPU)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if own_k is not None:
-        own = (q.view(b, own_k.shape[1], -1, d).float() * own_k.float()).sum(-1, keepdim=True) * scale
-        scores = torch.cat([scores, own.view(b, x, h // x, 1)], -1)
-    hkv = rest.lse.shape[1]
-    lse = torch.logsumexp(scores, -1).view(b, hkv, h // hkv, 1)
-    return _with_remainder(out, lse, rest.lse, (rest.sums - read_sum)[:, :, None],
-                           (rest.counts - read_count)[:, :, None])
-
-
-def _plus_unread_rows(out, rest: Remainder, q, kp, vp, head, hkv: int, scale: float):
-    """`_plus_unread` over packed rows kp, vp [B,1,m,d] whose KV heads are head [B,m] (-1: padding), the
-    row's own tokens the last hkv columns."""
-    b, m = head.shape
-    d = vp.shape[-1]
-    past = head[:, :m - hkv]
-    # each past row's (batch row, KV head), padding to a spare last segment
-    seg = torch.where(past >= 0, past + hkv * torch.arange(b, device=head.device)[:, None], b * hkv).reshape(-1)
-    sums = vp.new_zeros(b * hkv + 1, d, dtype=torch.float32)
-    sums.index_add_(0, seg, vp[:, 0, :m - hkv].reshape(-1, d).float())
-    counts = torch.bincount(seg, minlength=b * hkv + 1)
-    return _plus_unread(out, rest, q, kp, head_mask(head, q.shape[1], hkv), scale,
-                        read_sum=sums[:-1].view(b, hkv, d), read_count=counts[:-1].view(b, hkv))
+    # every entry before each row: the sequence's values summed up to it, [B, Hkv, R, d], and their count
+    totals = F.pad(vf.cumsum(2), (0, 0, 1, 0))[:, :, p:p + r]
+    counts = torch.arange(p, p + r, device=q.device).expand(b, hkv, r)
+    return with_remainder(Attended(out, lse, read @ vf, read.sum(-1)), rest._replace(sums=totals, counts=counts))
 
 
 class StepBuffers:

@@ -11,7 +11,7 @@ from ..kernels import fused_select
 from ..policy import FullCache, Policy
 from ..selection import ALL, All, Rows
 from . import attention
-from .attention import StepBuffers, _plus_unread, _plus_unread_rows, _with_remainder, head_mask, read_sums, with_own
+from .attention import StepBuffers, with_own
 from .stats import KVStats
 
 
@@ -348,35 +348,25 @@ class Session:
         the store allows it and the policy needs no weights (`observe` takes them per padded slot)."""
         return self.read_rows and self.store.reads_rows() and not self.policy.needs_weights
 
-    def _attend_selected(self, layer: int, read: _Read, q, k, v) -> torch.Tensor:
+    def _attend_selected(self, layer: int, read: _Read, q, k, v, remainder: bool):
         """Attention of one token per row over its packed selected rows (`read.rows`) and itself: the token is
-        stored first and read among the rows; one masked fused call, each query head over its KV head's rows."""
+        stored first and read among the rows, each query head over its KV head's rows. Returns the attention
+        (`Attended`, with what the remainder needs if `remainder`) and the token's slots."""
         store = self.store
         slots = store.append(layer, k, v, read.cur)
         keys, values = store.k[layer], store.v[layer]
-        if fused_select.usable(q, keys):  # the same attention in one C++ call, reading the store in place
+        self.stats.record_rows(layer, read.rows.rows.numel())
+        if fused_select.usable(q, keys):  # one C++ call, reading the store in place
             b, h, _, d = q.shape
             hkv = k.shape[1]
             own = torch.arange(b * hkv, device=q.device).view(b, hkv) * store.capacity + slots
             out, lse, read_sum = fused_select.attend_rows(q.view(b, h, d), keys.view(-1, d), values.view(-1, d),
                                                           read.rows.rows, read.rows.counts, own, self.model.scale)
-            self.stats.record_rows(layer, read.rows.rows.numel())
-            out = out.view(b, h, 1, d)
-            rest = self.policy.unread(layer, self)
-            if rest is not None:  # before the token's append: it was read
-                out = _with_remainder(out, lse.view(b, hkv, h // hkv, 1), rest.lse, (rest.sums - read_sum)[:, :, None],
-                                      (rest.counts - read.rows.counts)[:, :, None])
-            self._appended(layer, slots, k, v)
-            return out
+            return attention.Attended(out.view(b, h, 1, d), lse.view(b, hkv, h // hkv, 1), read_sum[:, :, None],
+                                      read.rows.counts[:, :, None]), slots
         rows, head = with_own(read.rows, slots, store.capacity)
         kp, vp = store.gather_rows(layer, rows, *self._row_buffers.rows(rows.numel(), k))
-        self.stats.record_rows(layer, read.rows.rows.numel())
-        out = attention.attend_masked(q, kp, vp, head_mask(head, q.shape[1], k.shape[1]), self.model.scale)
-        rest = self.policy.unread(layer, self)
-        if rest is not None:  # before the token's append: it was read
-            out = _plus_unread_rows(out, rest, q, kp, vp, head, k.shape[1], self.model.scale)
-        self._appended(layer, slots, k, v)
-        return out
+        return attention.attend_packed(q, kp, vp, head, k.shape[1], self.model.scale, remainder), slots
 
     def _read_dense(self, layer: int, read: _Read) -> _Read:
         """Every used slot, where attention can read it (an offloaded store hands its fast-tier copy)."""
@@ -401,23 +391,27 @@ class Session:
 
     def _step_attention(self, layer: int, q, k, v) -> torch.Tensor:
         """Attention of one token per row (q [B,H,1,d]) over the past entries the policy keeps plus itself,
-        then the token is stored. A plain dense step stores the token first and runs one fused attention
-        over the store; otherwise the current token is kept apart, so nothing is copied."""
+        with what the policy estimates the unread entries add, then the token is stored. A plain dense step
+        stores the token first and runs one fused attention over the store; packed rows are read with the
+        token stored first; otherwise the current token is kept apart, so nothing is copied."""
         read = self._read(layer, q, k, in_place=True)
-        if read.rows is not None:
-            return self._attend_selected(layer, read, q, k, v)
-        if read.keys is None:
+        if read.keys is None and read.rows is None:
             slots = self.store.append(layer, k, v, read.cur)
             kp, vp = self.store.used_keys_values(layer)
             out = attention.attend_all(q, kp, vp, self.model.scale)
             self._appended(layer, slots, k, v)
             return out
-        out, probs = attention.attend_step(q, read.keys, read.values, read.mask, k, v, self.model.scale)
-        rest = self.policy.unread(layer, self)
-        if rest is not None:  # before the token's append: it was read
-            out = _plus_unread(out, rest, q, read.keys, read.mask[:, :, None], self.model.scale, k,
-                               *read_sums(read.values, read.mask))
-        self._write(layer, read, probs, k, v)
+        rest = self.policy.unread(layer, self)  # before the token's append: it was read
+        if read.rows is not None:
+            att, slots = self._attend_selected(layer, read, q, k, v, rest is not None)
+        else:
+            att, probs = attention.attend_step(q, read.keys, read.values, read.mask, k, v, self.model.scale,
+                                               rest is not None)
+        out = attention.with_remainder(att, rest)
+        if read.rows is not None:
+            self._appended(layer, slots, k, v)
+        else:
+            self._write(layer, read, probs, k, v)
         return out
 
     def _teacher_attention(self, layer: int, q, k, v) -> torch.Tensor:

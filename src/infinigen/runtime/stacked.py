@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..selection import ALL
 from . import attention
-from .attention import StepBuffers, _plus_unread, _plus_unread_rows, head_mask, read_sums, with_own
+from .attention import StepBuffers, with_own
 
 if TYPE_CHECKING:
     from .session import Session
@@ -32,14 +32,14 @@ def _attend_sessions_rows(layer: int, q, k, v, sessions, spans, reads, scale: fl
         s.store.gather_rows(layer, rows, kp[a:b].view(-1, kp.shape[-1]), vp[a:b].view(-1, vp.shape[-1]))
         if r.idx is not ALL:  # a read of ALL counted its rows already (`_read`)
             s.stats.record_rows(layer, rows.numel() - slots.numel())
-    out = attention.attend_masked(q, kp[:, None], vp[:, None], head_mask(head, q.shape[1], k.shape[1]), scale)
-    for s, (slots, _, _), (a, b) in zip(sessions, stored, spans):
-        rest = s.policy.unread(layer, s)
-        if rest is not None:
-            out[a:b] = _plus_unread_rows(out[a:b], rest, q[a:b], kp[a:b, None], vp[a:b, None], head[a:b],
-                                         k.shape[1], scale)
+    rests = [s.policy.unread(layer, s) for s in sessions]  # before the tokens' append: they were read
+    att = attention.attend_packed(q, kp[:, None], vp[:, None], head, k.shape[1], scale,
+                                  any(rest is not None for rest in rests))
+    outs = []
+    for s, rest, (slots, _, _), (a, b) in zip(sessions, rests, stored, spans):
+        outs.append(attention.with_remainder(att.rows(a, b), rest))
         s._appended(layer, slots, k[a:b], v[a:b])
-    return out
+    return torch.cat(outs)
 
 
 def _attend_sessions(layer: int, q, k, v, sessions: list[Session], spans: list[tuple[int, int]], scale: float,
@@ -96,15 +96,14 @@ def _attend_sessions(layer: int, q, k, v, sessions: list[Session], spans: list[t
             else:
                 s._appended(layer, slot, k[a:b], v[a:b])
         return out
-    out, probs = attention.attend_step(q, kp, vp, mask, k, v, scale)
-    for s, r, m, (a, b) in zip(sessions, reads, sizes, spans):
-        rest = s.policy.unread(layer, s)
-        if rest is not None:
-            out[a:b] = _plus_unread(out[a:b], rest, q[a:b], kp[a:b], mask[a:b, :, None], scale, k[a:b],
-                                    *read_sums(vp[a:b], mask[a:b]))
+    rests = [s.policy.unread(layer, s) for s in sessions]  # before the tokens' append: they were read
+    att, probs = attention.attend_step(q, kp, vp, mask, k, v, scale, any(rest is not None for rest in rests))
+    outs = []
+    for s, r, rest, m, (a, b) in zip(sessions, reads, rests, sizes, spans):
+        outs.append(attention.with_remainder(att.rows(a, b), rest))
         p = probs[a:b]
         if s.policy.needs_weights and m < n:  # the session's own entries, then the current token
             p = torch.cat([p[..., :m], p[..., -1:]], dim=-1)
         s._write(layer, r, p, k[a:b], v[a:b])
-    return out
+    return torch.cat(outs)
 
