@@ -31,7 +31,7 @@ def _store(b, hkv, s, d, dtype, seed):
 
 
 def _reference(store, sel, q, slots, scale):
-    """The torch path of `Session._attend_selected`: out [B,H,1,d], lse [B,Hkv,G], the past values' sum."""
+    """The torch path of a session reading packed rows: out [B,H,1,d], lse [B,Hkv,G], the past values' sum."""
     b, h, _, d = q.shape
     hkv = sel.counts.shape[1]
     rows, head = attention.with_own(sel, slots, store.capacity)

@@ -7,7 +7,7 @@ import torch
 
 from .attention import StepBuffers
 from .session import Session
-from .stacked import _attend_sessions
+from .step_attention import attend_sessions
 
 
 def prefill(model, tokens: torch.Tensor, session: Session, pad_mask: torch.Tensor | None = None,
@@ -81,7 +81,7 @@ def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session],
     def attend(layer, q, k, v):
         if batch_invariant:
             return torch.cat([s.attend(layer, q[a:b], k[a:b], v[a:b]) for s, (a, b) in zip(sessions, spans)])
-        return _attend_sessions(layer, q, k, v, sessions, spans, model.scale, stack)
+        return attend_sessions(layer, q, k, v, sessions, spans, model.scale, stack)
 
     h = model.embed(tokens[:, None], positions)
     event(-1, "embed", h)  # placement: layer 0's rows can start moving now

@@ -7,12 +7,12 @@ from typing import ClassVar, NamedTuple, Sequence
 import torch
 
 from ..cache import SelectedRows
-from ..kernels import fused_select
 from ..policy import FullCache, Policy
 from ..selection import ALL, All, Rows
 from . import attention
-from .attention import StepBuffers, with_own
+from .attention import StepBuffers
 from .stats import KVStats
+from .step_attention import attend_sessions
 
 
 class Listener:
@@ -43,8 +43,11 @@ class Listener:
         pass
 
 
-class _Read(NamedTuple):
-    """What one session's decoding row reads at a layer, before the attention runs."""
+class ReadPlan(NamedTuple):
+    """What one session's decoding row reads at a layer, before the attention runs (`Session._read`): for every
+    batch row and KV head all of its entries (in place, or handed as keys and values), or the slots a selection
+    keeps (packed per batch row in `rows`, or padded per KV head in keys and values: the reference path).
+    `step_attention.attend_sessions` consumes one per session."""
     cur: torch.Tensor  # [B] position of the row's token
     keep: torch.Tensor | All  # the selection (over the store's slots)
     seen: torch.Tensor  # [B, Hkv, S] the slots the selection read, for the pool's counters
@@ -53,9 +56,8 @@ class _Read(NamedTuple):
     mask: torch.Tensor | None  # [B, Hkv, n]
     idx: torch.Tensor | All  # the slots of keys/values (ALL: every used slot, in order)
     full: bool  # every entry of keys/values counts (mask is all True): no padding, window or selection
-    rows: SelectedRows | None = None  # the selection packed per batch row (`KVStore.select_rows`): read by
-    # `Session._attend_selected` with the current token stored first; None: the reference path (keys/values,
-    # or in place)
+    rows: SelectedRows | None = None  # the selection packed per batch row (`KVStore.select_rows`), read with the
+    # current token stored first; None: the reference path (keys/values, or in place)
 
 
 # ---- sessions ----------------------------------------------------------------------------------------------------
@@ -85,7 +87,7 @@ class Session:
         self._phase = ""
         self._cached = 0  # tokens of the prompt being prefilled that the store held already (a prefix cache)
         self._plans: dict = {}  # layer -> this step's selection, asked one layer ahead
-        self._row_buffers = StepBuffers()  # the rows `_attend_selected` gathers, reused by every layer
+        self._row_buffers = StepBuffers()  # the packed rows a step gathers, reused by every layer
         # False: a selection takes the reference path (`_read_slots`: per KV head, padded to the largest
         # count), which tests and the benchmark compare the packed rows against
         self.read_rows = True
@@ -286,7 +288,7 @@ class Session:
     def _one_row(keep):
         return keep if keep is ALL else keep[:, :, 0]
 
-    def _read(self, layer: int, q, k, in_place: bool) -> _Read:
+    def _read(self, layer: int, q, k, in_place: bool) -> ReadPlan:
         """The selection of the current row at `layer` and, unless the store may be read in place by one
         fused call (`in_place` allows it), the keys and values it reads."""
         store, pol, model = self.store, self.policy, self.model
@@ -319,20 +321,20 @@ class Session:
                 # every used slot is valid and within the window, each a past token: every row reads all its
                 # past (counted without tensor work: this is the dense step's per-layer path)
                 self.stats.record_all(layer, *valid.shape)
-                return _Read(cur, ALL, valid, None, None, None, ALL, True)
+                return ReadPlan(cur, ALL, valid, None, None, None, ALL, True)
         visible = valid if window is None else valid & (cur[:, None, None] - pos < window)
         past = cur[:, None, None] if window is None else cur[:, None, None].clamp(max=window - 1)
         if keep is ALL:
             self.stats.record(layer, visible.sum(-1, keepdim=True), past)
-            return self._read_dense(layer, _Read(cur, ALL, visible, None, None, None, ALL, False))
+            return self._read_dense(layer, ReadPlan(cur, ALL, visible, None, None, None, ALL, False))
         if in_place and self.reads_rows():
             # the rows are read by the attention itself
             sel = packed if packed is not None else store.select_rows(layer, keep, visible)
             self.stats.record(layer, sel.counts[..., None], past)
-            return _Read(cur, sel.keep, sel.keep, None, None, None, None, False, sel)
+            return ReadPlan(cur, sel.keep, sel.keep, None, None, None, None, False, sel)
         return self._read_slots(layer, cur, keep, visible, past)
 
-    def _read_slots(self, layer: int, cur, keep, visible, past) -> _Read:
+    def _read_slots(self, layer: int, cur, keep, visible, past) -> ReadPlan:
         """The reference read of a selection: each (batch row, KV head) its slots, padded to the largest
         count (`KVStore.slots`), gathered into keys and values."""
         store = self.store
@@ -341,40 +343,20 @@ class Session:
         if past is not None:
             self.stats.record(layer, counts[..., None], past)
         self.stats.record_rows(layer, idx.numel())
-        return _Read(cur, keep, keep, kp, vp, mask, idx, False)
+        return ReadPlan(cur, keep, keep, kp, vp, mask, idx, False)
 
     def reads_rows(self) -> bool:
-        """Whether a decoding selection is read as packed rows (`KVStore.select_rows`, `_attend_selected`):
+        """Whether a decoding selection is read as packed rows (`KVStore.select_rows`):
         the store allows it and the policy needs no weights (`observe` takes them per padded slot)."""
         return self.read_rows and self.store.reads_rows() and not self.policy.needs_weights
 
-    def _attend_selected(self, layer: int, read: _Read, q, k, v, remainder: bool):
-        """Attention of one token per row over its packed selected rows (`read.rows`) and itself: the token is
-        stored first and read among the rows, each query head over its KV head's rows. Returns the attention
-        (`Attended`, with what the remainder needs if `remainder`) and the token's slots."""
-        store = self.store
-        slots = store.append(layer, k, v, read.cur)
-        keys, values = store.k[layer], store.v[layer]
-        self.stats.record_rows(layer, read.rows.rows.numel())
-        if fused_select.usable(q, keys):  # one C++ call, reading the store in place
-            b, h, _, d = q.shape
-            hkv = k.shape[1]
-            own = torch.arange(b * hkv, device=q.device).view(b, hkv) * store.capacity + slots
-            out, lse, read_sum = fused_select.attend_rows(q.view(b, h, d), keys.view(-1, d), values.view(-1, d),
-                                                          read.rows.rows, read.rows.counts, own, self.model.scale)
-            return attention.Attended(out.view(b, h, 1, d), lse.view(b, hkv, h // hkv, 1), read_sum[:, :, None],
-                                      read.rows.counts[:, :, None]), slots
-        rows, head = with_own(read.rows, slots, store.capacity)
-        kp, vp = store.gather_rows(layer, rows, *self._row_buffers.rows(rows.numel(), k))
-        return attention.attend_packed(q, kp, vp, head, k.shape[1], self.model.scale, remainder), slots
-
-    def _read_dense(self, layer: int, read: _Read) -> _Read:
+    def _read_dense(self, layer: int, read: ReadPlan) -> ReadPlan:
         """Every used slot, where attention can read it (an offloaded store hands its fast-tier copy)."""
         kp, vp = self.store.dense(layer)
         full = not self.store.padded and self.model.cfg.window(layer) is None
         return read._replace(keys=kp, values=vp, mask=read.seen, full=full)
 
-    def _write(self, layer: int, read: _Read, probs, k, v) -> None:
+    def _write(self, layer: int, read: ReadPlan, probs, k, v) -> None:
         """After the row's attention: the policy sees the weights (if it asked), the token is stored."""
         store = self.store
         if self.policy.needs_weights:
@@ -391,28 +373,9 @@ class Session:
 
     def _step_attention(self, layer: int, q, k, v) -> torch.Tensor:
         """Attention of one token per row (q [B,H,1,d]) over the past entries the policy keeps plus itself,
-        with what the policy estimates the unread entries add, then the token is stored. A plain dense step
-        stores the token first and runs one fused attention over the store; packed rows are read with the
-        token stored first; otherwise the current token is kept apart, so nothing is copied."""
-        read = self._read(layer, q, k, in_place=True)
-        if read.keys is None and read.rows is None:
-            slots = self.store.append(layer, k, v, read.cur)
-            kp, vp = self.store.used_keys_values(layer)
-            out = attention.attend_all(q, kp, vp, self.model.scale)
-            self._appended(layer, slots, k, v)
-            return out
-        rest = self.policy.unread(layer, self)  # before the token's append: it was read
-        if read.rows is not None:
-            att, slots = self._attend_selected(layer, read, q, k, v, rest is not None)
-        else:
-            att, probs = attention.attend_step(q, read.keys, read.values, read.mask, k, v, self.model.scale,
-                                               rest is not None)
-        out = attention.with_remainder(att, rest)
-        if read.rows is not None:
-            self._appended(layer, slots, k, v)
-        else:
-            self._write(layer, read, probs, k, v)
-        return out
+        with what the policy estimates the unread entries add, then the token is stored: the decoding step's
+        one attention (`step_attention.attend_sessions`), this session its one member."""
+        return attend_sessions(layer, q, k, v, [self], [(0, q.shape[0])], self.model.scale, self._row_buffers)
 
     def _teacher_attention(self, layer: int, q, k, v) -> torch.Tensor:
         """The prompt rows densely (as `prefill`), then every later row as decoding would attend: all rows
