@@ -19,6 +19,7 @@ T, P, B = 28, 9, 2  # sequence length, prefill length, batch
 UNLIMITED = dict(alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), exact_first=True, skew=False, remainder_from=0)
 # a budget that really leaves entries unread (min_fetch 0: the default floor of 32 would read all 28 tokens)
 LIMITED = dict(max_fetch_ratio=0.3, min_fetch=0, dense_layers=(), exact_first=True, skew=False, remainder_from=0)
+FLAT = dict(preset="flat", alpha=2.0, min_fetch=0, dense_layers=(), skew=False)  # another selection, same idea
 
 
 
@@ -86,6 +87,19 @@ def test_decoding_equals_teacher_forced(tiny, knobs):
         assert (off[:, P - 1:] - pair[1]).abs().max() <= 1e-4
     mixed = _decode_together(tiny, [make_policy("infinigen", remainder=True, **knobs), make_policy("full")], tokens)
     assert (tf[:, P - 1:] - mixed[0]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("read_rows", [True, False], ids=["packed-rows", "reference"])
+def test_each_session_of_a_step_mixes_in_its_own_remainder(tiny, read_rows):
+    """Sessions with a remainder behind others in one step (rows 2-3 and 4-5 of six): each is mixed in from its
+    own rows' log-sum-exp and value sums, not from those of the rows before it."""
+    tokens = _tokens(tiny)
+    tf, _ = _teacher(tiny, make_policy("infinigen", remainder=True, **LIMITED), tokens)
+    tf_flat, _ = _teacher(tiny, make_policy("infinigen", remainder=True, **FLAT), tokens)
+    full, rest, flat = _decode_together(tiny, [make_policy("full"), make_policy("infinigen", remainder=True, **LIMITED),
+                                               make_policy("infinigen", remainder=True, **FLAT)], tokens, read_rows)
+    assert (tf[:, P - 1:] - rest).abs().max() <= 1e-4
+    assert (tf_flat[:, P - 1:] - flat).abs().max() <= 1e-4
 
 
 def test_remainder_brings_the_output_closer_to_dense(tiny):
