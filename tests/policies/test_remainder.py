@@ -134,6 +134,25 @@ def test_weight_is_zero_when_everything_is_read_and_grows_to_the_unread_mean():
     assert dists[-1] < 1e-6 * dists[0]
 
 
+def test_the_unread_are_the_cached_entries_less_those_read():
+    """The unread mean is (every cached value's sum - the read ones') / (cached count - read count), for one
+    decoding row per batch row (sums [B, Hkv, d]) as for teacher-forced rows (per row); all read: weight 0."""
+    g = torch.Generator().manual_seed(1)
+    b, hkv, grp, d = 2, 2, 3, 8
+    out = torch.randn(b, hkv * grp, 1, d, generator=g)
+    lse = torch.randn(b, hkv, grp, 1, generator=g)
+    cached_sum, read_sum = torch.randn(b, hkv, d, generator=g), torch.randn(b, hkv, 1, d, generator=g)
+    cached, read = torch.full((b, hkv), 10), torch.full((b, hkv, 1), 4)
+    att = Attended(out, lse, read_sum, read)
+    mean = ((cached_sum[:, :, None] - read_sum) / 6)[:, :, None].expand(b, hkv, grp, 1, d).reshape(out.shape)
+    halfway = (out + mean) / 2  # equal masses
+    assert torch.allclose(with_remainder(att, Remainder(lse, cached_sum, cached)), halfway, atol=1e-6)
+    per_row = Remainder(lse, cached_sum[:, :, None], cached[:, :, None])
+    assert torch.allclose(with_remainder(att, per_row), halfway, atol=1e-6)
+    everything = Attended(out, lse, cached_sum[:, :, None], cached[:, :, None])
+    assert torch.equal(with_remainder(everything, Remainder(lse, cached_sum, cached)), out)
+
+
 def test_policy_estimates_no_unread_mass_when_everything_is_selected(tiny):
     """The policy's log-mass of the unread entries is -inf at every row when it selects everything, and
     finite where a cap leaves entries out."""
