@@ -141,15 +141,16 @@ def test_the_unread_are_the_cached_entries_less_those_read():
     b, hkv, grp, d = 2, 2, 3, 8
     out = torch.randn(b, hkv * grp, 1, d, generator=g)
     lse = torch.randn(b, hkv, grp, 1, generator=g)
-    cached_sum, read_sum = torch.randn(b, hkv, d, generator=g), torch.randn(b, hkv, 1, d, generator=g)
-    cached, read = torch.full((b, hkv), 10), torch.full((b, hkv, 1), 4)
-    att = Attended(out, lse, read_sum, read)
-    mean = ((cached_sum[:, :, None] - read_sum) / 6)[:, :, None].expand(b, hkv, grp, 1, d).reshape(out.shape)
+    cached_sum, read_sum = torch.randn(b, hkv, d, generator=g), torch.randn(b, hkv, d, generator=g)
+    cached, read = torch.full((b, hkv), 10), torch.full((b, hkv), 4)
+    mean = ((cached_sum - read_sum) / 6)[:, :, None].expand(b, hkv, grp, d).reshape(out.shape)
     halfway = (out + mean) / 2  # equal masses
-    assert torch.allclose(with_remainder(att, Remainder(lse, cached_sum, cached)), halfway, atol=1e-6)
-    per_row = Remainder(lse, cached_sum[:, :, None], cached[:, :, None])
-    assert torch.allclose(with_remainder(att, per_row), halfway, atol=1e-6)
-    everything = Attended(out, lse, cached_sum[:, :, None], cached[:, :, None])
+    got = with_remainder(Attended(out, lse, read_sum, read), Remainder(lse, cached_sum, cached))
+    assert torch.allclose(got, halfway, atol=1e-6)
+    per_row = with_remainder(Attended(out, lse, read_sum[:, :, None], read[:, :, None]),
+                             Remainder(lse, cached_sum[:, :, None], cached[:, :, None]))
+    assert torch.allclose(per_row, halfway, atol=1e-6)
+    everything = Attended(out, lse, cached_sum, cached)
     assert torch.equal(with_remainder(everything, Remainder(lse, cached_sum, cached)), out)
 
 

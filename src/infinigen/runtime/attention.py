@@ -35,26 +35,29 @@ class Attended(NamedTuple):
     (`with_remainder`); lse, read_sum and read_count are None where no remainder was asked for."""
     out: torch.Tensor  # [B, H, R, d]
     lse: torch.Tensor | None = None  # [B, Hkv, G, R] float32: log-sum-exp of the exact scaled scores read
-    read_sum: torch.Tensor | None = None  # [B, Hkv, R, d] float32: the sum of the past values read
-    read_count: torch.Tensor | None = None  # [B, Hkv, R]: how many past entries were read
+    # the sum of the past values read (float32) and how many: [B, Hkv, d] and [B, Hkv] for one decoding row per
+    # batch row, [B, Hkv, R, d] and [B, Hkv, R] per row of several
+    read_sum: torch.Tensor | None = None
+    read_count: torch.Tensor | None = None
 
     def rows(self, a: int, b: int) -> "Attended":
-        """Batch rows a..b-1 (one session's of several stacked)."""
+        """Batch rows a..b-1 (one session's of several stacked; all of them: itself, without slicing calls)."""
+        if a == 0 and b == self.out.shape[0]:
+            return self
         return Attended(*(None if x is None else x[a:b] for x in self))
 
 
 def with_remainder(att: Attended, rest: Remainder | None) -> torch.Tensor:
     """att.out mixed with what the policy estimates the unread past entries add (`Remainder`): (1 - w) * out
     + w * their mean value, w their share of the mass, exp(rest.lse) / (exp(rest.lse) + exp(att.lse)). The
-    unread entries are every cached one (rest.sums [B,Hkv,d] over rest.counts [B,Hkv] for one decoding row per
-    batch row, or [B,Hkv,R,d] over [B,Hkv,R] per row) less those read. Nothing unread (a count of 0, or a
-    log-mass of -inf), or no remainder: w is 0 and att.out is returned to the bit."""
+    unread entries are every cached one (rest.sums over rest.counts, shaped as att.read_sum and att.read_count)
+    less those read. Nothing unread (a count of 0, or a log-mass of -inf), or no remainder: w is 0 and att.out
+    is returned to the bit."""
     if rest is None:
         return att.out
-    sums, counts = rest.sums, rest.counts
-    if counts.dim() == 2:
-        sums, counts = sums[:, :, None], counts[:, :, None]
-    unread_sum, unread_count = sums - att.read_sum, counts - att.read_count
+    unread_sum, unread_count = rest.sums - att.read_sum, rest.counts - att.read_count
+    if unread_count.dim() == 2:  # one decoding row per batch row
+        unread_sum, unread_count = unread_sum[:, :, None], unread_count[:, :, None]
     out = att.out
     b, h, r, d = out.shape
     hkv = rest.lse.shape[1]
@@ -83,7 +86,7 @@ def attend_step(q, kp, vp, mask, kc, vc, scale: float, remainder: bool = False):
     if not remainder:
         return Attended(out), probs
     read_sum, read_count = read_sums(vp, mask)
-    return Attended(out, torch.logsumexp(scores, -1)[..., None], read_sum[:, :, None], read_count[:, :, None]), probs
+    return Attended(out, torch.logsumexp(scores, -1)[..., None], read_sum, read_count), probs
 
 
 def attend_packed(q, kp, vp, head, hkv: int, scale: float, remainder: bool = False) -> Attended:
@@ -104,7 +107,7 @@ def attend_packed(q, kp, vp, head, hkv: int, scale: float, remainder: bool = Fal
     sums = vp.new_zeros(b * hkv + 1, d, dtype=torch.float32)
     sums.index_add_(0, seg, vp[:, 0, :m - hkv].reshape(-1, d).float())
     counts = torch.bincount(seg, minlength=b * hkv + 1)
-    return Attended(out, lse.view(b, hkv, h // hkv, 1), sums[:-1].view(b, hkv, 1, d), counts[:-1].view(b, hkv, 1))
+    return Attended(out, lse.view(b, hkv, h // hkv, 1), sums[:-1].view(b, hkv, d), counts[:-1].view(b, hkv))
 
 
 def attend_rows(q, k, v, keep, first: int, codec, scale: float, rest: Remainder | None = None) -> torch.Tensor:

@@ -34,7 +34,7 @@ def attend_sessions(layer: int, q, k, v, sessions: list, spans: list[tuple[int, 
     read among the entries: stored first where one session's store is read in place, else following each row's
     stacked entries; otherwise the current tokens stay apart (`attend_step`) and the sessions see the weights
     of what they read."""
-    plans = [s._read(layer, q[a:b], k[a:b], in_place=True) for s, (a, b) in zip(sessions, spans)]
+    plans = [s._read(layer, _part(q, a, b), _part(k, a, b), in_place=True) for s, (a, b) in zip(sessions, spans)]
     if any(p.rows is not None for p in plans):
         if all(s.reads_rows() for s in sessions):  # a session reading all its entries reads them as rows
             plans = [p if p.rows is not None else p._replace(rows=s.store.select_rows(layer, p.seen, p.seen))
@@ -75,7 +75,7 @@ def attend_sessions(layer: int, q, k, v, sessions: list, spans: list[tuple[int, 
         w = probs[a:b]
         if s.policy.needs_weights and m < n:  # the session's own entries, then the current token
             w = torch.cat([w[..., :m], w[..., -1:]], dim=-1)
-        s._write(layer, p, w, k[a:b], v[a:b])
+        s._write(layer, p, w, _part(k, a, b), _part(v, a, b))
     return outs[0] if not stacked else torch.cat(outs)
 
 
@@ -116,33 +116,36 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
     its rows. One session whose store the C++ kernel can read is read in place; otherwise each session's rows
     (padded to the longest session's) are gathered into one buffer and one masked fused call runs over every
     row."""
-    stored = [s.store.append(layer, k[a:b], v[a:b], p.cur) for s, p, (a, b) in zip(sessions, plans, spans)]
+    stored = [s.store.append(layer, _part(k, a, b), _part(v, a, b), p.cur)
+              for s, p, (a, b) in zip(sessions, plans, spans)]
     rests = [s.policy.unread(layer, s) for s in sessions]  # before the tokens' append: they were read
     remainder = any(rest is not None for rest in rests)
     store = sessions[0].store
     if len(sessions) == 1 and fused_select.usable(q, store.k[layer]):
         sessions[0].stats.record_rows(layer, plans[0].rows.rows.numel())
         att = _attend_rows_in_place(q, k, store.k[layer], store.v[layer], plans[0].rows, stored[0], store.capacity,
-                                    scale)
+                                    scale, remainder)
     else:
         att = _attend_rows_gathered(layer, q, k, sessions, spans, plans, stored, scale, buffers, remainder)
     outs = []
     for s, rest, slots, (a, b) in zip(sessions, rests, stored, spans):
         outs.append(attention.with_remainder(att.rows(a, b), rest))
-        s._appended(layer, slots, k[a:b], v[a:b])
+        s._appended(layer, slots, _part(k, a, b), _part(v, a, b))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _attend_rows_in_place(q, k, keys, values, sel, slots, capacity: int, scale: float) -> attention.Attended:
+def _attend_rows_in_place(q, k, keys, values, sel, slots, capacity: int, scale: float,
+                          remainder: bool) -> attention.Attended:
     """One session's packed rows `sel` and its tokens (stored in slots [B, Hkv]) read from the store's keys and
-    values in place: one C++ call that returns what the remainder needs as well."""
+    values in place: one C++ call, which returns what the remainder needs as well."""
     b, h, _, d = q.shape
     hkv = k.shape[1]
     own = torch.arange(b * hkv, device=q.device).view(b, hkv) * capacity + slots
     out, lse, read_sum = fused_select.attend_rows(q.view(b, h, d), keys.view(-1, d), values.view(-1, d), sel.rows,
                                                   sel.counts, own, scale)
-    return attention.Attended(out.view(b, h, 1, d), lse.view(b, hkv, h // hkv, 1), read_sum[:, :, None],
-                              sel.counts[:, :, None])
+    if not remainder:
+        return attention.Attended(out.view(b, h, 1, d))
+    return attention.Attended(out.view(b, h, 1, d), lse.view(b, hkv, h // hkv, 1), read_sum, sel.counts)
 
 
 def _attend_rows_gathered(layer: int, q, k, sessions, spans, plans, stored, scale: float, buffers: StepBuffers,
@@ -162,3 +165,8 @@ def _attend_rows_gathered(layer: int, q, k, sessions, spans, plans, stored, scal
         if p.idx is not ALL:  # a read of ALL counted its rows already (`_read`)
             s.stats.record_rows(layer, rows.numel() - slots.numel())
     return attention.attend_packed(q, kp[:, None], vp[:, None], head, k.shape[1], scale, remainder)
+
+
+def _part(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows a..b-1 of x: one session's of several; all of them (one session) without a slicing call."""
+    return x if a == 0 and b == x.shape[0] else x[a:b]
