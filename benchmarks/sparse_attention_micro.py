@@ -83,17 +83,17 @@ def main() -> None:
     out["reference: attend_step"] = _time(lambda: runtime.attend_step(q, kp, vp, mask, kc, vc, scale), a.reps)
     rows = {"entries attended": int(counts.sum()), "reference rows read": idx.numel()}
     if hasattr(store, "select_rows"):
-        from infinigen.runtime import _head_mask, _Stack, _with_own
-        buffers, slots = _Stack(), torch.full((b, hkv), s)
+        from infinigen.runtime.attention import StepBuffers, head_mask, with_own
+        buffers, slots = StepBuffers(), torch.full((b, hkv), s)
         sel = store.select_rows(0, keep, valid)
-        full, head = _with_own(sel, slots, store.capacity)
-        mask_h = _head_mask(head, hkv * g, hkv)
+        full, head = with_own(sel, slots, store.capacity)
+        mask_h = head_mask(head, hkv * g, hkv)
         kr, vr = store.gather_rows(0, full, *buffers.rows(full.numel(), kc))
         out["packed: select_rows"] = _time(lambda: store.select_rows(0, keep, valid), a.reps)
         out["packed: gather_rows"] = _time(lambda: store.gather_rows(0, full, *buffers.rows(full.numel(), kc)),
                                            a.reps)
         out["packed: head mask + attend_masked"] = _time(
-            lambda: runtime.attend_masked(q, kr, vr, _head_mask(head, hkv * g, hkv), scale), a.reps)
+            lambda: runtime.attend_masked(q, kr, vr, head_mask(head, hkv * g, hkv), scale), a.reps)
         rows["packed rows read"] = sel.rows.numel()
         try:
             from infinigen.kernels import fused_select

@@ -230,17 +230,9 @@ class Policy:
         after the keep it answers for."""
         return None
 
-    def unread(self, layer: int, session) -> Remainder | None:
-        """The former name of `remainder_at`, kept while callers move to it."""
-        return self.remainder_at(layer, session)
-
     def selects(self, layer: int) -> bool:
         """Whether the policy selects entries at `layer` (False: it reads them all there, `keep` is not asked)."""
         return True
-
-    def speculated(self, layer: int) -> bool:
-        """The former name of `selects`, kept while callers move to it."""
-        return self.selects(layer)
 
     def for_random_weights(self, model, fixed_ratio: float | None) -> "Policy":
         """This policy for a model with random weights (`infinigen bench --synthetic`), where choices made

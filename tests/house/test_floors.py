@@ -16,7 +16,7 @@ FLOORS = [
                 "precision", "sparsity", "kernels", "kernels.*"]),
     ("stores and the policy interface", ["cache", "pool", "policy"]),
     ("network", ["model", "checkpoints", "quantized", "gguf_model", "loading"]),
-    ("step", ["runtime", "compiled"]),
+    ("step", ["runtime", "runtime.*", "compiled"]),
     ("placement", ["placement", "placement.*"]),
     ("calibration", ["skew"]),
     ("methods", ["policies", "policies.*"]),

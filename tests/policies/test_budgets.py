@@ -154,7 +154,7 @@ def test_exact_first_selects_layer_zero_with_its_own_query(make_tiny, key_mode):
                       key_mode=key_mode).with_skew(mats)
     sess = Placement().new_session(model, 1, 200, pol)
     tf = runtime.teacher_forced(model, tokens, 40, sess)
-    assert 0 < sess.stats.per_layer()[0] <= 0.3 + 1e-9 and pol.speculated(0)
+    assert 0 < sess.stats.per_layer()[0] <= 0.3 + 1e-9 and pol.selects(0)
     # decoding: the same selections and logits as teacher-forced
     sess = Placement().new_session(model, 1, 200, pol)
     out = [runtime.prefill(model, tokens[:, :40], sess)]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from infinigen import runtime
+from infinigen.runtime import attention
 from infinigen.errors import UserError
 from infinigen.kernels.int4 import PackedKeys
 from infinigen.placement import Placement
@@ -108,12 +109,12 @@ def test_below_threshold_is_the_full_cache_without_speculation(make_tiny, monkey
     out = [runtime.prefill(model, tokens[:, :P], sess)]
     _count_queries(model, calls)  # the prefill's queries aside: decoding steps only from here
     fused = {"step": 0}
-    step = runtime.attend_step
+    step = attention.attend_step
 
     def attend_step(*a, **kw):
         fused["step"] += 1
         return step(*a, **kw)
-    monkeypatch.setattr(runtime, "attend_step", attend_step)
+    monkeypatch.setattr(attention, "attend_step", attend_step)
     for t in range(P, T - 1):
         out.append(runtime.decode(model, tokens[:, t], sess))
     assert calls == {"query": 0, "scores": 0, "packed": 0}  # no speculative query, no scoring

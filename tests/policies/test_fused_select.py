@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from infinigen import runtime
+from infinigen.runtime import attention
 from infinigen.cache import KVStore
 from infinigen.kernels import fused_select
 from support.packed_rows import decode_rows, packed_policy, padded_prompts
@@ -30,12 +31,12 @@ def _store(b, hkv, s, d, dtype, seed):
 
 
 def _reference(store, sel, q, slots, scale):
-    """The torch path of `Session._attend_selected`: out [B,H,1,d], lse [B,Hkv,G], the past values' sum."""
+    """The torch path of a session reading packed rows: out [B,H,1,d], lse [B,Hkv,G], the past values' sum."""
     b, h, _, d = q.shape
     hkv = sel.counts.shape[1]
-    rows, head = runtime._with_own(sel, slots, store.capacity)
-    kp, vp = store.gather_rows(0, rows, *runtime._Stack().rows(rows.numel(), store.k[0]))
-    mask = runtime._head_mask(head, h, hkv)
+    rows, head = attention.with_own(sel, slots, store.capacity)
+    kp, vp = store.gather_rows(0, rows, *attention.StepBuffers().rows(rows.numel(), store.k[0]))
+    mask = attention.head_mask(head, h, hkv)
     out = runtime.attend_masked(q, kp, vp, mask, scale)
     scores = (q.view(b, 1, h, d).float() @ kp.float().transpose(-1, -2)) * scale
     lse = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1).view(b, hkv, h // hkv)

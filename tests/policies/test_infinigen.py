@@ -296,7 +296,7 @@ def test_dense_layers_count_in_relative_kv(make_tiny):
     per = sess.stats.per_layer()
     assert per[0] == per[1] == pytest.approx(1.0)
     assert all(f <= 0.25 for f in per[2:])
-    assert [pol.speculated(i) for i in range(4)] == [False, False, True, True]
+    assert [pol.selects(i) for i in range(4)] == [False, False, True, True]
 
 
 # ---- the default model ----------------------------------------------------------------------------

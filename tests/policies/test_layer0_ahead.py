@@ -34,7 +34,7 @@ def test_every_layer_is_prefetched(tiny_llama, make_tiny, arch, kind, tmp_path):
     assert torch.equal(tokens, ref_tokens)
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=0)
     st, layers = sess.store.stats, model.cfg.num_layers
-    assert sess.policy.speculated(0)
+    assert sess.policy.selects(0)
     assert st.fetches == GEN * layers and st.on_demand == 0 and st.stale == 0
     assert st.reused == GEN * layers  # layer 0's plan too: it selected before its attention ran
 

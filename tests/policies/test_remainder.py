@@ -12,11 +12,14 @@ import torch
 from infinigen import runtime
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
+from infinigen.runtime.attention import Attended, with_remainder
+from infinigen.selection import Remainder
 
 T, P, B = 28, 9, 2  # sequence length, prefill length, batch
 UNLIMITED = dict(alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), exact_first=True, skew=False, remainder_from=0)
 # a budget that really leaves entries unread (min_fetch 0: the default floor of 32 would read all 28 tokens)
 LIMITED = dict(max_fetch_ratio=0.3, min_fetch=0, dense_layers=(), exact_first=True, skew=False, remainder_from=0)
+FLAT = dict(preset="flat", alpha=2.0, min_fetch=0, dense_layers=(), skew=False)  # another selection, same idea
 
 
 
@@ -86,6 +89,19 @@ def test_decoding_equals_teacher_forced(tiny, knobs):
     assert (tf[:, P - 1:] - mixed[0]).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("read_rows", [True, False], ids=["packed-rows", "reference"])
+def test_each_session_of_a_step_mixes_in_its_own_remainder(tiny, read_rows):
+    """Sessions with a remainder behind others in one step (rows 2-3 and 4-5 of six): each is mixed in from its
+    own rows' log-sum-exp and value sums, not from those of the rows before it."""
+    tokens = _tokens(tiny)
+    tf, _ = _teacher(tiny, make_policy("infinigen", remainder=True, **LIMITED), tokens)
+    tf_flat, _ = _teacher(tiny, make_policy("infinigen", remainder=True, **FLAT), tokens)
+    full, rest, flat = _decode_together(tiny, [make_policy("full"), make_policy("infinigen", remainder=True, **LIMITED),
+                                               make_policy("infinigen", remainder=True, **FLAT)], tokens, read_rows)
+    assert (tf[:, P - 1:] - rest).abs().max() <= 1e-4
+    assert (tf_flat[:, P - 1:] - flat).abs().max() <= 1e-4
+
+
 def test_remainder_brings_the_output_closer_to_dense(tiny):
     tokens = _tokens(tiny)
     dense, _ = _teacher(tiny, make_policy("full"), tokens)
@@ -103,18 +119,39 @@ def test_weight_is_zero_when_everything_is_read_and_grows_to_the_unread_mean():
     count = torch.full((b, hkv, r), 5.0)
     mean = (unread_sum / 5)[:, :, None].expand(b, hkv, grp, r, d).reshape(b, hkv * grp, r, d)
     none = torch.full((b, hkv, grp, r), float("-inf"))
-    assert torch.equal(runtime._with_remainder(out, lse_read, none, unread_sum, count), out)
-    # a finite estimated mass but no entry left unread: weight 0 all the same
     zero = torch.zeros(b, hkv, r)
-    assert torch.equal(runtime._with_remainder(out, lse_read, lse_read, unread_sum, zero), out)
+    read = Attended(out, lse_read, torch.zeros(b, hkv, r, d), zero)  # nothing of the past read: all of it unread
+    assert torch.equal(with_remainder(read, Remainder(none, unread_sum, count)), out)
+    # a finite estimated mass but no entry left unread: weight 0 all the same
+    assert torch.equal(with_remainder(read, Remainder(lse_read, unread_sum, zero)), out)
     dists = []
     for shift in (-20.0, -2.0, 0.0, 2.0, 20.0):  # the unread mass from e^-20 to e^20 times the read one
-        mixed = runtime._with_remainder(out, lse_read, lse_read + shift, unread_sum, count)
+        mixed = with_remainder(read, Remainder(lse_read + shift, unread_sum, count))
         dists.append((mixed - mean).norm().item())
         if shift == 0.0:  # equal masses: halfway
             assert torch.allclose(mixed, (out + mean) / 2, atol=1e-6)
     assert all(a > b for a, b in zip(dists, dists[1:]))
     assert dists[-1] < 1e-6 * dists[0]
+
+
+def test_the_unread_are_the_cached_entries_less_those_read():
+    """The unread mean is (every cached value's sum - the read ones') / (cached count - read count), for one
+    decoding row per batch row (sums [B, Hkv, d]) as for teacher-forced rows (per row); all read: weight 0."""
+    g = torch.Generator().manual_seed(1)
+    b, hkv, grp, d = 2, 2, 3, 8
+    out = torch.randn(b, hkv * grp, 1, d, generator=g)
+    lse = torch.randn(b, hkv, grp, 1, generator=g)
+    cached_sum, read_sum = torch.randn(b, hkv, d, generator=g), torch.randn(b, hkv, d, generator=g)
+    cached, read = torch.full((b, hkv), 10), torch.full((b, hkv), 4)
+    mean = ((cached_sum - read_sum) / 6)[:, :, None].expand(b, hkv, grp, d).reshape(out.shape)
+    halfway = (out + mean) / 2  # equal masses
+    got = with_remainder(Attended(out, lse, read_sum, read), Remainder(lse, cached_sum, cached))
+    assert torch.allclose(got, halfway, atol=1e-6)
+    per_row = with_remainder(Attended(out, lse, read_sum[:, :, None], read[:, :, None]),
+                             Remainder(lse, cached_sum[:, :, None], cached[:, :, None]))
+    assert torch.allclose(per_row, halfway, atol=1e-6)
+    everything = Attended(out, lse, cached_sum, cached)
+    assert torch.equal(with_remainder(everything, Remainder(lse, cached_sum, cached)), out)
 
 
 def test_policy_estimates_no_unread_mass_when_everything_is_selected(tiny):

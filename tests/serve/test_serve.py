@@ -17,6 +17,8 @@ pytest.importorskip("prometheus_client")
 httpx = pytest.importorskip("httpx")
 
 from infinigen import runtime  # noqa: E402
+from infinigen.kernels import fused_select  # noqa: E402
+from infinigen.runtime import attention  # noqa: E402
 from infinigen.generate import Sampling, generate_ids  # noqa: E402
 from infinigen.placement import Placement  # noqa: E402
 from infinigen.policies import make_policy  # noqa: E402
@@ -88,11 +90,11 @@ def test_engine_batches_equal_alone(make_tiny, policy, offload, monkeypatch):
         prefills[0] += 1
         return logits
     prefill_in_slices = runtime.prefill_in_slices
-    monkeypatch.setattr(runtime, "attend_step", counted(runtime.attend_step))
-    monkeypatch.setattr(runtime, "attend_all", counted(runtime.attend_all))
-    monkeypatch.setattr(runtime, "attend_masked", counted(runtime.attend_masked))
+    monkeypatch.setattr(attention, "attend_step", counted(attention.attend_step))
+    monkeypatch.setattr(attention, "attend_all", counted(attention.attend_all))
+    monkeypatch.setattr(attention, "attend_masked", counted(attention.attend_masked))
     # one request selecting alone attends over its rows in the fused kernel, where it is built
-    monkeypatch.setattr(runtime.fused_select, "attend_rows", counted(runtime.fused_select.attend_rows))
+    monkeypatch.setattr(fused_select, "attend_rows", counted(fused_select.attend_rows))
     monkeypatch.setattr(runtime, "prefill_in_slices", counted_prefill)
     batched = []
 

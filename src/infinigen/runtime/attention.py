@@ -1,0 +1,204 @@
+"""The attention of a decoding step or of teacher-forced rows, and the remainder a selection leaves unread."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..cache import SelectedRows
+from ..selection import Remainder, first_key_read
+
+ROW_CHUNK = 1024  # teacher-forced decoding rows per attention call: bounds the score matrix at long contexts
+
+
+def attend_all(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token per row, q [B,H,1,d], over every entry of kp, vp [B,Hkv,S,d] (its own included): one
+    fused call, no mask, no weights kept."""
+    b, h, _, d = q.shape
+    out = F.scaled_dot_product_attention(q.view(b, kp.shape[1], h // kp.shape[1], d), kp, vp, scale=scale)
+    return out.reshape(b, h, 1, d)  # CUDA's fused kernels return [B,Hkv,G,d] with G outermost: no view
+
+
+def attend_masked(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: torch.Tensor, scale: float):
+    """One token per row, q [B,H,1,d], over the entries of kp, vp [B,Hkv,S,d] where mask [B,Hkv,S] (its own
+    included), or mask [B,Hkv,G,S] per query head of each group: one fused call, no weights kept."""
+    b, h, _, d = q.shape
+    hkv = kp.shape[1]
+    mask = mask[:, :, None] if mask.dim() == 3 else mask
+    out = F.scaled_dot_product_attention(q.view(b, hkv, h // hkv, d), kp, vp, attn_mask=mask, scale=scale)
+    return out.reshape(b, h, 1, d)  # as in attend_all
+
+
+class Attended(NamedTuple):
+    """An attention over what decoding rows read, with what the remainder needs to be mixed in once
+    (`with_remainder`); lse, read_sum and read_count are None where no remainder was asked for."""
+    out: torch.Tensor  # [B, H, R, d]
+    lse: torch.Tensor | None = None  # [B, Hkv, G, R] float32: log-sum-exp of the exact scaled scores read
+    # the sum of the past values read (float32) and how many: [B, Hkv, d] and [B, Hkv] for one decoding row per
+    # batch row, [B, Hkv, R, d] and [B, Hkv, R] per row of several
+    read_sum: torch.Tensor | None = None
+    read_count: torch.Tensor | None = None
+
+    def rows(self, a: int, b: int) -> "Attended":
+        """Batch rows a..b-1 (one session's of several stacked; all of them: itself, without slicing calls)."""
+        if a == 0 and b == self.out.shape[0]:
+            return self
+        return Attended(*(None if x is None else x[a:b] for x in self))
+
+
+def with_remainder(att: Attended, rest: Remainder | None) -> torch.Tensor:
+    """att.out mixed with what the policy estimates the unread past entries add (`Remainder`): (1 - w) * out
+    + w * their mean value, w their share of the mass, exp(rest.lse) / (exp(rest.lse) + exp(att.lse)). The
+    unread entries are every cached one (rest.sums over rest.counts, shaped as att.read_sum and att.read_count)
+    less those read. Nothing unread (a count of 0, or a log-mass of -inf), or no remainder: w is 0 and att.out
+    is returned to the bit."""
+    if rest is None:
+        return att.out
+    unread_sum, unread_count = rest.sums - att.read_sum, rest.counts - att.read_count
+    if unread_count.dim() == 2:  # one decoding row per batch row
+        unread_sum, unread_count = unread_sum[:, :, None], unread_count[:, :, None]
+    out = att.out
+    b, h, r, d = out.shape
+    hkv = rest.lse.shape[1]
+    lse_unread = rest.lse.masked_fill((unread_count <= 0)[:, :, None], float("-inf"))
+    w = torch.sigmoid(lse_unread - att.lse)[..., None]  # exp(u) / (exp(u) + exp(read))
+    mean = (unread_sum / unread_count.clamp(min=1)[..., None])[:, :, None]  # [B, Hkv, 1, R, d]
+    o = out.view(b, hkv, h // hkv, r, d).float()
+    return (o + w * (mean - o)).to(out.dtype).view(b, h, r, d)
+
+
+def attend_step(q, kp, vp, mask, kc, vc, scale: float, remainder: bool = False):
+    """One token per row, q [B,H,1,d], over the past entries kp, vp [B,Hkv,n,d] where mask [B,Hkv,n], and
+    over itself (kc, vc [B,Hkv,1,d], kept apart from the past: nothing is copied). Returns the attention
+    (`Attended`: what the remainder needs too, if `remainder`) and the weights probs [B,Hkv,G,n+1] (the
+    current token last)."""
+    b, h, _, d = q.shape
+    hkv = kp.shape[1]
+    qg = q.view(b, hkv, h // hkv, d)
+    s_past = torch.matmul(qg, kp.transpose(-1, -2)).float() * scale
+    s_past = torch.where(mask[:, :, None, :], s_past, float("-inf"))
+    s_cur = (qg.float() * kc.float()).sum(-1, keepdim=True) * scale
+    scores = torch.cat([s_past, s_cur], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs[..., :-1].to(vp.dtype), vp) + probs[..., -1:].to(vc.dtype) * vc
+    out = out.view(b, h, 1, d)
+    if not remainder:
+        return Attended(out), probs
+    read_sum, read_count = read_sums(vp, mask)
+    return Attended(out, torch.logsumexp(scores, -1)[..., None], read_sum, read_count), probs
+
+
+def attend_packed(q, kp, vp, head, hkv: int, scale: float, remainder: bool = False) -> Attended:
+    """One token per row, q [B,H,1,d], over packed rows kp, vp [B,1,m,d] whose KV heads are head [B,m] (-1:
+    padding), each row's own tokens the last hkv columns: one masked fused call, each query head over its KV
+    head's rows; with `remainder`, also the log-sum-exp and the past rows' value sums per KV head."""
+    b, m = head.shape
+    h, d = q.shape[1], vp.shape[-1]
+    mask = head_mask(head, h, hkv)
+    out = attend_masked(q, kp, vp, mask, scale)
+    if not remainder:
+        return Attended(out)
+    scores = torch.matmul(q.view(b, 1, h, d).float(), kp.float().transpose(-1, -2)) * scale  # (a 16-bit bmm
+    lse = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1)  # is slower on a CPU)
+    past = head[:, :m - hkv]
+    # each past row's (batch row, KV head), padding to a spare last segment
+    seg = torch.where(past >= 0, past + hkv * torch.arange(b, device=head.device)[:, None], b * hkv).reshape(-1)
+    sums = vp.new_zeros(b * hkv + 1, d, dtype=torch.float32)
+    sums.index_add_(0, seg, vp[:, 0, :m - hkv].reshape(-1, d).float())
+    counts = torch.bincount(seg, minlength=b * hkv + 1)
+    return Attended(out, lse.view(b, hkv, h // hkv, 1), sums[:-1].view(b, hkv, d), counts[:-1].view(b, hkv))
+
+
+def attend_rows(q, k, v, keep, first: int, codec, scale: float, rest: Remainder | None = None) -> torch.Tensor:
+    """Decoding rows q [B,H,R,d] (positions first..first+R-1 of a sequence with keys and values k, v
+    [B,Hkv,T,d]) at once: each reads the entries in keep [B,Hkv,R,T] plus itself, past entries as the
+    store would hold them (`codec`), its own token as computed; plus what the policy estimates the unread
+    entries add (`rest`, see `Remainder`: their mean value from the sequence's values)."""
+    b, h, r, d = q.shape
+    t = k.shape[2]
+    p = first
+    rows = torch.arange(p, p + r, device=q.device)[:, None]
+    cols = torch.arange(t, device=q.device)[None, :]
+    kq, vq = codec.encode(k), codec.encode(v)
+    diag = (cols == rows)[None, None]
+    hkv, g = k.shape[1], h // k.shape[1]
+    qg = q.view(b, hkv, g, r, d)
+    out = torch.empty_like(qg)
+    lse = None if rest is None else q.new_empty(b, hkv, g, r, dtype=torch.float32)
+    for s in range(0, r, ROW_CHUNK):
+        e = min(r, s + ROW_CHUNK)
+        # the keys some row of the chunk reads or is: [lo, hi). The rest (the future; behind a sliding window,
+        # the past: a 512-token window at 32K tokens) would get a weight of exactly 0
+        hi = min(t, p + e)
+        lo = min(first_key_read(keep[:, :, s:e, :hi], hi), p + s)
+        qc = qg[:, :, :, s:e]
+        scores = torch.matmul(qc, kq[:, :, None, lo:hi].transpose(-1, -2)).float() * scale  # [B,Hkv,G,c,n]
+        own = (qc.float() * k[:, :, None, p + s:p + e].float()).sum(-1) * scale  # [B,Hkv,G,c]
+        scores = scores.masked_fill(~keep[:, :, None, s:e, lo:hi], float("-inf"))
+        dg = diag[:, :, None, s:e, lo:hi]
+        scores = torch.where(dg, own[..., None], scores)
+        probs = torch.softmax(scores, dim=-1)
+        if lse is not None:
+            lse[..., s:e] = torch.logsumexp(scores, -1)
+        pd = (probs * dg).sum(-1, keepdim=True)
+        past = torch.matmul(probs.masked_fill(dg, 0).to(vq.dtype), vq[:, :, None, lo:hi])
+        out[:, :, :, s:e] = past + pd.to(v.dtype) * v[:, :, None, p + s:p + e]
+    out = out.view(b, h, r, d)
+    if rest is None:
+        return out
+    vf = vq.float()
+    read = keep.float()
+    # every entry before each row: the sequence's values summed up to it, [B, Hkv, R, d], and their count
+    totals = F.pad(vf.cumsum(2), (0, 0, 1, 0))[:, :, p:p + r]
+    counts = torch.arange(p, p + r, device=q.device).expand(b, hkv, r)
+    return with_remainder(Attended(out, lse, read @ vf, read.sum(-1)), rest._replace(sums=totals, counts=counts))
+
+
+class StepBuffers:
+    """The padded buffers one decoding step stacks every session's entries into, allocated once per step at
+    the longest read so far and reused by every layer (each layer's attention is done with them before the
+    next layer writes; a large allocation per layer costs page faults on a CPU). Allocated as zeros: a
+    padded entry then always holds a finite number (zero, or an earlier layer's key or value), which its
+    weight of exactly 0 cancels."""
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.flat_keys = self.flat_values = None
+
+    def rows(self, n: int, like: torch.Tensor):
+        """Flat buffers [n, d] for the rows a packed selection gathers (`KVStore.gather_rows`)."""
+        if self.flat_keys is None or self.flat_keys.shape[0] < n:
+            cap = max(n, int(1.25 * self.flat_keys.shape[0]) if self.flat_keys is not None else n)
+            self.flat_keys = like.new_empty(cap, like.shape[-1])
+            self.flat_values = like.new_empty(cap, like.shape[-1])
+        return self.flat_keys[:n], self.flat_values[:n]
+
+    def views(self, rows: int, hkv: int, n: int, like: torch.Tensor):
+        if self.keys is None or self.keys.shape[2] < n:
+            cap = max(n, int(1.25 * self.keys.shape[2]) if self.keys is not None else n)
+            self.keys = like.new_zeros(rows, hkv, cap, like.shape[3])
+            self.values = like.new_zeros(rows, hkv, cap, like.shape[3])
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+
+def with_own(sel: SelectedRows, slots: torch.Tensor, capacity: int):
+    """A packed selection's rows and KV heads [B, n + Hkv] with each row's own token (stored in slots [B, Hkv])
+    after them, one row per KV head."""
+    b, hkv = slots.shape
+    seg = torch.arange(b * hkv, device=slots.device).view(b, hkv)
+    own = seg * capacity + slots
+    return torch.cat([sel.rows, own], 1), torch.cat([sel.head, seg - seg[:, :1]], 1)
+
+
+def read_sums(values, mask):
+    """The sum [B, Hkv, d] (float32) and count [B, Hkv] of the values [B, Hkv, n, d] read where mask [B, Hkv, n]."""
+    return values.float().masked_fill(~mask[..., None], 0).sum(2), mask.sum(-1)
+
+
+def head_mask(head: torch.Tensor, h: int, hkv: int) -> torch.Tensor:
+    """[B, 1, H, m]: query head j reads the columns of its KV head j // (H / Hkv) (`head` [B, m], -1 on
+    padding)."""
+    group = torch.arange(h, device=head.device) // (h // hkv)
+    return head[:, None, None, :] == group[None, None, :, None]
+

@@ -1,0 +1,129 @@
+"""The three passes a model runs over sessions: prefill, decode, teacher_forced."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .attention import StepBuffers
+from .session import Session
+from .step_attention import attend_sessions
+
+
+def prefill(model, tokens: torch.Tensor, session: Session, pad_mask: torch.Tensor | None = None,
+            all_logits: bool = False) -> torch.Tensor:
+    """tokens [B, T] left-padded (pad_mask True on real tokens). Returns logits of the last position
+    [B, V], or of every position [B, T, V]."""
+    slices = prefill_in_slices(model, tokens, session, pad_mask, all_logits, layers_per_slice=0)
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return done.value
+
+
+@torch.inference_mode()
+def prefill_in_slices(model, tokens: torch.Tensor, session: Session, pad_mask: torch.Tensor | None = None,
+                      all_logits: bool = False, layers_per_slice: int = 1, cached: int = 0):
+    """`prefill` as a generator that pauses (yields) after every `layers_per_slice` layers (0: never), so a
+    server can decode its running requests between slices while a long prompt joins. The logits are the
+    generator's return value. Exactly `prefill`'s computation: a slice ends between two layers, and nothing
+    another session does in between touches this session's cursor, store or policy state.
+
+    `cached` > 0: the session's store holds the keys and values of the prompt's first `cached` tokens (a
+    prefix cache restored them, `Session.restore_prefix`) and `tokens` are the rest (unpadded); only they
+    are computed, attending to the whole prompt, for policies that `continues_prefill`."""
+    if cached and (pad_mask is not None or not session.policy.continues_prefill()):
+        raise ValueError("a prefill continues a cached prefix only unpadded, for a policy that continues_prefill")
+    valid = torch.ones_like(tokens, dtype=torch.bool) if pad_mask is None else pad_mask.bool()
+    positions = cached + (valid.long().cumsum(-1) - 1).clamp(min=0)  # padding sits at position 0
+    session.begin_prefill(positions, valid, cached)
+    h = model.embed(tokens, positions)
+    rope = model.rope(positions)
+    for i, block in enumerate(model.layers):
+        h = block(h, rope, session.attend, session.event)
+        if layers_per_slice and (i + 1) % layers_per_slice == 0 and i + 1 < len(model.layers):
+            yield i + 1  # layers done
+    return model.head(h if all_logits else h[:, -1])
+
+
+@torch.inference_mode()
+def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session],
+           batch_invariant: bool = False) -> torch.Tensor:
+    """One new token per row. One session: tokens [B], logits [B, V]. Several (the server's running
+    requests, the sessions of a fan-out): tokens [sum of their B] in the sessions' order, logits likewise;
+    everything per token runs on the stacked rows, each session selects from its own store, and each
+    layer's attention is one call over every row, each row's entries padded to the longest read: a
+    session's logits are those it gets decoded alone up to rounding (the padding moves its entries within
+    the fused call's reductions, and the compiled step's kernels are chosen per padded batch size, which
+    shows in bfloat16). `batch_invariant`: each session's attention is instead the very call it makes
+    decoded alone (`Session.attend` on its rows) and the dense work runs eagerly (a row's arithmetic there
+    does not depend on the rows beside it), so its logits are bit-identical to those alone whatever runs
+    beside it, provided alone is decoded so too."""
+    if isinstance(sessions, Session):
+        return _decode_one(model, tokens, sessions, batch_invariant)
+    sessions = list(sessions)
+    if len(sessions) == 1:
+        return _decode_one(model, tokens, sessions[0], batch_invariant)
+    spans, at = [], 0
+    for s in sessions:
+        spans.append((at, at + s.batch))
+        at += s.batch
+        s.begin_step()
+    positions = torch.cat([s.positions for s in sessions])  # [N, 1]: every row at its own position
+
+    def event(layer, point, x):  # each session hears of its own rows
+        for s, (a, b) in zip(sessions, spans):
+            s.event(layer, point, x[a:b])
+
+    stack = StepBuffers()
+
+    def attend(layer, q, k, v):
+        if batch_invariant:
+            return torch.cat([s.attend(layer, q[a:b], k[a:b], v[a:b]) for s, (a, b) in zip(sessions, spans)])
+        return attend_sessions(layer, q, k, v, sessions, spans, model.scale, stack)
+
+    h = model.embed(tokens[:, None], positions)
+    event(-1, "embed", h)  # placement: layer 0's rows can start moving now
+    logits = _blocks_and_head(model, h, model.rope(positions), attend, event, batch_invariant)
+    for s in sessions:
+        s.end_step()
+    return logits
+
+
+def _decode_one(model, tokens: torch.Tensor, session: Session, batch_invariant: bool = False) -> torch.Tensor:
+    session.begin_step()
+    positions = session.positions
+    h = model.embed(tokens[:, None], positions)
+    session.event(-1, "embed", h)  # placement: layer 0's rows can start moving now
+    logits = _blocks_and_head(model, h, model.rope(positions), session.attend, session.event, batch_invariant)
+    session.end_step()
+    return logits
+
+
+def _blocks_and_head(model, h, rope, attend, event, eager: bool = False) -> torch.Tensor:
+    """A decoding step's blocks over h [B, 1, hidden] and the head: logits [B, V]. With a compiled step
+    (`infinigen.compiled.enable`) and not `eager`, the dense work between two attentions is one compiled
+    region."""
+    if model.step_parts is not None and not eager:
+        return model.step_parts.run(model, h, rope, attend, event)
+    for block in model.layers:
+        h = block(h, rope, attend, event)
+    return model.head(h[:, -1])
+
+
+@torch.inference_mode()
+def teacher_forced(model, tokens: torch.Tensor, prefill_len: int, session: Session, head: bool = True) -> torch.Tensor:
+    """Logits [B, T, V] for a whole sequence: the first `prefill_len` tokens as a prompt, every later
+    position as if decoded one token at a time with the session's policy (same selections, same
+    numbers up to float summation order). Rows must be unpadded. head=False: the hidden states the head
+    would read [B, T, H] (every row's logits at once would be 17 GB at 32K tokens of a 262k vocabulary)."""
+    b, t = tokens.shape
+    positions = torch.arange(t, device=tokens.device).expand(b, t)
+    session.begin_teacher(positions, prefill_len)
+    h = model.embed(tokens, positions)
+    rope = model.rope(positions)
+    for block in model.layers:
+        h = block(h, rope, session.attend, session.event)
+    return model.head(h) if head else h
+
