@@ -47,21 +47,21 @@ class Attended(NamedTuple):
         return Attended(*(None if x is None else x[a:b] for x in self))
 
 
-def with_remainder(att: Attended, rest: Remainder | None) -> torch.Tensor:
+def with_remainder(att: Attended, remainder: Remainder | None) -> torch.Tensor:
     """att.out mixed with what the policy estimates the unread past entries add (`Remainder`): (1 - w) * out
-    + w * their mean value, w their share of the mass, exp(rest.lse) / (exp(rest.lse) + exp(att.lse)). The
-    unread entries are every cached one (rest.sums over rest.counts, shaped as att.read_sum and att.read_count)
-    less those read. Nothing unread (a count of 0, or a log-mass of -inf), or no remainder: w is 0 and att.out
-    is returned to the bit."""
-    if rest is None:
+    + w * their mean value, w their share of the mass, exp(remainder.lse) / (exp(remainder.lse) + exp(att.lse)).
+    The unread entries are every cached one (remainder.sums over remainder.counts, shaped as att.read_sum and
+    att.read_count) less those read. Nothing unread (a count of 0, or a log-mass of -inf), or no remainder: w is
+    0 and att.out is returned to the bit."""
+    if remainder is None:
         return att.out
-    unread_sum, unread_count = rest.sums - att.read_sum, rest.counts - att.read_count
+    unread_sum, unread_count = remainder.sums - att.read_sum, remainder.counts - att.read_count
     if unread_count.dim() == 2:  # one decoding row per batch row
         unread_sum, unread_count = unread_sum[:, :, None], unread_count[:, :, None]
     out = att.out
     b, h, r, d = out.shape
-    hkv = rest.lse.shape[1]
-    lse_unread = rest.lse.masked_fill((unread_count <= 0)[:, :, None], float("-inf"))
+    hkv = remainder.lse.shape[1]
+    lse_unread = remainder.lse.masked_fill((unread_count <= 0)[:, :, None], float("-inf"))
     w = torch.sigmoid(lse_unread - att.lse)[..., None]  # exp(u) / (exp(u) + exp(read))
     mean = (unread_sum / unread_count.clamp(min=1)[..., None])[:, :, None]  # [B, Hkv, 1, R, d]
     o = out.view(b, hkv, h // hkv, r, d).float()
@@ -110,11 +110,11 @@ def attend_packed(q, kp, vp, head, hkv: int, scale: float, remainder: bool = Fal
     return Attended(out, lse.view(b, hkv, h // hkv, 1), sums[:-1].view(b, hkv, d), counts[:-1].view(b, hkv))
 
 
-def attend_rows(q, k, v, keep, first: int, codec, scale: float, rest: Remainder | None = None) -> torch.Tensor:
+def attend_rows(q, k, v, keep, first: int, codec, scale: float, remainder: Remainder | None = None) -> torch.Tensor:
     """Decoding rows q [B,H,R,d] (positions first..first+R-1 of a sequence with keys and values k, v
     [B,Hkv,T,d]) at once: each reads the entries in keep [B,Hkv,R,T] plus itself, past entries as the
     store would hold them (`codec`), its own token as computed; plus what the policy estimates the unread
-    entries add (`rest`, see `Remainder`: their mean value from the sequence's values)."""
+    entries add (`remainder`, see `Remainder`: their mean value from the sequence's values)."""
     b, h, r, d = q.shape
     t = k.shape[2]
     p = first
@@ -125,7 +125,7 @@ def attend_rows(q, k, v, keep, first: int, codec, scale: float, rest: Remainder 
     hkv, g = k.shape[1], h // k.shape[1]
     qg = q.view(b, hkv, g, r, d)
     out = torch.empty_like(qg)
-    lse = None if rest is None else q.new_empty(b, hkv, g, r, dtype=torch.float32)
+    lse = None if remainder is None else q.new_empty(b, hkv, g, r, dtype=torch.float32)
     for s in range(0, r, ROW_CHUNK):
         e = min(r, s + ROW_CHUNK)
         # the keys some row of the chunk reads or is: [lo, hi). The rest (the future; behind a sliding window,
@@ -145,14 +145,14 @@ def attend_rows(q, k, v, keep, first: int, codec, scale: float, rest: Remainder 
         past = torch.matmul(probs.masked_fill(dg, 0).to(vq.dtype), vq[:, :, None, lo:hi])
         out[:, :, :, s:e] = past + pd.to(v.dtype) * v[:, :, None, p + s:p + e]
     out = out.view(b, h, r, d)
-    if rest is None:
+    if remainder is None:
         return out
     vf = vq.float()
     read = keep.float()
     # every entry before each row: the sequence's values summed up to it, [B, Hkv, R, d], and their count
     totals = F.pad(vf.cumsum(2), (0, 0, 1, 0))[:, :, p:p + r]
     counts = torch.arange(p, p + r, device=q.device).expand(b, hkv, r)
-    return with_remainder(Attended(out, lse, read @ vf, read.sum(-1)), rest._replace(sums=totals, counts=counts))
+    return with_remainder(Attended(out, lse, read @ vf, read.sum(-1)), remainder._replace(sums=totals, counts=counts))
 
 
 class StepBuffers:

@@ -409,7 +409,7 @@ class Session:
             past = past.clamp(max=self.model.cfg.window(layer) - 1)  # a windowed layer's full cache: its window
         keep = visible[None, None] if keep is ALL else keep & visible
         self.stats.record(layer, keep.sum(-1).expand(b, hkv, t - p), past.expand(b, 1, t - p))
-        rest = self.policy.remainder_at(layer, self)
-        out[:, :, p:] = attention.attend_rows(q[:, :, p:], k, v, keep, p, self.store.codec, self.model.scale, rest)
+        remainder = self.policy.remainder_at(layer, self)
+        out[:, :, p:] = attention.attend_rows(q[:, :, p:], k, v, keep, p, self.store.codec, self.model.scale, remainder)
         return out
 

@@ -66,12 +66,12 @@ def attend_sessions(layer: int, q, k, v, sessions: list, spans: list[tuple[int, 
             else:
                 s._appended(layer, slot, k[a:b], v[a:b])
         return out
-    rests = [s.policy.remainder_at(layer, s) for s in sessions]  # before the tokens' append: they were read
-    att, probs = attention.attend_step(q, kp, vp, mask, k, v, scale, any(rest is not None for rest in rests))
+    remainders = [s.policy.remainder_at(layer, s) for s in sessions]  # before the tokens' append: they were read
+    att, probs = attention.attend_step(q, kp, vp, mask, k, v, scale, any(r is not None for r in remainders))
     n = kp.shape[2]
     outs = []
-    for s, p, rest, m, (a, b) in zip(sessions, plans, rests, sizes, spans):
-        outs.append(attention.with_remainder(att.rows(a, b), rest))
+    for s, p, remainder, m, (a, b) in zip(sessions, plans, remainders, sizes, spans):
+        outs.append(attention.with_remainder(att.rows(a, b), remainder))
         w = probs[a:b]
         if s.policy.needs_weights and m < n:  # the session's own entries, then the current token
             w = torch.cat([w[..., :m], w[..., -1:]], dim=-1)
@@ -118,24 +118,24 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
     row."""
     stored = [s.store.append(layer, _part(k, a, b), _part(v, a, b), p.cur)
               for s, p, (a, b) in zip(sessions, plans, spans)]
-    rests = [s.policy.remainder_at(layer, s) for s in sessions]  # before the tokens' append: they were read
-    remainder = any(rest is not None for rest in rests)
+    remainders = [s.policy.remainder_at(layer, s) for s in sessions]  # before the tokens' append: they were read
+    wants_lse = any(r is not None for r in remainders)
     store = sessions[0].store
     if len(sessions) == 1 and fused_select.usable(q, store.k[layer]):
         sessions[0].stats.record_rows(layer, plans[0].rows.rows.numel())
         att = _attend_rows_in_place(q, k, store.k[layer], store.v[layer], plans[0].rows, stored[0], store.capacity,
-                                    scale, remainder)
+                                    scale, wants_lse)
     else:
-        att = _attend_rows_gathered(layer, q, k, sessions, spans, plans, stored, scale, buffers, remainder)
+        att = _attend_rows_gathered(layer, q, k, sessions, spans, plans, stored, scale, buffers, wants_lse)
     outs = []
-    for s, rest, slots, (a, b) in zip(sessions, rests, stored, spans):
-        outs.append(attention.with_remainder(att.rows(a, b), rest))
+    for s, remainder, slots, (a, b) in zip(sessions, remainders, stored, spans):
+        outs.append(attention.with_remainder(att.rows(a, b), remainder))
         s._appended(layer, slots, _part(k, a, b), _part(v, a, b))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _attend_rows_in_place(q, k, keys, values, sel, slots, capacity: int, scale: float,
-                          remainder: bool) -> attention.Attended:
+                          wants_lse: bool) -> attention.Attended:
     """One session's packed rows `sel` and its tokens (stored in slots [B, Hkv]) read from the store's keys and
     values in place: one C++ call, which returns what the remainder needs as well."""
     b, h, _, d = q.shape
@@ -143,13 +143,13 @@ def _attend_rows_in_place(q, k, keys, values, sel, slots, capacity: int, scale: 
     own = torch.arange(b * hkv, device=q.device).view(b, hkv) * capacity + slots
     out, lse, read_sum = fused_select.attend_rows(q.view(b, h, d), keys.view(-1, d), values.view(-1, d), sel.rows,
                                                   sel.counts, own, scale)
-    if not remainder:
+    if not wants_lse:
         return attention.Attended(out.view(b, h, 1, d))
     return attention.Attended(out.view(b, h, 1, d), lse.view(b, hkv, h // hkv, 1), read_sum, sel.counts)
 
 
 def _attend_rows_gathered(layer: int, q, k, sessions, spans, plans, stored, scale: float, buffers: StepBuffers,
-                          remainder: bool) -> attention.Attended:
+                          wants_lse: bool) -> attention.Attended:
     """Every session's packed rows and its tokens gathered into one buffer [N, m, d] (padding first), one
     masked fused call over every row (`attention.attend_packed`)."""
     owned = [with_own(p.rows, slots, s.store.capacity) for s, p, slots in zip(sessions, plans, stored)]
@@ -164,7 +164,7 @@ def _attend_rows_gathered(layer: int, q, k, sessions, spans, plans, stored, scal
         s.store.gather_rows(layer, rows, kp[a:b].view(-1, kp.shape[-1]), vp[a:b].view(-1, vp.shape[-1]))
         if p.idx is not ALL:  # a read of ALL counted its rows already (`_read`)
             s.stats.record_rows(layer, rows.numel() - slots.numel())
-    return attention.attend_packed(q, kp[:, None], vp[:, None], head, k.shape[1], scale, remainder)
+    return attention.attend_packed(q, kp[:, None], vp[:, None], head, k.shape[1], scale, wants_lse)
 
 
 def _part(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
