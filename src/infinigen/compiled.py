@@ -35,11 +35,13 @@ import os
 import shutil
 import time
 import warnings
+import weakref
 
 import torch
 from torch import nn
 
 from .paths import cache_dir
+from .selection import ALL
 
 MODES = ("auto", "on", "off")
 MAX_BUCKET = 64  # decoding rows beyond this run eagerly (the weight kernels switch to dense matmuls there)
@@ -78,6 +80,53 @@ class _Leave(nn.Module):
         return h1, self.block.feed_forward(h1)
 
 
+def _attend_pool(q, kp, vp, length, scale: float):
+    """One token per row, q [B,H,1,d], over the pool's first slots kp, vp [B,Hkv,L,d] (L: the bucket), of which
+    the first `length` (a 0-dim tensor) are used (the token's own included, appended first): slots from
+    `length` on are masked out, whatever they hold. In float32 as pointwise products and reductions, which
+    Inductor fuses into loops (no matmul call, no [B,H,L,d] product kept)."""
+    b, h, _, d = q.shape
+    hkv = kp.shape[1]
+    qg = q.reshape(b, hkv, h // hkv, 1, d).float()
+    scores = (qg * kp[:, :, None].float()).sum(-1) * scale  # [B, Hkv, G, L]
+    used = torch.arange(kp.shape[2], device=kp.device) < length
+    probs = torch.softmax(scores.masked_fill(~used, float("-inf")), dim=-1)
+    # an unused slot's value is left out, not weighted by 0: it may hold anything (0 * NaN is NaN)
+    out = torch.where(used[:, None], probs[..., None] * vp[:, :, None].float(), 0.0).sum(-2)  # [B, Hkv, G, d]
+    return out.to(q.dtype).reshape(b, h, 1, d)
+
+
+class _AttendBetween(nn.Module):
+    """`_Between` with `block`'s attention over the pool in front: from `block`'s q and pool to the next
+    block's attention input."""
+
+    def __init__(self, block, nxt, scale: float):
+        super().__init__()
+        self.block, self.nxt, self.scale = block, nxt, scale
+
+    def forward(self, h, q, kp, vp, length, rope):
+        h1 = self.block.attention_output(h, _attend_pool(q, kp, vp, length, self.scale))
+        out = self.block.feed_forward(h1)
+        return (h1, out, *self.nxt.attention_input(out, rope))
+
+
+class _AttendLeave(nn.Module):
+    def __init__(self, block, scale: float):
+        super().__init__()
+        self.block, self.scale = block, scale
+
+    def forward(self, h, q, kp, vp, length):
+        h1 = self.block.attention_output(h, _attend_pool(q, kp, vp, length, self.scale))
+        return h1, self.block.feed_forward(h1)
+
+
+# what each part is made from and how many tensor inputs come before its rotary ones
+_WRAPPERS = {"enter": (_Enter, 1), "between": (_Between, 2), "leave": (_Leave, 2),
+             "attend_between": (_AttendBetween, 5), "attend_leave": (_AttendLeave, 5)}
+_ROTATES = ("enter", "between", "attend_between")  # the parts ending in the next layer's attention input
+POOL_BUCKET = 256  # an attending part reads the pool up to the used length rounded up to a multiple of this
+
+
 def _weights(blocks: tuple) -> dict:
     """The blocks' weights by the names the part's wrapper gives them ("block.…", "nxt.…")."""
     return {f"{prefix}.{n}": t for prefix, b in zip(("block", "nxt"), blocks)
@@ -93,6 +142,12 @@ def _structure(block: nn.Module) -> tuple:
 
 def _bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
+
+
+def pool_bucket(length: int, capacity: int) -> int:
+    """The pool slots an attending part reads for `length` used ones: a multiple of `POOL_BUCKET`, at most
+    the pool (one compiled kernel per bucket, so a new one every `POOL_BUCKET` tokens)."""
+    return min(-(-length // POOL_BUCKET) * POOL_BUCKET, capacity)
 
 
 def available() -> str | None:
@@ -113,6 +168,7 @@ class StepParts:
         self._parts: dict = {}  # key -> (compiled callable, names of the weight inputs)
         self._structures: dict = {}  # id(block) -> (_structure, block)
         self._inputs: dict = {}  # (part, id(block), id(next block)) -> the weights, in the traced order
+        self._pools = weakref.WeakKeyDictionary()  # store -> {(layer, bucket): views of its pool}
         self.compile_seconds = 0.0
         self.compiled = 0
         self.failed: str | None = None
@@ -123,27 +179,29 @@ class StepParts:
             entry = self._structures[id(block)] = (_structure(block), block)
         return entry[0]
 
-    def _part(self, name: str, blocks: tuple, tensors: list):
+    def _part(self, name: str, blocks: tuple, tensors: list, scale: float | None = None):
         """The compiled part `name` for these blocks' structure and these tensor inputs (padded), traced and
-        compiled the first time."""
-        key = (name, *(self._structure(b) for b in blocks),
-               *((tuple(t.shape), t.dtype, t.device.type) for t in tensors))
+        compiled the first time (the generated code is specialised to the inputs' sizes and strides; an
+        attending part also to the attention's `scale`)."""
+        key = (name, scale, *(self._structure(b) for b in blocks),
+               *((tuple(t.shape), t.stride(), t.dtype, t.device.type) for t in tensors))
         part = self._parts.get(key)
         if part is None:
             from torch.func import functional_call
             from torch.fx.experimental.proxy_tensor import make_fx
 
             t0 = time.perf_counter()
-            wrapper = {"enter": _Enter, "between": _Between, "leave": _Leave}[name](*blocks)
+            make, base = _WRAPPERS[name]
+            wrapper = make(*blocks) if scale is None else make(*blocks, scale)
             weights = _weights(blocks)
             names = list(weights)
-            n, base = len(names), {"enter": 1, "between": 2, "leave": 2}[name]
+            n = len(names)
             has_rope = len(tensors) > base
 
             def traced(*flat):
                 rest = list(flat[n:])
                 args = rest[:base]
-                if name != "leave":
+                if name in _ROTATES:
                     args.append(_rope(rest[base:]) if has_rope else None)
                 return functional_call(wrapper, dict(zip(names, flat[:n])), tuple(args))
 
@@ -156,13 +214,16 @@ class StepParts:
             self.compiled += 1
         return part
 
-    def _call(self, name: str, blocks: tuple, tensors: list, rows: int):
+    def _call(self, name: str, blocks: tuple, tensors: list, rows: int, scale: float | None = None):
+        """The part's outputs for these rows. The dense parts pad the rows to a power of two and take
+        contiguous inputs; an attending part (`scale` given) takes its inputs as they are: its rows are a
+        power of two already, and its pool slices are views of the store, never copied."""
         pad = _bucket(rows) - rows
         if pad:
             tensors = [torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in tensors]
-        else:
+        elif scale is None:
             tensors = [t.contiguous() for t in tensors]
-        fn, names = self._part(name, blocks, tensors)
+        fn, names = self._part(name, blocks, tensors, scale)
         key = (name, *(id(b) for b in blocks))
         weights = self._inputs.get(key)
         if weights is None:
@@ -192,22 +253,25 @@ class StepParts:
             pass
         return time.perf_counter() - t0
 
-    def _try(self, name: str, blocks: tuple, tensors: list, rows: int):
+    def _try(self, name: str, blocks: tuple, tensors: list, rows: int, scale: float | None = None):
         """The part's outputs, or None once compiling (or running what was compiled) failed: then the step
         goes on eagerly, and so does every later step."""
         try:
-            return self._call(name, blocks, [t for t in tensors if t is not None], rows)
+            return self._call(name, blocks, [t for t in tensors if t is not None], rows, scale)
         except Exception as err:  # noqa: BLE001 -- whatever the compiler raises, the eager path is the answer
             self.failed = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:200]
             warnings.warn(f"torch.compile failed, decoding eagerly ({self.failed})", RuntimeWarning, stacklevel=4)
             return None
 
-    def run(self, model, h, rope, attend, event) -> torch.Tensor:
+    def run(self, model, h, rope, attend, event, session=None) -> torch.Tensor:
         """The blocks of a decoding step over h [B, 1, hidden] (each layer's attention and events in the
-        order `Block.forward` has them) and the head: logits [B, V]."""
+        order `Block.forward` has them) and the head: logits [B, V]. `session`: the one session decoded
+        (`attend`, `event` are its own), whose step runs whole where it reads its store densely in place."""
         layers, rows = model.layers, h.shape[0]
         if self.failed is not None or rows > MAX_BUCKET:
             return _eager_from(model, 0, h, rope, attend, event)
+        if session is not None and self.runs_whole(model, session):
+            return self._run_whole(model, h, rope, session)
         got = self._try("enter", (layers[0],), [h, *_rope_tensors(layers[0].own_rope(rope))], rows)
         if got is None:
             return _eager_from(model, 0, h, rope, attend, event)
@@ -228,6 +292,75 @@ class StepParts:
             if i + 1 < len(layers):
                 x, q, k, v = got[2:]
             event(i, "attn_out", h1)
+        return model.head(h[:, -1])
+
+
+    # ---- the whole step: each layer's attention inside the compiled region ----------------------------------
+    def runs_whole(self, model, session) -> bool:
+        """Whether this decoding step of `session` runs whole (`_run_whole`): every layer reads every used slot
+        of a store that attention may read in place (the full cache; a policy reading densely this step, as
+        InfiniGen below its crossing), no policy wants the weights, no layer has a window, the rows are a
+        power of two, and every layer holds the same number of tokens with room for one more. A selecting
+        layer's plan is asked for only once every selecting layer's is known (nothing is planned early)."""
+        store, policy, rows = session.store, session.policy, session.batch
+        if (rows != _bucket(rows) or not store.attends_in_place() or policy.needs_weights
+                or len(set(store.length)) != 1 or store.length[0] >= store.capacity):
+            return False
+        cfg = model.cfg
+        if any(cfg.window(layer) is not None for layer in range(cfg.num_layers)):
+            return False
+        selecting = [layer for layer in range(cfg.num_layers) if session.selects(layer)]
+        if not all(policy.known_ahead(layer, session) for layer in selecting):
+            return False
+        return all(session.planned(layer) is ALL for layer in selecting)
+
+    def _pool(self, store, layer: int, bucket: int) -> tuple:
+        """Views of the first `bucket` slots of `layer`'s keys and values, made once per store and bucket."""
+        views = self._pools.setdefault(store, {})
+        got = views.get((layer, bucket))
+        if got is None or got[0]._base is not store.k[layer] or got[1]._base is not store.v[layer]:
+            got = views[layer, bucket] = (store.k[layer][:, :, :bucket], store.v[layer][:, :, :bucket])
+        return got
+
+    def _run_whole(self, model, h, rope, session) -> torch.Tensor:
+        """A decoding step as one compiled call per layer plus the token's append: the call takes a layer's
+        q and its pool (the token appended first, the used length masked) and runs its attention, residual
+        and MLP and the next layer's attention input. The session's per-layer bookkeeping runs as in its own
+        attention (`Session._read`: the plan, listeners, counters; the append; policy and listeners hear of
+        it), with the events in the compiled parts' order."""
+        layers, store, scale, rows = model.layers, session.store, model.scale, h.shape[0]
+        got = self._try("enter", (layers[0],), [h, *_rope_tensors(layers[0].own_rope(rope))], rows)
+        if got is None:
+            return _eager_from(model, 0, h, rope, session.attend, session.event)
+        x, q, k, v = got
+        used = store.length[0] + 1  # the token's own slot included
+        bucket = pool_bucket(used, store.capacity)
+        length = torch.tensor(used, device=h.device)
+        for i, block in enumerate(layers):
+            session.event(i, "attn_in", x)
+            read = session._read(i, q, k, in_place=True)
+            if read.keys is not None or read.rows is not None:
+                raise RuntimeError(f"layer {i} does not read its store in place in a whole step")
+            slots = store.append(i, k, v, read.cur)
+            kp, vp = self._pool(store, i, bucket)
+            if i + 1 < len(layers):
+                nxt = layers[i + 1]
+                tensors = [h, q, kp, vp, length, *_rope_tensors(nxt.own_rope(rope))]
+                got = self._try("attend_between", (block, nxt), tensors, rows, scale)
+            else:
+                got = self._try("attend_leave", (block,), [h, q, kp, vp, length], rows, scale)
+            if got is None:  # this layer's attention eagerly, as the session's own, then the rest eagerly
+                from .runtime import attend_all
+                a = attend_all(q, *store.used_keys_values(i), scale)
+                session._appended(i, slots, k, v)
+                h1 = block.attention_output(h, a)
+                session.event(i, "attn_out", h1)
+                return _eager_from(model, i + 1, block.feed_forward(h1), rope, session.attend, session.event)
+            session._appended(i, slots, k, v)
+            h1, h = got[:2]
+            if i + 1 < len(layers):
+                x, q, k, v = got[2:]
+            session.event(i, "attn_out", h1)
         return model.head(h[:, -1])
 
 
