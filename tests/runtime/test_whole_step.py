@@ -49,12 +49,14 @@ class _Heard(runtime.Listener):
         self.appended.append((layer, slots.clone(), k.clone(), v.clone()))
 
 
-def _decode(model, policy, tokens, parts=None, stale=False, listeners=()):
+def _decode(model, policy, tokens, parts=None, stale=False, listeners=(), sessions=None):
     """Teacher-fed decoding: the logits of every step. `stale`: the pool's unused slots hold keys that would
-    win every softmax and NaN values (what a reused pool may hold)."""
+    win every softmax and NaN values (what a reused pool may hold). The session is appended to `sessions`."""
     model.step_parts = parts
     try:
         sess = Placement().new_session(model, tokens.shape[0], T, policy, listeners=listeners)
+        if sessions is not None:
+            sessions.append(sess)
         out = [runtime.prefill(model, tokens[:, :P], sess)]
         if stale:
             for k, v in zip(sess.store.k, sess.store.v):
@@ -82,13 +84,16 @@ def _attending_buckets(parts) -> set:
 @pytest.mark.parametrize("batch", [1, 4])
 def test_whole_step_equals_eager_across_buckets(model, policy, batch):
     tokens = _tokens(model, batch, seed=batch)
-    eager = _decode(model, _policy(policy, model), tokens)
+    sessions = []
+    eager = _decode(model, _policy(policy, model), tokens, sessions=sessions)
     parts = compiled.StepParts()
-    whole = _decode(model, _policy(policy, model), tokens, parts, stale=True)
+    whole = _decode(model, _policy(policy, model), tokens, parts, stale=True, sessions=sessions)
     assert parts.failed is None
     assert _attending_buckets(parts) == {16, 24, 30}  # every step ran whole, over three buckets
     assert not any(key[0] in ("between", "leave") for key in parts._parts)
     torch.testing.assert_close(whole, eager, atol=1e-5, rtol=1e-5)
+    counted = [(s.stats.rows, s.stats.entries, s.stats.per_layer()) for s in sessions]
+    assert counted[0] == counted[1]  # what each layer read, counted as the eager step counts it
 
 
 def test_the_session_hears_the_same_in_a_whole_step(model):
