@@ -16,11 +16,27 @@ compiled kernel serves every layer and the compile time does not grow with depth
 called directly with tensors: no Dynamo guards per call (they cost ~170 us a call here, more than the fused
 kernels save, for a region taking two blocks' weights). What a part was traced for is its key: the block
 structure (module types, weight shapes and dtypes), the dtype, the device and the batch size rounded up to a
-power of two (rows are padded with zeros: a padded row is a zero vector, whose norm is finite). Inputs are
-made contiguous, and Inductor's generated code checks the sizes and strides it was compiled for.
+power of two (rows are padded with zeros: a padded row is a zero vector, whose norm is finite), and the
+inputs' sizes and strides, which Inductor's generated code checks. The dense parts' inputs are made
+contiguous.
 
-What stays eager is what the runtime and the policies decide per step (the store, the selection, the
-attention over a length that grows each step) and the head (its int8 table: Inductor's own code for it
+The whole step. Where one session's step reads every used slot of its store in place (`runs_whole`: the
+full cache, or a policy reading densely this step such as InfiniGen below its crossing; a store in RAM with
+every used slot valid, no policy wanting the weights, no sliding window, a power-of-two batch), each layer's
+attention moves into the compiled region too, and a step is `enter` then one call per layer:
+
+    attend_between   layer i's attention over its pool, then `between`
+    attend_leave     the last layer's attention over its pool, then `leave`
+
+The token's k, v are appended to the store first (`KVStore.append`, outside: the store keeps its own
+bookkeeping), and the part reads views of the pool's first L slots, L the used length rounded up to a
+multiple of `POOL_BUCKET` (at most the pool): slots from the used length on are masked out whatever they
+hold, so one kernel serves 256 lengths and a new bucket compiles the two attending parts again (Inductor's
+cache makes a later run's fast). Around each call the session's own bookkeeping runs as in its attention
+(`Session._read`'s plan, listeners and counters; `on_append` for the policy and listeners; the events).
+
+What stays eager otherwise is what the runtime and the policies decide per step (the store, the selection,
+the attention over a length that grows each step) and the head (its int8 table: Inductor's own code for it
 was 2x slower than `_weight_int8pack_mm`). Prefill is not compiled: a few large matmuls over many rows,
 where dispatch does not show.
 
@@ -81,49 +97,55 @@ class _Leave(nn.Module):
         return h1, self.block.feed_forward(h1)
 
 
-def _attend_pool(q, kp, vp, length, scale: float):
-    """One token per row, q [B,H,1,d], over the pool's first slots kp, vp [B,Hkv,L,d] (L: the bucket), of which
-    the first `length` (a 0-dim tensor) are used (the token's own included, appended first): slots from
-    `length` on are masked out, whatever they hold. In float32 as pointwise products and reductions, which
-    Inductor fuses into loops (no matmul call, no [B,H,L,d] product kept)."""
+def _attend_pool(q, keys, values, length, scale: float):
+    """One token per row, q [B,H,1,d], over the pool's first slots: keys, values one [B,1,L,d] view per KV
+    head (L: the bucket; a view of one head has no stride that depends on the pool's capacity at batch 1, so
+    one kernel serves every pool), of which the first `length` (a 0-dim tensor) are used (the token's own
+    included, appended first): slots from `length` on are masked out, whatever they hold. In float32 as
+    pointwise products and reductions, which Inductor fuses into loops (no matmul call, no product kept)."""
     b, h, _, d = q.shape
-    hkv = kp.shape[1]
+    hkv = len(keys)
     qg = q.reshape(b, hkv, h // hkv, 1, d).float()
-    scores = (qg * kp[:, :, None].float()).sum(-1) * scale  # [B, Hkv, G, L]
-    used = torch.arange(kp.shape[2], device=kp.device) < length
-    probs = torch.softmax(scores.masked_fill(~used, float("-inf")), dim=-1)
-    # an unused slot's value is left out, not weighted by 0: it may hold anything (0 * NaN is NaN)
-    out = torch.where(used[:, None], probs[..., None] * vp[:, :, None].float(), 0.0).sum(-2)  # [B, Hkv, G, d]
-    return out.to(q.dtype).reshape(b, h, 1, d)
+    used = torch.arange(keys[0].shape[2], device=q.device) < length
+    outs = []
+    for head, (kp, vp) in enumerate(zip(keys, values)):
+        scores = (qg[:, head] * kp.float()).sum(-1) * scale  # [B, G, L]
+        probs = torch.softmax(scores.masked_fill(~used, float("-inf")), dim=-1)
+        # an unused slot's value is left out, not weighted by 0: it may hold anything (0 * NaN is NaN)
+        outs.append(torch.where(used[:, None], probs[..., None] * vp.float(), 0.0).sum(-2))  # [B, G, d]
+    return torch.stack(outs, 1).to(q.dtype).reshape(b, h, 1, d)
 
 
 class _AttendBetween(nn.Module):
-    """`_Between` with `block`'s attention over the pool in front: from `block`'s q and pool to the next
-    block's attention input."""
+    """`_Between` with `block`'s attention over the pool in front: from `block`'s q and pool (`kv_heads`
+    views of keys, then of values) to the next block's attention input."""
 
-    def __init__(self, block, nxt, scale: float):
+    def __init__(self, block, nxt, scale: float, kv_heads: int):
         super().__init__()
-        self.block, self.nxt, self.scale = block, nxt, scale
+        self.block, self.nxt, self.scale, self.kv_heads = block, nxt, scale, kv_heads
 
-    def forward(self, h, q, kp, vp, length, rope):
-        h1 = self.block.attention_output(h, _attend_pool(q, kp, vp, length, self.scale))
+    def forward(self, h, q, length, *pool_and_rope):
+        n = self.kv_heads
+        pool, rope = pool_and_rope[:2 * n], pool_and_rope[2 * n]
+        h1 = self.block.attention_output(h, _attend_pool(q, pool[:n], pool[n:], length, self.scale))
         out = self.block.feed_forward(h1)
         return (h1, out, *self.nxt.attention_input(out, rope))
 
 
 class _AttendLeave(nn.Module):
-    def __init__(self, block, scale: float):
+    def __init__(self, block, scale: float, kv_heads: int):
         super().__init__()
-        self.block, self.scale = block, scale
+        self.block, self.scale, self.kv_heads = block, scale, kv_heads
 
-    def forward(self, h, q, kp, vp, length):
-        h1 = self.block.attention_output(h, _attend_pool(q, kp, vp, length, self.scale))
+    def forward(self, h, q, length, *pool):
+        n = self.kv_heads
+        h1 = self.block.attention_output(h, _attend_pool(q, pool[:n], pool[n:], length, self.scale))
         return h1, self.block.feed_forward(h1)
 
 
 # what each part is made from and how many tensor inputs come before its rotary ones
 _WRAPPERS = {"enter": (_Enter, 1), "between": (_Between, 2), "leave": (_Leave, 2),
-             "attend_between": (_AttendBetween, 5), "attend_leave": (_AttendLeave, 5)}
+             "attend_between": (_AttendBetween, 3), "attend_leave": (_AttendLeave, 3)}  # + 2 per KV head
 _ROTATES = ("enter", "between", "attend_between")  # the parts ending in the next layer's attention input
 POOL_BUCKET = 256  # an attending part reads the pool up to the used length rounded up to a multiple of this
 
@@ -139,6 +161,12 @@ def _structure(block: nn.Module) -> tuple:
     (a layer whose matrix fell back to int8 is another structure)."""
     return (tuple(type(m).__name__ for m in block.modules()),
             tuple((n, tuple(t.shape), t.dtype) for n, t in (*block.named_parameters(), *block.named_buffers())))
+
+
+def _strides(t: torch.Tensor) -> tuple:
+    """The strides compiled code depends on: those of the dimensions of more than one element (a pool view
+    of one batch row and one KV head is then the same input whatever the pool's capacity)."""
+    return tuple(st if n > 1 else 0 for n, st in zip(t.shape, t.stride()))
 
 
 def _bucket(rows: int) -> int:
@@ -161,16 +189,18 @@ def available() -> str | None:
 class StepParts:
     """The compiled parts of a decoding step (see the module docstring) and `run`, the blocks of a step.
 
-    `compile_seconds`: the time spent tracing and compiling so far (reported by the commands); `compiled`:
-    how many parts were compiled; `failed`: the reason once compiling failed, after which the step runs
-    eagerly (`Block.forward`)."""
+    `compile_seconds`: the time spent tracing and compiling so far (reported by the commands), part by part
+    in `compile_log`; `compiled`: how many parts were compiled; `failed`: the reason once compiling failed,
+    after which the step runs eagerly (`Block.forward`)."""
 
-    def __init__(self):
+    def __init__(self, whole: bool = True):
+        self.whole = whole  # a session's step may run whole (`runs_whole`); False: the dense parts only
         self._parts: dict = {}  # key -> (compiled callable, names of the weight inputs)
         self._structures: dict = {}  # id(block) -> (_structure, block)
         self._inputs: dict = {}  # (part, id(block), id(next block)) -> the weights, in the traced order
         self._pools = weakref.WeakKeyDictionary()  # store -> {(layer, bucket): views of its pool}
         self.compile_seconds = 0.0
+        self.compile_log: list = []  # (part, seconds) of each part compiled
         self.compiled = 0
         self.failed: str | None = None
 
@@ -180,12 +210,12 @@ class StepParts:
             entry = self._structures[id(block)] = (_structure(block), block)
         return entry[0]
 
-    def _part(self, name: str, blocks: tuple, tensors: list, scale: float | None = None):
+    def _part(self, name: str, blocks: tuple, tensors: list, attend: tuple | None = None):
         """The compiled part `name` for these blocks' structure and these tensor inputs (padded), traced and
         compiled the first time (the generated code is specialised to the inputs' sizes and strides; an
-        attending part also to the attention's `scale`)."""
-        key = (name, scale, *(self._structure(b) for b in blocks),
-               *((tuple(t.shape), t.stride(), t.dtype, t.device.type) for t in tensors))
+        attending part also to its `attend`: the attention's scale and the KV heads)."""
+        key = (name, attend, *(self._structure(b) for b in blocks),
+               *((tuple(t.shape), _strides(t), t.dtype, t.device.type) for t in tensors))
         part = self._parts.get(key)
         if part is None:
             from torch.func import functional_call
@@ -193,7 +223,8 @@ class StepParts:
 
             t0 = time.perf_counter()
             make, base = _WRAPPERS[name]
-            wrapper = make(*blocks) if scale is None else make(*blocks, scale)
+            wrapper = make(*blocks) if attend is None else make(*blocks, *attend)
+            base += 0 if attend is None else 2 * attend[1]
             weights = _weights(blocks)
             names = list(weights)
             n = len(names)
@@ -211,20 +242,21 @@ class StepParts:
             with _inductor_cache():
                 fn = torch._inductor.compile(graph, example)
             part = self._parts[key] = (fn, names)
-            self.compile_seconds += time.perf_counter() - t0
+            self.compile_log.append((name, time.perf_counter() - t0))
+            self.compile_seconds += self.compile_log[-1][1]
             self.compiled += 1
         return part
 
-    def _call(self, name: str, blocks: tuple, tensors: list, rows: int, scale: float | None = None):
+    def _call(self, name: str, blocks: tuple, tensors: list, rows: int, attend: tuple | None = None):
         """The part's outputs for these rows. The dense parts pad the rows to a power of two and take
-        contiguous inputs; an attending part (`scale` given) takes its inputs as they are: its rows are a
+        contiguous inputs; an attending part (`attend` given) takes its inputs as they are: its rows are a
         power of two already, and its pool slices are views of the store, never copied."""
         pad = _bucket(rows) - rows
         if pad:
             tensors = [torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in tensors]
-        elif scale is None:
+        elif attend is None:
             tensors = [t.contiguous() for t in tensors]
-        fn, names = self._part(name, blocks, tensors, scale)
+        fn, names = self._part(name, blocks, tensors, attend)
         key = (name, *(id(b) for b in blocks))
         weights = self._inputs.get(key)
         if weights is None:
@@ -254,11 +286,11 @@ class StepParts:
             pass
         return time.perf_counter() - t0
 
-    def _try(self, name: str, blocks: tuple, tensors: list, rows: int, scale: float | None = None):
+    def _try(self, name: str, blocks: tuple, tensors: list, rows: int, attend: tuple | None = None):
         """The part's outputs, or None once compiling (or running what was compiled) failed: then the step
         goes on eagerly, and so does every later step."""
         try:
-            return self._call(name, blocks, [t for t in tensors if t is not None], rows, scale)
+            return self._call(name, blocks, [t for t in tensors if t is not None], rows, attend)
         except Exception as err:  # noqa: BLE001 -- whatever the compiler raises, the eager path is the answer
             self.failed = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:200]
             warnings.warn(f"torch.compile failed, decoding eagerly ({self.failed})", RuntimeWarning, stacklevel=4)
@@ -271,7 +303,7 @@ class StepParts:
         layers, rows = model.layers, h.shape[0]
         if self.failed is not None or rows > MAX_BUCKET:
             return _eager_from(model, 0, h, rope, attend, event)
-        if session is not None and self.runs_whole(model, session):
+        if session is not None and self.whole and self.runs_whole(model, session):
             return self._run_whole(model, h, rope, session)
         got = self._try("enter", (layers[0],), [h, *_rope_tensors(layers[0].own_rope(rope))], rows)
         if got is None:
@@ -318,11 +350,14 @@ class StepParts:
         return all(session.planned(layer) is ALL for layer in selecting)
 
     def _pool(self, store, layer: int, bucket: int) -> tuple:
-        """Views of the first `bucket` slots of `layer`'s keys and values, made once per store and bucket."""
+        """Views of the first `bucket` slots of `layer`'s keys, then values, one [B,1,L,d] per KV head, made
+        once per store and bucket."""
         views = self._pools.setdefault(store, {})
         got = views.get((layer, bucket))
-        if got is None or got[0]._base is not store.k[layer] or got[1]._base is not store.v[layer]:
-            got = views[layer, bucket] = (store.k[layer][:, :, :bucket], store.v[layer][:, :, :bucket])
+        keys, values = store.k[layer], store.v[layer]
+        if got is None or got[0]._base is not keys or got[-1]._base is not values:
+            got = views[layer, bucket] = tuple(t[:, j:j + 1, :bucket] for t in (keys, values)
+                                               for j in range(t.shape[1]))
         return got
 
     def _run_whole(self, model, h, rope, session) -> torch.Tensor:
@@ -331,7 +366,8 @@ class StepParts:
         and MLP and the next layer's attention input. The session's per-layer bookkeeping runs as in its own
         attention (`Session._read`: the plan, listeners, counters; the append; policy and listeners hear of
         it), with the events in the compiled parts' order."""
-        layers, store, scale, rows = model.layers, session.store, model.scale, h.shape[0]
+        layers, store, rows = model.layers, session.store, h.shape[0]
+        attend = (model.scale, model.cfg.num_kv_heads)
         got = self._try("enter", (layers[0],), [h, *_rope_tensors(layers[0].own_rope(rope))], rows)
         if got is None:
             return _eager_from(model, 0, h, rope, session.attend, session.event)
@@ -351,16 +387,16 @@ class StepParts:
                 if read.keys is not None or read.rows is not None:
                     raise RuntimeError(f"layer {i} does not read its store in place in a whole step")
             slots = store.append(i, k, v, cur)
-            kp, vp = self._pool(store, i, bucket)
+            pool = self._pool(store, i, bucket)
             if i + 1 < len(layers):
                 nxt = layers[i + 1]
-                tensors = [h, q, kp, vp, length, *_rope_tensors(nxt.own_rope(rope))]
-                got = self._try("attend_between", (block, nxt), tensors, rows, scale)
+                tensors = [h, q, length, *pool, *_rope_tensors(nxt.own_rope(rope))]
+                got = self._try("attend_between", (block, nxt), tensors, rows, attend)
             else:
-                got = self._try("attend_leave", (block,), [h, q, kp, vp, length], rows, scale)
+                got = self._try("attend_leave", (block,), [h, q, length, *pool], rows, attend)
             if got is None:  # this layer's attention eagerly, as the session's own, then the rest eagerly
                 from .runtime import attend_all
-                a = attend_all(q, *store.used_keys_values(i), scale)
+                a = attend_all(q, *store.used_keys_values(i), model.scale)
                 session._appended(i, slots, k, v)
                 h1 = block.attention_output(h, a)
                 session.event(i, "attn_out", h1)

@@ -49,12 +49,12 @@ class _Heard(runtime.Listener):
         self.appended.append((layer, slots.clone(), k.clone(), v.clone()))
 
 
-def _decode(model, policy, tokens, parts=None, stale=False, listeners=(), sessions=None):
+def _decode(model, policy, tokens, parts=None, stale=False, listeners=(), sessions=None, capacity=T):
     """Teacher-fed decoding: the logits of every step. `stale`: the pool's unused slots hold keys that would
     win every softmax and NaN values (what a reused pool may hold). The session is appended to `sessions`."""
     model.step_parts = parts
     try:
-        sess = Placement().new_session(model, tokens.shape[0], T, policy, listeners=listeners)
+        sess = Placement().new_session(model, tokens.shape[0], capacity, policy, listeners=listeners)
         if sessions is not None:
             sessions.append(sess)
         out = [runtime.prefill(model, tokens[:, :P], sess)]
@@ -77,7 +77,7 @@ def _attending_buckets(parts) -> set:
     """The pool lengths the compiled attending parts were built for."""
     inputs = [[e for e in key if isinstance(e, tuple) and len(e) == 4 and isinstance(e[2], torch.dtype)]
               for key in parts._parts if key[0] in ("attend_between", "attend_leave")]
-    return {tensors[2][0][2] for tensors in inputs}  # (h, q, keys, ...): the keys' shape [B, Hkv, L, d]
+    return {tensors[3][0][2] for tensors in inputs}  # (h, q, length, keys of KV head 0 [B, 1, L, d], ...)
 
 
 @pytest.mark.parametrize("policy", ["full", "infinigen"])
@@ -124,3 +124,18 @@ def test_steps_that_cannot_run_whole_use_the_parts(model):
         fast = _decode(model, policy or _policy(name, model), tokens, parts)
         assert not _attending_buckets(parts) and parts.compiled == 3, name
         torch.testing.assert_close(fast, _decode(model, policy or _policy(name, model), tokens), atol=2e-5, rtol=2e-5)
+
+
+def test_a_kernel_serves_every_pool_at_batch_1(model):
+    """A server's sessions have pools of their own sizes: at batch 1 the compiled attention reads one view per
+    KV head, whose strides do not depend on the pool's capacity, so a larger pool compiles only its new
+    bucket."""
+    tokens = _tokens(model, 1, seed=9)
+    parts = compiled.StepParts()
+    first = _decode(model, _policy("full", model), tokens, parts)
+    assert _attending_buckets(parts) == {16, 24, 30}
+    compiled_before = parts.compiled
+    larger = _decode(model, _policy("full", model), tokens, parts, capacity=40)
+    assert _attending_buckets(parts) == {16, 24, 30, 32}  # 32: the last bucket of the larger pool
+    assert parts.compiled == compiled_before + 2  # its attend_between and attend_leave, nothing else
+    torch.testing.assert_close(larger, first, atol=1e-5, rtol=1e-5)
