@@ -355,10 +355,11 @@ class StepParts:
         views = self._pools.setdefault(store, {})
         got = views.get((layer, bucket))
         keys, values = store.k[layer], store.v[layer]
-        if got is None or got[0]._base is not keys or got[-1]._base is not values:
-            got = views[layer, bucket] = tuple(t[:, j:j + 1, :bucket] for t in (keys, values)
-                                               for j in range(t.shape[1]))
-        return got
+        # (the views' own `_base` is None for tensors made in inference mode: the pool is kept beside them)
+        if got is None or got[0] is not keys or got[1] is not values:
+            got = views[layer, bucket] = (keys, values, tuple(t[:, j:j + 1, :bucket] for t in (keys, values)
+                                                              for j in range(t.shape[1])))
+        return got[2]
 
     def _run_whole(self, model, h, rope, session) -> torch.Tensor:
         """A decoding step as one compiled call per layer plus the token's append: the call takes a layer's
