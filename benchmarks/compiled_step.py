@@ -1,13 +1,18 @@
 """The compiled decoding step against the eager one, side by side in one process.
 
-For each case (policy, prompt length, batch) two sessions of the same prompt decode in turn, one step each,
-one with the compiled step (`infinigen.compiled`) and one eager, so both see the same machine load; the
-medians of the per-step times are reported with their ratio, the aten operator calls of one step (torch
-profiler: all aten events, and the top-level ones), the compile time (cold or from Inductor's cache, as the
-run found it) and whether the greedy tokens agreed.
+For each case (policy, prompt length, batch) three sessions of the same prompt decode in turn, one step each:
+eager, with the compiled dense parts between eager attentions (`StepParts(whole=False)`), and with the whole
+step where it may run whole (each layer's attention inside the compiled region, `StepParts.runs_whole`), so
+all see the same machine load. Reported: the medians of the per-step times and decode tok/s, the ratios to
+eager, the aten operator calls of one step (torch profiler: all aten events, and the top-level ones), the
+compile time of each mode (cold or from Inductor's cache, as the run found it), whether the steps ran whole,
+and whether the greedy tokens agreed with eager's.
 
     PYTHONPATH=src python benchmarks/compiled_step.py [--threads 2] [--steps 40] [--cases 512x1,512x4]
         [--policies full,infinigen] [--out results/compiled_step/compiled_step.md]
+
+A case whose decoding crosses a multiple of `compiled.POOL_BUCKET` cached tokens (250x1: 256) compiles the
+whole step's attending parts again for the next bucket: the compile log at the end shows what each cost.
 """
 from __future__ import annotations
 
@@ -30,6 +35,9 @@ from infinigen.placement import Placement  # noqa: E402
 from infinigen.policies import make_policy  # noqa: E402
 
 
+MODES = ("eager", "parts", "whole")
+
+
 def aten_calls(model, session, token, parts) -> tuple[int, int]:
     """(all aten events, top-level aten events) of one decoding step."""
     model.step_parts = parts
@@ -40,38 +48,48 @@ def aten_calls(model, session, token, parts) -> tuple[int, int]:
     return len(events), len(top)
 
 
-def run_case(model, tok, policy_name: str, prompt: int, batch: int, steps: int, parts) -> dict:
+def run_case(model, tok, policy_name: str, prompt: int, batch: int, steps: int, parts: dict) -> dict:
+    """`parts`: the StepParts of the compiled modes ("parts", "whole"), kept across cases (compiled once)."""
     prompts = staggered_prompts(text_ids(tok), prompt, batch)
     pol = make_policy(policy_name).prepare(model, tok)
-    sessions, tokens, times = {}, {}, {"eager": [], "compiled": []}
+    sessions, tokens, times = {}, {}, {mode: [] for mode in MODES}
+    step_parts = {"eager": None, **parts}
     with torch.inference_mode():
-        for mode in times:
+        for mode in MODES:
             model.step_parts = None
             sessions[mode] = Placement().new_session(model, batch, prompt + steps + 8, pol)
             tokens[mode] = runtime.prefill(model, prompts, sessions[mode]).argmax(-1)
-        t0 = time.perf_counter()
-        seconds_before = parts.compile_seconds
-        parts.warm(model, batch)
-        warm_s = time.perf_counter() - t0
-        agree = True
+        seconds_before = {mode: p.compile_seconds for mode, p in parts.items()}
+        warm_s = {}
+        for mode, p in parts.items():
+            t0 = time.perf_counter()
+            p.warm(model, batch)
+            warm_s[mode] = time.perf_counter() - t0
+        agree = {mode: True for mode in parts}
+        whole_steps = 0
         for _ in range(steps):
+            whole_steps += parts["whole"].runs_whole(model, sessions["whole"])
             for mode, sess in sessions.items():
-                model.step_parts = parts if mode == "compiled" else None
+                model.step_parts = step_parts[mode]
                 t = time.perf_counter()
                 tokens[mode] = runtime.decode(model, tokens[mode], sess).argmax(-1)
                 times[mode].append(time.perf_counter() - t)
-            agree &= bool(torch.equal(tokens["eager"], tokens["compiled"]))
-        ops = {mode: aten_calls(model, sess, tokens[mode], parts if mode == "compiled" else None)
-               for mode, sess in sessions.items()}
+            for mode in parts:
+                agree[mode] &= bool(torch.equal(tokens["eager"], tokens[mode]))
+        ops = {mode: aten_calls(model, sess, tokens[mode], step_parts[mode]) for mode, sess in sessions.items()}
     model.step_parts = None
     ms = {mode: 1e3 * statistics.median(v[3:]) for mode, v in times.items()}
-    return {"policy": policy_name, "prompt": prompt, "batch": batch, "steps": steps,
-            "eager_ms": round(ms["eager"], 2), "compiled_ms": round(ms["compiled"], 2),
-            "speedup": round(ms["eager"] / ms["compiled"], 3),
-            "eager_aten": ops["eager"][0], "compiled_aten": ops["compiled"][0],
-            "eager_aten_top": ops["eager"][1], "compiled_aten_top": ops["compiled"][1],
-            "compile_s": round(parts.compile_seconds - seconds_before, 1), "warm_s": round(warm_s, 1),
-            "same_tokens": agree}
+    row = {"policy": policy_name, "prompt": prompt, "batch": batch, "steps": steps, "whole_steps": whole_steps}
+    for mode in MODES:
+        row[f"{mode}_ms"] = round(ms[mode], 2)
+        row[f"{mode}_tok_s"] = round(1e3 * batch / ms[mode], 1)
+        row[f"{mode}_aten"], row[f"{mode}_aten_top"] = ops[mode]
+    for mode in parts:
+        row[f"{mode}_speedup"] = round(ms["eager"] / ms[mode], 3)
+        row[f"{mode}_compile_s"] = round(parts[mode].compile_seconds - seconds_before[mode], 1)
+        row[f"{mode}_warm_s"] = round(warm_s[mode], 1)
+        row[f"{mode}_same_tokens"] = agree[mode]
+    return row
 
 
 def main(argv=None) -> int:
@@ -84,7 +102,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     model, tok, name = infinigen.load("default", dtype="auto", weights="auto")
-    parts = compiled.StepParts()
+    parts = {"parts": compiled.StepParts(whole=False), "whole": compiled.StepParts()}
     rows = []
     for case in a.cases.split(","):
         prompt, batch = (int(x) for x in case.split("x"))
@@ -92,19 +110,30 @@ def main(argv=None) -> int:
             row = run_case(model, tok, pol, prompt, batch, a.steps, parts)
             print(json.dumps(row), flush=True)
             rows.append(row)
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    compiles = ", ".join(f"{part} {sec:.1f} s" for part, sec in parts["whole"].compile_log)
     lines = [f"# The compiled decoding step against the eager one ({name}, {a.threads} threads)", "",
              f"`{' '.join(['python benchmarks/compiled_step.py'] + (argv if argv is not None else sys.argv[1:]))}`, "
-             f"{time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}; both steps interleaved in one process "
-             "(medians of per-step times); aten calls counted by the torch profiler over one step.", "",
-             "| policy | prompt x batch | eager ms/step | compiled ms/step | speedup | aten calls eager -> compiled "
-             "(top-level) | compile s | same tokens |", "|---|---|---|---|---|---|---|---|"]
+             f"{time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, load average after the run {load}; "
+             "the three steps interleaved in one process (medians of per-step times); aten calls counted by the "
+             "torch profiler over one step. parts: the compiled dense parts between eager attentions; whole: "
+             "each layer's attention inside the compiled region where the step may run whole.", "",
+             "| policy | prompt x batch | eager ms/step | parts ms/step | whole ms/step | tok/s eager / parts / whole "
+             "| speedup parts, whole | aten calls eager / parts / whole (top-level) | steps whole | same tokens "
+             "parts, whole |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['policy']} | {r['prompt']} x {r['batch']} | {r['eager_ms']:.1f} | {r['compiled_ms']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['eager_aten']} -> {r['compiled_aten']} ({r['eager_aten_top']} -> "
-                     f"{r['compiled_aten_top']}) | {r['compile_s']:.1f} | {r['same_tokens']} |")
+        tok_s = " / ".join(f"{r[f'{mode}_tok_s']:.1f}" for mode in MODES)
+        lines.append(f"| {r['policy']} | {r['prompt']} x {r['batch']} | {r['eager_ms']:.1f} | {r['parts_ms']:.1f} | "
+                     f"{r['whole_ms']:.1f} | {tok_s} | "
+                     f"{r['parts_speedup']:.2f}x, {r['whole_speedup']:.2f}x | {r['eager_aten']} / {r['parts_aten']} / "
+                     f"{r['whole_aten']} ({r['eager_aten_top']} / {r['parts_aten_top']} / {r['whole_aten_top']}) | "
+                     f"{r['whole_steps']}/{r['steps']} | {r['parts_same_tokens']}, {r['whole_same_tokens']} |")
+    lines += ["", f"Compiled for the whole step, part by part: {compiles or 'nothing (all from this process)'}."]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n")
-    a.out.with_suffix(".json").write_text(json.dumps({"model": name, "threads": a.threads, "rows": rows}, indent=1))
+    a.out.with_suffix(".json").write_text(json.dumps({"model": name, "threads": a.threads, "load": load, "rows": rows,
+                                                      "whole_compile_log": parts["whole"].compile_log}, indent=1))
     print("\n".join(lines))
     return 0
 

@@ -151,10 +151,11 @@ class KVStore:
         n = self.length[layer]
         if n < self.capacity and self.allocator is None:  # every row's token goes to slot n: plain copies
             self.length[layer] = n + 1  # (a fifth of the operator calls of the scatters below, per layer)
-            self.k[layer][:, :, n:n + 1] = self.codec.encode(k)
-            self.v[layer][:, :, n:n + 1] = self.codec.encode(v)
-            self.valid[layer][:, :, n] = True
-            self.pos[layer][:, :, n] = positions[:, None]
+            # (narrow/select and an in-place copy: 9 operator calls, where indexed assignment takes 14)
+            self.k[layer].narrow(2, n, 1).copy_(self.codec.encode(k))
+            self.v[layer].narrow(2, n, 1).copy_(self.codec.encode(v))
+            self.valid[layer].select(2, n).fill_(True)
+            self.pos[layer].select(2, n).copy_(positions[:, None])
             return torch.full((b, h), n, dtype=torch.long, device=k.device)
         slots = self._claim(layer, b, h, k.device)
         idx = slots[:, :, None, None].expand(b, h, 1, k.shape[-1])

@@ -16,11 +16,27 @@ compiled kernel serves every layer and the compile time does not grow with depth
 called directly with tensors: no Dynamo guards per call (they cost ~170 us a call here, more than the fused
 kernels save, for a region taking two blocks' weights). What a part was traced for is its key: the block
 structure (module types, weight shapes and dtypes), the dtype, the device and the batch size rounded up to a
-power of two (rows are padded with zeros: a padded row is a zero vector, whose norm is finite). Inputs are
-made contiguous, and Inductor's generated code checks the sizes and strides it was compiled for.
+power of two (rows are padded with zeros: a padded row is a zero vector, whose norm is finite), and the
+inputs' sizes and strides, which Inductor's generated code checks. The dense parts' inputs are made
+contiguous.
 
-What stays eager is what the runtime and the policies decide per step (the store, the selection, the
-attention over a length that grows each step) and the head (its int8 table: Inductor's own code for it
+The whole step. Where one session's step reads every used slot of its store in place (`runs_whole`: the
+full cache, or a policy reading densely this step such as InfiniGen below its crossing; a store in RAM with
+every used slot valid, no policy wanting the weights, no sliding window, a power-of-two batch), each layer's
+attention moves into the compiled region too, and a step is `enter` then one call per layer:
+
+    attend_between   layer i's attention over its pool, then `between`
+    attend_leave     the last layer's attention over its pool, then `leave`
+
+The token's k, v are appended to the store first (`KVStore.append`, outside: the store keeps its own
+bookkeeping), and the part reads views of the pool's first L slots, L the used length rounded up to a
+multiple of `POOL_BUCKET` (at most the pool): slots from the used length on are masked out whatever they
+hold, so one kernel serves 256 lengths and a new bucket compiles the two attending parts again (Inductor's
+cache makes a later run's fast). Around each call the session's own bookkeeping runs as in its attention
+(`Session._read`'s plan, listeners and counters; `on_append` for the policy and listeners; the events).
+
+What stays eager otherwise is what the runtime and the policies decide per step (the store, the selection,
+the attention over a length that grows each step) and the head (its int8 table: Inductor's own code for it
 was 2x slower than `_weight_int8pack_mm`). Prefill is not compiled: a few large matmuls over many rows,
 where dispatch does not show.
 
@@ -35,11 +51,14 @@ import os
 import shutil
 import time
 import warnings
+import weakref
 
 import torch
 from torch import nn
 
 from .paths import cache_dir
+from .policy import Policy
+from .selection import ALL
 
 MODES = ("auto", "on", "off")
 MAX_BUCKET = 64  # decoding rows beyond this run eagerly (the weight kernels switch to dense matmuls there)
@@ -78,6 +97,59 @@ class _Leave(nn.Module):
         return h1, self.block.feed_forward(h1)
 
 
+def _attend_pool(q, keys, values, length, scale: float):
+    """One token per row, q [B,H,1,d], over the pool's first slots: keys, values one [B,1,L,d] view per KV
+    head (L: the bucket; a view of one head has no stride that depends on the pool's capacity at batch 1, so
+    one kernel serves every pool), of which the first `length` (a 0-dim tensor) are used (the token's own
+    included, appended first): slots from `length` on are masked out, whatever they hold. In float32 as
+    pointwise products and reductions, which Inductor fuses into loops (no matmul call, no product kept)."""
+    b, h, _, d = q.shape
+    hkv = len(keys)
+    qg = q.reshape(b, hkv, h // hkv, 1, d).float()
+    used = torch.arange(keys[0].shape[2], device=q.device) < length
+    outs = []
+    for head, (kp, vp) in enumerate(zip(keys, values)):
+        scores = (qg[:, head] * kp.float()).sum(-1) * scale  # [B, G, L]
+        probs = torch.softmax(scores.masked_fill(~used, float("-inf")), dim=-1)
+        # an unused slot's value is left out, not weighted by 0: it may hold anything (0 * NaN is NaN)
+        outs.append(torch.where(used[:, None], probs[..., None] * vp.float(), 0.0).sum(-2))  # [B, G, d]
+    return torch.stack(outs, 1).to(q.dtype).reshape(b, h, 1, d)
+
+
+class _AttendBetween(nn.Module):
+    """`_Between` with `block`'s attention over the pool in front: from `block`'s q and pool (`kv_heads`
+    views of keys, then of values) to the next block's attention input."""
+
+    def __init__(self, block, nxt, scale: float, kv_heads: int):
+        super().__init__()
+        self.block, self.nxt, self.scale, self.kv_heads = block, nxt, scale, kv_heads
+
+    def forward(self, h, q, length, *pool_and_rope):
+        n = self.kv_heads
+        pool, rope = pool_and_rope[:2 * n], pool_and_rope[2 * n]
+        h1 = self.block.attention_output(h, _attend_pool(q, pool[:n], pool[n:], length, self.scale))
+        out = self.block.feed_forward(h1)
+        return (h1, out, *self.nxt.attention_input(out, rope))
+
+
+class _AttendLeave(nn.Module):
+    def __init__(self, block, scale: float, kv_heads: int):
+        super().__init__()
+        self.block, self.scale, self.kv_heads = block, scale, kv_heads
+
+    def forward(self, h, q, length, *pool):
+        n = self.kv_heads
+        h1 = self.block.attention_output(h, _attend_pool(q, pool[:n], pool[n:], length, self.scale))
+        return h1, self.block.feed_forward(h1)
+
+
+# what each part is made from and how many tensor inputs come before its rotary ones
+_WRAPPERS = {"enter": (_Enter, 1), "between": (_Between, 2), "leave": (_Leave, 2),
+             "attend_between": (_AttendBetween, 3), "attend_leave": (_AttendLeave, 3)}  # + 2 per KV head
+_ROTATES = ("enter", "between", "attend_between")  # the parts ending in the next layer's attention input
+POOL_BUCKET = 256  # an attending part reads the pool up to the used length rounded up to a multiple of this
+
+
 def _weights(blocks: tuple) -> dict:
     """The blocks' weights by the names the part's wrapper gives them ("block.…", "nxt.…")."""
     return {f"{prefix}.{n}": t for prefix, b in zip(("block", "nxt"), blocks)
@@ -91,8 +163,20 @@ def _structure(block: nn.Module) -> tuple:
             tuple((n, tuple(t.shape), t.dtype) for n, t in (*block.named_parameters(), *block.named_buffers())))
 
 
+def _strides(t: torch.Tensor) -> tuple:
+    """The strides compiled code depends on: those of the dimensions of more than one element (a pool view
+    of one batch row and one KV head is then the same input whatever the pool's capacity)."""
+    return tuple(st if n > 1 else 0 for n, st in zip(t.shape, t.stride()))
+
+
 def _bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
+
+
+def pool_bucket(length: int, capacity: int) -> int:
+    """The pool slots an attending part reads for `length` used ones: a multiple of `POOL_BUCKET`, at most
+    the pool (one compiled kernel per bucket, so a new one every `POOL_BUCKET` tokens)."""
+    return min(-(-length // POOL_BUCKET) * POOL_BUCKET, capacity)
 
 
 def available() -> str | None:
@@ -105,15 +189,18 @@ def available() -> str | None:
 class StepParts:
     """The compiled parts of a decoding step (see the module docstring) and `run`, the blocks of a step.
 
-    `compile_seconds`: the time spent tracing and compiling so far (reported by the commands); `compiled`:
-    how many parts were compiled; `failed`: the reason once compiling failed, after which the step runs
-    eagerly (`Block.forward`)."""
+    `compile_seconds`: the time spent tracing and compiling so far (reported by the commands), part by part
+    in `compile_log`; `compiled`: how many parts were compiled; `failed`: the reason once compiling failed,
+    after which the step runs eagerly (`Block.forward`)."""
 
-    def __init__(self):
+    def __init__(self, whole: bool = True):
+        self.whole = whole  # a session's step may run whole (`runs_whole`); False: the dense parts only
         self._parts: dict = {}  # key -> (compiled callable, names of the weight inputs)
         self._structures: dict = {}  # id(block) -> (_structure, block)
         self._inputs: dict = {}  # (part, id(block), id(next block)) -> the weights, in the traced order
+        self._pools = weakref.WeakKeyDictionary()  # store -> {(layer, bucket): views of its pool}
         self.compile_seconds = 0.0
+        self.compile_log: list = []  # (part, seconds) of each part compiled
         self.compiled = 0
         self.failed: str | None = None
 
@@ -123,27 +210,30 @@ class StepParts:
             entry = self._structures[id(block)] = (_structure(block), block)
         return entry[0]
 
-    def _part(self, name: str, blocks: tuple, tensors: list):
+    def _part(self, name: str, blocks: tuple, tensors: list, attend: tuple | None = None):
         """The compiled part `name` for these blocks' structure and these tensor inputs (padded), traced and
-        compiled the first time."""
-        key = (name, *(self._structure(b) for b in blocks),
-               *((tuple(t.shape), t.dtype, t.device.type) for t in tensors))
+        compiled the first time (the generated code is specialised to the inputs' sizes and strides; an
+        attending part also to its `attend`: the attention's scale and the KV heads)."""
+        key = (name, attend, *(self._structure(b) for b in blocks),
+               *((tuple(t.shape), _strides(t), t.dtype, t.device.type) for t in tensors))
         part = self._parts.get(key)
         if part is None:
             from torch.func import functional_call
             from torch.fx.experimental.proxy_tensor import make_fx
 
             t0 = time.perf_counter()
-            wrapper = {"enter": _Enter, "between": _Between, "leave": _Leave}[name](*blocks)
+            make, base = _WRAPPERS[name]
+            wrapper = make(*blocks) if attend is None else make(*blocks, *attend)
+            base += 0 if attend is None else 2 * attend[1]
             weights = _weights(blocks)
             names = list(weights)
-            n, base = len(names), {"enter": 1, "between": 2, "leave": 2}[name]
+            n = len(names)
             has_rope = len(tensors) > base
 
             def traced(*flat):
                 rest = list(flat[n:])
                 args = rest[:base]
-                if name != "leave":
+                if name in _ROTATES:
                     args.append(_rope(rest[base:]) if has_rope else None)
                 return functional_call(wrapper, dict(zip(names, flat[:n])), tuple(args))
 
@@ -152,17 +242,21 @@ class StepParts:
             with _inductor_cache():
                 fn = torch._inductor.compile(graph, example)
             part = self._parts[key] = (fn, names)
-            self.compile_seconds += time.perf_counter() - t0
+            self.compile_log.append((name, time.perf_counter() - t0))
+            self.compile_seconds += self.compile_log[-1][1]
             self.compiled += 1
         return part
 
-    def _call(self, name: str, blocks: tuple, tensors: list, rows: int):
+    def _call(self, name: str, blocks: tuple, tensors: list, rows: int, attend: tuple | None = None):
+        """The part's outputs for these rows. The dense parts pad the rows to a power of two and take
+        contiguous inputs; an attending part (`attend` given) takes its inputs as they are: its rows are a
+        power of two already, and its pool slices are views of the store, never copied."""
         pad = _bucket(rows) - rows
         if pad:
             tensors = [torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in tensors]
-        else:
+        elif attend is None:
             tensors = [t.contiguous() for t in tensors]
-        fn, names = self._part(name, blocks, tensors)
+        fn, names = self._part(name, blocks, tensors, attend)
         key = (name, *(id(b) for b in blocks))
         weights = self._inputs.get(key)
         if weights is None:
@@ -192,22 +286,25 @@ class StepParts:
             pass
         return time.perf_counter() - t0
 
-    def _try(self, name: str, blocks: tuple, tensors: list, rows: int):
+    def _try(self, name: str, blocks: tuple, tensors: list, rows: int, attend: tuple | None = None):
         """The part's outputs, or None once compiling (or running what was compiled) failed: then the step
         goes on eagerly, and so does every later step."""
         try:
-            return self._call(name, blocks, [t for t in tensors if t is not None], rows)
+            return self._call(name, blocks, [t for t in tensors if t is not None], rows, attend)
         except Exception as err:  # noqa: BLE001 -- whatever the compiler raises, the eager path is the answer
             self.failed = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:200]
             warnings.warn(f"torch.compile failed, decoding eagerly ({self.failed})", RuntimeWarning, stacklevel=4)
             return None
 
-    def run(self, model, h, rope, attend, event) -> torch.Tensor:
+    def run(self, model, h, rope, attend, event, session=None) -> torch.Tensor:
         """The blocks of a decoding step over h [B, 1, hidden] (each layer's attention and events in the
-        order `Block.forward` has them) and the head: logits [B, V]."""
+        order `Block.forward` has them) and the head: logits [B, V]. `session`: the one session decoded
+        (`attend`, `event` are its own), whose step runs whole where it reads its store densely in place."""
         layers, rows = model.layers, h.shape[0]
         if self.failed is not None or rows > MAX_BUCKET:
             return _eager_from(model, 0, h, rope, attend, event)
+        if session is not None and self.whole and self.runs_whole(model, session):
+            return self._run_whole(model, h, rope, session)
         got = self._try("enter", (layers[0],), [h, *_rope_tensors(layers[0].own_rope(rope))], rows)
         if got is None:
             return _eager_from(model, 0, h, rope, attend, event)
@@ -229,6 +326,96 @@ class StepParts:
                 x, q, k, v = got[2:]
             event(i, "attn_out", h1)
         return model.head(h[:, -1])
+
+
+    # ---- the whole step: each layer's attention inside the compiled region ----------------------------------
+    def runs_whole(self, model, session) -> bool:
+        """Whether this decoding step of `session` runs whole (`_run_whole`): every layer reads every used slot
+        of a store that attention may read in place (the full cache; a policy reading densely this step, as
+        InfiniGen below its crossing), no policy wants the weights, no layer has a window, the rows are a
+        power of two, and every layer holds the same number of tokens with room for one more. A selecting
+        layer's plan is asked for only once every selecting layer's is known (nothing is planned early)."""
+        store, policy, rows = session.store, session.policy, session.batch
+        if (rows != _bucket(rows) or not store.attends_in_place() or policy.needs_weights
+                or len(set(store.length)) != 1 or store.length[0] >= store.capacity):
+            return False
+        cfg = model.cfg
+        if any(cfg.window(layer) is not None for layer in range(cfg.num_layers)):
+            return False
+        if _reads_all_by_construction(session):
+            return True
+        selecting = [layer for layer in range(cfg.num_layers) if session.selects(layer)]
+        if not all(policy.known_ahead(layer, session) for layer in selecting):
+            return False
+        return all(session.planned(layer) is ALL for layer in selecting)
+
+    def _pool(self, store, layer: int, bucket: int) -> tuple:
+        """Views of the first `bucket` slots of `layer`'s keys, then values, one [B,1,L,d] per KV head, made
+        once per store and bucket."""
+        views = self._pools.setdefault(store, {})
+        got = views.get((layer, bucket))
+        keys, values = store.k[layer], store.v[layer]
+        # (the views' own `_base` is None for tensors made in inference mode: the pool is kept beside them)
+        if got is None or got[0] is not keys or got[1] is not values:
+            got = views[layer, bucket] = (keys, values, tuple(t[:, j:j + 1, :bucket] for t in (keys, values)
+                                                              for j in range(t.shape[1])))
+        return got[2]
+
+    def _run_whole(self, model, h, rope, session) -> torch.Tensor:
+        """A decoding step as one compiled call per layer plus the token's append: the call takes a layer's
+        q and its pool (the token appended first, the used length masked) and runs its attention, residual
+        and MLP and the next layer's attention input. The session's per-layer bookkeeping runs as in its own
+        attention (`Session._read`: the plan, listeners, counters; the append; policy and listeners hear of
+        it), with the events in the compiled parts' order."""
+        layers, store, rows = model.layers, session.store, h.shape[0]
+        attend = (model.scale, model.cfg.num_kv_heads)
+        got = self._try("enter", (layers[0],), [h, *_rope_tensors(layers[0].own_rope(rope))], rows)
+        if got is None:
+            return _eager_from(model, 0, h, rope, session.attend, session.event)
+        x, q, k, v = got
+        used = store.length[0] + 1  # the token's own slot included
+        bucket = pool_bucket(used, store.capacity)
+        length = torch.tensor(used, device=h.device)
+        light = _reads_all_by_construction(session)
+        cur = session.positions[:, 0]
+        for i, block in enumerate(layers):
+            session.event(i, "attn_in", x)
+            if light:  # what `Session._read` does when every layer reads all, nobody asked: the counters
+                session.stats.record_rows(i, rows * k.shape[1] * (used - 1))
+                session.stats.record_all(i, rows, k.shape[1], used - 1)
+            else:
+                read = session._read(i, q, k, in_place=True)
+                if read.keys is not None or read.rows is not None:
+                    raise RuntimeError(f"layer {i} does not read its store in place in a whole step")
+            slots = store.append(i, k, v, cur)
+            pool = self._pool(store, i, bucket)
+            if i + 1 < len(layers):
+                nxt = layers[i + 1]
+                tensors = [h, q, length, *pool, *_rope_tensors(nxt.own_rope(rope))]
+                got = self._try("attend_between", (block, nxt), tensors, rows, attend)
+            else:
+                got = self._try("attend_leave", (block,), [h, q, length, *pool], rows, attend)
+            if got is None:  # this layer's attention eagerly, as the session's own, then the rest eagerly
+                from .runtime import attend_all
+                a = attend_all(q, *store.used_keys_values(i), model.scale)
+                session._appended(i, slots, k, v)
+                h1 = block.attention_output(h, a)
+                session.event(i, "attn_out", h1)
+                return _eager_from(model, i + 1, block.feed_forward(h1), rope, session.attend, session.event)
+            session._appended(i, slots, k, v)
+            h1, h = got[:2]
+            if i + 1 < len(layers):
+                x, q, k, v = got[2:]
+            session.event(i, "attn_out", h1)
+        return model.head(h[:, -1])
+
+
+def _reads_all_by_construction(session) -> bool:
+    """Whether every layer of `session` reads all of its store with nothing to decide or tell: the policy's
+    `keep` is the base class's (ALL), nothing is planned, and no listener hears of selections."""
+    from .runtime import Listener
+    return (type(session.policy).keep is Policy.keep and not session._plans
+            and all(type(lis).on_select is Listener.on_select for lis in session.listeners))
 
 
 @contextlib.contextmanager

@@ -126,21 +126,23 @@ class _Hidden(runtime.Listener):
         self.events.append((layer, point, x.detach().clone()))
 
 
-@pytest.mark.parametrize("failing", ["enter", "between", "leave"])
-def test_a_failed_compile_warns_once_and_decodes_eagerly(monkeypatch, failing):
+# batch 2: the whole step (each layer's attention compiled); batch 3: the dense parts between eager attentions
+@pytest.mark.parametrize("failing,batch", [("enter", 3), ("between", 3), ("leave", 3),
+                                           ("enter", 2), ("attend_between", 2), ("attend_leave", 2)])
+def test_a_failed_compile_warns_once_and_decodes_eagerly(monkeypatch, failing, batch):
     model = _model("llama")
-    tokens = _tokens(model, 2, seed=5)
+    tokens = _tokens(model, batch, seed=5)
     eager_heard, heard = _Hidden(), _Hidden()
     eager = _run(model, _policy("full", model), tokens, listeners=[eager_heard])
     parts = compiled.StepParts()
     calls = []
     original = parts._part
 
-    def part(name, blocks, tensors):
+    def part(name, blocks, tensors, *scale):
         calls.append(name)
         if name == failing:
             raise RuntimeError("C++ compile error: no compiler\nmore lines")
-        return original(name, blocks, tensors)
+        return original(name, blocks, tensors, *scale)
 
     monkeypatch.setattr(parts, "_part", part)
     with warnings.catch_warnings(record=True) as seen:

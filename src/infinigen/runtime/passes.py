@@ -96,17 +96,18 @@ def _decode_one(model, tokens: torch.Tensor, session: Session, batch_invariant: 
     positions = session.positions
     h = model.embed(tokens[:, None], positions)
     session.event(-1, "embed", h)  # placement: layer 0's rows can start moving now
-    logits = _blocks_and_head(model, h, model.rope(positions), session.attend, session.event, batch_invariant)
+    logits = _blocks_and_head(model, h, model.rope(positions), session.attend, session.event, batch_invariant, session)
     session.end_step()
     return logits
 
 
-def _blocks_and_head(model, h, rope, attend, event, eager: bool = False) -> torch.Tensor:
+def _blocks_and_head(model, h, rope, attend, event, eager: bool = False,
+                     session: Session | None = None) -> torch.Tensor:
     """A decoding step's blocks over h [B, 1, hidden] and the head: logits [B, V]. With a compiled step
     (`infinigen.compiled.enable`) and not `eager`, the dense work between two attentions is one compiled
-    region."""
+    region, and one session's step may run whole (`StepParts.run`)."""
     if model.step_parts is not None and not eager:
-        return model.step_parts.run(model, h, rope, attend, event)
+        return model.step_parts.run(model, h, rope, attend, event, session)
     for block in model.layers:
         h = block(h, rope, attend, event)
     return model.head(h[:, -1])
