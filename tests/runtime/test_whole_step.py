@@ -139,3 +139,15 @@ def test_a_kernel_serves_every_pool_at_batch_1(model):
     assert _attending_buckets(parts) == {16, 24, 30, 32}  # 32: the last bucket of the larger pool
     assert parts.compiled == compiled_before + 2  # its attend_between and attend_leave, nothing else
     torch.testing.assert_close(larger, first, atol=1e-5, rtol=1e-5)
+
+
+def test_the_whole_step_is_asked_for(model):
+    """`--compile on`/`auto` compile the dense parts only (a new bucket of cached tokens would otherwise
+    compile during the run); `--compile whole` lets a dense step run whole."""
+    if compiled.available() is not None:
+        pytest.skip("no C++ compiler for Inductor")
+    try:
+        assert compiled.enable(model, "on").whole is False
+        assert compiled.enable(model, "whole").whole is True
+    finally:
+        compiled.disable(model)

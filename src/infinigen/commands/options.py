@@ -65,7 +65,8 @@ def weights_option():
 
 def compile_option(default_help: str):
     return typer.Option("auto", "--compile", help="Compile the decoding step with torch.compile (Inductor): on, "
-                                                  f"off, or auto ({default_help}).")
+                                                  "whole (on, and each layer's dense attention inside the compiled "
+                                                  f"region), off, or auto ({default_help}).")
 
 
 def check_compile_option(mode: str) -> None:

@@ -62,8 +62,8 @@ class ServerConfig:
     device: Optional[str] = _option(None, "the device the model runs on (None: the CPU)", "--device")
     dtype: str = _option("auto", "the weights' and KV's dtype ('auto': what loading picks for the device)",
                          "--dtype")
-    compile: str = _option("auto", "compile the decoding step: auto, on or off (off while batch_invariant)",
-                           "--compile", choices=("auto", "on", "off"))
+    compile: str = _option("auto", "compile the decoding step: auto, on, whole or off (off while batch_invariant)",
+                           "--compile", choices=("auto", "on", "whole", "off"))
     batch_invariant: bool = _option(True, "a request's greedy tokens do not depend on the requests decoded "
                                     "beside it (each attention its own call, the step eager)",
                                     "--batch-invariant")
@@ -72,7 +72,7 @@ class ServerConfig:
         object.__setattr__(self, "knobs", tuple(self.knobs))  # frozen: a list given is kept as a tuple
         for f in dataclasses.fields(self):
             _check_bounds(f, getattr(self, f.name))
-        if self.batch_invariant and self.compile == "on":
+        if self.batch_invariant and self.compile in ("on", "whole"):
             raise UserError("--compile on: the compiled step's kernels depend on the batch size, so it is not "
                             "batch-invariant; add --no-batch-invariant to compile it")
         if self.disk_block and self.kv_offload != "disk":
