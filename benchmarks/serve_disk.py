@@ -63,14 +63,8 @@ INSTRUCTION = "Read the text below, then say in a few sentences what happens in 
 
 
 def peak_rss(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    from infinigen.memory import peak_rss_of
+    return peak_rss_of(pid)
 
 
 @contextlib.contextmanager
@@ -116,10 +110,7 @@ def bounded_server(argv: list[str], port: int, env: dict, log: Path, limit: int,
 
 
 def tail(log: Path, n: int = 3000) -> str:
-    try:
-        return log.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
+    return _module("serve_load")._tail(log, n)
 
 
 def documents(clients: int, doc_tokens: int) -> list[list[dict]]:

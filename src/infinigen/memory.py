@@ -82,14 +82,7 @@ def session_bytes(session, shared: dict | None = None) -> tuple[int, int]:
 
 def resident_bytes() -> int | None:
     """This process's resident set now (Linux VmRSS); None where /proc does not say."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _status_bytes("self", "VmRSS")
 
 
 def device_memory_bytes(device) -> int | None:
@@ -123,14 +116,7 @@ class MemoryProbe:
     def peak(self) -> int | None:
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
-        try:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-        return None
+        return peak_rss_of("self")
 
 
 _malloc_trim = None
@@ -156,3 +142,20 @@ def release_free_heap() -> bool:
 
 __all__ = ["tensor_bytes", "weight_bytes", "kv_bytes", "storages", "session_bytes", "device_memory_bytes",
            "MemoryProbe", "release_free_heap"]
+
+
+def peak_rss_of(pid: int | str) -> int | None:
+    """A process's peak resident set (VmHWM) in bytes, from /proc; None where it cannot be read."""
+    return _status_bytes(pid, "VmHWM")
+
+
+def _status_bytes(pid: int | str, field: str) -> int | None:
+    """A size field of /proc/PID/status ("VmRSS", "VmHWM") in bytes; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
