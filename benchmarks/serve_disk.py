@@ -34,10 +34,8 @@ import importlib.util
 import json
 import os
 import platform
-import signal
 import statistics
 import tempfile
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -71,10 +69,9 @@ def peak_rss(pid: int) -> int | None:
 def bounded_server(argv: list[str], port: int, env: dict, log: Path, limit: int, ready_s: float = 1800):
     """`argv` started inside a fresh memory cgroup of `limit` bytes; yields (url, process, bound) once /health
     answers 200; SIGTERM (SIGKILL after 60 s) at the end."""
-    import httpx
 
     from infinigen.membound import MemoryBound
-    with MemoryBound(limit) as mb, open(log, "wb") as out:
+    with MemoryBound(limit) as mb:
         if mb.group is None:
             raise RuntimeError(f"{mb.describe()} cannot hold a server started here: a cgroup is needed (root)")
         procs = str(mb.group / "cgroup.procs")
@@ -82,31 +79,8 @@ def bounded_server(argv: list[str], port: int, env: dict, log: Path, limit: int,
         def join():  # in the child, before exec: everything it touches is charged to the group
             with open(procs, "w") as f:
                 f.write(str(os.getpid()))
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                preexec_fn=join)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + ready_s
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{argv[0]} exited ({proc.returncode}) before it served:\n{tail(log)}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{argv[0]} did not answer /health within {ready_s:.0f} s:\n{tail(log)}")
-                time.sleep(0.5)
+        with _module("serve_load").server_process(argv, port, env, log, ready_s, preexec_fn=join) as (url, proc):
             yield url, proc, mb
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
 
 
 def tail(log: Path, n: int = 3000) -> str:

@@ -630,9 +630,17 @@ class CpuShare:
 def server(argv: list[str], port: int, env: dict, log: Path, ready_s: float = 900):
     """A server process: yields its base URL once /health answers 200; SIGTERM (then SIGKILL after 60 s) at the
     end, also on error or Ctrl-C."""
+    with server_process(argv, port, env, log, ready_s) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(argv: list[str], port: int, env: dict, log: Path, ready_s: float = 900, preexec_fn=None):
+    """`server`, yielding (base URL, process); `preexec_fn` runs in the child before exec."""
     import httpx
     with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                preexec_fn=preexec_fn)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + ready_s
@@ -647,7 +655,7 @@ def server(argv: list[str], port: int, env: dict, log: Path, ready_s: float = 90
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{argv[0]} did not answer /health within {ready_s:.0f} s:\n{_tail(log)}")
             time.sleep(0.5)
-        yield url
+        yield url, proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
