@@ -317,7 +317,7 @@ def generate_ids(model, prompt_ids: list[list[int]], max_new_tokens: int, sampli
         gen = torch.Generator(device=model.device).manual_seed(sampling.seed)
     tokens, mask = left_pad(prompt_ids, pad_id, model.device)
     b = tokens.shape[0]
-    policy = policy.prepare(model, tokenizer, longest=longest + max_new_tokens)
+    policy = policy.prepare(model, tokenizer, longest=longest + max_new_tokens, batch=b)
     sess = (placement or Placement()).new_session(model, b, longest + max_new_tokens, policy, prompt_len=longest)
     try:
         return _generate(model, sess, tokens, mask, max_new_tokens, sampling, gen, eos, on_token)

@@ -178,10 +178,11 @@ class Policy:
         """How keys and values are stored (None: as computed)."""
         return None
 
-    def prepare(self, model, tokenizer=None, progress: bool = False, longest: int | None = None) -> "Policy":
+    def prepare(self, model, tokenizer=None, progress: bool = False, longest: int | None = None,
+                batch: int = 1) -> "Policy":
         """Model-wide setup before the first session (InfiniGen: load or compute the skew matrices).
         `longest`: the most tokens a session of this run will cache, when the caller knows it (None: up to the
-        model's context). Idempotent; returns self."""
+        model's context); `batch`: the rows a run decodes together in one session. Idempotent; returns self."""
         return self
 
     def begin(self, model, session) -> object:

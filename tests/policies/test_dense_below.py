@@ -391,11 +391,45 @@ def test_a_short_run_does_not_wait_for_the_measurement(long_tiny, monkeypatch):
 
 
 def test_generate_tells_prepare_how_long_it_runs(make_tiny, monkeypatch):
-    """`generate` passes the prompt plus the new tokens as the longest a session caches."""
+    """`generate` passes the prompt plus the new tokens as the longest a session caches, and its batch."""
     from infinigen.generate import generate_ids
     seen = []
     pol = make_policy("full")
-    monkeypatch.setattr(type(pol), "prepare", lambda self, model, tok=None, progress=False, longest=None:
-                        seen.append(longest) or self)
-    generate_ids(make_tiny("llama")[1], [[1, 2, 3, 4, 5]], max_new_tokens=3, policy=pol)
-    assert seen == [5 + 3]
+    monkeypatch.setattr(type(pol), "prepare", lambda self, model, tok=None, progress=False, longest=None, batch=1:
+                        seen.append((longest, batch)) or self)
+    generate_ids(make_tiny("llama")[1], [[1, 2, 3, 4, 5], [6, 7]], max_new_tokens=3, policy=pol)
+    assert seen == [(5 + 3, 2)]
+
+
+def test_a_fixed_batch_reads_densely_below_its_own_crossing(long_tiny, monkeypatch):
+    """A run that decodes a batch of rows together is prepared with the crossing measured at that batch too:
+    a session of that many rows (or more) reads densely below the batch's crossing, a session of fewer rows
+    (a server's request: one) below the crossing of one row; decoding equals the knob set by hand to each."""
+    model = long_tiny
+    calls = []
+
+    def fake(model, policy, lengths=None, batch=1, **kw):
+        calls.append((batch, tuple(lengths)))
+        below = {1: 40, 3: 20}[batch]
+        return {"lengths": list(lengths), "full_ms": [1.0] * len(lengths), "policy_ms": [0.5] * len(lengths),
+                "ratio": [0.5] * len(lengths), "dense_below": below, "seconds": 0.0}
+    monkeypatch.setattr(crossing, "measure", fake)
+    pol = _crossing_policy(model).prepare(model, batch=3, longest=300)
+    assert [b for b, _ in calls] == [1, 3]
+    assert max(calls[1][1]) <= 300 < max(calls[0][1])  # the batch measured only at the lengths the run reaches
+    assert pol.crossing["by_batch"] == {"1": 40, "3": 20} and pol.dense_below == 40
+    assert [pol.dense_below_at(r) for r in (1, 2, 3, 8)] == [40, 40, 20, 20]
+    assert pol.prepare(model, batch=3, longest=300) is pol and len(calls) == 2  # prepared: as it is
+    tokens = random_tokens(model)
+    for rows, below in ((3, 20), (1, 40)):
+        batch = tokens[:1].expand(rows, -1).contiguous()
+        got = _Reads()
+        out, _ = _decode(model, pol, batch, listeners=[got])
+        by_hand, _ = _decode(model, _crossing_policy(model, dense_below=below), batch)
+        assert torch.equal(out, by_hand), rows
+        for layer, reads in got.seen.items():
+            for r, read in enumerate(reads):
+                if layer and P + r < below:
+                    assert read == "all", (rows, layer, r)
+                elif layer:
+                    assert read != "all", (rows, layer, r)

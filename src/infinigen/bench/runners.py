@@ -325,7 +325,7 @@ def sweep(model, systems: list[System], settings: BenchSettings, tokenizer=None,
     context manager factory wrapped around each shared prefill (a memory bound steps aside for it)."""
     for system in systems:
         if system.ours:
-            system.policy = system.policy.prepare(model, tokenizer)
+            system.policy = system.policy.prepare(model, tokenizer, batch=max(settings.batch_sizes))
     rows = []
     for t in settings.prompt_lens:
         for b in settings.batch_sizes:

@@ -146,7 +146,7 @@ def _prepare(settings, policies: dict, tiers: list[str], *, model, synthetic, la
     if synthetic:
         policies = {label: pol.for_random_weights(net, fixed_ratio) for label, pol in policies.items()}
     else:
-        prepare_policies(policies, net, tok)
+        prepare_policies(policies, net, tok, longest=max_len, batch=batch)
     # auto: not under a memory bound, which is there to bound the KV tier's page cache: Inductor's compile
     # workers would be charged to it (and a 512 MiB bound cannot hold them)
     compiled_note = enable_compile(net, compile, long_running=membound.current() is None, rows=settings.batch_sizes)

@@ -299,10 +299,11 @@ def policy_settings(pol, model=None) -> dict:
     return pol.settings(model)
 
 
-def prepare_policies(policies: dict, model, tokenizer, progress: bool = True) -> dict:
+def prepare_policies(policies: dict, model, tokenizer, progress: bool = True, longest: int | None = None,
+                     batch: int = 1) -> dict:
     """Model-wide setup of each policy before use (`Policy.prepare`; InfiniGen: its skew matrices, from
-    the cache, else calibrated once on its `calib` text and cached): each entry of `policies` replaced by the
-    prepared policy, and `policies` returned."""
+    the cache, else calibrated once on its `calib` text and cached; where selection pays at `batch` rows of at
+    most `longest` tokens): each entry of `policies` replaced by the prepared policy, and `policies` returned."""
     for name, pol in policies.items():
-        policies[name] = pol.prepare(model, tokenizer, progress=progress)
+        policies[name] = pol.prepare(model, tokenizer, progress=progress, longest=longest, batch=batch)
     return policies

@@ -10,11 +10,14 @@ model's whole context. The result is stored as a small JSON file in the cache, k
 its dtype and weight kinds, the policy's settings and the machine (CPU or GPU model, threads, torch), so later
 runs read it back; a file that does not parse, or was written for another key, is ignored and measured again.
 
-Measured at batch 1: the policy gains more per step with more rows (its per-step overhead is shared), so the
-crossing of a single request is the latest, and reading densely below it is never slower at any batch. Each row
-decides alone (its output does not depend on the rows beside it). Measured with the KV in fast memory: the
-policy applies it there only (`InfiniGen.begin`); an offloaded store selects at every length unless the caller
-sets `dense_below`.
+Measured at batch 1, and also at a run's batch where the run decodes a fixed batch (`generate`, `bench`; a
+server's requests decode as sessions of one row each): the policy gains more per step with more rows (its
+per-step overhead is shared), so the crossing of a single request is the latest, and reading densely below it is
+never slower at any batch. A session of B rows reads densely below the crossing measured at the largest batch
+not above B (`InfiniGen.begin`), so every row of one session decides alike, and a row's output depends on the
+batch only in a run that fixed it. The batch's crossing is measured only at the lengths the run reaches and
+where two sessions of that batch fit easily in the device's memory. Measured with the KV in fast memory: the
+policy applies it there only; an offloaded store selects at every length unless the caller sets `dense_below`.
 """
 from __future__ import annotations
 
@@ -41,7 +44,6 @@ SHARES = (1 / 16, 1 / 4, 1.0)
 MAX_LENGTH = 32768
 MIN_CONTEXT = 1024  # a model with fewer positions is not measured: it selects at every length
 WARMUP, STEPS = 2, 7  # decoding steps per system and length: not timed, then timed (interleaved)
-BATCH = 1
 
 
 def _machine() -> dict:
@@ -59,16 +61,17 @@ def _weights(model) -> list[str]:
     return sorted({type(m).__name__ for m in model.modules() if not list(m.children())})
 
 
-def crossing_key(model, policy) -> dict:
-    """Everything the crossing depends on: the model, the policy's settings but `dense_below` itself, the machine."""
+def crossing_key(model, policy, batch: int = 1, lengths: list[int] | None = None) -> dict:
+    """Everything the crossing depends on: the model, the policy's settings but `dense_below` itself, the machine,
+    the batch measured (and, at a batch above 1, the lengths)."""
     from ..skew import key_fingerprint
     settings = {k: v for k, v in policy.settings(model).items() if k not in ("dense_below", "calibration",
                                                                             "crossing", "dense_below_source")}
     return {"format": FORMAT, "fingerprint": key_fingerprint(model), "dtype": str(model.dtype),
             "device": str(model.device),
             "weights": _weights(model), "compiled": getattr(model, "step_parts", None) is not None,
-            "policy": json.loads(json.dumps(settings, sort_keys=True, default=str)), "batch": BATCH,
-            "machine": _machine(), "kernel": fused_select.build_key()}
+            "policy": json.loads(json.dumps(settings, sort_keys=True, default=str)), "batch": batch,
+            "machine": _machine(), "kernel": fused_select.build_key()} | ({"lengths": lengths} if batch > 1 else {})
 
 
 def _path(key: dict) -> Path:
@@ -105,19 +108,19 @@ def lengths_for(model) -> list[int]:
     return sorted({max(16, int(ctx * s)) for s in SHARES})
 
 
-def _synthetic_session(model, policy, length: int, gen: torch.Generator):
+def _synthetic_session(model, policy, length: int, gen: torch.Generator, batch: int = 1):
     """A session whose store holds `length` random keys and values per layer (a prompt's worth, written as a
     prefill writes them, so the policy packs its speculation keys as it would), ready to decode."""
     from ..placement import Placement
     cfg = model.cfg
-    sess = Placement().new_session(model, BATCH, length + WARMUP + STEPS + 1, policy)
+    sess = Placement().new_session(model, batch, length + WARMUP + STEPS + 1, policy)
     dev, dt = model.device, model.dtype
-    k = torch.randn(BATCH, cfg.num_kv_heads, length, cfg.head_dim, generator=gen).to(dev, dt)
-    v = torch.randn(BATCH, cfg.num_kv_heads, length, cfg.head_dim, generator=gen).to(dev, dt)
-    q = torch.randn(BATCH, cfg.num_heads, length, cfg.head_dim, generator=gen).to(dev, dt)
-    positions = torch.arange(length, device=dev).expand(BATCH, length)
+    k = torch.randn(batch, cfg.num_kv_heads, length, cfg.head_dim, generator=gen).to(dev, dt)
+    v = torch.randn(batch, cfg.num_kv_heads, length, cfg.head_dim, generator=gen).to(dev, dt)
+    q = torch.randn(batch, cfg.num_heads, length, cfg.head_dim, generator=gen).to(dev, dt)
+    positions = torch.arange(length, device=dev).expand(batch, length)
     with torch.inference_mode():
-        sess.begin_prefill(positions, torch.ones(BATCH, length, dtype=torch.bool, device=dev))
+        sess.begin_prefill(positions, torch.ones(batch, length, dtype=torch.bool, device=dev))
         for layer in range(cfg.num_layers):
             sess.prefill_layer(layer, q, k, v)
     return sess
@@ -128,10 +131,10 @@ def _sync(model) -> None:
         torch.cuda.synchronize(model.device)
 
 
-def measure(model, policy, lengths: list[int] | None = None, steps: int = STEPS, log=None) -> dict:
+def measure(model, policy, lengths: list[int] | None = None, steps: int = STEPS, log=None, batch: int = 1) -> dict:
     """Median ms per decoding step of the full cache and of `policy` selecting at every length, at each cached
-    length, over synthetic KV; the systems' steps interleaved. Returns {"lengths", "full_ms", "policy_ms",
-    "ratio", "dense_below", "seconds"}."""
+    length, over synthetic KV of `batch` rows; the systems' steps interleaved. Returns {"lengths", "full_ms",
+    "policy_ms", "ratio", "dense_below", "seconds"}."""
     from ..runtime import decode
     from .base import FullCache
     t0 = time.perf_counter()
@@ -142,9 +145,10 @@ def measure(model, policy, lengths: list[int] | None = None, steps: int = STEPS,
     gen = torch.Generator().manual_seed(0)
     full_ms, policy_ms = [], []
     for n in lengths:
-        sessions = [_synthetic_session(model, FullCache(), n, gen), _synthetic_session(model, selecting, n, gen)]
+        sessions = [_synthetic_session(model, FullCache(), n, gen, batch),
+                    _synthetic_session(model, selecting, n, gen, batch)]
         times: list[list[float]] = [[], []]
-        token = torch.randint(0, model.cfg.vocab_size, (BATCH,), generator=gen).to(model.device)
+        token = torch.randint(0, model.cfg.vocab_size, (batch,), generator=gen).to(model.device)
         for step in range(WARMUP + steps):
             order = (0, 1) if step % 2 == 0 else (1, 0)  # A B, B A, ...: a drift in load falls on both
             for i in order:
@@ -158,7 +162,7 @@ def measure(model, policy, lengths: list[int] | None = None, steps: int = STEPS,
         policy_ms.append(statistics.median(times[1]))
         del sessions
         if log:
-            log(f"  crossing: {n} cached tokens: full cache {full_ms[-1]:.1f} ms/step, selecting "
+            log(f"  crossing: {n} cached tokens x {batch}: full cache {full_ms[-1]:.1f} ms/step, selecting "
                 f"{policy_ms[-1]:.1f}")
     ratio = [p / f for p, f in zip(policy_ms, full_ms)]
     return {"lengths": lengths, "full_ms": [round(x, 3) for x in full_ms],
@@ -187,51 +191,82 @@ def crossing_from(lengths: list[int], ratio: list[float], context: int) -> int:
     return max(0, min(b, int(round(at))))
 
 
-def measure_crossing(model, policy, log=None, remeasure: bool = False, longest: int | None = None) -> dict:
-    """The crossing for this model, policy and machine: stored before (source "cached"), else measured now and
-    stored (source "measured"); a model shorter than MIN_CONTEXT positions is not measured (0, select at every
+def measure_crossing(model, policy, log=None, remeasure: bool = False, longest: int | None = None,
+                     batch: int = 1) -> dict:
+    """The crossing for this model, policy, machine and batch: stored before (source "cached"), else measured now
+    and stored (source "measured"); a model shorter than MIN_CONTEXT positions is not measured (0, select at every
     length). `remeasure`: measure even when stored (`infinigen calibrate` may call it so). `longest`: the most
     tokens a session of this run caches; under the shortest length measured nothing is measured (a short chat's
-    first token does not wait for it) and the run reads densely, which is exact and costs nothing there."""
+    first token does not wait for it) and the run reads densely, which is exact and costs nothing there. At a
+    `batch` above 1 only the lengths the run reaches are measured (`batch_lengths`); None where none is."""
     if model.cfg.max_position < MIN_CONTEXT:
         return {"dense_below": 0, "source": f"not measured (a model of {model.cfg.max_position} positions: "
                                             f"under {MIN_CONTEXT})"}
-    key = crossing_key(model, policy)
+    lengths = lengths_for(model) if batch == 1 else batch_lengths(model, batch, longest)
+    if not lengths:
+        return None
+    key = crossing_key(model, policy, batch, lengths)
     if not remeasure:
         stored = load(key)
         if stored is not None:
             return {**{k: v for k, v in stored.items() if k != "key"}, "source": "cached"}
-    shortest = lengths_for(model)[0]
+    shortest = lengths[0]
     if longest is not None and longest < shortest and not remeasure:
         return {"dense_below": shortest, "source": f"not measured (this run caches at most {longest} tokens, under "
                                                    f"the shortest length measured, {shortest}: it reads densely)"}
     if log:
-        log("measuring where InfiniGen's selection pays on this machine (a few decoding steps, synthetic KV)")
-    record = measure(model, policy, log=log)
+        log(f"measuring where InfiniGen's selection pays on this machine at batch {batch} (a few decoding steps, "
+            "synthetic KV)")
+    record = measure(model, policy, lengths=lengths, log=log, batch=batch)
     record["date"] = time.strftime("%Y-%m-%d %H:%M")
     store(key, record)
     return {**record, "source": "measured"}
+
+
+def batch_lengths(model, batch: int, longest: int | None) -> list[int]:
+    """The lengths measured at a batch above 1: those of batch 1 that a run caching `longest` tokens reaches
+    (the first one always: below it the run reads densely anyway), and only where two synthetic sessions of
+    `batch` rows take at most a quarter of the device's memory."""
+    from ..memory import device_memory_bytes, kv_bytes
+    lengths = lengths_for(model)
+    if longest is not None:
+        lengths = lengths[:1] + [n for n in lengths[1:] if n <= longest]
+    have = device_memory_bytes(model.device)
+    return [n for n in lengths if have is None or 2 * kv_bytes(model.cfg, batch, n, model.dtype) <= have / 4]
 
 
 # Where selection pays (`dense_below` of the default preset), per model and settings: measured once per process
 _CROSSINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def crossing_for(policy, model, progress: bool, longest: int | None = None) -> dict:
+def crossing_for(policy, model, progress: bool, longest: int | None = None, batch: int = 1) -> dict:
     """Where `policy` (its `dense_below` unset) starts to select on this machine (`measure_crossing`), with
-    `dense_below`: stored, else measured now (a few seconds) and stored. Once per model and settings in a
+    `dense_below`: stored, else measured now (a few seconds) and stored. Once per model, settings and batch in a
     process. A run that caches fewer tokens than the shortest length measured (`longest`) measures nothing and
-    reads densely (not remembered: a longer run in the same process measures)."""
+    reads densely (not remembered: a longer run in the same process measures). At a `batch` above 1 the record
+    also holds `by_batch`: the crossing at batch 1 and at `batch` (where measured), which `InfiniGen.begin`
+    chooses from by a session's rows."""
+    found = _crossing_at(policy, model, progress, longest, 1)
+    if batch > 1 and found["source"] in ("measured", "cached"):
+        wide = _crossing_at(policy, model, progress, longest, batch)
+        if wide is not None and wide["source"] in ("measured", "cached"):
+            found = {**found, "by_batch": {"1": found["dense_below"], str(batch): wide["dense_below"]},
+                     "batch_" + str(batch): {k: v for k, v in wide.items() if k != "source"}}
+    return found
+
+
+def _crossing_at(policy, model, progress: bool, longest: int | None, batch: int) -> dict | None:
     key = json.dumps({k: v for k, v in policy.settings(model).items() if k not in ("dense_below_source", "crossing")},
-                     sort_keys=True, default=str)
+                     sort_keys=True, default=str) + f"|{batch}|{longest if batch > 1 else ''}"
     memo = _CROSSINGS.setdefault(model, {})
     if key not in memo:
         found = measure_crossing(model, policy, log=(lambda m: print(m, file=sys.stderr)) if progress else None,
-                                 longest=longest)
-        if found["source"].startswith("not measured (this run"):
+                                 longest=longest, batch=batch)
+        if found is None or found["source"].startswith("not measured (this run"):
             return found
         memo[key] = found
         if memo[key]["source"] == "measured" or progress:
-            print(f"InfiniGen reads densely below {memo[key]['dense_below']} cached tokens "
+            rows = "" if batch == 1 else f" at batch {batch}"
+            print(f"InfiniGen reads densely below {memo[key]['dense_below']} cached tokens{rows} "
                   f"({memo[key]['source']}: where its selection pays on this machine)", file=sys.stderr)
     return dict(memo[key])

@@ -241,7 +241,8 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         return SpeculationKeys(self.key_mode, self.key_centre)
 
 
-    def prepare(self, model, tokenizer=None, progress=False, longest: int | None = None) -> "InfiniGen":
+    def prepare(self, model, tokenizer=None, progress=False, longest: int | None = None,
+                batch: int = 1) -> "InfiniGen":
         """This policy ready for `model`: the skew matrices (`prepare_skew`), then, with `calibrate`, the policy
         built from the caller's knobs and this model's calibration record (policies/infinigen_calibration.py:
         from the skew artifact's metadata when this search ran before on the same tokens, or the package ships
@@ -249,10 +250,14 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         selection pays on this machine where the knobs leave it to `prepare` (`crossing_for`). Returns that
         policy (self where nothing changes); self is left as it was. `progress`: True for a bar on stderr, or a
         callback `progress(desc, done, total, eta_seconds)` (`skew.Progress`). `longest`: the most tokens a
-        session of this run caches (None: unknown), see `crossing_for`."""
+        session of this run caches (None: unknown), and `batch`: the rows a run decodes together (a server's
+        requests: 1), see `crossing_for`."""
         self.prepare_skew(model, tokenizer, progress)
         prepared = _PREPARED.get(model)
-        record = self.calibration if prepared is not None and prepared.get(id(self)) is self else None
+        again = prepared is not None and prepared.get(id(self)) is self
+        if again and self.crossing["source"] in ("measured", "cached"):
+            return self  # prepared for this model before, its crossing measured: as it is
+        record = self.calibration if again else None
         if self.calibrate and record is None:
             try:
                 record = calibration_record(self, model, tokenizer, progress)
@@ -270,7 +275,7 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         else:
             pol = self._rebuilt(record)
             if pol.crossing["source"] not in ("set", "preset"):
-                pol = self._rebuilt(record, crossing_for(pol, model, progress, longest))
+                pol = self._rebuilt(record, crossing_for(pol, model, progress, longest, batch))
         _PREPARED.setdefault(model, weakref.WeakValueDictionary())[id(pol)] = pol
         return pol
 
@@ -316,6 +321,13 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
             st.caps_for_length = (cached, self.layer_caps(model, cached))
         return st.caps_for_length[1][layer]
 
+    def dense_below_at(self, rows: int) -> int:
+        """The cached length below which a session of `rows` rows reads densely: the crossing measured at the
+        largest batch not above `rows` (policies/crossing.py), else the knob."""
+        by_batch = (self.crossing or {}).get("by_batch") or {}
+        measured = [int(b) for b in by_batch if int(b) <= rows]
+        return by_batch[str(max(measured))] if measured else self.dense_below or 0
+
     # ---- per-request state ----------------------------------------------------------------------
     def begin(self, model, session) -> InfiniGenState:
         cfg = model.cfg
@@ -324,7 +336,7 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         measured = self.crossing["source"] not in ("set", "preset")
         st = InfiniGenState(
             A=skew_matrices(self, model), alpha=self.alpha_for(cfg),
-            dense_below=0 if measured and session.store.offloaded else self.dense_below or 0,
+            dense_below=0 if measured and session.store.offloaded else self.dense_below_at(session.batch),
             # a local layer of a model mixing local and global layers reads its window (`Session.selects`)
             spec_layers=set(self.selecting_layers(cfg)),
             cols=d if self.key_mode == "int4" else max(1, math.ceil(self.partial_ratio * d)),
