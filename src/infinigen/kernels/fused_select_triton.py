@@ -1,0 +1,132 @@
+"""The fused selecting attention of `fused_select.attend_rows` as a Triton kernel for CUDA: one program per
+(batch row, KV head, split) reads its chosen key and value rows by index from the layer's flat store (no
+gathered copy), scores each block of rows against the KV head's G query heads at once (one dot, G padded to
+16 rows), folds it into an online softmax in float32 and reads the token's own row last. With more than one
+split per (batch row, KV head) each program covers one slice of the run and writes its partial output and
+log-sum-exp; a few torch calls merge the slices (flash-decoding), so a small batch still fills the GPU.
+
+Every dot is float32 with IEEE precision (no TF32): the result is the CPU kernel's to float rounding.
+Indices are not checked on the device (that would cost a host sync per layer); the callers pass the rows
+`KVStore.select_rows` packs. Imported lazily (triton is optional); its tests run on CPU under
+TRITON_INTERPRET=1 where triton installs."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 32  # rows per online-softmax block
+TARGET_PROGRAMS = 256  # splits are chosen so that about this many programs run (two per SM on an H100)
+MIN_ROWS_PER_SPLIT = 128  # below this a split's merge costs more than the rows it spreads
+
+
+@triton.jit
+def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, lse_ptr, sum_ptr,
+                   n_cols, chunk, scale,
+                   HKV: tl.constexpr, HKV_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                   D: tl.constexpr, D_P2: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                   HAS_OWN: tl.constexpr):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // HKV
+    kh = bh % HKV
+    # this KV head's run starts after the runs of the heads before it in the batch row
+    heads = tl.arange(0, HKV_P2)
+    before = tl.load(counts_ptr + b * HKV + heads, mask=heads < kh, other=0)
+    start = tl.sum(before, axis=0)
+    count = tl.load(counts_ptr + bh)
+    total = count  # the past rows, then the token's own row
+    if HAS_OWN:
+        total = count + 1
+    lo = split * chunk
+    hi = tl.minimum(total, lo + chunk)
+
+    g = tl.arange(0, G_P2)
+    c = tl.arange(0, D_P2)
+    g_ok = g < G
+    c_ok = c < D
+    q = tl.load(q_ptr + (bh * G + g)[:, None] * D + c[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0)
+    q = q.to(tl.float32)
+    m_i = tl.full((G_P2,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_P2,), tl.float32)
+    acc = tl.zeros((G_P2, D_P2), tl.float32)
+    read_sum = tl.zeros((D_P2,), tl.float32)
+    for first in range(lo, hi, BLOCK):
+        i = first + tl.arange(0, BLOCK)
+        live = i < hi
+        past = i < count
+        row = tl.load(rows_ptr + b * n_cols + start + i, mask=live & past, other=0)
+        if HAS_OWN:
+            row = tl.where(past, row, tl.load(own_ptr + bh))
+        at = row.to(tl.int64)[:, None] * D + c[None, :]
+        ok = live[:, None] & c_ok[None, :]
+        k = tl.load(k_ptr + at, mask=ok, other=0).to(tl.float32)
+        v = tl.load(v_ptr + at, mask=ok, other=0).to(tl.float32)
+        read_sum += tl.sum(tl.where(past[:, None], v, 0.0), axis=0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G_P2, BLOCK]
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every block holds a live row
+        correction = tl.exp(m_i - m_new)  # exp(-inf) = 0 on the first block
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * correction + tl.sum(p, axis=1)
+        acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    any_read = l_i > 0
+    l_safe = tl.where(any_read, l_i, 1.0)
+    lse = tl.where(any_read, m_i + tl.log(l_safe), float("-inf"))
+    o = acc / l_safe[:, None]
+    ok = g_ok[:, None] & c_ok[None, :]
+    if SPLITS == 1:
+        tl.store(out_ptr + (bh * G + g)[:, None] * D + c[None, :], o.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(lse_ptr + bh * G + g, lse, mask=g_ok)
+        tl.store(sum_ptr + bh * D + c, read_sum, mask=c_ok)
+    else:  # this slice's part, float32, merged by the caller
+        part = bh * SPLITS + split
+        tl.store(out_ptr + (part * G + g)[:, None] * D + c[None, :], o, mask=ok)
+        tl.store(lse_ptr + part * G + g, lse, mask=g_ok)
+        tl.store(sum_ptr + part * D + c, read_sum, mask=c_ok)
+
+
+def splits_for(pairs: int, rows_per_pair: int) -> int:
+    """How many slices each (batch row, KV head) run is cut into: enough programs to fill the GPU, none
+    shorter than MIN_ROWS_PER_SPLIT rows."""
+    want = max(1, TARGET_PROGRAMS // max(pairs, 1))
+    return max(1, min(want, rows_per_pair // MIN_ROWS_PER_SPLIT))
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                counts: torch.Tensor, own: torch.Tensor | None, scale: float, splits: int | None = None):
+    """As `fused_select.attend_rows`: q [B, H, d]; keys, values [N, d]; rows [B, n] int64 (each batch row's
+    runs head-major); counts [B, Hkv]; own [B, Hkv] or None. Returns out [B, H, d] (q's dtype), lse [B, H]
+    and read_sum [B, Hkv, d] (float32). `splits`: slices per run (None: from the shapes, without a host sync:
+    the packed width n bounds every run)."""
+    b, h, d = q.shape
+    hkv = counts.shape[1]
+    g = h // hkv
+    n = rows.shape[1]
+    q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
+    rows, counts = rows.contiguous(), counts.contiguous()
+    has_own = own is not None
+    own = own.contiguous() if has_own else counts  # an unused pointer when there is no own row
+    if splits is None:
+        splits = splits_for(b * hkv, n + 1)
+    chunk = triton.cdiv(triton.cdiv(n + 1, splits), BLOCK_N) * BLOCK_N  # whole blocks; covers the longest run
+    meta = dict(HKV=hkv, HKV_P2=triton.next_power_of_2(hkv), G=g, G_P2=max(16, triton.next_power_of_2(g)),
+                D=d, D_P2=max(16, triton.next_power_of_2(d)), BLOCK=BLOCK_N, SPLITS=splits, HAS_OWN=has_own)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    if splits == 1:
+        out = torch.empty_like(q)
+        lse = torch.empty(b, h, **f32)
+        read_sum = torch.empty(b, hkv, d, **f32)
+        _attend_kernel[(b * hkv, 1)](q, keys, values, rows, counts, own, out, lse, read_sum, n, chunk, float(scale),
+                                     **meta)
+        return out, lse, read_sum
+    part_out = torch.empty(b * hkv, splits, g, d, **f32)
+    part_lse = torch.empty(b * hkv, splits, g, **f32)
+    part_sum = torch.empty(b * hkv, splits, d, **f32)
+    _attend_kernel[(b * hkv, splits)](q, keys, values, rows, counts, own, part_out, part_lse, part_sum, n, chunk,
+                                      float(scale), **meta)
+    lse = torch.logsumexp(part_lse, 1)  # [B * Hkv, G]
+    weight = torch.exp(part_lse - lse[:, None]).nan_to_num_(0.0)  # a slice or a head that read nothing: 0
+    out = (weight[..., None] * part_out).sum(1)
+    return out.to(q.dtype).view(b, h, d), lse.view(b, h), part_sum.sum(1).view(b, hkv, d)
