@@ -2,8 +2,9 @@
 (batch row, KV head, split) reads its chosen key and value rows by index from the layer's flat store (no
 gathered copy), scores each block of rows against the KV head's G query heads at once (one dot, G padded to
 16 rows), folds it into an online softmax in float32 and reads the token's own row last. With more than one
-split per (batch row, KV head) each program covers one slice of the run and writes its partial output and
-log-sum-exp; a few torch calls merge the slices (flash-decoding), so a small batch still fills the GPU.
+split per (batch row, KV head) each program covers one slice of the run (equal slices of whole blocks, cut
+from the run's own count on the device) and writes its partial output and log-sum-exp; a few torch calls merge
+the slices (flash-decoding), so a small batch still fills the GPU.
 
 Every dot is float32 with IEEE precision (no TF32): the result is the CPU kernel's to float rounding.
 Indices are not checked on the device (that would cost a host sync per layer); the callers pass the rows
@@ -22,12 +23,13 @@ MIN_ROWS_PER_SPLIT = 128  # below this a split's merge costs more than the rows 
 
 @triton.jit
 def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, lse_ptr, sum_ptr,
-                   n_cols, chunk, scale,
+                   n_cols, scale,
                    HKV: tl.constexpr, HKV_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
-                   D: tl.constexpr, D_P2: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
+                   D: tl.constexpr, D_P2: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
                    HAS_OWN: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
+    splits = tl.num_programs(1)
     b = bh // HKV
     kh = bh % HKV
     # this KV head's run starts after the runs of the heads before it in the batch row
@@ -38,6 +40,7 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, 
     total = count  # the past rows, then the token's own row
     if HAS_OWN:
         total = count + 1
+    chunk = tl.cdiv(tl.cdiv(total, splits), BLOCK) * BLOCK  # this run's slices: whole blocks, from its count
     lo = split * chunk
     hi = tl.minimum(total, lo + chunk)
 
@@ -76,12 +79,12 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, 
     lse = tl.where(any_read, m_i + tl.log(l_safe), float("-inf"))
     o = acc / l_safe[:, None]
     ok = g_ok[:, None] & c_ok[None, :]
-    if SPLITS == 1:
+    if not PARTS:
         tl.store(out_ptr + (bh * G + g)[:, None] * D + c[None, :], o.to(out_ptr.dtype.element_ty), mask=ok)
         tl.store(lse_ptr + bh * G + g, lse, mask=g_ok)
         tl.store(sum_ptr + bh * D + c, read_sum, mask=c_ok)
     else:  # this slice's part, float32, merged by the caller
-        part = bh * SPLITS + split
+        part = bh * splits + split
         tl.store(out_ptr + (part * G + g)[:, None] * D + c[None, :], o, mask=ok)
         tl.store(lse_ptr + part * G + g, lse, mask=g_ok)
         tl.store(sum_ptr + part * D + c, read_sum, mask=c_ok)
@@ -98,8 +101,8 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows:
                 counts: torch.Tensor, own: torch.Tensor | None, scale: float, splits: int | None = None):
     """As `fused_select.attend_rows`: q [B, H, d]; keys, values [N, d]; rows [B, n] int64 (each batch row's
     runs head-major); counts [B, Hkv]; own [B, Hkv] or None. Returns out [B, H, d] (q's dtype), lse [B, H]
-    and read_sum [B, Hkv, d] (float32). `splits`: slices per run (None: from the shapes, without a host sync:
-    the packed width n bounds every run)."""
+    and read_sum [B, Hkv, d] (float32). `splits`: slices each run is cut into (None: from the shapes and the
+    mean run length the packed width gives, without a host sync)."""
     b, h, d = q.shape
     hkv = counts.shape[1]
     g = h // hkv
@@ -109,22 +112,21 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows:
     has_own = own is not None
     own = own.contiguous() if has_own else counts  # an unused pointer when there is no own row
     if splits is None:
-        splits = splits_for(b * hkv, n + 1)
-    chunk = triton.cdiv(triton.cdiv(n + 1, splits), BLOCK_N) * BLOCK_N  # whole blocks; covers the longest run
+        splits = splits_for(b * hkv, triton.cdiv(n, hkv) + 1)
     meta = dict(HKV=hkv, HKV_P2=triton.next_power_of_2(hkv), G=g, G_P2=max(16, triton.next_power_of_2(g)),
-                D=d, D_P2=max(16, triton.next_power_of_2(d)), BLOCK=BLOCK_N, SPLITS=splits, HAS_OWN=has_own)
+                D=d, D_P2=max(16, triton.next_power_of_2(d)), BLOCK=BLOCK_N, PARTS=splits > 1, HAS_OWN=has_own)
     f32 = dict(dtype=torch.float32, device=q.device)
     if splits == 1:
         out = torch.empty_like(q)
         lse = torch.empty(b, h, **f32)
         read_sum = torch.empty(b, hkv, d, **f32)
-        _attend_kernel[(b * hkv, 1)](q, keys, values, rows, counts, own, out, lse, read_sum, n, chunk, float(scale),
+        _attend_kernel[(b * hkv, 1)](q, keys, values, rows, counts, own, out, lse, read_sum, n, float(scale),
                                      **meta)
         return out, lse, read_sum
     part_out = torch.empty(b * hkv, splits, g, d, **f32)
     part_lse = torch.empty(b * hkv, splits, g, **f32)
     part_sum = torch.empty(b * hkv, splits, d, **f32)
-    _attend_kernel[(b * hkv, splits)](q, keys, values, rows, counts, own, part_out, part_lse, part_sum, n, chunk,
+    _attend_kernel[(b * hkv, splits)](q, keys, values, rows, counts, own, part_out, part_lse, part_sum, n,
                                       float(scale), **meta)
     lse = torch.logsumexp(part_lse, 1)  # [B * Hkv, G]
     weight = torch.exp(part_lse - lse[:, None]).nan_to_num_(0.0)  # a slice or a head that read nothing: 0
