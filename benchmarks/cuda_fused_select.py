@@ -11,7 +11,7 @@ token's own row stored after it. Then
   (b) time (bfloat16, `torch.cuda.Event`, warm-up, median of --reps calls): the kernel with its own choice of
       splits and with one split per run, the torch path (gather + masked fused attention, with and without
       the log-sum-exp and value sums the remainder needs) and dense SDPA over all S entries (`attend_all`);
-      for the largest shape also a sweep over the number of splits.
+      for the first shape also a sweep over the number of splits and over rows per block x warps.
 Prints one table; writes the numbers as JSON to --json (default $OUT/cuda_fused_select.json when OUT is set).
 Exit status 1 when a check fails.
 
@@ -39,6 +39,7 @@ SHAPES = [(8, 8, 4, 128, 8192, 0.1), (1, 8, 4, 128, 8192, 0.1), (8, 8, 4, 128, 2
           (4, 3, 3, 64, 8192, 0.05), (2, 2, 7, 64, 517, 0.3), (3, 4, 1, 128, 1000, 0.5)]
 SMOKE_SHAPES = [(2, 2, 3, 64, 90, 0.3), (1, 2, 4, 128, 70, 0.5)]
 SWEEP_SPLITS = [1, 2, 4, 8, 16, 32]
+SWEEP_LAUNCH = [(block, warps) for block in (16, 32, 64) for warps in (2, 4, 8)]  # rows per block, warps
 TOL_F32, TOL_BF16 = 1e-5, 1e-2
 
 
@@ -76,10 +77,10 @@ def torch_path(store, sel, q, slots, scale, remainder=True, buffers=None):
     return att.out.view(b, h, d), att.lse.reshape(b, h), att.read_sum
 
 
-def kernel(store, sel, q, own, scale, splits=None):
+def kernel(store, sel, q, own, scale, splits=None, **launch):
     b, h, _, d = q.shape
     return fused_select_triton.attend_rows(q.view(b, h, d), store.k[0].view(-1, d), store.v[0].view(-1, d),
-                                           sel.rows, sel.counts, own, scale, splits=splits)
+                                           sel.rows, sel.counts, own, scale, splits=splits, **launch)
 
 
 def errors(got, want):
@@ -158,6 +159,9 @@ def timings(shape, device, reps: int, warmup: int, sweep: bool) -> dict:
     if sweep:
         row["splits_ms"] = {str(n): median_ms(lambda n=n: kernel(store, sel, q, own, scale, n), reps, warmup, device)
                             for n in SWEEP_SPLITS}
+        row["launch_ms"] = {f"block={bl},warps={w}": median_ms(
+            lambda bl=bl, w=w: kernel(store, sel, q, own, scale, block=bl, num_warps=w), reps, warmup, device)
+            for bl, w in SWEEP_LAUNCH}
     return row
 
 
@@ -207,6 +211,8 @@ def main(argv=None) -> int:
     if results[0]["time"].get("splits_ms"):
         print("splits sweep at", tuple(results[0]["shape"]), "(ms):",
               ", ".join(f"{n}: {ms:.4f}" for n, ms in results[0]["time"]["splits_ms"].items()))
+        print("launch sweep (auto splits) (ms):",
+              ", ".join(f"{k}: {ms:.4f}" for k, ms in results[0]["time"]["launch_ms"].items()))
     failed = [r for r in results if not r["check"]["ok"]]
     for r in failed:
         print("CHECK FAILED", tuple(r["shape"]), json.dumps(r["check"]))

@@ -31,6 +31,7 @@ def test_smoke_run_checks_times_and_writes_json(tmp_path):
         assert row["check"]["ok"] and row["check"]["float32"]["splits=3"]["out"] <= 1e-5
         assert all(row["time"][k] > 0 for k in ("kernel_ms", "torch_ms", "dense_sdpa_ms"))
     assert set(got["results"][0]["time"]["splits_ms"]) == {"1", "2", "4", "8", "16", "32"}
+    assert len(got["results"][0]["time"]["launch_ms"]) == 9
 
 
 @needs_triton

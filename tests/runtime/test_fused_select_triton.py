@@ -212,3 +212,16 @@ def test_a_session_on_the_test_device_reads_through_the_kernel(make_tiny, device
     for key in seen:
         assert (seen[key] == "all" and seen_ref[key] == "all") or torch.equal(seen[key], seen_ref[key]), key
     assert (out - ref).abs().max() <= 1e-5
+
+
+def test_without_triton_cuda_keeps_the_torch_path_after_one_warning_line():
+    """Where triton cannot be imported, the CUDA dispatch (`fused_select._triton_kernel`, what `usable` asks on
+    CUDA tensors) answers None, so the torch path runs, after one warning line, however often it is asked."""
+    code = ("import sys\nsys.modules['triton'] = None  # an import of triton fails\n"
+            "from infinigen.kernels import fused_select\n"
+            "assert all(fused_select._triton_kernel() is None for _ in range(3))\nprint('ok')")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "triton" in lines[0] and "torch path" in lines[0], r.stderr

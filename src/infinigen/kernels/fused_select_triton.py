@@ -3,7 +3,7 @@
 gathered copy), scores each block of rows against the KV head's G query heads at once (one dot, G padded to
 16 rows), folds it into an online softmax in float32 and reads the token's own row last. With more than one
 split per (batch row, KV head) each program covers one slice of the run (equal slices of whole blocks, cut
-from the run's own count on the device) and writes its partial output and log-sum-exp; a few torch calls merge
+from the run's own count on the device) and writes its partial output and log-sum-exp; a second kernel merges
 the slices (flash-decoding), so a small batch still fills the GPU.
 
 Every dot is float32 with IEEE precision (no TF32): the result is the CPU kernel's to float rounding.
@@ -83,11 +83,43 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, 
         tl.store(out_ptr + (bh * G + g)[:, None] * D + c[None, :], o.to(out_ptr.dtype.element_ty), mask=ok)
         tl.store(lse_ptr + bh * G + g, lse, mask=g_ok)
         tl.store(sum_ptr + bh * D + c, read_sum, mask=c_ok)
-    else:  # this slice's part, float32, merged by the caller
+    else:  # this slice's part, float32, merged by `_merge_kernel`
         part = bh * splits + split
         tl.store(out_ptr + (part * G + g)[:, None] * D + c[None, :], o, mask=ok)
         tl.store(lse_ptr + part * G + g, lse, mask=g_ok)
         tl.store(sum_ptr + part * D + c, read_sum, mask=c_ok)
+
+
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, part_sum_ptr, out_ptr, lse_ptr, sum_ptr, splits,
+                  G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr):
+    """One program per (batch row, KV head): its slices' outputs weighted by their share of the softmax mass
+    (exp(slice lse - lse)), the log-sum-exp of their log-sum-exps, the sum of their value sums."""
+    bh = tl.program_id(0)
+    g = tl.arange(0, G_P2)
+    c = tl.arange(0, D_P2)
+    g_ok = g < G
+    c_ok = c < D
+    m = tl.full((G_P2,), float("-inf"), tl.float32)
+    for split in range(splits):
+        m = tl.maximum(m, tl.load(part_lse_ptr + (bh * splits + split) * G + g, mask=g_ok, other=float("-inf")))
+    m_safe = tl.where(m > float("-inf"), m, 0.0)  # a head that read nothing: every weight exp(-inf) = 0
+    l_i = tl.zeros((G_P2,), tl.float32)
+    acc = tl.zeros((G_P2, D_P2), tl.float32)
+    read_sum = tl.zeros((D_P2,), tl.float32)
+    ok = g_ok[:, None] & c_ok[None, :]
+    for split in range(splits):
+        part = bh * splits + split
+        w = tl.exp(tl.load(part_lse_ptr + part * G + g, mask=g_ok, other=float("-inf")) - m_safe)
+        l_i += w
+        acc += w[:, None] * tl.load(part_out_ptr + (part * G + g)[:, None] * D + c[None, :], mask=ok, other=0)
+        read_sum += tl.load(part_sum_ptr + part * D + c, mask=c_ok, other=0)
+    any_read = l_i > 0
+    l_safe = tl.where(any_read, l_i, 1.0)
+    tl.store(out_ptr + (bh * G + g)[:, None] * D + c[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+             mask=ok)
+    tl.store(lse_ptr + bh * G + g, tl.where(any_read, m_safe + tl.log(l_safe), float("-inf")), mask=g_ok)
+    tl.store(sum_ptr + bh * D + c, read_sum, mask=c_ok)
 
 
 def splits_for(pairs: int, rows_per_pair: int) -> int:
@@ -98,11 +130,13 @@ def splits_for(pairs: int, rows_per_pair: int) -> int:
 
 
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
-                counts: torch.Tensor, own: torch.Tensor | None, scale: float, splits: int | None = None):
+                counts: torch.Tensor, own: torch.Tensor | None, scale: float, splits: int | None = None,
+                block: int = BLOCK_N, num_warps: int = 4):
     """As `fused_select.attend_rows`: q [B, H, d]; keys, values [N, d]; rows [B, n] int64 (each batch row's
     runs head-major); counts [B, Hkv]; own [B, Hkv] or None. Returns out [B, H, d] (q's dtype), lse [B, H]
     and read_sum [B, Hkv, d] (float32). `splits`: slices each run is cut into (None: from the shapes and the
-    mean run length the packed width gives, without a host sync)."""
+    mean run length the packed width gives, without a host sync); `block`, `num_warps`: the launch's (a
+    benchmark's sweep)."""
     b, h, d = q.shape
     hkv = counts.shape[1]
     g = h // hkv
@@ -114,21 +148,20 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows:
     if splits is None:
         splits = splits_for(b * hkv, triton.cdiv(n, hkv) + 1)
     meta = dict(HKV=hkv, HKV_P2=triton.next_power_of_2(hkv), G=g, G_P2=max(16, triton.next_power_of_2(g)),
-                D=d, D_P2=max(16, triton.next_power_of_2(d)), BLOCK=BLOCK_N, PARTS=splits > 1, HAS_OWN=has_own)
+                D=d, D_P2=max(16, triton.next_power_of_2(d)), BLOCK=block, PARTS=splits > 1, HAS_OWN=has_own)
     f32 = dict(dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, **f32)
+    read_sum = torch.empty(b, hkv, d, **f32)
     if splits == 1:
-        out = torch.empty_like(q)
-        lse = torch.empty(b, h, **f32)
-        read_sum = torch.empty(b, hkv, d, **f32)
         _attend_kernel[(b * hkv, 1)](q, keys, values, rows, counts, own, out, lse, read_sum, n, float(scale),
-                                     **meta)
+                                     num_warps=num_warps, **meta)
         return out, lse, read_sum
     part_out = torch.empty(b * hkv, splits, g, d, **f32)
     part_lse = torch.empty(b * hkv, splits, g, **f32)
     part_sum = torch.empty(b * hkv, splits, d, **f32)
     _attend_kernel[(b * hkv, splits)](q, keys, values, rows, counts, own, part_out, part_lse, part_sum, n,
-                                      float(scale), **meta)
-    lse = torch.logsumexp(part_lse, 1)  # [B * Hkv, G]
-    weight = torch.exp(part_lse - lse[:, None]).nan_to_num_(0.0)  # a slice or a head that read nothing: 0
-    out = (weight[..., None] * part_out).sum(1)
-    return out.to(q.dtype).view(b, h, d), lse.view(b, h), part_sum.sum(1).view(b, hkv, d)
+                                      float(scale), num_warps=num_warps, **meta)
+    _merge_kernel[(b * hkv,)](part_out, part_lse, part_sum, out, lse, read_sum, splits,
+                              G=g, G_P2=meta["G_P2"], D=d, D_P2=meta["D_P2"])
+    return out, lse, read_sum
