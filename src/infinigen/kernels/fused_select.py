@@ -16,6 +16,9 @@ AVX-512 is used where the CPU has it) into the cache (`cache_dir()/kernels/...`,
 version and the CPU's flags, so a shared cache never serves a build for another CPU). Where no compiler
 or build works, `available()` is False after one warning line and callers keep the torch path, which is
 also the reference the tests compare this kernel with.
+
+On CUDA tensors `attend_rows` runs the same computation as a Triton kernel (`fused_select_triton`); where
+triton is not installed `usable()` is False on CUDA after one warning line, and callers keep the torch path.
 """
 from __future__ import annotations
 
@@ -65,10 +68,27 @@ def available() -> bool:
     return enabled and _module() is not None
 
 
+@functools.cache
+def _triton_kernel():
+    """The Triton module for CUDA tensors, or None (after one warning line) where triton is not installed."""
+    try:
+        from . import fused_select_triton
+        return fused_select_triton
+    except ImportError as e:
+        print(f"infinigen: the fused selection kernel for CUDA needs triton ({e}); using the torch path",
+              file=sys.stderr)
+        return None
+
+
 def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether `attend_rows` can take these tensors: on the CPU, one floating dtype, the kernel built."""
-    return (q.device.type == "cpu" and keys.device.type == "cpu" and q.dtype == keys.dtype
-            and q.dtype in (torch.float32, torch.bfloat16, torch.float16) and available())
+    """Whether `attend_rows` can take these tensors: one floating dtype, one device, and on the CPU the C++
+    kernel built, on CUDA triton installed."""
+    if q.device != keys.device or q.dtype != keys.dtype or q.dtype not in (torch.float32, torch.bfloat16,
+                                                                           torch.float16):
+        return False
+    if q.device.type == "cuda":
+        return enabled and _triton_kernel() is not None
+    return q.device.type == "cpu" and available()
 
 
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
@@ -77,7 +97,10 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows:
     rows head-major (`SelectedRows.rows`: KV head 0's run first, padding after the last run); counts
     [B, Hkv] the runs' lengths; own [B, Hkv] the token's own row, read after the run (None: no own row).
     Returns out [B, H, d] (q's dtype), lse [B, H] and read_sum [B, Hkv, d] (float32; past rows only).
-    A (batch row, KV head) that reads nothing gets a zero output and a log-sum-exp of -inf."""
+    A (batch row, KV head) that reads nothing gets a zero output and a log-sum-exp of -inf. On CUDA tensors
+    the Triton kernel computes it (indices unchecked there: a check would wait on the device)."""
+    if q.is_cuda:
+        return _triton_kernel().attend_rows(q, keys, values, rows, counts, own, scale)
     own = rows.new_empty(0) if own is None else own
     return _module().attend_rows(q, keys, values, rows, counts, own, float(scale))
 

@@ -1,0 +1,167 @@
+"""The fused selecting attention of `fused_select.attend_rows` as a Triton kernel for CUDA: one program per
+(batch row, KV head, split) reads its chosen key and value rows by index from the layer's flat store (no
+gathered copy), scores each block of rows against the KV head's G query heads at once (one dot, G padded to
+16 rows), folds it into an online softmax in float32 and reads the token's own row last. With more than one
+split per (batch row, KV head) each program covers one slice of the run (equal slices of whole blocks, cut
+from the run's own count on the device) and writes its partial output and log-sum-exp; a second kernel merges
+the slices (flash-decoding), so a small batch still fills the GPU.
+
+Every dot is float32 with IEEE precision (no TF32): the result is the CPU kernel's to float rounding.
+Indices are not checked on the device (that would cost a host sync per layer); the callers pass the rows
+`KVStore.select_rows` packs. Imported lazily (triton is optional); its tests run on CPU under
+TRITON_INTERPRET=1 where triton installs."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 32  # rows per online-softmax block
+TARGET_PROGRAMS = 256  # splits are chosen so that about this many programs run (two per SM on an H100)
+MIN_ROWS_PER_SPLIT = 128  # below this a split's merge costs more than the rows it spreads
+
+
+@triton.jit
+def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, lse_ptr, sum_ptr,
+                   n_cols, scale,
+                   HKV: tl.constexpr, HKV_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
+                   D: tl.constexpr, D_P2: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+                   HAS_OWN: tl.constexpr):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    b = bh // HKV
+    kh = bh % HKV
+    # this KV head's run starts after the runs of the heads before it in the batch row
+    heads = tl.arange(0, HKV_P2)
+    before = tl.load(counts_ptr + b * HKV + heads, mask=heads < kh, other=0)
+    start = tl.sum(before, axis=0)
+    count = tl.load(counts_ptr + bh)
+    total = count  # the past rows, then the token's own row
+    if HAS_OWN:
+        total = count + 1
+    chunk = tl.cdiv(tl.cdiv(total, splits), BLOCK) * BLOCK  # this run's slices: whole blocks, from its count
+    lo = split * chunk
+    hi = tl.minimum(total, lo + chunk)
+
+    g = tl.arange(0, G_P2)
+    c = tl.arange(0, D_P2)
+    g_ok = g < G
+    c_ok = c < D
+    q = tl.load(q_ptr + (bh * G + g)[:, None] * D + c[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0)
+    q = q.to(tl.float32)
+    m_i = tl.full((G_P2,), float("-inf"), tl.float32)
+    l_i = tl.zeros((G_P2,), tl.float32)
+    acc = tl.zeros((G_P2, D_P2), tl.float32)
+    read_sum = tl.zeros((D_P2,), tl.float32)
+    for first in range(lo, hi, BLOCK):
+        i = first + tl.arange(0, BLOCK)
+        live = i < hi
+        past = i < count
+        row = tl.load(rows_ptr + b * n_cols + start + i, mask=live & past, other=0)
+        if HAS_OWN:
+            row = tl.where(past, row, tl.load(own_ptr + bh))
+        at = row.to(tl.int64)[:, None] * D + c[None, :]
+        ok = live[:, None] & c_ok[None, :]
+        k = tl.load(k_ptr + at, mask=ok, other=0).to(tl.float32)
+        v = tl.load(v_ptr + at, mask=ok, other=0).to(tl.float32)
+        read_sum += tl.sum(tl.where(past[:, None], v, 0.0), axis=0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G_P2, BLOCK]
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every block holds a live row
+        correction = tl.exp(m_i - m_new)  # exp(-inf) = 0 on the first block
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * correction + tl.sum(p, axis=1)
+        acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    any_read = l_i > 0
+    l_safe = tl.where(any_read, l_i, 1.0)
+    lse = tl.where(any_read, m_i + tl.log(l_safe), float("-inf"))
+    o = acc / l_safe[:, None]
+    ok = g_ok[:, None] & c_ok[None, :]
+    if not PARTS:
+        tl.store(out_ptr + (bh * G + g)[:, None] * D + c[None, :], o.to(out_ptr.dtype.element_ty), mask=ok)
+        tl.store(lse_ptr + bh * G + g, lse, mask=g_ok)
+        tl.store(sum_ptr + bh * D + c, read_sum, mask=c_ok)
+    else:  # this slice's part, float32, merged by `_merge_kernel`
+        part = bh * splits + split
+        tl.store(out_ptr + (part * G + g)[:, None] * D + c[None, :], o, mask=ok)
+        tl.store(lse_ptr + part * G + g, lse, mask=g_ok)
+        tl.store(sum_ptr + part * D + c, read_sum, mask=c_ok)
+
+
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, part_sum_ptr, out_ptr, lse_ptr, sum_ptr, splits,
+                  G: tl.constexpr, G_P2: tl.constexpr, D: tl.constexpr, D_P2: tl.constexpr):
+    """One program per (batch row, KV head): its slices' outputs weighted by their share of the softmax mass
+    (exp(slice lse - lse)), the log-sum-exp of their log-sum-exps, the sum of their value sums."""
+    bh = tl.program_id(0)
+    g = tl.arange(0, G_P2)
+    c = tl.arange(0, D_P2)
+    g_ok = g < G
+    c_ok = c < D
+    m = tl.full((G_P2,), float("-inf"), tl.float32)
+    for split in range(splits):
+        m = tl.maximum(m, tl.load(part_lse_ptr + (bh * splits + split) * G + g, mask=g_ok, other=float("-inf")))
+    m_safe = tl.where(m > float("-inf"), m, 0.0)  # a head that read nothing: every weight exp(-inf) = 0
+    l_i = tl.zeros((G_P2,), tl.float32)
+    acc = tl.zeros((G_P2, D_P2), tl.float32)
+    read_sum = tl.zeros((D_P2,), tl.float32)
+    ok = g_ok[:, None] & c_ok[None, :]
+    for split in range(splits):
+        part = bh * splits + split
+        w = tl.exp(tl.load(part_lse_ptr + part * G + g, mask=g_ok, other=float("-inf")) - m_safe)
+        l_i += w
+        acc += w[:, None] * tl.load(part_out_ptr + (part * G + g)[:, None] * D + c[None, :], mask=ok, other=0)
+        read_sum += tl.load(part_sum_ptr + part * D + c, mask=c_ok, other=0)
+    any_read = l_i > 0
+    l_safe = tl.where(any_read, l_i, 1.0)
+    tl.store(out_ptr + (bh * G + g)[:, None] * D + c[None, :], (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+             mask=ok)
+    tl.store(lse_ptr + bh * G + g, tl.where(any_read, m_safe + tl.log(l_safe), float("-inf")), mask=g_ok)
+    tl.store(sum_ptr + bh * D + c, read_sum, mask=c_ok)
+
+
+def splits_for(pairs: int, rows_per_pair: int) -> int:
+    """How many slices each (batch row, KV head) run is cut into: enough programs to fill the GPU, none
+    shorter than MIN_ROWS_PER_SPLIT rows."""
+    want = max(1, TARGET_PROGRAMS // max(pairs, 1))
+    return max(1, min(want, rows_per_pair // MIN_ROWS_PER_SPLIT))
+
+
+def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+                counts: torch.Tensor, own: torch.Tensor | None, scale: float, splits: int | None = None,
+                block: int = BLOCK_N, num_warps: int = 4):
+    """As `fused_select.attend_rows`: q [B, H, d]; keys, values [N, d]; rows [B, n] int64 (each batch row's
+    runs head-major); counts [B, Hkv]; own [B, Hkv] or None. Returns out [B, H, d] (q's dtype), lse [B, H]
+    and read_sum [B, Hkv, d] (float32). `splits`: slices each run is cut into (None: from the shapes and the
+    mean run length the packed width gives, without a host sync); `block`, `num_warps`: the launch's (a
+    benchmark's sweep)."""
+    b, h, d = q.shape
+    hkv = counts.shape[1]
+    g = h // hkv
+    n = rows.shape[1]
+    q, keys, values = q.contiguous(), keys.contiguous(), values.contiguous()
+    rows, counts = rows.contiguous(), counts.contiguous()
+    has_own = own is not None
+    own = own.contiguous() if has_own else counts  # an unused pointer when there is no own row
+    if splits is None:
+        splits = splits_for(b * hkv, triton.cdiv(n, hkv) + 1)
+    meta = dict(HKV=hkv, HKV_P2=triton.next_power_of_2(hkv), G=g, G_P2=max(16, triton.next_power_of_2(g)),
+                D=d, D_P2=max(16, triton.next_power_of_2(d)), BLOCK=block, PARTS=splits > 1, HAS_OWN=has_own)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, **f32)
+    read_sum = torch.empty(b, hkv, d, **f32)
+    if splits == 1:
+        _attend_kernel[(b * hkv, 1)](q, keys, values, rows, counts, own, out, lse, read_sum, n, float(scale),
+                                     num_warps=num_warps, **meta)
+        return out, lse, read_sum
+    part_out = torch.empty(b * hkv, splits, g, d, **f32)
+    part_lse = torch.empty(b * hkv, splits, g, **f32)
+    part_sum = torch.empty(b * hkv, splits, d, **f32)
+    _attend_kernel[(b * hkv, splits)](q, keys, values, rows, counts, own, part_out, part_lse, part_sum, n,
+                                      float(scale), num_warps=num_warps, **meta)
+    _merge_kernel[(b * hkv,)](part_out, part_lse, part_sum, out, lse, read_sum, splits,
+                              G=g, G_P2=meta["G_P2"], D=d, D_P2=meta["D_P2"])
+    return out, lse, read_sum
