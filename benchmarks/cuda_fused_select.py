@@ -103,17 +103,24 @@ def check(shape, device) -> dict:
     dispatched = device != "cpu" and fused_select.usable(q, store.k[0]) and torch.equal(
         fused_select.attend_rows(q.view(b, h, d), store.k[0].view(-1, d), store.v[0].view(-1, d), sel.rows,
                                  sel.counts, own, scale)[0], kernel(store, sel, q, own, scale)[0])
-    store16, sel16, q16, slots16, own16 = case(shape, torch.bfloat16, device)
-    store32 = KVStore(1, *store16.k[0].shape[:3], shape[3], torch.float32, device=device)  # the same values
-    store32.k[0].copy_(store16.k[0])
-    store32.v[0].copy_(store16.v[0])
-    ref16 = torch_path(store32, sel16, q16.float(), slots16, scale)
-    bf16 = errors(kernel(store16, sel16, q16, own16, scale), ref16)
+    sixteen = {}
+    # bfloat16 with the tensor-core dots and with IEEE float32 dots; under the interpreter (CPU) float16 for the
+    # tensor-core path, whose bfloat16 dot the interpreter does not emulate (it multiplies the raw bits)
+    for name, dtype, fast in (("bfloat16", torch.bfloat16, True), ("bfloat16_ieee", torch.bfloat16, False)):
+        if device == "cpu" and fast:
+            name, dtype = "float16", torch.float16
+        store16, sel16, q16, slots16, own16 = case(shape, dtype, device)
+        store32 = KVStore(1, *store16.k[0].shape[:3], shape[3], torch.float32, device=device)  # the same values
+        store32.k[0].copy_(store16.k[0])
+        store32.v[0].copy_(store16.v[0])
+        ref16 = torch_path(store32, sel16, q16.float(), slots16, scale)
+        sixteen[name] = errors(kernel(store16, sel16, q16, own16, scale, fast_dot=fast), ref16)
     ok = all(e["out"] <= TOL_F32 and e["lse"] <= TOL_F32 and e["sum"] <= TOL_F32 and not e["lse_inf_mismatch"]
              for e in f32.values())
-    ok = ok and bf16["out"] <= TOL_BF16 and bf16["lse"] <= TOL_BF16 and not bf16["lse_inf_mismatch"]
+    ok = ok and all(e["out"] <= TOL_BF16 and e["lse"] <= TOL_BF16 and not e["lse_inf_mismatch"]
+                    for e in sixteen.values())
     ok = ok and (dispatched or device == "cpu")  # on CPU `attend_rows` runs the C++ kernel, by design
-    return {"float32": f32, "bfloat16": bf16, "dispatches_to_triton": bool(dispatched), "ok": bool(ok)}
+    return {"float32": f32, **sixteen, "dispatches_to_triton": bool(dispatched), "ok": bool(ok)}
 
 
 def median_ms(fn, reps: int, warmup: int, device) -> float:
@@ -148,6 +155,8 @@ def timings(shape, device, reps: int, warmup: int, sweep: bool) -> dict:
     row = {"rows_read": read, "rows_per_pair_max": int(sel.counts.max()), "auto_splits": auto,
            "kernel_ms": median_ms(lambda: kernel(store, sel, q, own, scale), reps, warmup, device),
            "kernel_1split_ms": median_ms(lambda: kernel(store, sel, q, own, scale, 1), reps, warmup, device),
+           "kernel_ieee_ms": median_ms(lambda: kernel(store, sel, q, own, scale, fast_dot=False), reps, warmup,
+                                       device),
            "torch_ms": median_ms(lambda: torch_path(store, sel, q, slots, scale, True, buffers), reps, warmup,
                                  device),
            "torch_out_only_ms": median_ms(lambda: torch_path(store, sel, q, slots, scale, False, buffers), reps,
@@ -166,14 +175,15 @@ def timings(shape, device, reps: int, warmup: int, sweep: bool) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = ("| B | Hkv | G | d | S | sel | check | kernel ms (splits) | 1 split ms | torch ms (lse+sums / out) "
-            "| dense SDPA ms | kernel / dense | kernel / torch | kernel GB/s |")
-    lines = [head, "|" + "---|" * 14]
+    head = ("| B | Hkv | G | d | S | sel | check | kernel ms (splits) | 1 split ms | IEEE dots ms "
+            "| torch ms (lse+sums / out) | dense SDPA ms | kernel / dense | kernel / torch | kernel GB/s |")
+    lines = [head, "|" + "---|" * 15]
     for r in results:
         b, hkv, g, d, s, share = r["shape"]
         t = r["time"]
         lines.append(f"| {b} | {hkv} | {g} | {d} | {s} | {share:.0%} | {'ok' if r['check']['ok'] else 'FAIL'} "
                      f"| {t['kernel_ms']:.4f} ({t['auto_splits']}) | {t['kernel_1split_ms']:.4f} "
+                     f"| {t['kernel_ieee_ms']:.4f} "
                      f"| {t['torch_ms']:.4f} / {t['torch_out_only_ms']:.4f} | {t['dense_sdpa_ms']:.4f} "
                      f"| {t['kernel_ms'] / t['dense_sdpa_ms']:.2f} | {t['kernel_ms'] / t['torch_ms']:.2f} "
                      f"| {t['kernel_gbps']:.0f} |")

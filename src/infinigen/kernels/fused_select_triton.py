@@ -6,7 +6,10 @@ split per (batch row, KV head) each program covers one slice of the run (equal s
 from the run's own count on the device) and writes its partial output and log-sum-exp; a second kernel merges
 the slices (flash-decoding), so a small batch still fills the GPU.
 
-Every dot is float32 with IEEE precision (no TF32): the result is the CPU kernel's to float rounding.
+A float32 cache is scored with float32 dots in IEEE precision (no TF32): the result is the CPU kernel's to float
+rounding. A 16-bit cache (bfloat16, float16) with queries of its dtype is scored on the tensor cores: the products
+of 16-bit values are exact in the float32 accumulator, and the softmax weights are rounded to the values' dtype
+for the value product (as flash attention does); `fast_dot=False` keeps the IEEE path for them too.
 Indices are not checked on the device (that would cost a host sync per layer); the callers pass the rows
 `KVStore.select_rows` packs. Imported lazily (triton is optional); its tests run on CPU under
 TRITON_INTERPRET=1 where triton installs."""
@@ -26,7 +29,7 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, 
                    n_cols, scale,
                    HKV: tl.constexpr, HKV_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                    D: tl.constexpr, D_P2: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
-                   HAS_OWN: tl.constexpr):
+                   HAS_OWN: tl.constexpr, FAST_DOT: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -49,7 +52,8 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, 
     g_ok = g < G
     c_ok = c < D
     q = tl.load(q_ptr + (bh * G + g)[:, None] * D + c[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0)
-    q = q.to(tl.float32)
+    if not FAST_DOT:
+        q = q.to(tl.float32)
     m_i = tl.full((G_P2,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_P2,), tl.float32)
     acc = tl.zeros((G_P2, D_P2), tl.float32)
@@ -63,16 +67,24 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, 
             row = tl.where(past, row, tl.load(own_ptr + bh))
         at = row.to(tl.int64)[:, None] * D + c[None, :]
         ok = live[:, None] & c_ok[None, :]
-        k = tl.load(k_ptr + at, mask=ok, other=0).to(tl.float32)
-        v = tl.load(v_ptr + at, mask=ok, other=0).to(tl.float32)
-        read_sum += tl.sum(tl.where(past[:, None], v, 0.0), axis=0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G_P2, BLOCK]
+        k = tl.load(k_ptr + at, mask=ok, other=0)
+        v = tl.load(v_ptr + at, mask=ok, other=0)
+        read_sum += tl.sum(tl.where(past[:, None], v.to(tl.float32), 0.0), axis=0)
+        if FAST_DOT:
+            s = tl.dot(q, tl.trans(k)) * scale  # [G_P2, BLOCK], 16-bit products accumulated in float32
+        else:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every block holds a live row
         correction = tl.exp(m_i - m_new)  # exp(-inf) = 0 on the first block
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * correction + tl.sum(p, axis=1)
-        acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
+        if FAST_DOT:
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
+        else:
+            acc = acc * correction[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
     any_read = l_i > 0
     l_safe = tl.where(any_read, l_i, 1.0)
@@ -131,12 +143,13 @@ def splits_for(pairs: int, rows_per_pair: int) -> int:
 
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                 counts: torch.Tensor, own: torch.Tensor | None, scale: float, splits: int | None = None,
-                block: int = BLOCK_N, num_warps: int = 4):
+                block: int = BLOCK_N, num_warps: int = 4, fast_dot: bool | None = None):
     """As `fused_select.attend_rows`: q [B, H, d]; keys, values [N, d]; rows [B, n] int64 (each batch row's
     runs head-major); counts [B, Hkv]; own [B, Hkv] or None. Returns out [B, H, d] (q's dtype), lse [B, H]
     and read_sum [B, Hkv, d] (float32). `splits`: slices each run is cut into (None: from the shapes and the
     mean run length the packed width gives, without a host sync); `block`, `num_warps`: the launch's (a
-    benchmark's sweep)."""
+    benchmark's sweep); `fast_dot`: the tensor-core dots (None: where the cache and the queries are one 16-bit
+    dtype)."""
     b, h, d = q.shape
     hkv = counts.shape[1]
     g = h // hkv
@@ -147,8 +160,11 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows:
     own = own.contiguous() if has_own else counts  # an unused pointer when there is no own row
     if splits is None:
         splits = splits_for(b * hkv, triton.cdiv(n, hkv) + 1)
+    if fast_dot is None:
+        fast_dot = q.dtype == keys.dtype == values.dtype and q.dtype in (torch.bfloat16, torch.float16)
     meta = dict(HKV=hkv, HKV_P2=triton.next_power_of_2(hkv), G=g, G_P2=max(16, triton.next_power_of_2(g)),
-                D=d, D_P2=max(16, triton.next_power_of_2(d)), BLOCK=block, PARTS=splits > 1, HAS_OWN=has_own)
+                D=d, D_P2=max(16, triton.next_power_of_2(d)), BLOCK=block, PARTS=splits > 1, HAS_OWN=has_own,
+                FAST_DOT=bool(fast_dot))
     f32 = dict(dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     lse = torch.empty(b, h, **f32)
