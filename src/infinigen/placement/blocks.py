@@ -22,6 +22,7 @@ POSIX_FADV_RANDOM: the kernel reads what is asked, no readahead around it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -62,6 +63,16 @@ def _read_all(fd: int, view: memoryview, offset: int) -> None:
         if n == 0:
             raise OSError(f"the KV pool file ended at byte {offset}")
         view, offset = view[n:], offset + n
+
+
+@contextlib.contextmanager
+def _pool_io(folder: str | None, what: str):
+    """An OSError of the pool file's reads or writes (a failing disk, a file system gone read-only or full)
+    as one line naming the folder: the request it hits fails with it, not the server."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(f"cannot {what} the KV pool file in {folder}: {e.strerror or e}") from e
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -158,8 +169,9 @@ class BlockedKVStore(OffloadedKVStore):
             for kind, x in zip(KV, (keys, values)):
                 rows = torch.nn.functional.pad(x[:, :n], (0, 0, 0, pad)) if pad else x[:, :n]
                 units[:, :, kind * bs:(kind + 1) * bs] = rows.view(self.bh, full, bs, self.head_dim)
-            for bh in range(self.bh):  # a (batch row, KV head)'s blocks are one run of the file
-                _write_all(self.fd, _bytes(units[bh]), self._offset(layer, bh, 0))
+            with _pool_io(self.tier.dir, "write"):
+                for bh in range(self.bh):  # a (batch row, KV head)'s blocks are one run of the file
+                    _write_all(self.fd, _bytes(units[bh]), self._offset(layer, bh, 0))
         self.open[layer].zero_()
         rest = t - full * bs
         if rest > 0:
@@ -179,14 +191,16 @@ class BlockedKVStore(OffloadedKVStore):
             self.open[layer, :, i] = keys
             self.open[layer, :, bs + i] = values
             if i == bs - 1 or n + 1 == self.capacity:  # the block is full: to the file, whole pages
-                for bh in range(self.bh):
-                    _write_all(self.fd, _bytes(self.open[layer, bh]), self._offset(layer, bh, j))
+                with _pool_io(self.tier.dir, "write"):
+                    for bh in range(self.bh):
+                        _write_all(self.fd, _bytes(self.open[layer, bh]), self._offset(layer, bh, j))
         else:  # victims anywhere in the pool: their rows in place
-            for bh, s in enumerate(slots.reshape(-1).tolist()):
-                j, i = divmod(s, bs)
-                at = self._offset(layer, bh, j)
-                _write_all(self.fd, _bytes(keys[bh]), at + i * self.row_bytes)
-                _write_all(self.fd, _bytes(values[bh]), at + (bs + i) * self.row_bytes)
+            with _pool_io(self.tier.dir, "write"):
+                for bh, s in enumerate(slots.reshape(-1).tolist()):
+                    j, i = divmod(s, bs)
+                    at = self._offset(layer, bh, j)
+                    _write_all(self.fd, _bytes(keys[bh]), at + i * self.row_bytes)
+                    _write_all(self.fd, _bytes(values[bh]), at + (bs + i) * self.row_bytes)
         self._mark(layer, slots, positions)
         return slots
 
@@ -250,11 +264,12 @@ class BlockedKVStore(OffloadedKVStore):
             mv = _bytes(stage)
             base = layer * self.bh * nb
             runs = list(zip(first.tolist(), counts.tolist(), where.tolist()))
-            if _WILLNEED is not None:  # every run's read queued at once, then taken in order
-                for f, c, _ in runs:
-                    os.posix_fadvise(self.fd, (base + f) * self.unit, c * self.unit, _WILLNEED)
-            for f, c, w in runs:
-                _read_all(self.fd, mv[w * self.unit:(w + c) * self.unit], (base + f) * self.unit)
+            with _pool_io(self.tier.dir, "read"):
+                if _WILLNEED is not None:  # every run's read queued at once, then taken in order
+                    for f, c, _ in runs:
+                        os.posix_fadvise(self.fd, (base + f) * self.unit, c * self.unit, _WILLNEED)
+                for f, c, w in runs:
+                    _read_all(self.fd, mv[w * self.unit:(w + c) * self.unit], (base + f) * self.unit)
         row = rank[unit_id].clamp(min=0) * self.unit_rows + slot % bs  # padding: any staged row (masked later)
         row = row.reshape(-1)
         out = []

@@ -311,16 +311,24 @@ class Engine:
         live = [r for r in self.running if r.finish is None and r.tokens]
         if live:
             self.batch_sizes[len(live)] += 1
+            # each request attending alone (batch_invariant), an I/O error of one request's pool file fails that
+            # request only: the others' rows never depended on its rows
+            faults = {} if self.batch_invariant and len(live) > 1 else None
             try:
                 last = torch.tensor([r.tokens[-1] for r in live], device=self.model.device)
                 logits = runtime.decode(self.model, last, [r.session for r in live],
-                                        batch_invariant=self.batch_invariant)
+                                        batch_invariant=self.batch_invariant, faults=faults)
             except Exception as e:  # the batch fails, the server goes on
                 log.exception("decode step failed")
                 for r in live:
                     self._finish(r, "error", f"decode failed: {e}")
             else:
-                self._take(live, logits)
+                for i, e in sorted((faults or {}).items()):
+                    log.error("request %s: decode failed: %s", live[i].id, e)
+                    self._finish(live[i], "error", f"decode failed: {e}")
+                kept = [i for i in range(len(live)) if i not in (faults or {})]
+                if kept:
+                    self._take([live[i] for i in kept], logits[kept] if len(kept) < len(live) else logits)
         self._measure()
         return bool(admitted or live or any(r.prefilling is not None for r in self.running))
 
@@ -400,6 +408,8 @@ class Engine:
         if req.session is not None:
             try:
                 req.session.store.close()
+            except Exception:  # the request ends all the same; what its store held is released with it
+                log.exception("closing request %s's store failed", req.id)
             finally:
                 req.session = None
         with self._cv:
