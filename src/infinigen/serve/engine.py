@@ -199,9 +199,11 @@ class Engine:
         else:
             self.slow_budget = pool_bytes if pool_bytes is not None else slow_default
         # prompts' shared prefixes kept for reuse (`serve/prefix.py`): for a policy whose state a continued
-        # prefill rebuilds exactly, with the KV in fast memory; by default an eighth of the fast budget
+        # prefill rebuilds exactly, with the KV in fast memory or in block files on disk (a hit is written into
+        # the request's file a cached block at a time); by default an eighth of the fast budget
         self.prefix = None
-        if prefix_cache and self.policy.continues_prefill() and self.placement.kv_offload == "none":
+        in_blocks = self.placement.kv_offload == "disk" and self.placement.disk_block
+        if prefix_cache and self.policy.continues_prefill() and (self.placement.kv_offload == "none" or in_blocks):
             limit = self.fast_budget // 8 if prefix_cache_bytes is None else prefix_cache_bytes
             if limit < 0:
                 raise UserError(f"prefix_cache_bytes must be >= 0, got {limit}")
@@ -340,9 +342,9 @@ class Engine:
             req.session = open_session(self.model, self.placement, self.policy, len(req.prompt) + req.max_tokens)
             cached = 0
             if self.prefix is not None and not req.prompt_logprobs:  # echo scores every prompt token itself
-                cached, keys, values = self.prefix.lookup(req.prompt)
-                if cached:
-                    req.session.restore_prefix(keys, values)
+                cached, blocks = self.prefix.lookup_blocks(req.prompt)
+                for i, block in enumerate(blocks):  # one block at a time: the prefix is never copied whole
+                    req.session.restore_prefix(block.keys, block.values, at=i * self.prefix.block_tokens)
             req.prefilling = runtime.prefill_in_slices(
                 self.model, torch.tensor([req.prompt[cached:]], device=self.model.device), req.session,
                 all_logits=req.prompt_logprobs, layers_per_slice=self.prefill_chunk_layers, cached=cached)
