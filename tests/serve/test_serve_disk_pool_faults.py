@@ -87,3 +87,60 @@ def test_a_failing_pool_file_fails_only_its_request(make_tiny, tmp_path, kind, p
     m = min(8, len(victim.tokens))
     assert after.finish == "length" and after.tokens[:m] == victim.tokens[:m]
     assert os.listdir(pool) == [] and eng.snapshot()["kv_slow_bytes"] == 0
+
+
+def test_over_http_the_failing_request_gets_a_500_and_the_other_its_answer(tiny_checkpoint, tmp_path):
+    """Two completions decode together on block pools; one's file turns unreadable once both have tokens (from
+    the engine's thread, between two steps): it gets a 500 whose OpenAI error body names the folder, the other
+    a 200 with the answer it gets alone, and the server serves on."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    import threading
+
+    from infinigen.loading import load
+    from infinigen.serve.app import BackgroundServer, create_app
+    model, tok, _ = load(str(tiny_checkpoint), progress=False)
+    pool = tmp_path / "pool"
+    eng = Engine(model, make_policy("full"), Placement(kv_offload="disk", disk_block=BLOCK, pool_dir=str(pool)))
+    victim_prompt, other_prompt = list(range(3, 30)), list(range(40, 61))
+    take, broken = eng._take, []
+
+    def take_then_break(reqs, logits):
+        take(reqs, logits)
+        both = len(eng.running) == 2 and all(len(r.tokens) >= 2 for r in eng.running)
+        victim = next((r for r in eng.running if r.prompt == victim_prompt), None)
+        if both and victim is not None and not broken:
+            _break_file(victim, "read", tmp_path)
+            broken.append(victim)
+
+    step, gate = eng.step, threading.Event()
+
+    def both_queued_first():  # the engine starts once both requests wait: they are admitted in one step
+        if not gate.is_set() and len(eng.waiting) < 2:
+            return False
+        gate.set()
+        return step()
+
+    eng._take, eng.step = take_then_break, both_queued_first
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": 60, "temperature": 0} for p in (victim_prompt, other_prompt)]
+    with BackgroundServer(create_app(eng, tok, "tiny")) as url:
+        answers = [None, None]
+
+        def post(i):
+            answers[i] = httpx.post(f"{url}/v1/completions", json=bodies[i], timeout=120)
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert broken, "the two requests never decoded together"
+        failed, served = answers
+        assert failed.status_code == 500, failed.text
+        err = failed.json()["error"]
+        assert err["type"] == "server_error" and str(pool) in err["message"] and "\n" not in err["message"]
+        assert served.status_code == 200, served.text
+        alone = httpx.post(f"{url}/v1/completions", json=bodies[1], timeout=120)
+        assert alone.status_code == 200 and served.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    eng.stop()
+    assert os.listdir(pool) == []
