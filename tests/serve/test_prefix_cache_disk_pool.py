@@ -138,3 +138,23 @@ def test_a_hit_does_not_copy_the_prefix_whole_into_memory(make_tiny, tmp_path):
     assert grew < kv / 3, (grew, kv)  # about a fifth here: one layer's prefix read back, the heap's slack
     alone = generate_ids(model, [doc + question], 4, Sampling(), pol, placement=placement).tokens[0]
     assert hit.tokens == alone
+
+
+def test_blocks_kept_in_the_cache_folder_are_restored_into_a_block_pool_after_a_restart(make_tiny, tmp_path):
+    """`--prefix-cache-dir` with block pools: a restarted server (a new engine over the same folder) finds the
+    document's blocks there, writes them into the new request's pool file, and answers as with no cache."""
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    pol = make_policy("full")
+    placement = Placement(kv_offload="disk", disk_block=16, pool_dir=str(tmp_path / "pool"))
+    vocab = model.cfg.vocab_size
+    doc, question = _tokens(vocab, 70, seed=4), _tokens(vocab, 6, seed=6)
+    before = Engine(model, pol, placement, prefix_block=32, prefix_cache_dir=tmp_path / "prefixes")
+    _run(before, Request(doc + [5], 2))
+    before.stop()  # the folder's writer finishes
+    after = Engine(model, pol, placement, prefix_block=32, prefix_cache_dir=tmp_path / "prefixes")
+    hit = _run(after, Request(doc + question, 6))
+    s = after.snapshot()
+    assert s["prefix_cache_disk_hits"] == 1 and s["prefix_cache_disk_hit_tokens"] == 64
+    assert hit.tokens == generate_ids(model, [doc + question], 6, Sampling(), pol, placement=placement).tokens[0]
+    after.stop()
+    assert os.listdir(tmp_path / "pool") == []
