@@ -228,7 +228,9 @@ def main(argv=None) -> int:
     load_before = Path("/proc/loadavg").read_text().strip()
     chats = documents(args.clients, args.doc_tokens)
     n, b = args.clients, args.disk_block
-    common = ["--max-batch", str(n), "--max-queue", str(4 * n), "--host", "127.0.0.1", "--kv-offload", "disk"]
+    # every client's document is its own: a prefix cache (on for block pools) would only churn, in the bound's RAM
+    common = ["--max-batch", str(n), "--max-queue", str(4 * n), "--host", "127.0.0.1", "--kv-offload", "disk",
+              "--no-prefix-cache"]
     ours = [sys.executable, "-m", "infinigen.cli", "serve"]
     systems = {
         "full": ("full offload (disk, mapped file)", lambda port: ours + ["--policy", "full", *common,

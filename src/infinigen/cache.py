@@ -64,6 +64,11 @@ class KVStore:
         n = self.length[layer]
         return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
 
+    def keys_values(self, layer: int, start: int, stop: int):
+        """Keys and values [B,Hkv,stop-start,d] of slots start..stop-1 as stored (views here; a store on disk
+        reads them): what a prefix cache keeps of a prompt, and what a prefill continuing one attends over."""
+        return self.k[layer][:, :, start:stop], self.v[layer][:, :, start:stop]
+
     def slots(self, layer: int, keep: torch.Tensor, valid: torch.Tensor):
         """The slots a selection reads: keep [B,Hkv,S] & valid -> (that mask, idx [B,Hkv,n] with the
         selected slots first, mask [B,Hkv,n] False on padding, counts [B,Hkv]); n = the largest count."""

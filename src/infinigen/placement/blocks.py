@@ -22,6 +22,7 @@ POSIX_FADV_RANDOM: the kernel reads what is asked, no readahead around it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -62,6 +63,16 @@ def _read_all(fd: int, view: memoryview, offset: int) -> None:
         if n == 0:
             raise OSError(f"the KV pool file ended at byte {offset}")
         view, offset = view[n:], offset + n
+
+
+@contextlib.contextmanager
+def _pool_io(folder: str | None, what: str):
+    """An OSError of the pool file's reads or writes (a failing disk, a file system gone read-only or full)
+    as one line naming the folder: the request it hits fails with it, not the server."""
+    try:
+        yield
+    except OSError as e:
+        raise OSError(f"cannot {what} the KV pool file in {folder}: {e.strerror or e}") from e
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -142,30 +153,78 @@ class BlockedKVStore(OffloadedKVStore):
         b, h, t, d = x.shape
         return self.layout.encode(x.reshape(b * h * t, d))[0].view(b * h, t, d)
 
-    def write_prompt(self, layer, k, v, token_valid, positions):
+    def write_prompt(self, layer, k, v, token_valid, positions, at: int = 0):
+        """A prompt's keys and values [B,Hkv,T,d] in slots at..at+T-1 (`at` > 0: after the prefix a prefix cache
+        restored there, a cached block at a time): every block they complete goes to the file in one write per
+        (batch row, KV head), the rest stays in the open block."""
         t = k.shape[2]
-        if t > self.capacity:
-            raise ValueError(f"prompt of {t} tokens does not fit a KV pool of {self.capacity}")
+        if at + t > self.capacity:
+            raise ValueError(f"prompt of {at + t} tokens does not fit a KV pool of {self.capacity}")
+        if at and at != self.length[layer]:
+            raise RuntimeError(f"a prompt continues at slot {at}, but layer {layer} holds {self.length[layer]}")
         self._drop(layer)
-        keys, values = self._encode(k), self._encode(v)
-        bs, full = self.block, t // self.block
-        if t == self.capacity:  # no open block: the last, partial one goes to the file too
-            full = self.blocks_per_head
-        if full:
-            units = torch.zeros(self.bh, full, self.unit_rows, self.head_dim, dtype=self.dtype)
-            n = min(t, full * bs)
-            pad = full * bs - n
-            for kind, x in zip(KV, (keys, values)):
-                rows = torch.nn.functional.pad(x[:, :n], (0, 0, 0, pad)) if pad else x[:, :n]
-                units[:, :, kind * bs:(kind + 1) * bs] = rows.view(self.bh, full, bs, self.head_dim)
+        if not at:
+            self.open[layer].zero_()
+        self._extend(layer, at, self._encode(k), self._encode(v))
+        if not at:
+            self._prompt_written(layer, t, token_valid, positions)
+            return
+        self.valid[layer][:, :, at:at + t] = token_valid[:, None, :]
+        self.pos[layer][:, :, at:at + t] = positions[:, None, :]
+        self.length[layer] = at + t
+
+    def _extend(self, layer: int, at: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Tokens [B * Hkv, T, d] (as stored) into slots at..at+T-1 of `layer`, whose open block holds slots
+        from the block's start to `at`."""
+        bs, end = self.block, at + keys.shape[1]
+        first = at // bs
+        lead = at - first * bs  # the open block's tokens before this chunk's
+        done = end // bs if end < self.capacity else self.blocks_per_head  # blocks [first, done) are complete
+        if done <= first:  # the chunk stays in the open block
+            self.open[layer, :, lead:lead + keys.shape[1]] = keys
+            self.open[layer, :, bs + lead:bs + lead + keys.shape[1]] = values
+            return
+        count, n = done - first, min(end, done * bs) - at  # complete blocks; this chunk's tokens in them
+        units = torch.zeros(self.bh, count, self.unit_rows, self.head_dim, dtype=self.dtype)
+        for kind, x in zip(KV, (keys, values)):
+            rows = torch.zeros(self.bh, count * bs, self.head_dim, dtype=self.dtype)
+            rows[:, lead:lead + n] = x[:, :n]
+            rows[:, :lead] = self.open[layer, :, kind * bs:kind * bs + lead]
+            units[:, :, kind * bs:(kind + 1) * bs] = rows.view(self.bh, count, bs, self.head_dim)
+        with _pool_io(self.tier.dir, "write"):
             for bh in range(self.bh):  # a (batch row, KV head)'s blocks are one run of the file
-                _write_all(self.fd, _bytes(units[bh]), self._offset(layer, bh, 0))
+                _write_all(self.fd, _bytes(units[bh]), self._offset(layer, bh, first))
         self.open[layer].zero_()
-        rest = t - full * bs
+        rest = keys.shape[1] - n
         if rest > 0:
-            self.open[layer, :, :rest] = keys[:, full * bs:]
-            self.open[layer, :, bs:bs + rest] = values[:, full * bs:]
-        self._prompt_written(layer, t, token_valid, positions)
+            self.open[layer, :, :rest] = keys[:, n:]
+            self.open[layer, :, bs:bs + rest] = values[:, n:]
+
+    def keys_values(self, layer: int, start: int, stop: int):
+        """Keys and values [B,Hkv,stop-start,d] of slots start..stop-1, read from the file into new tensors
+        (positioned reads of the units they lie in, about 1 MiB at a time through one staging buffer; the open
+        block from memory): a prefix cache's blocks and a continued prefill's attention, one layer at a time."""
+        bs, m, d = self.block, stop - start, self.head_dim
+        first, last = start // bs, -(-stop // bs)
+        open_j = self._open_block(layer)
+        on_disk = last if open_j < 0 else min(last, open_j)
+        out = [torch.empty(self.bh, m, d, dtype=self.dtype) for _ in KV]
+        per = max(1, (1 << 20) // self.unit)
+        stage = torch.empty(min(per, last - first), self.unit_rows, d, dtype=self.dtype)
+        with _pool_io(self.tier.dir, "read"):
+            for bh in range(self.bh):
+                for j in range(first, last, per):
+                    units = stage[:min(per, last - j)]
+                    c = len(units)
+                    if on_disk > j:
+                        _read_all(self.fd, _bytes(units[:min(c, on_disk - j)]), self._offset(layer, bh, j))
+                    if j <= open_j < j + c:
+                        units[open_j - j] = self.open[layer, bh]
+                    lo, hi = max(start, j * bs), min(stop, (j + c) * bs)
+                    for kind, dst in zip(KV, out):
+                        rows = units[:, kind * bs:(kind + 1) * bs].reshape(c * bs, d)
+                        dst[bh, lo - start:hi - start] = rows[lo - j * bs:hi - j * bs]
+        return tuple(x.view(self.batch, self.kv_heads, m, d) for x in out)
 
     def append(self, layer, k, v, positions):
         b, h = k.shape[:2]
@@ -179,14 +238,16 @@ class BlockedKVStore(OffloadedKVStore):
             self.open[layer, :, i] = keys
             self.open[layer, :, bs + i] = values
             if i == bs - 1 or n + 1 == self.capacity:  # the block is full: to the file, whole pages
-                for bh in range(self.bh):
-                    _write_all(self.fd, _bytes(self.open[layer, bh]), self._offset(layer, bh, j))
+                with _pool_io(self.tier.dir, "write"):
+                    for bh in range(self.bh):
+                        _write_all(self.fd, _bytes(self.open[layer, bh]), self._offset(layer, bh, j))
         else:  # victims anywhere in the pool: their rows in place
-            for bh, s in enumerate(slots.reshape(-1).tolist()):
-                j, i = divmod(s, bs)
-                at = self._offset(layer, bh, j)
-                _write_all(self.fd, _bytes(keys[bh]), at + i * self.row_bytes)
-                _write_all(self.fd, _bytes(values[bh]), at + (bs + i) * self.row_bytes)
+            with _pool_io(self.tier.dir, "write"):
+                for bh, s in enumerate(slots.reshape(-1).tolist()):
+                    j, i = divmod(s, bs)
+                    at = self._offset(layer, bh, j)
+                    _write_all(self.fd, _bytes(keys[bh]), at + i * self.row_bytes)
+                    _write_all(self.fd, _bytes(values[bh]), at + (bs + i) * self.row_bytes)
         self._mark(layer, slots, positions)
         return slots
 
@@ -250,11 +311,12 @@ class BlockedKVStore(OffloadedKVStore):
             mv = _bytes(stage)
             base = layer * self.bh * nb
             runs = list(zip(first.tolist(), counts.tolist(), where.tolist()))
-            if _WILLNEED is not None:  # every run's read queued at once, then taken in order
-                for f, c, _ in runs:
-                    os.posix_fadvise(self.fd, (base + f) * self.unit, c * self.unit, _WILLNEED)
-            for f, c, w in runs:
-                _read_all(self.fd, mv[w * self.unit:(w + c) * self.unit], (base + f) * self.unit)
+            with _pool_io(self.tier.dir, "read"):
+                if _WILLNEED is not None:  # every run's read queued at once, then taken in order
+                    for f, c, _ in runs:
+                        os.posix_fadvise(self.fd, (base + f) * self.unit, c * self.unit, _WILLNEED)
+                for f, c, w in runs:
+                    _read_all(self.fd, mv[w * self.unit:(w + c) * self.unit], (base + f) * self.unit)
         row = rank[unit_id].clamp(min=0) * self.unit_rows + slot % bs  # padding: any staged row (masked later)
         row = row.reshape(-1)
         out = []

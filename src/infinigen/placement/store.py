@@ -558,8 +558,10 @@ class OffloadedKVStore(KVStore):
         return self.layout.decode(planes)
 
     def close(self) -> None:
-        for layer in list(self._jobs):
-            self._drop(layer)
+        for job in self._jobs.values():  # wait for the worker; a failed fetch's error is not news to a closing store
+            if job.future is not None:
+                job.future.exception()
+        self._jobs.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

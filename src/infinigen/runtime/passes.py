@@ -49,7 +49,7 @@ def prefill_in_slices(model, tokens: torch.Tensor, session: Session, pad_mask: t
 
 @torch.inference_mode()
 def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session],
-           batch_invariant: bool = False) -> torch.Tensor:
+           batch_invariant: bool = False, faults: dict[int, OSError] | None = None) -> torch.Tensor:
     """One new token per row. One session: tokens [B], logits [B, V]. Several (the server's running
     requests, the sessions of a fan-out): tokens [sum of their B] in the sessions' order, logits likewise;
     everything per token runs on the stacked rows, each session selects from its own store, and each
@@ -59,7 +59,16 @@ def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session],
     shows in bfloat16). `batch_invariant`: each session's attention is instead the very call it makes
     decoded alone (`Session.attend` on its rows) and the dense work runs eagerly (a row's arithmetic there
     does not depend on the rows beside it), so its logits are bit-identical to those alone whatever runs
-    beside it, provided alone is decoded so too."""
+    beside it, provided alone is decoded so too.
+
+    `faults` (a dict, with `batch_invariant` and several sessions): a session whose own work (its store's file
+    reads and writes, on the store's worker or not) raises OSError leaves the step there instead of failing it:
+    faults[i] = the error of session i, which hears nothing more of this step; its rows attend to nothing (zeros)
+    and their logits mean nothing. The other sessions' logits are unchanged: no row's arithmetic there depends on
+    the rows beside it. Without it (or decoded together), the error fails the step."""
+    if faults is not None and not batch_invariant:
+        raise ValueError("a session's fault is kept to itself only where each session attends alone "
+                         "(batch_invariant)")
     if isinstance(sessions, Session):
         return _decode_one(model, tokens, sessions, batch_invariant)
     sessions = list(sessions)
@@ -72,22 +81,36 @@ def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session],
         s.begin_step()
     positions = torch.cat([s.positions for s in sessions])  # [N, 1]: every row at its own position
 
+    def own(i, work, *args):  # session i's part of the step, kept to it where `faults` is given
+        if faults is None:
+            return work(*args)
+        if i in faults:
+            return None
+        try:
+            return work(*args)
+        except OSError as e:
+            faults[i] = e
+            return None
+
     def event(layer, point, x):  # each session hears of its own rows
-        for s, (a, b) in zip(sessions, spans):
-            s.event(layer, point, x[a:b])
+        for i, (s, (a, b)) in enumerate(zip(sessions, spans)):
+            own(i, s.event, layer, point, x[a:b])
 
     stack = StepBuffers()
 
     def attend(layer, q, k, v):
         if batch_invariant:
-            return torch.cat([s.attend(layer, q[a:b], k[a:b], v[a:b]) for s, (a, b) in zip(sessions, spans)])
+            outs = [own(i, s.attend, layer, q[a:b], k[a:b], v[a:b])
+                    for i, (s, (a, b)) in enumerate(zip(sessions, spans))]
+            return torch.cat([torch.zeros_like(q[a:b]) if o is None else o for o, (a, b) in zip(outs, spans)])
         return attend_sessions(layer, q, k, v, sessions, spans, model.scale, stack)
 
     h = model.embed(tokens[:, None], positions)
     event(-1, "embed", h)  # placement: layer 0's rows can start moving now
     logits = _blocks_and_head(model, h, model.rope(positions), attend, event, batch_invariant)
-    for s in sessions:
-        s.end_step()
+    for i, s in enumerate(sessions):
+        if faults is None or i not in faults:
+            s.end_step()
     return logits
 
 

@@ -178,15 +178,16 @@ class Session:
             lis.on_hidden(layer, point, x, self)
         self.store.ahead(layer, point, self)
 
-    def restore_prefix(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-        """Put a cached prompt prefix's keys and values (per layer, [B, Hkv, n, d]) in the empty store's
-        first slots; a `prefill_in_slices(..., cached=n)` of the rest of the prompt follows."""
+    def restore_prefix(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], at: int = 0) -> None:
+        """Put a cached prompt prefix's keys and values (per layer, [B, Hkv, n, d]) in the store's slots
+        at..at+n-1 (`at` > 0: after the part of the prefix restored before, so a prefix can be restored a cached
+        block at a time); a `prefill_in_slices(..., cached=...)` of the rest of the prompt follows."""
         n = keys[0].shape[2]
         b = keys[0].shape[0]
         valid = torch.ones(b, n, dtype=torch.bool, device=keys[0].device)
-        positions = torch.arange(n, device=keys[0].device).expand(b, n)
+        positions = torch.arange(at, at + n, device=keys[0].device).expand(b, n)
         for layer, (k, v) in enumerate(zip(keys, values)):
-            self.store.write_prompt(layer, k, v, valid, positions)
+            self.store.write_prompt(layer, k, v, valid, positions, at=at)
 
     def prefill_layer(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """What a prefill does to a session at `layer`, given the prompt's queries and keys/values: write
@@ -267,7 +268,8 @@ class Session:
         n, t = self._cached, k.shape[2]
         store = self.store
         store.write_prompt(layer, k, v, self._prompt_valid[:, :t], self._positions[:, :t], at=n)
-        kp, vp, _, pos = store.past(layer)
+        _, _, _, pos = store.past(layer)
+        kp, vp = store.keys_values(layer, 0, n + t)
         self.policy.on_prefill(layer, q, kp, vp, self)
         for lis in self.listeners:
             lis.on_prefill(layer, q, kp, vp, self)

@@ -199,9 +199,11 @@ class Engine:
         else:
             self.slow_budget = pool_bytes if pool_bytes is not None else slow_default
         # prompts' shared prefixes kept for reuse (`serve/prefix.py`): for a policy whose state a continued
-        # prefill rebuilds exactly, with the KV in fast memory; by default an eighth of the fast budget
+        # prefill rebuilds exactly, with the KV in fast memory or in block files on disk (a hit is written into
+        # the request's file a cached block at a time); by default an eighth of the fast budget
         self.prefix = None
-        if prefix_cache and self.policy.continues_prefill() and self.placement.kv_offload == "none":
+        in_blocks = self.placement.kv_offload == "disk" and self.placement.disk_block
+        if prefix_cache and self.policy.continues_prefill() and (self.placement.kv_offload == "none" or in_blocks):
             limit = self.fast_budget // 8 if prefix_cache_bytes is None else prefix_cache_bytes
             if limit < 0:
                 raise UserError(f"prefix_cache_bytes must be >= 0, got {limit}")
@@ -311,16 +313,24 @@ class Engine:
         live = [r for r in self.running if r.finish is None and r.tokens]
         if live:
             self.batch_sizes[len(live)] += 1
+            # each request attending alone (batch_invariant), an I/O error of one request's pool file fails that
+            # request only: the others' rows never depended on its rows
+            faults = {} if self.batch_invariant and len(live) > 1 else None
             try:
                 last = torch.tensor([r.tokens[-1] for r in live], device=self.model.device)
                 logits = runtime.decode(self.model, last, [r.session for r in live],
-                                        batch_invariant=self.batch_invariant)
+                                        batch_invariant=self.batch_invariant, faults=faults)
             except Exception as e:  # the batch fails, the server goes on
                 log.exception("decode step failed")
                 for r in live:
                     self._finish(r, "error", f"decode failed: {e}")
             else:
-                self._take(live, logits)
+                for i, e in sorted((faults or {}).items()):
+                    log.error("request %s: decode failed: %s", live[i].id, e)
+                    self._finish(live[i], "error", f"decode failed: {e}")
+                kept = [i for i in range(len(live)) if i not in (faults or {})]
+                if kept:
+                    self._take([live[i] for i in kept], logits[kept] if len(kept) < len(live) else logits)
         self._measure()
         return bool(admitted or live or any(r.prefilling is not None for r in self.running))
 
@@ -332,9 +342,9 @@ class Engine:
             req.session = open_session(self.model, self.placement, self.policy, len(req.prompt) + req.max_tokens)
             cached = 0
             if self.prefix is not None and not req.prompt_logprobs:  # echo scores every prompt token itself
-                cached, keys, values = self.prefix.lookup(req.prompt)
-                if cached:
-                    req.session.restore_prefix(keys, values)
+                cached, blocks = self.prefix.lookup_blocks(req.prompt)
+                for i, block in enumerate(blocks):  # one block at a time: the prefix is never copied whole
+                    req.session.restore_prefix(block.keys, block.values, at=i * self.prefix.block_tokens)
             req.prefilling = runtime.prefill_in_slices(
                 self.model, torch.tensor([req.prompt[cached:]], device=self.model.device), req.session,
                 all_logits=req.prompt_logprobs, layers_per_slice=self.prefill_chunk_layers, cached=cached)
@@ -400,6 +410,8 @@ class Engine:
         if req.session is not None:
             try:
                 req.session.store.close()
+            except Exception:  # the request ends all the same; what its store held is released with it
+                log.exception("closing request %s's store failed", req.id)
             finally:
                 req.session = None
         with self._cv:

@@ -265,8 +265,20 @@ class PrefixCache:
         return out
 
     def lookup(self, tokens: list[int]) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
-        """(n, keys, values): the longest cached prefix of `tokens` in whole blocks that leaves at least one
-        token to prefill (its logits give the first new token), as per-layer [1, Hkv, n, d] tensors."""
+        """(n, keys, values): `lookup_blocks`' prefix as per-layer [1, Hkv, n, d] tensors (a copy of the whole
+        prefix)."""
+        n, found = self.lookup_blocks(tokens)
+        if not found:
+            return 0, [], []
+        layers = len(found[0].keys)
+        keys = [torch.cat([blk.keys[i] for blk in found], dim=2) for i in range(layers)]
+        values = [torch.cat([blk.values[i] for blk in found], dim=2) for i in range(layers)]
+        return n, keys, values
+
+    def lookup_blocks(self, tokens: list[int]) -> tuple[int, list["_Block"]]:
+        """(n, blocks): the longest cached prefix of `tokens` in whole blocks that leaves at least one token to
+        prefill (its logits give the first new token), as the cache's blocks in order (each holds per-layer
+        keys and values [1, Hkv, block_tokens, d]; immutable, so a store copies them one at a time)."""
         self.lookups += 1
         found: list[_Block] = []
         chain = self._keys(tokens, (len(tokens) - 1) // self.block_tokens)
@@ -284,21 +296,19 @@ class PrefixCache:
                 self._blocks.move_to_end(key)
             found.append(block)
         if not found:
-            return 0, [], []
+            return 0, []
         n = len(found) * self.block_tokens
         self.hits += 1
         self.hit_tokens += n
         if from_disk:
             self.disk.hits += 1
             self.disk.hit_tokens += from_disk * self.block_tokens
-        layers = len(found[0].keys)
-        keys = [torch.cat([blk.keys[i] for blk in found], dim=2) for i in range(layers)]
-        values = [torch.cat([blk.values[i] for blk in found], dim=2) for i in range(layers)]
-        return n, keys, values
+        return n, found
 
     def insert(self, tokens: list[int], store) -> None:
         """Keep the whole blocks of a prompt whose prefill just ended in `store` (slots 0.. hold its tokens in
-        order) that the cache does not hold yet, then evict down to the byte limit."""
+        order) that the cache does not hold yet, then evict down to the byte limit. Each block is read from the
+        store on its own (`keys_values`: views of a store in memory, a read of a pool file on disk)."""
         b = self.block_tokens
         chain = self._keys(tokens, len(tokens) // b)
         mine = set(chain)
@@ -310,9 +320,9 @@ class PrefixCache:
                 continue
             keys, values = [], []
             for layer in range(len(store.k)):
-                k, v, _, _ = store.past(layer)
-                keys.append(k[:, :, i * b:(i + 1) * b].clone())
-                values.append(v[:, :, i * b:(i + 1) * b].clone())
+                k, v = store.keys_values(layer, i * b, (i + 1) * b)
+                keys.append(k.clone())
+                values.append(v.clone())
             block = _Block(keys, values, sum(t.numel() * t.element_size() for t in keys + values))
             if self.disk is not None:
                 self.disk.save(key, block, frozenset(mine))
