@@ -51,7 +51,6 @@ import os
 import shutil
 import time
 import warnings
-import weakref
 
 import torch
 from torch import nn
@@ -97,57 +96,52 @@ class _Leave(nn.Module):
         return h1, self.block.feed_forward(h1)
 
 
-def _attend_pool(q, keys, values, length, scale: float):
-    """One token per row, q [B,H,1,d], over the pool's first slots: keys, values one [B,1,L,d] view per KV
-    head (L: the bucket; a view of one head has no stride that depends on the pool's capacity at batch 1, so
-    one kernel serves every pool), of which the first `length` (a 0-dim tensor) are used (the token's own
-    included, appended first): slots from `length` on are masked out, whatever they hold. In float32 as
-    pointwise products and reductions, which Inductor fuses into loops (no matmul call, no product kept)."""
+def _attend_pool(q, keys, values, scale: float):
+    """One token per row, q [B,H,1,d], over the used slots of a layer's pool, keys and values [B,Hkv,L,d] (views
+    of the store, the token's own appended first; L is a symbolic size: one compiled kernel serves every cached
+    length and every pool capacity). In float32 as pointwise products and reductions, which Inductor fuses
+    into loops (no matmul call, no product kept)."""
     b, h, _, d = q.shape
-    hkv = len(keys)
+    hkv = keys.shape[1]
     qg = q.reshape(b, hkv, h // hkv, 1, d).float()
-    used = torch.arange(keys[0].shape[2], device=q.device) < length
-    outs = []
-    for head, (kp, vp) in enumerate(zip(keys, values)):
-        scores = (qg[:, head] * kp.float()).sum(-1) * scale  # [B, G, L]
-        probs = torch.softmax(scores.masked_fill(~used, float("-inf")), dim=-1)
-        # an unused slot's value is left out, not weighted by 0: it may hold anything (0 * NaN is NaN)
-        outs.append(torch.where(used[:, None], probs[..., None] * vp.float(), 0.0).sum(-2))  # [B, G, d]
-    return torch.stack(outs, 1).to(q.dtype).reshape(b, h, 1, d)
+    scores = (qg * keys[:, :, None].float()).sum(-1) * scale  # [B, Hkv, G, L]
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs[..., None] * values[:, :, None].float()).sum(-2)  # [B, Hkv, G, d]
+    return out.to(q.dtype).reshape(b, h, 1, d)
 
 
 class _AttendBetween(nn.Module):
-    """`_Between` with `block`'s attention over the pool in front: from `block`'s q and pool (`kv_heads`
-    views of keys, then of values) to the next block's attention input."""
+    """`_Between` with `block`'s attention over its pool in front: from `block`'s q and its used keys and
+    values to the next block's attention input."""
 
-    def __init__(self, block, nxt, scale: float, kv_heads: int):
+    def __init__(self, block, nxt, scale: float):
         super().__init__()
-        self.block, self.nxt, self.scale, self.kv_heads = block, nxt, scale, kv_heads
+        self.block, self.nxt, self.scale = block, nxt, scale
 
-    def forward(self, h, q, length, *pool_and_rope):
-        n = self.kv_heads
-        pool, rope = pool_and_rope[:2 * n], pool_and_rope[2 * n]
-        h1 = self.block.attention_output(h, _attend_pool(q, pool[:n], pool[n:], length, self.scale))
+    def forward(self, h, q, keys, values, rope):
+        h1 = self.block.attention_output(h, _attend_pool(q, keys, values, self.scale))
         out = self.block.feed_forward(h1)
         return (h1, out, *self.nxt.attention_input(out, rope))
 
 
 class _AttendLeave(nn.Module):
-    def __init__(self, block, scale: float, kv_heads: int):
+    def __init__(self, block, scale: float):
         super().__init__()
-        self.block, self.scale, self.kv_heads = block, scale, kv_heads
+        self.block, self.scale = block, scale
 
-    def forward(self, h, q, length, *pool):
-        n = self.kv_heads
-        h1 = self.block.attention_output(h, _attend_pool(q, pool[:n], pool[n:], length, self.scale))
+    def forward(self, h, q, keys, values):
+        h1 = self.block.attention_output(h, _attend_pool(q, keys, values, self.scale))
         return h1, self.block.feed_forward(h1)
 
 
 # what each part is made from and how many tensor inputs come before its rotary ones
 _WRAPPERS = {"enter": (_Enter, 1), "between": (_Between, 2), "leave": (_Leave, 2),
-             "attend_between": (_AttendBetween, 3), "attend_leave": (_AttendLeave, 3)}  # + 2 per KV head
+             "attend_between": (_AttendBetween, 4), "attend_leave": (_AttendLeave, 4)}
 _ROTATES = ("enter", "between", "attend_between")  # the parts ending in the next layer's attention input
-POOL_BUCKET = 256  # an attending part reads the pool up to the used length rounded up to a multiple of this
+_POOLS = (2, 3)  # an attending part's inputs that are pool views (keys, values): their length is symbolic
+# the pool a part is traced with: a length that no static size duck-types to and is not 0 or 1 (sizes torch
+# specializes), in a larger pool (a view that is not contiguous: what the store hands over)
+_TRACE_LENGTH, _TRACE_CAPACITY = 37, 53
 
 
 def _weights(blocks: tuple) -> dict:
@@ -173,10 +167,26 @@ def _bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
-def pool_bucket(length: int, capacity: int) -> int:
-    """The pool slots an attending part reads for `length` used ones: a multiple of `POOL_BUCKET`, at most
-    the pool (one compiled kernel per bucket, so a new one every `POOL_BUCKET` tokens)."""
-    return min(-(-length // POOL_BUCKET) * POOL_BUCKET, capacity)
+def _signature(t: torch.Tensor, pool: bool) -> tuple:
+    """What a compiled part's code depends on in an input: its sizes, strides, dtype and device; a pool view's
+    length and its batch and head strides (the pool's capacity) are symbolic, so they are left out."""
+    if pool:
+        return (t.shape[0], t.shape[1], t.shape[3]), t.stride()[2:], t.dtype, t.device.type
+    return tuple(t.shape), _strides(t), t.dtype, t.device.type
+
+
+def _symbolic(fake_mode, t: torch.Tensor, pool: bool):
+    """`t` as a fake tensor of `fake_mode` for tracing: static, or for a pool view [B,Hkv,L,d] with L and the
+    strides of B and Hkv symbolic (made from a pool of `_TRACE_CAPACITY` slots viewed up to `_TRACE_LENGTH`)."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+    static, dynamic, infer = DimDynamic.STATIC, DimDynamic.DYNAMIC, DimDynamic.INFER_STRIDE
+    if not pool:
+        return fake_mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
+            dynamic_sizes=[static] * t.dim(), dynamic_strides=[infer] * t.dim()))
+    b, hkv, _, d = t.shape
+    example = torch.zeros(b, hkv, _TRACE_CAPACITY, d, dtype=t.dtype, device=t.device)[:, :, :_TRACE_LENGTH]
+    return fake_mode.from_tensor(example, symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[static, static, dynamic, static], dynamic_strides=[dynamic, dynamic, infer, infer]))
 
 
 def available() -> str | None:
@@ -198,7 +208,6 @@ class StepParts:
         self._parts: dict = {}  # key -> (compiled callable, names of the weight inputs)
         self._structures: dict = {}  # id(block) -> (_structure, block)
         self._inputs: dict = {}  # (part, id(block), id(next block)) -> the weights, in the traced order
-        self._pools = weakref.WeakKeyDictionary()  # store -> {(layer, bucket): views of its pool}
         self.compile_seconds = 0.0
         self.compile_log: list = []  # (part, seconds) of each part compiled
         self.compiled = 0
@@ -210,21 +219,23 @@ class StepParts:
             entry = self._structures[id(block)] = (_structure(block), block)
         return entry[0]
 
-    def _part(self, name: str, blocks: tuple, tensors: list, attend: tuple | None = None):
+    def _part(self, name: str, blocks: tuple, tensors: list, attend: float | None = None):
         """The compiled part `name` for these blocks' structure and these tensor inputs (padded), traced and
-        compiled the first time (the generated code is specialised to the inputs' sizes and strides; an
-        attending part also to its `attend`: the attention's scale and the KV heads)."""
+        compiled the first time (the generated code is specialised to the inputs' sizes and strides but an
+        attending part's pool length and capacity; an attending part also to its `attend`, the scale)."""
+        pools = _POOLS if attend is not None else ()
         key = (name, attend, *(self._structure(b) for b in blocks),
-               *((tuple(t.shape), _strides(t), t.dtype, t.device.type) for t in tensors))
+               *(_signature(t, i in pools) for i, t in enumerate(tensors)))
         part = self._parts.get(key)
         if part is None:
+            from torch._subclasses.fake_tensor import FakeTensorMode
             from torch.func import functional_call
             from torch.fx.experimental.proxy_tensor import make_fx
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
             t0 = time.perf_counter()
             make, base = _WRAPPERS[name]
-            wrapper = make(*blocks) if attend is None else make(*blocks, *attend)
-            base += 0 if attend is None else 2 * attend[1]
+            wrapper = make(*blocks) if attend is None else make(*blocks, attend)
             weights = _weights(blocks)
             names = list(weights)
             n = len(names)
@@ -237,8 +248,10 @@ class StepParts:
                     args.append(_rope(rest[base:]) if has_rope else None)
                 return functional_call(wrapper, dict(zip(names, flat[:n])), tuple(args))
 
-            example = [*weights.values(), *tensors]
-            graph = make_fx(traced)(*example)
+            fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+            example = [_symbolic(fake_mode, t, False) for t in weights.values()]
+            example += [_symbolic(fake_mode, t, i in pools) for i, t in enumerate(tensors)]
+            graph = make_fx(traced, tracing_mode="symbolic")(*example)
             with _inductor_cache():
                 fn = torch._inductor.compile(graph, example)
             part = self._parts[key] = (fn, names)
@@ -247,7 +260,7 @@ class StepParts:
             self.compiled += 1
         return part
 
-    def _call(self, name: str, blocks: tuple, tensors: list, rows: int, attend: tuple | None = None):
+    def _call(self, name: str, blocks: tuple, tensors: list, rows: int, attend: float | None = None):
         """The part's outputs for these rows. The dense parts pad the rows to a power of two and take
         contiguous inputs; an attending part (`attend` given) takes its inputs as they are: its rows are a
         power of two already, and its pool slices are views of the store, never copied."""
@@ -278,15 +291,22 @@ class StepParts:
         if len(layers) > 1:
             calls.append(("between", (layers[0], layers[1]), [h, a, *_rope_tensors(layers[1].own_rope(rope))]))
         calls.append(("leave", (layers[-1],), [h, a]))
+        if self.whole and not any(cfg.window(layer) is not None for layer in range(cfg.num_layers)):
+            q = torch.zeros(n, cfg.num_heads, 1, cfg.head_dim, dtype=model.dtype, device=model.device)
+            pool = torch.zeros(n, cfg.num_kv_heads, 2, cfg.head_dim, dtype=model.dtype, device=model.device)
+            if len(layers) > 1:
+                calls.append(("attend_between", (layers[0], layers[1]),
+                              [h, q, pool, pool, *_rope_tensors(layers[1].own_rope(rope))], model.scale))
+            calls.append(("attend_leave", (layers[-1],), [h, q, pool, pool], model.scale))
         try:
             with torch.inference_mode():
-                for name, blocks, tensors in calls:
-                    self._part(name, blocks, [t for t in tensors if t is not None])
+                for name, blocks, tensors, *attend in calls:
+                    self._part(name, blocks, [t for t in tensors if t is not None], *attend)
         except Exception:  # noqa: BLE001 -- the first step meets it again, warns and decodes eagerly
             pass
         return time.perf_counter() - t0
 
-    def _try(self, name: str, blocks: tuple, tensors: list, rows: int, attend: tuple | None = None):
+    def _try(self, name: str, blocks: tuple, tensors: list, rows: int, attend: float | None = None):
         """The part's outputs, or None once compiling (or running what was compiled) failed: then the step
         goes on eagerly, and so does every later step."""
         try:
@@ -349,18 +369,6 @@ class StepParts:
             return False
         return all(session.planned(layer) is ALL for layer in selecting)
 
-    def _pool(self, store, layer: int, bucket: int) -> tuple:
-        """Views of the first `bucket` slots of `layer`'s keys, then values, one [B,1,L,d] per KV head, made
-        once per store and bucket."""
-        views = self._pools.setdefault(store, {})
-        got = views.get((layer, bucket))
-        keys, values = store.k[layer], store.v[layer]
-        # (the views' own `_base` is None for tensors made in inference mode: the pool is kept beside them)
-        if got is None or got[0] is not keys or got[1] is not values:
-            got = views[layer, bucket] = (keys, values, tuple(t[:, j:j + 1, :bucket] for t in (keys, values)
-                                                              for j in range(t.shape[1])))
-        return got[2]
-
     def _run_whole(self, model, h, rope, session) -> torch.Tensor:
         """A decoding step as one compiled call per layer plus the token's append: the call takes a layer's
         q and its pool (the token appended first, the used length masked) and runs its attention, residual
@@ -368,14 +376,12 @@ class StepParts:
         attention (`Session._read`: the plan, listeners, counters; the append; policy and listeners hear of
         it), with the events in the compiled parts' order."""
         layers, store, rows = model.layers, session.store, h.shape[0]
-        attend = (model.scale, model.cfg.num_kv_heads)
+        attend = model.scale
         got = self._try("enter", (layers[0],), [h, *_rope_tensors(layers[0].own_rope(rope))], rows)
         if got is None:
             return _eager_from(model, 0, h, rope, session.attend, session.event)
         x, q, k, v = got
         used = store.length[0] + 1  # the token's own slot included
-        bucket = pool_bucket(used, store.capacity)
-        length = torch.tensor(used, device=h.device)
         light = _reads_all_by_construction(session)
         cur = session.positions[:, 0]
         for i, block in enumerate(layers):
@@ -388,13 +394,13 @@ class StepParts:
                 if read.keys is not None or read.rows is not None:
                     raise RuntimeError(f"layer {i} does not read its store in place in a whole step")
             slots = store.append(i, k, v, cur)
-            pool = self._pool(store, i, bucket)
+            pool = (store.k[i][:, :, :used], store.v[i][:, :, :used])
             if i + 1 < len(layers):
                 nxt = layers[i + 1]
-                tensors = [h, q, length, *pool, *_rope_tensors(nxt.own_rope(rope))]
+                tensors = [h, q, *pool, *_rope_tensors(nxt.own_rope(rope))]
                 got = self._try("attend_between", (block, nxt), tensors, rows, attend)
             else:
-                got = self._try("attend_leave", (block,), [h, q, length, *pool], rows, attend)
+                got = self._try("attend_leave", (block,), [h, q, *pool], rows, attend)
             if got is None:  # this layer's attention eagerly, as the session's own, then the rest eagerly
                 from .runtime import attend_all
                 a = attend_all(q, *store.used_keys_values(i), model.scale)
