@@ -59,7 +59,7 @@ from .paths import cache_dir
 from .policy import Policy
 from .selection import ALL
 
-MODES = ("auto", "on", "whole", "off")  # whole: "on", and a dense step runs whole (`runs_whole`)
+MODES = ("auto", "on", "whole", "parts", "off")  # on = whole: a dense step runs whole (`runs_whole`); parts: never
 MAX_BUCKET = 64  # decoding rows beyond this run eagerly (the weight kernels switch to dense matmuls there)
 
 
@@ -481,10 +481,8 @@ def enable(model, mode: str = "on", long_running: bool = True) -> StepParts | No
     why = resolve(mode, model.device.type, long_running)
     if why is None and any(m._forward_hooks or m._forward_pre_hooks for m in model.layers.modules()):
         why = "the blocks carry hooks"
-    # the whole step compiles its attending parts again for every new bucket of cached tokens, during the run:
-    # in a fresh process that costs more than it saves over a run of a few hundred steps, so it is asked for
-    model.step_parts = None if why else StepParts(whole=mode == "whole")
-    if why and mode in ("on", "whole"):
+    model.step_parts = None if why else StepParts(whole=mode != "parts")
+    if why and mode in ("on", "whole", "parts"):
         warnings.warn(f"decoding eagerly: {why}", RuntimeWarning, stacklevel=2)
     return model.step_parts
 

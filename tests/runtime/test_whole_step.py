@@ -136,13 +136,15 @@ def test_a_kernel_serves_every_pool(model, batch):
     torch.testing.assert_close(larger, first, atol=1e-5, rtol=1e-5)
 
 
-def test_the_whole_step_is_asked_for(model):
-    """`--compile on`/`auto` compile the dense parts only (a new bucket of cached tokens would otherwise
-    compile during the run); `--compile whole` lets a dense step run whole."""
+def test_the_whole_step_is_the_default(model):
+    """A compiled step runs whole where it may (one kernel serves every cached length, so nothing compiles
+    inside a run); `--compile parts` keeps each attention eager between the compiled dense parts."""
     if compiled.available() is not None:
         pytest.skip("no C++ compiler for Inductor")
     try:
-        assert compiled.enable(model, "on").whole is False
+        assert compiled.enable(model, "auto").whole is True
+        assert compiled.enable(model, "on").whole is True
         assert compiled.enable(model, "whole").whole is True
+        assert compiled.enable(model, "parts").whole is False
     finally:
         compiled.disable(model)
