@@ -138,9 +138,11 @@ class _AttendLeave(nn.Module):
 _WRAPPERS = {"enter": (_Enter, 1), "between": (_Between, 2), "leave": (_Leave, 2),
              "attend_between": (_AttendBetween, 4), "attend_leave": (_AttendLeave, 4)}
 _ROTATES = ("enter", "between", "attend_between")  # the parts ending in the next layer's attention input
-_POOLS = (2, 3)  # an attending part's inputs that are pool views (keys, values): their length is symbolic
-# the pool a part is traced with: a length that no static size duck-types to and is not 0 or 1 (sizes torch
-# specializes), in a larger pool (a view that is not contiguous: what the store hands over)
+# an attending part's inputs whose layout is symbolic: q (1; its batch and head strides: a slice of the rotated
+# q and k, or of the joined projections' output, as the part before it left it) and the pool views, keys and
+# values (2, 3; their length, and their batch and head strides: the pool's capacity)
+_POOLS = (2, 3)
+_SYMBOLIC_STRIDES = {1: 3, 2: 2, 3: 2}  # input -> how many leading dimensions have a symbolic stride
 _TRACE_LENGTH, _TRACE_CAPACITY = 37, 53
 
 
@@ -167,26 +169,32 @@ def _bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
-def _signature(t: torch.Tensor, pool: bool) -> tuple:
-    """What a compiled part's code depends on in an input: its sizes, strides, dtype and device; a pool view's
-    length and its batch and head strides (the pool's capacity) are symbolic, so they are left out."""
-    if pool:
-        return (t.shape[0], t.shape[1], t.shape[3]), t.stride()[2:], t.dtype, t.device.type
-    return tuple(t.shape), _strides(t), t.dtype, t.device.type
+def _signature(t: torch.Tensor, position: int | None) -> tuple:
+    """What a compiled part's code depends on in an input: its sizes, strides, dtype and device, but what is
+    symbolic in an attending part's input at `position` (None: a dense part's input, nothing symbolic)."""
+    if position is None or position not in _SYMBOLIC_STRIDES:
+        return tuple(t.shape), _strides(t), t.dtype, t.device.type
+    lead = _SYMBOLIC_STRIDES[position]
+    sizes = tuple(n for i, n in enumerate(t.shape) if i != 2) if position in _POOLS else tuple(t.shape)
+    return sizes, t.stride()[lead:], t.dtype, t.device.type
 
 
-def _symbolic(fake_mode, t: torch.Tensor, pool: bool):
-    """`t` as a fake tensor of `fake_mode` for tracing: static, or for a pool view [B,Hkv,L,d] with L and the
-    strides of B and Hkv symbolic (made from a pool of `_TRACE_CAPACITY` slots viewed up to `_TRACE_LENGTH`)."""
+def _symbolic(fake_mode, t: torch.Tensor, position: int | None):
+    """`t` as a fake tensor of `fake_mode` for tracing: static but for what `_signature` leaves out, traced as
+    symbols (a pool view is made from a pool of `_TRACE_CAPACITY` slots viewed up to `_TRACE_LENGTH`)."""
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
     static, dynamic, infer = DimDynamic.STATIC, DimDynamic.DYNAMIC, DimDynamic.INFER_STRIDE
-    if not pool:
-        return fake_mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
-            dynamic_sizes=[static] * t.dim(), dynamic_strides=[infer] * t.dim()))
-    b, hkv, _, d = t.shape
-    example = torch.zeros(b, hkv, _TRACE_CAPACITY, d, dtype=t.dtype, device=t.device)[:, :, :_TRACE_LENGTH]
-    return fake_mode.from_tensor(example, symbolic_context=StatelessSymbolicContext(
-        dynamic_sizes=[static, static, dynamic, static], dynamic_strides=[dynamic, dynamic, infer, infer]))
+    lead = _SYMBOLIC_STRIDES.get(position, 0) if position is not None else 0
+    sizes = [static] * t.dim()
+    if position in _POOLS:
+        b, hkv, _, d = t.shape
+        t = torch.zeros(b, hkv, _TRACE_CAPACITY, d, dtype=t.dtype, device=t.device)[:, :, :_TRACE_LENGTH]
+        sizes[2] = dynamic
+    elif lead:  # q [B, H, 1, d]: traced as a view with strides unlike each other and unlike 0 or 1
+        b, h, _, d = t.shape
+        t = torch.zeros(b, 2, h + 5, d, dtype=t.dtype, device=t.device).transpose(1, 2)[:, :h, :1]
+    return fake_mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=sizes, dynamic_strides=[dynamic] * lead + [infer] * (t.dim() - lead)))
 
 
 def available() -> str | None:
@@ -223,9 +231,9 @@ class StepParts:
         """The compiled part `name` for these blocks' structure and these tensor inputs (padded), traced and
         compiled the first time (the generated code is specialised to the inputs' sizes and strides but an
         attending part's pool length and capacity; an attending part also to its `attend`, the scale)."""
-        pools = _POOLS if attend is not None else ()
+        symbolic = attend is not None
         key = (name, attend, *(self._structure(b) for b in blocks),
-               *(_signature(t, i in pools) for i, t in enumerate(tensors)))
+               *(_signature(t, i if symbolic else None) for i, t in enumerate(tensors)))
         part = self._parts.get(key)
         if part is None:
             from torch._subclasses.fake_tensor import FakeTensorMode
@@ -248,9 +256,9 @@ class StepParts:
                     args.append(_rope(rest[base:]) if has_rope else None)
                 return functional_call(wrapper, dict(zip(names, flat[:n])), tuple(args))
 
-            fake_mode = FakeTensorMode(shape_env=ShapeEnv())
-            example = [_symbolic(fake_mode, t, False) for t in weights.values()]
-            example += [_symbolic(fake_mode, t, i in pools) for i, t in enumerate(tensors)]
+            fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False))  # equal examples, not one symbol
+            example = [_symbolic(fake_mode, t, None) for t in weights.values()]
+            example += [_symbolic(fake_mode, t, i if symbolic else None) for i, t in enumerate(tensors)]
             graph = make_fx(traced, tracing_mode="symbolic")(*example)
             with _inductor_cache():
                 fn = torch._inductor.compile(graph, example)

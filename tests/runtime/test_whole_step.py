@@ -79,7 +79,7 @@ def _attending(parts) -> list:
 
 @pytest.mark.parametrize("policy", ["full", "infinigen"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_whole_step_equals_eager_across_buckets(model, policy, batch):
+def test_whole_step_equals_eager_at_every_length(model, policy, batch):
     tokens = _tokens(model, batch, seed=batch)
     sessions = []
     eager = _decode(model, _policy(policy, model), tokens, sessions=sessions)
@@ -148,3 +148,17 @@ def test_the_whole_step_is_the_default(model):
         assert compiled.enable(model, "parts").whole is False
     finally:
         compiled.disable(model)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_warming_compiles_all_a_run_needs(model, batch):
+    """`warm` (a server before it listens, a benchmark before its timed steps) compiles every part a whole step
+    of `batch` rows calls, for every cached length: decoding then compiles nothing."""
+    parts = compiled.StepParts()
+    parts.warm(model, batch)
+    assert parts.failed is None and _attending(parts) == ["attend_between", "attend_leave"]
+    warmed = parts.compiled
+    fast = _decode(model, _policy("full", model), _tokens(model, batch, seed=5), parts)
+    assert parts.compiled == warmed
+    torch.testing.assert_close(fast, _decode(model, _policy("full", model), _tokens(model, batch, seed=5)),
+                               atol=1e-5, rtol=1e-5)
