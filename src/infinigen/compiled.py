@@ -29,11 +29,13 @@ attention moves into the compiled region too, and a step is `enter` then one cal
     attend_leave     the last layer's attention over its pool, then `leave`
 
 The token's k, v are appended to the store first (`KVStore.append`, outside: the store keeps its own
-bookkeeping), and the part reads views of the pool's first L slots, L the used length rounded up to a
-multiple of `POOL_BUCKET` (at most the pool): slots from the used length on are masked out whatever they
-hold, so one kernel serves 256 lengths and a new bucket compiles the two attending parts again (Inductor's
-cache makes a later run's fast). Around each call the session's own bookkeeping runs as in its attention
+bookkeeping), and the part reads views of the pool's used slots. Their length and the pool's capacity (the
+views' batch and head strides), and q's batch and head strides, are symbols of the traced graph (`make_fx`
+in symbolic mode over fake inputs marked so, `_symbolic`): one compiled kernel per part serves every cached
+length, every pool and every layer, so a run compiles nothing after `warm` (a server before it listens, a
+benchmark before its timed steps). Around each call the session's own bookkeeping runs as in its attention
 (`Session._read`'s plan, listeners and counters; `on_append` for the policy and listeners; the events).
+The default: `--compile on` and `auto` run a step whole where it may, `parts` never.
 
 What stays eager otherwise is what the runtime and the policies decide per step (the store, the selection,
 the attention over a length that grows each step) and the head (its int8 table: Inductor's own code for it
