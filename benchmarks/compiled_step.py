@@ -11,8 +11,9 @@ and whether the greedy tokens agreed with eager's.
     PYTHONPATH=src python benchmarks/compiled_step.py [--threads 2] [--steps 40] [--cases 512x1,512x4]
         [--policies full,infinigen] [--out results/compiled_step/compiled_step.md]
 
-A case whose decoding crosses a multiple of `compiled.POOL_BUCKET` cached tokens (250x1: 256) compiles the
-whole step's attending parts again for the next bucket: the compile log at the end shows what each cost.
+The whole step's attending parts take the cached length as a symbolic size: they are compiled once, in the
+first case's warm-up, whatever lengths later steps reach; the compile log at the end shows what each part cost
+(run with an empty TORCHINDUCTOR_CACHE_DIR for the cold compile, again for the one from Inductor's cache).
 """
 from __future__ import annotations
 

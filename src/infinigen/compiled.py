@@ -29,11 +29,13 @@ attention moves into the compiled region too, and a step is `enter` then one cal
     attend_leave     the last layer's attention over its pool, then `leave`
 
 The token's k, v are appended to the store first (`KVStore.append`, outside: the store keeps its own
-bookkeeping), and the part reads views of the pool's first L slots, L the used length rounded up to a
-multiple of `POOL_BUCKET` (at most the pool): slots from the used length on are masked out whatever they
-hold, so one kernel serves 256 lengths and a new bucket compiles the two attending parts again (Inductor's
-cache makes a later run's fast). Around each call the session's own bookkeeping runs as in its attention
+bookkeeping), and the part reads views of the pool's used slots. Their length and the pool's capacity (the
+views' batch and head strides), and q's batch and head strides, are symbols of the traced graph (`make_fx`
+in symbolic mode over fake inputs marked so, `_symbolic`): one compiled kernel per part serves every cached
+length, every pool and every layer, so a run compiles nothing after `warm` (a server before it listens, a
+benchmark before its timed steps). Around each call the session's own bookkeeping runs as in its attention
 (`Session._read`'s plan, listeners and counters; `on_append` for the policy and listeners; the events).
+The default: `--compile on` and `auto` run a step whole where it may, `parts` never.
 
 What stays eager otherwise is what the runtime and the policies decide per step (the store, the selection,
 the attention over a length that grows each step) and the head (its int8 table: Inductor's own code for it
@@ -51,7 +53,6 @@ import os
 import shutil
 import time
 import warnings
-import weakref
 
 import torch
 from torch import nn
@@ -60,7 +61,7 @@ from .paths import cache_dir
 from .policy import Policy
 from .selection import ALL
 
-MODES = ("auto", "on", "whole", "off")  # whole: "on", and a dense step runs whole (`runs_whole`)
+MODES = ("auto", "on", "whole", "parts", "off")  # on = whole: a dense step runs whole (`runs_whole`); parts: never
 MAX_BUCKET = 64  # decoding rows beyond this run eagerly (the weight kernels switch to dense matmuls there)
 
 
@@ -97,57 +98,54 @@ class _Leave(nn.Module):
         return h1, self.block.feed_forward(h1)
 
 
-def _attend_pool(q, keys, values, length, scale: float):
-    """One token per row, q [B,H,1,d], over the pool's first slots: keys, values one [B,1,L,d] view per KV
-    head (L: the bucket; a view of one head has no stride that depends on the pool's capacity at batch 1, so
-    one kernel serves every pool), of which the first `length` (a 0-dim tensor) are used (the token's own
-    included, appended first): slots from `length` on are masked out, whatever they hold. In float32 as
-    pointwise products and reductions, which Inductor fuses into loops (no matmul call, no product kept)."""
+def _attend_pool(q, keys, values, scale: float):
+    """One token per row, q [B,H,1,d], over the used slots of a layer's pool, keys and values [B,Hkv,L,d] (views
+    of the store, the token's own appended first; L is a symbolic size: one compiled kernel serves every cached
+    length and every pool capacity). In float32 as pointwise products and reductions, which Inductor fuses
+    into loops (no matmul call, no product kept)."""
     b, h, _, d = q.shape
-    hkv = len(keys)
+    hkv = keys.shape[1]
     qg = q.reshape(b, hkv, h // hkv, 1, d).float()
-    used = torch.arange(keys[0].shape[2], device=q.device) < length
-    outs = []
-    for head, (kp, vp) in enumerate(zip(keys, values)):
-        scores = (qg[:, head] * kp.float()).sum(-1) * scale  # [B, G, L]
-        probs = torch.softmax(scores.masked_fill(~used, float("-inf")), dim=-1)
-        # an unused slot's value is left out, not weighted by 0: it may hold anything (0 * NaN is NaN)
-        outs.append(torch.where(used[:, None], probs[..., None] * vp.float(), 0.0).sum(-2))  # [B, G, d]
-    return torch.stack(outs, 1).to(q.dtype).reshape(b, h, 1, d)
+    scores = (qg * keys[:, :, None].float()).sum(-1) * scale  # [B, Hkv, G, L]
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs[..., None] * values[:, :, None].float()).sum(-2)  # [B, Hkv, G, d]
+    return out.to(q.dtype).reshape(b, h, 1, d)
 
 
 class _AttendBetween(nn.Module):
-    """`_Between` with `block`'s attention over the pool in front: from `block`'s q and pool (`kv_heads`
-    views of keys, then of values) to the next block's attention input."""
+    """`_Between` with `block`'s attention over its pool in front: from `block`'s q and its used keys and
+    values to the next block's attention input."""
 
-    def __init__(self, block, nxt, scale: float, kv_heads: int):
+    def __init__(self, block, nxt, scale: float):
         super().__init__()
-        self.block, self.nxt, self.scale, self.kv_heads = block, nxt, scale, kv_heads
+        self.block, self.nxt, self.scale = block, nxt, scale
 
-    def forward(self, h, q, length, *pool_and_rope):
-        n = self.kv_heads
-        pool, rope = pool_and_rope[:2 * n], pool_and_rope[2 * n]
-        h1 = self.block.attention_output(h, _attend_pool(q, pool[:n], pool[n:], length, self.scale))
+    def forward(self, h, q, keys, values, rope):
+        h1 = self.block.attention_output(h, _attend_pool(q, keys, values, self.scale))
         out = self.block.feed_forward(h1)
         return (h1, out, *self.nxt.attention_input(out, rope))
 
 
 class _AttendLeave(nn.Module):
-    def __init__(self, block, scale: float, kv_heads: int):
+    def __init__(self, block, scale: float):
         super().__init__()
-        self.block, self.scale, self.kv_heads = block, scale, kv_heads
+        self.block, self.scale = block, scale
 
-    def forward(self, h, q, length, *pool):
-        n = self.kv_heads
-        h1 = self.block.attention_output(h, _attend_pool(q, pool[:n], pool[n:], length, self.scale))
+    def forward(self, h, q, keys, values):
+        h1 = self.block.attention_output(h, _attend_pool(q, keys, values, self.scale))
         return h1, self.block.feed_forward(h1)
 
 
 # what each part is made from and how many tensor inputs come before its rotary ones
 _WRAPPERS = {"enter": (_Enter, 1), "between": (_Between, 2), "leave": (_Leave, 2),
-             "attend_between": (_AttendBetween, 3), "attend_leave": (_AttendLeave, 3)}  # + 2 per KV head
+             "attend_between": (_AttendBetween, 4), "attend_leave": (_AttendLeave, 4)}
 _ROTATES = ("enter", "between", "attend_between")  # the parts ending in the next layer's attention input
-POOL_BUCKET = 256  # an attending part reads the pool up to the used length rounded up to a multiple of this
+# an attending part's inputs whose layout is symbolic: q (1; its batch and head strides: a slice of the rotated
+# q and k, or of the joined projections' output, as the part before it left it) and the pool views, keys and
+# values (2, 3; their length, and their batch and head strides: the pool's capacity)
+_POOLS = (2, 3)
+_SYMBOLIC_STRIDES = {1: 3, 2: 2, 3: 2}  # input -> how many leading dimensions have a symbolic stride
+_TRACE_LENGTH, _TRACE_CAPACITY = 37, 53
 
 
 def _weights(blocks: tuple) -> dict:
@@ -173,10 +171,32 @@ def _bucket(rows: int) -> int:
     return 1 << (rows - 1).bit_length()
 
 
-def pool_bucket(length: int, capacity: int) -> int:
-    """The pool slots an attending part reads for `length` used ones: a multiple of `POOL_BUCKET`, at most
-    the pool (one compiled kernel per bucket, so a new one every `POOL_BUCKET` tokens)."""
-    return min(-(-length // POOL_BUCKET) * POOL_BUCKET, capacity)
+def _signature(t: torch.Tensor, position: int | None) -> tuple:
+    """What a compiled part's code depends on in an input: its sizes, strides, dtype and device, but what is
+    symbolic in an attending part's input at `position` (None: a dense part's input, nothing symbolic)."""
+    if position is None or position not in _SYMBOLIC_STRIDES:
+        return tuple(t.shape), _strides(t), t.dtype, t.device.type
+    lead = _SYMBOLIC_STRIDES[position]
+    sizes = tuple(n for i, n in enumerate(t.shape) if i != 2) if position in _POOLS else tuple(t.shape)
+    return sizes, t.stride()[lead:], t.dtype, t.device.type
+
+
+def _symbolic(fake_mode, t: torch.Tensor, position: int | None):
+    """`t` as a fake tensor of `fake_mode` for tracing: static but for what `_signature` leaves out, traced as
+    symbols (a pool view is made from a pool of `_TRACE_CAPACITY` slots viewed up to `_TRACE_LENGTH`)."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+    static, dynamic, infer = DimDynamic.STATIC, DimDynamic.DYNAMIC, DimDynamic.INFER_STRIDE
+    lead = _SYMBOLIC_STRIDES.get(position, 0) if position is not None else 0
+    sizes = [static] * t.dim()
+    if position in _POOLS:
+        b, hkv, _, d = t.shape
+        t = torch.zeros(b, hkv, _TRACE_CAPACITY, d, dtype=t.dtype, device=t.device)[:, :, :_TRACE_LENGTH]
+        sizes[2] = dynamic
+    elif lead:  # q [B, H, 1, d]: traced as a view with strides unlike each other and unlike 0 or 1
+        b, h, _, d = t.shape
+        t = torch.zeros(b, 2, h + 5, d, dtype=t.dtype, device=t.device).transpose(1, 2)[:, :h, :1]
+    return fake_mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=sizes, dynamic_strides=[dynamic] * lead + [infer] * (t.dim() - lead)))
 
 
 def available() -> str | None:
@@ -198,7 +218,6 @@ class StepParts:
         self._parts: dict = {}  # key -> (compiled callable, names of the weight inputs)
         self._structures: dict = {}  # id(block) -> (_structure, block)
         self._inputs: dict = {}  # (part, id(block), id(next block)) -> the weights, in the traced order
-        self._pools = weakref.WeakKeyDictionary()  # store -> {(layer, bucket): views of its pool}
         self.compile_seconds = 0.0
         self.compile_log: list = []  # (part, seconds) of each part compiled
         self.compiled = 0
@@ -210,21 +229,23 @@ class StepParts:
             entry = self._structures[id(block)] = (_structure(block), block)
         return entry[0]
 
-    def _part(self, name: str, blocks: tuple, tensors: list, attend: tuple | None = None):
+    def _part(self, name: str, blocks: tuple, tensors: list, attend: float | None = None):
         """The compiled part `name` for these blocks' structure and these tensor inputs (padded), traced and
-        compiled the first time (the generated code is specialised to the inputs' sizes and strides; an
-        attending part also to its `attend`: the attention's scale and the KV heads)."""
+        compiled the first time (the generated code is specialised to the inputs' sizes and strides but an
+        attending part's pool length and capacity; an attending part also to its `attend`, the scale)."""
+        symbolic = attend is not None
         key = (name, attend, *(self._structure(b) for b in blocks),
-               *((tuple(t.shape), _strides(t), t.dtype, t.device.type) for t in tensors))
+               *(_signature(t, i if symbolic else None) for i, t in enumerate(tensors)))
         part = self._parts.get(key)
         if part is None:
+            from torch._subclasses.fake_tensor import FakeTensorMode
             from torch.func import functional_call
             from torch.fx.experimental.proxy_tensor import make_fx
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
             t0 = time.perf_counter()
             make, base = _WRAPPERS[name]
-            wrapper = make(*blocks) if attend is None else make(*blocks, *attend)
-            base += 0 if attend is None else 2 * attend[1]
+            wrapper = make(*blocks) if attend is None else make(*blocks, attend)
             weights = _weights(blocks)
             names = list(weights)
             n = len(names)
@@ -237,8 +258,10 @@ class StepParts:
                     args.append(_rope(rest[base:]) if has_rope else None)
                 return functional_call(wrapper, dict(zip(names, flat[:n])), tuple(args))
 
-            example = [*weights.values(), *tensors]
-            graph = make_fx(traced)(*example)
+            fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False))  # equal examples, not one symbol
+            example = [_symbolic(fake_mode, t, None) for t in weights.values()]
+            example += [_symbolic(fake_mode, t, i if symbolic else None) for i, t in enumerate(tensors)]
+            graph = make_fx(traced, tracing_mode="symbolic")(*example)
             with _inductor_cache():
                 fn = torch._inductor.compile(graph, example)
             part = self._parts[key] = (fn, names)
@@ -247,7 +270,7 @@ class StepParts:
             self.compiled += 1
         return part
 
-    def _call(self, name: str, blocks: tuple, tensors: list, rows: int, attend: tuple | None = None):
+    def _call(self, name: str, blocks: tuple, tensors: list, rows: int, attend: float | None = None):
         """The part's outputs for these rows. The dense parts pad the rows to a power of two and take
         contiguous inputs; an attending part (`attend` given) takes its inputs as they are: its rows are a
         power of two already, and its pool slices are views of the store, never copied."""
@@ -278,15 +301,22 @@ class StepParts:
         if len(layers) > 1:
             calls.append(("between", (layers[0], layers[1]), [h, a, *_rope_tensors(layers[1].own_rope(rope))]))
         calls.append(("leave", (layers[-1],), [h, a]))
+        if self.whole and not any(cfg.window(layer) is not None for layer in range(cfg.num_layers)):
+            q = torch.zeros(n, cfg.num_heads, 1, cfg.head_dim, dtype=model.dtype, device=model.device)
+            pool = torch.zeros(n, cfg.num_kv_heads, 2, cfg.head_dim, dtype=model.dtype, device=model.device)
+            if len(layers) > 1:
+                calls.append(("attend_between", (layers[0], layers[1]),
+                              [h, q, pool, pool, *_rope_tensors(layers[1].own_rope(rope))], model.scale))
+            calls.append(("attend_leave", (layers[-1],), [h, q, pool, pool], model.scale))
         try:
             with torch.inference_mode():
-                for name, blocks, tensors in calls:
-                    self._part(name, blocks, [t for t in tensors if t is not None])
+                for name, blocks, tensors, *attend in calls:
+                    self._part(name, blocks, [t for t in tensors if t is not None], *attend)
         except Exception:  # noqa: BLE001 -- the first step meets it again, warns and decodes eagerly
             pass
         return time.perf_counter() - t0
 
-    def _try(self, name: str, blocks: tuple, tensors: list, rows: int, attend: tuple | None = None):
+    def _try(self, name: str, blocks: tuple, tensors: list, rows: int, attend: float | None = None):
         """The part's outputs, or None once compiling (or running what was compiled) failed: then the step
         goes on eagerly, and so does every later step."""
         try:
@@ -349,18 +379,6 @@ class StepParts:
             return False
         return all(session.planned(layer) is ALL for layer in selecting)
 
-    def _pool(self, store, layer: int, bucket: int) -> tuple:
-        """Views of the first `bucket` slots of `layer`'s keys, then values, one [B,1,L,d] per KV head, made
-        once per store and bucket."""
-        views = self._pools.setdefault(store, {})
-        got = views.get((layer, bucket))
-        keys, values = store.k[layer], store.v[layer]
-        # (the views' own `_base` is None for tensors made in inference mode: the pool is kept beside them)
-        if got is None or got[0] is not keys or got[1] is not values:
-            got = views[layer, bucket] = (keys, values, tuple(t[:, j:j + 1, :bucket] for t in (keys, values)
-                                                              for j in range(t.shape[1])))
-        return got[2]
-
     def _run_whole(self, model, h, rope, session) -> torch.Tensor:
         """A decoding step as one compiled call per layer plus the token's append: the call takes a layer's
         q and its pool (the token appended first, the used length masked) and runs its attention, residual
@@ -368,14 +386,12 @@ class StepParts:
         attention (`Session._read`: the plan, listeners, counters; the append; policy and listeners hear of
         it), with the events in the compiled parts' order."""
         layers, store, rows = model.layers, session.store, h.shape[0]
-        attend = (model.scale, model.cfg.num_kv_heads)
+        attend = model.scale
         got = self._try("enter", (layers[0],), [h, *_rope_tensors(layers[0].own_rope(rope))], rows)
         if got is None:
             return _eager_from(model, 0, h, rope, session.attend, session.event)
         x, q, k, v = got
         used = store.length[0] + 1  # the token's own slot included
-        bucket = pool_bucket(used, store.capacity)
-        length = torch.tensor(used, device=h.device)
         light = _reads_all_by_construction(session)
         cur = session.positions[:, 0]
         for i, block in enumerate(layers):
@@ -388,13 +404,13 @@ class StepParts:
                 if read.keys is not None or read.rows is not None:
                     raise RuntimeError(f"layer {i} does not read its store in place in a whole step")
             slots = store.append(i, k, v, cur)
-            pool = self._pool(store, i, bucket)
+            pool = (store.k[i][:, :, :used], store.v[i][:, :, :used])
             if i + 1 < len(layers):
                 nxt = layers[i + 1]
-                tensors = [h, q, length, *pool, *_rope_tensors(nxt.own_rope(rope))]
+                tensors = [h, q, *pool, *_rope_tensors(nxt.own_rope(rope))]
                 got = self._try("attend_between", (block, nxt), tensors, rows, attend)
             else:
-                got = self._try("attend_leave", (block,), [h, q, length, *pool], rows, attend)
+                got = self._try("attend_leave", (block,), [h, q, *pool], rows, attend)
             if got is None:  # this layer's attention eagerly, as the session's own, then the rest eagerly
                 from .runtime import attend_all
                 a = attend_all(q, *store.used_keys_values(i), model.scale)
@@ -475,10 +491,8 @@ def enable(model, mode: str = "on", long_running: bool = True) -> StepParts | No
     why = resolve(mode, model.device.type, long_running)
     if why is None and any(m._forward_hooks or m._forward_pre_hooks for m in model.layers.modules()):
         why = "the blocks carry hooks"
-    # the whole step compiles its attending parts again for every new bucket of cached tokens, during the run:
-    # in a fresh process that costs more than it saves over a run of a few hundred steps, so it is asked for
-    model.step_parts = None if why else StepParts(whole=mode == "whole")
-    if why and mode in ("on", "whole"):
+    model.step_parts = None if why else StepParts(whole=mode != "parts")
+    if why and mode in ("on", "whole", "parts"):
         warnings.warn(f"decoding eagerly: {why}", RuntimeWarning, stacklevel=2)
     return model.step_parts
 

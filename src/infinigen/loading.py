@@ -39,7 +39,7 @@ from .gguf_model import (DEFAULT_MODEL_NAME, _gguf_blocks, _read_gguf_blocks, co
 from .paths import cache_dir  # noqa: F401 (re-exported)
 from .precision import (DTYPE_CHOICES, DTYPES, WEIGHT_CHOICES, WEIGHTS, auto_dtype,  # noqa: F401
                         resolve_precision)
-from .quantized import WeightsInfo, cast_parameters, quantize_model, wanted_kind
+from .quantized import WeightsInfo, cast_parameters, join_projections, quantize_model, wanted_kind
 
 _convert_gguf = convert_gguf  # the name benchmarks and tests import
 
@@ -97,6 +97,7 @@ def load(spec: str | os.PathLike | None = None, dtype: str | torch.dtype | None 
                   modules=native)
     quantize_model(model, mode, dtype, device, info)
     cast_parameters(model, dtype)
+    join_projections(model)
     model.weights_info = info
     # the file the weights came from, whatever dtype and weight mode they were made into: one calibration
     # (skew matrices and InfiniGen's settings, `skew.model_fingerprint`) serves them all

@@ -24,13 +24,12 @@ def tensor_bytes(x) -> int:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of a model's parameters, each storage once (tied embeddings count once)."""
-    seen, total = set(), 0
+    """Bytes of a model's parameters, each storage once (tied embeddings, and parameters that are views of
+    another's storage, such as joined projections' parts, count once)."""
+    storages = {}
     for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+        storages[(p.device, p.untyped_storage().data_ptr())] = p.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def kv_bytes(cfg, batch: int, length: int, dtype: torch.dtype) -> int:

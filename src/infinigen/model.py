@@ -65,14 +65,24 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = None  # q, k and v in one weight call where the loader joined them (`_joined`)
+
+    def projections(self, x: torch.Tensor):
+        """x's q, k and v projections [B,T,features]: one call of the joined weight where it stands for them."""
+        h, kv, d = self.shape
+        joined = _joined(self.qkv_proj, (self.q_proj, self.k_proj, self.v_proj))
+        if joined is not None:
+            return joined(x).split([h * d, kv * d, kv * d], -1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def qkv(self, x: torch.Tensor, rope: "Rope | None"):
         """Queries [B,H,T,d] (post-RoPE) and keys/values [B,Hkv,T,d] for attention input x [B,T,hidden]."""
         h, kv, d = self.shape
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, kv, d).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)
+        q, k, v = self.projections(x)
+        q = q.view(b, t, h, d).transpose(1, 2)
+        k = k.view(b, t, kv, d).transpose(1, 2)
+        v = v.view(b, t, kv, d).transpose(1, 2)
         if rope is not None:  # one rotation for queries and keys together: fewer small ops per decode step
             q, k = rope.apply(torch.cat([q, k], dim=1)).split([h, kv], dim=1)
         return q, k, v
@@ -97,9 +107,10 @@ class NormedQKAttention(Attention):
     def qkv(self, x: torch.Tensor, rope: "Rope | None"):
         h, kv, d = self.shape
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, h, d)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, kv, d)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, kv, d).transpose(1, 2)
+        q, k, v = self.projections(x)
+        q = self.q_norm(q.view(b, t, h, d)).transpose(1, 2)
+        k = self.k_norm(k.view(b, t, kv, d)).transpose(1, 2)
+        v = v.view(b, t, kv, d).transpose(1, 2)
         q, k = rope.apply(torch.cat([q, k], dim=1)).split([h, kv], dim=1)
         return q, k, v
 
@@ -107,6 +118,15 @@ class NormedQKAttention(Attention):
         h, _, d = self.shape
         b, t, _ = x.shape
         return rope.apply(self.q_norm(self.q_proj(x).view(b, t, h, d)).transpose(1, 2))
+
+
+def _joined(joined, parts: tuple):
+    """`joined`, one module computing `parts`' outputs concatenated (`quantized.join_projections`), where it may
+    stand for them: it was made of these very modules, and none of them carries a hook (a probe or weight
+    streaming must see its own module run). None: call the parts."""
+    if joined is None or joined.joins != parts or any(p._forward_hooks or p._forward_pre_hooks for p in parts):
+        return None
+    return joined
 
 
 def _gelu_tanh(x):
@@ -122,9 +142,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = {"silu": F.silu, "relu": F.relu, "gelu": F.gelu, "gelu_pytorch_tanh": _gelu_tanh}[cfg.activation]
+        self.gate_up_proj = None  # gate and up in one weight call where the loader joined them (`_joined`)
 
     def forward(self, x):
         if self.gated:
+            joined = _joined(self.gate_up_proj, (self.gate_proj, self.up_proj))
+            if joined is not None:
+                gate, up = joined(x).chunk(2, -1)
+                return self.down_proj(self.act(gate) * up)
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(self.act(self.up_proj(x)))
 

@@ -278,10 +278,11 @@ def _prefill(model, tokens):
 
 
 def _dense_twin(quantized, dense):
-    """`dense` with each quantized module's dequantized weights copied in: the same numbers in nn.Linear."""
+    """`dense` with each quantized module's dequantized weights copied in: the same numbers in nn.Linear (a
+    joined projection's weights are its parts', copied from them)."""
     with torch.no_grad():
         for name, mod in quantized.named_modules():
-            if isinstance(mod, (Int4Linear, Int8Linear, Int8Embedding)):
+            if isinstance(mod, (Int4Linear, Int8Linear, Int8Embedding)) and not getattr(mod, "joins", ()):
                 dense.get_submodule(name).weight.copy_(mod.dequantize(torch.float32))
     return dense
 

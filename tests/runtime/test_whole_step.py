@@ -1,7 +1,8 @@
 """The whole compiled decoding step (`StepParts.runs_whole`): each layer's attention over the store's pool runs
-inside the compiled region, at a bucketed cached length with the unused slots masked out. Its logits equal the
-eager step's in float32 across bucket boundaries, at batch 1 and 4, for the full cache and for InfiniGen below
-its crossing; the session's hooks hear the same tensors; whatever the unused slots hold is never read."""
+inside the compiled region, over the used slots as a symbolic length: one compiled kernel serves every cached
+length and every pool. Its logits equal the eager step's in float32 at every length, at batch 1 and 4, for
+the full cache and for InfiniGen below its crossing; the session's hooks hear the same tensors; whatever the
+unused slots hold is never read."""
 from __future__ import annotations
 
 import pytest
@@ -13,15 +14,13 @@ from infinigen.policies import make_policy
 from support.models import build_tiny
 from support.speculation import random_skew
 
-P, T = 10, 30  # decoding caches 11..29 tokens: with buckets of 8 slots, the buckets 16, 24 and the pool (30)
-BUCKET = 8
+P, T = 10, 30  # decoding caches 11..29 tokens, the last step filling the pool
 
 
 @pytest.fixture(autouse=True)
-def _small_buckets(tmp_path_factory, monkeypatch):
-    # one Inductor cache for the module's tests, never the user's; buckets small enough to cross several
+def _inductor_cache(tmp_path_factory, monkeypatch):
+    # one Inductor cache for the module's tests, never the user's
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
-    monkeypatch.setattr(compiled, "POOL_BUCKET", BUCKET)
 
 
 @pytest.fixture(scope="module")
@@ -73,23 +72,21 @@ def _tokens(model, b, seed):
     return torch.randint(3, model.cfg.vocab_size, (b, T), generator=torch.Generator().manual_seed(seed))
 
 
-def _attending_buckets(parts) -> set:
-    """The pool lengths the compiled attending parts were built for."""
-    inputs = [[e for e in key if isinstance(e, tuple) and len(e) == 4 and isinstance(e[2], torch.dtype)]
-              for key in parts._parts if key[0] in ("attend_between", "attend_leave")]
-    return {tensors[3][0][2] for tensors in inputs}  # (h, q, length, keys of KV head 0 [B, 1, L, d], ...)
+def _attending(parts) -> list:
+    """The names of the compiled attending parts."""
+    return sorted(key[0] for key in parts._parts if key[0] in ("attend_between", "attend_leave"))
 
 
 @pytest.mark.parametrize("policy", ["full", "infinigen"])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_whole_step_equals_eager_across_buckets(model, policy, batch):
+def test_whole_step_equals_eager_at_every_length(model, policy, batch):
     tokens = _tokens(model, batch, seed=batch)
     sessions = []
     eager = _decode(model, _policy(policy, model), tokens, sessions=sessions)
     parts = compiled.StepParts()
     whole = _decode(model, _policy(policy, model), tokens, parts, stale=True, sessions=sessions)
     assert parts.failed is None
-    assert _attending_buckets(parts) == {16, 24, 30}  # every step ran whole, over three buckets
+    assert _attending(parts) == ["attend_between", "attend_leave"]  # one kernel each for 19 lengths
     assert not any(key[0] in ("between", "leave") for key in parts._parts)
     torch.testing.assert_close(whole, eager, atol=1e-5, rtol=1e-5)
     counted = [(s.stats.rows, s.stats.entries, s.stats.per_layer()) for s in sessions]
@@ -102,7 +99,7 @@ def test_the_session_hears_the_same_in_a_whole_step(model):
     eager = _decode(model, _policy("full", model), tokens, listeners=[eager_heard])
     parts = compiled.StepParts()
     whole = _decode(model, _policy("full", model), tokens, parts, listeners=[heard])
-    assert _attending_buckets(parts)
+    assert _attending(parts)
     torch.testing.assert_close(whole, eager, atol=1e-5, rtol=1e-5)
     assert [s[0] for s in heard.selected] == [s[0] for s in eager_heard.selected]
     assert all(keep is runtime.ALL for _, keep in heard.selected)
@@ -122,32 +119,46 @@ def test_steps_that_cannot_run_whole_use_the_parts(model):
         tokens = _tokens(model, batch, seed=11)
         parts = compiled.StepParts()
         fast = _decode(model, policy or _policy(name, model), tokens, parts)
-        assert not _attending_buckets(parts) and parts.compiled == 3, name
+        assert not _attending(parts) and parts.compiled == 3, name
         torch.testing.assert_close(fast, _decode(model, policy or _policy(name, model), tokens), atol=2e-5, rtol=2e-5)
 
 
-def test_a_kernel_serves_every_pool_at_batch_1(model):
-    """A server's sessions have pools of their own sizes: at batch 1 the compiled attention reads one view per
-    KV head, whose strides do not depend on the pool's capacity, so a larger pool compiles only its new
-    bucket."""
-    tokens = _tokens(model, 1, seed=9)
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_kernel_serves_every_pool(model, batch):
+    """A server's sessions have pools of their own sizes: the compiled attention takes the pool's capacity (its
+    views' strides) and the used length as symbols, so a larger pool compiles nothing new."""
+    tokens = _tokens(model, batch, seed=9)
     parts = compiled.StepParts()
     first = _decode(model, _policy("full", model), tokens, parts)
-    assert _attending_buckets(parts) == {16, 24, 30}
     compiled_before = parts.compiled
-    larger = _decode(model, _policy("full", model), tokens, parts, capacity=40)
-    assert _attending_buckets(parts) == {16, 24, 30, 32}  # 32: the last bucket of the larger pool
-    assert parts.compiled == compiled_before + 2  # its attend_between and attend_leave, nothing else
+    larger = _decode(model, _policy("full", model), tokens, parts, capacity=57)
+    assert parts.compiled == compiled_before and _attending(parts) == ["attend_between", "attend_leave"]
     torch.testing.assert_close(larger, first, atol=1e-5, rtol=1e-5)
 
 
-def test_the_whole_step_is_asked_for(model):
-    """`--compile on`/`auto` compile the dense parts only (a new bucket of cached tokens would otherwise
-    compile during the run); `--compile whole` lets a dense step run whole."""
+def test_the_whole_step_is_the_default(model):
+    """A compiled step runs whole where it may (one kernel serves every cached length, so nothing compiles
+    inside a run); `--compile parts` keeps each attention eager between the compiled dense parts."""
     if compiled.available() is not None:
         pytest.skip("no C++ compiler for Inductor")
     try:
-        assert compiled.enable(model, "on").whole is False
+        assert compiled.enable(model, "auto").whole is True
+        assert compiled.enable(model, "on").whole is True
         assert compiled.enable(model, "whole").whole is True
+        assert compiled.enable(model, "parts").whole is False
     finally:
         compiled.disable(model)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_warming_compiles_all_a_run_needs(model, batch):
+    """`warm` (a server before it listens, a benchmark before its timed steps) compiles every part a whole step
+    of `batch` rows calls, for every cached length: decoding then compiles nothing."""
+    parts = compiled.StepParts()
+    parts.warm(model, batch)
+    assert parts.failed is None and _attending(parts) == ["attend_between", "attend_leave"]
+    warmed = parts.compiled
+    fast = _decode(model, _policy("full", model), _tokens(model, batch, seed=5), parts)
+    assert parts.compiled == warmed
+    torch.testing.assert_close(fast, _decode(model, _policy("full", model), _tokens(model, batch, seed=5)),
+                               atol=1e-5, rtol=1e-5)

@@ -201,6 +201,7 @@ def model_facts(net, name: str) -> dict:
     import torch
 
     from ..kernels.qlinear import parameter_count
+    from ..memory import weight_bytes
     cfg = net.cfg
     params = parameter_count(net)  # tied weights are counted once; a quantized weight as its N x K entries
     if cfg.uses_rope:
@@ -220,7 +221,7 @@ def model_facts(net, name: str) -> dict:
         "hidden_size": cfg.hidden_size, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
         "context": cfg.max_position, "positions": positions, "parameters": params,
-        "weight_bytes": sum(p.numel() * p.element_size() for p in net.parameters()), "dtype": loaded,
+        "weight_bytes": weight_bytes(net), "dtype": loaded,
         "weights": info.summary() if (info := getattr(net, "weights_info", None)) else f"dense, {loaded}",
         "kv_bytes_per_token": {k: cfg.kv_bytes_per_token(v) for k, v in sizes.items()},
     }

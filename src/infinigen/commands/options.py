@@ -64,9 +64,11 @@ def weights_option():
 
 
 def compile_option(default_help: str):
-    return typer.Option("auto", "--compile", help="Compile the decoding step with torch.compile (Inductor): on, "
-                                                  "whole (on, and each layer's dense attention inside the compiled "
-                                                  f"region), off, or auto ({default_help}).")
+    return typer.Option("auto", "--compile", help="Compile the decoding step with torch.compile (Inductor): on (a "
+                                                  "step that reads its cache densely runs whole, each layer's "
+                                                  "attention inside the compiled region; whole is the same), parts "
+                                                  f"(the dense work between eager attentions only), off, or auto "
+                                                  f"({default_help}).")
 
 
 def check_compile_option(mode: str) -> None:

@@ -155,6 +155,7 @@ class Int4Linear(nn.Module):
         self.packed = _frozen(packed)
         self.scale_zero = _frozen(scale_zero)
         self.bias = _frozen(bias)
+        self.joins: tuple = ()  # the modules this one joins (`joined`), whose codes are views of its own
 
     # -- constructors --
     @classmethod
@@ -200,6 +201,32 @@ class Int4Linear(nn.Module):
         """GGUF Q4_0 or Q4_1 rows [N, K/32 * block bytes] (uint8, as `gguf.GGUFReader` gives them)."""
         codes, scale, zero = decode_q4(raw, qtype)
         return cls.from_codes(codes, scale, zero, dtype, device, bias)
+
+    @classmethod
+    def joined(cls, parts: tuple) -> "Int4Linear | None":
+        """One module whose single kernel call gives every part's outputs, concatenated (a layer's q, k and v;
+        gate and up): where each part is a multiple of 64 outputs in the CPU's AVX512 layout, the packed codes
+        of the parts laid end to end are the joined weight's, so they are concatenated once and each part's
+        codes become a view of them (no second copy; the scales, a quarter of the codes' bytes, are copied).
+        Its `joins` are the parts. None where the parts differ in inputs, group, dtype or bias, or where
+        the layout is another (CUDA's tiles, a last block of fewer than 64 rows)."""
+        first = parts[0]
+        if (first.packed.device.type != "cpu" or not _cpu_layout_known()
+                or any(p.out_features % _CPU_BLOCK_N for p in parts)
+                or any((p.in_features, p.group, p.scale_zero.dtype, p.bias is None)
+                       != (first.in_features, first.group, first.scale_zero.dtype, first.bias is None)
+                       for p in parts)):
+            return None
+        packed = torch.cat([p.packed for p in parts])
+        scale_zero = torch.cat([p.scale_zero for p in parts], 1)
+        bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+        out = cls(packed, scale_zero, first.in_features, sum(p.out_features for p in parts), first.group, bias)
+        start = 0
+        for p in parts:
+            p.packed = _frozen(packed[start:start + p.out_features])  # [N, K/2]: rows are outputs
+            start += p.out_features
+        out.joins = tuple(parts)
+        return out
 
     # -- reading --
     @property
@@ -447,6 +474,9 @@ def parameter_count(module: nn.Module) -> int:
     for m in module.modules():
         if isinstance(m, Int4Linear):
             parts = (m.packed, m.scale_zero)
+            if m.joins:  # its entries are its parts'
+                stored.update(id(p) for p in (*parts, m.bias))
+                continue
         elif isinstance(m, (Int8Linear, Int8Embedding)):
             parts = (m.qweight, m.scales)
         else:

@@ -59,6 +59,9 @@ class WeightStreamer:
     def __enter__(self):
         for i in self.layers:
             blk = self.model.layers[i]
+            for owner, joined in ((blk.attn, "qkv_proj"), (blk.mlp, "gate_up_proj")):
+                if getattr(owner, joined, None) is not None:  # its codes would keep the parts' fast copies alive
+                    setattr(owner, joined, None)
             pairs = []
             for name in _PROJ:
                 mod = _get(blk, name)
