@@ -51,6 +51,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import runtime
+from ..cache import SelectedRows
+from ..kernels import fused_select
 from ..placement import Placement
 from ..selection import ALL, Rows
 from ..skew import Progress
@@ -222,6 +224,13 @@ def score_window(model, win: Window, policy, blocks: bool = True) -> tuple[float
         rows = Rows(first=p, positions=positions[:, p:], entry_pos=cols[None], valid=before[None, None],
                     in_store=False, query=q, own_keys=k[:, :, p:], keys=k)
         keep = sess.policy.keep(layer, rows, sess) if sess.selects(layer) else ALL
+        if isinstance(keep, SelectedRows):  # packed per row by the fused kernel (a layer without a window)
+            sess.stats.record(layer, keep.counts.T[None], row_pos.T.expand(1, 1, t - p))
+            remainder = sess.policy.remainder_at(layer, sess)
+            if sess.store.codec.encode(k) is k and fused_select.usable(q, k):  # the keys as the store holds them
+                return runtime.attend_rows_packed(q, k, v, keep, p, model.scale, remainder)
+            keep = keep.keep.permute(1, 0, 2)[None]
+            return runtime.attend_rows(q, k, v, keep, p, sess.store.codec, model.scale, remainder)
         visible, past = before, row_pos.T
         if model.window(row_pos, cols, layer) is not None:
             visible = visible & model.window(row_pos, cols, layer)
