@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.models import build_tiny
+from support.models import build_gemma, build_tiny
 from infinigen.kernels import fused_select
 from infinigen.placement import Placement
 from infinigen.policies import calibrate as cal
@@ -121,3 +121,19 @@ def test_fused_rows_select_as_the_torch_blocks(models, tokens, monkeypatch):
                 assert sel.rows[r, :len(want)].tolist() == want
                 assert (sel.head[r, len(want):] == -1).all()
             assert torch.allclose(lse.lse, want_lse.lse, atol=1e-4, rtol=0)
+
+
+def test_a_model_with_local_layers_scores_as_the_runtime(tokens, monkeypatch):
+    """On a model mixing local window layers (read densely, one fused attention call) and global ones (selected
+    by the fused kernel), the window score is the runtime's teacher-forced score."""
+    calls = []
+    fused = select.rows_fused
+    monkeypatch.setattr(select, "rows_fused", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    _, model = build_gemma()
+    win = cal.window(model, tokens, PROMPT)
+    for knobs in (dict(), dict(remainder=True, remainder_from=1), dict(exact_first=False, kv_budget=0.2)):
+        pol = policy(**knobs)
+        nll, kv = cal.score(model, tokens, PROMPT, pol)
+        got = cal.score_window(model, win, pol)
+        assert got[0] == pytest.approx(nll, abs=1e-4) and got[1] == pytest.approx(kv, abs=1e-6), knobs
+    assert calls
