@@ -199,12 +199,17 @@ inline bool before(const Candidate& a, const Candidate& b) {
 // the longest batch row's m; head [B, m] int64 (-1 on padding); counts [B, Hkv] int64; and, with with_lse, lse
 // [B, Hkv, G] float32: the log-sum-exp of the scaled scores of the slots left unread (-inf where none is, or
 // where their mass underflows next to the head's max: each slot below e^-87.3 of it counts 0).
-std::vector<torch::Tensor> select_packed(torch::Tensor scores, double scale, double alpha, int64_t total,
-                                         int64_t capacity, bool with_lse) {
+namespace {
+
+// `select_packed` with each batch row its own cap: totals[bi] (KV head, slot) pairs.
+std::vector<torch::Tensor> select_packed_capped(torch::Tensor scores, double scale, double alpha,
+                                                const std::vector<int64_t>& totals, int64_t capacity,
+                                                bool with_lse) {
   TORCH_CHECK(scores.dim() == 4 && scores.scalar_type() == torch::kFloat, "scores [B,Hkv,G,n] float32");
-  TORCH_CHECK(total >= 0, "the layer cap must be >= 0");
   scores = scores.contiguous();
   const int64_t b = scores.size(0), hkv = scores.size(1), g = scores.size(2), n = scores.size(3);
+  TORCH_CHECK(static_cast<int64_t>(totals.size()) == b, "one cap per batch row");
+  for (const int64_t total : totals) TORCH_CHECK(total >= 0, "the layer cap must be >= 0");
   TORCH_CHECK(capacity >= n, "the store holds fewer slots than the scores cover");
   const auto opts = scores.options();
   auto keep = torch::empty({b, hkv, n}, opts.dtype(torch::kBool));
@@ -254,6 +259,7 @@ std::vector<torch::Tensor> select_packed(torch::Tensor scores, double scale, dou
     for (int64_t bi = lo; bi < hi; ++bi) {
       int64_t kept = 0;
       for (int64_t kh = 0; kh < hkv; ++kh) kept += counts_p[bi * hkv + kh];
+      const int64_t total = totals[bi];
       if (kept <= total) continue;
       cand.resize(kept + 1);  // + 1: the branch-free compaction below writes one past the last kept pair
       int64_t c = 0;
@@ -325,7 +331,29 @@ std::vector<torch::Tensor> select_packed(torch::Tensor scores, double scale, dou
   return {keep, rows, head, counts, lse};
 }
 
+}  // namespace
+
+std::vector<torch::Tensor> select_packed(torch::Tensor scores, double scale, double alpha, int64_t total,
+                                         int64_t capacity, bool with_lse) {
+  TORCH_CHECK(scores.dim() == 4, "scores [B,Hkv,G,n] float32");
+  return select_packed_capped(scores, scale, alpha, std::vector<int64_t>(scores.size(0), total), capacity,
+                              with_lse);
+}
+
+// `select_packed` with one cap per batch row: totals [B] int64. A slot scored -inf is never kept and adds no
+// mass (teacher-forced rows of one sequence, each row's slots past its own length set to -inf).
+std::vector<torch::Tensor> select_packed_rows(torch::Tensor scores, torch::Tensor totals, double scale,
+                                              double alpha, int64_t capacity, bool with_lse) {
+  TORCH_CHECK(totals.dim() == 1 && totals.scalar_type() == torch::kLong, "totals [B] int64");
+  TORCH_CHECK(scores.dim() == 4 && totals.size(0) == scores.size(0), "one cap per batch row");
+  totals = totals.contiguous();
+  const int64_t* t = totals.data_ptr<int64_t>();
+  return select_packed_capped(scores, scale, alpha, std::vector<int64_t>(t, t + totals.size(0)), capacity,
+                              with_lse);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_rows", &attend_rows, "attention over packed selected rows, online softmax");
   m.def("select_packed", &select_packed, "InfiniGen's layer-capped selection from scores to packed rows");
+  m.def("select_packed_rows", &select_packed_rows, "select_packed with one cap per batch row");
 }

@@ -116,3 +116,10 @@ def select_packed(scores: torch.Tensor, scale: float, alpha: float, total: int, 
     -alpha; a batch row keeping more than `total` (KV head, slot) pairs keeps exactly the `total` with the most
     mass (sum over the group of exp(relative) / its head's sum), ties to the lower (KV head, slot)."""
     return _module().select_packed(scores, float(scale), float(alpha), int(total), int(capacity), bool(with_lse))
+
+
+def select_packed_rows(scores: torch.Tensor, totals: torch.Tensor, scale: float, alpha: float, capacity: int,
+                       with_lse: bool):
+    """`select_packed` with one cap per batch row (totals [B] int64): teacher-forced rows of one sequence as a
+    batch, each row's slots past its own length scored -inf (never kept, no mass)."""
+    return _module().select_packed_rows(scores, totals, float(scale), float(alpha), int(capacity), bool(with_lse))

@@ -16,17 +16,21 @@ and 10% at 8192 for growth 0.5). It is checked on the caps (an upper bound on wh
 threshold only trims under them), so it holds at lengths the calibration did not run, and again on what the
 calibration run measured.
 
-The search is small, so `prepare` stays within minutes on a CPU (each candidate is one teacher-forced pass
-over `ref` tokens): the largest all-layer budget under the bound for each way of treating layer 0 (selected
-with its exact query, or read densely); the better one with what the selection leaves unread added from layer
-0 on and from the layer after its first selecting layer (`remainder`, `remainder_from`, unless the caller set
-them); then, if the best of these reaches the target, a bisection down the budget and a lower threshold; at
-most `max_evals` passes after the reference.
+The search is small (each candidate is one teacher-forced pass over `ref` tokens): the largest all-layer budget
+under the bound for each way of treating layer 0 (selected with its exact query, or read densely); the better
+one with what the selection leaves unread added from layer 0 on and from the layer after its first selecting
+layer (`remainder`, `remainder_from`, unless the caller set them); then, if the best of these reaches the
+target, a bisection down the budget and a lower threshold; at most `max_evals` passes after the reference.
 
 How a candidate is scored: its teacher-forced loss over the rows after the prompt, as `runtime.teacher_forced`
 computes it, with the work every candidate shares done once (`window`: one dense pass over the tokens for the
 full cache's loss and the prompt's keys and values) and each candidate's rows chosen a block at a time
-(`infinigen_select.rows_in_blocks`: the same selection up to float summation order). Not on fewer rows: the loss of
+(`infinigen_select.rows_in_blocks`: the same selection up to float summation order). Where the fused kernel is
+built (budget "layer"), a layer's rows are selected in C++, 256 rows per call, each row under its own cap
+(`infinigen_select.rows_fused`), and each row attends to its packed entries in one call
+(`runtime.attend_rows_packed`): no [rows, tokens] score or mask tensor; elsewhere the torch blocks and
+`runtime.attend_rows` do the same. What is left of a candidate's pass is mostly its dense layers and the head,
+work no candidate shares with another. Not on fewer rows: the loss of
 one candidate has a sampling error of 0.3 points over the 1792 rows of a 2048-token run already, as much as
 what separates the candidates of one search, and scoring windows of rows after a dense past hides the error
 that compounds through the keys and values of earlier rows read under the selection (up to a point of
@@ -51,6 +55,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import runtime
+from ..cache import SelectedRows
+from ..kernels import fused_select
 from ..placement import Placement
 from ..selection import ALL, Rows
 from ..skew import Progress
@@ -222,13 +228,24 @@ def score_window(model, win: Window, policy, blocks: bool = True) -> tuple[float
         rows = Rows(first=p, positions=positions[:, p:], entry_pos=cols[None], valid=before[None, None],
                     in_store=False, query=q, own_keys=k[:, :, p:], keys=k)
         keep = sess.policy.keep(layer, rows, sess) if sess.selects(layer) else ALL
+        if isinstance(keep, SelectedRows):  # packed per row by the fused kernel (a layer without a window)
+            sess.stats.record(layer, keep.counts.T[None], row_pos.T.expand(1, 1, t - p))
+            remainder = sess.policy.remainder_at(layer, sess)
+            if sess.store.codec.encode(k) is k and fused_select.usable(q, k):  # the keys as the store holds them
+                return runtime.attend_rows_packed(q, k, v, keep, p, model.scale, remainder)
+            keep = keep.keep.permute(1, 0, 2)[None]
+            return runtime.attend_rows(q, k, v, keep, p, sess.store.codec, model.scale, remainder)
         visible, past = before, row_pos.T
         if model.window(row_pos, cols, layer) is not None:
             visible = visible & model.window(row_pos, cols, layer)
             past = past.clamp(max=model.cfg.window(layer) - 1)
-        keep = visible[None, None] if keep is ALL else keep & visible
+        dense = keep is ALL
+        keep = visible[None, None] if dense else keep & visible
         sess.stats.record(layer, keep.sum(-1).expand(1, k.shape[1], t - p), past.expand(1, 1, t - p))
         remainder = sess.policy.remainder_at(layer, sess)
+        if dense and remainder is None and sess.store.codec.encode(k) is k:  # every entry in view: one fused call
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible | (cols == row_pos), scale=model.scale,
+                                                  enable_gqa=True)
         return runtime.attend_rows(q, k, v, keep, p, sess.store.codec, model.scale, remainder)
 
     try:

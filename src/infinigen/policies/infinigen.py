@@ -69,6 +69,8 @@ class InfiniGenState:
     cols: int
     caps: dict = field(default_factory=dict)  # selecting layer -> share of the cached entries it may read
     caps_for_length: tuple = (None, None)  # budget_growth < 1: (cached length, its caps), the last asked
+    # teacher-forced rows in blocks: ((first, t), every layer's caps per row's length or None, layer -> [R] float32)
+    row_caps: tuple = (None, None, None)
     layout: str | None = None  # key_mode "int4": the PackedKeys layout
     key_dtype: torch.dtype | None = None  # key_mode "partial": dtype of the stored partial columns
     idx: dict = field(default_factory=dict)  # layer -> [B, Hkv, cols] partial index

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..cache import SelectedRows
 from ..kernels import fused_select
@@ -19,6 +20,7 @@ from .base import ALL
 from .speculation import INT4_GROUP
 
 ROWS_PER_CHOICE = 64  # teacher-forced rows per `choose` call in `rows_in_blocks`
+ROWS_PER_FUSED_CHOICE = 256  # teacher-forced rows per fused selection call in `rows_fused`
 SCORE_BLOCK = 2 ** 27  # speculated scores per call when a teacher-forced pass scores its rows in blocks
 
 
@@ -210,11 +212,14 @@ def rows_in_blocks(policy, layer, rows, session, block: int = ROWS_PER_CHOICE):
     """`sequence_rows` with the rows chosen `block` at a time (one `choose` of each block, every row its
     own length and cap): the same selection up to float summation order over the block's longer rows,
     so not bit for bit the decoding path's, several times faster (calibration's scoring: `state.rows_in_blocks`).
-    Where it does not apply (partial keys, `dense_below`, a query speculated ahead): `sequence_rows`."""
+    Where it does not apply (partial keys, `dense_below`, a query speculated ahead): `sequence_rows`; where the
+    fused kernel makes it (`fuses_rows`): `rows_fused`, packed rows instead of a mask."""
     st, model = session.state, session.model
     q, k = rows.query, rows.keys
     if policy.key_mode != "int4" or st.dense_below or q is None or not (layer == 0 or st.own_query):
         return sequence_rows(policy, layer, rows, session)
+    if fuses_rows(policy, session, rows):
+        return rows_fused(policy, layer, rows, session)
     p, t = rows.first, k.shape[2]
     b, hkv, _, d = k.shape
     h = q.shape[1]
@@ -235,7 +240,7 @@ def rows_in_blocks(policy, layer, rows, session, block: int = ROWS_PER_CHOICE):
         valid = in_window(model.cfg, torch.arange(n, device=dev) < lengths[:, None], torch.arange(n, device=dev),
                              lengths[:, None])[None, None]  # [1, 1, R, n]: row r sees the r tokens before it
         # each row's cap, [1, R]: `choose` multiplies it by each row's length (float32, as a row's own call)
-        caps = torch.tensor([[policy._cap(st, model, layer, r) for r in range(r0, r1)]], dtype=torch.float32)
+        caps = row_caps(policy, st, model, layer, p, t)[None, r0 - p:r1 - p]
         keep = policy._choose(s.clone() if unread_lse is not None else s, valid, st.alpha, None, caps.to(dev))
         out[:, :, r0 - p:r1 - p, :n] = keep
         if unread_lse is not None:
@@ -243,6 +248,71 @@ def rows_in_blocks(policy, layer, rows, session, block: int = ROWS_PER_CHOICE):
     if unread_lse is not None:
         st.remainders[layer] = unread_lse
     return out
+
+
+def row_caps(policy, st, model, layer: int, first: int, t: int) -> torch.Tensor:
+    """The layer's cap of each teacher-forced row first..t-1 (row r has r cached tokens), float32 [t - first], as
+    `_cap` gives it; every layer's caps at every length are computed once per sequence (`state.row_caps`)."""
+    if st.row_caps[0] != (first, t):
+        grows = policy.budget_growth != 1 and policy.kv_budget is not None
+        st.row_caps = ((first, t), [policy.layer_caps(model, r) for r in range(first, t)] if grows else None, {})
+    _, per_length, done = st.row_caps
+    if layer not in done:
+        caps = [c[layer] for c in per_length] if per_length is not None else [st.caps[layer]] * (t - first)
+        done[layer] = torch.tensor(caps, dtype=torch.float32)
+    return done[layer]
+
+
+def rows_fused(policy, layer, rows, session, block: int = ROWS_PER_FUSED_CHOICE) -> SelectedRows:
+    """`rows_in_blocks`' selection made by the fused kernel (`fused_select.select_packed_rows`, budget "layer":
+    the same cut up to float rounding), `block` rows per call, packed per row for the fused attention
+    (`runtime.attend_rows_packed`): SelectedRows with the rows as its batch, keep [R, Hkv, T], rows [R, m] each
+    row's entries in the sequence's flat [Hkv * T, d] keys, head-major (padding: head -1), counts [R, Hkv].
+    The unread mass per row (the remainder's log-sum-exp) goes to `state.remainders` as `rows_in_blocks` puts it."""
+    st, model = session.state, session.model
+    q, k = rows.query, rows.keys
+    p, t = rows.first, k.shape[2]
+    _, hkv, _, d = k.shape
+    h = q.shape[1]
+    g = h // hkv
+    dev = k.device
+    st.spec[layer] = torch.cat([q[:, :, :1].expand(1, h, p, d), q], 2).view(1, hkv, g, t, d)
+    spec_keys = PackedKeys(1, hkv, t, d, group=INT4_GROUP, layout=st.layout, device=dev)
+    spec_keys.write(0, policy.speculation.rotate(st, k, layer))
+    adds = policy._adds_remainder(st, layer)
+    lengths = torch.arange(p, t, device=dev)  # row r sees the r tokens before it
+    # each row's cap over the layer's KV heads, as `layer_total` makes it (float32), at least min_fetch per KV head
+    floors = lengths.clamp(max=max(1, policy.min_fetch)) * hkv
+    totals = torch.maximum((row_caps(policy, st, model, layer, p, t) * (lengths * hkv)).floor().long(), floors)
+    parts = []
+    for r0 in range(p, t, block):
+        r1 = min(t, r0 + block)
+        n = r1 - 1  # the block's last row sees the most tokens
+        qs = policy.speculation.queries(st, layer, slice(r0, r1))  # [1, Hkv, G, R, c]
+        scores = spec_keys.scores(qs.reshape(1, hkv, g * (r1 - r0), d).contiguous(), n)
+        scores = scores.view(hkv, g, r1 - r0, n).permute(2, 0, 1, 3).contiguous()  # [R, Hkv, G, n]
+        scores.masked_fill_(torch.arange(n, device=dev) >= lengths[r0 - p:r1 - p, None, None, None],
+                            float("-inf"))
+        keep, packed, head, counts, lse = fused_select.select_packed_rows(
+            scores, totals[r0 - p:r1 - p], model.scale, st.alpha, t, adds)
+        # the kernel's rows index a [R * Hkv * t] store: each row's own [Hkv * t] keys are the sequence's
+        packed = packed - (torch.arange(r1 - r0, device=dev) * (hkv * t))[:, None]
+        parts.append((F.pad(keep, (0, t - n)), packed, head, counts, lse))
+    m = max(part[1].shape[1] for part in parts)
+    keep = torch.cat([part[0] for part in parts])
+    packed = torch.cat([F.pad(part[1], (0, m - part[1].shape[1])) for part in parts])
+    head = torch.cat([F.pad(part[2], (0, m - part[2].shape[1]), value=-1) for part in parts])
+    counts = torch.cat([part[3] for part in parts])
+    if adds:  # [R, Hkv, G] -> [1, Hkv, G, R]
+        st.remainders[layer] = torch.cat([part[4] for part in parts]).permute(1, 2, 0)[None]
+    return SelectedRows(keep, packed, head, counts)
+
+
+def fuses_rows(policy, session, rows) -> bool:
+    """Whether `rows_fused` makes this teacher-forced selection: budget "layer" slot by slot, one sequence on
+    the CPU, no window over every layer, the kernel built."""
+    return (policy.budget == "layer" and policy.block <= 1 and rows.keys.device.type == "cpu"
+            and rows.keys.shape[0] == 1 and session.model.cfg.sliding_window is None and fused_select.available())
 
 
 def choose(s: torch.Tensor, valid: torch.Tensor, alpha: float, budget: str, ratio: float, min_fetch: int, block: int,

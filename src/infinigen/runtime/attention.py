@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import SelectedRows
+from ..kernels import fused_select
 from ..selection import Remainder, first_key_read
 
 ROW_CHUNK = 1024  # teacher-forced decoding rows per attention call: bounds the score matrix at long contexts
@@ -153,6 +154,28 @@ def attend_rows(q, k, v, keep, first: int, codec, scale: float, remainder: Remai
     totals = F.pad(vf.cumsum(2), (0, 0, 1, 0))[:, :, p:p + r]
     counts = torch.arange(p, p + r, device=q.device).expand(b, hkv, r)
     return with_remainder(Attended(out, lse, read @ vf, read.sum(-1)), remainder._replace(sums=totals, counts=counts))
+
+
+def attend_rows_packed(q, k, v, sel: SelectedRows, first: int, scale: float,
+                       remainder: Remainder | None = None) -> torch.Tensor:
+    """`attend_rows` over a selection packed per row (`SelectedRows` whose batch is the rows: rows [R, m] each
+    row's entries in the sequence's flat [Hkv * T, d] keys and values, head-major; counts [R, Hkv]), in one call
+    of the fused kernel (`fused_select.attend_rows`: no [R, T] score or mask tensor). Keys and values are read
+    as computed: for a store whose codec keeps them as they are (the caller checks, and `fused_select.usable`)."""
+    _, h, r, d = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    rows = torch.arange(first, first + r, device=q.device)
+    own = (torch.arange(hkv, device=q.device) * t)[None, :] + rows[:, None]  # [R, Hkv]: each row's own token
+    out, lse, read_sum = fused_select.attend_rows(q[0].transpose(0, 1), k[0].reshape(hkv * t, d),
+                                                  v[0].reshape(hkv * t, d), sel.rows, sel.counts, own, scale)
+    out = out.transpose(0, 1)[None]  # [1, H, R, d]
+    if remainder is None:
+        return out
+    att = Attended(out, lse.view(r, hkv, h // hkv).permute(1, 2, 0)[None], read_sum.transpose(0, 1)[None],
+                   sel.counts.T[None])
+    # every entry before each row: the sequence's values summed up to it, [1, Hkv, R, d], and their count
+    totals = F.pad(v.float().cumsum(2), (0, 0, 1, 0))[:, :, first:first + r]
+    return with_remainder(att, remainder._replace(sums=totals, counts=rows.expand(1, hkv, r)))
 
 
 class StepBuffers:
