@@ -1,13 +1,14 @@
-"""InfiniGen's calibration search with the fused kernel against the torch path, side by side in one process.
+"""InfiniGen's calibration search with the fused kernel, and its candidate passes against the torch path's.
 
-Both run the search `prepare` runs (`policies/infinigen_calibration._search`: one shared dense pass, then each
-candidate's rows after the prompt) on the same model, tokens and candidates; the only difference is
-`fused_select.enabled` (off: each candidate's rows chosen by torch in blocks of 64 rows and attended through
-`runtime.attend_rows`; on: `infinigen_select.rows_fused` and `runtime.attend_rows_packed`). Prints, per candidate,
-both passes' seconds and losses, the totals and both choices, and /proc/loadavg before and after each search; with
---json the same as one object.
+1. The search `prepare` runs (`policies/infinigen_calibration._search`: one shared dense pass, then each candidate's
+   rows after the prompt) with the fused kernel, timed (wall and process CPU seconds, each pass apart), its trials
+   compared with those of the artifact the package ships for the default model (made by the torch path).
+2. Side by side in one process, alternating: the passes of `--compare` candidates of that search (default: the
+   first and the chosen one) with `fused_select.enabled` off (each candidate's rows chosen by torch in blocks of 64
+   and attended through `runtime.attend_rows`) and on (`infinigen_select.rows_fused`, `runtime.attend_rows_packed`).
+/proc/loadavg is printed before and after each part (the machine may be shared: compare ratios).
 
-    PYTHONPATH=src python benchmarks/calibration_speed.py [--model M] [--threads 1] [--order fused,torch] [--json F]
+    PYTHONPATH=src python benchmarks/calibration_speed.py [--model M] [--threads 2] [--compare 0,-1] [--json F]
 """
 from __future__ import annotations
 
@@ -22,53 +23,91 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
-def run_search(pol, model, tokenizer, fused: bool) -> dict:
-    from infinigen.kernels import fused_select
+class Clock:
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def fused_search(pol, model, tokenizer) -> dict:
+    from infinigen.paths import load_text
     from infinigen.policies import calibrate as cal
     from infinigen.policies import infinigen_calibration as ic
+    from infinigen.policies.infinigen_settings import CALIBRATE_BOUND, CALIBRATE_TARGET, CALIBRATE_TEXT
 
     passes = []
     score_window, window = cal.score_window, cal.window
 
-    def timed_score(model_, win, policy, blocks=True):
-        t0 = time.perf_counter()
-        out = score_window(model_, win, policy, blocks)
-        passes.append(time.perf_counter() - t0)
-        return out
-
-    def timed_window(model_, tokens, first):
-        t0 = time.perf_counter()
-        out = window(model_, tokens, first)
-        passes.append(time.perf_counter() - t0)
-        return out
-
-    from infinigen.paths import load_text
-    from infinigen.policies.infinigen_settings import CALIBRATE_BOUND, CALIBRATE_TARGET, CALIBRATE_TEXT
+    def timed(fn):
+        def run(*a, **k):
+            with Clock() as c:
+                out = fn(*a, **k)
+            passes.append((c.wall, c.cpu))
+            return out
+        return run
 
     setup = ic.search_setup(pol, model)
     tokens = cal.calibration_tokens(tokenizer, load_text(CALIBRATE_TEXT), pol.budget_ref)
-    cal.score_window, cal.window = timed_score, timed_window
-    fused_select.enabled = fused
+    cal.score_window, cal.window = timed(score_window), timed(window)
     before = loadavg()
-    t0 = time.perf_counter()
     try:  # the search `calibration_record` runs where nothing is stored (nothing is written here)
-        choice = ic._search(pol, model, tokens, "benchmark", setup, CALIBRATE_TARGET, CALIBRATE_BOUND,
-                            CALIBRATE_TEXT, progress=False)
+        with Clock() as c:
+            choice = ic._search(pol, model, tokens, "benchmark", setup, CALIBRATE_TARGET, CALIBRATE_BOUND,
+                                CALIBRATE_TEXT, progress=False)
     finally:
         cal.score_window, cal.window = score_window, window
+    return {"wall": c.wall, "cpu": c.cpu, "window": passes[0], "passes": passes[1:], "loadavg": [before, loadavg()],
+            "choice": choice, "tokens": tokens, "setup": setup}
+
+
+def shipped_trials(model) -> list | None:
+    """The trials of the calibration the package ships for this model (None: it ships none)."""
+    from safetensors import safe_open
+
+    from infinigen.skew import model_fingerprint, shipped_calibration_dir
+    for path in sorted(shipped_calibration_dir().glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("fingerprint") != model_fingerprint(model):
+            continue
+        for k, v in meta.items():
+            if k.startswith("calibration-"):
+                stored = json.loads(v)
+                return [dict(t, vs_full=math.expm1(t["nll"] - stored["reference_nll"])) for t in stored["trials"]]
+    return None
+
+
+def side_by_side(pol, model, found: dict, candidates: list) -> list:
+    from infinigen.kernels import fused_select
+    from infinigen.policies import calibrate as cal
+    from infinigen.policies.infinigen_calibration import candidate
+
+    win = cal.window(model, found["tokens"], pol.budget_ref // 8)
+    rows = []
+    for knobs in candidates:
+        cand = candidate(pol, model, knobs, found["setup"]["growth"])
+        row = {"knobs": knobs, "loadavg_before": loadavg()}
+        for kind in ("torch", "fused"):
+            fused_select.enabled = kind == "fused"
+            with Clock() as c:
+                nll, kv = cal.score_window(model, win, cand)
+            row[kind] = {"wall": c.wall, "cpu": c.cpu, "vs_full": math.expm1(nll - win.reference_nll), "kv": kv}
         fused_select.enabled = True
-    record = ic._record(pol, choice, setup, "computed")
-    total = time.perf_counter() - t0
-    return {"fused": fused, "seconds": total, "window_seconds": passes[0], "pass_seconds": passes[1:],
-            "loadavg_before": before, "loadavg_after": loadavg(), "chosen": record["chosen"],
-            "reached": record["reached"], "trials": record["trials"]}
+        row["loadavg_after"] = loadavg()
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--order", default="fused,torch", help="which search runs first")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare", default="0,-1", help="indices of the search's trials to time both ways")
+    ap.add_argument("--knobs", default=None, help="a JSON list of candidates' knobs to time both ways, instead of "
+                    "running the search first")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -82,27 +121,59 @@ def main() -> None:
     model, tokenizer, name = load(args.model, "float32", "cpu", weights="fp32")
     pol = InfiniGen(calibrate=True).prepare_skew(model, tokenizer, progress=True)
     assert fused_select.available(), "the fused kernel did not build"
-    runs = [run_search(pol, model, tokenizer, part == "fused") for part in args.order.split(",")]
-    by = {("fused" if r["fused"] else "torch"): r for r in runs}
-    f, t = by["fused"], by["torch"]
+    if args.knobs:
+        side_only(pol, model, tokenizer, json.loads(args.knobs), args)
+        return
+    found = fused_search(pol, model, tokenizer)
+    choice = found["choice"]
     print(f"{name}, {args.threads} thread(s), float32 dense weights")
-    print("| candidate | torch: s | fused: s | torch: vs full, KV | fused: vs full, KV |")
-    print("|---|---|---|---|---|")
-    for i, (a, b) in enumerate(zip(t["trials"], f["trials"])):
-        print(f"| {a['knobs']} | {t['pass_seconds'][i]:.1f} | {f['pass_seconds'][i]:.1f} | "
-              f"{100 * a['vs_full']:+.3f}%, {100 * a['kv']:.2f}% | {100 * b['vs_full']:+.3f}%, {100 * b['kv']:.2f}% |")
-    for r in runs:
-        kind = "fused" if r["fused"] else "torch"
-        print(f"{kind}: {r['seconds']:.1f} s in all (shared dense pass {r['window_seconds']:.1f} s, candidates "
-              f"{sum(r['pass_seconds']):.1f} s), load {r['loadavg_before']} -> {r['loadavg_after']}; chose "
-              f"{r['chosen']} (reached: {r['reached']})")
-    same = (f["chosen"] == t["chosen"] and [x["knobs"] for x in f["trials"]] == [x["knobs"] for x in t["trials"]])
-    print(f"same candidates and choice: {same}; total ratio torch / fused: {t['seconds'] / f['seconds']:.2f}x; "
-          f"candidate passes: {sum(t['pass_seconds']) / sum(f['pass_seconds']):.2f}x")
+    print(f"fused search: {found['wall']:.1f} s wall, {found['cpu']:.1f} s CPU; shared dense pass "
+          f"{found['window'][0]:.1f} s; load {found['loadavg'][0]} -> {found['loadavg'][1]}; chose {choice.knobs} "
+          f"(reached: {choice.reached})")
+    shipped = shipped_trials(model)
+    print("| candidate | fused pass: wall s, CPU s | fused: vs full, KV | shipped (torch path): vs full, KV |")
+    print("|---|---|---|---|")
+    for i, t in enumerate(choice.trials):
+        ref = shipped[i] if shipped and i < len(shipped) else None
+        was = "" if ref is None else f"{100 * ref['vs_full']:+.3f}%, {100 * ref['kv']:.2f}%"
+        wall, cpu = found["passes"][i]
+        vs = math.expm1(t["nll"] - choice.reference_nll)
+        print(f"| {t['knobs']} | {wall:.1f}, {cpu:.1f} | {100 * vs:+.3f}%, {100 * t['kv']:.2f}% | {was} |")
+    same = shipped is not None and [t["knobs"] for t in shipped] == [t["knobs"] for t in choice.trials]
+    print(f"the shipped search's candidates, in order: {same}")
+    rows = side_by_side(pol, model, found, [found["choice"].trials[int(i)]["knobs"] for i in args.compare.split(",")])
+    print_side_by_side(rows)
+    if args.json:
+        out = {"model": name, "threads": args.threads, "search": {k: found[k] for k in ("wall", "cpu", "window",
+               "passes", "loadavg")}, "choice": choice.to_dict(), "shipped_trials": shipped, "side_by_side": rows}
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1, default=str)
+
+
+def side_only(pol, model, tokenizer, knobs: list, args) -> None:
+    from infinigen.paths import load_text
+    from infinigen.policies import calibrate as cal
+    from infinigen.policies import infinigen_calibration as ic
+    from infinigen.policies.infinigen_settings import CALIBRATE_TEXT
+
+    tokens = cal.calibration_tokens(tokenizer, load_text(CALIBRATE_TEXT), pol.budget_ref)
+    rows = side_by_side(pol, model, {"tokens": tokens, "setup": ic.search_setup(pol, model)}, knobs)
+    print(f"{args.model}, {args.threads} thread(s), float32 dense weights")
+    print_side_by_side(rows)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"model": name, "threads": args.threads, "runs": runs, "same_choice": same}, fh, indent=1,
-                      default=lambda x: x if math.isfinite(x) else None)
+            json.dump({"model": args.model, "threads": args.threads, "side_by_side": rows}, fh, indent=1)
+
+
+def print_side_by_side(rows: list) -> None:
+    print("| candidate | torch: wall s, CPU s | fused: wall s, CPU s | CPU ratio | torch: vs full, KV "
+          "| fused: vs full, KV | load before -> after |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        a, b = r["torch"], r["fused"]
+        print(f"| {r['knobs']} | {a['wall']:.1f}, {a['cpu']:.1f} | {b['wall']:.1f}, {b['cpu']:.1f} | "
+              f"{a['cpu'] / b['cpu']:.2f}x | {100 * a['vs_full']:+.3f}%, {100 * a['kv']:.2f}% | "
+              f"{100 * b['vs_full']:+.3f}%, {100 * b['kv']:.2f}% | {r['loadavg_before']} -> {r['loadavg_after']} |")
 
 
 if __name__ == "__main__":

@@ -310,7 +310,7 @@ def rows_fused(policy, layer, rows, session, block: int = ROWS_PER_FUSED_CHOICE)
 
 def fuses_rows(policy, session, rows) -> bool:
     """Whether `rows_fused` makes this teacher-forced selection: budget "layer" slot by slot, one sequence on
-    the CPU, no window over every layer, the kernel built."""
+    the CPU, no model-wide sliding window, the kernel built."""
     return (policy.budget == "layer" and policy.block <= 1 and rows.keys.device.type == "cpu"
             and rows.keys.shape[0] == 1 and session.model.cfg.sliding_window is None and fused_select.available())
 
