@@ -226,3 +226,22 @@ def test_a_failed_build_warns_in_one_line(tmp_path):
     assert done.stdout.strip() == "False False"
     lines = [ln for ln in done.stderr.splitlines() if "fused selection kernel" in ln]
     assert len(lines) == 1 and "no compiler found" in lines[0] and "second line" not in done.stderr
+
+
+@needs_kernel
+def test_a_build_killed_mid_way_does_not_hold_back_the_next_run(tmp_path):
+    """cpp_extension's `lock` file left by a builder that was killed (Ctrl-C on a first run) makes every later
+    build wait for it forever; the next run, holding the build's own lock (dropped when its holder dies),
+    removes it and loads the kernel."""
+    import os
+    import shutil
+    cache = tmp_path / "cache"
+    src = fused_select.writable_cache(f"kernels/fused_select-{fused_select.build_key()}")  # built (needs_kernel)
+    dst = cache / "kernels" / src.name
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("lock", "build.flock"))
+    (dst / "lock").write_text("")  # as a killed build leaves it
+    code = "from infinigen.kernels import fused_select as f\nprint(f.available())\n"
+    env = dict(os.environ, INFINIGEN_CACHE=str(cache), PYTHONPATH=":".join(sys.path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+    assert not (dst / "lock").exists()

@@ -22,6 +22,7 @@ triton is not installed `usable()` is False on CUDA after one warning line, and 
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import platform
@@ -53,9 +54,14 @@ def _module():
         from torch.utils import cpp_extension
 
         build = writable_cache(f"kernels/fused_select-{build_key()}")
-        return cpp_extension.load(
-            name="infinigen_fused_select", sources=[str(_SOURCE)], build_directory=str(build),
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        with open(build / "build.flock", "w") as held:
+            # one builder at a time, by a lock the system drops when its holder dies: holding it, a `lock` file
+            # of cpp_extension's is one a builder left when it was killed (it would wait on that file forever)
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            return cpp_extension.load(
+                name="infinigen_fused_select", sources=[str(_SOURCE)], build_directory=str(build),
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build or load failure means: use the torch path
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"infinigen: the fused selection kernel is unavailable ({first[:200]}); using the torch path",
