@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinigen.cache import HandedRows
+from infinigen import runtime
+from infinigen.cache import HandedRows, KVStore
 from infinigen.placement import OffloadedKVStore, Placement
 from infinigen.policies import make_policy
 from support.models import build_tiny
-from support.offload import offload_policy, run_placed
+from support.offload import PROMPT, FifoVictims, offload_policy, offload_prompts, run_placed
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +71,34 @@ def test_a_broken_hand_over_changes_the_logits(model, fault, tmp_path, monkeypat
     monkeypatch.setattr(OffloadedKVStore, "hand_rows", broken)
     _, logits, _ = run_placed(model, Placement("cpu"), _policy(model))
     assert (logits - ref_logits).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("case", ["int4", "pool-limit", "h2o-pool-limit"])
+def test_stores_not_read_in_place_equal_the_reference(model, case, monkeypatch):
+    """In fast memory, a store the attention cannot read in place (INT4-coded values; a pool limit whose victims
+    the token may overwrite) hands its rows over (`KVStore.hand_rows`) and stores the token after the attention:
+    the logits equal the padded reference path's (`read_rows` False) and the tokens are the same."""
+    policy = {"int4": "int4", "pool-limit": "planned-random", "h2o-pool-limit": "h2o"}[case]
+    limited = case != "int4"
+
+    def run(read_rows):
+        tokens, pad = offload_prompts()
+        pl = Placement("none", capacity=PROMPT + 4 if limited else None)
+        sess = pl.new_session(model, tokens.shape[0], PROMPT + 10, offload_policy(policy, model),
+                              allocator=FifoVictims() if limited else None)
+        assert not sess.store.reads_rows()
+        sess.read_rows = read_rows
+        logits, out = runtime.prefill(model, tokens, sess, pad), []
+        for _ in range(10):
+            logits = runtime.decode(model, logits.argmax(-1), sess)
+            out.append(logits)
+        return torch.stack(out, 1)
+
+    ref = run(False)
+    handed = []
+    inner = KVStore.hand_rows
+    monkeypatch.setattr(KVStore, "hand_rows", lambda self, *a, **kw: handed.append(1) or inner(self, *a, **kw))
+    got = run(True)
+    assert handed  # the packed path ran
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert (got - ref).abs().max() <= 1e-5
