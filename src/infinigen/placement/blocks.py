@@ -192,7 +192,7 @@ class BlockedKVStore(OffloadedKVStore):
 
     # ---- reads ------------------------------------------------------------------------------------
     def past(self, layer):
-        """Metadata only: the keys and values are read through `dense`/`gather`."""
+        """Metadata only: the keys and values are read through `hand_rows`/`dense`."""
         n = self.length[layer]
         return None, None, self.valid[layer][:, :, :n], self.pos[layer][:, :, :n]
 

@@ -7,7 +7,7 @@ Decoding step, layer i (the runtime calls `ahead` after each policy hook):
      (index_select; torch releases the GIL) and, on CUDA, copy the staging buffer to the GPU on a copy
      stream and record an event.
   2. Meanwhile the main thread runs the rest of layer i (attention, MLP).
-  3. At layer i+1's attention, `gather`/`dense` wait for that job only (its future and, on CUDA, its
+  3. At layer i+1's attention, `hand_rows`/`dense` wait for that job only (its future and, on CUDA, its
      event on the compute stream; never a device-wide synchronize) and return views of the fetched rows.
 The layer reads exactly the planned selection, packed as the runtime packs it (`KVStore.select_rows`, derived
 on the worker; the store hands over the plan's when the selection is the plan): if it differs from the
@@ -321,7 +321,7 @@ class OffloadedKVStore(KVStore):
     # ---- reads ------------------------------------------------------------------------------------
     def past(self, layer):
         """Metadata in the fast tier; k, v are slow-tier views (None when packed) that only host code
-        may read: attention reads through `dense`/`gather`."""
+        may read: attention reads through `hand_rows`/`dense`."""
         n = self.length[layer]
         self._flush(layer)
         k, v = self._slow_view(layer, n) if not self.packed else (None, None)
