@@ -37,6 +37,35 @@ class SelectedRows(NamedTuple):
     counts: torch.Tensor
 
 
+class HandedRows(NamedTuple):
+    """A selection's rows handed to the attention in a fast buffer (`KVStore.hand_rows`): the rows of
+    `SelectedRows` in its packed order, then one spare row per (batch row, KV head) for the token's own key and
+    value, which the attention writes (the token is stored after the attention: victims, codecs).
+
+    keys, values  [M, d] the buffer: the selected rows first, then the spare rows
+    rows          [B, n] each packed column's row in the buffer (padding: row 0)
+    own           [B, Hkv] the spare row of each (batch row, KV head)
+    """
+    keys: torch.Tensor
+    values: torch.Tensor
+    rows: torch.Tensor
+    own: torch.Tensor
+
+
+def packed_order(sel: SelectedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The selected entries of `sel` without its padding, in its packed order: (their rows in the flat
+    [B * Hkv * capacity, d] store [total], each packed column's place among them [B, n] (padding: 0), and a
+    spare place after them for each (batch row, KV head)'s own token [B, Hkv])."""
+    real = sel.head >= 0
+    flat = sel.rows[real]
+    total = flat.numel()
+    local = torch.zeros_like(sel.rows)
+    local[real] = torch.arange(total, device=flat.device)
+    b, h = sel.counts.shape
+    own = total + torch.arange(b * h, device=flat.device).view(b, h)
+    return flat, local, own
+
+
 class KVStore:
     offloaded = False  # the pool lives in fast memory
 
@@ -86,9 +115,10 @@ class KVStore:
         return keep, idx.view(*keep.shape[:-1], n), torch.arange(n, device=keep.device) < counts[..., None], counts
 
     def reads_rows(self) -> bool:
-        """A selection may be read as `select_rows` packs it, the current token stored first and read among
-        the rows: in fast memory, no victims (appending first cannot overwrite a selected slot), values
-        stored as computed (the token read from the store is the token computed)."""
+        """A selection's rows may be read in place, as `select_rows` packs them, the current token stored first
+        and read among the rows: in fast memory, no victims (appending first cannot overwrite a selected slot),
+        values stored as computed (the token read from the store is the token computed). Elsewhere the store
+        hands the rows over in a fast buffer (`hand_rows`) and the token is stored after the attention."""
         return type(self) is KVStore and self.allocator is None and type(self.codec) is KVCodec
 
     def select_rows(self, layer: int, keep: torch.Tensor, valid: torch.Tensor) -> "SelectedRows":
@@ -122,6 +152,17 @@ class KVStore:
         torch.index_select(self.k[layer].view(-1, d), 0, flat, out=keys)
         torch.index_select(self.v[layer].view(-1, d), 0, flat, out=values)
         return keys.view(b, 1, m, d), values.view(b, 1, m, d)
+
+    def hand_rows(self, layer: int, sel: SelectedRows, buffer, every: bool = False) -> HandedRows:
+        """The rows of `sel` (this layer's `select_rows`) copied into a fast buffer with a spare row per (batch
+        row, KV head) for the token (`HandedRows`); `buffer(n, like)` gives flat [n, d] keys and values the
+        caller reuses. `every`: sel is every visible slot (an offloaded store then reads the whole layer)."""
+        flat, local, own = packed_order(sel)
+        d = self.k[layer].shape[-1]
+        keys, values = buffer(flat.numel() + own.numel(), self.k[layer])
+        torch.index_select(self.k[layer].view(-1, d), 0, flat, out=keys[:flat.numel()])
+        torch.index_select(self.v[layer].view(-1, d), 0, flat, out=values[:flat.numel()])
+        return HandedRows(keys, values, local, own)
 
     def gather(self, layer: int, idx: torch.Tensor):
         """Rows `idx` [B,Hkv,n] of the keys and values."""

@@ -25,7 +25,7 @@ The runtime calls the hooks in this order for each layer of a decoding step:
 
     on_hidden(layer, "attn_in", x)      normed attention input of `layer` (speculation point of the paper)
     keep(layer, rows)                   which entries to read (asked earlier when known ahead)
-    observe(layer, probs, idx)          attention weights over what was read (only with needs_weights)
+    observe(layer, weights, rows, own)  attention weights over what was read (only with needs_weights)
     on_append(layer, slots, k, v)       the current token was stored in `slots`
     on_hidden(layer, "attn_out", h)     residual stream after `layer`'s attention
 
@@ -217,9 +217,10 @@ class Policy:
         the rows one layer ahead, overlapped with compute; the layer reads exactly that answer)."""
         return not self.needs_query
 
-    def observe(self, layer: int, probs: torch.Tensor, idx: torch.Tensor | All, session) -> None:
-        """Attention weights probs [B, Hkv, G, n+1] over the n entries read (store slots `idx` [B, Hkv, n],
-        or ALL: every used slot in order) and the current token last. Called when `needs_weights`."""
+    def observe(self, layer: int, weights: torch.Tensor, rows: torch.Tensor, own: torch.Tensor, session) -> None:
+        """The attention weights of a decoding step at `layer`, each summed over a KV head's query heads: weights
+        [B, n] of the entries read, whose rows in the store's flat [B * Hkv * capacity] order are rows [B, n]
+        (padding: weight 0), and own [B, Hkv] of each row's current token. Called when `needs_weights`."""
 
     def on_append(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, session) -> None:
         pass

@@ -77,15 +77,15 @@ def test_fanout_sessions_decode_together(make_tiny):
     _, together = prefill_shared(model, tokens, [m() for m in make], 30, pad_mask=pad)
     _, alone = prefill_shared(model, tokens, [m() for m in make], 30, pad_mask=pad)
     calls = []
-    step = attention.attend_step
-    attention.attend_step = lambda q, *a, **kw: calls.append(q.shape[0]) or step(q, *a, **kw)
+    step = attention.attend_packed  # the one attention over packed rows
+    attention.attend_packed = lambda q, *a, **kw: calls.append(q.shape[0]) or step(q, *a, **kw)
     try:
         for t in steps:
             got = runtime.decode(model, t.repeat(len(together)), together)
             for i, s in enumerate(alone):
                 torch.testing.assert_close(got[2 * i:2 * i + 2], runtime.decode(model, t, s), msg=names[i])
     finally:
-        attention.attend_step = step
+        attention.attend_packed = step
     assert calls.count(2 * len(names)) == len(steps) * model.cfg.num_layers  # one call per layer over every row
     for s, ref in zip(together, alone):
         assert s.stats.per_layer() == pytest.approx(ref.stats.per_layer())

@@ -46,8 +46,8 @@ class TopK(Policy):
         keep.scatter_(-1, scores.topk(n, dim=-1).indices, True)
         return (keep & valid)[:, :, None]
 
-    def observe(self, layer, probs, idx, sess):
-        self.trace.append(("observe", layer, float(probs.sum()), probs.shape[-1]))
+    def observe(self, layer, weights, rows, own, sess):
+        self.trace.append(("observe", layer, float(weights.sum() + own.sum()), int((weights > 0).sum())))
 
     def on_append(self, layer, slots, k, v, sess):
         self.trace.append(("append", layer, slots.tolist()))

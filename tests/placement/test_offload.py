@@ -49,10 +49,11 @@ def test_offloaded_engine_same_tokens(tiny_llama, policy, kind, tmp_path, device
 @pytest.mark.parametrize("kind", ["cpu", "disk"])
 def test_decode_reads_only_the_selected_rows(tiny_llama, policy, kind, tmp_path, device):
     """What a decoding step reads from the slow tier, counted at the tier (not by the store's own
-    accounting): for each layer, the rows its selection names (B x Hkv x the largest per-head count, as
-    `KVStore.slots` lays them out), of key and value; the whole used layer only where every entry is read
-    (full cache, INT4, dense layers). A store that reads the layer and selects in fast memory fails.
-    (The disk tier's whole-layer reads of selections that touch most pages are off here: the next test.)"""
+    accounting): for each layer, the rows its selection names (each (batch row, KV head)'s selected valid
+    slots, packed as `KVStore.select_rows` packs them: no padding), of key and value; the whole used layer
+    only where every entry is read (full cache, INT4, dense layers). A store that reads the layer and selects in
+    fast memory fails. (The disk tier's whole-layer reads of selections that touch most pages are off here: the
+    next test.)"""
     model = tiny_llama[1].to(device)
     pol = selective_policy(policy, model)
     tokens, pad = (x.to(device) for x in offload_prompts())
@@ -66,7 +67,7 @@ def test_decode_reads_only_the_selected_rows(tiny_llama, policy, kind, tmp_path,
             if keep is ALL:
                 want[0] += store.bh * n * row
             else:
-                want[0] += store.bh * int((keep[:, :, 0, :n] & store.valid[layer][:, :, :n]).sum(-1).max()) * row
+                want[0] += int((keep[:, :, 0, :n] & store.valid[layer][:, :, :n]).sum()) * row
     sess = pl.new_session(model, B, PROMPT + GEN, pol, listeners=[Count()])
     store = sess.store
     row = 2 * store.layout.row_bytes

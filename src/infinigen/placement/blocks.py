@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..cache import KVCodec, KVStore
+from ..cache import KVCodec, KVStore, packed_order
 from ..errors import UserError
 from .rows import layout_for
 from .store import KV, PAGE, OffloadedKVStore, TransferStats, _Buffers, _Job
@@ -253,41 +253,36 @@ class BlockedKVStore(OffloadedKVStore):
 
     # ---- reads ------------------------------------------------------------------------------------
     def past(self, layer):
-        """Metadata only: the keys and values are read through `dense`/`gather`."""
+        """Metadata only: the keys and values are read through `hand_rows`/`dense`."""
         n = self.length[layer]
         return None, None, self.valid[layer][:, :, :n], self.pos[layer][:, :, :n]
 
     def _run(self, job: _Job, ondemand: bool = False) -> None:
         """Bring job.layer's selected rows (every used slot for a full job) to fast memory."""
         t0 = time.perf_counter()
-        mask = None
-        if job.plan is not None and job.idx is None:  # the slots of the plan, as the runtime derives them
+        if job.plan is not None and job.selection is None:  # the plan packed, as the runtime packs it
             n = job.n
-            job.selection = KVStore.slots(self, job.layer, job.plan[:, :, :n], self.valid[job.layer][:, :, :n])
-            job.idx = job.selection[1]
-            job.n = job.idx.shape[-1]
-        if job.selection is not None:
-            mask = job.selection[2]
-        idx = job.idx
-        if job.full:
-            idx = torch.arange(job.n).expand(self.batch, self.kv_heads, job.n)
-        job.kv, units = self._read(job.layer, idx, mask)
+            job.selection = KVStore.select_rows(self, job.layer, job.plan[:, :, :n], self.valid[job.layer][:, :, :n])
+        if job.full:  # every used slot (padding's too), in (b, h, i) order
+            seg = torch.arange(self.bh).repeat_interleave(job.n)
+            slot = torch.arange(job.n).repeat(self.bh)
+        else:
+            flat = packed_order(job.selection)[0]
+            seg, slot = flat // self.capacity, flat % self.capacity
+        job.kv, units = self._read(job.layer, seg, slot)
         self.stats.bytes_moved += units * self.unit
-        self.stats.rows_moved += idx.numel()
+        self.stats.rows_moved += slot.numel()
         self.stats.fetches += 1
         if not ondemand:
             self.stats.gather_s += time.perf_counter() - t0
 
-    def _read(self, layer: int, idx: torch.Tensor, mask: torch.Tensor | None):
-        """Rows `idx` [B, Hkv, n] (entries where `mask` is False are padding: read nothing for them) ->
-        (keys, values [B * Hkv * n, d] in (b, h, i) order, units read from the file)."""
+    def _read(self, layer: int, seg: torch.Tensor, slot: torch.Tensor):
+        """The rows of (batch row * Hkv + KV head, slot) pairs seg, slot [N] -> (keys, values [N + B * Hkv, d]:
+        the rows in that order, then a spare row per (batch row, KV head); units read from the file)."""
         parity, bs, nb = layer % 2, self.block, self.blocks_per_head
-        n = idx.shape[-1]
-        slot = idx.reshape(self.bh, n)
-        blk = slot // bs
-        unit_id = blk + torch.arange(self.bh).view(-1, 1) * nb  # [BH, n] unit within the layer
+        unit_id = slot // bs + seg * nb  # [N] unit within the layer
         hit = torch.zeros(self.bh * nb, dtype=torch.bool)
-        hit[unit_id.reshape(-1) if mask is None else unit_id[mask.reshape(self.bh, n)]] = True
+        hit[unit_id] = True
         rank = hit.cumsum(0) - 1  # a hit unit's place in the staging buffer
         nhit = int(rank[-1]) + 1 if rank.numel() else 0
         stage = self.buffers.get(("disk", parity), max(nhit, 1) * self.unit_rows, (self.head_dim,), self.dtype)
@@ -317,12 +312,11 @@ class BlockedKVStore(OffloadedKVStore):
                         os.posix_fadvise(self.fd, (base + f) * self.unit, c * self.unit, _WILLNEED)
                 for f, c, w in runs:
                     _read_all(self.fd, mv[w * self.unit:(w + c) * self.unit], (base + f) * self.unit)
-        row = rank[unit_id].clamp(min=0) * self.unit_rows + slot % bs  # padding: any staged row (masked later)
-        row = row.reshape(-1)
+        row = rank[unit_id] * self.unit_rows + slot % bs
         out = []
         for kind in KV:
-            buf = self.buffers.get(("fast", parity, kind, 0), row.numel(), (self.head_dim,), self.dtype)
-            torch.index_select(stage, 0, row + kind * bs, out=buf)
+            buf = self.buffers.get(("fast", parity, kind, 0), row.numel() + self.bh, (self.head_dim,), self.dtype)
+            torch.index_select(stage, 0, row + kind * bs, out=buf[:row.numel()])
             out.append(buf)
         self.stats.blocks += read
         return tuple(out), read

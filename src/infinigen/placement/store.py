@@ -7,12 +7,13 @@ Decoding step, layer i (the runtime calls `ahead` after each policy hook):
      (index_select; torch releases the GIL) and, on CUDA, copy the staging buffer to the GPU on a copy
      stream and record an event.
   2. Meanwhile the main thread runs the rest of layer i (attention, MLP).
-  3. At layer i+1's attention, `gather`/`dense` wait for that job only (its future and, on CUDA, its
+  3. At layer i+1's attention, `hand_rows`/`dense` wait for that job only (its future and, on CUDA, its
      event on the compute stream; never a device-wide synchronize) and return views of the fetched rows.
-The layer reads exactly the planned selection; the runtime still derives its row indices itself (the
-store hands over those of the plan when the selection is the plan): if they differ from the prefetched
-ones (or nothing was planned) the rows are fetched on the spot. The tokens are therefore always those of
-the in-memory store.
+The layer reads exactly the planned selection, packed as the runtime packs it (`KVStore.select_rows`, derived
+on the worker; the store hands over the plan's when the selection is the plan): if it differs from the
+prefetched one (or nothing was planned) the rows are fetched on the spot. The fetched rows are handed to the
+attention in the packed order (`hand_rows`), with a spare row per (batch row, KV head) for the token, which is
+stored after the attention. The tokens are therefore always those of the in-memory store.
 
 Double buffering: jobs for layers of the same parity share buffers; on CUDA the copy for layer i+2
 waits on an event recorded when layer i's attention was done with the buffer.
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import KVCodec, KVStore
+from ..cache import HandedRows, KVCodec, KVStore, SelectedRows, packed_order
 from ..errors import UserError
 from ..selection import ALL
 from .rows import layout_for
@@ -89,15 +90,16 @@ class TransferStats:
 class _Job:
     layer: int
     step: int
-    idx: torch.Tensor | None  # [B,Hkv,n] slots read (fast device); None: every used slot (or not derived yet)
-    n: int  # slots per (batch, KV head)
-    plan: object = None  # what the session planned (bool [B,Hkv,S]), and what `slots` made of it
-    selection: tuple | None = None
+    n: int  # the layer's used slots when the job was made
+    plan: object = None  # what the session planned (bool [B,Hkv,S]); None: `selection` given, or every used slot
+    selection: SelectedRows | None = None  # the plan packed as the runtime packs it (derived on the worker)
     full: bool = False  # every used slot (full offload, dense layers)
     future: Future | None = None
     ready: object = None  # CUDA: event on the copy stream
     raw: list | None = None  # CUDA: fetched planes per kind, finished on the compute stream
-    kv: tuple | None = None  # (k, v) [B*Hkv*n, d] in the fast tier, row order (b, h, i)
+    # (k, v) in the fast tier: a selection's rows in its packed order (`packed_order`), or every used slot in
+    # row order (b, h, i); then (CPU host) a spare row per (batch row, KV head) for the token
+    kv: tuple | None = None
 
 
 class _Buffers:
@@ -237,14 +239,14 @@ class OffloadedKVStore(KVStore):
         return tuple(self.planes[layer][kind][0][: n * self.bh].view(n, self.batch, self.kv_heads, self.head_dim)
                      .permute(1, 2, 0, 3) for kind in KV)
 
-    def _rows(self, idx: torch.Tensor) -> torch.Tensor:
-        """Slot indices [B,Hkv,n] -> flat row numbers [B*Hkv*n] in (b, h, i) order."""
-        bh = torch.arange(self.bh, device=idx.device).view(self.batch, self.kv_heads, 1)
-        return (idx * self.bh + bh).reshape(-1)
+    def _slow_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """Rows of the flat [B * Hkv * capacity] store order (`select_rows`) -> the slow tier's slot-major rows."""
+        return flat % self.capacity * self.bh + flat // self.capacity
 
     def _views(self, job: _Job):
         shape = (self.batch, self.kv_heads, job.n, self.head_dim)
-        return job.kv[0].view(shape), job.kv[1].view(shape)
+        rows = self.bh * job.n
+        return job.kv[0][:rows].view(shape), job.kv[1][:rows].view(shape)
 
     # ---- writes -----------------------------------------------------------------------------------
     def write_prompt(self, layer, k, v, token_valid, positions):
@@ -319,7 +321,7 @@ class OffloadedKVStore(KVStore):
     # ---- reads ------------------------------------------------------------------------------------
     def past(self, layer):
         """Metadata in the fast tier; k, v are slow-tier views (None when packed) that only host code
-        may read: attention reads through `dense`/`gather`."""
+        may read: attention reads through `hand_rows`/`dense`."""
         n = self.length[layer]
         self._flush(layer)
         k, v = self._slow_view(layer, n) if not self.packed else (None, None)
@@ -334,11 +336,11 @@ class OffloadedKVStore(KVStore):
             job = self._fetch(layer, None, n)
         return self._views(job)
 
-    def slots(self, layer, keep, valid):
-        """The planned selection's slots when `keep` is what was planned (no second pass over the mask)."""
+    def select_rows(self, layer, keep, valid):
+        """The planned selection, packed, when `keep` is what was planned (no second pass over the mask)."""
         job = self._jobs.get(layer)
         if job is not None and job.step == self._step and job.plan is not None:
-            self._settle(job)  # the worker derives the slots (and gathers their rows) off the main thread
+            self._settle(job)  # the worker packs the plan (and gathers its rows) off the main thread
             n = self.length[layer]
             mine = self.valid[layer]
             same_valid = (valid.data_ptr() == mine.data_ptr() and valid.shape[-1] == n
@@ -347,16 +349,26 @@ class OffloadedKVStore(KVStore):
             if same_valid and (keep is plan or (keep.shape[-1] == n and torch.equal(keep, plan[:, :, :n]))):
                 self.stats.reused += 1
                 return job.selection
-        return super().slots(layer, keep, valid)
+        return super().select_rows(layer, keep, valid)
 
-    def gather(self, layer, idx):
-        """Rows `idx` [B,Hkv,n] (the runtime's own indices) in the fast tier."""
+    def hand_rows(self, layer, sel, buffer=None, every: bool = False) -> HandedRows:
+        """The rows of `sel` in the fast tier (the prefetched ones, else fetched now; `every`: sel is every
+        visible slot, fetched as the whole used layer) with a spare row per (batch row, KV head) for the token
+        (`HandedRows`)."""
         job = self._take(layer)
-        if job is None or job.full or (job.idx is not idx and (job.idx.shape != idx.shape
-                                                              or not torch.equal(job.idx, idx))):
+        n = self.length[layer]
+        if job is None or (job.selection is not sel and not (job.full and job.n == n)):
             self._discard(job)
-            job = self._fetch(layer, idx, idx.shape[-1])
-        return self._views(job)
+            job = self._fetch(layer, None if every else sel, n)
+        flat, local, own = packed_order(sel)
+        if job.full:  # every used slot in (b, h, i) order: a column's row there
+            local = sel.rows // self.capacity * n + sel.rows % self.capacity
+            own = own - flat.numel() + self.bh * n
+        keys, values = job.kv
+        spare = int(own.max()) + 1 - keys.shape[0] if own.numel() else 0
+        if spare > 0:  # (behind a GPU the rows arrive without the spare rows)
+            keys, values = (torch.cat([x, x.new_empty(spare, x.shape[1])]) for x in (keys, values))
+        return HandedRows(keys, values, local, own)
 
     # ---- the pipeline -----------------------------------------------------------------------------
     def ahead(self, layer, point, session):
@@ -387,7 +399,7 @@ class OffloadedKVStore(KVStore):
         rule, `KVStore.slots`) is part of the job, so the main thread does not wait for it either."""
         self._drop(layer)
         full = plan is ALL
-        job = _Job(layer, self._step, None, self.length[layer], plan=None if full else plan, full=full)
+        job = _Job(layer, self._step, self.length[layer], plan=None if full else plan, full=full)
         if self._pool is None:
             self._run(job)
         else:
@@ -433,9 +445,10 @@ class OffloadedKVStore(KVStore):
     def _drop(self, layer) -> None:
         self._discard(self._jobs.pop(layer, None))
 
-    def _fetch(self, layer, idx, n) -> _Job:
+    def _fetch(self, layer, sel, n) -> _Job:
+        """Fetch `sel`'s rows (None: every used slot) now, on the main thread."""
         t0 = time.perf_counter()
-        job = _Job(layer, self._step, idx, n, full=idx is None)
+        job = _Job(layer, self._step, n, selection=sel, full=sel is None)
         self._run(job, ondemand=True)
         self._wait(job)
         self.stats.on_demand += 1
@@ -445,16 +458,17 @@ class OffloadedKVStore(KVStore):
     def _run(self, job: _Job, ondemand: bool = False) -> None:
         """Bring job.layer's rows to the fast tier (on the worker thread, or inline)."""
         t0 = time.perf_counter()
-        if job.plan is not None and job.idx is None:  # the slots of the plan, as the runtime derives them
+        if job.plan is not None and job.selection is None:  # the plan packed, as the runtime packs it
             n = job.n
-            job.selection = KVStore.slots(self, job.layer, job.plan[:, :, :n], self.valid[job.layer][:, :, :n])
-            job.idx = job.selection[1]
-            job.n = job.idx.shape[-1]
+            job.selection = KVStore.select_rows(self, job.layer, job.plan[:, :, :n], self.valid[job.layer][:, :, :n])
         self._flush(job.layer)
         total = job.n * self.bh
         rows = None
         if not job.full:
-            rows = self._rows(job.idx.cpu() if self.cuda else job.idx)  # behind a GPU the host gathers
+            flat = packed_order(job.selection)[0]
+            rows = self._slow_rows(flat.cpu() if self.cuda else flat)  # behind a GPU the host gathers
+            total = rows.numel()
+        asked = total
         look = None
         if rows is not None and self.row_cache is not None:  # fetch only the rows the cache lacks
             look = self.row_cache.lookup(job.layer, rows)
@@ -475,10 +489,11 @@ class OffloadedKVStore(KVStore):
         else:
             job.kv = tuple(self._host_fetch(job, kind, rows, total, used if bulk else None) for kind in KV)
         if look is not None:
-            n = job.n * self.bh
             d = (self.head_dim,)
-            out = tuple(self.buffers.get(("cached", job.layer % 2, kind), n, d, self.dtype) for kind in KV)
-            job.kv = self.row_cache.assemble(job.layer, look, job.kv, out)
+            out = tuple(self.buffers.get(("cached", job.layer % 2, kind), asked + self.bh, d, self.dtype)
+                        for kind in KV)
+            self.row_cache.assemble(job.layer, look, tuple(x[:total] for x in job.kv), tuple(x[:asked] for x in out))
+            job.kv = out
         moved = 2 * (used if bulk else total) * self.layout.row_bytes
         self.stats.bytes_moved += moved
         self.stats.bulk += bulk
@@ -491,12 +506,15 @@ class OffloadedKVStore(KVStore):
             self.stats.gather_s += time.perf_counter() - t0
 
     def _host_fetch(self, job, kind, rows, total, bulk_rows=None) -> torch.Tensor:
-        """CPU host: gather (or copy the whole used prefix of) one kind's planes into fast RAM buffers.
+        """CPU host: gather (or copy the whole used prefix of) one kind's planes into fast RAM buffers, with a
+        spare row per (batch row, KV head) after them (for the token, `hand_rows`).
         `bulk_rows`: read the first that many rows of the plane in one sequential pass, then gather there."""
         parity, out = job.layer % 2, []
+        spare = 0 if self.packed else self.bh
         for p, plane in enumerate(self.planes[job.layer][kind]):
             shape = plane.shape[1:]
-            buf = self.buffers.get(("fast", parity, kind, p), total, shape, plane.dtype)
+            whole = self.buffers.get(("fast", parity, kind, p), total + spare, shape, plane.dtype)
+            buf = whole[:total]
             if rows is None:  # full offload: the used prefix, reordered from slot-major to (b, h, i)
                 src = plane[:total].view(job.n, self.batch, self.kv_heads, *shape)
                 slot_last = src.permute(1, 2, 0, *range(3, 3 + len(shape)))
@@ -507,11 +525,12 @@ class OffloadedKVStore(KVStore):
                 torch.index_select(stage, 0, rows, out=buf)
             else:
                 torch.index_select(plane, 0, rows, out=buf)
-            out.append(buf)
+            out.append(buf if self.packed else whole)
         if not self.packed:
             return out[0]
-        dq = self.buffers.get(("dq", parity, kind), total, (self.head_dim,), self.dtype)
-        return self.layout.decode(out, out=dq)
+        dq = self.buffers.get(("dq", parity, kind), total + self.bh, (self.head_dim,), self.dtype)
+        self.layout.decode(out, out=dq[:total])
+        return dq
 
     def _run_cuda(self, job, rows, total):
         parity = job.layer % 2

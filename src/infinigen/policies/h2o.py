@@ -16,7 +16,7 @@ import torch
 
 from ..errors import UserError
 from ..kernels.colsum import attention_column_sums
-from .base import ALL, Policy
+from .base import Policy
 
 
 @dataclass
@@ -96,15 +96,12 @@ class H2O(Policy):
         session.state.alive[layer][:, :, :keep.shape[-1]] = keep  # eviction is permanent
         return keep[:, :, None]
 
-    def observe(self, layer, probs, idx, session):
-        got = probs[..., :-1].sum(2)  # [B,Hkv,n]: attention each read entry received, group summed
+    def observe(self, layer, weights, rows, own, session):
         st = session.state
-        score = st.score[layer]
-        if idx is ALL:
-            score[:, :, :got.shape[-1]] += got
-        else:
-            score.scatter_add_(2, idx, got)
-        st.own[layer] = probs[..., -1].sum(2)  # [B,Hkv]: the current token's own share
+        # the attention each read entry received, group summed, into its slot's score ([B, Hkv, capacity] is
+        # the store's flat row order)
+        st.score[layer].view(-1).index_add_(0, rows.reshape(-1), weights.reshape(-1).float())
+        st.own[layer] = own.float()  # [B,Hkv]: the current token's own share
 
     def on_append(self, layer, slots, k, v, session):
         st = session.state

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..cache import SelectedRows
 from ..kernels import fused_select
-from ..selection import Remainder, first_key_read
+from ..selection import ALL, Remainder, first_key_read
 
 ROW_CHUNK = 1024  # teacher-forced decoding rows per attention call: bounds the score matrix at long contexts
 
@@ -111,6 +111,30 @@ def attend_packed(q, kp, vp, head, hkv: int, scale: float, remainder: bool = Fal
     return Attended(out, lse.view(b, hkv, h // hkv, 1), sums[:-1].view(b, hkv, d), counts[:-1].view(b, hkv))
 
 
+def packed_weights(q, kp, head, hkv: int, scale: float) -> torch.Tensor:
+    """The attention weight [B, m] each packed column of kp [B, 1, m, d] (KV heads head [B, m], -1 on padding)
+    received from one token per row q [B, H, 1, d], summed over its KV head's query heads: exp(score - lse)
+    per query head, as `attend_packed` weighs it (padding: 0)."""
+    b, m = head.shape
+    h, d = q.shape[1], kp.shape[-1]
+    scores = torch.matmul(q.view(b, 1, h, d).float(), kp.float().transpose(-1, -2)) * scale  # [B, 1, H, m]
+    probs = torch.softmax(scores.masked_fill(~head_mask(head, h, hkv), float("-inf")), -1)
+    return probs.sum(2)[:, 0]
+
+
+def observed_slots(probs, idx, capacity: int):
+    """The weights probs [B, Hkv, G, n + 1] of the reference path (n past entries in slots idx [B, Hkv, n], or
+    ALL: every used slot in order; the current token last) as a policy observes them (`Policy.observe`): each
+    entry's weight summed over the group and its row in the flat [B * Hkv * capacity] store, both [B, Hkv * n],
+    and the tokens' [B, Hkv]."""
+    b, hkv = probs.shape[:2]
+    got = probs[..., :-1].sum(2)
+    n = got.shape[-1]
+    slots = torch.arange(n, device=got.device).expand(b, hkv, n) if idx is ALL else idx
+    rows = torch.arange(b * hkv, device=got.device).view(b, hkv, 1) * capacity + slots
+    return got.reshape(b, -1), rows.reshape(b, -1), probs[..., -1].sum(2)
+
+
 def attend_rows(q, k, v, keep, first: int, codec, scale: float, remainder: Remainder | None = None) -> torch.Tensor:
     """Decoding rows q [B,H,R,d] (positions first..first+R-1 of a sequence with keys and values k, v
     [B,Hkv,T,d]) at once: each reads the entries in keep [B,Hkv,R,T] plus itself, past entries as the
@@ -188,6 +212,15 @@ class StepBuffers:
     def __init__(self):
         self.keys = self.values = None
         self.flat_keys = self.flat_values = None
+        self.handed_keys = self.handed_values = None
+
+    def handed(self, n: int, like: torch.Tensor):
+        """Flat buffers [n, d] a store in fast memory copies a selection's rows into (`KVStore.hand_rows`)."""
+        if self.handed_keys is None or self.handed_keys.shape[0] < n:
+            cap = max(n, int(1.25 * self.handed_keys.shape[0]) if self.handed_keys is not None else n)
+            self.handed_keys = like.new_empty(cap, like.shape[-1])
+            self.handed_values = like.new_empty(cap, like.shape[-1])
+        return self.handed_keys[:n], self.handed_values[:n]
 
     def rows(self, n: int, like: torch.Tensor):
         """Flat buffers [n, d] for the rows a packed selection gathers (`KVStore.gather_rows`)."""

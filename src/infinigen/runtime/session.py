@@ -45,8 +45,9 @@ class Listener:
 
 class ReadPlan(NamedTuple):
     """What one session's decoding row reads at a layer, before the attention runs (`Session._read`): for every
-    batch row and KV head all of its entries (in place, or handed as keys and values), or the slots a selection
-    keeps (packed per batch row in `rows`, or padded per KV head in keys and values: the reference path).
+    batch row and KV head all of its entries read in place (the dense step), or the rows it reads packed per
+    batch row (`rows`: a selection, or every visible entry of a padded, windowed or offloaded store); keys and
+    values only on the reference path the tests compare with (`read_rows` False).
     `step_attention.attend_sessions` consumes one per session."""
     cur: torch.Tensor  # [B] position of the row's token
     keep: torch.Tensor | All  # the selection (over the store's slots)
@@ -54,10 +55,10 @@ class ReadPlan(NamedTuple):
     keys: torch.Tensor | None  # [B, Hkv, n, d] what attention reads (None: read in place, fused)
     values: torch.Tensor | None
     mask: torch.Tensor | None  # [B, Hkv, n]
-    idx: torch.Tensor | All  # the slots of keys/values (ALL: every used slot, in order)
+    idx: torch.Tensor | All | None  # the slots of keys/values (ALL: every used slot, in order; None: packed)
     full: bool  # every entry of keys/values counts (mask is all True): no padding, window or selection
-    rows: SelectedRows | None = None  # the selection packed per batch row (`KVStore.select_rows`), read with the
-    # current token stored first; None: the reference path (keys/values, or in place)
+    rows: SelectedRows | None = None  # what is read, packed per batch row (`KVStore.select_rows`); None: every
+    # entry in place, or the reference path (keys/values)
 
 
 # ---- sessions ----------------------------------------------------------------------------------------------------
@@ -89,7 +90,7 @@ class Session:
         self._plans: dict = {}  # layer -> this step's selection, asked one layer ahead
         self._row_buffers = StepBuffers()  # the packed rows a step gathers, reused by every layer
         # False: a selection takes the reference path (`_read_slots`: per KV head, padded to the largest
-        # count), which tests and the benchmark compare the packed rows against
+        # count, then `attention.attend_step`), which the tests compare the packed rows against
         self.read_rows = True
         self.state = self.policy.begin(model, self)
 
@@ -301,8 +302,9 @@ class Session:
         keep = self._plans.pop(layer, None)
         if keep is None:
             if self.selects(layer):
-                # every used slot a visible candidate, read as packed rows: the policy may pack them itself
-                packs = in_place and self.reads_rows() and window is None and not store.padded
+                # every used slot a visible candidate, read in place as packed rows: the policy may pack them
+                # itself (an offloaded store packs the plan it fetched one layer ahead)
+                packs = in_place and self.packs_rows() and store.reads_rows() and window is None and not store.padded
                 rows = self._rows(valid, pos, q, k, kp, packs)
                 keep = pol.keep(layer, rows, self)
                 if isinstance(keep, SelectedRows):
@@ -328,8 +330,11 @@ class Session:
         past = cur[:, None, None] if window is None else cur[:, None, None].clamp(max=window - 1)
         if keep is ALL:
             self.stats.record(layer, visible.sum(-1, keepdim=True), past)
+            if in_place and self.packs_rows():  # every visible entry, as packed rows
+                return ReadPlan(cur, ALL, visible, None, None, None, ALL, False, store.select_rows(layer, visible,
+                                                                                                  visible))
             return self._read_dense(layer, ReadPlan(cur, ALL, visible, None, None, None, ALL, False))
-        if in_place and self.reads_rows():
+        if in_place and self.packs_rows():
             # the rows are read by the attention itself
             sel = packed if packed is not None else store.select_rows(layer, keep, visible)
             self.stats.record(layer, sel.counts[..., None], past)
@@ -347,10 +352,10 @@ class Session:
         self.stats.record_rows(layer, idx.numel())
         return ReadPlan(cur, keep, keep, kp, vp, mask, idx, False)
 
-    def reads_rows(self) -> bool:
-        """Whether a decoding selection is read as packed rows (`KVStore.select_rows`):
-        the store allows it and the policy needs no weights (`observe` takes them per padded slot)."""
-        return self.read_rows and self.store.reads_rows() and not self.policy.needs_weights
+    def packs_rows(self) -> bool:
+        """Whether a decoding step's selection is read as packed rows (`KVStore.select_rows`): always, but
+        on the reference path the tests compare with (`read_rows` False)."""
+        return self.read_rows
 
     def _read_dense(self, layer: int, read: ReadPlan) -> ReadPlan:
         """Every used slot, where attention can read it (an offloaded store hands its fast-tier copy)."""
@@ -358,11 +363,12 @@ class Session:
         full = not self.store.padded and self.model.cfg.window(layer) is None
         return read._replace(keys=kp, values=vp, mask=read.seen, full=full)
 
-    def _write(self, layer: int, read: ReadPlan, probs, k, v) -> None:
-        """After the row's attention: the policy sees the weights (if it asked), the token is stored."""
+    def _write(self, layer: int, read: ReadPlan, weights, k, v) -> None:
+        """After the row's attention: the policy sees the weights (if it asked: `observed`), the token is
+        stored."""
         store = self.store
         if self.policy.needs_weights:
-            self.policy.observe(layer, probs, read.idx, self)
+            self.policy.observe(layer, *weights, self)
         slots = store.append(layer, k, v, read.cur)
         if store.allocator is not None:
             store.allocator.on_read(layer, read.seen)

@@ -1,12 +1,13 @@
 """A decoding step's attention at one layer, for one session or several whose rows are stacked (the server's
 running requests, a fan-out): one session is "many" with one member.
 
-    plans      each session's read plan (`Session._read`: for every row and KV head, all of its entries or
-               the packed slots to read), asked of its own policy and store
-    attention  ONE call over every row: packed rows (`attention.attend_packed`, or for one session the C++
-               kernel reading its store in place), all entries read in place (`attention.attend_all`, one
-               session), all entries stacked (`attention.attend_masked`), or the reference path that keeps
-               the current token apart and hands the weights to a policy that observes them
+    plans      each session's read plan (`Session._read`: for every row and KV head, all of its entries in
+               place or the packed rows to read), asked of its own policy and store
+    attention  ONE call over every row: packed rows (for one session the C++ kernel reading them where they
+               lie: its store, or the fast buffer an offloaded, coded or pool-limited store hands them in;
+               else `attention.attend_packed`), or the dense step's entries read in place
+               (`attention.attend_all`, one session) or stacked (`attention.attend_masked`). The reference
+               path the tests compare with (`read_rows` False) keeps the current token apart
                (`attention.attend_step`)
     remainder  mixed in once per session (`attention.with_remainder`), then each session stores its token
 
@@ -18,10 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..cache import HandedRows
 from ..kernels import fused_select
 from ..selection import ALL
 from . import attention
-from .attention import StepBuffers, with_own
+from .attention import StepBuffers
 
 
 def attend_sessions(layer: int, q, k, v, sessions: list, spans: list[tuple[int, int]], scale: float,
@@ -30,17 +32,17 @@ def attend_sessions(layer: int, q, k, v, sessions: list, spans: list[tuple[int, 
     [N,Hkv,1,d] (session i owns rows spans[i]): each session plans its read from its own store, one attention
     runs over every row, the remainder is mixed in per session and each session stores its token.
 
-    When every session reads all its entries and none wants the weights (a dense step), the current token is
-    read among the entries: stored first where one session's store is read in place, else following each row's
-    stacked entries; otherwise the current tokens stay apart (`attend_step`) and the sessions see the weights
-    of what they read."""
+    A session that reads all its entries in place (the dense step) reads the current token among them: stored
+    first where one session's store is read in place, else following each row's stacked entries. Everything
+    else is read as packed rows (`_attend_rows`). The reference path (`read_rows` False, which the tests compare
+    with) keeps the current tokens apart (`attend_step`)."""
     plans = [s._read(layer, _part(q, a, b), _part(k, a, b), in_place=True) for s, (a, b) in zip(sessions, spans)]
     if any(p.rows is not None for p in plans):
-        if all(s.reads_rows() for s in sessions):  # a session reading all its entries reads them as rows
+        if all(s.packs_rows() for s in sessions):  # a session reading all its entries reads them as rows
             plans = [p if p.rows is not None else p._replace(rows=s.store.select_rows(layer, p.seen, p.seen))
                      for s, p in zip(sessions, plans)]
             return _attend_rows(layer, q, k, v, sessions, spans, plans, scale, buffers)
-        # another session needs the reference path (weights, an offloaded store): every selection takes it
+        # another session takes the reference path: every selection takes it
         plans = [p if p.rows is None else s._read_slots(layer, p.cur, p.keep, p.keep, None)
                  for s, p in zip(sessions, plans)]
     stacked = len(sessions) > 1
@@ -72,9 +74,10 @@ def attend_sessions(layer: int, q, k, v, sessions: list, spans: list[tuple[int, 
     outs = []
     for s, p, remainder, m, (a, b) in zip(sessions, plans, remainders, sizes, spans):
         outs.append(attention.with_remainder(att.rows(a, b), remainder))
-        w = probs[a:b]
-        if s.policy.needs_weights and m < n:  # the session's own entries, then the current token
-            w = torch.cat([w[..., :m], w[..., -1:]], dim=-1)
+        w = None
+        if s.policy.needs_weights:  # the session's own entries, then the current token
+            w = probs[a:b] if m == n else torch.cat([probs[a:b, ..., :m], probs[a:b, ..., -1:]], dim=-1)
+            w = attention.observed_slots(w, p.idx, s.store.capacity)
         s._write(layer, p, w, _part(k, a, b), _part(v, a, b))
     return outs[0] if not stacked else torch.cat(outs)
 
@@ -112,59 +115,94 @@ def _stack(layer: int, q, k, v, sessions, spans, plans, fused: bool, buffers: St
 
 
 def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buffers: StepBuffers):
-    """`attend_sessions` when every session reads packed rows: each stores its token first and reads it among
-    its rows. One session whose store the C++ kernel can read is read in place; otherwise each session's rows
-    (padded to the longest session's) are gathered into one buffer and one masked fused call runs over every
-    row."""
-    stored = [s.store.append(layer, _part(k, a, b), _part(v, a, b), p.cur)
-              for s, p, (a, b) in zip(sessions, plans, spans)]
+    """`attend_sessions` when every session reads packed rows. A session whose store the attention may read in
+    place (`KVStore.reads_rows`) stores its token first and reads it among its rows; any other store hands its
+    rows over in a fast buffer with a spare row per (batch row, KV head) (`KVStore.hand_rows`: an offloaded
+    pool's fetched rows, a coded or pool-limited store's copied ones), the token is written there and stored
+    after the attention. One session: one C++ call over its rows where they lie; otherwise (several sessions, a
+    policy that observes the weights, no kernel) every row is gathered into one buffer, one masked fused call."""
+    in_place = [s.store.reads_rows() for s in sessions]
+    stored = [s.store.append(layer, _part(k, a, b), _part(v, a, b), p.cur) if ip else None
+              for s, p, ip, (a, b) in zip(sessions, plans, in_place, spans)]
     remainders = [s.policy.remainder_at(layer, s) for s in sessions]  # before the tokens' append: they were read
     wants_lse = any(r is not None for r in remainders)
-    store = sessions[0].store
-    if len(sessions) == 1 and fused_select.usable(q, store.k[layer]):
-        sessions[0].stats.record_rows(layer, plans[0].rows.rows.numel())
-        att = _attend_rows_in_place(q, k, store.k[layer], store.v[layer], plans[0].rows, stored[0], store.capacity,
-                                    scale, wants_lse)
+    observes = any(s.policy.needs_weights for s in sessions)
+
+    def source(i: int) -> HandedRows:
+        """Where session i's rows and tokens lie: its store, or the buffer its store hands them in."""
+        s, p, (a, b) = sessions[i], plans[i], spans[i]
+        if in_place[i]:
+            d = k.shape[-1]
+            seg = torch.arange(stored[i].numel(), device=q.device).view(stored[i].shape)
+            return HandedRows(s.store.k[layer].view(-1, d), s.store.v[layer].view(-1, d), p.rows.rows,
+                              seg * s.store.capacity + stored[i])
+        handed = s.store.hand_rows(layer, p.rows, buffers.handed, every=p.idx is ALL)
+        own = handed.own.reshape(-1)
+        handed.keys.index_copy_(0, own, _part(k, a, b).reshape(own.numel(), -1).to(handed.keys.dtype))
+        handed.values.index_copy_(0, own, _part(v, a, b).reshape(own.numel(), -1).to(handed.values.dtype))
+        return handed
+
+    weights = None
+    if len(sessions) == 1 and not observes and fused_select.usable(q, sessions[0].store.k[layer]):
+        if plans[0].idx is not ALL:  # a read of ALL counted its rows already (`_read`)
+            sessions[0].stats.record_rows(layer, plans[0].rows.rows.numel())
+        att = _attend_rows_in_place(q, source(0), plans[0].rows.counts, scale, wants_lse)
     else:
-        att = _attend_rows_gathered(layer, q, k, sessions, spans, plans, stored, scale, buffers, wants_lse)
+        att, weights = _attend_rows_gathered(layer, q, k, sessions, spans, plans, source, scale, buffers, wants_lse,
+                                             observes)
     outs = []
-    for s, remainder, slots, (a, b) in zip(sessions, remainders, stored, spans):
+    for i, (s, p, remainder, slots, (a, b)) in enumerate(zip(sessions, plans, remainders, stored, spans)):
         outs.append(attention.with_remainder(att.rows(a, b), remainder))
-        s._appended(layer, slots, _part(k, a, b), _part(v, a, b))
+        seen = None
+        if s.policy.needs_weights:  # each past row's weight and row in the store, then the tokens'
+            w = weights[a:b]
+            hkv = k.shape[1]
+            n = p.rows.rows.shape[1]
+            seen = (w[:, -hkv - n:-hkv], p.rows.rows, w[:, -hkv:])
+        if in_place[i]:
+            if seen is not None:
+                s.policy.observe(layer, *seen, s)
+            s._appended(layer, slots, _part(k, a, b), _part(v, a, b))
+        else:
+            s._write(layer, p, seen, _part(k, a, b), _part(v, a, b))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _attend_rows_in_place(q, k, keys, values, sel, slots, capacity: int, scale: float,
-                          wants_lse: bool) -> attention.Attended:
-    """One session's packed rows `sel` and its tokens (stored in slots [B, Hkv]) read from the store's keys and
-    values in place: one C++ call, which returns what the remainder needs as well."""
+def _attend_rows_in_place(q, src: HandedRows, counts, scale: float, wants_lse: bool) -> attention.Attended:
+    """One session's packed rows and tokens read where they lie (`src`: its store, or the buffer its store
+    handed them in): one C++ call, which returns what the remainder needs as well."""
     b, h, _, d = q.shape
-    hkv = k.shape[1]
-    own = torch.arange(b * hkv, device=q.device).view(b, hkv) * capacity + slots
-    out, lse, read_sum = fused_select.attend_rows(q.view(b, h, d), keys.view(-1, d), values.view(-1, d), sel.rows,
-                                                  sel.counts, own, scale)
+    out, lse, read_sum = fused_select.attend_rows(q.view(b, h, d), src.keys, src.values, src.rows, counts, src.own,
+                                                  scale)
     if not wants_lse:
         return attention.Attended(out.view(b, h, 1, d))
-    return attention.Attended(out.view(b, h, 1, d), lse.view(b, hkv, h // hkv, 1), read_sum, sel.counts)
+    hkv = counts.shape[1]
+    return attention.Attended(out.view(b, h, 1, d), lse.view(b, hkv, h // hkv, 1), read_sum, counts)
 
 
-def _attend_rows_gathered(layer: int, q, k, sessions, spans, plans, stored, scale: float, buffers: StepBuffers,
-                          wants_lse: bool) -> attention.Attended:
+def _attend_rows_gathered(layer: int, q, k, sessions, spans, plans, source, scale: float, buffers: StepBuffers,
+                          wants_lse: bool, observes: bool):
     """Every session's packed rows and its tokens gathered into one buffer [N, m, d] (padding first), one
-    masked fused call over every row (`attention.attend_packed`)."""
-    owned = [with_own(p.rows, slots, s.store.capacity) for s, p, slots in zip(sessions, plans, stored)]
-    m = max(rows.shape[1] for rows, _ in owned)
+    masked fused call over every row (`attention.attend_packed`); with `observes`, the weight [N, m] each
+    column received too (else None)."""
+    hkv = k.shape[1]
+    cols = [plans[i].rows.rows.shape[1] + hkv for i in range(len(sessions))]
+    m = max(cols)
     kp, vp = buffers.rows(q.shape[0] * m, k)
-    kp, vp = kp.view(q.shape[0], m, -1), vp.view(q.shape[0], m, -1)
     head = torch.full((q.shape[0], m), -1, dtype=torch.long, device=q.device)
-    for s, p, slots, (rows, own_head), (a, b) in zip(sessions, plans, stored, owned, spans):
-        pad = m - rows.shape[1]
-        head[a:b, pad:] = own_head  # padding first, then the rows and the own tokens
-        rows = F.pad(rows, (pad, 0))
-        s.store.gather_rows(layer, rows, kp[a:b].view(-1, kp.shape[-1]), vp[a:b].view(-1, vp.shape[-1]))
+    own_head = torch.arange(hkv, device=q.device)
+    for i, (s, p, (a, b)) in enumerate(zip(sessions, plans, spans)):
+        src = source(i)  # (a buffer a store hands its rows in is reused by the next session: copied out now)
+        pad = m - cols[i]
+        head[a:b, pad:] = torch.cat([p.rows.head, own_head.expand(b - a, hkv)], 1)  # padding first, the tokens last
+        index = F.pad(torch.cat([src.rows, src.own], 1), (pad, 0)).reshape(-1)
+        torch.index_select(src.keys, 0, index, out=kp[a * m:b * m])
+        torch.index_select(src.values, 0, index, out=vp[a * m:b * m])
         if p.idx is not ALL:  # a read of ALL counted its rows already (`_read`)
-            s.stats.record_rows(layer, rows.numel() - slots.numel())
-    return attention.attend_packed(q, kp[:, None], vp[:, None], head, k.shape[1], scale, wants_lse)
+            s.stats.record_rows(layer, (b - a) * (m - hkv))
+    kp, vp = kp.view(q.shape[0], 1, m, -1), vp.view(q.shape[0], 1, m, -1)
+    att = attention.attend_packed(q, kp, vp, head, hkv, scale, wants_lse)
+    return att, attention.packed_weights(q, kp, head, hkv, scale) if observes else None
 
 
 def _part(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
