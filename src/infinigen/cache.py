@@ -56,14 +56,18 @@ def packed_order(sel: SelectedRows) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """The selected entries of `sel` without its padding, in its packed order: (their rows in the flat
     [B * Hkv * capacity, d] store [total], each packed column's place among them [B, n] (padding: 0), and a
     spare place after them for each (batch row, KV head)'s own token [B, Hkv])."""
+    return (sel.rows[sel.head >= 0], *packed_places(sel))
+
+
+def packed_places(sel: SelectedRows, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`packed_order`'s places without its rows, and without waiting on the device: each packed column's place
+    among the selected entries [B, n] (padding: 0), and a spare place after the `total` selected entries (None:
+    counted on the device) for each (batch row, KV head)'s own token [B, Hkv]."""
     real = sel.head >= 0
-    flat = sel.rows[real]
-    total = flat.numel()
-    local = torch.zeros_like(sel.rows)
-    local[real] = torch.arange(total, device=flat.device)
+    local = (real.reshape(-1).cumsum(0) - 1).view_as(sel.rows) * real
     b, h = sel.counts.shape
-    own = total + torch.arange(b * h, device=flat.device).view(b, h)
-    return flat, local, own
+    base = sel.counts.sum() if total is None else total
+    return local, base + torch.arange(b * h, device=sel.rows.device).view(b, h)
 
 
 class KVStore:
@@ -142,6 +146,18 @@ class KVStore:
         head = torch.full((b, n), -1, dtype=torch.long, device=keep.device)
         head[row, col] = seg - row * h
         return SelectedRows(keep, rows, head, counts)
+
+    def every_row(self, layer: int) -> "SelectedRows":
+        """Every used slot as `select_rows` packs them, where every used slot is valid (no padding, no
+        victims): built from the used length, without waiting on the device for a count."""
+        b, h = self.k[layer].shape[:2]
+        n = self.length[layer]
+        dev = self.k[layer].device
+        col = torch.arange(h * n, device=dev)
+        head = (col // n).expand(b, -1) if n else col.view(1, 0).expand(b, 0)
+        rows = (torch.arange(b, device=dev)[:, None] * h + head) * self.capacity + (col % max(n, 1))
+        counts = torch.full((b, h), n, dtype=torch.long, device=dev)
+        return SelectedRows(self.valid[layer][:, :, :n], rows, head.contiguous(), counts)
 
     def gather_rows(self, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
         """Rows `rows` [B, m] of `select_rows` into keys, values [B * m, d] (buffers the caller reuses);

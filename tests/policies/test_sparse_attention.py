@@ -187,3 +187,18 @@ def test_infinigen_rows_read_within_its_layer_cap(make_tiny):
     cap = sum(2 * int(ratio * (P + i) * hkv) for i in range(T - P))  # B x the layer's cap, summed over steps
     for layer in range(1, model.cfg.num_layers):
         assert 0 < sess.stats.rows[layer] <= cap, layer
+
+
+@pytest.mark.parametrize("b, h, n, capacity", [(2, 3, 5, 9), (1, 2, 0, 4), (3, 1, 7, 7)])
+def test_every_row_packs_as_select_rows_over_every_slot(b, h, n, capacity):
+    """Reading every used slot of an unpadded store packs it from the used length alone (no count that a GPU
+    would have to hand back to the host), exactly as `select_rows` over every valid slot packs it."""
+    from infinigen.cache import KVStore
+    store = KVStore(1, b, h, capacity, 4, torch.float32)
+    if n:
+        k = torch.randn(b, h, n, 4)
+        store.write_prompt(0, k, k, torch.ones(b, n, dtype=torch.bool), torch.arange(n).expand(b, n))
+    valid = store.valid[0][:, :, :n]
+    want, got = store.select_rows(0, valid, valid), store.every_row(0)
+    for a, e in zip(want, got):
+        assert torch.equal(a, e)

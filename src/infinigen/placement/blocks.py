@@ -269,6 +269,7 @@ class BlockedKVStore(OffloadedKVStore):
         else:
             flat = packed_order(job.selection)[0]
             seg, slot = flat // self.capacity, flat % self.capacity
+            job.selected = flat.numel()
         job.kv, units = self._read(job.layer, seg, slot)
         self.stats.bytes_moved += units * self.unit
         self.stats.rows_moved += slot.numel()

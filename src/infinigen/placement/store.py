@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import HandedRows, KVCodec, KVStore, SelectedRows, packed_order
+from ..cache import HandedRows, KVCodec, KVStore, SelectedRows, packed_order, packed_places
 from ..errors import UserError
 from ..selection import ALL
 from .rows import layout_for
@@ -100,6 +100,7 @@ class _Job:
     # (k, v) in the fast tier: a selection's rows in its packed order (`packed_order`), or every used slot in
     # row order (b, h, i); then (CPU host) a spare row per (batch row, KV head) for the token
     kv: tuple | None = None
+    selected: int = 0  # a selection's rows in kv (counted on the worker: the main thread need not wait for it)
 
 
 class _Buffers:
@@ -360,12 +361,15 @@ class OffloadedKVStore(KVStore):
         if job is None or (job.selection is not sel and not (job.full and job.n == n)):
             self._discard(job)
             job = self._fetch(layer, None if every else sel, n)
-        flat, local, own = packed_order(sel)
-        if job.full:  # every used slot in (b, h, i) order: a column's row there
+        if job.full:  # every used slot in (b, h, i) order: a column's row there, the spare rows after them
+            before = self.bh * n
             local = sel.rows // self.capacity * n + sel.rows % self.capacity
-            own = own - flat.numel() + self.bh * n
+            own = before + torch.arange(self.bh, device=sel.rows.device).view(self.batch, self.kv_heads)
+        else:
+            before = job.selected
+            local, own = packed_places(sel, before)
         keys, values = job.kv
-        spare = int(own.max()) + 1 - keys.shape[0] if own.numel() else 0
+        spare = before + self.bh - keys.shape[0]
         if spare > 0:  # (behind a GPU the rows arrive without the spare rows)
             keys, values = (torch.cat([x, x.new_empty(spare, x.shape[1])]) for x in (keys, values))
         return HandedRows(keys, values, local, own)
@@ -469,6 +473,7 @@ class OffloadedKVStore(KVStore):
             rows = self._slow_rows(flat.cpu() if self.cuda else flat)  # behind a GPU the host gathers
             total = rows.numel()
         asked = total
+        job.selected = asked
         look = None
         if rows is not None and self.row_cache is not None:  # fetch only the rows the cache lacks
             look = self.row_cache.lookup(job.layer, rows)

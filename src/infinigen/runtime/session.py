@@ -331,8 +331,9 @@ class Session:
         if keep is ALL:
             self.stats.record(layer, visible.sum(-1, keepdim=True), past)
             if in_place and self.packs_rows():  # every visible entry, as packed rows
-                return ReadPlan(cur, ALL, visible, None, None, None, ALL, False, store.select_rows(layer, visible,
-                                                                                                  visible))
+                every = store.allocator is None and not store.padded and visible is valid  # (no count to wait on)
+                sel = store.every_row(layer) if every else store.select_rows(layer, visible, visible)
+                return ReadPlan(cur, ALL, visible, None, None, None, ALL, False, sel)
             return self._read_dense(layer, ReadPlan(cur, ALL, visible, None, None, None, ALL, False))
         if in_place and self.packs_rows():
             # the rows are read by the attention itself
