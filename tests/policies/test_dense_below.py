@@ -131,6 +131,24 @@ def test_below_threshold_is_the_full_cache_without_speculation(make_tiny, monkey
         assert set(st.spec_keys) == st.spec_layers
 
 
+@pytest.mark.parametrize("below, lazy", [(P, False), (P + 3, True)])
+def test_a_prompt_at_the_crossing_packs_its_keys_at_prefill(make_tiny, below, lazy):
+    """The int4 keys of a prompt that already reaches the crossing are packed by the prefill, as without a
+    crossing, not inside the first decoding step (which would time them as decoding); a shorter prompt's wait
+    for the step that crosses. At the crossing every decoding row selects, as with no crossing at all."""
+    _, model = make_tiny("llama", num_hidden_layers=3)
+    tokens = random_tokens(model)
+    pol = _policy(model, key_mode="int4", dense_below=below)
+    sess = Placement().new_session(model, 2, T, pol)
+    runtime.prefill(model, tokens[:, :P], sess)
+    st = sess.state
+    assert st.lazy_keys is lazy and (not st.spec_keys if lazy else set(st.spec_keys) == st.spec_layers)
+    out = [runtime.decode(model, tokens[:, t], sess) for t in range(P, T - 1)]
+    if not lazy:
+        everywhere, _ = _decode(model, _policy(model, key_mode="int4", dense_below=0), tokens)
+        assert torch.equal(torch.stack(out, 1), everywhere[:, 1:])
+
+
 # ---- crossing the threshold ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("key_mode,budget,exact_first,centre", [
     ("int4", "layer", False, False), ("partial", "mean", False, False), ("int4", "union", True, False),

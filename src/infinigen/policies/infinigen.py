@@ -407,6 +407,10 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
 
     def on_prefill(self, layer, q, k, v, session):
         st = session.state
+        if st.lazy_keys and k.shape[2] >= st.dense_below:
+            # the prompt reaches the crossing: decoding selects from its first step, so the keys are packed
+            # here, as a prefill packs them, not inside that step
+            st.lazy_keys = False
         if layer not in st.spec_layers:
             return
         store = session.store
