@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.models import build_tiny
+from support.models import attention_model
 from infinigen.errors import UserError
 from infinigen.eval.ppl import perplexity
 from infinigen.policies import calibrate as cal
@@ -36,13 +36,6 @@ class ByteTokenizer:
         return {"input_ids": [ord(c) % 256 for c in text]}
 
 
-def attention_model(query_scale: float):
-    _, model = build_tiny("llama", num_hidden_layers=4)
-    with torch.no_grad():
-        for blk in model.layers:
-            blk.attn.q_proj.weight.mul_(query_scale)
-            blk.mlp.down_proj.weight.mul_(0.05)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.models import build_gemma, build_tiny
+from support.models import attention_model, build_gemma
 from infinigen.kernels import fused_select
 from infinigen.placement import Placement
 from infinigen.policies import calibrate as cal
@@ -23,18 +23,9 @@ PROMPT = 12
 pytestmark = pytest.mark.skipif(not fused_select.available(), reason="the fused kernel is not built here")
 
 
-def attention_model(query_scale: float):
-    _, model = build_tiny("llama", num_hidden_layers=3)
-    with torch.no_grad():
-        for blk in model.layers:
-            blk.attn.q_proj.weight.mul_(query_scale)
-            blk.mlp.down_proj.weight.mul_(0.05)
-    return model
-
-
 @pytest.fixture(scope="module")
 def models():
-    return [attention_model(50.0), attention_model(0.0), attention_model(3.0)]
+    return [attention_model(scale, num_hidden_layers=3) for scale in (50.0, 0.0, 3.0)]
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,12 @@ import subprocess
 import uuid
 
 import pytest
-import torch
 
 from infinigen.generate import Sampling, generate_ids
 from infinigen.placement import BlockedKVStore, Placement
 from infinigen.policies import make_policy
 from infinigen.serve.engine import Engine, Request
+from support.serving import random_prompts, run_until_idle
 
 BLOCK = 16
 
@@ -44,19 +44,6 @@ def _open_files() -> set:
 def _pool_files(req: Request) -> frozenset:
     """(device, inode) of the pool files of a running request."""
     return frozenset((st.st_dev, st.st_ino) for st in req.session.store.tier.file_stats())
-
-
-def _prompts(vocab, lengths, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _run(eng: Engine, limit: int = 10_000) -> None:
-    for _ in range(limit):
-        if eng.idle():
-            return
-        eng.step()
-    raise AssertionError("the engine did not finish")
 
 
 def _anon_bytes() -> int:
@@ -80,7 +67,7 @@ def test_block_pool_requests_equal_alone_and_close_their_files(make_tiny, policy
     placement = Placement(kv_offload="disk", disk_block=BLOCK, pool_dir=str(tmp_path))
     eng = Engine(model, pol, placement, max_batch=4)
     lengths, maxt = (40, 75, 23, 60), (12, 30, 9, 14)
-    prompts = _prompts(model.cfg.vocab_size, lengths)
+    prompts = random_prompts(model.cfg.vocab_size, lengths, seed=3)
     reqs = [eng.submit(Request(p, n)) for p, n in zip(prompts, maxt)]
     while not all(r.tokens for r in reqs):
         eng.step()
@@ -94,7 +81,7 @@ def test_block_pool_requests_equal_alone_and_close_their_files(make_tiny, policy
     still = _open_files()
     assert not files[1] & still, "the cancelled request's pool file is still open"
     assert all(f <= still for f, r in zip(files, reqs) if r.finish is None)
-    _run(eng)
+    run_until_idle(eng)
     assert not any(f & _open_files() for f in files)
     assert os.listdir(tmp_path) == [] and eng.snapshot()["kv_slow_bytes"] == 0
     for r, p, n in zip(reqs, prompts, maxt):
@@ -122,12 +109,12 @@ def test_pools_beyond_the_fast_budget_run_together_and_rss_stays_flat(make_tiny,
     budget = sum(fast_each) + (1 << 20)
     assert sum(slow_each) > 8 * budget  # the pools could never run together if they were charged as RAM
     eng = Engine(model, pol, placement, max_batch=4, fast_bytes=budget)
-    warm = eng.submit(Request(_prompts(model.cfg.vocab_size, (64,))[0], 2))
-    _run(eng)
+    warm = eng.submit(Request(random_prompts(model.cfg.vocab_size, (64,), seed=3)[0], 2))
+    run_until_idle(eng)
     assert warm.finish == "length"
     release_free_heap()
     base = peak = _anon_bytes()
-    reqs = [eng.submit(Request(p, maxt)) for p in _prompts(model.cfg.vocab_size, lengths, seed=9)]
+    reqs = [eng.submit(Request(p, maxt)) for p in random_prompts(model.cfg.vocab_size, lengths, seed=9)]
     pools = fast = 0
     while not eng.idle():
         eng.step()
@@ -210,14 +197,14 @@ def test_full_disk_fails_the_request_that_does_not_fit(make_tiny, tmp_path):
     with _tmpfs(tmp_path / "pool", "4m") as pool:
         placement = Placement(kv_offload="disk", disk_block=BLOCK, pool_dir=str(pool))
         eng = Engine(model, pol, placement, max_batch=4)  # the slow budget: half the free space, 2 MiB
-        small, big = _prompts(model.cfg.vocab_size, (30, 1500))
+        small, big = random_prompts(model.cfg.vocab_size, (30, 1500), seed=3)
         assert eng.request_cost(len(big), 8)[1] > 1 << 20
         filler = pool / "filler"
         filler.write_bytes(b"x" * (3 << 20))  # someone else fills the disk: under 1 MiB stays free
         a = eng.submit(Request(small, 8))
         errors = []
         b = eng.submit(Request(big, 8, sink=lambda kind, value: errors.append(value) if kind == "error" else None))
-        _run(eng)
+        run_until_idle(eng)
         assert b.finish == "error" and len(errors) == 1
         assert str(pool) in errors[0] and "cannot reserve" in errors[0]
         assert a.finish == "length"
@@ -236,16 +223,16 @@ def test_pool_folder_removed_mid_run(make_tiny, tmp_path):
     pool = tmp_path / "pool"
     placement = Placement(kv_offload="disk", disk_block=BLOCK, pool_dir=str(pool))
     eng = Engine(model, pol, placement)
-    first, second = _prompts(model.cfg.vocab_size, (50, 35))
+    first, second = random_prompts(model.cfg.vocab_size, (50, 35), seed=3)
     a = eng.submit(Request(first, 20))
     while len(a.tokens) < 5:
         eng.step()
     files = _pool_files(a)
     shutil.rmtree(pool)
-    _run(eng)
+    run_until_idle(eng)
     assert a.finish == "length" and not files & _open_files()
     b = eng.submit(Request(second, 6))
-    _run(eng)
+    run_until_idle(eng)
     assert b.finish == "length" and os.listdir(pool) == []
     for req, prompt in ((a, first), (b, second)):
         alone = generate_ids(model, [prompt], len(req.tokens), Sampling(), pol, placement=placement).tokens[0]

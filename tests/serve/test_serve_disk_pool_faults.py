@@ -8,27 +8,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from infinigen.generate import Sampling, generate_ids
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
 from infinigen.serve.engine import Engine, Request
+from support.serving import random_prompts, run_until_idle
 
 BLOCK = 16
-
-
-def _prompts(vocab, lengths, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def _run(eng: Engine, limit: int = 10_000) -> None:
-    for _ in range(limit):
-        if eng.idle():
-            return
-        eng.step()
-    raise AssertionError("the engine did not finish")
 
 
 def _open_file(fd: int):
@@ -62,7 +49,7 @@ def test_a_failing_pool_file_fails_only_its_request(make_tiny, tmp_path, kind, p
     placement = Placement(kv_offload="disk", disk_block=BLOCK, pool_dir=str(pool))
     eng = Engine(model, pol, placement, max_batch=4)
     lengths, maxt = (40, 57, 33), (30, 30, 30)
-    prompts = _prompts(model.cfg.vocab_size, lengths)
+    prompts = random_prompts(model.cfg.vocab_size, lengths)
     errors: list[str] = []
     reqs = [eng.submit(Request(p, n, sink=lambda k, v: errors.append(v) if k == "error" else None))
             for p, n in zip(prompts, maxt)]
@@ -72,7 +59,7 @@ def test_a_failing_pool_file_fails_only_its_request(make_tiny, tmp_path, kind, p
     _break_file(victim, kind, tmp_path)
     broken = _open_file(victim.session.store.fd)
     together = eng.batch_sizes[3]
-    _run(eng)
+    run_until_idle(eng)
     assert victim.finish == "error" and len(errors) == 1, errors
     assert broken not in {_open_file(int(fd)) for fd in os.listdir("/proc/self/fd")}, "its file is still open"
     assert errors[0].startswith("decode failed: cannot " + kind) and str(pool) in errors[0] and "\n" not in errors[0]
@@ -83,7 +70,7 @@ def test_a_failing_pool_file_fails_only_its_request(make_tiny, tmp_path, kind, p
             alone = generate_ids(model, [p], n, Sampling(), pol, placement=placement).tokens[0]
             assert r.finish == "length" and r.tokens == alone, len(p)
     after = eng.submit(Request(prompts[1], 8))
-    _run(eng)
+    run_until_idle(eng)
     m = min(8, len(victim.tokens))
     assert after.finish == "length" and after.tokens[:m] == victim.tokens[:m]
     assert os.listdir(pool) == [] and eng.snapshot()["kv_slow_bytes"] == 0

@@ -24,7 +24,6 @@ import time
 import weakref
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -39,6 +38,7 @@ from infinigen.placement import Placement  # noqa: E402
 from infinigen.policies import make_policy  # noqa: E402
 from infinigen.serve.app import BackgroundServer, create_app  # noqa: E402
 from infinigen.serve.engine import Engine, Request  # noqa: E402
+from support.serving import random_prompts  # noqa: E402
 
 NAME = "tiny"
 
@@ -95,11 +95,6 @@ class RecordingPlacement(Placement):
         return mine[0]
 
 
-def _prompts(vocab, lengths, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
 def _wait(cond, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not cond():
@@ -127,7 +122,7 @@ def test_cancelled_request_releases_its_store(make_tiny, offload, tmp_path):
     eng = Engine(model, make_policy("full"), pl, max_batch=4)
     gc.collect()
     assert all(o.store() is None for o in pl.opened)  # the engine's cost probes
-    a_prompt, b_prompt = _prompts(model.cfg.vocab_size, (9, 14))
+    a_prompt, b_prompt = random_prompts(model.cfg.vocab_size, (9, 14))
     a = eng.submit(Request(a_prompt, 40))
     eng.step()
     eng.step()
@@ -203,7 +198,7 @@ def test_default_infinigen_batched_equals_alone(make_tiny, batch_invariant):
     policy = make_policy("infinigen").with_skew(random_skew(model))
     assert policy.preset == "default" and policy.key_mode == "int4" and policy.budget == "layer"
     lengths, maxt = (40, 120, 70, 33, 95, 150), (12, 7, 16, 9, 11, 8)
-    prompts = _prompts(model.cfg.vocab_size, lengths, seed=8)
+    prompts = random_prompts(model.cfg.vocab_size, lengths, seed=8)
     alone = [_alone(model, policy, p, n) for p, n in zip(prompts, maxt)]
     assert sum(kv < 0.75 for _, kv in alone) >= 3  # the longer prompts read a subset in layers 2 and 3
     eng = Engine(model, policy, max_batch=4, batch_invariant=batch_invariant)
@@ -242,7 +237,7 @@ def test_http_concurrent_requests_share_decode_steps(checkpoint_model):
     model, tok = checkpoint_model
     eos = {tok.eos_token_id}
     policy = make_policy("infinigen", dense_layers=(0,)).with_skew(random_skew(model))
-    prompts = _prompts(model.cfg.vocab_size, (20, 45, 70, 90, 38), seed=7)
+    prompts = random_prompts(model.cfg.vocab_size, (20, 45, 70, 90, 38), seed=7)
     maxt = [14, 9, 20, 12, 6]
     eng = Engine(model, policy, eos=eos, max_batch=8)
     step, gate = eng.step, [True]

@@ -133,3 +133,14 @@ def make_tokenizer(vocab_size: int = 512):
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
+
+
+def attention_model(query_scale: float, num_hidden_layers: int = 4):
+    """A tiny Llama whose attention is peaked (a large query scale) or flat (0), its MLPs damped: models with
+    different attention statistics for calibration's tests."""
+    _, model = build_tiny("llama", num_hidden_layers=num_hidden_layers)
+    with torch.no_grad():
+        for blk in model.layers:
+            blk.attn.q_proj.weight.mul_(query_scale)
+            blk.mlp.down_proj.weight.mul_(0.05)
+    return model

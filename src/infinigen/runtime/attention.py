@@ -211,24 +211,23 @@ class StepBuffers:
 
     def __init__(self):
         self.keys = self.values = None
-        self.flat_keys = self.flat_values = None
-        self.handed_keys = self.handed_values = None
+        self.flat: dict = {}  # use -> (keys, values) [capacity, d], grown by a quarter when too small
+
+    def _flat(self, use: str, n: int, like: torch.Tensor):
+        keys, values = self.flat.get(use, (None, None))
+        if keys is None or keys.shape[0] < n:
+            cap = max(n, int(1.25 * keys.shape[0]) if keys is not None else n)
+            keys, values = like.new_empty(cap, like.shape[-1]), like.new_empty(cap, like.shape[-1])
+            self.flat[use] = keys, values
+        return keys[:n], values[:n]
 
     def handed(self, n: int, like: torch.Tensor):
         """Flat buffers [n, d] a store in fast memory copies a selection's rows into (`KVStore.hand_rows`)."""
-        if self.handed_keys is None or self.handed_keys.shape[0] < n:
-            cap = max(n, int(1.25 * self.handed_keys.shape[0]) if self.handed_keys is not None else n)
-            self.handed_keys = like.new_empty(cap, like.shape[-1])
-            self.handed_values = like.new_empty(cap, like.shape[-1])
-        return self.handed_keys[:n], self.handed_values[:n]
+        return self._flat("handed", n, like)
 
     def rows(self, n: int, like: torch.Tensor):
         """Flat buffers [n, d] for the rows a packed selection gathers (`KVStore.gather_rows`)."""
-        if self.flat_keys is None or self.flat_keys.shape[0] < n:
-            cap = max(n, int(1.25 * self.flat_keys.shape[0]) if self.flat_keys is not None else n)
-            self.flat_keys = like.new_empty(cap, like.shape[-1])
-            self.flat_values = like.new_empty(cap, like.shape[-1])
-        return self.flat_keys[:n], self.flat_values[:n]
+        return self._flat("rows", n, like)
 
     def views(self, rows: int, hkv: int, n: int, like: torch.Tensor):
         if self.keys is None or self.keys.shape[2] < n:
