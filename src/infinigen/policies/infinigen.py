@@ -541,9 +541,9 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
     def _choose(self, s: torch.Tensor, valid: torch.Tensor, alpha: float, shared_length: int | None = None,
                 ratio: float | None = None) -> torch.Tensor:
         """`infinigen_select.choose` with this policy's budget, cap (`ratio`; None: `max_fetch_ratio`),
-        `min_fetch` and `block`."""
+        `min_fetch`, `block` and `block_fetch`."""
         return select.choose(s, valid, alpha, self.budget, self.max_fetch_ratio if ratio is None else ratio,
-                             self.min_fetch, self.block, shared_length)
+                             self.min_fetch, self.block, shared_length, self.block_fetch)
 
     def _layer_total(self, ratio: float | None, shared_length: int, hkv: int, slots: int) -> int:
         """budget "layer"'s cap of a row that has `shared_length` valid tokens per KV head: the (KV head, slot)

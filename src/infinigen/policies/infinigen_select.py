@@ -316,7 +316,7 @@ def fuses_rows(policy, session, rows) -> bool:
 
 
 def choose(s: torch.Tensor, valid: torch.Tensor, alpha: float, budget: str, ratio: float, min_fetch: int, block: int,
-           shared_length: int | None = None) -> torch.Tensor:
+           shared_length: int | None = None, block_fetch: float | None = None) -> torch.Tensor:
     """Scores s [B, Hkv, G, R, S] (float32) of R rows over S slots, valid [B|1, Hkv|1, R, S] ->
     keep [B, Hkv, R, S]: per query head, the tokens above max - `alpha`, counted per `budget`:
 
@@ -328,6 +328,10 @@ def choose(s: torch.Tensor, valid: torch.Tensor, alpha: float, budget: str, rati
       layer     the union, with the cap pooled over the layer's KV heads (the transfer volume of a
                 layer): above it, the entries with the most speculated attention mass (summed over
                 the group's query heads) win, so peaked heads give up nothing to flat ones
+    With `block` > 1 ("layer" only) the blocks of `block` slots are chosen (`choose_blocks`) and read whole;
+    `block_fetch` then chooses blocks holding that many times the cap and keeps, within them, the tokens
+    the token rule keeps (qualifying, the most speculated mass up to the cap): what is read is those blocks,
+    what is attended those tokens.
     The cap is `ratio` (the layer's cap, `layer_caps`; None: `max_fetch_ratio`) of the cached tokens
     (per KV head; per layer for "layer"), at least `min_fetch` tokens per KV head. `shared_length`: every
     row's count of valid tokens, when the caller knows it is one number (no padding, no window).
@@ -364,8 +368,10 @@ def choose(s: torch.Tensor, valid: torch.Tensor, alpha: float, budget: str, rati
             total = (ratio * length.expand(b, hkv, r).sum(1)).floor().clamp(min=floor * hkv).long()  # [B, R]
         else:
             total = layer_total(ratio, shared_length, hkv, s.shape[-1], min_fetch)
-        if block > 1:
+        if block > 1 and block_fetch is None:
             return choose_blocks(relative, keep, valid, total, block)
+        if block > 1:  # the token rule within the blocks read
+            keep = keep & choose_blocks(relative, keep, valid, scaled(total, block_fetch), block)
         over = keep.sum((1, 3)) > total
         if not keep.is_cuda and not over.any():  # free on a CPU (and skips the cut); on CUDA a synchronization
             return keep
@@ -386,6 +392,13 @@ def choose(s: torch.Tensor, valid: torch.Tensor, alpha: float, budget: str, rati
     n = torch.minimum(torch.ceil(n - 1e-6).long(), cap[:, :, None].to(n.device)).expand_as(counts)
     # each query head its own top-n tokens: where n equals the head's count that is `above` itself
     return top_n_per_row(above, relative, n, as_is=counts == n).any(2)
+
+
+def scaled(total, factor: float):
+    """A cap (a host number or a tensor per row) times `factor`, rounded down."""
+    if isinstance(total, int):
+        return int(total * factor)
+    return (total.double() * factor).floor().long()
 
 
 def choose_blocks(relative, keep, valid, total, block: int):

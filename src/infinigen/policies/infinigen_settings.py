@@ -122,6 +122,9 @@ class InfiniGenExperimental:
     block: int = field(default=1, metadata=knob(
         "budget layer: selection unit in consecutive slots per KV head, read whole (results/offload/)",
         "tokens", 1))
+    block_fetch: float | None = field(default=None, metadata=knob(
+        "block > 1: read the blocks holding this many times the layer's cap and attend the tokens the token "
+        "rule chooses within them (None: attend the blocks whole)", "times the cap", 1))
     dense_layers: tuple[int, ...] | None = field(default=None, metadata=knob(
         "layers attending densely (layer 0 too unless exact_first: nothing precedes it)", "layers", 0))
     budget: str | None = field(default=None, metadata=knob(
@@ -181,6 +184,8 @@ def check_rules(p) -> None:
         raise UserError("budget growth applies to kv_budget (give kv_budget instead of max_fetch_ratio)")
     if p.block > 1 and p.budget != "layer":
         raise UserError("block selection needs budget=layer")
+    if p.block_fetch is not None and p.block <= 1:
+        raise UserError("block_fetch needs block selection (block > 1)")
     for name in ("exact_first", "skew", "remainder", "key_centre", "calibrate"):
         if not isinstance(getattr(p, name), bool):
             raise UserError(f"{name} must be true or false, got {getattr(p, name)!r}")
