@@ -108,12 +108,13 @@ def markdown(p: dict) -> str:
     lines = [f"Model {p['model']}, {p['text']}, context {p['ctx']} (prefill {p['prefill']}); full cache "
              f"{p['full']:.3f}. {p['date']}, torch {p['torch']}, loadavg before {' '.join(p['loadavg'][0])}, after "
              f"{' '.join(p['loadavg'][1])}.", "",
-             "| selection | kv_budget | block_fetch | attended | read in blocks of " + str(p["block"])
-             + " | perplexity | vs full |", "|---|---|---|---|---|---|---|"]
+             "| selection | kv_budget | block_fetch | relative KV (ppl's) | attended | read in blocks of "
+             + str(p["block"]) + " | perplexity | vs full |", "|---|---|---|---|---|---|---|---|"]
     for r in p["rows"]:
         k = r["knobs"]
         lines.append(f"| {r['selection']} | {k['kv_budget']} | {k.get('block_fetch', '-')} | "
-                     f"{100 * r['attended']:.2f}% | {100 * r['block_read']:.2f}% | {r['perplexity']:.3f} | "
+                     f"{100 * r['relative_kv']:.2f}% | {100 * r['attended']:.2f}% | {100 * r['block_read']:.2f}% | "
+                     f"{r['perplexity']:.3f} | "
                      f"{100 * (r['perplexity'] / p['full'] - 1):+.2f}% |")
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,93 @@
+"""Memory on block-file pools does not grow with decoding steps nor with requests served one after another:
+the fast buffers a block store holds stop growing once a step's reads stop growing (counted in bytes, not
+time), and a finished request's store, its buffers and its pool file are released, so the server's anonymous
+memory after many requests is that after the first. Mechanics on a tiny model."""
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+
+from infinigen import runtime
+from infinigen.memory import release_free_heap
+from infinigen.placement import BlockedKVStore, Placement
+from infinigen.policies import make_policy
+from infinigen.serve.engine import Engine, Request
+from support.serving import random_prompts, run_until_idle
+
+BLOCK = 16
+
+
+def _anon_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon: heap and tensors, not the page cache of files)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    pytest.skip("no RssAnon in /proc/self/status")
+
+
+def _model(make_tiny):
+    return make_tiny("llama", num_hidden_layers=4, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                     num_key_value_heads=4, max_position_embeddings=4096)[1]  # head_dim 64: a block is 2 pages
+
+
+def test_fast_buffers_stop_growing_with_steps(make_tiny, tmp_path):
+    """A session reading a bounded window per step (sinks + recent tokens) decodes 360 steps on a block file:
+    the store's fast bytes (metadata, open blocks, staging and gathered rows) after step 60 are those after step
+    360, well under one layer's share of the pool, and the process's anonymous memory does not grow with the
+    steps by more than a small part of what they wrote to the pool."""
+    model = _model(make_tiny)
+    pol = make_policy("streaming", sinks=4, window=48)
+    pl = Placement(kv_offload="disk", disk_block=BLOCK, pool_dir=str(tmp_path))
+    prompt = torch.tensor(random_prompts(model.cfg.vocab_size, (200,), seed=3))
+    steps = 360
+    sess = pl.new_session(model, 1, prompt.shape[1] + steps, pol)
+    store = sess.store
+    assert isinstance(store, BlockedKVStore)
+    logits = runtime.prefill(model, prompt, sess)
+    seen = {}
+    for i in range(1, steps + 1):
+        logits = runtime.decode(model, logits.argmax(-1), sess)
+        if i in (60, steps):
+            release_free_heap()
+            seen[i] = (store.buffers.fast_bytes(), _anon_bytes())
+    layer_pool = store.bh * store.blocks_per_head * store.unit  # one layer's share of the pool file
+    assert seen[60][0] == seen[steps][0] < layer_pool
+    written = store.bh * store.num_layers * 2 * store.row_bytes * (steps - 60)  # keys and values, 300 steps
+    assert seen[steps][1] - seen[60][1] < max(written, 2 << 20), (seen, written)
+    pl.close(sess)
+    assert os.listdir(tmp_path) == []
+
+
+def test_requests_in_sequence_release_their_stores_and_memory(make_tiny, tmp_path):
+    """Eight requests served one after another on block pools: each finished request's store (and so its
+    buffers) is freed and its pool file closed (the folder empty, the engine's count of fast and slow bytes
+    back to 0); the anonymous memory after the last is within a small part of one request's pool of that
+    after the first, where kept stores would add one request's fast state each."""
+    model = _model(make_tiny)
+    pol = make_policy("full")
+    placement = Placement(kv_offload="disk", disk_block=BLOCK, pool_dir=str(tmp_path))
+    # no prefix cache: it keeps prompts' blocks in RAM on purpose, up to its own limit
+    eng = Engine(model, pol, placement, max_batch=2, prefix_cache=False)
+    prompts = random_prompts(model.cfg.vocab_size, [600 + 7 * i for i in range(8)], seed=11)
+    fast_each, slow_each = eng.request_cost(len(prompts[0]), 8)
+    after, stores = [], []
+    for p in prompts:
+        req = eng.submit(Request(p, 8))
+        while req.session is None and req.finish is None:
+            eng.step()
+        stores.append(weakref.ref(req.session.store))
+        run_until_idle(eng)
+        assert req.finish == "length" and req.session is None
+        gc.collect()
+        release_free_heap()
+        after.append(_anon_bytes())
+        snap = eng.snapshot()
+        assert snap["kv_fast_bytes"] == 0 and snap["kv_slow_bytes"] == 0
+        assert os.listdir(tmp_path) == []
+    assert all(ref() is None for ref in stores), "a finished request's store is still alive"
+    assert after[-1] - after[1] < max(fast_each, slow_each // 4), (after, fast_each, slow_each)
