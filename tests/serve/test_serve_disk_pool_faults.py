@@ -1,8 +1,9 @@
 """A failing pool file fails only its request: requests decoded together on block-file pools
 (`serve --kv-offload disk --disk-block N`), one request's file turns unreadable or unwritable mid-run (its
 descriptor replaced by one the kernel refuses the read or the write on). That request ends with one error line
-naming the pool folder; the others, in the same decoding steps, go on and get exactly their tokens alone; the
-next request is served and nothing is left in the folder. Mechanics on a tiny model, no timing."""
+naming the pool folder; the others, in the same decoding steps, go on and get exactly their tokens alone (each
+request attending alone, `batch_invariant`, or all decoded together in one attention call: the failing one is
+dropped from it); the next request is served and nothing is left in the folder. Mechanics on a tiny model, no timing."""
 from __future__ import annotations
 
 import os
@@ -41,13 +42,14 @@ def _break_file(req: Request, kind: str, elsewhere) -> None:
         other.unlink()
 
 
+@pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "decoded-together"])
 @pytest.mark.parametrize("kind,policy", [("read", "full"), ("write", "streaming")])
-def test_a_failing_pool_file_fails_only_its_request(make_tiny, tmp_path, kind, policy):
+def test_a_failing_pool_file_fails_only_its_request(make_tiny, tmp_path, kind, policy, invariant):
     _, model = make_tiny("llama", num_hidden_layers=3)
     pol = make_policy(policy) if policy == "full" else make_policy(policy, sinks=4, window=20)
     pool = tmp_path / "pool"
     placement = Placement(kv_offload="disk", disk_block=BLOCK, pool_dir=str(pool))
-    eng = Engine(model, pol, placement, max_batch=4)
+    eng = Engine(model, pol, placement, max_batch=4, batch_invariant=invariant)
     lengths, maxt = (40, 57, 33), (30, 30, 30)
     prompts = random_prompts(model.cfg.vocab_size, lengths)
     errors: list[str] = []

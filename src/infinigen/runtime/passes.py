@@ -61,14 +61,13 @@ def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session],
     does not depend on the rows beside it), so its logits are bit-identical to those alone whatever runs
     beside it, provided alone is decoded so too.
 
-    `faults` (a dict, with `batch_invariant` and several sessions): a session whose own work (its store's file
-    reads and writes, on the store's worker or not) raises OSError leaves the step there instead of failing it:
-    faults[i] = the error of session i, which hears nothing more of this step; its rows attend to nothing (zeros)
-    and their logits mean nothing. The other sessions' logits are unchanged: no row's arithmetic there depends on
-    the rows beside it. Without it (or decoded together), the error fails the step."""
-    if faults is not None and not batch_invariant:
-        raise ValueError("a session's fault is kept to itself only where each session attends alone "
-                         "(batch_invariant)")
+    `faults` (a dict, several sessions): a session whose own work (its store's file reads and writes, on the
+    store's worker or not) raises OSError leaves the step there instead of failing it: faults[i] = the error of
+    session i, which hears nothing more of this step; its rows attend to nothing (zeros) and their logits mean
+    nothing. With `batch_invariant` the other sessions' logits are unchanged (no row's arithmetic there depends on
+    the rows beside it); decoded together they are those of the step without it up to rounding, where every
+    session reads packed rows (`step_attention.attend_sessions`; elsewhere the error fails the step). Without
+    `faults` the error fails the step."""
     if isinstance(sessions, Session):
         return _decode_one(model, tokens, sessions, batch_invariant)
     sessions = list(sessions)
@@ -103,7 +102,7 @@ def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session],
             outs = [own(i, s.attend, layer, q[a:b], k[a:b], v[a:b])
                     for i, (s, (a, b)) in enumerate(zip(sessions, spans))]
             return torch.cat([torch.zeros_like(q[a:b]) if o is None else o for o, (a, b) in zip(outs, spans)])
-        return attend_sessions(layer, q, k, v, sessions, spans, model.scale, stack)
+        return attend_sessions(layer, q, k, v, sessions, spans, model.scale, stack, faults)
 
     h = model.embed(tokens[:, None], positions)
     event(-1, "embed", h)  # placement: layer 0's rows can start moving now

@@ -27,7 +27,7 @@ from .attention import StepBuffers
 
 
 def attend_sessions(layer: int, q, k, v, sessions: list, spans: list[tuple[int, int]], scale: float,
-                    buffers: StepBuffers) -> torch.Tensor:
+                    buffers: StepBuffers, faults: dict | None = None) -> torch.Tensor:
     """One decoding step's attention at `layer` for the sessions whose rows are stacked in q [N,H,1,d], k, v
     [N,Hkv,1,d] (session i owns rows spans[i]): each session plans its read from its own store, one attention
     runs over every row, the remainder is mixed in per session and each session stores its token.
@@ -35,13 +35,64 @@ def attend_sessions(layer: int, q, k, v, sessions: list, spans: list[tuple[int, 
     A session that reads all its entries in place (the dense step) reads the current token among them: stored
     first where one session's store is read in place, else following each row's stacked entries. Everything
     else is read as packed rows (`_attend_rows`). The reference path (`read_rows` False, which the tests compare
-    with) keeps the current tokens apart (`attend_step`)."""
-    plans = [s._read(layer, _part(q, a, b), _part(k, a, b), in_place=True) for s, (a, b) in zip(sessions, spans)]
+    with) keeps the current tokens apart (`attend_step`).
+
+    `faults` (a dict, several sessions): a session whose own reads or writes of its store raise OSError leaves
+    the step (faults[its index] = the error): where its plan fails the others attend without it; where its rows
+    or its token's write fail while every session reads packed rows, its rows attend nothing and the others go
+    on. Its rows' output then means nothing; every other row's is computed as without it. Elsewhere the error
+    fails the step."""
+    plans = [_own(faults, i, s._read, layer, _part(q, a, b), _part(k, a, b), in_place=True)
+             for i, (s, (a, b)) in enumerate(zip(sessions, spans))]
+    if any(p is None for p in plans):  # a session whose plan failed: the others attend without it
+        return _without(layer, q, k, v, sessions, spans, plans, scale, buffers, faults)
+    return _attend_planned(layer, q, k, v, sessions, spans, plans, scale, buffers, faults)
+
+
+def _own(faults: dict | None, i: int, work, *args, **kwargs):
+    """Session i's own part of the step: its OSError recorded in `faults` (None returned), where given; a
+    session that failed before (at an earlier layer of the step) does nothing more."""
+    if faults is None:
+        return work(*args, **kwargs)
+    if i in faults:
+        return None
+    try:
+        return work(*args, **kwargs)
+    except OSError as e:
+        faults[i] = e
+        return None
+
+
+def _without(layer: int, q, k, v, sessions, spans, plans, scale: float, buffers: StepBuffers, faults: dict):
+    """`_attend_planned` over the sessions whose plan did not fail, their rows taken out of the stack; the
+    failed sessions' rows get zeros."""
+    live = [i for i, p in enumerate(plans) if p is not None]
+    out = torch.zeros_like(q)
+    if not live:
+        return out
+    rows = torch.cat([torch.arange(*spans[i], device=q.device) for i in live])
+    sub_spans, at = [], 0
+    for i in live:
+        n = spans[i][1] - spans[i][0]
+        sub_spans.append((at, at + n))
+        at += n
+    sub_faults: dict = {}
+    out[rows] = _attend_planned(layer, q[rows], k[rows], v[rows], [sessions[i] for i in live], sub_spans,
+                                [plans[i] for i in live], scale, buffers, sub_faults)
+    faults.update({live[j]: e for j, e in sub_faults.items()})
+    return out
+
+
+def _attend_planned(layer: int, q, k, v, sessions, spans, plans, scale: float, buffers: StepBuffers,
+                    faults: dict | None) -> torch.Tensor:
+    """`attend_sessions` once every session has its plan."""
     if any(p.rows is not None for p in plans):
         if all(s.packs_rows() for s in sessions):  # a session reading all its entries reads them as rows
-            plans = [p if p.rows is not None else p._replace(rows=s.store.select_rows(layer, p.seen, p.seen))
-                     for s, p in zip(sessions, plans)]
-            return _attend_rows(layer, q, k, v, sessions, spans, plans, scale, buffers)
+            plans = [p if p.rows is not None else _own(faults, i, lambda s=s, p=p: p._replace(
+                rows=s.store.select_rows(layer, p.seen, p.seen))) for i, (s, p) in enumerate(zip(sessions, plans))]
+            if any(p is None for p in plans):
+                return _without(layer, q, k, v, sessions, spans, plans, scale, buffers, faults)
+            return _attend_rows(layer, q, k, v, sessions, spans, plans, scale, buffers, faults)
         # another session takes the reference path: every selection takes it
         plans = [p if p.rows is None else s._read_slots(layer, p.cur, p.keep, p.keep, None)
                  for s, p in zip(sessions, plans)]
@@ -114,7 +165,8 @@ def _stack(layer: int, q, k, v, sessions, spans, plans, fused: bool, buffers: St
     return kp, vp, mask, sizes, slots
 
 
-def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buffers: StepBuffers):
+def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buffers: StepBuffers,
+                 faults: dict | None = None):
     """`attend_sessions` when every session reads packed rows. A session whose store the attention may read in
     place (`KVStore.reads_rows`) stores its token first and reads it among its rows; any other store hands its
     rows over in a fast buffer with a spare row per (batch row, KV head) (`KVStore.hand_rows`: an offloaded
@@ -146,12 +198,20 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
     if len(sessions) == 1 and not observes and fused_select.usable(q, sessions[0].store.k[layer]):
         if plans[0].idx is not ALL:  # a read of ALL counted its rows already (`_read`)
             sessions[0].stats.record_rows(layer, plans[0].rows.rows.numel())
-        att = _attend_rows_in_place(q, source(0), plans[0].rows.counts, scale, wants_lse)
+        src = _own(faults, 0, source, 0)
+        if src is None:  # (the one session left of several: its rows could not be read)
+            return torch.zeros_like(q)
+        att = _attend_rows_in_place(q, src, plans[0].rows.counts, scale, wants_lse)
     else:
-        att, weights = _attend_rows_gathered(layer, q, k, sessions, spans, plans, source, scale, buffers, wants_lse,
-                                             observes)
+        def own_source(i: int) -> HandedRows | None:
+            return _own(faults, i, source, i)
+        att, weights = _attend_rows_gathered(layer, q, k, sessions, spans, plans, own_source, scale, buffers,
+                                             wants_lse, observes)
     outs = []
     for i, (s, p, remainder, slots, (a, b)) in enumerate(zip(sessions, plans, remainders, stored, spans)):
+        if faults and i in faults:  # its rows attended nothing: nothing to store
+            outs.append(torch.zeros_like(q[a:b]))
+            continue
         outs.append(attention.with_remainder(att.rows(a, b), remainder))
         seen = None
         if s.policy.needs_weights:  # each past row's weight and row in the store, then the tokens'
@@ -164,7 +224,7 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
                 s.policy.observe(layer, *seen, s)
             s._appended(layer, slots, _part(k, a, b), _part(v, a, b))
         else:
-            s._write(layer, p, seen, _part(k, a, b), _part(v, a, b))
+            _own(faults, i, s._write, layer, p, seen, _part(k, a, b), _part(v, a, b))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -194,6 +254,8 @@ def _attend_rows_gathered(layer: int, q, k, sessions, spans, plans, source, scal
     for i, (s, p, (a, b)) in enumerate(zip(sessions, plans, spans)):
         src = source(i)  # (a buffer a store hands its rows in is reused by the next session: copied out now)
         pad = m - cols[i]
+        if src is None:  # its rows could not be read: they attend nothing (every column padding)
+            continue
         head[a:b, pad:] = torch.cat([p.rows.head, own_head.expand(b - a, hkv)], 1)  # padding first, the tokens last
         index = F.pad(torch.cat([src.rows, src.own], 1), (pad, 0)).reshape(-1)
         torch.index_select(src.keys, 0, index, out=kp[a * m:b * m])

@@ -313,9 +313,9 @@ class Engine:
         live = [r for r in self.running if r.finish is None and r.tokens]
         if live:
             self.batch_sizes[len(live)] += 1
-            # each request attending alone (batch_invariant), an I/O error of one request's pool file fails that
-            # request only: the others' rows never depended on its rows
-            faults = {} if self.batch_invariant and len(live) > 1 else None
+            # an I/O error of one request's pool file fails that request only: the others' rows never depended
+            # on its rows (decoded together: they attend without it)
+            faults = {} if len(live) > 1 else None
             try:
                 last = torch.tensor([r.tokens[-1] for r in live], device=self.model.device)
                 logits = runtime.decode(self.model, last, [r.session for r in live],
