@@ -26,13 +26,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def block_policy(ig, block: int):
+def block_policy(ig, block: int, fetch: float | None = None):
     """InfiniGen with `ig`'s calibrated settings, choosing blocks of `block` tokens (no second calibration;
-    `dense_below` 0: at these lengths every row selects, and the crossing is not measured again)."""
+    `dense_below` 0: at these lengths every row selects, and the crossing is not measured again); `fetch`: the
+    blocks holding that many times the cap read, the token rule's tokens within them attended (`block_fetch`)."""
     from infinigen.policies import make_policy
     chosen = {k: getattr(ig, k) for k in ("alpha", "kv_budget", "budget_growth", "exact_first", "dense_layers",
                                           "remainder_from")}
-    return make_policy("infinigen", block=block, calibrate=False, dense_below=0, **chosen)
+    return make_policy("infinigen", block=block, block_fetch=fetch, calibrate=False, dense_below=0, **chosen)
 
 
 def systems(ig, blocks: list[int]):
@@ -47,6 +48,8 @@ def systems(ig, blocks: list[int]):
            System(f"InfiniGen, tokens (disk, blocks of {blocks[0]})", ig, "disk", disk_block=blocks[0])]
     out += [System(f"InfiniGen, blocks of {b} (disk, blocks of {b})", block_policy(ig, b), "disk", disk_block=b)
             for b in blocks]
+    out.append(System(f"InfiniGen, tokens within 2x blocks of {blocks[0]} (disk, blocks of {blocks[0]})",
+                      block_policy(ig, blocks[0], 2.0), "disk", disk_block=blocks[0]))
     return out
 
 

@@ -3,6 +3,7 @@ against servers that run under one memory bound (below the requests' total KV).
 
     python benchmarks/serve_disk.py                                      # 16 clients x 8000 tokens, 1.5 GiB
     python benchmarks/serve_disk.py --clients 4 --doc-tokens 2000 --memory-limit 1G --out results/serve_disk/serve_disk
+    python benchmarks/serve_disk.py --systems full,infinigen --alone-count 2   # shorter: 2 requests re-run alone
 
 Systems, each a fresh process on a free port of 127.0.0.1 inside a fresh memory cgroup of `--memory-limit`
 (made here with `infinigen.membound`, page cache charged; root needed), started and stopped by this script:
@@ -144,7 +145,9 @@ def run_system(name: str, argv: list[str], port: int, chats: list[list[dict]], a
             with concurrent.futures.ThreadPoolExecutor(len(chats)) as pool:
                 recs = list(pool.map(concurrent_one, range(len(chats))))
             wall = time.perf_counter() - t0
-            alone = [text_of(client, model, c, args.answer_tokens) for c in chats] if args.alone else []
+            # the first `--alone-count` requests again alone (each a fresh prefill of its document)
+            count = 0 if not args.alone else len(chats) if args.alone_count is None else args.alone_count
+            alone = [text_of(client, model, c, args.answer_tokens) for c in chats[:count]]
             row.update(summary(recs, wall, args.answer_tokens))
             row["equal_alone"] = sum(alone[i] is not None and alone[i] == answers.get(i) for i in range(len(alone)))
             row["compared_alone"] = len(alone)
@@ -210,9 +213,13 @@ def parse_args(argv=None):
     p.add_argument("--answer-tokens", type=int, default=64)
     p.add_argument("--memory-limit", default="1.5G")
     p.add_argument("--disk-block", type=int, default=16)
+    p.add_argument("--block-fetch", type=float, default=None,
+                   help="InfiniGen: read blocks holding this many times its cap, attend the tokens within them")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-llama", action="store_true")
     p.add_argument("--no-alone", dest="alone", action="store_false", help="skip the requests alone")
+    p.add_argument("--alone-count", type=int, default=None,
+                   help="compare only the first N requests alone (default: every one; a shorter run)")
     p.add_argument("--systems", default="full,infinigen,llama")
     p.add_argument("--out", default="results/serve_disk/serve_disk")
     args = p.parse_args(argv)
@@ -232,11 +239,13 @@ def main(argv=None) -> int:
     common = ["--max-batch", str(n), "--max-queue", str(4 * n), "--host", "127.0.0.1", "--kv-offload", "disk",
               "--no-prefix-cache"]
     ours = [sys.executable, "-m", "infinigen.cli", "serve"]
+    fetch = [f"block_fetch={args.block_fetch}"] if args.block_fetch is not None else []
+    within = f", tokens within {args.block_fetch}x" if fetch else ""
     systems = {
         "full": ("full offload (disk, mapped file)", lambda port: ours + ["--policy", "full", *common,
                                                                           "--port", str(port)]),
-        "infinigen": (f"InfiniGen (disk, blocks of {b})", lambda port: ours + [
-            "--policy", "infinigen", *[x for k in (*CALIBRATED, f"block={b}") for x in ("--knob", k)], *common,
+        "infinigen": (f"InfiniGen (disk, blocks of {b}{within})", lambda port: ours + [
+            "--policy", "infinigen", *[x for k in (*CALIBRATED, f"block={b}", *fetch) for x in ("--knob", k)], *common,
             "--disk-block", str(b), "--port", str(port)]),
     }
     binary = None if args.no_llama else llama_bin()
