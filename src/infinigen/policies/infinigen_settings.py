@@ -123,8 +123,8 @@ class InfiniGenExperimental:
         "budget layer: selection unit in consecutive slots per KV head, read whole (results/offload/)",
         "tokens", 1))
     block_fetch: float | None = field(default=None, metadata=knob(
-        "block > 1: read the blocks holding this many times the layer's cap and attend the tokens the token "
-        "rule chooses within them (None: attend the blocks whole)", "times the cap", 1))
+        "block > 1: read blocks holding this many times the cap, attend the token rule's picks in them",
+        "times the cap", 1))
     dense_layers: tuple[int, ...] | None = field(default=None, metadata=knob(
         "layers attending densely (layer 0 too unless exact_first: nothing precedes it)", "layers", 0))
     budget: str | None = field(default=None, metadata=knob(
