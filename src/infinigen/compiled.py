@@ -399,8 +399,8 @@ class StepParts:
                 session.stats.record_rows(i, rows * k.shape[1] * (used - 1))
                 session.stats.record_all(i, rows, k.shape[1], used - 1)
             else:
-                read = session._read(i, q, k, in_place=True)
-                if read.keys is not None or read.rows is not None:
+                read = session._read(i, q, k)
+                if read.rows is not None:
                     raise RuntimeError(f"layer {i} does not read its store in place in a whole step")
             slots = store.append(i, k, v, cur)
             pool = (store.k[i][:, :, :used], store.v[i][:, :, :used])
