@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
@@ -21,6 +23,9 @@ from infinigen.bench.side_by_side import (interleaved_decode, parse_cells, per_b
                                           text_ids)
 from infinigen.eval.fanout import prefill_shared
 from infinigen.policies import make_policy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the padded reference lives with the tests
+from support.padded_reference import padded_reference  # noqa: E402
 
 
 def main() -> None:
@@ -41,7 +46,7 @@ def main() -> None:
         pols = [make_policy("full")] + [make_policy("infinigen", dense_below=0).prepare(model, tok) for _ in range(2)]
         names = ["full", "infinigen reference", "infinigen packed rows"]
         logits, sessions = prefill_shared(model, tokens, pols, length + a.gen + a.breakdown)
-        sessions[1].read_rows = False
+        padded_reference(sessions[1])
         for s in sessions:
             s.stats.reset()
         times, generated, nxt = interleaved_decode(model, logits.argmax(-1), sessions, a.gen - 1)

@@ -15,7 +15,9 @@ pieces only), for a before/after of the selection.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,6 +26,10 @@ from infinigen.cache import KVStore
 from infinigen.kernels.int4 import PackedKeys
 from infinigen.policies.infinigen import InfiniGen
 from infinigen.policies.infinigen_select import remainder_lse
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the padded reference lives with the tests
+from support.padded_reference import attend_step, gather  # noqa: E402
+from support.padded_reference import slots as padded_slots  # noqa: E402
 
 
 CLOCK = time.perf_counter  # --clock cpu: time.thread_time, the CPU time of this thread (with --threads 1 every
@@ -76,11 +82,11 @@ def main() -> None:
            "selection (threshold + cap)": _time(lambda: pol._choose(scores.clone(), valid[:, :, None], pol.alpha,
                                                                     s, pol.max_fetch_ratio), a.reps)}
     keep = pol._choose(scores.clone(), valid[:, :, None], pol.alpha, s, pol.max_fetch_ratio)[:, :, 0]
-    kept, idx, mask, counts = store.slots(0, keep, valid)
-    kp, vp = store.gather(0, idx)
-    out["reference: slots"] = _time(lambda: store.slots(0, keep, valid), a.reps)
-    out["reference: gather"] = _time(lambda: store.gather(0, idx), a.reps)
-    out["reference: attend_step"] = _time(lambda: runtime.attend_step(q, kp, vp, mask, kc, vc, scale), a.reps)
+    kept, idx, mask, counts = padded_slots(store, 0, keep, valid)
+    kp, vp = gather(store, 0, idx)
+    out["reference: slots"] = _time(lambda: padded_slots(store, 0, keep, valid), a.reps)
+    out["reference: gather"] = _time(lambda: gather(store, 0, idx), a.reps)
+    out["reference: attend_step"] = _time(lambda: attend_step(q, kp, vp, mask, kc, vc, scale), a.reps)
     rows = {"entries attended": int(counts.sum()), "reference rows read": idx.numel()}
     if hasattr(store, "select_rows"):
         from infinigen.runtime.attention import StepBuffers, head_mask, with_own

@@ -102,22 +102,6 @@ class KVStore:
         reads them): what a prefix cache keeps of a prompt, and what a prefill continuing one attends over."""
         return self.k[layer][:, :, start:stop], self.v[layer][:, :, start:stop]
 
-    def slots(self, layer: int, keep: torch.Tensor, valid: torch.Tensor):
-        """The slots a selection reads: keep [B,Hkv,S] & valid -> (that mask, idx [B,Hkv,n] with the
-        selected slots first, mask [B,Hkv,n] False on padding, counts [B,Hkv]); n = the largest count."""
-        keep = keep & valid
-        counts = keep.sum(-1)
-        n = int(counts.max()) if counts.numel() else 0
-        # the k-th kept slot of a (batch, KV head) goes to column k: ascending slots, so the gather reads
-        # memory in order (at 8192 x 8 on CPU, 1.4x faster than in a top-k's order, and cheaper to build)
-        flat = keep.reshape(-1, keep.shape[-1])
-        row, slot = flat.nonzero(as_tuple=True)  # row-major: ascending slots within each row
-        per = counts.reshape(-1)
-        col = torch.arange(row.numel(), device=keep.device) - (per.cumsum(0) - per)[row]
-        idx = torch.zeros(flat.shape[0], n, dtype=torch.long, device=keep.device)
-        idx[row, col] = slot
-        return keep, idx.view(*keep.shape[:-1], n), torch.arange(n, device=keep.device) < counts[..., None], counts
-
     def reads_rows(self) -> bool:
         """A selection's rows may be read in place, as `select_rows` packs them, the current token stored first
         and read among the rows: in fast memory, no victims (appending first cannot overwrite a selected slot),
@@ -179,16 +163,6 @@ class KVStore:
         torch.index_select(self.k[layer].view(-1, d), 0, flat, out=keys[:flat.numel()])
         torch.index_select(self.v[layer].view(-1, d), 0, flat, out=values[:flat.numel()])
         return HandedRows(keys, values, local, own)
-
-    def gather(self, layer: int, idx: torch.Tensor):
-        """Rows `idx` [B,Hkv,n] of the keys and values."""
-        b, h, n = idx.shape
-        k, v = self.k[layer], self.v[layer]
-        d = k.shape[-1]
-        # whole rows by flat index (a row copy each): 3x faster on CPU than an element-wise gather
-        rows = (torch.arange(b * h, device=idx.device).view(b, h, 1) * self.capacity + idx).reshape(-1)
-        return (k.view(-1, d).index_select(0, rows).view(b, h, n, d),
-                v.view(-1, d).index_select(0, rows).view(b, h, n, d))
 
     def write_prompt(self, layer: int, k: torch.Tensor, v: torch.Tensor, token_valid: torch.Tensor,
                      positions: torch.Tensor, at: int = 0) -> None:

@@ -58,7 +58,6 @@ import torch
 from torch import nn
 
 from .paths import cache_dir
-from .policy import Policy
 from .selection import ALL
 
 MODES = ("auto", "on", "whole", "parts", "off")  # on = whole: a dense step runs whole (`runs_whole`); parts: never
@@ -400,8 +399,8 @@ class StepParts:
                 session.stats.record_rows(i, rows * k.shape[1] * (used - 1))
                 session.stats.record_all(i, rows, k.shape[1], used - 1)
             else:
-                read = session._read(i, q, k, in_place=True)
-                if read.keys is not None or read.rows is not None:
+                read = session._read(i, q, k)
+                if read.rows is not None:
                     raise RuntimeError(f"layer {i} does not read its store in place in a whole step")
             slots = store.append(i, k, v, cur)
             pool = (store.k[i][:, :, :used], store.v[i][:, :, :used])
@@ -427,10 +426,11 @@ class StepParts:
 
 
 def _reads_all_by_construction(session) -> bool:
-    """Whether every layer of `session` reads all of its store with nothing to decide or tell: the policy's
-    `keep` is the base class's (ALL), nothing is planned, and no listener hears of selections."""
+    """Whether every layer of `session` reads all of its store this step with nothing to decide or tell: the
+    policy says so before the step's first layer (`Policy.reads_all`: the full cache, InfiniGen below its
+    crossing), nothing is planned, and no listener hears of selections."""
     from .runtime import Listener
-    return (type(session.policy).keep is Policy.keep and not session._plans
+    return (not session._plans and session.policy.reads_all(session)
             and all(type(lis).on_select is Listener.on_select for lis in session.listeners))
 
 

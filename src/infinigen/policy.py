@@ -212,6 +212,12 @@ class Policy:
         `cache.SelectedRows` (the runtime then reads those rows as they are)."""
         return ALL
 
+    def reads_all(self, session) -> bool:
+        """Whether every layer of the current decoding step reads all of its entries, known before the step's
+        first layer: `keep` would answer ALL at every layer, so the runtime need not ask it (a dense step runs
+        as the full cache's). The default: `keep` is this base class's."""
+        return type(self).keep is Policy.keep
+
     def known_ahead(self, layer: int, session) -> bool:
         """Whether `keep(layer)` can be answered now, before the layer's query exists (placement then fetches
         the rows one layer ahead, overlapped with compute; the layer reads exactly that answer)."""

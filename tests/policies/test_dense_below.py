@@ -108,17 +108,18 @@ def test_below_threshold_is_the_full_cache_without_speculation(make_tiny, monkey
     sess = Placement().new_session(model, 2, T, pol, listeners=[reads := _Reads(plans=True)])
     out = [runtime.prefill(model, tokens[:, :P], sess)]
     _count_queries(model, calls)  # the prefill's queries aside: decoding steps only from here
-    fused = {"step": 0}
-    step = attention.attend_step
+    fused = {"dense": 0}
+    dense = attention.attend_all
 
-    def attend_step(*a, **kw):
-        fused["step"] += 1
-        return step(*a, **kw)
-    monkeypatch.setattr(attention, "attend_step", attend_step)
+    def attend_all(*a, **kw):
+        fused["dense"] += 1
+        return dense(*a, **kw)
+    monkeypatch.setattr(attention, "attend_all", attend_all)
     for t in range(P, T - 1):
         out.append(runtime.decode(model, tokens[:, t], sess))
     assert calls == {"query": 0, "scores": 0, "packed": 0}  # no speculative query, no scoring
-    assert fused["step"] == 0  # every layer took the fused dense call, as the full cache does
+    # every layer took the fused dense call over the store in place, as the full cache does
+    assert fused["dense"] == (T - 1 - P) * model.cfg.num_layers
     assert torch.equal(torch.stack(out, 1), full)
     assert reads.plans and all(p is ALL for p in reads.plans)  # placement would fetch everything
     assert all(r == "all" for rs in reads.seen.values() for r in rs)

@@ -6,6 +6,8 @@ output to the unread entries' mean as their mass grows; the summary's bytes are 
 sums skip its padding; under a pool limit the knob changes nothing."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from infinigen.placement import Placement
 from infinigen.policies import make_policy
 from infinigen.runtime.attention import Attended, with_remainder
 from infinigen.selection import Remainder
+from support.padded_reference import decoding_padded, padded_reference
 
 T, P, B = 28, 9, 2  # sequence length, prefill length, batch
 UNLIMITED = dict(alpha=1e9, max_fetch_ratio=1.0, dense_layers=(), exact_first=True, skew=False, remainder_from=0)
@@ -36,7 +39,8 @@ def _teacher(model, policy, tokens):
 
 def _decode(model, policy, tokens, read_rows=True):
     sess = Placement().new_session(model, B, T, policy)
-    sess.read_rows = read_rows
+    if not read_rows:
+        padded_reference(sess)
     out = [runtime.prefill(model, tokens[:, :P], sess)]
     for t in range(P, T):
         out.append(runtime.decode(model, tokens[:, t], sess))
@@ -45,13 +49,14 @@ def _decode(model, policy, tokens, read_rows=True):
 
 def _decode_together(model, policies, tokens, read_rows=True):
     """Each policy its own session over the same tokens, decoded in one `runtime.decode` call per step (packed
-    rows, or with read_rows False the reference path: one `attend_step` over every session's padded entries)."""
+    rows, or with read_rows False the padded reference: one `attend_step` over every session's padded entries)."""
     sessions = [Placement().new_session(model, B, T, p) for p in policies]
-    for s in sessions:
-        s.read_rows = read_rows
+    if not read_rows:
+        padded_reference(*sessions)
     outs = [[runtime.prefill(model, tokens[:, :P], s)] for s in sessions]
     for t in range(P, T):
-        logits = runtime.decode(model, tokens[:, t].repeat(len(sessions)), sessions)
+        with contextlib.nullcontext() if read_rows else decoding_padded():
+            logits = runtime.decode(model, tokens[:, t].repeat(len(sessions)), sessions)
         for i, o in enumerate(outs):
             o.append(logits[i * B:(i + 1) * B])
     return [torch.stack(o, 1) for o in outs]

@@ -15,6 +15,7 @@ from infinigen.placement import Placement
 from infinigen.policies import make_policy
 from infinigen.policies.base import Policy
 from support.packed_rows import P, T, decode_rows, packed_policy, padded_prompts
+from support.padded_reference import slots
 
 
 
@@ -110,7 +111,7 @@ def test_select_rows_packs_each_batch_row_within_the_cap():
     sel = store.select_rows(0, keep, valid)
     assert sel.rows.shape == (2, 50)  # the largest batch row's total, not 2 heads x 50
     assert sel.counts.tolist() == [[50, 0], [0, 20]]
-    _, idx, _, _ = store.slots(0, keep, valid)
+    _, idx, _, _ = slots(store, 0, keep, valid)
     assert idx.numel() == 2 * 2 * 50  # the reference: every KV head padded to the largest count
     keys, values = store.gather_rows(0, sel.rows, torch.empty(100, 4), torch.empty(100, 4))
     assert torch.equal(keys[0, 0], k[0, 0, ::2])

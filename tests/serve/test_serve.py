@@ -90,7 +90,6 @@ def test_engine_batches_equal_alone(make_tiny, policy, offload, monkeypatch):
         prefills[0] += 1
         return logits
     prefill_in_slices = runtime.prefill_in_slices
-    monkeypatch.setattr(attention, "attend_step", counted(attention.attend_step))
     monkeypatch.setattr(attention, "attend_all", counted(attention.attend_all))
     monkeypatch.setattr(attention, "attend_masked", counted(attention.attend_masked))
     # one request selecting alone attends over its rows in the fused kernel, where it is built

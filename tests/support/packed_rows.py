@@ -7,6 +7,7 @@ import torch
 from infinigen import runtime
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
+from support.padded_reference import padded_reference
 from support.speculation import random_skew
 
 P, T = 9, 24  # prompt length, sequence length
@@ -46,7 +47,8 @@ def decode_rows(model, policy, tokens, mask, read_rows, greedy=False):
     selections and the session. `greedy` feeds each step's argmax instead of the given tokens."""
     seen = Selections()
     sess = Placement().new_session(model, tokens.shape[0], T, policy, listeners=[seen])
-    sess.read_rows = read_rows
+    if not read_rows:
+        padded_reference(sess)
     out = [runtime.prefill(model, tokens[:, :P], sess, pad_mask=mask)]
     for t in range(P, T):
         nxt = out[-1].argmax(-1) if greedy else tokens[:, t]

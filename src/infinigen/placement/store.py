@@ -400,7 +400,7 @@ class OffloadedKVStore(KVStore):
 
     def _issue(self, layer, plan):
         """Hand layer's fetch to the worker: for a selection, deriving its slot indices (the runtime's own
-        rule, `KVStore.slots`) is part of the job, so the main thread does not wait for it either."""
+        rule, `KVStore.select_rows`) is part of the job, so the main thread does not wait for it either."""
         self._drop(layer)
         full = plan is ALL
         job = _Job(layer, self._step, self.length[layer], plan=None if full else plan, full=full)

@@ -58,7 +58,7 @@ class Breakdown:
         for hook in ("on_hidden", "keep", "observe", "on_append"):
             self._wrap(pol, hook, "speculation")
         # getting the rows: waiting for a prefetch, gathering in place, or packing a selection's rows
-        for read in ("slots", "dense", "gather", "select_rows", "gather_rows"):
+        for read in ("dense", "select_rows", "gather_rows"):
             self._wrap(store, read, "fetch wait")
         self._wrap(store, "ahead", "prefetch issue", layer_of=lambda args: args[0] + 1)
         self._wrap(self.session, "attend", "attention")

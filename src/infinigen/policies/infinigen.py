@@ -469,6 +469,10 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
             self.speculation.keys(st, 0, session)
             st.ready.add(0)
 
+    def reads_all(self, session) -> bool:
+        """Every row of the step below `dense_below`: every layer reads all (the full cache's step)."""
+        return select.dense_pass(session)
+
     def known_ahead(self, layer, session) -> bool:
         """Once this step's speculation for `layer` has run (placement fetches its rows meanwhile), or at
         once when the step reads densely (`dense_below`): the plan is ALL."""

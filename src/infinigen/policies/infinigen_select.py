@@ -341,8 +341,8 @@ def choose(s: torch.Tensor, valid: torch.Tensor, alpha: float, budget: str, rati
     every row, kept rows restored with `where`); on CPU, "layer" checks once whether any row is over its cap
     (a free check there, and it skips the cut). Otherwise (padding, a window; "mean" and "per_head",
     whose counts are data) 3-4: the rows to cut (nonzero), the largest count (top-k size) and whether
-    the counts are all equal. The runtime's gather of the chosen slots adds 2 (`KVStore.slots`: the
-    largest count and nonzero, a data-dependent size)."""
+    the counts are all equal. The runtime's packing of the chosen slots adds 2 (`KVStore.select_rows`: nonzero
+    and the largest batch row's total, data-dependent sizes)."""
     # both paths call this with the same shapes per row (`sequence_rows`), so float32 is exact enough
     relative = s.float()
     if shared_length is None:  # else every slot is valid

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ..cache import SelectedRows
 from ..kernels import fused_select
-from ..selection import ALL, Remainder, first_key_read
+from ..selection import Remainder, first_key_read
 
 ROW_CHUNK = 1024  # teacher-forced decoding rows per attention call: bounds the score matrix at long contexts
 
@@ -69,27 +69,6 @@ def with_remainder(att: Attended, remainder: Remainder | None) -> torch.Tensor:
     return (o + w * (mean - o)).to(out.dtype).view(b, h, r, d)
 
 
-def attend_step(q, kp, vp, mask, kc, vc, scale: float, remainder: bool = False):
-    """One token per row, q [B,H,1,d], over the past entries kp, vp [B,Hkv,n,d] where mask [B,Hkv,n], and
-    over itself (kc, vc [B,Hkv,1,d], kept apart from the past: nothing is copied). Returns the attention
-    (`Attended`: what the remainder needs too, if `remainder`) and the weights probs [B,Hkv,G,n+1] (the
-    current token last)."""
-    b, h, _, d = q.shape
-    hkv = kp.shape[1]
-    qg = q.view(b, hkv, h // hkv, d)
-    s_past = torch.matmul(qg, kp.transpose(-1, -2)).float() * scale
-    s_past = torch.where(mask[:, :, None, :], s_past, float("-inf"))
-    s_cur = (qg.float() * kc.float()).sum(-1, keepdim=True) * scale
-    scores = torch.cat([s_past, s_cur], dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs[..., :-1].to(vp.dtype), vp) + probs[..., -1:].to(vc.dtype) * vc
-    out = out.view(b, h, 1, d)
-    if not remainder:
-        return Attended(out), probs
-    read_sum, read_count = read_sums(vp, mask)
-    return Attended(out, torch.logsumexp(scores, -1)[..., None], read_sum, read_count), probs
-
-
 def attend_packed(q, kp, vp, head, hkv: int, scale: float, remainder: bool = False) -> Attended:
     """One token per row, q [B,H,1,d], over packed rows kp, vp [B,1,m,d] whose KV heads are head [B,m] (-1:
     padding), each row's own tokens the last hkv columns: one masked fused call, each query head over its KV
@@ -120,19 +99,6 @@ def packed_weights(q, kp, head, hkv: int, scale: float) -> torch.Tensor:
     scores = torch.matmul(q.view(b, 1, h, d).float(), kp.float().transpose(-1, -2)) * scale  # [B, 1, H, m]
     probs = torch.softmax(scores.masked_fill(~head_mask(head, h, hkv), float("-inf")), -1)
     return probs.sum(2)[:, 0]
-
-
-def observed_slots(probs, idx, capacity: int):
-    """The weights probs [B, Hkv, G, n + 1] of the reference path (n past entries in slots idx [B, Hkv, n], or
-    ALL: every used slot in order; the current token last) as a policy observes them (`Policy.observe`): each
-    entry's weight summed over the group and its row in the flat [B * Hkv * capacity] store, both [B, Hkv * n],
-    and the tokens' [B, Hkv]."""
-    b, hkv = probs.shape[:2]
-    got = probs[..., :-1].sum(2)
-    n = got.shape[-1]
-    slots = torch.arange(n, device=got.device).expand(b, hkv, n) if idx is ALL else idx
-    rows = torch.arange(b * hkv, device=got.device).view(b, hkv, 1) * capacity + slots
-    return got.reshape(b, -1), rows.reshape(b, -1), probs[..., -1].sum(2)
 
 
 def attend_rows(q, k, v, keep, first: int, codec, scale: float, remainder: Remainder | None = None) -> torch.Tensor:
@@ -244,11 +210,6 @@ def with_own(sel: SelectedRows, slots: torch.Tensor, capacity: int):
     seg = torch.arange(b * hkv, device=slots.device).view(b, hkv)
     own = seg * capacity + slots
     return torch.cat([sel.rows, own], 1), torch.cat([sel.head, seg - seg[:, :1]], 1)
-
-
-def read_sums(values, mask):
-    """The sum [B, Hkv, d] (float32) and count [B, Hkv] of the values [B, Hkv, n, d] read where mask [B, Hkv, n]."""
-    return values.float().masked_fill(~mask[..., None], 0).sum(2), mask.sum(-1)
 
 
 def head_mask(head: torch.Tensor, h: int, hkv: int) -> torch.Tensor:

@@ -46,19 +46,14 @@ class Listener:
 class ReadPlan(NamedTuple):
     """What one session's decoding row reads at a layer, before the attention runs (`Session._read`): for every
     batch row and KV head all of its entries read in place (the dense step), or the rows it reads packed per
-    batch row (`rows`: a selection, or every visible entry of a padded, windowed or offloaded store); keys and
-    values only on the reference path the tests compare with (`read_rows` False).
+    batch row (`rows`: a selection, or every visible entry of a padded, windowed or offloaded store).
     `step_attention.attend_sessions` consumes one per session."""
     cur: torch.Tensor  # [B] position of the row's token
     keep: torch.Tensor | All  # the selection (over the store's slots)
     seen: torch.Tensor  # [B, Hkv, S] the slots the selection read, for the pool's counters
-    keys: torch.Tensor | None  # [B, Hkv, n, d] what attention reads (None: read in place, fused)
-    values: torch.Tensor | None
-    mask: torch.Tensor | None  # [B, Hkv, n]
-    idx: torch.Tensor | All | None  # the slots of keys/values (ALL: every used slot, in order; None: packed)
-    full: bool  # every entry of keys/values counts (mask is all True): no padding, window or selection
-    rows: SelectedRows | None = None  # what is read, packed per batch row (`KVStore.select_rows`); None: every
-    # entry in place, or the reference path (keys/values)
+    idx: All | None  # ALL: every used or visible slot; None: a selection
+    rows: SelectedRows | None  # what is read, packed per batch row (`KVStore.select_rows`); None: every entry
+    # in place
 
 
 # ---- sessions ----------------------------------------------------------------------------------------------------
@@ -89,9 +84,6 @@ class Session:
         self._cached = 0  # tokens of the prompt being prefilled that the store held already (a prefix cache)
         self._plans: dict = {}  # layer -> this step's selection, asked one layer ahead
         self._row_buffers = StepBuffers()  # the packed rows a step gathers, reused by every layer
-        # False: a selection takes the reference path (`_read_slots`: per KV head, padded to the largest
-        # count, then `attention.attend_step`), which the tests compare the packed rows against
-        self.read_rows = True
         self.state = self.policy.begin(model, self)
 
     # ---- the cursor, read ------------------------------------------------------------------------------------
@@ -291,9 +283,28 @@ class Session:
     def _one_row(keep):
         return keep if keep is ALL else keep[:, :, 0]
 
-    def _read(self, layer: int, q, k, in_place: bool) -> ReadPlan:
-        """The selection of the current row at `layer` and, unless the store may be read in place by one
-        fused call (`in_place` allows it), the keys and values it reads."""
+    def _read(self, layer: int, q, k) -> ReadPlan:
+        """The read plan of the current row at `layer`: every used slot in place, or the rows it reads packed
+        per batch row (a selection; every visible entry of a store not read in place)."""
+        got = self._selection(layer, q, k, packs=True)
+        if isinstance(got, ReadPlan):
+            return got
+        cur, keep, packed, valid, visible, past = got
+        store = self.store
+        if keep is ALL:
+            every = store.allocator is None and not store.padded and visible is valid  # (no count to wait on)
+            sel = store.every_row(layer) if every else store.select_rows(layer, visible, visible)
+            return ReadPlan(cur, ALL, visible, ALL, sel)
+        sel = packed if packed is not None else store.select_rows(layer, keep, visible)
+        self.stats.record(layer, sel.counts[..., None], past)
+        return ReadPlan(cur, sel.keep, sel.keep, None, sel)
+
+    def _selection(self, layer: int, q, k, packs: bool):
+        """What the current row reads at `layer`, as the policy says it (asked now, or planned one layer ahead),
+        listeners told and the reads counted: the plan of every used slot read in place where that is all it
+        reads, else (cur [B], keep: ALL or [B, Hkv, S], the policy's own packed rows or None, the used slots'
+        valid and visible [B, Hkv, S], each row's past length for the counters). `packs`: the policy may answer
+        with the rows packed (`Rows.packs`) where the store is read in place (the padded reference does not)."""
         store, pol, model = self.store, self.policy, self.model
         kp, _, valid, pos = store.past(layer)
         cur = self._positions[:, self._row]  # [B]
@@ -304,7 +315,7 @@ class Session:
             if self.selects(layer):
                 # every used slot a visible candidate, read in place as packed rows: the policy may pack them
                 # itself (an offloaded store packs the plan it fetched one layer ahead)
-                packs = in_place and self.packs_rows() and store.reads_rows() and window is None and not store.padded
+                packs = packs and store.reads_rows() and window is None and not store.padded
                 rows = self._rows(valid, pos, q, k, kp, packs)
                 keep = pol.keep(layer, rows, self)
                 if isinstance(keep, SelectedRows):
@@ -320,49 +331,16 @@ class Session:
                 lis.on_select(layer, rows, wide, self)
         if keep is ALL:
             self.stats.record_rows(layer, valid.numel())  # every used slot of every (batch row, KV head)
-            if in_place and store.attends_in_place() and not pol.needs_weights and (
-                    window is None or store.length[layer] < window):
+            if store.attends_in_place() and not pol.needs_weights and (window is None or store.length[layer] < window):
                 # every used slot is valid and within the window, each a past token: every row reads all its
                 # past (counted without tensor work: this is the dense step's per-layer path)
                 self.stats.record_all(layer, *valid.shape)
-                return ReadPlan(cur, ALL, valid, None, None, None, ALL, True)
+                return ReadPlan(cur, ALL, valid, ALL, None)
         visible = valid if window is None else valid & (cur[:, None, None] - pos < window)
         past = cur[:, None, None] if window is None else cur[:, None, None].clamp(max=window - 1)
         if keep is ALL:
             self.stats.record(layer, visible.sum(-1, keepdim=True), past)
-            if in_place and self.packs_rows():  # every visible entry, as packed rows
-                every = store.allocator is None and not store.padded and visible is valid  # (no count to wait on)
-                sel = store.every_row(layer) if every else store.select_rows(layer, visible, visible)
-                return ReadPlan(cur, ALL, visible, None, None, None, ALL, False, sel)
-            return self._read_dense(layer, ReadPlan(cur, ALL, visible, None, None, None, ALL, False))
-        if in_place and self.packs_rows():
-            # the rows are read by the attention itself
-            sel = packed if packed is not None else store.select_rows(layer, keep, visible)
-            self.stats.record(layer, sel.counts[..., None], past)
-            return ReadPlan(cur, sel.keep, sel.keep, None, None, None, None, False, sel)
-        return self._read_slots(layer, cur, keep, visible, past)
-
-    def _read_slots(self, layer: int, cur, keep, visible, past) -> ReadPlan:
-        """The reference read of a selection: each (batch row, KV head) its slots, padded to the largest
-        count (`KVStore.slots`), gathered into keys and values."""
-        store = self.store
-        keep, idx, mask, counts = store.slots(layer, keep, visible)  # an offloaded store planned them already
-        kp, vp = store.gather(layer, idx)
-        if past is not None:
-            self.stats.record(layer, counts[..., None], past)
-        self.stats.record_rows(layer, idx.numel())
-        return ReadPlan(cur, keep, keep, kp, vp, mask, idx, False)
-
-    def packs_rows(self) -> bool:
-        """Whether a decoding step's selection is read as packed rows (`KVStore.select_rows`): always, but
-        on the reference path the tests compare with (`read_rows` False)."""
-        return self.read_rows
-
-    def _read_dense(self, layer: int, read: ReadPlan) -> ReadPlan:
-        """Every used slot, where attention can read it (an offloaded store hands its fast-tier copy)."""
-        kp, vp = self.store.dense(layer)
-        full = not self.store.padded and self.model.cfg.window(layer) is None
-        return read._replace(keys=kp, values=vp, mask=read.seen, full=full)
+        return cur, keep, packed, valid, visible, past
 
     def _write(self, layer: int, read: ReadPlan, weights, k, v) -> None:
         """After the row's attention: the policy sees the weights (if it asked: `observed`), the token is

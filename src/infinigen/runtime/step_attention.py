@@ -6,9 +6,7 @@ running requests, a fan-out): one session is "many" with one member.
     attention  ONE call over every row: packed rows (for one session the C++ kernel reading them where they
                lie: its store, or the fast buffer an offloaded, coded or pool-limited store hands them in;
                else `attention.attend_packed`), or the dense step's entries read in place
-               (`attention.attend_all`, one session) or stacked (`attention.attend_masked`). The reference
-               path the tests compare with (`read_rows` False) keeps the current token apart
-               (`attention.attend_step`)
+               (`attention.attend_all`, one session) or stacked (`attention.attend_masked`)
     remainder  mixed in once per session (`attention.with_remainder`), then each session stores its token
 
 Entries of several sessions are stacked into buffers, each row's padded to the longest read; one session's are
@@ -32,17 +30,17 @@ def attend_sessions(layer: int, q, k, v, sessions: list, spans: list[tuple[int, 
     [N,Hkv,1,d] (session i owns rows spans[i]): each session plans its read from its own store, one attention
     runs over every row, the remainder is mixed in per session and each session stores its token.
 
-    A session that reads all its entries in place (the dense step) reads the current token among them: stored
-    first where one session's store is read in place, else following each row's stacked entries. Everything
-    else is read as packed rows (`_attend_rows`). The reference path (`read_rows` False, which the tests compare
-    with) keeps the current tokens apart (`attend_step`).
+    A session that reads all its entries in place (the dense step) stores its token first and reads it among
+    them: one session in place, several stacked into one buffer (copied), each row's padded to the longest.
+    Everything else is read as packed rows (`_attend_rows`); a session reading all its entries beside one that
+    reads rows reads them as rows too.
 
     `faults` (a dict, several sessions): a session whose own reads or writes of its store raise OSError leaves
     the step (faults[its index] = the error): where its plan fails the others attend without it; where its rows
     or its token's write fail while every session reads packed rows, its rows attend nothing and the others go
     on. Its rows' output then means nothing; every other row's is computed as without it. Elsewhere the error
     fails the step."""
-    plans = [_own(faults, i, s._read, layer, _part(q, a, b), _part(k, a, b), in_place=True)
+    plans = [_own(faults, i, s._read, layer, _part(q, a, b), _part(k, a, b))
              for i, (s, (a, b)) in enumerate(zip(sessions, spans))]
     if any(p is None for p in plans):  # a session whose plan failed: the others attend without it
         return _without(layer, q, k, v, sessions, spans, plans, scale, buffers, faults)
@@ -86,83 +84,35 @@ def _without(layer: int, q, k, v, sessions, spans, plans, scale: float, buffers:
 def _attend_planned(layer: int, q, k, v, sessions, spans, plans, scale: float, buffers: StepBuffers,
                     faults: dict | None) -> torch.Tensor:
     """`attend_sessions` once every session has its plan."""
-    if any(p.rows is not None for p in plans):
-        if all(s.packs_rows() for s in sessions):  # a session reading all its entries reads them as rows
-            plans = [p if p.rows is not None else _own(faults, i, lambda s=s, p=p: p._replace(
-                rows=s.store.select_rows(layer, p.seen, p.seen))) for i, (s, p) in enumerate(zip(sessions, plans))]
-            if any(p is None for p in plans):
-                return _without(layer, q, k, v, sessions, spans, plans, scale, buffers, faults)
-            return _attend_rows(layer, q, k, v, sessions, spans, plans, scale, buffers, faults)
-        # another session takes the reference path: every selection takes it
-        plans = [p if p.rows is None else s._read_slots(layer, p.cur, p.keep, p.keep, None)
-                 for s, p in zip(sessions, plans)]
-    stacked = len(sessions) > 1
-    if not stacked and plans[0].keys is None:  # every used slot, read in place: the token stored first
-        s, p = sessions[0], plans[0]
-        slots = s.store.append(layer, k, v, p.cur)
-        out = attention.attend_all(q, *s.store.used_keys_values(layer), scale)
-        s._appended(layer, slots, k, v)
-        return out
-    # the current token joins the entries where they are stacked (copied) anyway
-    fused = stacked and all(p.idx is ALL and not s.policy.needs_weights for s, p in zip(sessions, plans))
-    if not fused:  # a store that could have been read in place hands its entries like any other
-        plans = [p if p.keys is not None else s._read_dense(layer, p) for s, p in zip(sessions, plans)]
-    if stacked:
-        kp, vp, mask, sizes, slots = _stack(layer, q, k, v, sessions, spans, plans, fused, buffers)
+    if any(p.rows is not None for p in plans):  # a session reading all its entries reads them as rows
+        plans = [p if p.rows is not None else _own(faults, i, lambda s=s, p=p: p._replace(
+            rows=s.store.select_rows(layer, p.seen, p.seen))) for i, (s, p) in enumerate(zip(sessions, plans))]
+        if any(p is None for p in plans):
+            return _without(layer, q, k, v, sessions, spans, plans, scale, buffers, faults)
+        return _attend_rows(layer, q, k, v, sessions, spans, plans, scale, buffers, faults)
+    slots = [s.store.append(layer, _part(k, a, b), _part(v, a, b), p.cur)
+             for s, p, (a, b) in zip(sessions, plans, spans)]
+    if len(sessions) == 1:  # every used slot, read in place, the token among them
+        out = attention.attend_all(q, *sessions[0].store.used_keys_values(layer), scale)
     else:
-        kp, vp, mask, sizes, slots = plans[0].keys, plans[0].values, plans[0].mask, [plans[0].keys.shape[2]], [None]
-    if fused:
-        out = attention.attend_masked(q, kp, vp, mask, scale)
-        for s, p, slot, (a, b) in zip(sessions, plans, slots, spans):
-            if slot is None:
-                s._write(layer, p, None, k[a:b], v[a:b])
-            else:
-                s._appended(layer, slot, k[a:b], v[a:b])
-        return out
-    remainders = [s.policy.remainder_at(layer, s) for s in sessions]  # before the tokens' append: they were read
-    att, probs = attention.attend_step(q, kp, vp, mask, k, v, scale, any(r is not None for r in remainders))
-    n = kp.shape[2]
-    outs = []
-    for s, p, remainder, m, (a, b) in zip(sessions, plans, remainders, sizes, spans):
-        outs.append(attention.with_remainder(att.rows(a, b), remainder))
-        w = None
-        if s.policy.needs_weights:  # the session's own entries, then the current token
-            w = probs[a:b] if m == n else torch.cat([probs[a:b, ..., :m], probs[a:b, ..., -1:]], dim=-1)
-            w = attention.observed_slots(w, p.idx, s.store.capacity)
-        s._write(layer, p, w, _part(k, a, b), _part(v, a, b))
-    return outs[0] if not stacked else torch.cat(outs)
+        out = attention.attend_masked(q, *_stack(q, k, sessions, spans, layer, buffers), scale)
+    for s, slot, (a, b) in zip(sessions, slots, spans):
+        s._appended(layer, slot, _part(k, a, b), _part(v, a, b))
+    return out
 
 
-def _stack(layer: int, q, k, v, sessions, spans, plans, fused: bool, buffers: StepBuffers):
-    """Every session's entries in buffers [N,Hkv,n,d], each row's padded to the longest read, and the mask
-    [N,Hkv,n] of each row's own; with `fused`, each row's current token after its entries (a store read in
-    place gets the token first and is copied with it, as a session decoded alone reads it). Returns keys,
-    values, mask, each session's entry count and the slots of the tokens already stored (None where not)."""
-    slots = [None] * len(sessions)
-    entries = []  # per session: keys and values [B, Hkv, m, d] to stack, the current token among them if fused
-    for i, (s, p, (a, b)) in enumerate(zip(sessions, plans, spans)):
-        if p.keys is None:  # the token first, then the store's used slots, as `attend_all` reads them
-            slots[i] = s.store.append(layer, k[a:b], v[a:b], p.cur)
-            entries.append(s.store.past(layer)[:2])
-        else:
-            entries.append((p.keys, p.values))
-    sizes = [e[0].shape[2] + (fused and p.keys is not None) for e, p in zip(entries, plans)]
+def _stack(q, k, sessions, spans, layer: int, buffers: StepBuffers):
+    """Every session's used slots (its token stored among them) in buffers [N,Hkv,n,d], each row's padded to the
+    longest, and the mask [N,Hkv,n] of each row's own. Returns keys, values, mask."""
+    entries = [s.store.used_keys_values(layer) for s in sessions]
+    sizes = [e[0].shape[2] for e in entries]
     n = max(sizes)
     kp, vp = buffers.views(q.shape[0], k.shape[1], n, k)
     length = torch.tensor([m for m, (a, b) in zip(sizes, spans) for _ in range(a, b)], device=q.device)
     mask = torch.arange(n, device=q.device) < length[:, None, None]  # [rows, 1, n]: each row's own entries
-    mask = mask.expand(q.shape[0], k.shape[1], n)
-    if not all(p.keys is None or p.full for p in plans):  # padding, a window or a selection somewhere
-        mask = mask.contiguous()
-    for (ks, vs), p, (a, b) in zip(entries, plans, spans):
-        m = ks.shape[2]
-        kp[a:b, :, :m], vp[a:b, :, :m] = ks, vs
-        if p.keys is not None:
-            if not p.full:  # not every entry of the session counts
-                mask[a:b, :, :m] = p.mask
-            if fused:
-                kp[a:b, :, m:m + 1], vp[a:b, :, m:m + 1] = k[a:b], v[a:b]
-    return kp, vp, mask, sizes, slots
+    for (ks, vs), (a, b) in zip(entries, spans):
+        kp[a:b, :, :ks.shape[2]], vp[a:b, :, :ks.shape[2]] = ks, vs
+    return kp, vp, mask.expand(q.shape[0], k.shape[1], n)
 
 
 def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buffers: StepBuffers,
