@@ -9,11 +9,10 @@ import pytest
 import torch
 
 from infinigen.kernels import fused_select
-from infinigen.kernels.int4 import PackedKeys
+from infinigen.kernels.int4 import PackedKeys, tinygemm_ok
 
 needs_kernel = pytest.mark.skipif(not fused_select.available(), reason="the fused kernel cannot be built here")
-needs_tinygemm = pytest.mark.skipif(not __import__("infinigen.kernels.int4", fromlist=["tinygemm_ok"]).tinygemm_ok(64),
-                                    reason="torch's CPU int4 kernel does not take this layout here")
+needs_tinygemm = pytest.mark.skipif(not tinygemm_ok(64), reason="torch's CPU int4 kernel does not take this layout")
 
 # (batch, KV heads, group of query heads, capacity, the lengths scored): G 1/3/7; lengths inside a 64-token
 # block, on its edge and the whole capacity; several lengths over the same keys (sessions of different lengths)
@@ -79,3 +78,57 @@ def test_bfloat16_rows_are_read_as_their_float32_values(g):
                                                     d ** -0.5)
     assert torch.equal(lse16, lse32) and torch.equal(sums16, sums32)
     assert torch.equal(out16, out32.bfloat16())
+
+
+def _appended_both_ways(rows: torch.Tensor, slots: torch.Tensor, capacity: int, monkeypatch):
+    """The same prompt keys, then `rows` scattered into `slots` natively and by the torch path."""
+    b, hkv, _, d = rows.shape
+    prompt = torch.randn(b, hkv, capacity, d, generator=torch.Generator().manual_seed(5))
+    native = PackedKeys(b, hkv, capacity, d, group=32, layout="tinygemm")
+    reference = PackedKeys(b, hkv, capacity, d, group=32, layout="tinygemm")
+    for keys in (native, reference):
+        keys.write(0, prompt)
+    native.scatter(slots, rows)
+    with monkeypatch.context() as m:
+        m.setattr(fused_select, "enabled", False)  # the torch path: quantize, then scatter the bytes
+        reference.scatter(slots, rows)
+    return native, reference
+
+
+@needs_kernel
+@needs_tinygemm
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_call_append_writes_the_bytes_of_the_torch_path(seed, monkeypatch):
+    """Slots in both halves of a 64-token block (low and high nibbles) and in the last block; keys of every
+    scale, a group of equal values (the smallest scale), codes exactly half-way between two levels."""
+    b, hkv, d, capacity = 4, 3, 64, 200
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(b, hkv, 1, d, generator=gen) * torch.logspace(-3, 3, b).view(b, 1, 1, 1)
+    rows[0, 0, 0, :32] = 0.7  # one group of equal values
+    # min 0 and max 15: scale 1 and zero 8, exact in bfloat16, so x + 0.5 lies half-way between two codes
+    rows[1, 1, 0, 32:] = torch.cat([torch.tensor([0.0, 15.0]), torch.arange(30) % 15 + 0.5])
+    slots = torch.randint(0, capacity, (b, hkv), generator=gen)
+    slots[0] = torch.tensor([5, 40, 199])  # low nibble, high nibble, the last slot
+    native, reference = _appended_both_ways(rows, slots, capacity, monkeypatch)
+    assert torch.equal(native.codes, reference.codes)
+    assert torch.equal(native.sz.view(torch.int16), reference.sz.view(torch.int16))
+
+
+@needs_kernel
+@needs_tinygemm
+def test_the_append_comparison_catches_a_wrong_nibble_or_slot(monkeypatch):
+    b, hkv, d, capacity = 2, 3, 64, 200
+    rows = torch.randn(b, hkv, 1, d, generator=torch.Generator().manual_seed(3))
+    slots = torch.tensor([[5, 40, 199], [64, 100, 31]])
+    native, reference = _appended_both_ways(rows, slots, capacity, monkeypatch)
+    other, _ = _appended_both_ways(rows, (slots + 32) % capacity, capacity, monkeypatch)  # the other nibble
+    assert not torch.equal(other.codes, reference.codes)
+    assert torch.equal(native.codes, reference.codes)
+
+
+@needs_kernel
+@needs_tinygemm
+def test_an_append_out_of_range_is_refused():
+    keys = PackedKeys(1, 1, 64, 64, group=32, layout="tinygemm")
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        keys.scatter(torch.tensor([[64]]), torch.randn(1, 1, 1, 64))

@@ -422,7 +422,65 @@ torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz,
   return out;
 }
 
+// One decoding token's key per (batch row, KV head), rows [B, Hkv, 1, d] float32, quantized to 4 bits and written
+// into its slot (slots [B, Hkv]) of the int4 kernel's layout in place: codes [B, Hkv, blocks, d, 32] uint8 (slot s
+// of a block in byte s % 32 of each dim, the low nibble for s % 64 < 32) and sz [B, Hkv, d / group, capacity, 2]
+// bfloat16. The arithmetic of `int4._quantize_tinygemm` step by step in float32 (the same codes, scale and zero
+// to the bit): scale = max((max - min) / 15, tiny) and zero = min + 8 * scale, each rounded to bfloat16; code =
+// round-half-even((x - (zero - 8 * scale)) / scale), clamped to 0..15.
+void scatter_int4(torch::Tensor codes, torch::Tensor sz, torch::Tensor slots, torch::Tensor rows, int64_t group) {
+  TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == torch::kByte && codes.is_contiguous() &&
+              codes.size(4) == 32, "codes [B,Hkv,blocks,d,32] uint8, contiguous");
+  TORCH_CHECK(sz.dim() == 5 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.size(4) == 2,
+              "sz [B,Hkv,ng,capacity,2] bfloat16, contiguous");
+  TORCH_CHECK(rows.dim() == 4 && rows.size(2) == 1 && rows.scalar_type() == torch::kFloat, "rows [B,Hkv,1,d] float32");
+  TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == torch::kLong, "slots [B,Hkv] int64");
+  const int64_t b = codes.size(0), hkv = codes.size(1), blocks = codes.size(2), d = codes.size(3);
+  const int64_t cap = sz.size(3), ng = sz.size(2);
+  TORCH_CHECK(group > 0 && ng * group == d && rows.size(3) == d, "the group does not divide d");
+  TORCH_CHECK(rows.size(0) == b && rows.size(1) == hkv && slots.size(0) == b && slots.size(1) == hkv &&
+              sz.size(0) == b && sz.size(1) == hkv, "shapes do not match");
+  rows = rows.contiguous();
+  slots = slots.contiguous();
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  for (int64_t bh = 0; bh < b * hkv; ++bh)
+    TORCH_CHECK(slot_p[bh] >= 0 && slot_p[bh] < cap && slot_p[bh] < blocks * 64, "slot out of range");
+  const float* x_p = rows.data_ptr<float>();
+  uint8_t* code_p = codes.data_ptr<uint8_t>();
+  c10::BFloat16* sz_p = sz.data_ptr<c10::BFloat16>();
+  for (int64_t bh = 0; bh < b * hkv; ++bh) {
+    const int64_t slot = slot_p[bh];
+    const bool high = slot % 64 >= 32;
+    uint8_t* column = code_p + (bh * blocks + slot / 64) * d * 32 + slot % 32;  // dim k at column[k * 32]
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const float* x = x_p + bh * d + gi * group;
+      float lo = x[0], hi = x[0];
+      for (int64_t k = 1; k < group; ++k) {
+        lo = std::min(lo, x[k]);
+        hi = std::max(hi, x[k]);
+      }
+      float scale = (hi - lo) / 15.f;
+      scale = scale < std::numeric_limits<float>::min() ? std::numeric_limits<float>::min() : scale;
+      const c10::BFloat16 scale16(scale);
+      const float scale_f = static_cast<float>(scale16);
+      const float eight_scales = 8.f * scale_f;  // exact: a power of two times a bfloat16
+      const c10::BFloat16 zero16(lo + eight_scales);
+      const float base = static_cast<float>(zero16) - eight_scales;
+      c10::BFloat16* out = sz_p + ((bh * ng + gi) * cap + slot) * 2;
+      out[0] = scale16;
+      out[1] = zero16;
+      for (int64_t k = 0; k < group; ++k) {
+        const float code = std::min(std::max(std::nearbyint((x[k] - base) / scale_f), 0.f), 15.f);
+        uint8_t& byte = column[(gi * group + k) * 32];
+        const uint8_t c = static_cast<uint8_t>(code);
+        byte = high ? static_cast<uint8_t>((byte & 0x0F) | (c << 4)) : static_cast<uint8_t>((byte & 0xF0) | c);
+      }
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("scatter_int4", &scatter_int4, "a decoding token's key quantized into the int4 kernel's layout");
   m.def("score_int4", &score_int4, "the int4 speculation keys' scores, one parallel region per layer");
   m.def("attend_rows", &attend_rows, "attention over packed selected rows, online softmax");
   m.def("select_packed", &select_packed, "InfiniGen's layer-capped selection from scores to packed rows");

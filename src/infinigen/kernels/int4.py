@@ -215,6 +215,9 @@ class PackedKeys:
                              (self.lo.view(torch.int16), lo.view(torch.int16))):
                 buf.scatter_(2, s[..., None].expand(*s.shape, buf.shape[-1]), val)
             return
+        if rows.dtype == torch.float32 and rows.device.type == "cpu" and fused_select.available():
+            fused_select.scatter_int4(self.codes, self.sz, slots, rows, self.group)  # the same bytes, one call
+            return
         codes, sz = _quantize_tinygemm(rows, self.group)  # [B, Hkv, 1, d], [B, Hkv, 1, ng, 2]
         ng = sz.shape[-2]
         val = sz.permute(0, 1, 3, 2, 4).contiguous().view(torch.int32)  # (scale, zero) as one int32: as above
