@@ -16,7 +16,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;
+constexpr int64_t kBlock = 32;  // rows per online-softmax block: their keys and values fit in L1 at d <= 128
 
 // exp(x) for x <= 0 in a form the compiler vectorizes (no call, no branch): Cephes' expf polynomial on
 // x - n ln 2, times 2^n built in the exponent bits; within 2 ulp of expf; 0 below -87.3 (where float32 turns
@@ -37,60 +37,96 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale * below;
-}  // rows per online-softmax block: their keys and values fit in L1 at d <= 128
+}
 
 template <typename scalar_t>
 inline void to_float(const scalar_t* src, float* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// bfloat16 is float32's upper half: a shift, which vectorizes (c10's conversion call does not)
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t d) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < d; ++i) {
+    const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
+    std::memcpy(dst + i, &wide, sizeof(float));
+  }
+}
+
+// One task's float32 work space, allocated once per task and reused by each (batch row, KV head) it attends.
+struct Workspace {
+  std::vector<float> qf, acc, kb, vb, p, m, l;
+  Workspace(int64_t g, int64_t d) : qf(g * d), acc(g * d), kb(kBlock * d), vb(kBlock * d), p(g * kBlock), m(g), l(g) {}
+};
+
 template <typename scalar_t>
 void attend_one(const scalar_t* q, const scalar_t* keys, const scalar_t* values, const int64_t* rows,
                 int64_t count, int64_t own, int64_t g, int64_t d, float scale, scalar_t* out, float* lse,
-                float* read_sum) {
-  std::vector<float> qf(g * d), acc(g * d, 0.f), kb(kBlock * d), vb(kBlock * d), p(g * kBlock);
-  std::vector<float> m(g, -std::numeric_limits<float>::infinity()), l(g, 0.f);
-  for (int64_t j = 0; j < g * d; ++j) qf[j] = static_cast<float>(q[j]);
+                float* read_sum, Workspace& ws) {
+  float* qf = ws.qf.data();
+  float* acc = ws.acc.data();
+  float* kb = ws.kb.data();
+  float* vb = ws.vb.data();
+  float* m = ws.m.data();
+  float* l = ws.l.data();
+  to_float(q, qf, g * d);
+  std::fill(acc, acc + g * d, 0.f);
+  std::fill(m, m + g, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + g, 0.f);
   std::fill(read_sum, read_sum + d, 0.f);
   const int64_t total = count + (own >= 0 ? 1 : 0);  // the past rows, then the token's own row
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t start = 0; start < total; start += kBlock) {
     const int64_t n = std::min(kBlock, total - start);
+    // the next block's rows asked of memory now: scattered rows defeat the hardware prefetcher, and a row
+    // waited for one at a time leaves the memory bus idle
+    for (int64_t i = start == 0 ? 0 : start + kBlock; i < std::min(start + 2 * kBlock, count); ++i) {
+      const char* kr = reinterpret_cast<const char*>(keys + rows[i] * d);
+      const char* vr = reinterpret_cast<const char*>(values + rows[i] * d);
+      for (int64_t off = 0; off < row_bytes; off += 64) {
+        __builtin_prefetch(kr + off);
+        __builtin_prefetch(vr + off);
+      }
+    }
     for (int64_t j = 0; j < n; ++j) {
       const int64_t i = start + j;
       const int64_t row = i < count ? rows[i] : own;
-      to_float(keys + row * d, kb.data() + j * d, d);
-      to_float(values + row * d, vb.data() + j * d, d);
+      to_float(keys + row * d, kb + j * d, d);
+      to_float(values + row * d, vb + j * d, d);
       if (i < count) {
-        const float* vr = vb.data() + j * d;
+        const float* vr = vb + j * d;
+#pragma omp simd
         for (int64_t c = 0; c < d; ++c) read_sum[c] += vr[c];
       }
     }
     for (int64_t h = 0; h < g; ++h) {
-      const float* qh = qf.data() + h * d;
-      float* ph = p.data() + h * kBlock;
-      float block_max = -std::numeric_limits<float>::infinity();
+      const float* qh = qf + h * d;
+      float* ph = ws.p.data() + h * kBlock;
       for (int64_t j = 0; j < n; ++j) {
-        const float* kr = kb.data() + j * d;
+        const float* kr = kb + j * d;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)  // a vectorized dot product (lanes summed at the end)
         for (int64_t c = 0; c < d; ++c) s += qh[c] * kr[c];
         ph[j] = s * scale;
-        block_max = std::max(block_max, ph[j]);
       }
+      float block_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : block_max)
+      for (int64_t j = 0; j < n; ++j) block_max = block_max > ph[j] ? block_max : ph[j];
       const float m_new = std::max(m[h], block_max);
       const float correction = std::exp(m[h] - m_new);  // exp(-inf) = 0 on the first block
       float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        ph[j] = std::exp(ph[j] - m_new);
-        sum += ph[j];
-      }
+      for (int64_t j = 0; j < n; ++j) ph[j] = exp_nonpositive(ph[j] - m_new);
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) sum += ph[j];
       l[h] = l[h] * correction + sum;
       m[h] = m_new;
-      float* ah = acc.data() + h * d;
+      float* ah = acc + h * d;
+#pragma omp simd
       for (int64_t c = 0; c < d; ++c) ah[c] *= correction;
       for (int64_t j = 0; j < n; ++j) {
         const float w = ph[j];
-        const float* vr = vb.data() + j * d;
+        const float* vr = vb + j * d;
+#pragma omp simd
         for (int64_t c = 0; c < d; ++c) ah[c] += w * vr[c];
       }
     }
@@ -164,11 +200,12 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
     const scalar_t* v_p = values.data_ptr<scalar_t>();
     scalar_t* out_p = out.data_ptr<scalar_t>();
     at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+      Workspace ws(g, d);
       for (int64_t bh = lo; bh < hi; ++bh) {
         const int64_t bi = bh / hkv;
         attend_one<scalar_t>(q_p + bh * g * d, k_p, v_p, rows_p + bi * n + starts_p[bh], counts_p[bh],
                              has_own ? own_p[bh] : -1, g, d, sc, out_p + bh * g * d, lse_p + bh * g,
-                             sum_p + bh * d);
+                             sum_p + bh * d, ws);
       }
     });
   });
@@ -352,7 +389,99 @@ std::vector<torch::Tensor> select_packed_rows(torch::Tensor scores, torch::Tenso
                               with_lse);
 }
 
+// The 4-bit keys' scores of one decoding row per (batch row, KV head), in one parallel region: q [B, Hkv, G, d]
+// bfloat16; codes [B, Hkv, blocks * 64, d / 2] uint8 and sz [B, Hkv, ng, capacity, 2] bfloat16 in the layout of
+// torch's CPU int4 kernel (kernels/int4.py, "tinygemm"). Each (batch row, KV head) is that kernel's call over
+// the first n slots' whole blocks, run inside this region (its own parallel loop then runs inline), so every
+// score has the bits of a call from Python. Returns float32 [B, Hkv, G, n].
+torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz, int64_t group, int64_t n) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kBFloat16, "q [B,Hkv,G,d] bfloat16");
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == torch::kByte, "codes [B,Hkv,blocks*64,d/2] uint8");
+  TORCH_CHECK(sz.dim() == 5 && sz.scalar_type() == at::kBFloat16 && sz.size(4) == 2, "sz [B,Hkv,ng,cap,2] bf16");
+  const int64_t b = q.size(0), hkv = q.size(1), g = q.size(2), d = q.size(3);
+  TORCH_CHECK(codes.size(0) == b && codes.size(1) == hkv && codes.size(3) * 2 == d, "codes do not match q");
+  TORCH_CHECK(sz.size(0) == b && sz.size(1) == hkv && sz.size(2) * group == d, "sz does not match q");
+  TORCH_CHECK(n >= 0 && n <= codes.size(2) && n <= sz.size(3), "n exceeds the packed slots");
+  q = q.contiguous();
+  auto out = torch::empty({b, hkv, g, n}, q.options().dtype(torch::kFloat));
+  if (n == 0) return out;
+  const int64_t nr = std::min((n + 63) / 64 * 64, codes.size(2));  // whole 64-token blocks
+  float* out_p = out.data_ptr<float>();
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t bi = bh / hkv, kh = bh % hkv;
+      auto w = codes[bi][kh].narrow(0, 0, nr);
+      auto scale_zero = sz[bi][kh].narrow(1, 0, nr).contiguous();  // the kernel reads [ng, nr, 2] contiguous
+      auto s = at::_weight_int4pack_mm_for_cpu(q[bi][kh], w.is_contiguous() ? w : w.contiguous(), group,
+                                               scale_zero).to(torch::kFloat);  // [G, nr]
+      const float* s_p = s.data_ptr<float>();
+      for (int64_t h = 0; h < g; ++h)
+        std::copy(s_p + h * nr, s_p + h * nr + n, out_p + (bh * g + h) * n);
+    }
+  });
+  return out;
+}
+
+// One decoding token's key per (batch row, KV head), rows [B, Hkv, 1, d] float32, quantized to 4 bits and written
+// into its slot (slots [B, Hkv]) of the int4 kernel's layout in place: codes [B, Hkv, blocks, d, 32] uint8 (slot s
+// of a block in byte s % 32 of each dim, the low nibble for s % 64 < 32) and sz [B, Hkv, d / group, capacity, 2]
+// bfloat16. The arithmetic of `int4._quantize_tinygemm` step by step in float32 (the same codes, scale and zero
+// to the bit): scale = max((max - min) / 15, tiny) and zero = min + 8 * scale, each rounded to bfloat16; code =
+// round-half-even((x - (zero - 8 * scale)) / scale), clamped to 0..15.
+void scatter_int4(torch::Tensor codes, torch::Tensor sz, torch::Tensor slots, torch::Tensor rows, int64_t group) {
+  TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == torch::kByte && codes.is_contiguous() &&
+              codes.size(4) == 32, "codes [B,Hkv,blocks,d,32] uint8, contiguous");
+  TORCH_CHECK(sz.dim() == 5 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.size(4) == 2,
+              "sz [B,Hkv,ng,capacity,2] bfloat16, contiguous");
+  TORCH_CHECK(rows.dim() == 4 && rows.size(2) == 1 && rows.scalar_type() == torch::kFloat, "rows [B,Hkv,1,d] float32");
+  TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == torch::kLong, "slots [B,Hkv] int64");
+  const int64_t b = codes.size(0), hkv = codes.size(1), blocks = codes.size(2), d = codes.size(3);
+  const int64_t cap = sz.size(3), ng = sz.size(2);
+  TORCH_CHECK(group > 0 && ng * group == d && rows.size(3) == d, "the group does not divide d");
+  TORCH_CHECK(rows.size(0) == b && rows.size(1) == hkv && slots.size(0) == b && slots.size(1) == hkv &&
+              sz.size(0) == b && sz.size(1) == hkv, "shapes do not match");
+  rows = rows.contiguous();
+  slots = slots.contiguous();
+  const int64_t* slot_p = slots.data_ptr<int64_t>();
+  for (int64_t bh = 0; bh < b * hkv; ++bh)
+    TORCH_CHECK(slot_p[bh] >= 0 && slot_p[bh] < cap && slot_p[bh] < blocks * 64, "slot out of range");
+  const float* x_p = rows.data_ptr<float>();
+  uint8_t* code_p = codes.data_ptr<uint8_t>();
+  c10::BFloat16* sz_p = sz.data_ptr<c10::BFloat16>();
+  for (int64_t bh = 0; bh < b * hkv; ++bh) {
+    const int64_t slot = slot_p[bh];
+    const bool high = slot % 64 >= 32;
+    uint8_t* column = code_p + (bh * blocks + slot / 64) * d * 32 + slot % 32;  // dim k at column[k * 32]
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const float* x = x_p + bh * d + gi * group;
+      float lo = x[0], hi = x[0];
+      for (int64_t k = 1; k < group; ++k) {
+        lo = std::min(lo, x[k]);
+        hi = std::max(hi, x[k]);
+      }
+      float scale = (hi - lo) / 15.f;
+      scale = scale < std::numeric_limits<float>::min() ? std::numeric_limits<float>::min() : scale;
+      const c10::BFloat16 scale16(scale);
+      const float scale_f = static_cast<float>(scale16);
+      const float eight_scales = 8.f * scale_f;  // exact: a power of two times a bfloat16
+      const c10::BFloat16 zero16(lo + eight_scales);
+      const float base = static_cast<float>(zero16) - eight_scales;
+      c10::BFloat16* out = sz_p + ((bh * ng + gi) * cap + slot) * 2;
+      out[0] = scale16;
+      out[1] = zero16;
+      for (int64_t k = 0; k < group; ++k) {
+        const float code = std::min(std::max(std::nearbyint((x[k] - base) / scale_f), 0.f), 15.f);
+        uint8_t& byte = column[(gi * group + k) * 32];
+        const uint8_t c = static_cast<uint8_t>(code);
+        byte = high ? static_cast<uint8_t>((byte & 0x0F) | (c << 4)) : static_cast<uint8_t>((byte & 0xF0) | c);
+      }
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("scatter_int4", &scatter_int4, "a decoding token's key quantized into the int4 kernel's layout");
+  m.def("score_int4", &score_int4, "the int4 speculation keys' scores, one parallel region per layer");
   m.def("attend_rows", &attend_rows, "attention over packed selected rows, online softmax");
   m.def("select_packed", &select_packed, "InfiniGen's layer-capped selection from scores to packed rows");
   m.def("select_packed_rows", &select_packed_rows, "select_packed with one cap per batch row");

@@ -111,6 +111,21 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows:
     return _module().attend_rows(q, keys, values, rows, counts, own, float(scale))
 
 
+def score_int4(q: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group: int, n: int) -> torch.Tensor:
+    """q [B, Hkv, G, d] bfloat16 against 4-bit keys in torch's CPU int4 layout (codes [B, Hkv, blocks * 64, d / 2]
+    uint8, scale-and-zero sz [B, Hkv, d / group, capacity, 2] bfloat16; kernels/int4.py "tinygemm") -> float32
+    [B, Hkv, G, n]: that kernel's scores of the first n slots, every (batch row, KV head) in one parallel region
+    instead of a call each from Python (the same bits)."""
+    return _module().score_int4(q, codes, sz, int(group), int(n))
+
+
+def scatter_int4(codes: torch.Tensor, sz: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, group: int) -> None:
+    """One token's key per (batch row, KV head), rows [B, Hkv, 1, d] float32, quantized and written in place into
+    slots [B, Hkv] of 4-bit keys in torch's CPU int4 layout (codes [B, Hkv, blocks, d, 32] uint8, sz [B, Hkv,
+    d / group, capacity, 2] bfloat16): the codes, scale and zero `int4.PackedKeys.scatter` writes, in one call."""
+    _module().scatter_int4(codes, sz, slots, rows, int(group))
+
+
 def select_packed(scores: torch.Tensor, scale: float, alpha: float, total: int, capacity: int, with_lse: bool):
     """scores [B, Hkv, G, n] float32 (the speculated q . k of one decoding row per batch row over a store's first
     n slots, every one valid; overwritten) -> keep [B, Hkv, n] bool, rows [B, m] and head [B, m] int64 (each batch

@@ -34,6 +34,8 @@ import functools
 
 import torch
 
+from . import fused_select
+
 GROUP = 32
 TILE = 1024  # tokens per tile of the torch scorers (measured: smaller tiles cost more in per-op overhead)
 _BLOCK = 64  # tokens per block of the tinygemm layout (BLOCK_N of the AVX512 kernel)
@@ -213,6 +215,9 @@ class PackedKeys:
                              (self.lo.view(torch.int16), lo.view(torch.int16))):
                 buf.scatter_(2, s[..., None].expand(*s.shape, buf.shape[-1]), val)
             return
+        if rows.dtype == torch.float32 and rows.device.type == "cpu" and fused_select.available():
+            fused_select.scatter_int4(self.codes, self.sz, slots, rows, self.group)  # the same bytes, one call
+            return
         codes, sz = _quantize_tinygemm(rows, self.group)  # [B, Hkv, 1, d], [B, Hkv, 1, ng, 2]
         ng = sz.shape[-2]
         val = sz.permute(0, 1, 3, 2, 4).contiguous().view(torch.int32)  # (scale, zero) as one int32: as above
@@ -333,10 +338,13 @@ def _score_tinygemm(pk: PackedKeys, q: torch.Tensor, n: int) -> torch.Tensor:
         return q.new_zeros(b, h, G, 0, dtype=torch.float32)
     nr = min(-(-n // _BLOCK) * _BLOCK, pk.codes.shape[2] * _BLOCK)  # whole blocks (tail slots ignored)
     qb = q.bfloat16().contiguous()
+    codes = pk.codes.view(b, h, -1, d // 2)
+    if fused_select.available():  # every (batch row, KV head) in one native call
+        return fused_select.score_int4(qb, codes, pk.sz, pk.group, n)
     sz = pk.sz[:, :, :, :nr]
     if nr != pk.sz.shape[3]:
         sz = sz.contiguous()  # the kernel indexes scale-and-zero as [ng, nr, 2] contiguous
-    codes = pk.codes.view(b, h, -1, d // 2)[:, :, :nr]
+    codes = codes[:, :, :nr]
     out = torch.empty(b, h, G, n, dtype=torch.float32, device=q.device)
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     for i in range(b):
