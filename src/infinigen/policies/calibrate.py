@@ -29,8 +29,12 @@ full cache's loss and the prompt's keys and values) and each candidate's rows ch
 built (budget "layer"), a layer's rows are selected in C++, 256 rows per call, each row under its own cap
 (`infinigen_select.rows_fused`), and each row attends to its packed entries in one call
 (`runtime.attend_rows_packed`): no [rows, tokens] score or mask tensor; elsewhere the torch blocks and
-`runtime.attend_rows` do the same. What is left of a candidate's pass is mostly its dense layers and the head,
-work no candidate shares with another. Not on fewer rows: the loss of
+`runtime.attend_rows` do the same. A candidate's rows enter its first selecting layer with the shared pass's
+hidden states (the layers before it read densely: `shared_layers`), and over a large vocabulary the loss head
+is a bfloat16 product with each row's largest logits and its target's in float32 (`head_nll`: it moves a
+candidate's loss by about 1e-5, ten times less than the closest decision of a search). What is left of a
+candidate's pass is mostly its dense layers from its first selecting one on and the head, work no candidate
+shares with another; the fused kernel builds beside the shared pass. Not on fewer rows: the loss of
 one candidate has a sampling error of 0.3 points over the 1792 rows of a 2048-token run already, as much as
 what separates the candidates of one search, and scoring windows of rows after a dense past hides the error
 that compounds through the keys and values of earlier rows read under the selection (up to a point of
@@ -49,6 +53,7 @@ row's hidden state one layer early).
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from dataclasses import asdict, dataclass, field
 
@@ -237,7 +242,7 @@ _LOW_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _bf16_head(model) -> torch.Tensor | None:
-    """The output projection's weight in bfloat16 (kept while the model lives, made again when the weight
+    """The output projection's weight in bfloat16 (kept until `search` ends, made again when the weight
     changes), where `head_nll` scores this model: a float32 nn.Linear without bias over at least
     BF16_HEAD_VOCAB tokens whose `model.head` is `_head_input` then that projection; else None (the exact head)."""
     lm = getattr(model, "lm_head", None)
@@ -415,6 +420,7 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
                          growth, ref, key, text, max_evals, log, remainder_starts, bar, own_query, budgets)
     finally:
         bar.finish()
+        _LOW_HEADS.pop(model, None)  # the bfloat16 head lives as long as the search
     return choice
 
 
@@ -443,15 +449,22 @@ def _at_largest_budget(knobs, candidate, model, ref, bound, growth, budget_free)
     return None if top is None else dict(knobs, kv_budget=round(top, 4))
 
 
+def _scorer(model, tokens, prefill, own_query):
+    """(how a candidate's policy is scored: its (NLL, KV share), the full cache's NLL)."""
+    if not own_query:
+        return (lambda pol: score(model, tokens, prefill, pol)), score(model, tokens, prefill, None)[0]
+    # the fused kernel (a fresh cache's first build: a compiler on one core for a minute or two) builds while
+    # the shared dense pass runs; the candidates after it use it
+    builder = threading.Thread(target=fused_select.available, daemon=True)
+    builder.start()
+    win = window(model, tokens, prefill)
+    builder.join()
+    return (lambda pol: score_window(model, win, pol)), win.reference_nll
+
+
 def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound, growth, ref,
             key, text, max_evals, log, remainder_starts, bar, own_query, budgets) -> Choice:
-    if own_query:
-        win = window(model, tokens, prefill)
-        full = win.reference_nll
-        measure = lambda pol: score_window(model, win, pol)  # noqa: E731
-    else:
-        measure = lambda pol: score(model, tokens, prefill, pol)  # noqa: E731
-        full, _ = measure(None)
+    measure, full = _scorer(model, tokens, prefill, own_query)
     bar.update()
     goal = full + math.log1p(target)
     trials: list[Trial] = []
