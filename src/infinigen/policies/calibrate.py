@@ -30,9 +30,10 @@ built (budget "layer"), a layer's rows are selected in C++, 256 rows per call, e
 (`infinigen_select.rows_fused`), and each row attends to its packed entries in one call
 (`runtime.attend_rows_packed`): no [rows, tokens] score or mask tensor; elsewhere the torch blocks and
 `runtime.attend_rows` do the same. A candidate's rows enter its first selecting layer with the shared pass's
-hidden states (the layers before it read densely: `shared_layers`), and over a large vocabulary the loss head
-is a bfloat16 product with each row's largest logits and its target's in float32 (`head_nll`: it moves a
-candidate's loss by about 1e-5, ten times less than the closest decision of a search). What is left of a
+hidden states (the layers before it read densely: `shared_layers`), and over a vocabulary of BF16_HEAD_VOCAB
+tokens or more the loss head is a bfloat16 product with each row's largest logits and its target's in float32
+(`head_nll`: on Gemma 3 it moves a candidate's NLL by 1e-5 to 4e-5, over twenty times less than the closest
+decision of its search: results/calibration/calibration_head.md). What is left of a
 candidate's pass is mostly its dense layers from its first selecting one on and the head, work no candidate
 shares with another; the fused kernel builds beside the shared pass. Not on fewer rows: the loss of
 one candidate has a sampling error of 0.3 points over the 1792 rows of a 2048-token run already, as much as
@@ -72,7 +73,8 @@ ALPHA_HIGH = 9.0  # the caps decide (measured on SmolLM2: results/presets/)
 ALPHA_LOW = 7.0  # the threshold trims under the caps
 LONG = 4  # the bound is also checked at LONG * ref tokens
 SCORE_ROWS = 512  # logits rows turned into log-probabilities at once (a 262k vocabulary: Gemma 3)
-BF16_HEAD_VOCAB = 32768  # from this vocabulary on, the head is mostly a bfloat16 product (`head_nll`)
+BF16_HEAD_VOCAB = 131072  # from this vocabulary on (Gemma 3: 262k), where the head is most of a pass, it is
+# mostly a bfloat16 product (`head_nll`); below it (SmolLM2: 49k) it is a small share and stays float32
 HEAD_EXACT = 64  # per row, its largest logits recomputed in float32 (`head_nll`)
 POSITIONS = 256  # cached lengths sampled to average the caps over a run
 
