@@ -1,14 +1,19 @@
-"""InfiniGen's calibration search with the fused kernel, and its candidate passes against the torch path's.
+"""InfiniGen's calibration search, timed, and its candidate passes by two scoring paths side by side.
 
 1. The search `prepare` runs (`policies/infinigen_calibration._search`: one shared dense pass, then each candidate's
-   rows after the prompt) with the fused kernel, timed (wall and process CPU seconds, each pass apart), its trials
-   compared with those of the artifact the package ships for the default model (made by the torch path).
-2. Side by side in one process, alternating: the passes of `--compare` candidates of that search (default: the
-   first and the chosen one) with `fused_select.enabled` off (each candidate's rows chosen by torch in blocks of 64
-   and attended through `runtime.attend_rows`) and on (`infinigen_select.rows_fused`, `runtime.attend_rows_packed`).
+   rows after the prompt), timed (wall and process CPU seconds, each pass apart), its trials compared with those of
+   the artifact the package ships for the default model.
+2. Side by side in one process, alternating: the shared dense pass and the passes of `--compare` candidates of that
+   search (default: the first and the chosen one) by two of these paths (`--paths`, default exact,fast): "torch"
+   (the rows chosen by torch in blocks of 64, `runtime.attend_rows`, the float32 head, every layer run), "exact"
+   (the fused kernel: `infinigen_select.rows_fused`, `runtime.attend_rows_packed`; the float32 head, every layer
+   run), "fast" (what the search runs now: the fused kernel, `calibrate.head_nll` over a large vocabulary, each
+   candidate's rows entering its first selecting layer from the shared pass: `calibrate.shared_layers`); with how
+   far the loss moved between them.
 /proc/loadavg is printed before and after each part (the machine may be shared: compare ratios).
 
-    PYTHONPATH=src python benchmarks/calibration_speed.py [--model M] [--threads 2] [--compare 0,-1] [--json F]
+    PYTHONPATH=src python benchmarks/calibration_speed.py [--model M] [--threads 2] [--compare 0,-1]
+        [--paths exact,fast] [--knobs '[{...}, ...]'] [--json F]
 """
 from __future__ import annotations
 
@@ -80,22 +85,56 @@ def shipped_trials(model) -> list | None:
     return None
 
 
-def side_by_side(pol, model, found: dict, candidates: list) -> list:
-    from infinigen.kernels import fused_select
+KINDS = {"torch": "torch", "fused": "fused", "exact": "float32 head, every layer", "fast": "fast"}
+
+
+class ScoringPath:
+    """One way of scoring a candidate, set while in use: "torch" (the rows chosen by torch in blocks, the
+    float32 head, every layer run), "exact" (the fused kernel, the float32 head, every layer run: the search
+    before the fast head), "fused"/"fast" (what the search runs now: the fused kernel, the bfloat16 head with
+    its top logits in float32, the candidate's rows entering its first selecting layer from the shared pass)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def __enter__(self):
+        from infinigen.kernels import fused_select
+        from infinigen.policies import calibrate as cal
+        self.saved = (fused_select.enabled, cal.BF16_HEAD_VOCAB, cal.shared_layers)
+        fused_select.enabled = self.kind != "torch"
+        if self.kind in ("torch", "exact"):
+            cal.BF16_HEAD_VOCAB = 1 << 62
+            cal.shared_layers = lambda *a: 0
+        return self
+
+    def __exit__(self, *exc):
+        from infinigen.kernels import fused_select
+        from infinigen.policies import calibrate as cal
+        fused_select.enabled, cal.BF16_HEAD_VOCAB, cal.shared_layers = self.saved
+
+
+def side_by_side(pol, model, found: dict, candidates: list, kinds=("torch", "fused")) -> list:
+    """Each candidate's pass by each path, alternating, and the shared dense pass (`window`) by each."""
     from infinigen.policies import calibrate as cal
     from infinigen.policies.infinigen_calibration import candidate
 
-    win = cal.window(model, found["tokens"], pol.budget_ref // 8)
-    rows = []
+    wins, rows = {}, []
+    row = {"knobs": "shared dense pass", "loadavg_before": loadavg()}
+    for kind in kinds:
+        with ScoringPath(kind), Clock() as c:
+            wins[kind] = cal.window(model, found["tokens"], pol.budget_ref // 8)
+        row[kind] = {"wall": c.wall, "cpu": c.cpu, "vs_full": 0.0, "kv": 1.0, "nll": wins[kind].reference_nll}
+    row["loadavg_after"] = loadavg()
+    rows.append(row)
     for knobs in candidates:
         cand = candidate(pol, model, knobs, found["setup"]["growth"])
         row = {"knobs": knobs, "loadavg_before": loadavg()}
-        for kind in ("torch", "fused"):
-            fused_select.enabled = kind == "fused"
-            with Clock() as c:
+        for kind in kinds:
+            win = wins[kind]
+            with ScoringPath(kind), Clock() as c:
                 nll, kv = cal.score_window(model, win, cand)
-            row[kind] = {"wall": c.wall, "cpu": c.cpu, "vs_full": math.expm1(nll - win.reference_nll), "kv": kv}
-        fused_select.enabled = True
+            row[kind] = {"wall": c.wall, "cpu": c.cpu, "vs_full": math.expm1(nll - win.reference_nll), "kv": kv,
+                         "nll": nll}
         row["loadavg_after"] = loadavg()
         rows.append(row)
     return rows
@@ -108,6 +147,8 @@ def main() -> None:
     ap.add_argument("--compare", default="0,-1", help="indices of the search's trials to time both ways")
     ap.add_argument("--knobs", default=None, help="a JSON list of candidates' knobs to time both ways, instead of "
                     "running the search first")
+    ap.add_argument("--paths", default="exact,fast", help="the two ways to score them side by side: torch, exact "
+                    "(fused kernel, float32 head, every layer) or fast (what the search runs now)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -127,11 +168,11 @@ def main() -> None:
     found = fused_search(pol, model, tokenizer)
     choice = found["choice"]
     print(f"{name}, {args.threads} thread(s), float32 dense weights")
-    print(f"fused search: {found['wall']:.1f} s wall, {found['cpu']:.1f} s CPU; shared dense pass "
+    print(f"search: {found['wall']:.1f} s wall, {found['cpu']:.1f} s CPU; shared dense pass "
           f"{found['window'][0]:.1f} s; load {found['loadavg'][0]} -> {found['loadavg'][1]}; chose {choice.knobs} "
           f"(reached: {choice.reached})")
     shipped = shipped_trials(model)
-    print("| candidate | fused pass: wall s, CPU s | fused: vs full, KV | shipped (torch path): vs full, KV |")
+    print("| candidate | pass: wall s, CPU s | vs full, KV | shipped: vs full, KV |")
     print("|---|---|---|---|")
     for i, t in enumerate(choice.trials):
         ref = shipped[i] if shipped and i < len(shipped) else None
@@ -141,7 +182,8 @@ def main() -> None:
         print(f"| {t['knobs']} | {wall:.1f}, {cpu:.1f} | {100 * vs:+.3f}%, {100 * t['kv']:.2f}% | {was} |")
     same = shipped is not None and [t["knobs"] for t in shipped] == [t["knobs"] for t in choice.trials]
     print(f"the shipped search's candidates, in order: {same}")
-    rows = side_by_side(pol, model, found, [found["choice"].trials[int(i)]["knobs"] for i in args.compare.split(",")])
+    rows = side_by_side(pol, model, found, [found["choice"].trials[int(i)]["knobs"] for i in args.compare.split(",")],
+                        args.paths.split(","))
     print_side_by_side(rows)
     if args.json:
         out = {"model": name, "threads": args.threads, "search": {k: found[k] for k in ("wall", "cpu", "window",
@@ -157,7 +199,8 @@ def side_only(pol, model, tokenizer, knobs: list, args) -> None:
     from infinigen.policies.infinigen_settings import CALIBRATE_TEXT
 
     tokens = cal.calibration_tokens(tokenizer, load_text(CALIBRATE_TEXT), pol.budget_ref)
-    rows = side_by_side(pol, model, {"tokens": tokens, "setup": ic.search_setup(pol, model)}, knobs)
+    rows = side_by_side(pol, model, {"tokens": tokens, "setup": ic.search_setup(pol, model)}, knobs,
+                        args.paths.split(","))
     print(f"{args.model}, {args.threads} thread(s), float32 dense weights")
     print_side_by_side(rows)
     if args.json:
@@ -166,14 +209,16 @@ def side_only(pol, model, tokenizer, knobs: list, args) -> None:
 
 
 def print_side_by_side(rows: list) -> None:
-    print("| candidate | torch: wall s, CPU s | fused: wall s, CPU s | CPU ratio | torch: vs full, KV "
-          "| fused: vs full, KV | load before -> after |")
-    print("|---|---|---|---|---|---|---|")
+    old, new = [k for k in rows[0] if k in KINDS]
+    print(f"| candidate | {KINDS[old]}: wall s, CPU s | {KINDS[new]}: wall s, CPU s | CPU ratio | {KINDS[old]}: vs "
+          f"full, KV | {KINDS[new]}: vs full, KV | NLL moved | load before -> after |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        a, b = r["torch"], r["fused"]
+        a, b = r[old], r[new]
         print(f"| {r['knobs']} | {a['wall']:.1f}, {a['cpu']:.1f} | {b['wall']:.1f}, {b['cpu']:.1f} | "
               f"{a['cpu'] / b['cpu']:.2f}x | {100 * a['vs_full']:+.3f}%, {100 * a['kv']:.2f}% | "
-              f"{100 * b['vs_full']:+.3f}%, {100 * b['kv']:.2f}% | {r['loadavg_before']} -> {r['loadavg_after']} |")
+              f"{100 * b['vs_full']:+.3f}%, {100 * b['kv']:.2f}% | {b['nll'] - a['nll']:+.2e} | "
+              f"{r['loadavg_before']} -> {r['loadavg_after']} |")
 
 
 if __name__ == "__main__":
