@@ -48,6 +48,7 @@ class BenchSettings:
     weights_offload: float = 0.0  # share of the layers whose weights stream from the slow tier
     share_prefill: bool = False  # one real prefill per cell, replayed into every system's session
     row_cache_bytes: int = 0  # offloaded pools: the row cache (`Placement.row_cache_bytes`; 0: off)
+    correct: bool = True  # offloaded pools: the own query corrects the speculation (`Placement.correct`)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -166,7 +167,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
     placement = Placement(system.kv_offload, pool_dir=s.pool_dir, capacity=s.capacity, pool_bytes=s.pool_bytes,
                           evict=s.eviction, prefetch=s.prefetch, threaded=s.threaded,
                           row_cache_bytes=s.row_cache_bytes if system.kv_offload != "none" else 0,
-                          disk_block=system.disk_block)
+                          disk_block=system.disk_block, correct=s.correct)
     max_len = t + s.gen_len + s.breakdown_steps + s.count_ops
     probe = MemoryProbe(device)
     _collect(model, b, max_len)
@@ -209,6 +210,9 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             "fetch_on_demand": stats.on_demand, "fetch_stale": stats.stale, "fetch_jobs": stats.fetches,
             "fetch_wait_ms_per_step": 1e3 * stats.wait_s / max(steps, 1),
             "gather_ms_per_step": 1e3 * (stats.gather_s + stats.ondemand_s) / max(steps, 1),
+            # the correction: rows the layers' own selections read that the prefetch missed, fetched on demand
+            "fetch_missed_rows": stats.missed, "ondemand_ms_per_step": 1e3 * stats.ondemand_s / max(steps, 1),
+            "fetch_missed_share_per_step": stats.missed_shares(),
             "peak_fast_bytes": probe.peak() if device.type == "cuda" else fast_tracked,
             "peak_fast_bytes_tracked": fast_tracked,
             "peak_rss_bytes": probe.peak() if device.type != "cuda" else None,

@@ -300,6 +300,8 @@ class Session:
         window = model.cfg.window(layer)
         rows = packed = None
         keep = self._plans.pop(layer, None)
+        if keep is not None and keep is not ALL and pol.reselects(layer, self):
+            keep = None  # the plan was what placement prefetched: the layer's own query selects
         if keep is None:
             if self.selects(layer):
                 # every used slot a visible candidate, read in place as packed rows: the policy may pack them
