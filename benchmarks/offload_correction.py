@@ -4,6 +4,9 @@ form and the speculation-only form, the default model, one process.
     OMP_NUM_THREADS=1 python benchmarks/offload_correction.py --text northangerabbey --ctx 2048 --prefill 256 \\
         --decode-prompt 2016 --steps 32 --rounds 2 --json results/recall/correction.json
 
+Every InfiniGen form selects at every length (`dense_below=0`: the crossing measured on a machine would make the
+in-RAM form read short contexts densely).
+
 1. Perplexity (`infinigen ppl`'s scoring, teacher-forced) of the full cache, InfiniGen in RAM, InfiniGen offloaded
    (cpu) without and with the correction: the perplexity's change against the full cache and the share of the KV
    read.
@@ -34,7 +37,7 @@ def perplexities(model, tok, ids, prefill: int) -> dict:
     from infinigen.policies import make_policy
     out = {"full": perplexity(model, tok, None, make_policy("full"), prefill=prefill, tokens=ids)}
     for name, placement in forms().items():
-        out[name] = perplexity(model, tok, None, make_policy("infinigen"), prefill=prefill, tokens=ids,
+        out[name] = perplexity(model, tok, None, make_policy("infinigen", dense_below=0), prefill=prefill, tokens=ids,
                                placement=placement)
     full = out["full"].perplexity
     return {k: {"perplexity": r.perplexity, "vs_full": r.perplexity / full - 1, "kv_read": r.kv_all}
@@ -44,7 +47,7 @@ def perplexities(model, tok, ids, prefill: int) -> dict:
 def decode_once(model, tok, prompt, steps: int, placement) -> dict:
     from infinigen import runtime
     from infinigen.policies import make_policy
-    pol = make_policy("infinigen").prepare(model, tok)
+    pol = make_policy("infinigen", dense_below=0).prepare(model, tok)
     sess = placement.new_session(model, 1, prompt.shape[1] + steps + 1, pol)
     try:
         logits = runtime.prefill(model, prompt, sess)

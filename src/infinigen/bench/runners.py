@@ -210,9 +210,6 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
             "fetch_on_demand": stats.on_demand, "fetch_stale": stats.stale, "fetch_jobs": stats.fetches,
             "fetch_wait_ms_per_step": 1e3 * stats.wait_s / max(steps, 1),
             "gather_ms_per_step": 1e3 * (stats.gather_s + stats.ondemand_s) / max(steps, 1),
-            # the correction: rows the layers' own selections read that the prefetch missed, fetched on demand
-            "fetch_missed_rows": stats.missed, "ondemand_ms_per_step": 1e3 * stats.ondemand_s / max(steps, 1),
-            "fetch_missed_share_per_step": stats.missed_shares(),
             "peak_fast_bytes": probe.peak() if device.type == "cuda" else fast_tracked,
             "peak_fast_bytes_tracked": fast_tracked,
             "peak_rss_bytes": probe.peak() if device.type != "cuda" else None,
@@ -248,6 +245,9 @@ def _add_extras(row: dict, model, sess, s: BenchSettings, stats: TransferStats, 
     """The row's optional parts: the row cache, streamed weights, the speculation's memory, the per-layer
     breakdown and the aten calls (extra steps after the timed ones); returns the last token decoded."""
     b, steps, store, pol = row["batch"], s.gen_len - 1, sess.store, sess.policy
+    if store.offloaded:  # the correction: rows the layers' own selections read that the prefetch missed
+        row.update(fetch_missed_rows=stats.missed, ondemand_ms_per_step=1e3 * stats.ondemand_s / max(steps, 1),
+                   fetch_missed_share_per_step=stats.missed_shares())
     if getattr(store, "row_cache", None) is not None:  # per step: hits / distinct rows selected, rows fetched
         steps_rc = stats.row_steps
         row["row_cache_bytes"] = store.row_cache.budget
