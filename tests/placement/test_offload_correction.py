@@ -101,3 +101,17 @@ def test_on_demand_rows_are_the_own_selection_less_the_prefetched(tiny_llama, ki
     assert [s[1] for s in st.steps] == missed
     assert read == (want["rows"] + want["missed"]) * 2 * store.layout.row_bytes == st.bytes_moved
     assert all(0 < share < 1 for share in st.missed_shares())
+
+
+def test_corrected_offload_of_one_unpadded_row_decodes_what_fast_memory_decodes(tiny_llama, device):
+    """One unpadded row: the own selection may come packed from the policy (the fused selection of fast
+    memory), handed by the store as the prefetched rows and the missed ones."""
+    model = tiny_llama[1].to(device)
+    pol = corrected_policy(model)
+    tokens, _ = offload_prompts()
+    prompts = (tokens[1:2], None)
+    ref_tokens, ref_logits, _ = run_placed(model, Placement("none"), pol, prompts=prompts)
+    tokens, logits, sess = run_placed(model, Placement("cpu"), pol, prompts=prompts)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    assert sess.store.stats.missed > 0
