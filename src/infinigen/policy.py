@@ -223,6 +223,12 @@ class Policy:
         the rows one layer ahead, overlapped with compute; the layer reads exactly that answer)."""
         return not self.needs_query
 
+    def reselects(self, layer: int, session) -> bool:
+        """Whether the layer selects again with its own query at its attention although `keep` answered one
+        layer ahead: the early answer was what placement prefetched, the layer reads its own selection and the
+        store fetches on demand only the rows the prefetch missed."""
+        return False
+
     def observe(self, layer: int, weights: torch.Tensor, rows: torch.Tensor, own: torch.Tensor, session) -> None:
         """The attention weights of a decoding step at `layer`, each summed over a KV head's query heads: weights
         [B, n] of the entries read, whose rows in the store's flat [B * Hkv * capacity] order are rows [B, n]

@@ -1,10 +1,12 @@
 """InfiniGen's knob `query`: which query selects a layer's entries. "ahead" is the paper's
 speculation one layer ahead (its rows can be fetched while the layer before runs); "own" is each layer's own
 query at its attention, scored against the same 4-bit speculation keys (nothing is known ahead); "auto", the
-default preset's, is "own" where the KV is in fast memory and "ahead" where placement fetches it from a slower
-tier. Checked here: the own query is what selects (its output is closer to dense than the speculated one, and
-decoding equals teacher-forced scoring); nothing is planned ahead with it; "auto" speculates exactly where the
-store is offloaded (then it decodes as "ahead" does in fast memory); with an unlimited budget
+default preset's, is "own" where the KV is in fast memory and, where placement fetches it from a slower tier,
+"ahead" for the prefetch corrected by the own query (`Placement.correct`; tests/placement/
+test_offload_correction.py) or, without the correction, "ahead" alone. Checked here: the own query is what
+selects (its output is closer to dense than the speculated one, and decoding equals teacher-forced scoring);
+nothing is planned ahead with it; "auto" without the correction speculates exactly where the store is
+offloaded (then it decodes as "ahead" does in fast memory); with an unlimited budget
 it is the dense result; `remainder_from` leaves the layers before it without the remainder."""
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from infinigen.policies import make_policy
 T, P, B = 28, 9, 2  # sequence length, prefill length, batch
 # a budget that really leaves entries unread (min_fetch 0: the default floor of 32 would read all 28 tokens)
 LIMITED = dict(max_fetch_ratio=0.3, min_fetch=0, dense_layers=(), exact_first=True, skew=False, remainder=False)
+UNCORRECTED = Placement(kv_offload="cpu", correct=False)  # the offloaded layer reads what was speculated
 
 
 
@@ -104,16 +107,16 @@ def test_nothing_is_planned_ahead_with_the_own_query(tiny):
 
 
 def _fetched_on_demand(model, pol, tokens) -> tuple[torch.Tensor, int]:
-    out, sess = _decode(model, pol, tokens, Placement(kv_offload="cpu"))
+    out, sess = _decode(model, pol, tokens, UNCORRECTED)
     return out, sess.store.stats.on_demand
 
 
 def test_auto_speculates_ahead_exactly_where_the_kv_is_offloaded(tiny):
-    """"auto": the own query in fast memory, the speculation (every layer prefetched, nothing fetched on
-    demand) on an offloaded tier, where it decodes as "ahead" does in fast memory, to the bit."""
+    """"auto" without the correction: the own query in fast memory, the speculation (every layer prefetched,
+    nothing fetched on demand) on an offloaded tier, where it decodes as "ahead" does in fast memory, to the bit."""
     tokens = _tokens(tiny)
     fast_sess = Placement().new_session(tiny, B, T, make_policy("infinigen", **LIMITED))
-    slow_sess = Placement(kv_offload="cpu").new_session(tiny, B, T, make_policy("infinigen", **LIMITED))
+    slow_sess = UNCORRECTED.new_session(tiny, B, T, make_policy("infinigen", **LIMITED))
     try:
         assert fast_sess.state.own_query and not slow_sess.state.own_query
     finally:
@@ -132,7 +135,7 @@ def test_auto_speculates_ahead_exactly_where_the_kv_is_offloaded(tiny):
 
 def test_auto_leaves_the_remainder_to_the_own_query_unless_set(tiny):
     """The preset's remainder (measured to cost accuracy with the speculated query) is used on an offloaded
-    tier under "auto" only when the caller set it."""
+    tier under "auto" without the correction only when the caller set it; with it (the own query) always."""
     def with_remainder(placement, **knobs):
         sess = placement.new_session(tiny, B, T, make_policy("infinigen", **knobs))
         try:
@@ -141,9 +144,10 @@ def test_auto_leaves_the_remainder_to_the_own_query_unless_set(tiny):
             sess.store.close()
     preset = {k: v for k, v in LIMITED.items() if k != "remainder"}
     assert with_remainder(Placement(), **preset)  # the default preset's remainder, own query
-    assert not with_remainder(Placement(kv_offload="cpu"), **preset)
-    assert with_remainder(Placement(kv_offload="cpu"), **preset, remainder=True)
-    assert with_remainder(Placement(kv_offload="cpu"), **preset, query="ahead")  # the caller chose speculation
+    assert not with_remainder(UNCORRECTED, **preset)
+    assert with_remainder(UNCORRECTED, **preset, remainder=True)
+    assert with_remainder(UNCORRECTED, **preset, query="ahead")  # the caller chose speculation
+    assert with_remainder(Placement(kv_offload="cpu"), **preset)  # corrected: the own query selects
 
 
 def test_an_unlimited_budget_is_the_dense_result(tiny):

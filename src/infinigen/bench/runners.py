@@ -48,6 +48,7 @@ class BenchSettings:
     weights_offload: float = 0.0  # share of the layers whose weights stream from the slow tier
     share_prefill: bool = False  # one real prefill per cell, replayed into every system's session
     row_cache_bytes: int = 0  # offloaded pools: the row cache (`Placement.row_cache_bytes`; 0: off)
+    correct: bool = True  # offloaded pools: the own query corrects the speculation (`Placement.correct`)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -166,7 +167,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
     placement = Placement(system.kv_offload, pool_dir=s.pool_dir, capacity=s.capacity, pool_bytes=s.pool_bytes,
                           evict=s.eviction, prefetch=s.prefetch, threaded=s.threaded,
                           row_cache_bytes=s.row_cache_bytes if system.kv_offload != "none" else 0,
-                          disk_block=system.disk_block)
+                          disk_block=system.disk_block, correct=s.correct)
     max_len = t + s.gen_len + s.breakdown_steps + s.count_ops
     probe = MemoryProbe(device)
     _collect(model, b, max_len)
@@ -244,6 +245,9 @@ def _add_extras(row: dict, model, sess, s: BenchSettings, stats: TransferStats, 
     """The row's optional parts: the row cache, streamed weights, the speculation's memory, the per-layer
     breakdown and the aten calls (extra steps after the timed ones); returns the last token decoded."""
     b, steps, store, pol = row["batch"], s.gen_len - 1, sess.store, sess.policy
+    if store.offloaded:  # the correction: rows the layers' own selections read that the prefetch missed
+        row.update(fetch_missed_rows=stats.missed, ondemand_ms_per_step=1e3 * stats.ondemand_s / max(steps, 1),
+                   fetch_missed_share_per_step=stats.missed_shares())
     if getattr(store, "row_cache", None) is not None:  # per step: hits / distinct rows selected, rows fetched
         steps_rc = stats.row_steps
         row["row_cache_bytes"] = store.row_cache.budget

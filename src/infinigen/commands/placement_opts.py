@@ -28,6 +28,9 @@ ROW_CACHE_BYTES = typer.Option(None, "--row-cache-bytes",
 DISK_BLOCK = typer.Option(0, "--disk-block", help="With --kv-offload disk: lay the pool out in page-aligned blocks of "
                                                    "this many tokens per layer, sequence and KV head, and read only the "
                                                    "blocks a selection names (e.g. 16, with --knob block=16); 0: off.")
+CORRECT = typer.Option(True, "--correct/--no-correct",
+                       help="Offloaded KV: each layer's own query corrects the selection speculated a layer ahead "
+                            "(the rows it missed are fetched on demand); --no-correct reads what was speculated.")
 EVICT = typer.Option("counter", "--evict", "--eviction", help="Victim choice when the pool is full: counter, lru or fifo.")
 
 

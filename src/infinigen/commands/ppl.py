@@ -37,6 +37,7 @@ def ppl_cmd(
     pool_dir: Optional[Path] = placement_opts.POOL_DIR,
     eviction: str = placement_opts.EVICT,
     disk_block: int = placement_opts.DISK_BLOCK,
+    correct: bool = placement_opts.CORRECT,
     protect_recent: Optional[int] = typer.Option(None, "--protect-recent", help="Pool: never evict the newest N tokens."),
     knob: list[str] = knob_option("A policy setting NAME=VALUE (repeatable), e.g. --knob alpha=5, --knob heavy_ratio=0.1."),
     model: str = model_option(),
@@ -61,7 +62,8 @@ def ppl_cmd(
     check_model_options(device, dtype)
     check_weights_option(weights)
     placement = placement_opts.placement_from(kv_offload, pool_bytes, capacity, pool_dir, eviction,
-                                              protect_recent=protect_recent or 0, disk_block=disk_block)
+                                              protect_recent=protect_recent or 0, disk_block=disk_block,
+                                              correct=correct)
     check_range("chunk", chunk, lo=1)
     if (protect_recent is not None or placement.evict != "counter") and not placement.limited:
         raise UserError("--eviction and --protect-recent need a pool limit (--capacity or --pool-bytes)")

@@ -46,6 +46,10 @@ class Placement:
     pool_bytes: int | None = None  # pool limit in bytes (of the slow tier when offloaded)
     evict: str = "counter"  # victim choice once the pool is full: counter | lru | fifo (`infinigen.pool`)
     prefetch: bool = True  # fetch layer i+1's rows during layer i (False: on demand, no overlap)
+    # offloaded: a policy that speculates ahead (InfiniGen's default) selects again with each layer's own query
+    # at its attention, reading what it selects in fast memory; the store fetches on demand the rows the
+    # prefetch missed (False: the layer reads what was speculated and prefetched)
+    correct: bool = True
     threaded: bool = True  # a worker thread does the gathers (False: inline, for debugging)
     pack: bool = True  # a quantizing policy's KV is packed in the slow tier (INT4: 4 bits per value)
     protect_recent: int = 0  # the pool never evicts the newest N tokens
@@ -148,11 +152,15 @@ class Placement:
         tier = SlowTier(self.kv_offload, model.device, self.pool_dir)
         try:
             if self.disk_block:
-                return BlockedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
-                                      threaded=self.threaded, stats=stats, block=self.disk_block)
-            return OffloadedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
-                                    threaded=self.threaded, pack=self.pack, stats=stats,
-                                    bulk_share=self.disk_bulk_share, row_cache_bytes=self.row_cache_bytes)
+                store = BlockedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
+                                       threaded=self.threaded, stats=stats, block=self.disk_block)
+                store.corrects = self.correct
+                return store
+            store = OffloadedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
+                                     threaded=self.threaded, pack=self.pack, stats=stats,
+                                     bulk_share=self.disk_bulk_share, row_cache_bytes=self.row_cache_bytes)
+            store.corrects = self.correct
+            return store
         except BaseException:
             tier.close()
             raise
@@ -176,7 +184,7 @@ class Placement:
         """The placement as JSON-able values (for results)."""
         return {"kv_offload": self.kv_offload, "capacity": self.capacity, "pool_bytes": self.pool_bytes,
                 "evict": self.evict, "protect_recent": self.protect_recent, "row_cache_bytes": self.row_cache_bytes,
-                "disk_block": self.disk_block}
+                "disk_block": self.disk_block, "correct": self.correct}
 
     def describe(self, device: torch.device | str) -> str:
         device = torch.device(device)

@@ -83,6 +83,7 @@ def _bytes(t: torch.Tensor) -> memoryview:
 class BlockedKVStore(OffloadedKVStore):
     """`OffloadedKVStore` with the pool on disk in page-aligned blocks (see the module doc); CPU hosts only,
     keys and values as computed (no packed codec), no row cache."""
+    fetches_missing = False  # a corrected selection is fetched whole, on demand (`OffloadedKVStore._corrected`)
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,

@@ -9,9 +9,11 @@ Decoding step, layer i (the runtime calls `ahead` after each policy hook):
   2. Meanwhile the main thread runs the rest of layer i (attention, MLP).
   3. At layer i+1's attention, `hand_rows`/`dense` wait for that job only (its future and, on CUDA, its
      event on the compute stream; never a device-wide synchronize) and return views of the fetched rows.
-The layer reads exactly the planned selection, packed as the runtime packs it (`KVStore.select_rows`, derived
-on the worker; the store hands over the plan's when the selection is the plan): if it differs from the
-prefetched one (or nothing was planned) the rows are fetched on the spot. The fetched rows are handed to the
+The layer reads the planned selection, packed as the runtime packs it (`KVStore.select_rows`, derived on the
+worker; the store hands over the plan's when the selection is the plan), or the selection its own query makes
+at its attention (the correction, `corrects`: the policy `reselects`): then only the rows of that selection
+the prefetch missed are fetched on the spot, in one gather, after the prefetched ones. Nothing planned: the
+rows are fetched on the spot. The fetched rows are handed to the
 attention in the packed order (`hand_rows`), with a spare row per (batch row, KV head) for the token, which is
 stored after the attention. The tokens are therefore always those of the in-memory store.
 
@@ -25,7 +27,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,56 +37,7 @@ from ..selection import ALL
 from .rows import layout_for
 from .rowcache import RowCache
 from .tiers import SlowTier
-
-KV = (0, 1)  # keys, values
-PAGE = 4096  # the unit the kernel reads a file in (a fault, a page-cache page)
-
-
-def touched_page_share(rows: torch.Tensor, row_bytes: int, used_rows: int) -> float:
-    """Share of the pages of a layer's first `used_rows` rows (`row_bytes` each, from the start of a page)
-    that the rows `rows` lie on: what reading only those rows costs a file, in its own unit."""
-    pages = -(-used_rows * row_bytes // PAGE)
-    if pages == 0:
-        return 0.0
-    first = rows * row_bytes // PAGE
-    last = (rows * row_bytes + row_bytes - 1) // PAGE
-    hit = torch.zeros(pages + 1, dtype=torch.bool)
-    hit[first.cpu()] = True
-    hit[last.cpu()] = True  # a row across a page boundary touches both
-    return float(hit[:pages].sum()) / pages
-
-
-@dataclass
-class TransferStats:
-    """What moved from the slow tier to the fast tier, and where the time went."""
-    bytes_moved: int = 0
-    rows_moved: int = 0  # key+value vectors of one (slot, sequence, KV head)
-    fetches: int = 0  # fetch jobs run (prefetched or on demand)
-    on_demand: int = 0  # fetched when attention asked (nothing planned, or the plan differed)
-    stale: int = 0  # prefetched but not what attention read (wasted)
-    reused: int = 0  # selections whose slot indices the runtime took from the plan (no second pass)
-    bulk: int = 0  # disk: selections read as the whole used layer (they touched most of its pages)
-    blocks: int = 0  # disk in blocks (`BlockedKVStore`): units read from the file
-    gather_s: float = 0.0  # time spent in prefetch jobs (on the worker thread: overlapped with compute)
-    ondemand_s: float = 0.0  # time fetching on demand (main thread, not overlapped)
-    wait_s: float = 0.0  # main thread waiting for a prefetch to finish
-    peak_fast_bytes: int = 0  # staging + fetched rows + metadata (+ the row cache) held in the fast tier
-    # the row cache (`RowCache`): distinct rows selections asked for, and how many of them it held
-    row_lookups: int = 0
-    row_hits: int = 0
-    # per decoding step (while a row cache is on): [hits, distinct rows asked for, rows fetched from the
-    # slow tier, bytes read from it] over the step's selecting layers
-    row_steps: list = field(default_factory=list)
-
-    def hit_rate(self) -> float | None:
-        """Share of the distinct selected rows the row cache held (None: no lookup, or no cache)."""
-        return self.row_hits / self.row_lookups if self.row_lookups else None
-
-    def reset(self) -> None:
-        keep = self.peak_fast_bytes
-        self.__init__()
-        self.peak_fast_bytes = keep
-
+from .transfer import KV, PAGE, TransferStats, _Buffers, touched_page_share  # noqa: F401 (blocks, tests)
 
 @dataclass
 class _Job:
@@ -103,35 +56,6 @@ class _Job:
     selected: int = 0  # a selection's rows in kv (counted on the worker: the main thread need not wait for it)
 
 
-class _Buffers:
-    """Growable buffers, keyed by (role, parity, kind, plane); accounts for the fast tier's share."""
-
-    def __init__(self, fast: torch.device, stats: TransferStats, extra_bytes: int):
-        self.fast, self.stats, self.extra = fast, stats, extra_bytes
-        self.bufs: dict[tuple, torch.Tensor] = {}
-
-    def get(self, key, rows: int, shape, dtype, host_pinned: bool = False, read_on=None) -> torch.Tensor:
-        """The first `rows` rows of buffer `key`, grown by 25% at least when too short. CUDA: growth needs no
-        synchronize. The caching allocators reuse a dropped buffer's memory only after the work queued on it
-        is done: a device buffer's on the stream it was allocated on and on `read_on` (a second stream that
-        reads it, recorded here), a pinned host buffer's after the copies that read it."""
-        t = self.bufs.get(key)
-        if t is None or t.shape[0] < rows:
-            cap = max(rows, int(1.25 * t.shape[0]) if t is not None else rows, 1)
-            self.bufs.pop(key, None)
-            device = torch.device("cpu") if host_pinned else self.fast
-            t = torch.empty((cap, *shape), dtype=dtype, device=device, pin_memory=host_pinned)
-            if read_on is not None:
-                t.record_stream(read_on)
-            self.bufs[key] = t
-            self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, self.fast_bytes())
-        return t[:rows]
-
-    def fast_bytes(self) -> int:
-        staged = list(self.bufs.items())
-        return self.extra + sum(t.numel() * t.element_size() for k, t in staged if k[0] != "stage")
-
-
 class OffloadedKVStore(KVStore):
     """KVStore with the pool in `tier` (a `SlowTier`); metadata (valid, pos) stays in the fast tier.
 
@@ -146,6 +70,8 @@ class OffloadedKVStore(KVStore):
     took 3.5x the time per step of streaming every layer (results/offload/), hence 0.25.
     """
     offloaded = True
+    corrects = True  # a policy that `reselects` may read its own selection (`Placement.correct`)
+    fetches_missing = True  # a corrected selection's rows: the prefetched ones and one gather of the missed ones
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
@@ -358,6 +284,9 @@ class OffloadedKVStore(KVStore):
         (`HandedRows`)."""
         job = self._take(layer)
         n = self.length[layer]
+        if (job is not None and not job.full and job.selection is not sel and not every and buffer is not None
+                and self.fetches_missing):
+            return self._corrected(layer, job, sel, buffer)
         if job is None or (job.selection is not sel and not (job.full and job.n == n)):
             self._discard(job)
             job = self._fetch(layer, None if every else sel, n)
@@ -374,6 +303,51 @@ class OffloadedKVStore(KVStore):
             keys, values = (torch.cat([x, x.new_empty(spare, x.shape[1])]) for x in (keys, values))
         return HandedRows(keys, values, local, own)
 
+    def _corrected(self, layer, job: _Job, sel, buffer) -> HandedRows:
+        """`hand_rows` of a selection other than the prefetched one (`job`'s): its rows the prefetch holds are
+        taken from there, those it missed are fetched now in one gather; the caller's `buffer` holds the
+        prefetched rows, then the missed ones, then the spare rows."""
+        t0 = time.perf_counter()
+        held = packed_order(job.selection)[0]  # the prefetched rows of the flat store order, ascending
+        p = job.selected
+        real = sel.head >= 0
+        if p:
+            at = torch.searchsorted(held, sel.rows).clamp_(max=p - 1)
+            found = real & (held[at] == sel.rows)
+        else:
+            at, found = torch.zeros_like(sel.rows), torch.zeros_like(real)
+        missing = real & ~found
+        want = sel.rows[missing]  # ascending: packed order
+        m = want.numel()
+        keys, values = buffer(p + m + self.bh, job.kv[0])  # (like: the dtype and device of the fast tier)
+        keys[:p], values[:p] = job.kv[0][:p], job.kv[1][:p]
+        if m:
+            self._gather_rows(layer, self._slow_rows(want), keys[p:p + m], values[p:p + m])
+        local = torch.where(found, at, 0)
+        local[missing] = torch.arange(p, p + m, device=local.device)
+        own = p + m + torch.arange(self.bh, device=local.device).view(self.batch, self.kv_heads)
+        self.stats.on_demand += 1
+        self.stats.missed += m
+        self.stats.rows_moved += m
+        self.stats.bytes_moved += 2 * m * self.layout.row_bytes
+        seconds = time.perf_counter() - t0
+        self.stats.ondemand_s += seconds
+        if self.stats.steps:
+            self.stats.steps[-1][1] += m
+            self.stats.steps[-1][3] += seconds
+        return HandedRows(keys, values, local, own)
+
+    def _gather_rows(self, layer, rows, keys, values) -> None:
+        """The slow tier's rows `rows` (slot-major) of `layer`, decoded, into keys and values [m, d]."""
+        self._flush(layer)
+        if self.cuda:
+            rows = rows.cpu()  # behind a GPU the host gathers
+        for kind, out in zip(KV, (keys, values)):
+            planes = [torch.index_select(pl, 0, rows) for pl in self.planes[layer][kind]]
+            if self.cuda:
+                planes = [x.to(self.fast) for x in planes]
+            out.copy_(self.layout.decode(planes))
+
     # ---- the pipeline -----------------------------------------------------------------------------
     def ahead(self, layer, point, session):
         if self.cuda and point == "attn_out" and layer >= 0:
@@ -381,8 +355,10 @@ class OffloadedKVStore(KVStore):
             ev = torch.cuda.Event()
             ev.record()  # layer's attention is done with its parity's buffers
             self._consumed[layer % 2] = ev
-        if point == "embed" and session.decoding and self.row_cache is not None:
-            self.stats.row_steps.append([0, 0, 0, 0])  # this step's row-cache counters
+        if point == "embed" and session.decoding:
+            self.stats.steps.append([0, 0, sum(self.length) * self.bh, 0.0])  # this step's fetch counters
+            if self.row_cache is not None:
+                self.stats.row_steps.append([0, 0, 0, 0])  # this step's row-cache counters
         if not self.prefetch or not session.decoding:
             return
         if point == "embed":
@@ -509,6 +485,8 @@ class OffloadedKVStore(KVStore):
         self.stats.fetches += 1
         if not ondemand:
             self.stats.gather_s += time.perf_counter() - t0
+            if job.selection is not None and self.stats.steps:
+                self.stats.steps[-1][0] += asked
 
     def _host_fetch(self, job, kind, rows, total, bulk_rows=None) -> torch.Tensor:
         """CPU host: gather (or copy the whole used prefix of) one kind's planes into fast RAM buffers, with a

@@ -29,8 +29,11 @@ dense result to the bit. Off under a pool limit and a sliding window; needs key_
 
 Which query selects (`query`): "ahead" speculates as the paper does, so the rows can be fetched while layer i-1
 still runs; "own" selects with the layer's own query at its attention (nothing to overlap where the KV is in
-fast memory, and it ranks the same keys better); "auto" (the default) takes "own" in fast memory and "ahead" on
-an offloaded tier. Measured on the validation texts: results/accuracy_models/.
+fast memory, and it ranks the same keys better); "auto" (the default) takes "own" in fast memory and, on an
+offloaded tier, both: the speculation one layer ahead says what placement prefetches, the layer's own query
+selects at its attention and the store fetches on demand only the rows the prefetch missed (the correction,
+`Placement.correct`; without it the speculated selection is read). Measured on the validation texts:
+results/accuracy_models/, results/recall/correction.md.
 """
 from __future__ import annotations
 
@@ -93,6 +96,9 @@ class InfiniGenState:
     with_remainder: bool = False
     # every selecting layer selects with its own query at its attention (knob `query`), not one layer ahead
     own_query: bool = False
+    # decoding speculates each selecting layer's selection one layer ahead (placement prefetches it); with
+    # own_query too, the layer selects again with its own query (the correction, `reselects`)
+    ahead: bool = False
     # teacher-forced rows chosen a block at a time (`infinigen_select.rows_in_blocks`: calibration's scoring)
     rows_in_blocks: bool = False
     value_sums: dict = field(default_factory=dict)
@@ -352,7 +358,9 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
             # storing them in bfloat16 would make float32 speculation inexact; the int4 default meets it.
             st.key_dtype = model.dtype
         offloaded = session.store.offloaded
-        st.own_query = self.query == "own" or (self.query == "auto" and not offloaded)
+        corrects = offloaded and getattr(session.store, "corrects", False)
+        st.own_query = self.query == "own" or (self.query == "auto" and (corrects or not offloaded))
+        st.ahead = self.query == "ahead" or (self.query == "auto" and offloaded)
         # the running sums cannot follow a pool's victims (an append overwrites a value they hold) nor a window.
         # Under "auto" on an offloaded tier the query is the speculated one, with which the remainder was measured
         # to cost accuracy on both models (results/accuracy/): there it is used only when the caller set it
@@ -432,7 +440,7 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
             self._layer0_ahead(x, session)
             return
         target = layer + 1
-        if (point != self.spec_input or target not in st.spec_layers or st.own_query
+        if (point != self.spec_input or target not in st.spec_layers or not self._speculates(session)
                 or select.dense_pass(session)):
             return
         if point == "attn_out" and model.cfg.pre_norm:
@@ -456,7 +464,7 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         layer 0's rows while nothing else waits: every layer is then prefetched on an offloaded tier. The
         same query as the layer's own (the same projection of the same input), so the same selection."""
         st, model = session.state, session.model
-        if (0 not in st.spec_layers or st.own_query or select.dense_pass(session)
+        if (0 not in st.spec_layers or not self._speculates(session) or select.dense_pass(session)
                 or not (0 in st.spec_keys or st.lazy_keys)):
             return
         block = model.layers[0]
@@ -472,6 +480,16 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
     def reads_all(self, session) -> bool:
         """Every row of the step below `dense_below`: every layer reads all (the full cache's step)."""
         return select.dense_pass(session)
+
+    @staticmethod
+    def _speculates(session) -> bool:
+        """Whether this pass speculates one layer ahead: always with query "ahead" (teacher-forced scoring
+        selects with the speculated queries then), while decoding only when the own query corrects it."""
+        st = session.state
+        return st.ahead and (not st.own_query or session.decoding)
+
+    def reselects(self, layer, session) -> bool:
+        return session.state.own_query and session.state.ahead
 
     def known_ahead(self, layer, session) -> bool:
         """Once this step's speculation for `layer` has run (placement fetches its rows meanwhile), or at

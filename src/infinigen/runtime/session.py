@@ -311,11 +311,15 @@ class Session:
         window = model.cfg.window(layer)
         rows = packed = None
         keep = self._plans.pop(layer, None)
+        if keep is not None and keep is not ALL and pol.reselects(layer, self):
+            keep = None  # the plan was what placement prefetched: the layer's own query selects
         if keep is None:
             if self.selects(layer):
-                # every used slot a visible candidate, read in place as packed rows: the policy may pack them
-                # itself (an offloaded store packs the plan it fetched one layer ahead)
-                packs = packs and store.reads_rows() and window is None and not store.padded
+                # every used slot a visible candidate, read as packed rows in place, or handed by an offloaded
+                # store to a layer that selects again (as in fast memory): the policy may pack them itself (an
+                # offloaded store packs the plan it fetched one layer ahead)
+                packs = (packs and window is None and not store.padded
+                         and (store.reads_rows() or (store.offloaded and pol.reselects(layer, self))))
                 rows = self._rows(valid, pos, q, k, kp, packs)
                 keep = pol.keep(layer, rows, self)
                 if isinstance(keep, SelectedRows):

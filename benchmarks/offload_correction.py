@@ -1,0 +1,118 @@
+"""Speculation with correction on an offloaded tier (`Placement.correct`): accuracy and cost against the in-RAM
+form and the speculation-only form, the default model, one process.
+
+    OMP_NUM_THREADS=1 python benchmarks/offload_correction.py --text northangerabbey --ctx 2048 --prefill 256 \\
+        --decode-prompt 2016 --steps 32 --rounds 2 --json results/recall/correction.json
+
+Every InfiniGen form selects at every length (`dense_below=0`: the crossing measured on a machine would make the
+in-RAM form read short contexts densely).
+
+1. Perplexity (`infinigen ppl`'s scoring, teacher-forced) of the full cache, InfiniGen in RAM, InfiniGen offloaded
+   (cpu) without and with the correction: the perplexity's change against the full cache and the share of the KV
+   read.
+2. Decoding (greedy, batch 1) after a `--decode-prompt`-token prompt of the same text, the three InfiniGen forms
+   taking turns for `--rounds` rounds: ms per step, and on the offloaded forms the rows prefetched and the rows
+   fetched on demand (those the layers' own selections read that the prefetch missed) as shares of the used KV
+   per step, and the time fetching them. The tokens of the corrected form against the in-RAM form's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def forms():
+    from infinigen.placement import Placement
+    return {"in RAM": Placement("none"), "offloaded, speculation only": Placement("cpu", correct=False),
+            "offloaded, corrected": Placement("cpu", correct=True)}
+
+
+def perplexities(model, tok, ids, prefill: int) -> dict:
+    from infinigen.eval.ppl import perplexity
+    from infinigen.policies import make_policy
+    out = {"full": perplexity(model, tok, None, make_policy("full"), prefill=prefill, tokens=ids)}
+    for name, placement in forms().items():
+        out[name] = perplexity(model, tok, None, make_policy("infinigen", dense_below=0), prefill=prefill, tokens=ids,
+                               placement=placement)
+    full = out["full"].perplexity
+    return {k: {"perplexity": r.perplexity, "vs_full": r.perplexity / full - 1, "kv_read": r.kv_all}
+            for k, r in out.items()}
+
+
+def decode_once(model, tok, prompt, steps: int, placement) -> dict:
+    from infinigen import runtime
+    from infinigen.policies import make_policy
+    pol = make_policy("infinigen", dense_below=0).prepare(model, tok)
+    sess = placement.new_session(model, 1, prompt.shape[1] + steps + 1, pol)
+    try:
+        logits = runtime.prefill(model, prompt, sess)
+        stats = getattr(sess.store, "stats", None)
+        if stats is not None:
+            stats.reset()
+            stats.steps.clear()
+        out = []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            t = logits.argmax(-1)
+            out.append(int(t))
+            logits = runtime.decode(model, t, sess)
+        seconds = time.perf_counter() - t0
+    finally:
+        sess.store.close()
+    row = {"ms_per_step": 1e3 * seconds / steps, "tokens": out}
+    if stats is not None:
+        shares = stats.missed_shares()
+        row.update(prefetched_share=statistics.mean(p / kv for p, _, kv, _ in stats.steps),
+                   missed_share_mean=statistics.mean(shares), missed_share_max=max(shares),
+                   ondemand_ms_per_step=1e3 * stats.ondemand_s / steps)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--text", default="northangerabbey")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--prefill", type=int, default=256)
+    ap.add_argument("--decode-prompt", type=int, default=2016)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--skip-ppl", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    from infinigen.commands.basic import load_model
+    from infinigen.eval.ppl import token_windows
+    from infinigen.paths import load_text
+    model, tok, _ = load_model(a.model, "float32", "cpu")
+    ids = token_windows(tok, load_text(a.text), a.ctx)
+    result = {"args": vars(a), "loadavg_before": open("/proc/loadavg").read().split()[:3]}
+    with torch.no_grad():
+        if not a.skip_ppl:
+            result["ppl"] = perplexities(model, tok, ids, a.prefill)
+            print(json.dumps(result["ppl"], indent=1), flush=True)
+        prompt = ids[:, :a.decode_prompt]
+        runs: dict = {name: [] for name in forms()}
+        for _ in range(a.rounds):
+            for name, placement in forms().items():
+                runs[name].append(decode_once(model, tok, prompt, a.steps, placement))
+                print(name, {k: v for k, v in runs[name][-1].items() if k != "tokens"}, flush=True)
+    decode = {}
+    for name, rows in runs.items():
+        decode[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "tokens"}
+        decode[name]["same_tokens_as_in_RAM"] = rows[0]["tokens"] == runs["in RAM"][0]["tokens"]
+    result["decode"] = decode
+    result["loadavg_after"] = open("/proc/loadavg").read().split()[:3]
+    print(json.dumps(decode, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

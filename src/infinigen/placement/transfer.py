@@ -1,0 +1,94 @@
+"""What moves between the tiers: the transfer counters (`TransferStats`), the fast tier's growable buffers
+(`_Buffers`) and what reading scattered rows costs a file (`touched_page_share`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+KV = (0, 1)  # keys, values
+PAGE = 4096  # the unit the kernel reads a file in (a fault, a page-cache page)
+
+
+def touched_page_share(rows: torch.Tensor, row_bytes: int, used_rows: int) -> float:
+    """Share of the pages of a layer's first `used_rows` rows (`row_bytes` each, from the start of a page)
+    that the rows `rows` lie on: what reading only those rows costs a file, in its own unit."""
+    pages = -(-used_rows * row_bytes // PAGE)
+    if pages == 0:
+        return 0.0
+    first = rows * row_bytes // PAGE
+    last = (rows * row_bytes + row_bytes - 1) // PAGE
+    hit = torch.zeros(pages + 1, dtype=torch.bool)
+    hit[first.cpu()] = True
+    hit[last.cpu()] = True  # a row across a page boundary touches both
+    return float(hit[:pages].sum()) / pages
+
+
+@dataclass
+class TransferStats:
+    """What moved from the slow tier to the fast tier, and where the time went."""
+    bytes_moved: int = 0
+    rows_moved: int = 0  # key+value vectors of one (slot, sequence, KV head)
+    fetches: int = 0  # fetch jobs run (prefetched or on demand)
+    on_demand: int = 0  # fetched when attention asked (nothing planned, or the plan differed)
+    stale: int = 0  # prefetched but not what attention read (wasted)
+    missed: int = 0  # rows a layer's own selection read that its prefetch missed (fetched on demand)
+    reused: int = 0  # selections whose slot indices the runtime took from the plan (no second pass)
+    bulk: int = 0  # disk: selections read as the whole used layer (they touched most of its pages)
+    blocks: int = 0  # disk in blocks (`BlockedKVStore`): units read from the file
+    gather_s: float = 0.0  # time spent in prefetch jobs (on the worker thread: overlapped with compute)
+    ondemand_s: float = 0.0  # time fetching on demand (main thread, not overlapped)
+    wait_s: float = 0.0  # main thread waiting for a prefetch to finish
+    peak_fast_bytes: int = 0  # staging + fetched rows + metadata (+ the row cache) held in the fast tier
+    # the row cache (`RowCache`): distinct rows selections asked for, and how many of them it held
+    row_lookups: int = 0
+    row_hits: int = 0
+    # per decoding step (while a row cache is on): [hits, distinct rows asked for, rows fetched from the
+    # slow tier, bytes read from it] over the step's selecting layers
+    row_steps: list = field(default_factory=list)
+    # per decoding step: [rows prefetched, rows the prefetch missed and the layers' own selections read, rows
+    # of the used KV over every layer, seconds fetching them on demand]
+    steps: list = field(default_factory=list)
+
+    def missed_shares(self) -> list[float]:
+        """Per decoding step: the rows fetched on demand because the prefetch missed them, as a share of
+        the used KV."""
+        return [m / kv for _, m, kv, _ in self.steps if kv]
+
+    def hit_rate(self) -> float | None:
+        """Share of the distinct selected rows the row cache held (None: no lookup, or no cache)."""
+        return self.row_hits / self.row_lookups if self.row_lookups else None
+
+    def reset(self) -> None:
+        keep = self.peak_fast_bytes
+        self.__init__()
+        self.peak_fast_bytes = keep
+
+
+class _Buffers:
+    """Growable buffers, keyed by (role, parity, kind, plane); accounts for the fast tier's share."""
+
+    def __init__(self, fast: torch.device, stats: TransferStats, extra_bytes: int):
+        self.fast, self.stats, self.extra = fast, stats, extra_bytes
+        self.bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, key, rows: int, shape, dtype, host_pinned: bool = False, read_on=None) -> torch.Tensor:
+        """The first `rows` rows of buffer `key`, grown by 25% at least when too short. CUDA: growth needs no
+        synchronize. The caching allocators reuse a dropped buffer's memory only after the work queued on it
+        is done: a device buffer's on the stream it was allocated on and on `read_on` (a second stream that
+        reads it, recorded here), a pinned host buffer's after the copies that read it."""
+        t = self.bufs.get(key)
+        if t is None or t.shape[0] < rows:
+            cap = max(rows, int(1.25 * t.shape[0]) if t is not None else rows, 1)
+            self.bufs.pop(key, None)
+            device = torch.device("cpu") if host_pinned else self.fast
+            t = torch.empty((cap, *shape), dtype=dtype, device=device, pin_memory=host_pinned)
+            if read_on is not None:
+                t.record_stream(read_on)
+            self.bufs[key] = t
+            self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, self.fast_bytes())
+        return t[:rows]
+
+    def fast_bytes(self) -> int:
+        staged = list(self.bufs.items())
+        return self.extra + sum(t.numel() * t.element_size() for k, t in staged if k[0] != "stage")
