@@ -553,3 +553,21 @@ def test_shipped_choice_found_behind_a_cached_skew_without_it(cli, tiny_checkpoi
     code, stdout, err = cli("calibrate", "--model", tiny_checkpoint, *knobs, "--json")
     assert code == 0 and json.loads(stdout)["source"] == "shipped", err
     monkeypatch.setattr(cal, "search", search)
+
+
+@pytest.mark.integration
+def test_the_default_model_finds_its_shipped_choice_in_an_empty_cache(default_model, monkeypatch, tmp_path):
+    """The package's artifact answers the default InfiniGen of the default model with an empty cache, with no
+    search: a choice's key that moves (a knob added at its default, a setting renamed) makes every first user of
+    `--policy infinigen` calibrate for minutes."""
+    from infinigen import paths
+    from infinigen.eval.policyset import prepare
+    from infinigen.policies import make_policy
+    model, tok = default_model
+    monkeypatch.setattr(paths, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cal, "search", lambda *a, **k: pytest.fail("searched: the shipped choice was not found"))
+    monkeypatch.setitem(_CHOICES, model, {})
+    monkeypatch.setitem(_SKEWS, model, {})
+    prepared = prepare({"infinigen": make_policy("infinigen", dense_below=0)}, model, tok)["infinigen"]
+    assert prepared.calibration["source"] == "shipped"
+    assert not any(tmp_path.iterdir())  # nothing written to the cache

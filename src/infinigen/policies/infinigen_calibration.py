@@ -24,6 +24,11 @@ from .speculation import _SKEWS, needs_skew
 _CHOICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+# knobs added after choices were stored (the package's artifact among them), each with its default: a knob at
+# its default is left out of a choice's key, so the choices stored before it existed keep their keys
+KEYLESS_DEFAULTS = {"key_centre": False, "block_fetch": None}
+
+
 def search_setup(policy, model) -> dict:
     """What the search varies and what it keeps, for `model`: a function of the caller's knobs only."""
     from .calibrate import ALPHA_HIGH, ALPHA_LOW
@@ -41,9 +46,9 @@ def search_setup(policy, model) -> dict:
     budget_free = not ({"kv_budget", "max_fetch_ratio"} & given)
     growth = base["budget_growth"] if "budget_growth" in given else CALIBRATE_GROWTH
     # (dense_below: the search measures selection at every length, whatever it is)
-    # (key_centre off: left out, so the choices stored before the knob existed keep their keys)
+    # (knobs newer than the stored choices, at their defaults: left out, so those choices keep their keys)
     fixed = {k: v for k, v in base.items() if (k not in CALIBRATED or k in given) and k != "dense_below"
-             and not (k == "key_centre" and v is False)}
+             and not (k in KEYLESS_DEFAULTS and v == KEYLESS_DEFAULTS[k])}
     # the remainder needs the int4 keys' scores (on the attention's scale)
     remainder = "remainder" not in given and base["key_mode"] == "int4"
     # where the target is out of reach: the other ways of counting the budget (per KV head), tried last
