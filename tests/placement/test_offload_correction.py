@@ -115,3 +115,14 @@ def test_corrected_offload_of_one_unpadded_row_decodes_what_fast_memory_decodes(
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     assert sess.store.stats.missed > 0
+
+
+def test_a_block_pool_reads_what_was_speculated(tiny_llama, tmp_path, device):
+    """A disk pool in blocks cannot yet fetch only the units a prefetch missed: with the correction asked it reads
+    what was speculated (the `correct=False` form), never the prefetch and then the whole selection again."""
+    model = tiny_llama[1].to(device)
+    pol = corrected_policy(model)
+    _, asked, sess = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=4), pol)
+    assert sess.store.stats.missed == 0 and sess.store.stats.on_demand == 0
+    _, speculated, _ = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=4, correct=False), pol)
+    torch.testing.assert_close(asked, speculated, rtol=0, atol=0)

@@ -154,7 +154,9 @@ class Placement:
             if self.disk_block:
                 store = BlockedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
                                        threaded=self.threaded, stats=stats, block=self.disk_block)
-                store.corrects = self.correct
+                # a block pool would read a corrected selection whole, on demand, after its prefetch: it reads
+                # what was speculated until it can fetch only the units the prefetch missed
+                store.corrects = self.correct and store.fetches_missing
                 return store
             store = OffloadedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
                                      threaded=self.threaded, pack=self.pack, stats=stats,
