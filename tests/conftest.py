@@ -50,6 +50,12 @@ from support.models import CORPUS, SEED, build_tiny, make_tokenizer, perturb
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture
+def private_inductor_cache(tmp_path_factory, monkeypatch):
+    """One Inductor cache for the session's compiling tests, never the user's (`pytestmark = usefixtures`)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
+
+
 @pytest.fixture(params=[False, True], ids=["nobias", "qkvbias"])
 def tiny_llama(request):
     return build_tiny("llama", attention_bias=request.param)

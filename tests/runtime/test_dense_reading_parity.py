@@ -18,10 +18,7 @@ P, T = 10, 20
 DECIDING = 6
 
 
-@pytest.fixture(autouse=True)
-def _inductor_cache(tmp_path_factory, monkeypatch):
-    # one Inductor cache for the module's tests, never the user's
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
+pytestmark = pytest.mark.usefixtures("private_inductor_cache")
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,7 @@ from support.speculation import random_skew
 P, T = 10, 30  # decoding caches 11..29 tokens, the last step filling the pool
 
 
-@pytest.fixture(autouse=True)
-def _inductor_cache(tmp_path_factory, monkeypatch):
-    # one Inductor cache for the module's tests, never the user's
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
+pytestmark = pytest.mark.usefixtures("private_inductor_cache")
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,7 @@ LENGTHS = (40, 150, 70, 33, 95, 120, 61, 88)  # the longer ones read a subset of
 STEPS = 6
 
 
-@pytest.fixture(autouse=True)
-def _inductor_cache(tmp_path_factory, monkeypatch):
-    # one Inductor cache for the module's tests, never the user's
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "inductor"))
+pytestmark = pytest.mark.usefixtures("private_inductor_cache")
 
 
 @pytest.fixture(scope="module")

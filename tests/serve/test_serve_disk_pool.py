@@ -24,7 +24,7 @@ from infinigen.generate import Sampling, generate_ids
 from infinigen.placement import BlockedKVStore, Placement
 from infinigen.policies import make_policy
 from infinigen.serve.engine import Engine, Request
-from support.serving import random_prompts, run_until_idle
+from support.serving import anon_bytes, random_prompts, run_until_idle
 
 BLOCK = 16
 
@@ -44,15 +44,6 @@ def _open_files() -> set:
 def _pool_files(req: Request) -> frozenset:
     """(device, inode) of the pool files of a running request."""
     return frozenset((st.st_dev, st.st_ino) for st in req.session.store.tier.file_stats())
-
-
-def _anon_bytes() -> int:
-    """This process's anonymous resident memory (RssAnon: heap and tensors, not the page cache of files)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    pytest.skip("no RssAnon in /proc/self/status")
 
 
 # ---- requests on block files: their tokens, their files ------------------------------------------------------
@@ -113,13 +104,13 @@ def test_pools_beyond_the_fast_budget_run_together_and_rss_stays_flat(make_tiny,
     run_until_idle(eng)
     assert warm.finish == "length"
     release_free_heap()
-    base = peak = _anon_bytes()
+    base = peak = anon_bytes()
     reqs = [eng.submit(Request(p, maxt)) for p in random_prompts(model.cfg.vocab_size, lengths, seed=9)]
     pools = fast = 0
     while not eng.idle():
         eng.step()
         release_free_heap()
-        peak = max(peak, _anon_bytes())
+        peak = max(peak, anon_bytes())
         snap = eng.snapshot()
         pools, fast = max(pools, snap["kv_slow_bytes"]), max(fast, snap["kv_fast_bytes"])
     assert all(r.finish == "length" for r in reqs)

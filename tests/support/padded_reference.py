@@ -130,12 +130,13 @@ def decoding_padded():
         yield
 
 
-def attend_sessions(layer: int, q, k, v, sessions: list, spans: list, scale: float, buffers) -> torch.Tensor:
+def attend_sessions(layer: int, q, k, v, sessions: list, spans: list, scale: float, buffers,
+                    faults: dict | None = None) -> torch.Tensor:
     """The runtime's `step_attention.attend_sessions` on the padded reference: one session reading every used
     slot in place as the runtime does; else every session's entries (its padded selection, or every used slot)
     stacked, each row's padded to the longest read, and one call: with the current tokens among them where every
     session reads all (`attention.attend_masked`), else kept apart (`attend_step`); the remainder mixed in per
-    session, then each session stores its token."""
+    session, then each session stores its token. `faults` is not honoured: a store's error fails the step."""
     plans = [s._read(layer, _part(q, a, b), _part(k, a, b)) for s, (a, b) in zip(sessions, spans)]
     stacked = len(sessions) > 1
     if not stacked and plans[0].keys is None:  # every used slot, read in place: the token stored first

@@ -1,6 +1,7 @@
-"""The serving tests' shared steps: random prompts, and an engine stepped until it is idle."""
+"""The serving tests' shared steps: random prompts, an engine stepped until it is idle, the process's heap."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 
@@ -17,3 +18,12 @@ def run_until_idle(eng, limit: int = 10_000) -> None:
             return
         eng.step()
     raise AssertionError("the engine did not finish")
+
+
+def anon_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon: heap and tensors, not the page cache of files)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    pytest.skip("no RssAnon in /proc/self/status")

@@ -17,7 +17,8 @@
             a fixed 20% budget (paper Figure 13 uses the fixed budget and lm-eval accuracy).
   recall    InfiniGen's selection against the true top entries of the same size, per selecting layer and
             KV head, in fast memory (the query `query` resolves to there: "own" in the default preset) and
-            offloaded (`kv_offload="cpu"`: speculated one layer ahead unless `query="own"`): the share of
+            offloaded uncorrected (`kv_offload="cpu"`, `correct=False`: speculated one layer ahead unless
+            `query="own"`; corrected, it selects what fast memory selects): the share of
             the selected entries among the top ones (recall), the attention mass each set covers, and each
             form's perplexity beside the full cache's; also written as recall.json.
 

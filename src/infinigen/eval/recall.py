@@ -84,7 +84,9 @@ class RecallProbe(runtime.Listener):
         return out
 
 
-FORMS = {"in_ram": Placement(), "offloaded": Placement(kv_offload="cpu")}
+# offloaded without the correction: what the speculation one layer ahead selects (corrected, the offloaded
+# form selects what the in-RAM form selects)
+FORMS = {"in_ram": Placement(), "offloaded": Placement(kv_offload="cpu", correct=False)}
 
 
 @torch.inference_mode()
