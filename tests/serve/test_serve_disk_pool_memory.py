@@ -5,8 +5,12 @@ memory after many requests is that after the first. Mechanics on a tiny model.""
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
 import weakref
+from pathlib import Path
 
 import torch
 
@@ -53,14 +57,13 @@ def test_fast_buffers_stop_growing_with_steps(make_tiny, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_requests_in_sequence_release_their_stores_and_memory(make_tiny, tmp_path):
-    """Eight requests served one after another on block pools: each finished request's store (and so its
-    buffers) is freed and its pool file closed (the folder empty, the engine's count of fast and slow bytes
-    back to 0); the anonymous memory after the last is within a small part of one request's pool of that
-    after the first, where kept stores would add one request's fast state each."""
+def serve_in_sequence(make_tiny, pool_dir) -> tuple[list[int], int, int]:
+    """Eight requests served one after another on block pools, each checked released as it finishes (its store
+    freed, its pool file closed, the engine's count of fast and slow bytes back to 0). Returns the anonymous
+    memory after each request and one request's fast and slow cost."""
     model = _model(make_tiny)
     pol = make_policy("full")
-    placement = Placement(kv_offload="disk", disk_block=BLOCK, pool_dir=str(tmp_path))
+    placement = Placement(kv_offload="disk", disk_block=BLOCK, pool_dir=str(pool_dir))
     # no prefix cache: it keeps prompts' blocks in RAM on purpose, up to its own limit
     eng = Engine(model, pol, placement, max_batch=2, prefix_cache=False)
     # one length: a new shape may grow the kernels' caches once, which is not a request's memory
@@ -79,6 +82,27 @@ def test_requests_in_sequence_release_their_stores_and_memory(make_tiny, tmp_pat
         after.append(anon_bytes())
         snap = eng.snapshot()
         assert snap["kv_fast_bytes"] == 0 and snap["kv_slow_bytes"] == 0
-        assert os.listdir(tmp_path) == []
+        assert os.listdir(pool_dir) == []
     assert all(ref() is None for ref in stores), "a finished request's store is still alive"
+    return after, fast_each, slow_each
+
+
+def test_requests_in_sequence_release_their_stores(make_tiny, tmp_path):
+    """Each finished request's store (and so its buffers) is freed and its pool file closed."""
+    serve_in_sequence(make_tiny, tmp_path)
+
+
+def test_requests_in_sequence_release_their_memory(tmp_path):
+    """The anonymous memory after the last of eight requests is within a small part of one request's pool of that
+    after the third, where kept stores would add one request's fast state each: measured in a fresh interpreter,
+    where nothing the other tests left in this process (threads' heaps, compiled graphs) moves it."""
+    code = ("import json, sys; from pathlib import Path; from support.models import build_tiny; "
+            "sys.path.insert(0, 'serve'); from test_serve_disk_pool_memory import serve_in_sequence; "
+            "print(json.dumps(serve_in_sequence(build_tiny, Path(sys.argv[1]))))")
+    tests = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=tests, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    after, fast_each, slow_each = json.loads(run.stdout.strip().splitlines()[-1])
     assert after[-1] - after[2] < max(fast_each, slow_each // 4), (after, fast_each, slow_each)
