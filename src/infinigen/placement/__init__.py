@@ -154,14 +154,13 @@ class Placement:
             if self.disk_block:
                 store = BlockedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
                                        threaded=self.threaded, stats=stats, block=self.disk_block)
-                # a block pool would read a corrected selection whole, on demand, after its prefetch: it reads
-                # what was speculated until it can fetch only the units the prefetch missed
-                store.corrects = self.correct and store.fetches_missing
-                return store
-            store = OffloadedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
-                                     threaded=self.threaded, pack=self.pack, stats=stats,
-                                     bulk_share=self.disk_bulk_share, row_cache_bytes=self.row_cache_bytes)
-            store.corrects = self.correct
+            else:
+                store = OffloadedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
+                                         threaded=self.threaded, pack=self.pack, stats=stats,
+                                         bulk_share=self.disk_bulk_share, row_cache_bytes=self.row_cache_bytes)
+            # a store that cannot fetch only the rows a prefetch missed (a block pool) would read a corrected
+            # selection whole, on demand, after its prefetch: it reads what was speculated
+            store.corrects = self.correct and store.fetches_missing
             return store
         except BaseException:
             tier.close()
