@@ -134,7 +134,7 @@ def test_bench_under_a_memory_limit(tiny_checkpoint, tmp_path):
 # ---- a selection on few pages reads those pages, not the layer ------------------------------------------------
 def _few_pages_share(store, layer, keep):
     """Share of the used layer's file pages the rows `keep` selects lie on (the store's own measure)."""
-    from infinigen.placement.store import touched_page_share
+    from infinigen.placement.transfer import touched_page_share
     n = store.length[layer]
     sel = keep[:, :, :n] & store.valid[layer][:, :, :n]
     b, h, s = sel.nonzero(as_tuple=True)
@@ -207,7 +207,7 @@ def test_disk_store_reads_scattered_page_rows(tmp_path):
     from support.offload import SlowReads
 
     from infinigen.placement import OffloadedKVStore, SlowTier
-    from infinigen.placement.store import PAGE, touched_page_share
+    from infinigen.placement.transfer import PAGE, touched_page_share
     layers, batch, heads, cap, d = 2, 1, 2, 64, 1024
     store = OffloadedKVStore(layers, batch, heads, cap, d, torch.float32, tier=SlowTier("disk", directory=tmp_path),
                              threaded=False)

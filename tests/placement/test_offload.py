@@ -88,7 +88,7 @@ def test_decode_reads_only_the_selected_rows(tiny_llama, policy, kind, tmp_path,
 
 
 def test_touched_page_share():
-    from infinigen.placement.store import touched_page_share
+    from infinigen.placement.transfer import touched_page_share
     rows = torch.tensor
     assert touched_page_share(rows([0]), 256, 64) == 0.25  # 64 rows of 256 B: 4 pages
     assert touched_page_share(rows([0, 1, 15]), 256, 64) == 0.25  # one page

@@ -19,7 +19,8 @@ from ..errors import ArgumentError, UserError
 from ..runtime import Session
 from .blocks import BlockedKVStore
 from .rowcache import RowCache
-from .store import OffloadedKVStore, TransferStats
+from .store import OffloadedKVStore
+from .transfer import TransferStats
 from .tiers import KINDS, SlowTier
 
 __all__ = ["Placement", "OffloadedKVStore", "BlockedKVStore", "TransferStats", "SlowTier", "KINDS",

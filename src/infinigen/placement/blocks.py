@@ -34,7 +34,8 @@ import torch
 from ..cache import KVCodec, KVStore, packed_order
 from ..errors import UserError
 from .rows import layout_for
-from .store import KV, PAGE, OffloadedKVStore, TransferStats, _Buffers, _Job
+from .store import OffloadedKVStore, _Job
+from .transfer import KV, PAGE, TransferStats, _Buffers
 from .tiers import SlowTier
 
 

@@ -37,7 +37,7 @@ from ..selection import ALL
 from .rows import layout_for
 from .rowcache import RowCache
 from .tiers import SlowTier
-from .transfer import KV, PAGE, TransferStats, _Buffers, touched_page_share  # noqa: F401 (blocks, tests)
+from .transfer import KV, TransferStats, _Buffers, touched_page_share
 
 @dataclass
 class _Job:
