@@ -7,7 +7,7 @@ import torch
 
 from .attention import StepBuffers
 from .session import Session
-from .step_attention import attend_sessions
+from .step_attention import attend_sessions, own_part
 
 
 def prefill(model, tokens: torch.Tensor, session: Session, pad_mask: torch.Tensor | None = None,
@@ -80,26 +80,15 @@ def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session],
         s.begin_step()
     positions = torch.cat([s.positions for s in sessions])  # [N, 1]: every row at its own position
 
-    def own(i, work, *args):  # session i's part of the step, kept to it where `faults` is given
-        if faults is None:
-            return work(*args)
-        if i in faults:
-            return None
-        try:
-            return work(*args)
-        except OSError as e:
-            faults[i] = e
-            return None
-
     def event(layer, point, x):  # each session hears of its own rows
         for i, (s, (a, b)) in enumerate(zip(sessions, spans)):
-            own(i, s.event, layer, point, x[a:b])
+            own_part(faults, i, s.event, layer, point, x[a:b])
 
     stack = StepBuffers()
 
     def attend(layer, q, k, v):
         if batch_invariant:
-            outs = [own(i, s.attend, layer, q[a:b], k[a:b], v[a:b])
+            outs = [own_part(faults, i, s.attend, layer, q[a:b], k[a:b], v[a:b])
                     for i, (s, (a, b)) in enumerate(zip(sessions, spans))]
             return torch.cat([torch.zeros_like(q[a:b]) if o is None else o for o, (a, b) in zip(outs, spans)])
         return attend_sessions(layer, q, k, v, sessions, spans, model.scale, stack, faults)

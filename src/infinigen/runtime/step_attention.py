@@ -40,14 +40,14 @@ def attend_sessions(layer: int, q, k, v, sessions: list, spans: list[tuple[int, 
     or its token's write fail while every session reads packed rows, its rows attend nothing and the others go
     on. Its rows' output then means nothing; every other row's is computed as without it. Elsewhere the error
     fails the step."""
-    plans = [_own(faults, i, s._read, layer, _part(q, a, b), _part(k, a, b))
+    plans = [own_part(faults, i, s._read, layer, _part(q, a, b), _part(k, a, b))
              for i, (s, (a, b)) in enumerate(zip(sessions, spans))]
     if any(p is None for p in plans):  # a session whose plan failed: the others attend without it
         return _without(layer, q, k, v, sessions, spans, plans, scale, buffers, faults)
     return _attend_planned(layer, q, k, v, sessions, spans, plans, scale, buffers, faults)
 
 
-def _own(faults: dict | None, i: int, work, *args, **kwargs):
+def own_part(faults: dict | None, i: int, work, *args, **kwargs):
     """Session i's own part of the step: its OSError recorded in `faults` (None returned), where given; a
     session that failed before (at an earlier layer of the step) does nothing more."""
     if faults is None:
@@ -85,7 +85,7 @@ def _attend_planned(layer: int, q, k, v, sessions, spans, plans, scale: float, b
                     faults: dict | None) -> torch.Tensor:
     """`attend_sessions` once every session has its plan."""
     if any(p.rows is not None for p in plans):  # a session reading all its entries reads them as rows
-        plans = [p if p.rows is not None else _own(faults, i, lambda s=s, p=p: p._replace(
+        plans = [p if p.rows is not None else own_part(faults, i, lambda s=s, p=p: p._replace(
             rows=s.store.select_rows(layer, p.seen, p.seen))) for i, (s, p) in enumerate(zip(sessions, plans))]
         if any(p is None for p in plans):
             return _without(layer, q, k, v, sessions, spans, plans, scale, buffers, faults)
@@ -148,13 +148,13 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
     if len(sessions) == 1 and not observes and fused_select.usable(q, sessions[0].store.k[layer]):
         if plans[0].idx is not ALL:  # a read of ALL counted its rows already (`_read`)
             sessions[0].stats.record_rows(layer, plans[0].rows.rows.numel())
-        src = _own(faults, 0, source, 0)
+        src = own_part(faults, 0, source, 0)
         if src is None:  # (the one session left of several: its rows could not be read)
             return torch.zeros_like(q)
         att = _attend_rows_in_place(q, src, plans[0].rows.counts, scale, wants_lse)
     else:
         def own_source(i: int) -> HandedRows | None:
-            return _own(faults, i, source, i)
+            return own_part(faults, i, source, i)
         att, weights = _attend_rows_gathered(layer, q, k, sessions, spans, plans, own_source, scale, buffers,
                                              wants_lse, observes)
     outs = []
@@ -174,7 +174,7 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
                 s.policy.observe(layer, *seen, s)
             s._appended(layer, slots, _part(k, a, b), _part(v, a, b))
         else:
-            _own(faults, i, s._write, layer, p, seen, _part(k, a, b), _part(v, a, b))
+            own_part(faults, i, s._write, layer, p, seen, _part(k, a, b), _part(v, a, b))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
