@@ -333,14 +333,15 @@ def test_the_window_scores_as_the_runtime(peaked, flat, first):
     """A candidate's score on the window (the rows from `first` on, the tokens before them computed once in a
     shared dense pass, its rows chosen a block at a time or row by row) is the runtime's teacher-forced score
     with a prompt of `first` tokens, for every way of counting the budget, with the remainder, with layer 0
-    dense; the full cache's loss too."""
+    dense, with centred keys; the full cache's loss too."""
     tokens = torch.randint(0, 256, (1, REF), generator=torch.Generator().manual_seed(0))
     for model in (peaked, flat):
         win = cal.window(model, tokens, first)
         assert win.reference_nll == pytest.approx(cal.score(model, tokens, first, None)[0], abs=1e-5)
         for knobs in (dict(), dict(remainder=True, remainder_from=1, skew=True), dict(budget="union"),
                       dict(budget="per_head", alpha=2.0), dict(exact_first=False, dense_layers=(0,)),
-                      dict(kv_budget=0.1, remainder=True, remainder_from=0, skew=True)):
+                      dict(kv_budget=0.1, remainder=True, remainder_from=0, skew=True),
+                      dict(key_centre=True, remainder=True, remainder_from=0, skew=True)):
             pol = InfiniGen(**(dict(skew=False, budget_ref=REF, min_fetch=0, alpha=5.0, kv_budget=0.3,
                                     budget_growth=0.5, calibrate=False, dense_below=0) | knobs))
             if pol.skew:

@@ -41,10 +41,11 @@ what separates the candidates of one search, and scoring windows of rows after a
 that compounds through the keys and values of earlier rows read under the selection (up to a point of
 perplexity on SmolLM2: results/calibration/).
 
-Where no candidate reaches the target, the search tries the other ways of counting the budget (each KV head its
-own cap, "union", or its query heads' mean count, "per_head", instead of one cap pooled over the layer) on the
-best setting before giving up; then `prepare` prints a warning line with the loss and what it chose, and the
-record says `reached: false`.
+Where no candidate reaches the target, the search tries the structural options one at a time on the best
+setting before giving up (policies/calibrate_fallback.py): centred 4-bit keys (`key_centre`), then the other ways
+of counting the budget (each KV head its own cap, "union", or its query heads' mean count, "per_head", instead of
+one cap pooled over the layer); the choice records each option tried (`fallbacks`). Still out of reach, `prepare`
+prints a warning line with the loss, what it chose and what it tried, and the record says `reached: false`.
 
 Calibration runs in fast memory, so under the knob `query="auto"` it calibrates the selection by each layer's
 own query; an offloaded session (speculation one layer ahead) uses the same alpha, budget and layer 0. A
@@ -67,6 +68,7 @@ from ..kernels import fused_select
 from ..placement import Placement
 from ..selection import ALL, Rows
 from ..skew import Progress
+from .calibrate_fallback import options_in_order, try_structural
 
 FORMAT = 4  # of the stored choice: bump when the search changes what it would choose
 ALPHA_HIGH = 9.0  # the caps decide (measured on SmolLM2: results/presets/)
@@ -105,6 +107,8 @@ class Choice:
     tokens: int
     prefill: int
     trials: list = field(default_factory=list)  # every candidate tried: knobs, nll, kv
+    # the structural options tried after the search missed the target: knobs, nll, kv, reached
+    fallbacks: list = field(default_factory=list)
 
     def loss_vs_full(self) -> float:
         """Relative perplexity over the full cache on the calibration tokens."""
@@ -124,6 +128,12 @@ class Choice:
         numbers = ("reference_nll", "nll", "kv", "kv_caps", "kv_caps_long", "target", "bound")
         if not all(isinstance(d.get(k), (int, float)) and math.isfinite(d[k]) for k in numbers):
             raise ValueError("numbers missing or not finite")
+        if not isinstance(d.get("fallbacks", []), list) or not all(
+                isinstance(f, dict) and isinstance(f.get("knobs"), dict) and set(f["knobs"]) <= allowed
+                and isinstance(f.get("reached"), bool)
+                and all(f.get(k) is None or isinstance(f.get(k), (int, float)) for k in ("nll", "kv"))
+                for f in d.get("fallbacks", [])):
+            raise ValueError("fallbacks not a list of tried options")
         names = [f for f in cls.__dataclass_fields__]
         return cls(**{k: d[k] for k in names if k in d})
 
@@ -401,7 +411,7 @@ def largest_budget(make, model, ref: int, bound: float, growth: float, lo: float
 def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: list[dict], alphas: tuple,
            budget_free: bool, target: float, bound: float, growth: float, ref: int, key: str, text: str,
            max_evals: int = 8, log=None, remainder_starts=None, progress=False, own_query: bool = True,
-           budgets: tuple = ()) -> Choice:
+           budgets: tuple = (), key_options: tuple = ()) -> Choice:
     """Choose the knobs (see the module docstring). `candidate(knobs)` makes the policy of a candidate (knobs:
     the values calibration chooses; the caller's own knobs are fixed inside it); `structures`: the ways to
     treat layer 0 (knob dicts of exact_first, dense_layers; [{}] when the caller fixed them), `alphas` the
@@ -409,17 +419,19 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
     kv_budget (else the caller's cap is the bound). `remainder_starts(knobs)`, unless None (the caller set the
     remainder): the first layers from which to add what the selection leaves unread, each tried on the best
     structure (a pass each: it helps some layers and hurts others, measured in results/accuracy/) before the
-    budget is lowered, so the budget search runs on the better of them. `budgets`: the other ways to count the
-    budget (knob `budget`) tried on the best setting when the target is out of reach. `own_query`: the
+    budget is lowered, so the budget search runs on the better of them. Where the target is out of reach, the
+    `key_options` (knob dicts: `calibrate_fallback.key_options`) then the other ways to count the budget
+    (`budgets`, knob `budget`) are tried on the best setting. `own_query`: the
     candidates select with each layer's own query, so they are scored with the shared pass (`window`,
     `score_window`); else each by `score`. `progress`: passes done of at most
-    1 + max_evals (+ the budgets), with an ETA (`skew.Progress`); `log` gets a line per candidate."""
-    bar = Progress(progress, "calibrating InfiniGen", 1 + max_evals + len(budgets), "pass")
+    1 + max_evals (+ the structural options), with an ETA (`skew.Progress`); `log` gets a line per candidate."""
+    fallbacks = options_in_order(key_options, budgets)
+    bar = Progress(progress, "calibrating InfiniGen", 1 + max_evals + len(fallbacks), "pass")
     if log and progress:
         log = bar.write
     try:
         choice = _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound,
-                         growth, ref, key, text, max_evals, log, remainder_starts, bar, own_query, budgets)
+                         growth, ref, key, text, max_evals, log, remainder_starts, bar, own_query, fallbacks)
     finally:
         bar.finish()
         _LOW_HEADS.pop(model, None)  # the bfloat16 head lives as long as the search
@@ -465,7 +477,7 @@ def _scorer(model, tokens, prefill, own_query):
 
 
 def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound, growth, ref,
-            key, text, max_evals, log, remainder_starts, bar, own_query, budgets) -> Choice:
+            key, text, max_evals, log, remainder_starts, bar, own_query, fallbacks) -> Choice:
     measure, full = _scorer(model, tokens, prefill, own_query)
     bar.update()
     goal = full + math.log1p(target)
@@ -523,18 +535,16 @@ def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, 
             cheapest = min(fit, key=cost) if fit else best
             run(dict(cheapest.knobs, alpha=a))
     chosen, reached = pick(trials)
-    if not reached and budgets:
-        # the target is out of reach with the caller's way of counting the budget: try the other ways (each KV
-        # head its own cap, or each its query heads' mean count, instead of one cap pooled over the layer's
-        # KV heads) on the best setting, at the largest budget under the bound, before giving up
-        best = min([t for t in trials if ok(t)] or trials, key=lambda t: (t.nll, t.kv))
-        for option in budgets:
-            knobs = _at_largest_budget(dict(best.knobs, budget=option), candidate, model, ref, bound, growth,
-                                       budget_free)
-            if knobs is not None:
-                run(knobs)
+    tried = []
+    if not reached and fallbacks:
+        # the target is out of reach with the search's knobs: the structural options on the best setting, at the
+        # largest budget under the bound, before giving up (policies/calibrate_fallback.py)
+        tried = try_structural(
+            run, lambda: min([t for t in trials if ok(t)] or trials, key=lambda t: (t.nll, t.kv)), fallbacks,
+            lambda knobs: _at_largest_budget(knobs, candidate, model, ref, bound, growth, budget_free),
+            lambda t: t.nll <= goal and ok(t))
         chosen, reached = pick(trials)
     return Choice(key=key, knobs=chosen.knobs, reached=reached, reference_nll=full, nll=chosen.nll, kv=chosen.kv,
                   kv_caps=chosen.kv_caps, kv_caps_long=chosen.kv_caps_long, target=target, bound=bound,
                   text=text, tokens=int(tokens.shape[1]), prefill=prefill,
-                  trials=[{"knobs": t.knobs, "nll": t.nll, "kv": t.kv} for t in trials])
+                  trials=[{"knobs": t.knobs, "nll": t.nll, "kv": t.kv} for t in trials], fallbacks=tried)

@@ -17,6 +17,7 @@ import weakref
 
 from ..errors import UserError
 from .base import jsonable
+from .calibrate_fallback import FALLBACK_KNOBS, key_options
 from .infinigen_settings import CALIBRATE_BOUND, CALIBRATE_GROWTH, CALIBRATE_TARGET, CALIBRATE_TEXT, CALIBRATED
 from .speculation import _SKEWS, needs_skew
 
@@ -27,6 +28,12 @@ _CHOICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # knobs added after choices were stored (the package's artifact among them), each with its default: a knob at
 # its default is left out of a choice's key, so the choices stored before it existed keep their keys
 KEYLESS_DEFAULTS = {"key_centre": False, "block_fetch": None}
+
+
+# setup entries left out of a search's key: `fixed` is keyed on its own; the keys' options change only a choice
+# that missed its target, and a stored one that missed it without recording its fallbacks is searched again
+# (`_stored_choice`), so the choices that reached theirs (the package's artifact among them) keep their keys
+UNKEYED = ("fixed", "keys")
 
 
 def search_setup(policy, model) -> dict:
@@ -53,8 +60,9 @@ def search_setup(policy, model) -> dict:
     remainder = "remainder" not in given and base["key_mode"] == "int4"
     # where the target is out of reach: the other ways of counting the budget (per KV head), tried last
     budgets = [] if "budget" in given else [b for b in ("union", "per_head") if b != base["budget"]]
+    # ... and before them, the options on the speculation keys (centred 4-bit keys)
     return dict(structures=structures, alphas=alphas, budget_free=budget_free, growth=growth, fixed=fixed,
-                remainder=remainder, budgets=budgets, own_query=base["query"] != "ahead")
+                remainder=remainder, budgets=budgets, own_query=base["query"] != "ahead", keys=key_options(base))
 
 
 def remainder_starts(policy, model, knobs: dict, growth: float) -> list[int]:
@@ -103,7 +111,7 @@ def calibration_record(policy, model, tokenizer, progress) -> dict:
                         "calibration runs over budget_ref tokens")
     skew = _SKEWS.get(model, {}).get(policy.calib) if needs_skew(policy, model) else None
     what = {"format": cal.FORMAT, "fingerprint": _fingerprint(model), "target": target,
-            "bound": bound, "ref": ref, "text": text, "setup": {k: v for k, v in setup.items() if k != "fixed"},
+            "bound": bound, "ref": ref, "text": text, "setup": {k: v for k, v in setup.items() if k not in UNKEYED},
             "fixed": {k: str(v) for k, v in sorted(setup["fixed"].items())},
             "tokens": None if tokens is None else hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}
     key = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -151,7 +159,10 @@ def _stored_choice(policy, model, skew, key: str, setup: dict):
         if found_meta is None or name not in found_meta:
             continue
         try:
-            choice = cal.Choice.from_dict(json.loads(found_meta[name]), key, set(CALIBRATED))
+            stored = json.loads(found_meta[name])
+            choice = cal.Choice.from_dict(stored, key, set(CALIBRATED + FALLBACK_KNOBS))
+            if not choice.reached and (setup["keys"] or setup["budgets"]) and "fallbacks" not in stored:
+                continue  # missed its target before the structural options were tried: search again
             candidate(policy, model, choice.knobs, setup["growth"])  # knobs a policy accepts
             if found is twin:
                 _SKEWS.setdefault(model, {})[policy.calib] = twin
@@ -178,7 +189,8 @@ def _search(policy, model, tokens, key: str, setup: dict, target: float, bound: 
                           key, text, log=log,
                           remainder_starts=(lambda k: remainder_starts(policy, model, k, growth))
                           if setup["remainder"] else None, progress=progress,
-                          own_query=setup["own_query"], budgets=tuple(setup["budgets"]))
+                          own_query=setup["own_query"], budgets=tuple(setup["budgets"]),
+                          key_options=tuple(setup["keys"]))
     except ValueError as e:
         raise UserError(f"cannot calibrate InfiniGen under a bound of {100 * bound:g}% of the KV ({e}): "
                         "raise calibrate_bound, or keep fewer layers dense")
@@ -197,8 +209,11 @@ def _record(policy, choice, setup: dict, source: str) -> dict:
     """The record of a choice: what `settings()["calibration"]` shows, `chosen` being what the policy applies."""
     values = chosen_values(policy, choice, setup["growth"])
     varied = set(choice.knobs) | ({"max_fetch_ratio", "budget_growth"} if "kv_budget" in choice.knobs else set())
-    chosen = {k: jsonable(values[k]) for k in CALIBRATED if k in varied}
+    chosen = {k: jsonable(values[k]) for k in CALIBRATED + FALLBACK_KNOBS if k in varied}
     vs_full = choice.loss_vs_full()
+    fallbacks = [{"knobs": f["knobs"], "vs_full": None if f["nll"] is None else
+                  math.exp(f["nll"] - choice.reference_nll) - 1, "kv": f["kv"], "reached": f["reached"]}
+                 for f in choice.fallbacks]
     summary = (", ".join(f"{k} {v}" for k, v in chosen.items())
                + f" -> {100 * vs_full:+.2f}% vs the full cache, {100 * choice.kv:.1f}% of the KV read on "
                f"{choice.tokens} tokens of {choice.text} (target {100 * choice.target:g}%: "
@@ -206,11 +221,20 @@ def _record(policy, choice, setup: dict, source: str) -> dict:
     warning = None if choice.reached else (
         f"InfiniGen's calibration did not reach its target: {100 * vs_full:+.2f}% vs the full cache (target "
         f"{100 * choice.target:g}%) with the lowest loss under the bound of {100 * choice.bound:g}% of the KV ("
-        + ", ".join(f"{k} {v}" for k, v in chosen.items()) + f"; {len(choice.trials)} settings tried); raise "
-        "calibrate_bound or calibrate_target, or set the knobs by hand")
+        + ", ".join(f"{k} {v}" for k, v in chosen.items()) + f"; {len(choice.trials)} settings tried"
+        + (f"; then {_tried_text(fallbacks)}" if fallbacks else "") + "); raise calibrate_bound or "
+        "calibrate_target, or set the knobs by hand")
     return {"chosen": chosen, "set": sorted(policy.given), "reached": choice.reached, "warning": warning,
             "vs_full": vs_full, "kv": choice.kv, "kv_caps": choice.kv_caps, "kv_caps_long": choice.kv_caps_long,
             "target": choice.target, "bound": choice.bound, "text": choice.text, "tokens": choice.tokens,
             "prefill": choice.prefill, "key": choice.key, "source": source, "summary": summary,
+            "fallbacks": fallbacks,
             "trials": [{"knobs": t["knobs"], "vs_full": math.exp(t["nll"] - choice.reference_nll) - 1,
                         "kv": t["kv"]} for t in choice.trials]}
+
+
+def _tried_text(fallbacks: list) -> str:
+    """The structural options tried, for the warning: "key_centre True +1.20%, budget union +1.45%"."""
+    return ", ".join(" ".join(f"{k} {v}" for k, v in f["knobs"].items())
+                     + (" (no budget fits the bound)" if f["vs_full"] is None else f" {100 * f['vs_full']:+.2f}%")
+                     for f in fallbacks)

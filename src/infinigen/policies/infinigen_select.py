@@ -227,14 +227,15 @@ def rows_in_blocks(policy, layer, rows, session, block: int = ROWS_PER_CHOICE):
     dev = k.device
     st.spec[layer] = torch.cat([q[:, :, :1].expand(b, h, p, d), q], 2).view(b, hkv, g, t, d)
     spec_keys = PackedKeys(b, hkv, t, d, group=INT4_GROUP, layout=st.layout, device=dev)
-    spec_keys.write(0, policy.speculation.rotate(st, k, layer))
+    spec_keys.write(0, _centred_keys(policy, st, layer, k, p))
     out = torch.zeros(b, hkv, t - p, t, dtype=torch.bool, device=dev)
     unread_lse = torch.empty(b, hkv, g, t - p, device=dev) if policy._adds_remainder(st, layer) else None
     for r0 in range(p, t, block):
         r1 = min(t, r0 + block)
         n = r1 - 1  # the block's last row sees the most tokens
         qs = policy.speculation.queries(st, layer, slice(r0, r1))  # [B, Hkv, G, R, c]
-        scores = spec_keys.scores(qs.reshape(b, hkv, g * (r1 - r0), d).contiguous(), n)
+        flat = qs.reshape(b, hkv, g * (r1 - r0), d).contiguous()
+        scores = policy.speculation.shifted(st, layer, spec_keys.scores(flat, n), flat)
         s = scores.view(b, hkv, g, r1 - r0, n) * model.scale
         lengths = torch.arange(r0, r1, device=dev)
         valid = in_window(model.cfg, torch.arange(n, device=dev) < lengths[:, None], torch.arange(n, device=dev),
@@ -248,6 +249,14 @@ def rows_in_blocks(policy, layer, rows, session, block: int = ROWS_PER_CHOICE):
     if unread_lse is not None:
         st.remainders[layer] = unread_lse
     return out
+
+
+def _centred_keys(policy, st, layer: int, k: torch.Tensor, first: int) -> torch.Tensor:
+    """The keys k [B, Hkv, T, d] rotated and, with key_centre, less the mean of the `first` prompt keys: what
+    decoding packs (`sequence_rows`), so the blocks score centred keys as decoding does."""
+    b, hkv, t, _ = k.shape
+    before = (torch.arange(t, device=k.device) < first).expand(b, hkv, t)
+    return policy.speculation.centre(st, layer, policy.speculation.rotate(st, k, layer), before)
 
 
 def row_caps(policy, st, model, layer: int, first: int, t: int) -> torch.Tensor:
@@ -278,7 +287,7 @@ def rows_fused(policy, layer, rows, session, block: int = ROWS_PER_FUSED_CHOICE)
     dev = k.device
     st.spec[layer] = torch.cat([q[:, :, :1].expand(1, h, p, d), q], 2).view(1, hkv, g, t, d)
     spec_keys = PackedKeys(1, hkv, t, d, group=INT4_GROUP, layout=st.layout, device=dev)
-    spec_keys.write(0, policy.speculation.rotate(st, k, layer))
+    spec_keys.write(0, _centred_keys(policy, st, layer, k, p))
     adds = policy._adds_remainder(st, layer)
     lengths = torch.arange(p, t, device=dev)  # row r sees the r tokens before it
     # each row's cap over the layer's KV heads, as `layer_total` makes it (float32), at least min_fetch per KV head
@@ -289,7 +298,8 @@ def rows_fused(policy, layer, rows, session, block: int = ROWS_PER_FUSED_CHOICE)
         r1 = min(t, r0 + block)
         n = r1 - 1  # the block's last row sees the most tokens
         qs = policy.speculation.queries(st, layer, slice(r0, r1))  # [1, Hkv, G, R, c]
-        scores = spec_keys.scores(qs.reshape(1, hkv, g * (r1 - r0), d).contiguous(), n)
+        flat = qs.reshape(1, hkv, g * (r1 - r0), d).contiguous()
+        scores = policy.speculation.shifted(st, layer, spec_keys.scores(flat, n), flat)
         scores = scores.view(hkv, g, r1 - r0, n).permute(2, 0, 1, 3).contiguous()  # [R, Hkv, G, n]
         scores.masked_fill_(torch.arange(n, device=dev) >= lengths[r0 - p:r1 - p, None, None, None],
                             float("-inf"))
