@@ -5,7 +5,7 @@ Where that crossing lies depends on the model's shapes, the policy's settings an
 preset measures it once, over synthetic keys and values: at a cached length, decoding steps of the full cache
 and of the policy (selecting at every length), interleaved pair by pair so that a shared machine's load falls
 on both alike, until the median of their ratios (the policy's time over the full cache's) is decisively on one
-side of 1 or close to it (`probe`). The lengths are searched (`find_crossing`): the shortest and the middle of
+side of 1, else every step allowed (`probe`). The lengths are searched (`find_crossing`): the shortest and the middle of
 the range first, the longest only where the middle is still slower, then false position on the difference of
 the two step times (linear in the length where both are, so one step lands on the crossing) inside the bracket
 of a slower and a faster length, until a length is close to 1 or the bracket is narrow. The crossing is the
@@ -53,8 +53,8 @@ MAX_LENGTH = 32768
 MIN_CONTEXT = 1024  # a model with fewer positions is not measured: it selects at every length
 WARMUP, STEPS = 1, 7  # decoding steps per system and length: not timed, then at most this many timed pairs
 MIN_PAIRS = 3  # timed pairs a length takes at least: their median ratio decides its side
-DECISIVE = 0.15  # |log ratio| from which a length's side is decided (the median of its pairs)
-CLOSE = 0.05  # |log ratio| under which a length is at the crossing (either side costs the same there): stop
+DECISIVE = 0.15  # |log ratio| from which a length's side is decided after MIN_PAIRS (the median of its pairs)
+CLOSE = 0.05  # |log ratio| under which a length (timed in full) is at the crossing, either side costing the same
 NARROW = 1.25  # the search stops once its bracket's longer length is within this factor of its shorter one
 MAX_PROBES = 6  # lengths measured at most
 
@@ -172,16 +172,16 @@ def step_pairs(model, policy, length: int, gen: torch.Generator, batch: int = 1,
 
 def probe(pairs) -> dict:
     """One length's measurement from its (full ms, policy ms) pairs: pairs are taken until the median of their
-    ratios is decided (beyond DECISIVE from 1) or close (within CLOSE), after at least MIN_PAIRS, or the pairs
-    end. Returns {"full_ms", "policy_ms": medians, "ratio": the median ratio, "pairs": how many}."""
+    ratios is decided (beyond DECISIVE from 1) after at least MIN_PAIRS, or the pairs end (a length near the
+    crossing is timed in full: a few pairs of a loaded machine put it on either side). Returns {"full_ms",
+    "policy_ms": medians, "ratio": the median ratio, "pairs": how many}."""
     full, pol, ratio = [], [], []
     try:
         for f, p in pairs:
             full.append(f)
             pol.append(p)
             ratio.append(p / f)
-            r = abs(math.log(statistics.median(ratio)))
-            if len(ratio) >= MIN_PAIRS and (r >= DECISIVE or r < CLOSE):
+            if len(ratio) >= MIN_PAIRS and abs(math.log(statistics.median(ratio))) >= DECISIVE:
                 break
     finally:
         getattr(pairs, "close", lambda: None)()  # the generator's sessions are freed now
