@@ -68,7 +68,8 @@ def test_the_search_finds_where_the_costs_meet(name, noise):
     """The crossing found is where the two steps cost the same (the true ratio within 10% of 1 there, the search
     narrowed down to it; the linear case without noise within 0.5% of the length, from 3 lengths: false
     position lands on it), from at most MAX_PROBES lengths, and the longest length (the costliest steps) is
-    timed only where the crossing lies beyond the middle."""
+    timed only where the crossing lies beyond the middle, the shortest (which cannot bracket it then) only where
+    it lies below the middle."""
     full, policy = CASES[name]
     pairs_at, asked = synthetic(full, policy, noise)
     found = crossing.find_crossing(pairs_at, LO, HI, CONTEXT)
@@ -80,13 +81,14 @@ def test_the_search_finds_where_the_costs_meet(name, noise):
         assert len(asked) == 3
     assert len(asked) == len(found["lengths"]) <= crossing.MAX_PROBES
     assert (HI in found["lengths"]) == (true_crossing(full, policy) > math.sqrt(LO * HI))
+    assert (LO in found["lengths"]) == (true_crossing(full, policy) < math.sqrt(LO * HI))
     assert found["lengths"] == sorted(found["lengths"]) and len(found["ratio"]) == len(found["lengths"])
 
 
 def test_never_paying_is_the_whole_context():
     pairs_at, asked = synthetic(linear, lambda n: 2 * linear(n))
     found = crossing.find_crossing(pairs_at, LO, HI, CONTEXT)
-    assert found["dense_below"] == CONTEXT and found["lengths"] == [LO, round(math.sqrt(LO * HI)), HI]
+    assert found["dense_below"] == CONTEXT and found["lengths"] == [round(math.sqrt(LO * HI)), HI]
 
 
 def test_paying_everywhere_reads_densely_below_the_shortest_length_at_most():
@@ -119,3 +121,15 @@ def test_a_lone_outlier_does_not_decide_a_side():
     steps = iter([(50.0, 15.0), (10.0, 15.0), (10.0, 15.0), (10.0, 15.0)])
     got = crossing.probe(steps)
     assert got["ratio"] == pytest.approx(1.5) and got["pairs"] == crossing.MIN_PAIRS
+
+
+@pytest.mark.parametrize("cliff", [600, 1000, 1500, 2300, 3000, 4000, 6000])
+@pytest.mark.parametrize("below,above", [(1.3, 0.35), (1.2, 0.2), (1.1, 0.8)])
+def test_a_cliff_is_narrowed_down(cliff, below, above):
+    """Where the selecting step's cost jumps (`below` times the full cache's under `cliff` tokens, `above` from
+    there), false position would creep towards it from one side; the search still brackets the cliff within
+    NARROW, from at most MAX_PROBES lengths."""
+    pairs_at, asked = synthetic(linear, lambda n: linear(n) * (below if n < cliff else above))
+    found = crossing.find_crossing(pairs_at, LO, HI, CONTEXT)
+    assert narrowed(found) and cliff / crossing.NARROW <= found["dense_below"] <= cliff * crossing.NARROW, found
+    assert len(asked) <= crossing.MAX_PROBES

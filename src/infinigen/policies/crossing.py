@@ -5,14 +5,16 @@ Where that crossing lies depends on the model's shapes, the policy's settings an
 preset measures it once, over synthetic keys and values: at a cached length, decoding steps of the full cache
 and of the policy (selecting at every length), interleaved pair by pair so that a shared machine's load falls
 on both alike, until the median of their ratios (the policy's time over the full cache's) is decisively on one
-side of 1, else every step allowed (`probe`). The lengths are searched (`find_crossing`): the shortest and the middle of
-the range first, the longest only where the middle is still slower, then false position on the difference of
-the two step times (linear in the length where both are, so one step lands on the crossing) inside the bracket
-of a slower and a faster length, until a length is close to 1 or the bracket is narrow. The crossing is the
+side of 1, else every step allowed (`probe`). The lengths are searched (`find_crossing`): the middle of the range first,
+then the shortest where the middle is faster, else the longest, then one step of false position on the
+difference of the two step times (linear in the length where both are, so it lands on the crossing) inside the
+bracket of a slower and a faster length, then bisection (in log length), until a length is close to 1 or the
+bracket is narrow. The crossing is the
 shortest length from which the policy is faster at every longer length measured (linear between the measured
 lengths, `crossing_from`); where it is faster nowhere, the model's whole context. A step's time grows with the
 cached length for both systems, the full cache's faster, so the policy's side changes once: the search never
-times the longest lengths (the costliest steps) unless the crossing lies there. The result is stored as a small
+times the longest lengths (the costliest steps) unless the crossing lies there, nor the shortest unless it lies
+below the middle. The result is stored as a small
 JSON file in the cache, keyed by the model's fingerprint, its dtype and weight kinds, the policy's settings and
 the machine (CPU or GPU model, threads, torch), so later runs read it back; a file that does not parse, or was
 written for another key, is ignored and measured again.
@@ -209,19 +211,21 @@ def find_crossing(pairs_at, lo: int, hi: int, context: int, log=None, batch: int
         return abs(math.log(seen[n]["ratio"])) < CLOSE
 
     mid = max(lo, min(hi, int(round(math.sqrt(lo * hi)))))
-    at(lo)
-    if at(mid)["ratio"] < 1:
+    if at(mid)["ratio"] < 1:  # faster at the middle: the crossing lies below it
+        at(lo)
         a, b = lo, mid
     elif hi != mid and at(hi)["ratio"] < 1:
         a, b = mid, hi
     else:
         a = b = None  # slower at the longest length: never pays
+    moved: list[str] = []  # which end of the bracket each step moved
     if a is not None and seen[a]["ratio"] >= 1 and not close(a) and not close(b):
         while b / a > NARROW and len(seen) < MAX_PROBES:
-            # false position on the difference of the step times (policy - full: > 0 at a, < 0 at b), kept a
-            # tenth of the bracket (in log length) inside it so that a curved cost still narrows it
+            # first false position on the difference of the step times (policy - full: > 0 at a, < 0 at b):
+            # where both are linear it lands on the crossing, which the stop above ends on; where it did not
+            # (a cost that bends or jumps, on which false position creeps), the bracket's middle in log length
             da, db = (seen[n]["policy_ms"] - seen[n]["full_ms"] for n in (a, b))
-            x = a + (b - a) * da / (da - db) if da > db else math.sqrt(a * b)
+            x = a + (b - a) * da / (da - db) if da > db and not moved else math.sqrt(a * b)
             edge = (b / a) ** 0.1
             x = int(round(min(max(x, a * edge), b / edge)))
             if x in seen or not a < x < b:
@@ -229,7 +233,9 @@ def find_crossing(pairs_at, lo: int, hi: int, context: int, log=None, batch: int
             at(x)
             if close(x):
                 break
-            a, b = (x, b) if seen[x]["ratio"] >= 1 else (a, x)
+            slower = seen[x]["ratio"] >= 1
+            a, b = (x, b) if slower else (a, x)
+            moved.append("a" if slower else "b")
     lengths = sorted(seen)
     out = {k: [round(seen[n][k], 4 if k == "ratio" else 3) for n in lengths] for k in ("full_ms", "policy_ms",
                                                                                        "ratio")}
