@@ -379,7 +379,7 @@ def test_measure_runs_on_synthetic_kv(long_tiny):
     model = long_tiny
     pol = _crossing_policy(model)
     got = crossing.measure(model, pol, lengths=[32, 96], steps=2)
-    assert got["lengths"][0] == 32 and all(32 <= n <= 96 for n in got["lengths"]) and len(got["lengths"]) >= 2
+    assert all(32 <= n <= 96 for n in got["lengths"]) and len(got["lengths"]) >= 2  # the middle and an end
     assert len(got["full_ms"]) == len(got["policy_ms"]) == len(got["pairs"]) == len(got["lengths"])
     assert all(x > 0 for x in got["full_ms"] + got["policy_ms"]) and all(1 <= p <= 2 for p in got["pairs"])
     assert 0 <= got["dense_below"] <= 2048
