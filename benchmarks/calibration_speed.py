@@ -10,10 +10,14 @@
    run), "fast" (what the search runs now: the fused kernel, `calibrate.head_nll` over a large vocabulary, each
    candidate's rows entering its first selecting layer from the shared pass: `calibrate.shared_layers`); with how
    far the loss moved between them.
+3. `--crossing N`: where selection pays (policies/crossing.py), measured N times each way, alternating: "sweep"
+   (the measurement before: three lengths, ctx/16, ctx/4 and ctx, each 2 untimed then 7 timed interleaved steps
+   of each system, medians, `crossing_from`) and "search" (`crossing.measure`: a few lengths, each timed until
+   its side is clear); the policy measured is the model's calibrated one (found in the cache, else searched).
 /proc/loadavg is printed before and after each part (the machine may be shared: compare ratios).
 
     PYTHONPATH=src python benchmarks/calibration_speed.py [--model M] [--threads 2] [--compare 0,-1]
-        [--paths exact,fast] [--knobs '[{...}, ...]'] [--json F]
+        [--paths exact,fast] [--knobs '[{...}, ...]'] [--crossing N] [--json F]
 """
 from __future__ import annotations
 
@@ -149,6 +153,9 @@ def main() -> None:
                     "running the search first")
     ap.add_argument("--paths", default="exact,fast", help="the two ways to score them side by side: torch, exact "
                     "(fused kernel, float32 head, every layer) or fast (what the search runs now)")
+    ap.add_argument("--crossing", type=int, default=0, help="measure where selection pays N times each way (sweep "
+                    "and search), instead of the search's passes")
+    ap.add_argument("--dtype", default="float32", help="with --crossing: the compute dtype (calibrate's: float32)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -159,6 +166,9 @@ def main() -> None:
     from infinigen.policies.infinigen import InfiniGen
 
     torch.set_num_threads(args.threads)
+    if args.crossing:
+        crossings(args)
+        return
     model, tokenizer, name = load(args.model, "float32", "cpu", weights="fp32")
     pol = InfiniGen(calibrate=True).prepare_skew(model, tokenizer, progress=True)
     assert fused_select.available(), "the fused kernel did not build"
@@ -190,6 +200,51 @@ def main() -> None:
                "passes", "loadavg")}, "choice": choice.to_dict(), "shipped_trials": shipped, "side_by_side": rows}
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1, default=str)
+
+
+def sweep(model, policy) -> dict:
+    """The crossing as measured before the search: every length of `crossing.lengths_for`, 2 untimed and 7 timed
+    interleaved steps of each system there, the medians' ratio, `crossing.crossing_from`."""
+    import dataclasses
+    import statistics
+
+    import torch
+
+    from infinigen.policies import crossing
+    t0 = time.perf_counter()
+    selecting = dataclasses.replace(policy, dense_below=0, calibrate=False).with_skew(policy.matrices)
+    gen = torch.Generator().manual_seed(0)
+    lengths, ratio = crossing.lengths_for(model), []
+    for n in lengths:
+        pairs = list(crossing.step_pairs(model, selecting, n, gen, 1, 8))[1:]  # the first pair untimed too
+        ratio.append(statistics.median(p for _, p in pairs) / statistics.median(f for f, _ in pairs))
+    return {"lengths": lengths, "ratio": [round(r, 4) for r in ratio],
+            "dense_below": crossing.crossing_from(lengths, ratio, model.cfg.max_position),
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def crossings(args) -> None:
+    from infinigen.loading import load
+    from infinigen.policies import crossing
+    from infinigen.policies.infinigen import InfiniGen
+
+    model, tokenizer, name = load(args.model, args.dtype, "cpu", weights="fp32" if args.dtype == "float32" else "auto")
+    pol = InfiniGen(calibrate=True, dense_below=0).prepare(model, tokenizer, progress=True)  # calibrated, no crossing
+    print(f"{name}, {args.threads} thread(s), {args.dtype}; policy {pol.settings(model)['calibration']['chosen']}")
+    print("| run | way | lengths | ratio | dense_below | wall s | CPU s | load before -> after |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for run in range(args.crossing):
+        for way in (("sweep", "search") if run % 2 == 0 else ("search", "sweep")):
+            before = loadavg()
+            with Clock() as c:
+                got = sweep(model, pol) if way == "sweep" else crossing.measure(model, pol)
+            rows.append({"run": run, "way": way, **got, "wall": c.wall, "cpu": c.cpu, "loadavg": [before, loadavg()]})
+            print(f"| {run} | {way} | {got['lengths']} | {got['ratio']} | {got['dense_below']} | {c.wall:.1f} | "
+                  f"{c.cpu:.1f} | {before} -> {loadavg()} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"model": name, "threads": args.threads, "dtype": args.dtype, "crossings": rows}, fh, indent=1)
 
 
 def side_only(pol, model, tokenizer, knobs: list, args) -> None:

@@ -2,13 +2,22 @@
 
 Below some length, speculating and gathering the selected rows costs more than the dense attention it saves.
 Where that crossing lies depends on the model's shapes, the policy's settings and the machine, so the default
-preset measures it once: a few decoding steps of the full cache and of the policy (selecting at every length)
-over synthetic keys and values at three cached lengths, the two interleaved step by step so that a shared
-machine's load falls on both alike, medians compared. The crossing is the shortest length from which the policy
-is faster at every longer length measured (linear between the measured lengths); where it is faster nowhere, the
-model's whole context. The result is stored as a small JSON file in the cache, keyed by the model's fingerprint,
-its dtype and weight kinds, the policy's settings and the machine (CPU or GPU model, threads, torch), so later
-runs read it back; a file that does not parse, or was written for another key, is ignored and measured again.
+preset measures it once, over synthetic keys and values: at a cached length, decoding steps of the full cache
+and of the policy (selecting at every length), interleaved pair by pair so that a shared machine's load falls
+on both alike, until the median of their ratios (the policy's time over the full cache's) is decisively on one
+side of 1, else every step allowed (`probe`). The lengths are searched (`find_crossing`): the middle of the range first,
+then the shortest where the middle is faster, else the longest, then one step of false position on the
+difference of the two step times (linear in the length where both are, so it lands on the crossing) inside the
+bracket of a slower and a faster length, then bisection (in log length), until a length is close to 1 or the
+bracket is narrow. The crossing is the
+shortest length from which the policy is faster at every longer length measured (linear between the measured
+lengths, `crossing_from`); where it is faster nowhere, the model's whole context. A step's time grows with the
+cached length for both systems, the full cache's faster, so the policy's side changes once: the search never
+times the longest lengths (the costliest steps) unless the crossing lies there, nor the shortest unless it lies
+below the middle. The result is stored as a small
+JSON file in the cache, keyed by the model's fingerprint, its dtype and weight kinds, the policy's settings and
+the machine (CPU or GPU model, threads, torch), so later runs read it back; a file that does not parse, or was
+written for another key, is ignored and measured again.
 
 Measured at batch 1, and also at a run's batch where the run decodes a fixed batch (`generate`, `bench`; a
 server's requests decode as sessions of one row each): the policy gains more per step with more rows (its
@@ -24,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -38,12 +48,17 @@ from ..kernels import fused_select
 from ..paths import cache_dir, write_atomic
 
 FORMAT = 2  # 2: the selection fused into the C++ kernel (earlier measurements timed the torch path)
-# the lengths measured, as shares of the model's context (at most MAX_LENGTH): the chat case's 512 tokens, a
-# quarter and the whole of SmolLM2's 8192
+# the range searched, as shares of the model's context (at most MAX_LENGTH): from the chat case's 512 tokens to the
+# whole of SmolLM2's 8192, its middle a quarter
 SHARES = (1 / 16, 1 / 4, 1.0)
 MAX_LENGTH = 32768
 MIN_CONTEXT = 1024  # a model with fewer positions is not measured: it selects at every length
-WARMUP, STEPS = 2, 7  # decoding steps per system and length: not timed, then timed (interleaved)
+WARMUP, STEPS = 1, 7  # decoding steps per system and length: not timed, then at most this many timed pairs
+MIN_PAIRS = 3  # timed pairs a length takes at least: their median ratio decides its side
+DECISIVE = 0.15  # |log ratio| from which a length's side is decided after MIN_PAIRS (the median of its pairs)
+CLOSE = 0.05  # |log ratio| under which a length (timed in full) is at the crossing, either side costing the same
+NARROW = 1.25  # the search stops once its bracket's longer length is within this factor of its shorter one
+MAX_PROBES = 6  # lengths measured at most
 
 
 def _machine() -> dict:
@@ -108,20 +123,23 @@ def lengths_for(model) -> list[int]:
     return sorted({max(16, int(ctx * s)) for s in SHARES})
 
 
-def _synthetic_session(model, policy, length: int, gen: torch.Generator, batch: int = 1):
-    """A session whose store holds `length` random keys and values per layer (a prompt's worth, written as a
-    prefill writes them, so the policy packs its speculation keys as it would), ready to decode."""
-    from ..placement import Placement
+def _synthetic_kv(model, length: int, gen: torch.Generator, batch: int):
+    """Random queries, keys and values of a `length`-token prompt, [batch, heads, length, d] each."""
     cfg = model.cfg
-    sess = Placement().new_session(model, batch, length + WARMUP + STEPS + 1, policy)
-    dev, dt = model.device, model.dtype
-    k = torch.randn(batch, cfg.num_kv_heads, length, cfg.head_dim, generator=gen).to(dev, dt)
-    v = torch.randn(batch, cfg.num_kv_heads, length, cfg.head_dim, generator=gen).to(dev, dt)
-    q = torch.randn(batch, cfg.num_heads, length, cfg.head_dim, generator=gen).to(dev, dt)
-    positions = torch.arange(length, device=dev).expand(batch, length)
+    shapes = ((cfg.num_heads, length), (cfg.num_kv_heads, length), (cfg.num_kv_heads, length))
+    return [torch.randn(batch, h, n, cfg.head_dim, generator=gen).to(model.device, model.dtype) for h, n in shapes]
+
+
+def _synthetic_session(model, policy, length: int, qkv, batch: int, steps: int):
+    """A session whose store holds the synthetic prompt `qkv` (`_synthetic_kv`) in every layer (written as a
+    prefill writes them, so the policy packs its speculation keys as it would), ready to decode `steps`."""
+    from ..placement import Placement
+    sess = Placement().new_session(model, batch, length + steps + 1, policy)
+    q, k, v = qkv
+    positions = torch.arange(length, device=model.device).expand(batch, length)
     with torch.inference_mode():
-        sess.begin_prefill(positions, torch.ones(batch, length, dtype=torch.bool, device=dev))
-        for layer in range(cfg.num_layers):
+        sess.begin_prefill(positions, torch.ones(batch, length, dtype=torch.bool, device=model.device))
+        for layer in range(model.cfg.num_layers):
             sess.prefill_layer(layer, q, k, v)
     return sess
 
@@ -131,44 +149,114 @@ def _sync(model) -> None:
         torch.cuda.synchronize(model.device)
 
 
-def measure(model, policy, lengths: list[int] | None = None, steps: int = STEPS, log=None, batch: int = 1) -> dict:
-    """Median ms per decoding step of the full cache and of `policy` selecting at every length, at each cached
-    length, over synthetic KV of `batch` rows; the systems' steps interleaved. Returns {"lengths", "full_ms",
-    "policy_ms", "ratio", "dense_below", "seconds"}."""
+def step_pairs(model, policy, length: int, gen: torch.Generator, batch: int = 1, steps: int = STEPS):
+    """At `length` cached tokens of synthetic KV (`batch` rows): yields (full cache ms, policy ms) per decoding
+    step, at most `steps` pairs, after WARMUP untimed steps of each; the two systems' steps interleaved (A B,
+    B A, ...: a drift in load falls on both)."""
     from ..runtime import decode
     from .base import FullCache
+    qkv = _synthetic_kv(model, length, gen, batch)
+    sessions = [_synthetic_session(model, FullCache(), length, qkv, batch, WARMUP + steps),
+                _synthetic_session(model, policy, length, qkv, batch, WARMUP + steps)]
+    del qkv
+    token = torch.randint(0, model.cfg.vocab_size, (batch,), generator=gen).to(model.device)
+    for step in range(WARMUP + steps):
+        times = [0.0, 0.0]
+        for i in ((0, 1) if step % 2 == 0 else (1, 0)):
+            _sync(model)
+            s0 = time.perf_counter()
+            decode(model, token, sessions[i])
+            _sync(model)
+            times[i] = 1e3 * (time.perf_counter() - s0)
+        if step >= WARMUP:
+            yield times[0], times[1]
+
+
+def probe(pairs) -> dict:
+    """One length's measurement from its (full ms, policy ms) pairs: pairs are taken until the median of their
+    ratios is decided (beyond DECISIVE from 1) after at least MIN_PAIRS, or the pairs end (a length near the
+    crossing is timed in full: a few pairs of a loaded machine put it on either side). Returns {"full_ms",
+    "policy_ms": medians, "ratio": the median ratio, "pairs": how many}."""
+    full, pol, ratio = [], [], []
+    try:
+        for f, p in pairs:
+            full.append(f)
+            pol.append(p)
+            ratio.append(p / f)
+            if len(ratio) >= MIN_PAIRS and abs(math.log(statistics.median(ratio))) >= DECISIVE:
+                break
+    finally:
+        getattr(pairs, "close", lambda: None)()  # the generator's sessions are freed now
+    if not ratio:
+        raise ValueError("no decoding step was timed")
+    return {"full_ms": statistics.median(full), "policy_ms": statistics.median(pol),
+            "ratio": statistics.median(ratio), "pairs": len(ratio)}
+
+
+def find_crossing(pairs_at, lo: int, hi: int, context: int, log=None, batch: int = 1) -> dict:
+    """Search the lengths from `lo` to `hi` for the crossing (see the module docstring): `pairs_at(n)` gives the
+    (full ms, policy ms) pairs at n cached tokens (`step_pairs`). Returns {"lengths" (those measured, ascending),
+    "full_ms", "policy_ms", "ratio", "pairs" (per length), "dense_below"}."""
+    seen: dict[int, dict] = {}
+
+    def at(n: int) -> dict:
+        if n not in seen:
+            seen[n] = probe(pairs_at(n))
+            if log:
+                log(f"  crossing: {n} cached tokens x {batch}: full cache {seen[n]['full_ms']:.1f} ms/step, selecting "
+                    f"{seen[n]['policy_ms']:.1f} (x{seen[n]['ratio']:.2f}, {seen[n]['pairs']} pairs)")
+        return seen[n]
+
+    def close(n: int) -> bool:
+        return abs(math.log(seen[n]["ratio"])) < CLOSE
+
+    mid = max(lo, min(hi, int(round(math.sqrt(lo * hi)))))
+    if at(mid)["ratio"] < 1:  # faster at the middle: the crossing lies below it
+        at(lo)
+        a, b = lo, mid
+    elif hi != mid and at(hi)["ratio"] < 1:
+        a, b = mid, hi
+    else:
+        a = b = None  # slower at the longest length: never pays
+    moved: list[str] = []  # which end of the bracket each step moved
+    if a is not None and seen[a]["ratio"] >= 1 and not close(a) and not close(b):
+        while b / a > NARROW and len(seen) < MAX_PROBES:
+            # first false position on the difference of the step times (policy - full: > 0 at a, < 0 at b):
+            # where both are linear it lands on the crossing, which the stop above ends on; where it did not
+            # (a cost that bends or jumps, on which false position creeps), the bracket's middle in log length
+            da, db = (seen[n]["policy_ms"] - seen[n]["full_ms"] for n in (a, b))
+            x = a + (b - a) * da / (da - db) if da > db and not moved else math.sqrt(a * b)
+            edge = (b / a) ** 0.1
+            x = int(round(min(max(x, a * edge), b / edge)))
+            if x in seen or not a < x < b:
+                break
+            at(x)
+            if close(x):
+                break
+            slower = seen[x]["ratio"] >= 1
+            a, b = (x, b) if slower else (a, x)
+            moved.append("a" if slower else "b")
+    lengths = sorted(seen)
+    out = {k: [round(seen[n][k], 4 if k == "ratio" else 3) for n in lengths] for k in ("full_ms", "policy_ms",
+                                                                                       "ratio")}
+    return {"lengths": lengths, **out, "pairs": [seen[n]["pairs"] for n in lengths],
+            "dense_below": crossing_from(lengths, [seen[n]["ratio"] for n in lengths], context)}
+
+
+def measure(model, policy, lengths: list[int] | None = None, steps: int = STEPS, log=None, batch: int = 1) -> dict:
+    """Where selecting pays, searched over the lengths from the shortest to the longest of `lengths`
+    (`find_crossing`), each measured by at most `steps` interleaved decoding steps of the full cache and of
+    `policy` selecting at every length over synthetic KV of `batch` rows. Returns {"lengths", "full_ms",
+    "policy_ms", "ratio", "pairs", "dense_below", "seconds"}."""
     t0 = time.perf_counter()
-    lengths = lengths or lengths_for(model)
+    lengths = sorted(lengths or lengths_for(model))
     selecting = dataclasses.replace(policy, dense_below=0, calibrate=False)
     if getattr(policy, "matrices", None) is not None:
         selecting.with_skew(policy.matrices)
     gen = torch.Generator().manual_seed(0)
-    full_ms, policy_ms = [], []
-    for n in lengths:
-        sessions = [_synthetic_session(model, FullCache(), n, gen, batch),
-                    _synthetic_session(model, selecting, n, gen, batch)]
-        times: list[list[float]] = [[], []]
-        token = torch.randint(0, model.cfg.vocab_size, (batch,), generator=gen).to(model.device)
-        for step in range(WARMUP + steps):
-            order = (0, 1) if step % 2 == 0 else (1, 0)  # A B, B A, ...: a drift in load falls on both
-            for i in order:
-                _sync(model)
-                s0 = time.perf_counter()
-                decode(model, token, sessions[i])
-                _sync(model)
-                if step >= WARMUP:
-                    times[i].append(1e3 * (time.perf_counter() - s0))
-        full_ms.append(statistics.median(times[0]))
-        policy_ms.append(statistics.median(times[1]))
-        del sessions
-        if log:
-            log(f"  crossing: {n} cached tokens x {batch}: full cache {full_ms[-1]:.1f} ms/step, selecting "
-                f"{policy_ms[-1]:.1f}")
-    ratio = [p / f for p, f in zip(policy_ms, full_ms)]
-    return {"lengths": lengths, "full_ms": [round(x, 3) for x in full_ms],
-            "policy_ms": [round(x, 3) for x in policy_ms], "ratio": [round(x, 4) for x in ratio],
-            "dense_below": crossing_from(lengths, ratio, model.cfg.max_position),
-            "seconds": round(time.perf_counter() - t0, 2)}
+    found = find_crossing(lambda n: step_pairs(model, selecting, n, gen, batch, steps), lengths[0], lengths[-1],
+                          model.cfg.max_position, log, batch)
+    return {**found, "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def crossing_from(lengths: list[int], ratio: list[float], context: int) -> int:
