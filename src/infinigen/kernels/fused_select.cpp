@@ -53,22 +53,22 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t d) {
   }
 }
 
-// One task's float32 work space, allocated once per task and reused by each (batch row, KV head) it attends.
+// One task's float32 work space, allocated once per task and reused by each part of a run it attends.
 struct Workspace {
-  std::vector<float> qf, acc, kb, vb, p, m, l;
-  Workspace(int64_t g, int64_t d) : qf(g * d), acc(g * d), kb(kBlock * d), vb(kBlock * d), p(g * kBlock), m(g), l(g) {}
+  std::vector<float> qf, kb, vb, p;
+  Workspace(int64_t g, int64_t d) : qf(g * d), kb(kBlock * d), vb(kBlock * d), p(g * kBlock) {}
 };
 
+// One part of a (batch row, KV head)'s run: `count` past rows, then the token's own row where own >= 0. Leaves
+// the part's online-softmax state: acc [g, d] (weighted values, not yet divided), m [g] (the largest scaled
+// score, -inf where nothing was read), l [g] (the weights' sum relative to m) and read_sum [d] (past rows).
 template <typename scalar_t>
-void attend_one(const scalar_t* q, const scalar_t* keys, const scalar_t* values, const int64_t* rows,
-                int64_t count, int64_t own, int64_t g, int64_t d, float scale, scalar_t* out, float* lse,
-                float* read_sum, Workspace& ws) {
+void attend_part(const scalar_t* q, const scalar_t* keys, const scalar_t* values, const int64_t* rows,
+                 int64_t count, int64_t own, int64_t g, int64_t d, float scale, float* acc, float* m, float* l,
+                 float* read_sum, Workspace& ws) {
   float* qf = ws.qf.data();
-  float* acc = ws.acc.data();
   float* kb = ws.kb.data();
   float* vb = ws.vb.data();
-  float* m = ws.m.data();
-  float* l = ws.l.data();
   to_float(q, qf, g * d);
   std::fill(acc, acc + g * d, 0.f);
   std::fill(m, m + g, -std::numeric_limits<float>::infinity());
@@ -131,11 +131,34 @@ void attend_one(const scalar_t* q, const scalar_t* keys, const scalar_t* values,
       }
     }
   }
+}
+
+// A run's parts merged in order (the log-sum-exp rule: each part's sums rescaled to the largest max), then
+// normalized: out [g, d], lse [g], read_sum [d]. One part: its own numbers (each factor is exp(0) = 1).
+template <typename scalar_t>
+void merge_parts(const float* acc, const float* m, const float* l, const float* sums, int64_t parts, int64_t g,
+                 int64_t d, scalar_t* out, float* lse, float* read_sum, float* merged) {
+  std::copy(sums, sums + d, read_sum);
+  for (int64_t t = 1; t < parts; ++t)
+    for (int64_t c = 0; c < d; ++c) read_sum[c] += sums[t * d + c];
   for (int64_t h = 0; h < g; ++h) {
-    const bool any = l[h] > 0.f;
-    lse[h] = any ? m[h] + std::log(l[h]) : -std::numeric_limits<float>::infinity();
-    const float inv = any ? 1.f / l[h] : 0.f;
-    for (int64_t c = 0; c < d; ++c) out[h * d + c] = static_cast<scalar_t>(acc[h * d + c] * inv);
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < parts; ++t) top = std::max(top, m[t * g + h]);
+    float total = 0.f;
+    std::fill(merged, merged + d, 0.f);
+    if (top > -std::numeric_limits<float>::infinity()) {
+      for (int64_t t = 0; t < parts; ++t) {
+        const float factor = std::exp(m[t * g + h] - top);  // 0 for a part that read nothing
+        total += l[t * g + h] * factor;
+        const float* a = acc + (t * g + h) * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) merged[c] += a[c] * factor;
+      }
+    }
+    const bool any = total > 0.f;
+    lse[h] = any ? top + std::log(total) : -std::numeric_limits<float>::infinity();
+    const float inv = any ? 1.f / total : 0.f;
+    for (int64_t c = 0; c < d; ++c) out[h * d + c] = static_cast<scalar_t>(merged[c] * inv);
   }
 }
 
@@ -143,11 +166,11 @@ void attend_one(const scalar_t* q, const scalar_t* keys, const scalar_t* values,
 
 // q [B, H, d]; keys, values [N, d] (a layer's flat store); rows [B, n] int64, each batch row's selected rows
 // head-major (KV head 0's run first); counts [B, Hkv] int64, the length of each run; own [B, Hkv] int64, the
-// token's own row (read last), or an empty tensor for none. Returns out [B, H, d] (q's dtype), lse [B, H] and
-// read_sum [B, Hkv, d] (float32).
+// token's own row (read last), or an empty tensor for none; part_rows: the most rows one task reads of a run (its
+// parts merged by log-sum-exp). Returns out [B, H, d] (q's dtype), lse [B, H] and read_sum [B, Hkv, d] (float32).
 std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                        torch::Tensor rows, torch::Tensor counts, torch::Tensor own,
-                                       double scale) {
+                                       double scale, int64_t part_rows) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 2 && values.dim() == 2, "q [B,H,d], keys/values [N,d]");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
               "q, keys and values must share a dtype");
@@ -190,6 +213,20 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
   auto out = torch::empty({b, h, d}, q.options());
   auto lse = torch::empty({b, h}, q.options().dtype(torch::kFloat));
   auto read_sum = torch::empty({b, hkv, d}, q.options().dtype(torch::kFloat));
+  // each run cut into parts of at most `part_rows` rows (its own row in the last), so that a few long runs (one
+  // batch row, three KV heads) keep every thread busy; the parts depend on the counts alone, never on the batch
+  // or the threads, so a run's numbers are the same whatever runs beside it
+  const int64_t per_part = std::max<int64_t>(1, part_rows);
+  std::vector<int64_t> first_part(b * hkv + 1);
+  for (int64_t bh = 0; bh < b * hkv; ++bh) {
+    const int64_t total = counts_p[bh] + (has_own ? 1 : 0);
+    first_part[bh + 1] = first_part[bh] + std::max<int64_t>(1, (total + per_part - 1) / per_part);
+  }
+  const int64_t parts = first_part[b * hkv];
+  std::vector<int64_t> part_run(parts);
+  for (int64_t bh = 0; bh < b * hkv; ++bh)
+    std::fill(part_run.begin() + first_part[bh], part_run.begin() + first_part[bh + 1], bh);
+  std::vector<float> acc(parts * g * d), mx(parts * g), l(parts * g), sums(parts * d);
   const int64_t* starts_p = starts.data();
   float* lse_p = lse.data_ptr<float>();
   float* sum_p = read_sum.data_ptr<float>();
@@ -199,13 +236,26 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
     const scalar_t* k_p = keys.data_ptr<scalar_t>();
     const scalar_t* v_p = values.data_ptr<scalar_t>();
     scalar_t* out_p = out.data_ptr<scalar_t>();
-    at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {
       Workspace ws(g, d);
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t bh = part_run[t], bi = bh / hkv, count = counts_p[bh];
+        const int64_t from = (t - first_part[bh]) * per_part;  // in the run's rows, its own row last
+        const int64_t to = std::min(from + per_part, count + (has_own ? 1 : 0));
+        const int64_t past_to = std::min(to, count);
+        const int64_t own_row = has_own && to > count ? own_p[bh] : -1;
+        attend_part<scalar_t>(q_p + bh * g * d, k_p, v_p, rows_p + bi * n + starts_p[bh] + from,
+                              std::max<int64_t>(0, past_to - from), own_row, g, d, sc, acc.data() + t * g * d,
+                              mx.data() + t * g, l.data() + t * g, sums.data() + t * d, ws);
+      }
+    });
+    at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> merged(d);
       for (int64_t bh = lo; bh < hi; ++bh) {
-        const int64_t bi = bh / hkv;
-        attend_one<scalar_t>(q_p + bh * g * d, k_p, v_p, rows_p + bi * n + starts_p[bh], counts_p[bh],
-                             has_own ? own_p[bh] : -1, g, d, sc, out_p + bh * g * d, lse_p + bh * g,
-                             sum_p + bh * d, ws);
+        const int64_t t = first_part[bh];
+        merge_parts<scalar_t>(acc.data() + t * g * d, mx.data() + t * g, l.data() + t * g, sums.data() + t * d,
+                              first_part[bh + 1] - t, g, d, out_p + bh * g * d, lse_p + bh * g, sum_p + bh * d,
+                              merged.data());
       }
     });
   });
@@ -218,6 +268,21 @@ struct Candidate {  // one kept (KV head, slot) of a batch row over its layer ca
   float mass;
   int64_t index;  // KV head * n + slot
 };
+
+constexpr size_t kKeptScratchBytes = size_t{8} << 20;  // work space a thread keeps between calls, at most
+
+// `n` elements of work space: the calling thread's kept one (grown as needed) where it is small, else `local`
+// (a teacher-forced block's scores, hundreds of rows: freed after the call)
+template <typename T>
+T* scratch(std::vector<T>& kept_space, std::vector<T>& local, int64_t n) {
+  const size_t size = static_cast<size_t>(n);
+  if (size * sizeof(T) > kKeptScratchBytes) {
+    local.resize(size);
+    return local.data();
+  }
+  if (kept_space.size() < size) kept_space.resize(size);
+  return kept_space.data();
+}
 
 // The cap's order: more mass first; equal mass, the lower (KV head, slot) first.
 inline bool before(const Candidate& a, const Candidate& b) {
@@ -257,72 +322,98 @@ std::vector<torch::Tensor> select_packed_capped(torch::Tensor scores, double sca
   bool* keep_p = keep.data_ptr<bool>();
   int64_t* counts_p = counts.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale), floor_rel = static_cast<float>(-alpha);
-  // each (batch row, KV head): scaled scores, each head's max, the threshold over the group, exp(relative). One
-  // simple loop per step, so that each vectorizes (a loop mixing the bool mask with floats, or a store with
-  // the max, does not)
-  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> group_max(n);
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      std::fill(group_max.begin(), group_max.end(), -std::numeric_limits<float>::infinity());
-      float* gm = group_max.data();
-      for (int64_t h = 0; h < g; ++h) {
-        float* row = s_p + (bh * g + h) * n;
-        for (int64_t j = 0; j < n; ++j) row[j] = row[j] * sc;  // as torch: the scaled score rounded
-        float mx = -std::numeric_limits<float>::infinity();
+  // work spaces of the calling thread, kept between calls (no per-layer allocation): each query head's
+  // above-the-threshold flags [B * Hkv * G, n], and the mass of each (batch row, KV head) over its cap [B * Hkv, n]
+  thread_local std::vector<uint8_t> above_space;
+  thread_local std::vector<float> mass_space;
+  std::vector<uint8_t> above_local;
+  std::vector<float> mass_local;
+  uint8_t* above_p = scratch(above_space, above_local, b * hkv * g * n);
+  // each query head (its own task: one batch row's few KV heads still keep every thread busy): scaled scores,
+  // its max, whether each slot is above the threshold, exp(relative) and their sum. One simple loop per step, so
+  // that each vectorizes (a loop mixing the flags with floats, or a store with the max, does not)
+  at::parallel_for(0, b * hkv * g, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bhg = lo; bhg < hi; ++bhg) {
+      float* row = s_p + bhg * n;
+      for (int64_t j = 0; j < n; ++j) row[j] = row[j] * sc;  // as torch: the scaled score rounded
+      float mx = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < n; ++j) mx = mx > row[j] ? mx : row[j];
-        mx = std::max(mx, std::numeric_limits<float>::lowest());  // as `_choose` clamps the max
-        for (int64_t j = 0; j < n; ++j) gm[j] = std::max(gm[j], row[j] - mx);  // then the max subtracted
-        for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
-        float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) mx = mx > row[j] ? mx : row[j];
+      mx = std::max(mx, std::numeric_limits<float>::lowest());  // as `_choose` clamps the max
+      uint8_t* ab = above_p + bhg * n;
+      for (int64_t j = 0; j < n; ++j) ab[j] = (row[j] - mx) > floor_rel;  // then the max subtracted
+      for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
+      float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) sum += row[j];
-        head_max[bh * g + h] = mx;
-        head_sum[bh * g + h] = sum;
-      }
+      for (int64_t j = 0; j < n; ++j) sum += row[j];
+      head_max[bhg] = mx;
+      head_sum[bhg] = sum;
+    }
+  });
+  // a slot is kept where the group's largest relative score is above the threshold: where any head's is
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
       bool* kp = keep_p + bh * n;
+      const uint8_t* ab = above_p + bh * g * n;
+      for (int64_t j = 0; j < n; ++j) kp[j] = ab[j];
+      for (int64_t h = 1; h < g; ++h)
+        for (int64_t j = 0; j < n; ++j) kp[j] = kp[j] | ab[h * n + j];
       int64_t c = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        kp[j] = gm[j] > floor_rel;
-        c += kp[j];
-      }
+      for (int64_t j = 0; j < n; ++j) c += kp[j];
       counts_p[bh] = c;
     }
   });
-  // each batch row over its cap keeps exactly its `total` pairs with the most mass (a partial selection)
-  at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<Candidate> cand;
-    std::vector<float> mass(n);
-    for (int64_t bi = lo; bi < hi; ++bi) {
-      int64_t kept = 0;
-      for (int64_t kh = 0; kh < hkv; ++kh) kept += counts_p[bi * hkv + kh];
-      const int64_t total = totals[bi];
-      if (kept <= total) continue;
-      cand.resize(kept + 1);  // + 1: the branch-free compaction below writes one past the last kept pair
-      int64_t c = 0;
-      for (int64_t kh = 0; kh < hkv; ++kh) {
-        const int64_t bh = bi * hkv + kh;
-        const bool* kp = keep_p + bh * n;
-        float* ms = mass.data();
-        std::fill(mass.begin(), mass.end(), 0.f);
+  // each batch row over its cap keeps exactly its `total` pairs with the most mass (a partial selection); the
+  // mass of each of its KV heads first, a task each
+  std::vector<uint8_t> over(b);
+  bool any_over = false;
+  for (int64_t bi = 0; bi < b; ++bi) {
+    int64_t kept = 0;
+    for (int64_t kh = 0; kh < hkv; ++kh) kept += counts_p[bi * hkv + kh];
+    over[bi] = kept > totals[bi];
+    any_over = any_over || over[bi];
+  }
+  if (any_over) {
+    float* mass_p = scratch(mass_space, mass_local, b * hkv * n);
+    at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t bh = lo; bh < hi; ++bh) {
+        if (!over[bh / hkv]) continue;
+        float* ms = mass_p + bh * n;
+        std::fill(ms, ms + n, 0.f);
         for (int64_t h = 0; h < g; ++h) {  // as torch: each head's weights, then summed over the group in order
           const float* e = s_p + (bh * g + h) * n;
           const float z = head_sum[bh * g + h];
           for (int64_t j = 0; j < n; ++j) ms[j] += e[j] / z;
         }
-        for (int64_t j = 0; j < n; ++j) {
-          cand[c] = {ms[j], kh * n + j};
-          c += kp[j];
+      }
+    });
+    at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<Candidate> cand;
+      for (int64_t bi = lo; bi < hi; ++bi) {
+        if (!over[bi]) continue;
+        int64_t kept = 0;
+        for (int64_t kh = 0; kh < hkv; ++kh) kept += counts_p[bi * hkv + kh];
+        const int64_t total = totals[bi];
+        cand.resize(kept + 1);  // + 1: the branch-free compaction below writes one past the last kept pair
+        int64_t c = 0;
+        for (int64_t kh = 0; kh < hkv; ++kh) {
+          const int64_t bh = bi * hkv + kh;
+          const bool* kp = keep_p + bh * n;
+          const float* ms = mass_p + bh * n;
+          for (int64_t j = 0; j < n; ++j) {
+            cand[c] = {ms[j], kh * n + j};
+            c += kp[j];
+          }
+        }
+        cand.resize(kept);
+        std::nth_element(cand.begin(), cand.begin() + total, cand.end(), before);
+        for (auto it = cand.begin() + total; it != cand.end(); ++it) {
+          keep_p[bi * hkv * n + it->index] = false;
+          --counts_p[bi * hkv + it->index / n];
         }
       }
-      cand.resize(kept);
-      std::nth_element(cand.begin(), cand.begin() + total, cand.end(), before);
-      for (auto it = cand.begin() + total; it != cand.end(); ++it) {
-        keep_p[bi * hkv * n + it->index] = false;
-        --counts_p[bi * hkv + it->index / n];
-      }
-    }
-  });
+    });
+  }
   std::vector<int64_t> starts(b * hkv);
   int64_t m = 0;
   for (int64_t bi = 0; bi < b; ++bi) {
@@ -338,10 +429,9 @@ std::vector<torch::Tensor> select_packed_capped(torch::Tensor scores, double sca
   int64_t* rows_p = rows.data_ptr<int64_t>();
   int64_t* head_p = head.data_ptr<int64_t>();
   float* lse_p = with_lse ? lse.data_ptr<float>() : nullptr;
-  // the packed rows, and the mass each query head leaves unread
+  // the packed rows of each (batch row, KV head)
   at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<int64_t> kept(n);
-    std::vector<float> unread(with_lse ? n : 0);
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t bi = bh / hkv, kh = bh % hkv;
       const bool* kp = keep_p + bh * n;
@@ -352,19 +442,24 @@ std::vector<torch::Tensor> select_packed_capped(torch::Tensor scores, double sca
       }
       std::copy(kept.begin(), kept.begin() + c, rows_p + bi * m + starts[bh]);
       std::fill(head_p + bi * m + starts[bh], head_p + bi * m + starts[bh] + c, kh);
-      if (!with_lse) continue;
-      for (int64_t j = 0; j < n; ++j) unread[j] = kp[j] ? 0.f : 1.f;
-      for (int64_t h = 0; h < g; ++h) {
-        const float* e = s_p + (bh * g + h) * n;
+    }
+  });
+  // the mass each query head leaves unread
+  if (with_lse) {
+    at::parallel_for(0, b * hkv * g, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> unread(n);
+      for (int64_t bhg = lo; bhg < hi; ++bhg) {
+        const bool* kp = keep_p + bhg / g * n;
+        for (int64_t j = 0; j < n; ++j) unread[j] = kp[j] ? 0.f : 1.f;
+        const float* e = s_p + bhg * n;
         const float* u = unread.data();
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; ++j) sum += e[j] * u[j];
-        lse_p[bh * g + h] = sum > 0.f ? head_max[bh * g + h] + std::log(sum)
-                                      : -std::numeric_limits<float>::infinity();
+        lse_p[bhg] = sum > 0.f ? head_max[bhg] + std::log(sum) : -std::numeric_limits<float>::infinity();
       }
-    }
-  });
+    });
+  }
   return {keep, rows, head, counts, lse};
 }
 
@@ -394,7 +489,8 @@ std::vector<torch::Tensor> select_packed_rows(torch::Tensor scores, torch::Tenso
 // torch's CPU int4 kernel (kernels/int4.py, "tinygemm"). Each (batch row, KV head) is that kernel's call over
 // the first n slots' whole blocks, run inside this region (its own parallel loop then runs inline), so every
 // score has the bits of a call from Python. Returns float32 [B, Hkv, G, n].
-torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz, int64_t group, int64_t n) {
+torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz, int64_t group, int64_t n,
+                         int64_t part_slots) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kBFloat16, "q [B,Hkv,G,d] bfloat16");
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == torch::kByte, "codes [B,Hkv,blocks*64,d/2] uint8");
   TORCH_CHECK(sz.dim() == 5 && sz.scalar_type() == at::kBFloat16 && sz.size(4) == 2, "sz [B,Hkv,ng,cap,2] bf16");
@@ -406,17 +502,23 @@ torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz,
   auto out = torch::empty({b, hkv, g, n}, q.options().dtype(torch::kFloat));
   if (n == 0) return out;
   const int64_t nr = std::min((n + 63) / 64 * 64, codes.size(2));  // whole 64-token blocks
+  // each (batch row, KV head)'s slots in parts of whole blocks, a task each (one batch row's few KV heads still
+  // keep every thread busy); each score is its own dot product, the same bits however the slots are cut
+  const int64_t per_part = std::max<int64_t>(1, (part_slots + 63) / 64) * 64;
+  const int64_t parts = (nr + per_part - 1) / per_part;
   float* out_p = out.data_ptr<float>();
-  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      const int64_t bi = bh / hkv, kh = bh % hkv;
-      auto w = codes[bi][kh].narrow(0, 0, nr);
-      auto scale_zero = sz[bi][kh].narrow(1, 0, nr).contiguous();  // the kernel reads [ng, nr, 2] contiguous
+  at::parallel_for(0, b * hkv * parts, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t bh = t / parts, bi = bh / hkv, kh = bh % hkv;
+      const int64_t from = t % parts * per_part, len = std::min(per_part, nr - from);
+      auto w = codes[bi][kh].narrow(0, from, len);
+      auto scale_zero = sz[bi][kh].narrow(1, from, len).contiguous();  // the kernel reads [ng, len, 2] contiguous
       auto s = at::_weight_int4pack_mm_for_cpu(q[bi][kh], w.is_contiguous() ? w : w.contiguous(), group,
-                                               scale_zero).to(torch::kFloat);  // [G, nr]
+                                               scale_zero).to(torch::kFloat);  // [G, len]
       const float* s_p = s.data_ptr<float>();
+      const int64_t used = std::min(len, n - from);
       for (int64_t h = 0; h < g; ++h)
-        std::copy(s_p + h * nr, s_p + h * nr + n, out_p + (bh * g + h) * n);
+        std::copy(s_p + h * len, s_p + h * len + used, out_p + (bh * g + h) * n + from);
     }
   });
   return out;
