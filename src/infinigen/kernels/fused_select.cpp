@@ -484,11 +484,50 @@ std::vector<torch::Tensor> select_packed_rows(torch::Tensor scores, torch::Tenso
                               with_lse);
 }
 
+namespace {
+
+constexpr int64_t kSlotBlock = 64;  // slots per block of the int4 layout: each dim's 32 bytes hold 64 slots' codes
+
+// The scores of G float32 query rows a [G, d] against one 64-slot block of 4-bit keys (codes [d, 32]: dim k's
+// byte j holds slot j in its low nibble, slot j + 32 in its high one; sz: the block's first slot of [ng, cap, 2]
+// bfloat16 scale-and-zero) -> c [G, 64], in the arithmetic of torch's AVX-512 int4 kernel (`tinygemm_kernel`),
+// so the same bits: each key value is fma(code - 8, scale, zero), each score the fma chain over k = 0..d-1 in
+// order, rounded to bfloat16 at the end (by the caller).
+inline void score_block(const float* a, int64_t g, int64_t d, const uint8_t* codes, const c10::BFloat16* sz,
+                        int64_t cap, int64_t group, float* c) {
+  alignas(64) float scale[kSlotBlock], zero[kSlotBlock], key[kSlotBlock];
+  std::fill(c, c + g * kSlotBlock, 0.f);
+  for (int64_t k = 0; k < d; ++k) {
+    if (k % group == 0) {
+      const c10::BFloat16* part = sz + (k / group) * cap * 2;
+      for (int64_t j = 0; j < kSlotBlock; ++j) {
+        scale[j] = static_cast<float>(part[2 * j]);
+        zero[j] = static_cast<float>(part[2 * j + 1]);
+      }
+    }
+    const uint8_t* byte = codes + k * (kSlotBlock / 2);
+#pragma omp simd
+    for (int64_t j = 0; j < kSlotBlock / 2; ++j) {
+      key[j] = std::fma(static_cast<float>(byte[j] & 15) - 8.f, scale[j], zero[j]);
+      key[j + 32] = std::fma(static_cast<float>(byte[j] >> 4) - 8.f, scale[j + 32], zero[j + 32]);
+    }
+    for (int64_t m = 0; m < g; ++m) {
+      const float am = a[m * d + k];
+      float* cm = c + m * kSlotBlock;
+#pragma omp simd
+      for (int64_t j = 0; j < kSlotBlock; ++j) cm[j] = std::fma(am, key[j], cm[j]);
+    }
+  }
+}
+
+}  // namespace
+
 // The 4-bit keys' scores of one decoding row per (batch row, KV head), in one parallel region: q [B, Hkv, G, d]
 // bfloat16; codes [B, Hkv, blocks * 64, d / 2] uint8 and sz [B, Hkv, ng, capacity, 2] bfloat16 in the layout of
-// torch's CPU int4 kernel (kernels/int4.py, "tinygemm"). Each (batch row, KV head) is that kernel's call over
-// the first n slots' whole blocks, run inside this region (its own parallel loop then runs inline), so every
-// score has the bits of a call from Python. Returns float32 [B, Hkv, G, n].
+// torch's CPU int4 kernel (kernels/int4.py, "tinygemm"). Computed here in that kernel's arithmetic (`score_block`),
+// so every score has the bits of its call from Python, without its per-call work (a dispatch, a copy of the
+// scale-and-zero, a bfloat16 output converted again); each (batch row, KV head)'s blocks in parts of `part_slots`
+// slots, a task each. Returns float32 [B, Hkv, G, n].
 torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz, int64_t group, int64_t n,
                          int64_t part_slots) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kBFloat16, "q [B,Hkv,G,d] bfloat16");
@@ -498,27 +537,34 @@ torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz,
   TORCH_CHECK(codes.size(0) == b && codes.size(1) == hkv && codes.size(3) * 2 == d, "codes do not match q");
   TORCH_CHECK(sz.size(0) == b && sz.size(1) == hkv && sz.size(2) * group == d, "sz does not match q");
   TORCH_CHECK(n >= 0 && n <= codes.size(2) && n <= sz.size(3), "n exceeds the packed slots");
+  TORCH_CHECK(codes.size(2) % kSlotBlock == 0 && sz.size(3) >= codes.size(2), "codes in whole 64-slot blocks");
   q = q.contiguous();
+  codes = codes.contiguous();
+  sz = sz.contiguous();
   auto out = torch::empty({b, hkv, g, n}, q.options().dtype(torch::kFloat));
   if (n == 0) return out;
-  const int64_t nr = std::min((n + 63) / 64 * 64, codes.size(2));  // whole 64-token blocks
-  // each (batch row, KV head)'s slots in parts of whole blocks, a task each (one batch row's few KV heads still
-  // keep every thread busy); each score is its own dot product, the same bits however the slots are cut
-  const int64_t per_part = std::max<int64_t>(1, (part_slots + 63) / 64) * 64;
-  const int64_t parts = (nr + per_part - 1) / per_part;
+  const int64_t blocks = (n + kSlotBlock - 1) / kSlotBlock, cap = sz.size(3), ng = sz.size(2);
+  const int64_t per_part = std::max<int64_t>(1, (part_slots + kSlotBlock - 1) / kSlotBlock);  // blocks per task
+  const int64_t parts = (blocks + per_part - 1) / per_part;
+  const c10::BFloat16* q_p = q.data_ptr<c10::BFloat16>();
+  const uint8_t* codes_p = codes.data_ptr<uint8_t>();
+  const c10::BFloat16* sz_p = sz.data_ptr<c10::BFloat16>();
   float* out_p = out.data_ptr<float>();
+  const int64_t head_codes = codes.size(2) * d / 2;  // bytes of one (batch row, KV head)
   at::parallel_for(0, b * hkv * parts, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> a(g * d), c(g * kSlotBlock);
     for (int64_t t = lo; t < hi; ++t) {
-      const int64_t bh = t / parts, bi = bh / hkv, kh = bh % hkv;
-      const int64_t from = t % parts * per_part, len = std::min(per_part, nr - from);
-      auto w = codes[bi][kh].narrow(0, from, len);
-      auto scale_zero = sz[bi][kh].narrow(1, from, len).contiguous();  // the kernel reads [ng, len, 2] contiguous
-      auto s = at::_weight_int4pack_mm_for_cpu(q[bi][kh], w.is_contiguous() ? w : w.contiguous(), group,
-                                               scale_zero).to(torch::kFloat);  // [G, len]
-      const float* s_p = s.data_ptr<float>();
-      const int64_t used = std::min(len, n - from);
-      for (int64_t h = 0; h < g; ++h)
-        std::copy(s_p + h * len, s_p + h * len + used, out_p + (bh * g + h) * n + from);
+      const int64_t bh = t / parts, first = t % parts * per_part, last = std::min(blocks, first + per_part);
+      for (int64_t i = 0; i < g * d; ++i) a[i] = static_cast<float>(q_p[bh * g * d + i]);
+      for (int64_t blk = first; blk < last; ++blk) {
+        score_block(a.data(), g, d, codes_p + bh * head_codes + blk * kSlotBlock * d / 2,
+                    sz_p + bh * ng * cap * 2 + blk * kSlotBlock * 2, cap, group, c.data());
+        const int64_t used = std::min(kSlotBlock, n - blk * kSlotBlock);
+        for (int64_t m = 0; m < g; ++m) {  // rounded to bfloat16, as the kernel returns its scores
+          float* dst = out_p + (bh * g + m) * n + blk * kSlotBlock;
+          for (int64_t j = 0; j < used; ++j) dst[j] = static_cast<float>(c10::BFloat16(c[m * kSlotBlock + j]));
+        }
+      }
     }
   });
   return out;
