@@ -14,6 +14,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kBlock = 32;  // rows per online-softmax block: their keys and values fit in L1 at d <= 128
@@ -269,21 +273,6 @@ struct Candidate {  // one kept (KV head, slot) of a batch row over its layer ca
   int64_t index;  // KV head * n + slot
 };
 
-constexpr size_t kKeptScratchBytes = size_t{8} << 20;  // work space a thread keeps between calls, at most
-
-// `n` elements of work space: the calling thread's kept one (grown as needed) where it is small, else `local`
-// (a teacher-forced block's scores, hundreds of rows: freed after the call)
-template <typename T>
-T* scratch(std::vector<T>& kept_space, std::vector<T>& local, int64_t n) {
-  const size_t size = static_cast<size_t>(n);
-  if (size * sizeof(T) > kKeptScratchBytes) {
-    local.resize(size);
-    return local.data();
-  }
-  if (kept_space.size() < size) kept_space.resize(size);
-  return kept_space.data();
-}
-
 // The cap's order: more mass first; equal mass, the lower (KV head, slot) first.
 inline bool before(const Candidate& a, const Candidate& b) {
   return a.mass > b.mass || (a.mass == b.mass && a.index < b.index);
@@ -322,98 +311,72 @@ std::vector<torch::Tensor> select_packed_capped(torch::Tensor scores, double sca
   bool* keep_p = keep.data_ptr<bool>();
   int64_t* counts_p = counts.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale), floor_rel = static_cast<float>(-alpha);
-  // work spaces of the calling thread, kept between calls (no per-layer allocation): each query head's
-  // above-the-threshold flags [B * Hkv * G, n], and the mass of each (batch row, KV head) over its cap [B * Hkv, n]
-  thread_local std::vector<uint8_t> above_space;
-  thread_local std::vector<float> mass_space;
-  std::vector<uint8_t> above_local;
-  std::vector<float> mass_local;
-  uint8_t* above_p = scratch(above_space, above_local, b * hkv * g * n);
-  // each query head (its own task: one batch row's few KV heads still keep every thread busy): scaled scores,
-  // its max, whether each slot is above the threshold, exp(relative) and their sum. One simple loop per step, so
-  // that each vectorizes (a loop mixing the flags with floats, or a store with the max, does not)
-  at::parallel_for(0, b * hkv * g, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t bhg = lo; bhg < hi; ++bhg) {
-      float* row = s_p + bhg * n;
-      for (int64_t j = 0; j < n; ++j) row[j] = row[j] * sc;  // as torch: the scaled score rounded
-      float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-      for (int64_t j = 0; j < n; ++j) mx = mx > row[j] ? mx : row[j];
-      mx = std::max(mx, std::numeric_limits<float>::lowest());  // as `_choose` clamps the max
-      uint8_t* ab = above_p + bhg * n;
-      for (int64_t j = 0; j < n; ++j) ab[j] = (row[j] - mx) > floor_rel;  // then the max subtracted
-      for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < n; ++j) sum += row[j];
-      head_max[bhg] = mx;
-      head_sum[bhg] = sum;
-    }
-  });
-  // a slot is kept where the group's largest relative score is above the threshold: where any head's is
+  // each (batch row, KV head): scaled scores, each head's max, the threshold over the group, exp(relative). One
+  // simple loop per step, so that each vectorizes (a loop mixing the bool mask with floats, or a store with
+  // the max, does not)
   at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> group_max(n);
     for (int64_t bh = lo; bh < hi; ++bh) {
+      std::fill(group_max.begin(), group_max.end(), -std::numeric_limits<float>::infinity());
+      float* gm = group_max.data();
+      for (int64_t h = 0; h < g; ++h) {
+        float* row = s_p + (bh * g + h) * n;
+        for (int64_t j = 0; j < n; ++j) row[j] = row[j] * sc;  // as torch: the scaled score rounded
+        float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < n; ++j) mx = mx > row[j] ? mx : row[j];
+        mx = std::max(mx, std::numeric_limits<float>::lowest());  // as `_choose` clamps the max
+        for (int64_t j = 0; j < n; ++j) gm[j] = std::max(gm[j], row[j] - mx);  // then the max subtracted
+        for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) sum += row[j];
+        head_max[bh * g + h] = mx;
+        head_sum[bh * g + h] = sum;
+      }
       bool* kp = keep_p + bh * n;
-      const uint8_t* ab = above_p + bh * g * n;
-      for (int64_t j = 0; j < n; ++j) kp[j] = ab[j];
-      for (int64_t h = 1; h < g; ++h)
-        for (int64_t j = 0; j < n; ++j) kp[j] = kp[j] | ab[h * n + j];
       int64_t c = 0;
-      for (int64_t j = 0; j < n; ++j) c += kp[j];
+      for (int64_t j = 0; j < n; ++j) {
+        kp[j] = gm[j] > floor_rel;
+        c += kp[j];
+      }
       counts_p[bh] = c;
     }
   });
-  // each batch row over its cap keeps exactly its `total` pairs with the most mass (a partial selection); the
-  // mass of each of its KV heads first, a task each
-  std::vector<uint8_t> over(b);
-  bool any_over = false;
-  for (int64_t bi = 0; bi < b; ++bi) {
-    int64_t kept = 0;
-    for (int64_t kh = 0; kh < hkv; ++kh) kept += counts_p[bi * hkv + kh];
-    over[bi] = kept > totals[bi];
-    any_over = any_over || over[bi];
-  }
-  if (any_over) {
-    float* mass_p = scratch(mass_space, mass_local, b * hkv * n);
-    at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t bh = lo; bh < hi; ++bh) {
-        if (!over[bh / hkv]) continue;
-        float* ms = mass_p + bh * n;
-        std::fill(ms, ms + n, 0.f);
+  // each batch row over its cap keeps exactly its `total` pairs with the most mass (a partial selection)
+  at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<Candidate> cand;
+    std::vector<float> mass(n);
+    for (int64_t bi = lo; bi < hi; ++bi) {
+      int64_t kept = 0;
+      for (int64_t kh = 0; kh < hkv; ++kh) kept += counts_p[bi * hkv + kh];
+      const int64_t total = totals[bi];
+      if (kept <= total) continue;
+      cand.resize(kept + 1);  // + 1: the branch-free compaction below writes one past the last kept pair
+      int64_t c = 0;
+      for (int64_t kh = 0; kh < hkv; ++kh) {
+        const int64_t bh = bi * hkv + kh;
+        const bool* kp = keep_p + bh * n;
+        float* ms = mass.data();
+        std::fill(mass.begin(), mass.end(), 0.f);
         for (int64_t h = 0; h < g; ++h) {  // as torch: each head's weights, then summed over the group in order
           const float* e = s_p + (bh * g + h) * n;
           const float z = head_sum[bh * g + h];
           for (int64_t j = 0; j < n; ++j) ms[j] += e[j] / z;
         }
-      }
-    });
-    at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<Candidate> cand;
-      for (int64_t bi = lo; bi < hi; ++bi) {
-        if (!over[bi]) continue;
-        int64_t kept = 0;
-        for (int64_t kh = 0; kh < hkv; ++kh) kept += counts_p[bi * hkv + kh];
-        const int64_t total = totals[bi];
-        cand.resize(kept + 1);  // + 1: the branch-free compaction below writes one past the last kept pair
-        int64_t c = 0;
-        for (int64_t kh = 0; kh < hkv; ++kh) {
-          const int64_t bh = bi * hkv + kh;
-          const bool* kp = keep_p + bh * n;
-          const float* ms = mass_p + bh * n;
-          for (int64_t j = 0; j < n; ++j) {
-            cand[c] = {ms[j], kh * n + j};
-            c += kp[j];
-          }
-        }
-        cand.resize(kept);
-        std::nth_element(cand.begin(), cand.begin() + total, cand.end(), before);
-        for (auto it = cand.begin() + total; it != cand.end(); ++it) {
-          keep_p[bi * hkv * n + it->index] = false;
-          --counts_p[bi * hkv + it->index / n];
+        for (int64_t j = 0; j < n; ++j) {
+          cand[c] = {ms[j], kh * n + j};
+          c += kp[j];
         }
       }
-    });
-  }
+      cand.resize(kept);
+      std::nth_element(cand.begin(), cand.begin() + total, cand.end(), before);
+      for (auto it = cand.begin() + total; it != cand.end(); ++it) {
+        keep_p[bi * hkv * n + it->index] = false;
+        --counts_p[bi * hkv + it->index / n];
+      }
+    }
+  });
   std::vector<int64_t> starts(b * hkv);
   int64_t m = 0;
   for (int64_t bi = 0; bi < b; ++bi) {
@@ -429,9 +392,10 @@ std::vector<torch::Tensor> select_packed_capped(torch::Tensor scores, double sca
   int64_t* rows_p = rows.data_ptr<int64_t>();
   int64_t* head_p = head.data_ptr<int64_t>();
   float* lse_p = with_lse ? lse.data_ptr<float>() : nullptr;
-  // the packed rows of each (batch row, KV head)
+  // the packed rows, and the mass each query head leaves unread
   at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<int64_t> kept(n);
+    std::vector<float> unread(with_lse ? n : 0);
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t bi = bh / hkv, kh = bh % hkv;
       const bool* kp = keep_p + bh * n;
@@ -442,24 +406,19 @@ std::vector<torch::Tensor> select_packed_capped(torch::Tensor scores, double sca
       }
       std::copy(kept.begin(), kept.begin() + c, rows_p + bi * m + starts[bh]);
       std::fill(head_p + bi * m + starts[bh], head_p + bi * m + starts[bh] + c, kh);
-    }
-  });
-  // the mass each query head leaves unread
-  if (with_lse) {
-    at::parallel_for(0, b * hkv * g, 1, [&](int64_t lo, int64_t hi) {
-      std::vector<float> unread(n);
-      for (int64_t bhg = lo; bhg < hi; ++bhg) {
-        const bool* kp = keep_p + bhg / g * n;
-        for (int64_t j = 0; j < n; ++j) unread[j] = kp[j] ? 0.f : 1.f;
-        const float* e = s_p + bhg * n;
+      if (!with_lse) continue;
+      for (int64_t j = 0; j < n; ++j) unread[j] = kp[j] ? 0.f : 1.f;
+      for (int64_t h = 0; h < g; ++h) {
+        const float* e = s_p + (bh * g + h) * n;
         const float* u = unread.data();
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = 0; j < n; ++j) sum += e[j] * u[j];
-        lse_p[bhg] = sum > 0.f ? head_max[bhg] + std::log(sum) : -std::numeric_limits<float>::infinity();
+        lse_p[bh * g + h] = sum > 0.f ? head_max[bh * g + h] + std::log(sum)
+                                      : -std::numeric_limits<float>::infinity();
       }
-    });
-  }
+    }
+  });
   return {keep, rows, head, counts, lse};
 }
 
@@ -520,6 +479,65 @@ inline void score_block(const float* a, int64_t g, int64_t d, const uint8_t* cod
   }
 }
 
+#if defined(__AVX512F__)
+// `score_block` with G query rows known at compile time, in AVX-512 registers: the same operations on the same
+// values (code - 8 is exact in float32; scale and zero are bfloat16 widened by a shift), so the same bits.
+template <int G>
+inline void score_block_avx512(const float* a, int64_t d, const uint8_t* codes, const c10::BFloat16* sz,
+                               int64_t cap, int64_t group, float* c) {
+  __m512 acc[G][4];
+  for (int m = 0; m < G; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
+  __m512 scale[4], zero[4];
+  const __m512 eight = _mm512_set1_ps(8.f);
+  const __m512i nibble = _mm512_set1_epi32(15);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < d; ++k) {
+    if (k % group == 0) {  // each slot's (scale, zero) pair is one 32-bit lane: scale in its low half
+      const c10::BFloat16* part = sz + (k / group) * cap * 2;
+      for (int v = 0; v < 4; ++v) {
+        const __m512i pairs = _mm512_loadu_si512(part + 32 * v);
+        scale[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        zero[v] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+      }
+    }
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * (kSlotBlock / 2)));
+    const __m512i first = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes));  // bytes 0..15
+    const __m512i second = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1));  // bytes 16..31
+    const __m512i code[4] = {_mm512_and_si512(first, nibble), _mm512_and_si512(second, nibble),
+                             _mm512_srli_epi32(first, 4), _mm512_srli_epi32(second, 4)};  // slots 0, 16, 32, 48 on
+    __m512 key[4];
+    for (int v = 0; v < 4; ++v)
+      key[v] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(code[v]), eight), scale[v], zero[v]);
+    for (int m = 0; m < G; ++m) {
+      const __m512 am = _mm512_set1_ps(a[m * d + k]);
+      for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_fmadd_ps(am, key[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < G; ++m)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(c + m * kSlotBlock + 16 * v, acc[m][v]);
+}
+#endif
+
+// `score_block` by the fastest form this build has for G query rows.
+inline void score_block_any(const float* a, int64_t g, int64_t d, const uint8_t* codes, const c10::BFloat16* sz,
+                            int64_t cap, int64_t group, float* c) {
+#if defined(__AVX512F__)
+  switch (g) {
+    case 1: return score_block_avx512<1>(a, d, codes, sz, cap, group, c);
+    case 2: return score_block_avx512<2>(a, d, codes, sz, cap, group, c);
+    case 3: return score_block_avx512<3>(a, d, codes, sz, cap, group, c);
+    case 4: return score_block_avx512<4>(a, d, codes, sz, cap, group, c);
+    case 5: return score_block_avx512<5>(a, d, codes, sz, cap, group, c);
+    case 6: return score_block_avx512<6>(a, d, codes, sz, cap, group, c);
+    case 7: return score_block_avx512<7>(a, d, codes, sz, cap, group, c);
+    case 8: return score_block_avx512<8>(a, d, codes, sz, cap, group, c);
+    default: break;
+  }
+#endif
+  score_block(a, g, d, codes, sz, cap, group, c);
+}
+
 }  // namespace
 
 // The 4-bit keys' scores of one decoding row per (batch row, KV head), in one parallel region: q [B, Hkv, G, d]
@@ -557,7 +575,7 @@ torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz,
       const int64_t bh = t / parts, first = t % parts * per_part, last = std::min(blocks, first + per_part);
       for (int64_t i = 0; i < g * d; ++i) a[i] = static_cast<float>(q_p[bh * g * d + i]);
       for (int64_t blk = first; blk < last; ++blk) {
-        score_block(a.data(), g, d, codes_p + bh * head_codes + blk * kSlotBlock * d / 2,
+        score_block_any(a.data(), g, d, codes_p + bh * head_codes + blk * kSlotBlock * d / 2,
                     sz_p + bh * ng * cap * 2 + blk * kSlotBlock * 2, cap, group, c.data());
         const int64_t used = std::min(kSlotBlock, n - blk * kSlotBlock);
         for (int64_t m = 0; m < g; ++m) {  // rounded to bfloat16, as the kernel returns its scores
