@@ -1,10 +1,14 @@
 """One decoding step of the full cache and of InfiniGen selecting at every layer (dense_below=0), the same
-prompts in one process (`eval.fanout.prefill_shared`), steps interleaved A B B A; then one step of each under
+prompts in one process (`eval.fanout.prefill_shared`), steps interleaved A B C C B A; InfiniGen twice: its native
+kernels with a (batch row, KV head) one task ("whole runs", as at batch 8 where there are tasks enough) and cut
+into parts that both threads share ("parts", the default: at batch 1 three KV heads are too few); then one step of
+each under
 the torch profiler (aten operators by self time) and one InfiniGen step under cProfile (where a step's time goes,
 per Python function and native call). With --threads 1 the step times are this thread's CPU time, which other
 jobs' preemption on a shared machine does not inflate (the profiled steps are wall time).
 
     PYTHONPATH=src python benchmarks/selecting_step.py --length 4096 --batch 8 --threads 1
+    PYTHONPATH=src python benchmarks/selecting_step.py --length 8176 --batch 1 --threads 2
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ import torch
 import infinigen
 from infinigen import runtime
 from infinigen.bench.side_by_side import interleaved_decode, staggered_prompts, text_ids
+from infinigen.commands.options import enable_compile
 from infinigen.eval.fanout import prefill_shared
+from infinigen.kernels import fused_select
 from infinigen.policies import make_policy
 
 
@@ -35,18 +41,30 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok, _ = infinigen.load("default", dtype="auto", weights="auto", progress=False)
+    print("compiled:", enable_compile(model, "on", long_running=True, rows=[a.batch]) or "no")
     tokens = staggered_prompts(text_ids(tok), a.length, a.batch)
-    pols = [make_policy("full"), make_policy("infinigen", calibrate=False, dense_below=0).prepare(model, tok)]
+    selecting = make_policy("infinigen", calibrate=False, dense_below=0).prepare(model, tok)
+    pols = [make_policy("full"), selecting, selecting]
+    names = ["full", "infinigen, whole runs", "infinigen, parts"]
     logits, sessions = prefill_shared(model, tokens, pols, a.length + a.steps + 4)
     clock = time.thread_time if a.threads == 1 else time.perf_counter
-    times, _, last = interleaved_decode(model, logits.argmax(-1), sessions, a.steps, clock)
+    parts = (fused_select.ROWS_PER_PART, fused_select.SLOTS_PER_PART)
+
+    def cut(i: int) -> None:  # one task per (batch row, KV head) for the middle system
+        fused_select.ROWS_PER_PART, fused_select.SLOTS_PER_PART = (1 << 40, 1 << 40) if i == 1 else parts
     with open("/proc/loadavg") as f:
         print("loadavg", f.read().strip())
-    for name, ts in zip(["full", "infinigen"], times):
-        print(f"{name:10s} ms/step {[round(x, 1) for x in ts]}  median {statistics.median(ts[1:]):.1f}"
-              f" ({'CPU' if a.threads == 1 else 'wall'})")
+    times, _, last = interleaved_decode(model, logits.argmax(-1), sessions, a.steps, clock, before=cut)
+    cut(2)
+    with open("/proc/loadavg") as f:
+        print("loadavg", f.read().strip())
+    full = statistics.median(times[0][1:])
+    for name, ts in zip(names, times):
+        mid = statistics.median(ts[1:])
+        print(f"{name:22s} ms/step {[round(x, 1) for x in ts]}  median {mid:.1f}"
+              f" ({'CPU' if a.threads == 1 else 'wall'}), {mid / full:.2f} of the full cache")
     with torch.inference_mode():
-        for i, name in enumerate(["full", "infinigen"]):
+        for i, name in [(0, "full"), (2, "infinigen")]:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 last[i] = runtime.decode(model, last[i], sessions[i]).argmax(-1)
             table = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
@@ -55,7 +73,7 @@ def main() -> None:
                 print(f"   {e.key:50s} x{e.count:5d} {e.self_cpu_time_total / 1e3:8.2f} ms")
         profile = cProfile.Profile()
         profile.enable()
-        last[1] = runtime.decode(model, last[1], sessions[1]).argmax(-1)
+        last[2] = runtime.decode(model, last[2], sessions[2]).argmax(-1)
         profile.disable()
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(a.top)

@@ -245,3 +245,68 @@ def test_a_build_killed_mid_way_does_not_hold_back_the_next_run(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
     assert not (dst / "lock").exists()
+
+
+# ---- long runs attended in parts -----------------------------------------------------------------------
+# (batch, KV heads, group, d, slots, share read, rows per part): one batch row's three KV heads cut into parts
+# (both threads on one batch row), G 1/3/7, parts of one row, and (0) parts as long as the longest run, whose own
+# row is then a part of its own
+PARTS = [(1, 3, 3, 64, 2000, 0.6, 256), (1, 3, 1, 64, 700, 0.5, 7), (2, 2, 7, 32, 400, 0.3, 1),
+         (3, 3, 3, 16, 300, 0.9, 64), (1, 1, 3, 64, 64, 1.0, 0), (2, 3, 3, 64, 500, 0.4, 0)]
+
+
+def _attend(store, sel, q, own, part_rows):
+    b, h, _, d = q.shape
+    return fused_select.attend_rows(q.view(b, h, d), store.k[0].view(-1, d), store.v[0].view(-1, d), sel.rows,
+                                    sel.counts, own, d ** -0.5, part_rows)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", PARTS, ids=["x".join(map(str, s[:5])) + f"-p{s[6]}" for s in PARTS])
+def test_runs_attended_in_parts_equal_the_torch_path(shape):
+    """Runs cut into parts and merged by log-sum-exp: output and log-sum-exp within 1e-5 of the torch path, the
+    value sums within rounding; runs of different lengths side by side, one reading only its own token."""
+    b, hkv, g, d, s, ratio, part_rows = shape
+    store, sel, q, slots, own = _case(b, hkv, g, d, s, ratio, torch.float32, seed=s + g, empty_head=b > 1)
+    part_rows = part_rows or int(sel.counts.max())
+    assert int(sel.counts.max()) + 1 > part_rows  # some run has several parts
+    ref, lse_ref, sums_ref = _reference(store, sel, q, slots, d ** -0.5)
+    out, lse, sums = _attend(store, sel, q, own, part_rows)
+    assert (out.view_as(ref) - ref).abs().max() <= 1e-5
+    assert (lse.view_as(lse_ref) - lse_ref).abs().max() <= 1e-5
+    assert (sums - sums_ref).abs().max() <= 1e-4 * max(1.0, float(sums_ref.abs().max()))
+
+
+@needs_kernel
+def test_parts_depend_on_the_counts_alone():
+    """A batch row's numbers are the same bits whatever the threads and whatever batch rows run beside it (the
+    parts are cut by its counts, never by the batch or the threads)."""
+    b, hkv, g, d, s = 3, 3, 3, 64, 900
+    store, sel, q, _, own = _case(b, hkv, g, d, s, 0.5, torch.float32, seed=11)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _attend(store, sel, q, own, 100)
+        torch.set_num_threads(2)
+        two = _attend(store, sel, q, own, 100)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(x, y) for x, y in zip(one, two))
+    alone = fused_select.attend_rows(q[1:2].view(1, -1, d), store.k[0].view(-1, d), store.v[0].view(-1, d),
+                                     sel.rows[1:2], sel.counts[1:2], own[1:2], d ** -0.5, 100)
+    assert all(torch.equal(x[1:2], y) for x, y in zip(one, alone))
+
+
+@needs_kernel
+def test_the_parts_comparison_catches_a_lost_part():
+    """What the comparison above would see of parts merged wrong: a run's first part left out (its counts cut
+    by one part's rows, read from the second part on) differs from the torch path."""
+    b, hkv, g, d, s = 1, 3, 3, 64, 700
+    store, sel, q, slots, own = _case(b, hkv, g, d, s, 0.5, torch.float32, seed=5)
+    ref, lse_ref, _ = _reference(store, sel, q, slots, d ** -0.5)
+    rows, counts = sel.rows.clone(), sel.counts.clone()
+    rows[0, :-64] = sel.rows[0, 64:]
+    counts[0, 0] -= 64  # KV head 0 without its first 64 rows, the others' runs in place
+    out, lse, _ = fused_select.attend_rows(q.view(b, -1, d), store.k[0].view(-1, d), store.v[0].view(-1, d),
+                                           rows, counts, own, d ** -0.5, 64)
+    assert (out.view_as(ref) - ref).abs().max() > 1e-3 or (lse.view_as(lse_ref) - lse_ref).abs().max() > 1e-3

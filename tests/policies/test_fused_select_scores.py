@@ -31,8 +31,13 @@ def _scores_both_ways(pk: PackedKeys, q: torch.Tensor, n: int, monkeypatch) -> t
 @needs_kernel
 @needs_tinygemm
 @pytest.mark.parametrize("case", CASES, ids=["x".join(map(str, c[:4])) for c in CASES])
-def test_one_call_scores_equal_the_per_head_kernel_calls(case, monkeypatch):
+@pytest.mark.parametrize("part_slots", [64, 192, None])
+def test_one_call_scores_equal_the_per_head_kernel_calls(case, part_slots, monkeypatch):
+    """Every (batch row, KV head)'s slots scored in parts of whole blocks (one block, three, the default): the
+    same bits as one kernel call per (batch row, KV head) over all of them."""
     b, hkv, g, capacity, lengths = case
+    if part_slots:
+        monkeypatch.setattr(fused_select, "SLOTS_PER_PART", part_slots)
     gen = torch.Generator().manual_seed(capacity)
     pk = PackedKeys(b, hkv, capacity, 64, group=32, layout="tinygemm")
     pk.write(0, torch.randn(b, hkv, capacity, 64, generator=gen) * torch.linspace(0.1, 3, hkv).view(1, hkv, 1, 1))

@@ -14,6 +14,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 constexpr int64_t kBlock = 32;  // rows per online-softmax block: their keys and values fit in L1 at d <= 128
@@ -53,22 +57,22 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t d) {
   }
 }
 
-// One task's float32 work space, allocated once per task and reused by each (batch row, KV head) it attends.
+// One task's float32 work space, allocated once per task and reused by each part of a run it attends.
 struct Workspace {
-  std::vector<float> qf, acc, kb, vb, p, m, l;
-  Workspace(int64_t g, int64_t d) : qf(g * d), acc(g * d), kb(kBlock * d), vb(kBlock * d), p(g * kBlock), m(g), l(g) {}
+  std::vector<float> qf, kb, vb, p;
+  Workspace(int64_t g, int64_t d) : qf(g * d), kb(kBlock * d), vb(kBlock * d), p(g * kBlock) {}
 };
 
+// One part of a (batch row, KV head)'s run: `count` past rows, then the token's own row where own >= 0. Leaves
+// the part's online-softmax state: acc [g, d] (weighted values, not yet divided), m [g] (the largest scaled
+// score, -inf where nothing was read), l [g] (the weights' sum relative to m) and read_sum [d] (past rows).
 template <typename scalar_t>
-void attend_one(const scalar_t* q, const scalar_t* keys, const scalar_t* values, const int64_t* rows,
-                int64_t count, int64_t own, int64_t g, int64_t d, float scale, scalar_t* out, float* lse,
-                float* read_sum, Workspace& ws) {
+void attend_part(const scalar_t* q, const scalar_t* keys, const scalar_t* values, const int64_t* rows,
+                 int64_t count, int64_t own, int64_t g, int64_t d, float scale, float* acc, float* m, float* l,
+                 float* read_sum, Workspace& ws) {
   float* qf = ws.qf.data();
-  float* acc = ws.acc.data();
   float* kb = ws.kb.data();
   float* vb = ws.vb.data();
-  float* m = ws.m.data();
-  float* l = ws.l.data();
   to_float(q, qf, g * d);
   std::fill(acc, acc + g * d, 0.f);
   std::fill(m, m + g, -std::numeric_limits<float>::infinity());
@@ -131,11 +135,34 @@ void attend_one(const scalar_t* q, const scalar_t* keys, const scalar_t* values,
       }
     }
   }
+}
+
+// A run's parts merged in order (the log-sum-exp rule: each part's sums rescaled to the largest max), then
+// normalized: out [g, d], lse [g], read_sum [d]. One part: its own numbers (each factor is exp(0) = 1).
+template <typename scalar_t>
+void merge_parts(const float* acc, const float* m, const float* l, const float* sums, int64_t parts, int64_t g,
+                 int64_t d, scalar_t* out, float* lse, float* read_sum, float* merged) {
+  std::copy(sums, sums + d, read_sum);
+  for (int64_t t = 1; t < parts; ++t)
+    for (int64_t c = 0; c < d; ++c) read_sum[c] += sums[t * d + c];
   for (int64_t h = 0; h < g; ++h) {
-    const bool any = l[h] > 0.f;
-    lse[h] = any ? m[h] + std::log(l[h]) : -std::numeric_limits<float>::infinity();
-    const float inv = any ? 1.f / l[h] : 0.f;
-    for (int64_t c = 0; c < d; ++c) out[h * d + c] = static_cast<scalar_t>(acc[h * d + c] * inv);
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < parts; ++t) top = std::max(top, m[t * g + h]);
+    float total = 0.f;
+    std::fill(merged, merged + d, 0.f);
+    if (top > -std::numeric_limits<float>::infinity()) {
+      for (int64_t t = 0; t < parts; ++t) {
+        const float factor = std::exp(m[t * g + h] - top);  // 0 for a part that read nothing
+        total += l[t * g + h] * factor;
+        const float* a = acc + (t * g + h) * d;
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) merged[c] += a[c] * factor;
+      }
+    }
+    const bool any = total > 0.f;
+    lse[h] = any ? top + std::log(total) : -std::numeric_limits<float>::infinity();
+    const float inv = any ? 1.f / total : 0.f;
+    for (int64_t c = 0; c < d; ++c) out[h * d + c] = static_cast<scalar_t>(merged[c] * inv);
   }
 }
 
@@ -143,11 +170,11 @@ void attend_one(const scalar_t* q, const scalar_t* keys, const scalar_t* values,
 
 // q [B, H, d]; keys, values [N, d] (a layer's flat store); rows [B, n] int64, each batch row's selected rows
 // head-major (KV head 0's run first); counts [B, Hkv] int64, the length of each run; own [B, Hkv] int64, the
-// token's own row (read last), or an empty tensor for none. Returns out [B, H, d] (q's dtype), lse [B, H] and
-// read_sum [B, Hkv, d] (float32).
+// token's own row (read last), or an empty tensor for none; part_rows: the most rows one task reads of a run (its
+// parts merged by log-sum-exp). Returns out [B, H, d] (q's dtype), lse [B, H] and read_sum [B, Hkv, d] (float32).
 std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                        torch::Tensor rows, torch::Tensor counts, torch::Tensor own,
-                                       double scale) {
+                                       double scale, int64_t part_rows) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 2 && values.dim() == 2, "q [B,H,d], keys/values [N,d]");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
               "q, keys and values must share a dtype");
@@ -190,6 +217,20 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
   auto out = torch::empty({b, h, d}, q.options());
   auto lse = torch::empty({b, h}, q.options().dtype(torch::kFloat));
   auto read_sum = torch::empty({b, hkv, d}, q.options().dtype(torch::kFloat));
+  // each run cut into parts of at most `part_rows` rows (its own row in the last), so that a few long runs (one
+  // batch row, three KV heads) keep every thread busy; the parts depend on the counts alone, never on the batch
+  // or the threads, so a run's numbers are the same whatever runs beside it
+  const int64_t per_part = std::max<int64_t>(1, part_rows);
+  std::vector<int64_t> first_part(b * hkv + 1);
+  for (int64_t bh = 0; bh < b * hkv; ++bh) {
+    const int64_t total = counts_p[bh] + (has_own ? 1 : 0);
+    first_part[bh + 1] = first_part[bh] + std::max<int64_t>(1, (total + per_part - 1) / per_part);
+  }
+  const int64_t parts = first_part[b * hkv];
+  std::vector<int64_t> part_run(parts);
+  for (int64_t bh = 0; bh < b * hkv; ++bh)
+    std::fill(part_run.begin() + first_part[bh], part_run.begin() + first_part[bh + 1], bh);
+  std::vector<float> acc(parts * g * d), mx(parts * g), l(parts * g), sums(parts * d);
   const int64_t* starts_p = starts.data();
   float* lse_p = lse.data_ptr<float>();
   float* sum_p = read_sum.data_ptr<float>();
@@ -199,13 +240,26 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
     const scalar_t* k_p = keys.data_ptr<scalar_t>();
     const scalar_t* v_p = values.data_ptr<scalar_t>();
     scalar_t* out_p = out.data_ptr<scalar_t>();
-    at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {
       Workspace ws(g, d);
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t bh = part_run[t], bi = bh / hkv, count = counts_p[bh];
+        const int64_t from = (t - first_part[bh]) * per_part;  // in the run's rows, its own row last
+        const int64_t to = std::min(from + per_part, count + (has_own ? 1 : 0));
+        const int64_t past_to = std::min(to, count);
+        const int64_t own_row = has_own && to > count ? own_p[bh] : -1;
+        attend_part<scalar_t>(q_p + bh * g * d, k_p, v_p, rows_p + bi * n + starts_p[bh] + from,
+                              std::max<int64_t>(0, past_to - from), own_row, g, d, sc, acc.data() + t * g * d,
+                              mx.data() + t * g, l.data() + t * g, sums.data() + t * d, ws);
+      }
+    });
+    at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> merged(d);
       for (int64_t bh = lo; bh < hi; ++bh) {
-        const int64_t bi = bh / hkv;
-        attend_one<scalar_t>(q_p + bh * g * d, k_p, v_p, rows_p + bi * n + starts_p[bh], counts_p[bh],
-                             has_own ? own_p[bh] : -1, g, d, sc, out_p + bh * g * d, lse_p + bh * g,
-                             sum_p + bh * d, ws);
+        const int64_t t = first_part[bh];
+        merge_parts<scalar_t>(acc.data() + t * g * d, mx.data() + t * g, l.data() + t * g, sums.data() + t * d,
+                              first_part[bh + 1] - t, g, d, out_p + bh * g * d, lse_p + bh * g, sum_p + bh * d,
+                              merged.data());
       }
     });
   });
@@ -389,12 +443,111 @@ std::vector<torch::Tensor> select_packed_rows(torch::Tensor scores, torch::Tenso
                               with_lse);
 }
 
+namespace {
+
+constexpr int64_t kSlotBlock = 64;  // slots per block of the int4 layout: each dim's 32 bytes hold 64 slots' codes
+
+// The scores of G float32 query rows a [G, d] against one 64-slot block of 4-bit keys (codes [d, 32]: dim k's
+// byte j holds slot j in its low nibble, slot j + 32 in its high one; sz: the block's first slot of [ng, cap, 2]
+// bfloat16 scale-and-zero) -> c [G, 64], in the arithmetic of torch's AVX-512 int4 kernel (`tinygemm_kernel`),
+// so the same bits: each key value is fma(code - 8, scale, zero), each score the fma chain over k = 0..d-1 in
+// order, rounded to bfloat16 at the end (by the caller).
+inline void score_block(const float* a, int64_t g, int64_t d, const uint8_t* codes, const c10::BFloat16* sz,
+                        int64_t cap, int64_t group, float* c) {
+  alignas(64) float scale[kSlotBlock], zero[kSlotBlock], key[kSlotBlock];
+  std::fill(c, c + g * kSlotBlock, 0.f);
+  for (int64_t k = 0; k < d; ++k) {
+    if (k % group == 0) {
+      const c10::BFloat16* part = sz + (k / group) * cap * 2;
+      for (int64_t j = 0; j < kSlotBlock; ++j) {
+        scale[j] = static_cast<float>(part[2 * j]);
+        zero[j] = static_cast<float>(part[2 * j + 1]);
+      }
+    }
+    const uint8_t* byte = codes + k * (kSlotBlock / 2);
+#pragma omp simd
+    for (int64_t j = 0; j < kSlotBlock / 2; ++j) {
+      key[j] = std::fma(static_cast<float>(byte[j] & 15) - 8.f, scale[j], zero[j]);
+      key[j + 32] = std::fma(static_cast<float>(byte[j] >> 4) - 8.f, scale[j + 32], zero[j + 32]);
+    }
+    for (int64_t m = 0; m < g; ++m) {
+      const float am = a[m * d + k];
+      float* cm = c + m * kSlotBlock;
+#pragma omp simd
+      for (int64_t j = 0; j < kSlotBlock; ++j) cm[j] = std::fma(am, key[j], cm[j]);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// `score_block` with G query rows known at compile time, in AVX-512 registers: the same operations on the same
+// values (code - 8 is exact in float32; scale and zero are bfloat16 widened by a shift), so the same bits.
+template <int G>
+inline void score_block_avx512(const float* a, int64_t d, const uint8_t* codes, const c10::BFloat16* sz,
+                               int64_t cap, int64_t group, float* c) {
+  __m512 acc[G][4];
+  for (int m = 0; m < G; ++m)
+    for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
+  __m512 scale[4], zero[4];
+  const __m512 eight = _mm512_set1_ps(8.f);
+  const __m512i nibble = _mm512_set1_epi32(15);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < d; ++k) {
+    if (k % group == 0) {  // each slot's (scale, zero) pair is one 32-bit lane: scale in its low half
+      const c10::BFloat16* part = sz + (k / group) * cap * 2;
+      for (int v = 0; v < 4; ++v) {
+        const __m512i pairs = _mm512_loadu_si512(part + 32 * v);
+        scale[v] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        zero[v] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+      }
+    }
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * (kSlotBlock / 2)));
+    const __m512i first = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes));  // bytes 0..15
+    const __m512i second = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1));  // bytes 16..31
+    const __m512i code[4] = {_mm512_and_si512(first, nibble), _mm512_and_si512(second, nibble),
+                             _mm512_srli_epi32(first, 4), _mm512_srli_epi32(second, 4)};  // slots 0, 16, 32, 48 on
+    __m512 key[4];
+    for (int v = 0; v < 4; ++v)
+      key[v] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(code[v]), eight), scale[v], zero[v]);
+    for (int m = 0; m < G; ++m) {
+      const __m512 am = _mm512_set1_ps(a[m * d + k]);
+      for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_fmadd_ps(am, key[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < G; ++m)
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(c + m * kSlotBlock + 16 * v, acc[m][v]);
+}
+#endif
+
+// `score_block` by the fastest form this build has for G query rows.
+inline void score_block_any(const float* a, int64_t g, int64_t d, const uint8_t* codes, const c10::BFloat16* sz,
+                            int64_t cap, int64_t group, float* c) {
+#if defined(__AVX512F__)
+  switch (g) {
+    case 1: return score_block_avx512<1>(a, d, codes, sz, cap, group, c);
+    case 2: return score_block_avx512<2>(a, d, codes, sz, cap, group, c);
+    case 3: return score_block_avx512<3>(a, d, codes, sz, cap, group, c);
+    case 4: return score_block_avx512<4>(a, d, codes, sz, cap, group, c);
+    case 5: return score_block_avx512<5>(a, d, codes, sz, cap, group, c);
+    case 6: return score_block_avx512<6>(a, d, codes, sz, cap, group, c);
+    case 7: return score_block_avx512<7>(a, d, codes, sz, cap, group, c);
+    case 8: return score_block_avx512<8>(a, d, codes, sz, cap, group, c);
+    default: break;
+  }
+#endif
+  score_block(a, g, d, codes, sz, cap, group, c);
+}
+
+}  // namespace
+
 // The 4-bit keys' scores of one decoding row per (batch row, KV head), in one parallel region: q [B, Hkv, G, d]
 // bfloat16; codes [B, Hkv, blocks * 64, d / 2] uint8 and sz [B, Hkv, ng, capacity, 2] bfloat16 in the layout of
-// torch's CPU int4 kernel (kernels/int4.py, "tinygemm"). Each (batch row, KV head) is that kernel's call over
-// the first n slots' whole blocks, run inside this region (its own parallel loop then runs inline), so every
-// score has the bits of a call from Python. Returns float32 [B, Hkv, G, n].
-torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz, int64_t group, int64_t n) {
+// torch's CPU int4 kernel (kernels/int4.py, "tinygemm"). Computed here in that kernel's arithmetic (`score_block`),
+// so every score has the bits of its call from Python, without its per-call work (a dispatch, a copy of the
+// scale-and-zero, a bfloat16 output converted again); each (batch row, KV head)'s blocks in parts of `part_slots`
+// slots, a task each. Returns float32 [B, Hkv, G, n].
+torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz, int64_t group, int64_t n,
+                         int64_t part_slots) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kBFloat16, "q [B,Hkv,G,d] bfloat16");
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == torch::kByte, "codes [B,Hkv,blocks*64,d/2] uint8");
   TORCH_CHECK(sz.dim() == 5 && sz.scalar_type() == at::kBFloat16 && sz.size(4) == 2, "sz [B,Hkv,ng,cap,2] bf16");
@@ -402,21 +555,34 @@ torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz,
   TORCH_CHECK(codes.size(0) == b && codes.size(1) == hkv && codes.size(3) * 2 == d, "codes do not match q");
   TORCH_CHECK(sz.size(0) == b && sz.size(1) == hkv && sz.size(2) * group == d, "sz does not match q");
   TORCH_CHECK(n >= 0 && n <= codes.size(2) && n <= sz.size(3), "n exceeds the packed slots");
+  TORCH_CHECK(codes.size(2) % kSlotBlock == 0 && sz.size(3) >= codes.size(2), "codes in whole 64-slot blocks");
   q = q.contiguous();
+  codes = codes.contiguous();
+  sz = sz.contiguous();
   auto out = torch::empty({b, hkv, g, n}, q.options().dtype(torch::kFloat));
   if (n == 0) return out;
-  const int64_t nr = std::min((n + 63) / 64 * 64, codes.size(2));  // whole 64-token blocks
+  const int64_t blocks = (n + kSlotBlock - 1) / kSlotBlock, cap = sz.size(3), ng = sz.size(2);
+  const int64_t per_part = std::max<int64_t>(1, (part_slots + kSlotBlock - 1) / kSlotBlock);  // blocks per task
+  const int64_t parts = (blocks + per_part - 1) / per_part;
+  const c10::BFloat16* q_p = q.data_ptr<c10::BFloat16>();
+  const uint8_t* codes_p = codes.data_ptr<uint8_t>();
+  const c10::BFloat16* sz_p = sz.data_ptr<c10::BFloat16>();
   float* out_p = out.data_ptr<float>();
-  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      const int64_t bi = bh / hkv, kh = bh % hkv;
-      auto w = codes[bi][kh].narrow(0, 0, nr);
-      auto scale_zero = sz[bi][kh].narrow(1, 0, nr).contiguous();  // the kernel reads [ng, nr, 2] contiguous
-      auto s = at::_weight_int4pack_mm_for_cpu(q[bi][kh], w.is_contiguous() ? w : w.contiguous(), group,
-                                               scale_zero).to(torch::kFloat);  // [G, nr]
-      const float* s_p = s.data_ptr<float>();
-      for (int64_t h = 0; h < g; ++h)
-        std::copy(s_p + h * nr, s_p + h * nr + n, out_p + (bh * g + h) * n);
+  const int64_t head_codes = codes.size(2) * d / 2;  // bytes of one (batch row, KV head)
+  at::parallel_for(0, b * hkv * parts, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> a(g * d), c(g * kSlotBlock);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t bh = t / parts, first = t % parts * per_part, last = std::min(blocks, first + per_part);
+      for (int64_t i = 0; i < g * d; ++i) a[i] = static_cast<float>(q_p[bh * g * d + i]);
+      for (int64_t blk = first; blk < last; ++blk) {
+        score_block_any(a.data(), g, d, codes_p + bh * head_codes + blk * kSlotBlock * d / 2,
+                    sz_p + bh * ng * cap * 2 + blk * kSlotBlock * 2, cap, group, c.data());
+        const int64_t used = std::min(kSlotBlock, n - blk * kSlotBlock);
+        for (int64_t m = 0; m < g; ++m) {  // rounded to bfloat16, as the kernel returns its scores
+          float* dst = out_p + (bh * g + m) * n + blk * kSlotBlock;
+          for (int64_t j = 0; j < used; ++j) dst[j] = static_cast<float>(c10::BFloat16(c[m * kSlotBlock + j]));
+        }
+      }
     }
   });
   return out;

@@ -37,6 +37,10 @@ from ..paths import writable_cache
 _SOURCE = Path(__file__).with_name("fused_select.cpp")
 enabled = True  # False: callers take the torch path (benchmarks compare the two in one process)
 packs_selection = True  # False: the selection stays in torch, only the attention is fused (a benchmark's middle row)
+# the most rows of one (batch row, KV head) one task attends: longer runs are cut into parts merged by log-sum-exp,
+# so one batch row's few KV heads keep every thread busy
+ROWS_PER_PART = 256
+SLOTS_PER_PART = 2048  # the most slots of one (batch row, KV head) one task scores (whole 64-slot blocks)
 
 
 def build_key() -> str:
@@ -98,25 +102,30 @@ def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
 
 
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
-                counts: torch.Tensor, own: torch.Tensor | None, scale: float):
+                counts: torch.Tensor, own: torch.Tensor | None, scale: float, part_rows: int | None = None):
     """q [B, H, d]; keys, values [N, d] (a layer's flat store); rows [B, n] int64, each batch row's selected
     rows head-major (`SelectedRows.rows`: KV head 0's run first, padding after the last run); counts
     [B, Hkv] the runs' lengths; own [B, Hkv] the token's own row, read after the run (None: no own row).
     Returns out [B, H, d] (q's dtype), lse [B, H] and read_sum [B, Hkv, d] (float32; past rows only).
-    A (batch row, KV head) that reads nothing gets a zero output and a log-sum-exp of -inf. On CUDA tensors
-    the Triton kernel computes it (indices unchecked there: a check would wait on the device)."""
+    A (batch row, KV head) that reads nothing gets a zero output and a log-sum-exp of -inf. A run longer than
+    `part_rows` (None: `ROWS_PER_PART`) is attended in parts (by both threads at batch 1) merged by log-sum-exp;
+    the parts depend on the counts alone. On CUDA tensors the Triton kernel computes it (indices unchecked there:
+    a check would wait on the device)."""
     if q.is_cuda:
         return _triton_kernel().attend_rows(q, keys, values, rows, counts, own, scale)
     own = rows.new_empty(0) if own is None else own
-    return _module().attend_rows(q, keys, values, rows, counts, own, float(scale))
+    part_rows = part_rows or ROWS_PER_PART
+    return _module().attend_rows(q, keys, values, rows, counts, own, float(scale), int(part_rows))
 
 
-def score_int4(q: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group: int, n: int) -> torch.Tensor:
+def score_int4(q: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group: int, n: int,
+               part_slots: int | None = None) -> torch.Tensor:
     """q [B, Hkv, G, d] bfloat16 against 4-bit keys in torch's CPU int4 layout (codes [B, Hkv, blocks * 64, d / 2]
     uint8, scale-and-zero sz [B, Hkv, d / group, capacity, 2] bfloat16; kernels/int4.py "tinygemm") -> float32
     [B, Hkv, G, n]: that kernel's scores of the first n slots, every (batch row, KV head) in one parallel region
-    instead of a call each from Python (the same bits)."""
-    return _module().score_int4(q, codes, sz, int(group), int(n))
+    instead of a call each from Python (the same bits), each cut into tasks of `part_slots` slots
+    (None: `SLOTS_PER_PART`)."""
+    return _module().score_int4(q, codes, sz, int(group), int(n), int(part_slots or SLOTS_PER_PART))
 
 
 def scatter_int4(codes: torch.Tensor, sz: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, group: int) -> None:
