@@ -276,6 +276,8 @@ class BlockedKVStore(OffloadedKVStore):
             flat = packed_order(job.selection)[0]
             seg, slot = flat // self.capacity, flat % self.capacity
             job.selected = flat.numel()
+            if not ondemand and self.stats.steps:  # this step's rows prefetched
+                self.stats.steps[-1][0] += job.selected
         job.kv, units, job.staged = self._read(job.layer, seg, slot)
         self.stats.bytes_moved += units * self.unit
         self.stats.rows_moved += slot.numel()
