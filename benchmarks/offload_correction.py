@@ -3,6 +3,11 @@ form and the speculation-only form, the default model, one process.
 
     OMP_NUM_THREADS=1 python benchmarks/offload_correction.py --text northangerabbey --ctx 2048 --prefill 256 \\
         --decode-prompt 2016 --steps 32 --rounds 2 --json results/recall/correction.json
+    OMP_NUM_THREADS=1 python benchmarks/offload_correction.py --kv-offload disk --disk-block 16 --knob block=16 ...
+
+`--kv-offload disk --disk-block N`: the offloaded forms on the disk tier in blocks of N tokens (`BlockedKVStore`:
+the prefetch reads the units of the speculated selection, the correction the units it missed); `--knob`: knobs of
+every InfiniGen form (e.g. `block=16` to select blocks, `block_fetch=2` for tokens within them).
 
 Every InfiniGen form selects at every length (`dense_below=0`: the crossing measured on a machine would make the
 in-RAM form read short contexts densely).
@@ -13,7 +18,8 @@ in-RAM form read short contexts densely).
 2. Decoding (greedy, batch 1) after a `--decode-prompt`-token prompt of the same text, the three InfiniGen forms
    taking turns for `--rounds` rounds: ms per step, and on the offloaded forms the rows prefetched and the rows
    fetched on demand (those the layers' own selections read that the prefetch missed) as shares of the used KV
-   per step, and the time fetching them. The tokens of the corrected form against the in-RAM form's.
+   per step, and the time fetching them; on blocks, the units read per step and those read on demand. The tokens
+   of the corrected form against the in-RAM form's.
 """
 from __future__ import annotations
 
@@ -26,10 +32,19 @@ import time
 import torch
 
 
+TIER = {"kv_offload": "cpu", "disk_block": 0, "pool_dir": None}  # the offloaded forms' tier (`--kv-offload`)
+KNOBS: dict = {}  # every InfiniGen form's knobs (`--knob`)
+
+
 def forms():
     from infinigen.placement import Placement
-    return {"in RAM": Placement("none"), "offloaded, speculation only": Placement("cpu", correct=False),
-            "offloaded, corrected": Placement("cpu", correct=True)}
+    return {"in RAM": Placement("none"), "offloaded, speculation only": Placement(**TIER, correct=False),
+            "offloaded, corrected": Placement(**TIER, correct=True)}
+
+
+def infinigen():
+    from infinigen.policies import make_policy
+    return make_policy("infinigen", **({"dense_below": 0} | KNOBS))
 
 
 def perplexities(model, tok, ids, prefill: int) -> dict:
@@ -37,8 +52,7 @@ def perplexities(model, tok, ids, prefill: int) -> dict:
     from infinigen.policies import make_policy
     out = {"full": perplexity(model, tok, None, make_policy("full"), prefill=prefill, tokens=ids)}
     for name, placement in forms().items():
-        out[name] = perplexity(model, tok, None, make_policy("infinigen", dense_below=0), prefill=prefill, tokens=ids,
-                               placement=placement)
+        out[name] = perplexity(model, tok, None, infinigen(), prefill=prefill, tokens=ids, placement=placement)
     full = out["full"].perplexity
     return {k: {"perplexity": r.perplexity, "vs_full": r.perplexity / full - 1, "kv_read": r.kv_all}
             for k, r in out.items()}
@@ -46,8 +60,7 @@ def perplexities(model, tok, ids, prefill: int) -> dict:
 
 def decode_once(model, tok, prompt, steps: int, placement) -> dict:
     from infinigen import runtime
-    from infinigen.policies import make_policy
-    pol = make_policy("infinigen", dense_below=0).prepare(model, tok)
+    pol = infinigen().prepare(model, tok)
     sess = placement.new_session(model, 1, prompt.shape[1] + steps + 1, pol)
     try:
         logits = runtime.prefill(model, prompt, sess)
@@ -62,9 +75,15 @@ def decode_once(model, tok, prompt, steps: int, placement) -> dict:
             out.append(int(t))
             logits = runtime.decode(model, t, sess)
         seconds = time.perf_counter() - t0
+        store = sess.store
+        block = getattr(store, "block", 0)
+        used_units = sum(store.bh * -(-n // block) for n in store.length) if block else 0
     finally:
         sess.store.close()
     row = {"ms_per_step": 1e3 * seconds / steps, "tokens": out}
+    if block:  # units read per step from the file: all of them, those read on demand; the used layers' units
+        row.update(units_per_step=stats.blocks / steps, ondemand_units_per_step=stats.missed_blocks / steps,
+                   used_units=used_units, mb_read_per_step=stats.bytes_moved / steps / 1e6)
     if stats is not None:
         shares = stats.missed_shares()
         row.update(prefetched_share=statistics.mean(p / kv for p, _, kv, _ in stats.steps),
@@ -84,7 +103,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-ppl", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kv-offload", default="cpu", choices=["cpu", "disk"])
+    ap.add_argument("--disk-block", type=int, default=0)
+    ap.add_argument("--pool-dir", default=None)
+    ap.add_argument("--knob", action="append", default=[], help="NAME=VALUE for every InfiniGen form")
     a = ap.parse_args(argv)
+    from infinigen.policies.knobs import knob_dict
+    TIER.update(kv_offload=a.kv_offload, disk_block=a.disk_block, pool_dir=a.pool_dir)
+    KNOBS.update(knob_dict("infinigen", a.knob))
     from infinigen.commands.basic import load_model
     from infinigen.eval.ppl import token_windows
     from infinigen.paths import load_text

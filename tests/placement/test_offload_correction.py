@@ -14,15 +14,7 @@ from infinigen.placement import Placement
 from infinigen.policies import make_policy
 from infinigen.selection import ALL
 
-from support.offload import B, GEN, PROMPT, SlowReads, offload_policy, offload_prompts, run_placed
-
-
-def corrected_policy(model, **knobs):
-    """InfiniGen selecting a real subset of these short prompts (no 32-token floor, layer 0 dense), "auto" query
-    and the remainder: own query in fast memory, speculation corrected by the own query when offloaded."""
-    mats = offload_policy("infinigen", model).matrices
-    knobs = dict(preset="flat", dense_layers=(0,), min_fetch=0, query="auto", remainder=True) | knobs
-    return make_policy("infinigen", **knobs).with_skew(mats)
+from support.offload import B, GEN, PROMPT, SlowReads, corrected_policy, offload_prompts, run_placed
 
 
 @pytest.mark.parametrize("kind", ["cpu", "disk"])
@@ -115,14 +107,3 @@ def test_corrected_offload_of_one_unpadded_row_decodes_what_fast_memory_decodes(
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     assert sess.store.stats.missed > 0
-
-
-def test_a_block_pool_reads_what_was_speculated(tiny_llama, tmp_path, device):
-    """A disk pool in blocks cannot yet fetch only the units a prefetch missed: with the correction asked it reads
-    what was speculated (the `correct=False` form), never the prefetch and then the whole selection again."""
-    model = tiny_llama[1].to(device)
-    pol = corrected_policy(model)
-    _, asked, sess = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=4), pol)
-    assert sess.store.stats.missed == 0 and sess.store.stats.on_demand == 0
-    _, speculated, _ = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=4, correct=False), pol)
-    torch.testing.assert_close(asked, speculated, rtol=0, atol=0)

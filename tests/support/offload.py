@@ -120,6 +120,14 @@ def selective_policy(name, model):
     return offload_policy(name, model)
 
 
+def corrected_policy(model, **knobs):
+    """InfiniGen selecting a real subset of these short prompts (no 32-token floor, layer 0 dense), "auto" query
+    and the remainder: own query in fast memory, speculation corrected by the own query when offloaded."""
+    mats = offload_policy("infinigen", model).matrices
+    knobs = dict(preset="flat", dense_layers=(0,), min_fetch=0, query="auto", remainder=True) | knobs
+    return make_policy("infinigen", **knobs).with_skew(mats)
+
+
 class FifoVictims:
     """A minimal allocator for the pool-limit test (oldest slot first), so this test does not depend on
     the pool manager's own policies; `infinigen.pool` is exercised when present (below)."""

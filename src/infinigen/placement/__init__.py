@@ -159,8 +159,8 @@ class Placement:
                 store = OffloadedKVStore(*shape, codec=codec, allocator=allocator, tier=tier, prefetch=self.prefetch,
                                          threaded=self.threaded, pack=self.pack, stats=stats,
                                          bulk_share=self.disk_bulk_share, row_cache_bytes=self.row_cache_bytes)
-            # a store that cannot fetch only the rows a prefetch missed (a block pool) would read a corrected
-            # selection whole, on demand, after its prefetch: it reads what was speculated
+            # a store that cannot fetch only the rows a prefetch missed would read a corrected selection whole,
+            # on demand, after its prefetch: it reads what was speculated
             store.corrects = self.correct and store.fetches_missing
             return store
         except BaseException:

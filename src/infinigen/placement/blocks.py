@@ -19,6 +19,10 @@ fast memory, one call per run; the open block is copied from memory), then gathe
 selected rows from the staging buffer. A selection made in blocks of this size reads each unit it names
 whole; a token-level selection reads every unit one of its tokens lies in. The file is opened with
 POSIX_FADV_RANDOM: the kernel reads what is asked, no readahead around it.
+
+Correction. A layer that selects again with its own query at its attention (`Placement.correct`) takes the rows
+of units the prefetch staged from there, whether or not the speculation chose those rows, and reads on demand,
+in one batch of positioned reads, only the units holding its own rows that the prefetch did not read.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..cache import KVCodec, KVStore, packed_order
+from ..cache import HandedRows, KVCodec, KVStore, packed_order, packed_places
 from ..errors import UserError
 from .rows import layout_for
 from .store import OffloadedKVStore, _Job
@@ -83,8 +87,8 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 class BlockedKVStore(OffloadedKVStore):
     """`OffloadedKVStore` with the pool on disk in page-aligned blocks (see the module doc); CPU hosts only,
-    keys and values as computed (no packed codec), no row cache."""
-    fetches_missing = False  # a corrected selection is fetched whole, on demand (`OffloadedKVStore._corrected`)
+    keys and values as computed (no packed codec), no row cache. A corrected selection reads on demand only the
+    units its prefetch did not read (`_corrected`)."""
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
@@ -272,7 +276,9 @@ class BlockedKVStore(OffloadedKVStore):
             flat = packed_order(job.selection)[0]
             seg, slot = flat // self.capacity, flat % self.capacity
             job.selected = flat.numel()
-        job.kv, units = self._read(job.layer, seg, slot)
+            if not ondemand and self.stats.steps:  # this step's rows prefetched
+                self.stats.steps[-1][0] += job.selected
+        job.kv, units, job.staged = self._read(job.layer, seg, slot)
         self.stats.bytes_moved += units * self.unit
         self.stats.rows_moved += slot.numel()
         self.stats.fetches += 1
@@ -281,45 +287,97 @@ class BlockedKVStore(OffloadedKVStore):
 
     def _read(self, layer: int, seg: torch.Tensor, slot: torch.Tensor):
         """The rows of (batch row * Hkv + KV head, slot) pairs seg, slot [N] -> (keys, values [N + B * Hkv, d]:
-        the rows in that order, then a spare row per (batch row, KV head); units read from the file)."""
+        the rows in that order, then a spare row per (batch row, KV head); units read from the file; the units
+        staged: their ids within the layer, ascending, and their copies [U, unit_rows, d] in that order)."""
         parity, bs, nb = layer % 2, self.block, self.blocks_per_head
         unit_id = slot // bs + seg * nb  # [N] unit within the layer
         hit = torch.zeros(self.bh * nb, dtype=torch.bool)
         hit[unit_id] = True
         rank = hit.cumsum(0) - 1  # a hit unit's place in the staging buffer
-        nhit = int(rank[-1]) + 1 if rank.numel() else 0
-        stage = self.buffers.get(("disk", parity), max(nhit, 1) * self.unit_rows, (self.head_dim,), self.dtype)
-        units = stage.view(-1, self.unit_rows, self.head_dim)
-        open_j = self._open_block(layer)
-        on_disk = hit.clone()
-        if open_j >= 0:  # the open blocks come from fast memory
-            opened = torch.arange(self.bh) * nb + open_j
-            from_mem = opened[hit[opened]]
-            on_disk[from_mem] = False
-            if from_mem.numel():
-                units[rank[from_mem]] = self.open[layer, from_mem // nb]
-        ids = on_disk.nonzero().squeeze(1)
-        read = ids.numel()
-        if read:
-            starts = torch.ones(read, dtype=torch.bool)
-            starts[1:] = ids[1:] != ids[:-1] + 1
-            first = ids[starts]
-            counts = torch.diff(torch.cat([starts.nonzero().squeeze(1), torch.tensor([read])]))
-            where = rank[first]
-            mv = _bytes(stage)
-            base = layer * self.bh * nb
-            runs = list(zip(first.tolist(), counts.tolist(), where.tolist()))
-            with _pool_io(self.tier.dir, "read"):
-                if _WILLNEED is not None:  # every run's read queued at once, then taken in order
-                    for f, c, _ in runs:
-                        os.posix_fadvise(self.fd, (base + f) * self.unit, c * self.unit, _WILLNEED)
-                for f, c, w in runs:
-                    _read_all(self.fd, mv[w * self.unit:(w + c) * self.unit], (base + f) * self.unit)
+        ids = hit.nonzero().squeeze(1)
+        stage = self.buffers.get(("disk", parity), max(ids.numel(), 1) * self.unit_rows, (self.head_dim,), self.dtype)
+        units = stage.view(-1, self.unit_rows, self.head_dim)[:ids.numel()]
+        read = self._load(layer, ids, units)
         row = rank[unit_id] * self.unit_rows + slot % bs
         out = []
         for kind in KV:
             buf = self.buffers.get(("fast", parity, kind, 0), row.numel() + self.bh, (self.head_dim,), self.dtype)
             torch.index_select(stage, 0, row + kind * bs, out=buf[:row.numel()])
             out.append(buf)
+        return tuple(out), read, (ids, units)
+
+    def _load(self, layer: int, ids: torch.Tensor, units: torch.Tensor) -> int:
+        """Units `ids` of `layer` (ids within the layer, ascending) into units [len(ids), unit_rows, d]: open
+        blocks copied from fast memory, the others with positioned reads, one per run of adjacent units (every
+        run announced to the kernel first). Returns the number of units read from the file."""
+        on_disk = torch.ones(ids.numel(), dtype=torch.bool)
+        open_j = self._open_block(layer)
+        if open_j >= 0:  # the open blocks come from fast memory
+            opened = ids % self.blocks_per_head == open_j
+            if opened.any():
+                units[opened] = self.open[layer, ids[opened] // self.blocks_per_head]
+                on_disk = ~opened
+        where = on_disk.nonzero().squeeze(1)  # places in `units`; adjacent ids lie at adjacent places
+        disk = ids[where]
+        read = disk.numel()
+        if read:
+            starts = torch.ones(read, dtype=torch.bool)
+            starts[1:] = disk[1:] != disk[:-1] + 1
+            first = starts.nonzero().squeeze(1)
+            counts = torch.diff(torch.cat([first, torch.tensor([read])]))
+            mv = _bytes(units)
+            base = layer * self.bh * self.blocks_per_head
+            runs = list(zip(disk[first].tolist(), counts.tolist(), where[first].tolist()))
+            with _pool_io(self.tier.dir, "read"):
+                if _WILLNEED is not None:  # every run's read queued at once, then taken in order
+                    for f, c, _ in runs:
+                        os.posix_fadvise(self.fd, (base + f) * self.unit, c * self.unit, _WILLNEED)
+                for f, c, w in runs:
+                    _read_all(self.fd, mv[w * self.unit:(w + c) * self.unit], (base + f) * self.unit)
         self.stats.blocks += read
-        return tuple(out), read
+        return read
+
+    def _corrected(self, layer, job, sel, buffer) -> HandedRows:
+        """`hand_rows` of the layer's own selection `sel` after a prefetch (`job`) of another: its rows in units
+        the prefetch staged are taken from there, the units holding the rest are read now in one batch; the
+        caller's `buffer` holds the rows in `sel`'s packed order, then the spare rows."""
+        t0 = time.perf_counter()
+        bs, nb, d = self.block, self.blocks_per_head, self.head_dim
+        flat = packed_order(sel)[0]
+        n = flat.numel()
+        seg, slot = flat // self.capacity, flat % self.capacity
+        unit_id = slot // bs + seg * nb
+        held, staged = job.staged
+        if held.numel():
+            at = torch.searchsorted(held, unit_id).clamp_(max=held.numel() - 1)
+            found = held[at] == unit_id
+        else:
+            at, found = torch.zeros_like(unit_id), torch.zeros(n, dtype=torch.bool)
+        missed = ~found
+        hit = torch.zeros(self.bh * nb, dtype=torch.bool)
+        hit[unit_id[missed]] = True
+        ids = hit.nonzero().squeeze(1)
+        fresh = self.buffers.get(("missed", layer % 2), max(ids.numel(), 1) * self.unit_rows, (d,), self.dtype)
+        read = self._load(layer, ids, fresh.view(-1, self.unit_rows, d)[:ids.numel()])
+        keys, values = buffer(n + self.bh, job.kv[0])
+        within = slot % bs
+        parts = [(found.nonzero().squeeze(1), staged.view(-1, d), at[found] * self.unit_rows + within[found]),
+                 (missed.nonzero().squeeze(1), fresh, (hit.cumsum(0) - 1)[unit_id[missed]] * self.unit_rows
+                  + within[missed])]
+        for kind, out in zip(KV, (keys, values)):
+            for place, source, row in parts:
+                if place.numel():
+                    out.index_copy_(0, place, source.index_select(0, row + kind * bs))
+        local, own = packed_places(sel, n)
+        m = int(missed.sum())
+        self.stats.on_demand += 1
+        self.stats.missed += m
+        self.stats.missed_blocks += read
+        self.stats.rows_moved += m
+        self.stats.bytes_moved += read * self.unit
+        seconds = time.perf_counter() - t0
+        self.stats.ondemand_s += seconds
+        if self.stats.steps:
+            self.stats.steps[-1][1] += m
+            self.stats.steps[-1][3] += seconds
+        return HandedRows(keys, values, local, own)

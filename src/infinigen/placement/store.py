@@ -50,6 +50,7 @@ class _Job:
     future: Future | None = None
     ready: object = None  # CUDA: event on the copy stream
     raw: list | None = None  # CUDA: fetched planes per kind, finished on the compute stream
+    staged: tuple | None = None  # the block layout: the units the fetch read (ids within the layer, copies)
     # (k, v) in the fast tier: a selection's rows in its packed order (`packed_order`), or every used slot in
     # row order (b, h, i); then (CPU host) a spare row per (batch row, KV head) for the token
     kv: tuple | None = None

@@ -36,6 +36,7 @@ class TransferStats:
     reused: int = 0  # selections whose slot indices the runtime took from the plan (no second pass)
     bulk: int = 0  # disk: selections read as the whole used layer (they touched most of its pages)
     blocks: int = 0  # disk in blocks (`BlockedKVStore`): units read from the file
+    missed_blocks: int = 0  # of those, units a layer's own selection read on demand (its prefetch had not)
     gather_s: float = 0.0  # time spent in prefetch jobs (on the worker thread: overlapped with compute)
     ondemand_s: float = 0.0  # time fetching on demand (main thread, not overlapped)
     wait_s: float = 0.0  # main thread waiting for a prefetch to finish

@@ -1,0 +1,131 @@
+"""Speculation with correction on the disk tier in blocks (`BlockedKVStore`, `Placement.correct`): placement
+prefetches the units of what the speculation one layer ahead selected, the layer selects again with its own query,
+and the store reads on demand only the units holding own-selected rows that the prefetch did not read. Checked
+here: a corrected block pool decodes what the session in fast memory decodes, for tokens, blocks and tokens within
+blocks; the units read on demand are exactly the missing ones (counted at the positioned reads), and the file is
+read for the prefetch and those units only."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infinigen import runtime
+from infinigen.placement import BlockedKVStore, Placement
+from infinigen.placement import blocks as blocks_mod
+from infinigen.selection import ALL
+
+from support.offload import B, GEN, PROMPT, corrected_policy, offload_prompts, run_placed
+
+BLOCK = 4
+SELECTIONS = {"tokens": {}, "blocks": dict(budget="layer", block=BLOCK),
+              "tokens within blocks": dict(budget="layer", block=BLOCK, block_fetch=2.0, max_fetch_ratio=0.3)}
+
+
+@pytest.mark.parametrize("selection", list(SELECTIONS))
+def test_corrected_block_pool_decodes_what_fast_memory_decodes(tiny_llama, selection, tmp_path):
+    _, model = tiny_llama
+    pol = corrected_policy(model, **SELECTIONS[selection])
+    ref_tokens, ref_logits, _ = run_placed(model, Placement("none"), pol)
+    pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK)
+    tokens, logits, sess = run_placed(model, pl, pol)
+    assert isinstance(sess.store, BlockedKVStore)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    st = sess.store.stats
+    # every selecting layer was prefetched, then corrected (or its own selection was the plan: reused as it is);
+    # some units were read on demand
+    assert st.on_demand + st.reused == GEN * (model.cfg.num_layers - 1) and st.on_demand > 0
+    assert st.missed_blocks > 0 and st.missed > 0
+    assert st.bytes_moved == st.blocks * sess.store.unit
+    # the speculation alone reads something else: the correction is what makes the two equal
+    _, uncorrected, sess = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK,
+                                                       correct=False), pol)
+    assert not torch.allclose(uncorrected, ref_logits, rtol=0, atol=1e-3)
+    assert sess.store.stats.missed_blocks == 0 and sess.store.stats.on_demand == 0
+
+
+def test_corrected_block_pool_with_an_unlimited_budget_is_dense(tiny_llama, tmp_path):
+    _, model = tiny_llama
+    from infinigen.policies import make_policy
+    _, ref_logits, _ = run_placed(model, Placement("none"), make_policy("full"))
+    pol = corrected_policy(model, alpha=1e9, max_fetch_ratio=1.0)
+    _, logits, sess = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK), pol)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    assert sess.store.stats.missed_blocks == 0  # the speculation selected everything too
+
+
+def _units(store, layer: int, chosen: torch.Tensor) -> torch.Tensor:
+    """The units [B * Hkv, blocks] holding a chosen slot of `layer` (chosen [B, Hkv, n]) that live in the file
+    (the open block is in fast memory)."""
+    n, bs = chosen.shape[-1], store.block
+    nb = -(-n // bs)
+    per_block = F.pad(chosen, (0, nb * bs - n)).reshape(store.bh, nb, bs).any(-1)
+    if n < store.capacity:
+        per_block[:, n // bs:] = False
+    return per_block
+
+
+@pytest.mark.parametrize("selection", ["tokens", "tokens within blocks"])
+def test_on_demand_units_are_exactly_those_the_prefetch_missed(tiny_llama, selection, tmp_path, monkeypatch):
+    """Per layer and step, from what placement prefetched (the plan) and what the layer's own query selected:
+    the units read on demand (their file offsets, at the reads) are the units holding own-selected rows and no
+    prefetched one, and the file is read for the prefetched units and those only."""
+    _, model = tiny_llama
+    pol = corrected_policy(model, **SELECTIONS[selection])
+    tokens, pad = offload_prompts()
+    pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK, threaded=False)
+    planned: dict = {}
+    want = {"read": 0, "missed": []}  # missed: file offsets, a unit per step it was missed
+
+    class Own(runtime.Listener):
+        def on_select(self, layer, rows, keep, s):
+            store = s.store
+            n = store.length[layer]
+            plan, valid = planned.pop(layer), store.valid[layer][:, :, :n]
+            if plan is ALL:  # every used slot's unit, padding's too
+                want["read"] += int(_units(store, layer, torch.ones_like(valid)).sum())
+                return
+            prefetched = _units(store, layer, plan[:, :, :n] & valid)
+            missed = _units(store, layer, keep[:, :, 0, :n] & valid) & ~prefetched
+            want["read"] += int(prefetched.sum() + missed.sum())
+            for bh, j in missed.nonzero().tolist():
+                want["missed"].append(store._offset(layer, bh, j))
+
+    sess = pl.new_session(model, B, PROMPT + GEN, pol, listeners=[Own()])
+    store = sess.store
+    issue, corrected = store._issue, store._corrected
+
+    def remember(layer, plan):  # what placement prefetches for `layer`
+        planned[layer] = plan
+        issue(layer, plan)
+
+    reads, on_demand = [], []
+    preadv = os.preadv
+
+    def counting_preadv(fd, bufs, offset):
+        n = preadv(fd, bufs, offset)
+        reads.append(n)
+        if store._correcting:
+            on_demand.extend(range(offset, offset + n, store.unit))
+        return n
+
+    def correcting(*args):
+        store._correcting = True
+        try:
+            return corrected(*args)
+        finally:
+            store._correcting = False
+
+    store._issue, store._corrected, store._correcting = remember, correcting, False
+    logits = runtime.prefill(model, tokens, sess, pad)
+    store.stats.reset()
+    monkeypatch.setattr(blocks_mod.os, "preadv", counting_preadv)
+    for _ in range(GEN):
+        logits = runtime.decode(model, logits.argmax(-1), sess)
+    pl.close(sess)
+    assert sorted(on_demand) == sorted(want["missed"]) and len(want["missed"]) > 0
+    assert len(on_demand) == store.stats.missed_blocks
+    assert sum(reads) == want["read"] * store.unit == store.stats.bytes_moved
