@@ -410,6 +410,34 @@ def test_a_short_run_does_not_wait_for_the_measurement(long_tiny, monkeypatch):
     assert crossing.measure_crossing(model, again, longest=8)["source"] == "cached"
 
 
+def test_calibrate_leaves_the_crossing_to_the_run_that_decodes(long_tiny, monkeypatch):
+    """`infinigen calibrate` prepares with longest=0: its float32 search model is not the setup a command decodes
+    in, so nothing is measured and nothing remembered; a later run in the same process measures its own."""
+    model = long_tiny
+    _no_measuring(monkeypatch)
+    pol = _crossing_policy(model).prepare(model, longest=0)
+    assert pol.settings(model)["dense_below_source"].startswith("not measured (it is measured by the first run")
+    calls = _fake_measuring(monkeypatch, 24)
+    assert _crossing_policy(model).prepare(model).dense_below == 24 and calls == [model]
+
+
+def test_the_calibrate_command_measures_no_crossing(monkeypatch):
+    """The command asks `prepare` for longest=0 (the case above)."""
+    from infinigen.commands import calibrate as command
+    from infinigen.policies.infinigen import InfiniGen
+    asked = []
+
+    def prepare(self, model, tokenizer=None, progress=False, longest=None, batch=1):
+        asked.append(longest)
+        raise SystemExit(0)
+    monkeypatch.setattr(InfiniGen, "prepare", prepare)
+    monkeypatch.setattr(command, "load_model", lambda *a, **k: (object(), None, "m"))
+    with pytest.raises(SystemExit):
+        command.calibrate(model="default", knob=[], force=False, out=None, as_json=True, device="cpu",
+                          dtype="float32", weights="fp32")
+    assert asked == [0]
+
+
 def test_generate_tells_prepare_how_long_it_runs(make_tiny, monkeypatch):
     """`generate` passes the prompt plus the new tokens as the longest a session caches, and its batch."""
     from infinigen.generate import generate_ids

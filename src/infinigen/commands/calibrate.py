@@ -54,7 +54,10 @@ def calibrate(
     net, tok, name = load_model(model, dtype, device, weights)
     if force:
         _SKEWS.setdefault(net, {})[pol.calib] = load_or_compute_skew(net, tok, pol.calib, force=True, progress=True)
-    pol = pol.prepare(net, tok, progress=True)
+    # longest=0: where selection pays is not measured here: it depends on the dtype, weights and compilation a
+    # command decodes with, which this search's float32 model does not share; the first command that caches
+    # enough tokens measures it for its own setup (seconds), or finds it stored
+    pol = pol.prepare(net, tok, progress=True, longest=0)
     skew = _SKEWS[net][pol.calib]
     record = pol.settings(net)["calibration"]
     written = None

@@ -299,6 +299,9 @@ def measure_crossing(model, policy, log=None, remeasure: bool = False, longest: 
         if stored is not None:
             return {**{k: v for k, v in stored.items() if k != "key"}, "source": "cached"}
     shortest = lengths[0]
+    if longest == 0 and not remeasure:
+        return {"dense_below": shortest, "source": "not measured (it is measured by the first run that caches "
+                                                   f"{shortest} tokens, in that run's dtype, weights and compilation)"}
     if longest is not None and longest < shortest and not remeasure:
         return {"dense_below": shortest, "source": f"not measured (this run caches at most {longest} tokens, under "
                                                    f"the shortest length measured, {shortest}: it reads densely)"}
@@ -350,7 +353,7 @@ def _crossing_at(policy, model, progress: bool, longest: int | None, batch: int)
     if key not in memo:
         found = measure_crossing(model, policy, log=(lambda m: print(m, file=sys.stderr)) if progress else None,
                                  longest=longest, batch=batch)
-        if found is None or found["source"].startswith("not measured (this run"):
+        if found is None or found["source"].startswith("not measured"):
             return found
         memo[key] = found
         if memo[key]["source"] == "measured" or progress:
