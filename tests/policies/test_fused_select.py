@@ -6,6 +6,7 @@ is wrong or the remainder is applied from a stale log-sum-exp; without a build t
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -245,6 +246,27 @@ def test_a_build_killed_mid_way_does_not_hold_back_the_next_run(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
     assert not (dst / "lock").exists()
+
+
+@needs_kernel
+def test_a_checkout_elsewhere_loads_the_built_kernel_without_building(tmp_path):
+    """Checkouts at different paths share one build folder (keyed by the source's bytes); the build compiles the
+    source's copy inside that folder, so another checkout's source path does not make it build again (a build
+    inside a memory-bounded run can be killed): the built library is not written again."""
+    import os
+    import shutil
+    package = Path(fused_select.__file__).parents[1]
+    elsewhere = tmp_path / "elsewhere" / "src"
+    shutil.copytree(package, elsewhere / "infinigen", ignore=shutil.ignore_patterns("__pycache__"))
+    build = fused_select.writable_cache(f"kernels/fused_select-{fused_select.build_key()}")  # built (needs_kernel)
+    (library,) = build.glob("*.so")
+    before = library.stat().st_mtime_ns
+    code = "from infinigen.kernels import fused_select as f\nprint(f.available(), f.__file__)\n"
+    env = dict(os.environ, PYTHONPATH=":".join([str(elsewhere), *sys.path]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.split()[0] == "True", done.stderr[-2000:]
+    assert done.stdout.split()[1].startswith(str(elsewhere))  # the other checkout's code ran
+    assert library.stat().st_mtime_ns == before
 
 
 # ---- long runs attended in parts -----------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import os
 import platform
 import sys
 from pathlib import Path
@@ -63,14 +64,27 @@ def _module():
             # of cpp_extension's is one a builder left when it was killed (it would wait on that file forever)
             fcntl.flock(held, fcntl.LOCK_EX)
             (build / "lock").unlink(missing_ok=True)
+            source = _source_in(build)
             return cpp_extension.load(
-                name="infinigen_fused_select", sources=[str(_SOURCE)], build_directory=str(build),
+                name="infinigen_fused_select", sources=[str(source)], build_directory=str(build),
                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build or load failure means: use the torch path
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"infinigen: the fused selection kernel is unavailable ({first[:200]}); using the torch path",
               file=sys.stderr)
         return None
+
+
+def _source_in(build: Path) -> Path:
+    """The source copied into its build folder (the folder is keyed by the source's bytes, so the copy is that
+    source): the build's commands then name one path for every checkout and installation sharing the cache, and
+    one does not rebuild what another built because its source lies elsewhere."""
+    source = build / _SOURCE.name
+    if not source.is_file() or source.read_bytes() != _SOURCE.read_bytes():
+        partial = build / f"{_SOURCE.name}.partial"
+        partial.write_bytes(_SOURCE.read_bytes())
+        os.replace(partial, source)
+    return source
 
 
 def available() -> bool:
