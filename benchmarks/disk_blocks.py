@@ -50,6 +50,9 @@ def systems(ig, blocks: list[int]):
             for b in blocks]
     out.append(System(f"InfiniGen, tokens within 2x blocks of {blocks[0]} (disk, blocks of {blocks[0]})",
                       block_policy(ig, blocks[0], 2.0), "disk", disk_block=blocks[0]))
+    # the rows above correct what was speculated (the default); this one reads what was speculated alone
+    out.append(System(f"InfiniGen, blocks of {blocks[-1]}, speculation only (disk, blocks of {blocks[-1]})",
+                      block_policy(ig, blocks[-1]), "disk", disk_block=blocks[-1], correct=False))
     return out
 
 

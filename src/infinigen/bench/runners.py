@@ -26,6 +26,7 @@ class System:
     kv_offload: str = "none"
     hf_offloading: bool | None = None  # transformers baseline: DynamicCache(offloading=...)
     disk_block: int = 0  # disk tier in blocks of this many tokens (`Placement.disk_block`; 0: the mapped file)
+    correct: bool | None = None  # offloaded: the own query corrects the speculation (None: the settings' `correct`)
 
     @property
     def ours(self) -> bool:
@@ -167,7 +168,8 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
     placement = Placement(system.kv_offload, pool_dir=s.pool_dir, capacity=s.capacity, pool_bytes=s.pool_bytes,
                           evict=s.eviction, prefetch=s.prefetch, threaded=s.threaded,
                           row_cache_bytes=s.row_cache_bytes if system.kv_offload != "none" else 0,
-                          disk_block=system.disk_block, correct=s.correct)
+                          disk_block=system.disk_block,
+                          correct=s.correct if system.correct is None else system.correct)
     max_len = t + s.gen_len + s.breakdown_steps + s.count_ops
     probe = MemoryProbe(device)
     _collect(model, b, max_len)
