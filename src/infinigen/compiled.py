@@ -239,6 +239,7 @@ class StepParts:
         self.whole = whole  # a session's step may run whole (`runs_whole`); False: the dense parts only
         self._parts: dict = {}  # key -> (compiled callable, names of the weight inputs)
         self._structures: dict = {}  # id(block) -> (_structure, block)
+        self._keys: dict = {}  # (part, scale, id(block)...) -> (blocks, the inputs' layouts, the part's key)
         self._inputs: dict = {}  # (part, id(block), id(next block)) -> the weights, in the traced order
         self.compile_seconds = 0.0
         self.compile_log: list = []  # (part, seconds) of each part compiled
@@ -255,9 +256,7 @@ class StepParts:
         """The compiled part `name` for these blocks' structure and these tensor inputs (padded), traced and
         compiled the first time (the generated code is specialised to the inputs' sizes and strides but an
         attending part's slot and its store's capacity; an attending part also to its `attend`, the scale)."""
-        symbolic = attend is not None
-        key = (name, attend, *(self._structure(b) for b in blocks),
-               *(_signature(t, i if symbolic else None) for i, t in enumerate(tensors)))
+        key = self._key(name, blocks, tensors, attend)
         part = self._parts.get(key)
         if part is None:
             from torch._subclasses.fake_tensor import FakeTensorMode
@@ -266,6 +265,7 @@ class StepParts:
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
             t0 = time.perf_counter()
+            symbolic = attend is not None
             make, base = _WRAPPERS[name]
             wrapper = make(*blocks) if attend is None else make(*blocks, attend)
             weights = _weights(blocks)
@@ -295,6 +295,21 @@ class StepParts:
             self.compile_seconds += self.compile_log[-1][1]
             self.compiled += 1
         return part
+
+    def _key(self, name: str, blocks: tuple, tensors: list, attend: float | None) -> tuple:
+        """The key of the part these inputs call: its structure and the inputs' signatures, remembered for the
+        inputs' raw layouts (a step calls each part with the same layouts at every layer and every step, so
+        the signatures are worked out once)."""
+        layouts = [(t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+        memo = (name, attend, *map(id, blocks))
+        seen = self._keys.get(memo)
+        if seen is not None and seen[1] == layouts and all(a is b for a, b in zip(seen[0], blocks)):
+            return seen[2]
+        symbolic = attend is not None
+        key = (name, attend, *(self._structure(b) for b in blocks),
+               *(_signature(t, i if symbolic else None) for i, t in enumerate(tensors)))
+        self._keys[memo] = (blocks, layouts, key)
+        return key
 
     def _call(self, name: str, blocks: tuple, tensors: list, rows: int, attend: float | None = None,
               slot: int | None = None):
