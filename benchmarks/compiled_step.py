@@ -4,7 +4,8 @@ For each case (policy, prompt length, batch) three sessions of the same prompt d
 eager, with the compiled dense parts between eager attentions (`StepParts(whole=False)`), and with the whole
 step where it may run whole (each layer's attention inside the compiled region, `StepParts.runs_whole`), so
 all see the same machine load. Reported: the medians of the per-step times and decode tok/s, the ratios to
-eager, the aten operator calls of one step (torch profiler: all aten events, and the top-level ones), the
+eager, the aten operator calls of one step (torch profiler: all aten events, and the top-level ones; a dispatch
+mode: the operators dispatched from Python, what the step itself calls; Python function calls), the
 compile time of each mode (cold or from Inductor's cache, as the run found it), whether the steps ran whole,
 and whether the greedy tokens agreed with eager's.
 
@@ -28,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import infinigen  # noqa: E402
 from infinigen import compiled, runtime  # noqa: E402
@@ -39,14 +41,40 @@ from infinigen.policies import make_policy  # noqa: E402
 MODES = ("eager", "parts", "whole")
 
 
-def aten_calls(model, session, token, parts) -> tuple[int, int]:
-    """(all aten events, top-level aten events) of one decoding step."""
+class _Dispatched(TorchDispatchMode):
+    """Counts the aten operators dispatched from Python while active (what a step calls, not what they call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def aten_calls(model, session, tokens, parts) -> tuple[int, int, int, int]:
+    """(all aten events, top-level aten events, aten operators dispatched, Python function calls) of a decoding
+    step: the torch profiler over one step, a dispatch mode over the next, `sys.setprofile` over a third."""
     model.step_parts = parts
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        runtime.decode(model, token, session)
+        runtime.decode(model, tokens, session)
     events = [e for e in prof.events() if e.name.startswith("aten::")]
     top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
-    return len(events), len(top)
+    with _Dispatched() as counter:
+        runtime.decode(model, tokens, session)
+    python_calls = 0
+
+    def count(frame, event, arg):
+        nonlocal python_calls
+        python_calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        runtime.decode(model, tokens, session)
+    finally:
+        sys.setprofile(None)
+    return len(events), len(top), counter.calls, python_calls
 
 
 def run_case(model, tok, policy_name: str, prompt: int, batch: int, steps: int, parts: dict) -> dict:
@@ -84,7 +112,7 @@ def run_case(model, tok, policy_name: str, prompt: int, batch: int, steps: int, 
     for mode in MODES:
         row[f"{mode}_ms"] = round(ms[mode], 2)
         row[f"{mode}_tok_s"] = round(1e3 * batch / ms[mode], 1)
-        row[f"{mode}_aten"], row[f"{mode}_aten_top"] = ops[mode]
+        row[f"{mode}_aten"], row[f"{mode}_aten_top"], row[f"{mode}_dispatched"], row[f"{mode}_python_calls"] = ops[mode]
     for mode in parts:
         row[f"{mode}_speedup"] = round(ms["eager"] / ms[mode], 3)
         row[f"{mode}_compile_s"] = round(parts[mode].compile_seconds - seconds_before[mode], 1)
@@ -121,14 +149,17 @@ def main(argv=None) -> int:
              "torch profiler over one step. parts: the compiled dense parts between eager attentions; whole: "
              "each layer's attention inside the compiled region where the step may run whole.", "",
              "| policy | prompt x batch | eager ms/step | parts ms/step | whole ms/step | tok/s eager / parts / whole "
-             "| speedup parts, whole | aten calls eager / parts / whole (top-level) | steps whole | same tokens "
-             "parts, whole |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| speedup parts, whole | aten calls eager / parts / whole (top-level) | dispatched eager / parts / whole "
+             "| Python calls eager / parts / whole | steps whole | same tokens parts, whole |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tok_s = " / ".join(f"{r[f'{mode}_tok_s']:.1f}" for mode in MODES)
         lines.append(f"| {r['policy']} | {r['prompt']} x {r['batch']} | {r['eager_ms']:.1f} | {r['parts_ms']:.1f} | "
                      f"{r['whole_ms']:.1f} | {tok_s} | "
                      f"{r['parts_speedup']:.2f}x, {r['whole_speedup']:.2f}x | {r['eager_aten']} / {r['parts_aten']} / "
                      f"{r['whole_aten']} ({r['eager_aten_top']} / {r['parts_aten_top']} / {r['whole_aten_top']}) | "
+                     f"{r['eager_dispatched']} / {r['parts_dispatched']} / {r['whole_dispatched']} | "
+                     f"{r['eager_python_calls']} / {r['parts_python_calls']} / {r['whole_python_calls']} | "
                      f"{r['whole_steps']}/{r['steps']} | {r['parts_same_tokens']}, {r['whole_same_tokens']} |")
     lines += ["", f"Compiled for the whole step, part by part: {compiles or 'nothing (all from this process)'}."]
     a.out.parent.mkdir(parents=True, exist_ok=True)

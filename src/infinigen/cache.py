@@ -200,6 +200,14 @@ class KVStore:
         self._mark(layer, slots, positions)
         return slots
 
+    def wrote_in_place(self, layer: int) -> None:
+        """The caller wrote every row's next token at slot `length[layer]` itself, as `append`'s plain copies
+        write it (keys, values, valid, pos: the compiled whole step, inside its graph, where the store
+        `attends_in_place`): the append pointer moves on."""
+        if self.length[layer] >= self.capacity or self.allocator is not None:
+            raise RuntimeError(f"layer {layer}: no free slot to write in place")
+        self.length[layer] += 1
+
     def _claim(self, layer: int, b: int, h: int, device) -> torch.Tensor:
         """The slot [B,Hkv] each row's next token goes to: the append pointer, or a victim once full."""
         n = self.length[layer]

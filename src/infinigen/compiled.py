@@ -25,16 +25,18 @@ full cache, or a policy reading densely this step such as InfiniGen below its cr
 every used slot valid, no policy wanting the weights, no sliding window, a power-of-two batch), each layer's
 attention moves into the compiled region too, and a step is `enter` then one call per layer:
 
-    attend_between   layer i's attention over its pool, then `between`
-    attend_leave     the last layer's attention over its pool, then `leave`
+    attend_between   layer i's append and attention over its pool, then `between`
+    attend_leave     the last layer's append and attention over its pool, then `leave`
 
-The token's k, v are appended to the store first (`KVStore.append`, outside: the store keeps its own
-bookkeeping), and the part reads views of the pool's used slots. Their length and the pool's capacity (the
-views' batch and head strides), and q's batch and head strides, are symbols of the traced graph (`make_fx`
-in symbolic mode over fake inputs marked so, `_symbolic`): one compiled kernel per part serves every cached
-length, every pool and every layer, so a run compiles nothing after `warm` (a server before it listens, a
-benchmark before its timed steps). Around each call the session's own bookkeeping runs as in its attention
-(`Session._read`'s plan, listeners and counters; `on_append` for the policy and listeners; the events).
+Each takes the layer's store tensors whole (keys, values, valid, pos) and the slot the token goes to, writes
+the token there in place, as `KVStore.append` would (Inductor stores the one slot), and attends over the slots
+before it and its own (gpt-fast's static cache, written inside the graph). The slot, the store's capacity,
+and q's, k's and v's batch and head strides are symbols of the traced graph (`make_fx` in symbolic mode over
+fake inputs marked so, `_symbolic`): one compiled kernel per part serves every cached length, every pool and
+every layer, so a run compiles nothing after `warm` (a server before it listens, a benchmark before its timed
+steps). Outside the calls, per layer, only Python runs: the store's append pointer (`KVStore.wrote_in_place`)
+and the session's bookkeeping as in its attention (`Session._read`'s plan, listeners and counters;
+`on_append` for the policy and listeners; the events).
 The default: `--compile on` and `auto` run a step whole where it may, `parts` never.
 
 What stays eager otherwise is what the runtime and the policies decide per step (the store, the selection,
@@ -99,7 +101,7 @@ class _Leave(nn.Module):
 
 def _attend_pool(q, keys, values, scale: float):
     """One token per row, q [B,H,1,d], over the used slots of a layer's pool, keys and values [B,Hkv,L,d] (views
-    of the store, the token's own appended first; L is a symbolic size: one compiled kernel serves every cached
+    of the store, the token's own written first; L is a symbolic size: one compiled kernel serves every cached
     length and every pool capacity). In float32 as pointwise products and reductions, which Inductor fuses
     into loops (no matmul call, no product kept)."""
     b, h, _, d = q.shape
@@ -111,16 +113,29 @@ def _attend_pool(q, keys, values, scale: float):
     return out.to(q.dtype).reshape(b, h, 1, d)
 
 
+def _append_and_attend(q, k, v, keys, values, valid, pos, cur, slot, scale: float):
+    """The token's k, v [B,Hkv,1,d] written at `slot` of a layer's whole pool, keys and values [B,Hkv,C,d] (with
+    its valid mark and its position, cur [B], in valid and pos [B,Hkv,C]: what `KVStore.append` writes), then
+    q's attention over slots 0..slot. The writes are in place on the store's tensors (Inductor stores the one
+    slot; nothing else of the pool is copied); `slot` and the capacity C are symbols of the traced graph."""
+    keys.narrow(2, slot, 1).copy_(k)
+    values.narrow(2, slot, 1).copy_(v)
+    valid.narrow(2, slot, 1).fill_(True)
+    pos.narrow(2, slot, 1).copy_(cur[:, None, None].expand(valid.shape[0], valid.shape[1], 1))
+    return _attend_pool(q, keys.narrow(2, 0, slot + 1), values.narrow(2, 0, slot + 1), scale)
+
+
 class _AttendBetween(nn.Module):
-    """`_Between` with `block`'s attention over its pool in front: from `block`'s q and its used keys and
-    values to the next block's attention input."""
+    """`_Between` with `block`'s token appended to its pool and its attention over the pool in front: from
+    `block`'s q, k, v and its store's tensors to the next block's attention input."""
 
     def __init__(self, block, nxt, scale: float):
         super().__init__()
         self.block, self.nxt, self.scale = block, nxt, scale
 
-    def forward(self, h, q, keys, values, rope):
-        h1 = self.block.attention_output(h, _attend_pool(q, keys, values, self.scale))
+    def forward(self, h, q, k, v, keys, values, valid, pos, cur, rope, slot):
+        a = _append_and_attend(q, k, v, keys, values, valid, pos, cur, slot, self.scale)
+        h1 = self.block.attention_output(h, a)
         out = self.block.feed_forward(h1)
         return (h1, out, *self.nxt.attention_input(out, rope))
 
@@ -130,21 +145,22 @@ class _AttendLeave(nn.Module):
         super().__init__()
         self.block, self.scale = block, scale
 
-    def forward(self, h, q, keys, values):
-        h1 = self.block.attention_output(h, _attend_pool(q, keys, values, self.scale))
+    def forward(self, h, q, k, v, keys, values, valid, pos, cur, slot):
+        h1 = self.block.attention_output(h, _append_and_attend(q, k, v, keys, values, valid, pos, cur, slot,
+                                                               self.scale))
         return h1, self.block.feed_forward(h1)
 
 
 # what each part is made from and how many tensor inputs come before its rotary ones
 _WRAPPERS = {"enter": (_Enter, 1), "between": (_Between, 2), "leave": (_Leave, 2),
-             "attend_between": (_AttendBetween, 4), "attend_leave": (_AttendLeave, 4)}
+             "attend_between": (_AttendBetween, 9), "attend_leave": (_AttendLeave, 9)}
 _ROTATES = ("enter", "between", "attend_between")  # the parts ending in the next layer's attention input
-# an attending part's inputs whose layout is symbolic: q (1; its batch and head strides: a slice of the rotated
-# q and k, or of the joined projections' output, as the part before it left it) and the pool views, keys and
-# values (2, 3; their length, and their batch and head strides: the pool's capacity)
-_POOLS = (2, 3)
-_SYMBOLIC_STRIDES = {1: 3, 2: 2, 3: 2}  # input -> how many leading dimensions have a symbolic stride
-_TRACE_LENGTH, _TRACE_CAPACITY = 37, 53
+# an attending part's inputs whose layout is symbolic: q, k, v (1, 2, 3; their batch and head strides: slices of
+# the rotated q and k, or of the joined projections' output, as the part before it left it) and the store's
+# tensors, keys, values, valid and pos (4..7: whole, contiguous, their capacity a symbol)
+_POOLS = (4, 5, 6, 7)
+_SYMBOLIC_STRIDES = {1: 3, 2: 3, 3: 3}  # input -> how many leading dimensions have a symbolic stride
+_TRACE_SLOT, _TRACE_CAPACITY = 36, 53
 
 
 def _weights(blocks: tuple) -> dict:
@@ -173,29 +189,36 @@ def _bucket(rows: int) -> int:
 def _signature(t: torch.Tensor, position: int | None) -> tuple:
     """What a compiled part's code depends on in an input: its sizes, strides, dtype and device, but what is
     symbolic in an attending part's input at `position` (None: a dense part's input, nothing symbolic)."""
+    if position in _POOLS:
+        return tuple(n for i, n in enumerate(t.shape) if i != 2), t.is_contiguous(), t.dtype, t.device.type
     if position is None or position not in _SYMBOLIC_STRIDES:
         return tuple(t.shape), _strides(t), t.dtype, t.device.type
-    lead = _SYMBOLIC_STRIDES[position]
-    sizes = tuple(n for i, n in enumerate(t.shape) if i != 2) if position in _POOLS else tuple(t.shape)
-    return sizes, t.stride()[lead:], t.dtype, t.device.type
+    return tuple(t.shape), t.stride()[_SYMBOLIC_STRIDES[position]:], t.dtype, t.device.type
 
 
 def _symbolic(fake_mode, t: torch.Tensor, position: int | None):
     """`t` as a fake tensor of `fake_mode` for tracing: static but for what `_signature` leaves out, traced as
-    symbols (a pool view is made from a pool of `_TRACE_CAPACITY` slots viewed up to `_TRACE_LENGTH`)."""
+    symbols (a store's tensor is traced as one of `_TRACE_CAPACITY` slots)."""
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
     static, dynamic, infer = DimDynamic.STATIC, DimDynamic.DYNAMIC, DimDynamic.INFER_STRIDE
     lead = _SYMBOLIC_STRIDES.get(position, 0) if position is not None else 0
     sizes = [static] * t.dim()
     if position in _POOLS:
-        b, hkv, _, d = t.shape
-        t = torch.zeros(b, hkv, _TRACE_CAPACITY, d, dtype=t.dtype, device=t.device)[:, :, :_TRACE_LENGTH]
+        t = torch.zeros(*t.shape[:2], _TRACE_CAPACITY, *t.shape[3:], dtype=t.dtype, device=t.device)
         sizes[2] = dynamic
-    elif lead:  # q [B, H, 1, d]: traced as a view with strides unlike each other and unlike 0 or 1
+    elif lead:  # q, k, v [B, H, 1, d]: traced as views with strides unlike each other and unlike 0 or 1
         b, h, _, d = t.shape
         t = torch.zeros(b, 2, h + 5, d, dtype=t.dtype, device=t.device).transpose(1, 2)[:, :h, :1]
     return fake_mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(
         dynamic_sizes=sizes, dynamic_strides=[dynamic] * lead + [infer] * (t.dim() - lead)))
+
+
+def _symbolic_slot(fake_mode):
+    """The slot an attending part writes the token at, as a symbol of the traced graph."""
+    from torch._dynamo.source import ConstantSource
+    env, source = fake_mode.shape_env, ConstantSource("slot")
+    return env.create_symintnode(env.create_symbol(_TRACE_SLOT, source, positive=None), hint=_TRACE_SLOT,
+                                 source=source)
 
 
 def available() -> str | None:
@@ -216,6 +239,7 @@ class StepParts:
         self.whole = whole  # a session's step may run whole (`runs_whole`); False: the dense parts only
         self._parts: dict = {}  # key -> (compiled callable, names of the weight inputs)
         self._structures: dict = {}  # id(block) -> (_structure, block)
+        self._keys: dict = {}  # (part, scale, id(block)...) -> (blocks, the inputs' layouts, the part's key)
         self._inputs: dict = {}  # (part, id(block), id(next block)) -> the weights, in the traced order
         self.compile_seconds = 0.0
         self.compile_log: list = []  # (part, seconds) of each part compiled
@@ -231,10 +255,8 @@ class StepParts:
     def _part(self, name: str, blocks: tuple, tensors: list, attend: float | None = None):
         """The compiled part `name` for these blocks' structure and these tensor inputs (padded), traced and
         compiled the first time (the generated code is specialised to the inputs' sizes and strides but an
-        attending part's pool length and capacity; an attending part also to its `attend`, the scale)."""
-        symbolic = attend is not None
-        key = (name, attend, *(self._structure(b) for b in blocks),
-               *(_signature(t, i if symbolic else None) for i, t in enumerate(tensors)))
+        attending part's slot and its store's capacity; an attending part also to its `attend`, the scale)."""
+        key = self._key(name, blocks, tensors, attend)
         part = self._parts.get(key)
         if part is None:
             from torch._subclasses.fake_tensor import FakeTensorMode
@@ -243,6 +265,7 @@ class StepParts:
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
             t0 = time.perf_counter()
+            symbolic = attend is not None
             make, base = _WRAPPERS[name]
             wrapper = make(*blocks) if attend is None else make(*blocks, attend)
             weights = _weights(blocks)
@@ -251,15 +274,19 @@ class StepParts:
             has_rope = len(tensors) > base
 
             def traced(*flat):
-                rest = list(flat[n:])
+                rest = list(flat[n:-1] if symbolic else flat[n:])
                 args = rest[:base]
                 if name in _ROTATES:
                     args.append(_rope(rest[base:]) if has_rope else None)
+                if symbolic:  # the slot, an int, after the tensors
+                    args.append(flat[-1])
                 return functional_call(wrapper, dict(zip(names, flat[:n])), tuple(args))
 
             fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False))  # equal examples, not one symbol
             example = [_symbolic(fake_mode, t, None) for t in weights.values()]
             example += [_symbolic(fake_mode, t, i if symbolic else None) for i, t in enumerate(tensors)]
+            if symbolic:
+                example.append(_symbolic_slot(fake_mode))
             graph = make_fx(traced, tracing_mode="symbolic")(*example)
             with _inductor_cache():
                 fn = torch._inductor.compile(graph, example)
@@ -269,10 +296,26 @@ class StepParts:
             self.compiled += 1
         return part
 
-    def _call(self, name: str, blocks: tuple, tensors: list, rows: int, attend: float | None = None):
+    def _key(self, name: str, blocks: tuple, tensors: list, attend: float | None) -> tuple:
+        """The key of the part these inputs call: its structure and the inputs' signatures, remembered for the
+        inputs' raw layouts (a step calls each part with the same layouts at every layer and every step, so
+        the signatures are worked out once)."""
+        layouts = [(t.shape, t.stride(), t.dtype, t.device) for t in tensors]
+        memo = (name, attend, *map(id, blocks))
+        seen = self._keys.get(memo)
+        if seen is not None and seen[1] == layouts and all(a is b for a, b in zip(seen[0], blocks)):
+            return seen[2]
+        symbolic = attend is not None
+        key = (name, attend, *(self._structure(b) for b in blocks),
+               *(_signature(t, i if symbolic else None) for i, t in enumerate(tensors)))
+        self._keys[memo] = (blocks, layouts, key)
+        return key
+
+    def _call(self, name: str, blocks: tuple, tensors: list, rows: int, attend: float | None = None,
+              slot: int | None = None):
         """The part's outputs for these rows. The dense parts pad the rows to a power of two and take
-        contiguous inputs; an attending part (`attend` given) takes its inputs as they are: its rows are a
-        power of two already, and its pool slices are views of the store, never copied."""
+        contiguous inputs; an attending part (`attend` given; `slot`: where it writes the token) takes its
+        inputs as they are: its rows are a power of two already, and it writes into the store's own tensors."""
         pad = _bucket(rows) - rows
         if pad:
             tensors = [torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in tensors]
@@ -284,7 +327,7 @@ class StepParts:
         if weights is None:
             found = _weights(blocks)
             weights = self._inputs[key] = [found[n] for n in names]
-        out = fn(*weights, *tensors)
+        out = fn(*weights, *tensors) if slot is None else fn(*weights, *tensors, slot)
         return [o[:rows] for o in out] if pad else list(out)
 
     def warm(self, model, rows: int = 1) -> float:
@@ -301,12 +344,15 @@ class StepParts:
             calls.append(("between", (layers[0], layers[1]), [h, a, *_rope_tensors(layers[1].own_rope(rope))]))
         calls.append(("leave", (layers[-1],), [h, a]))
         if self.whole and not any(cfg.window(layer) is not None for layer in range(cfg.num_layers)):
-            q = torch.zeros(n, cfg.num_heads, 1, cfg.head_dim, dtype=model.dtype, device=model.device)
+            kv = torch.zeros(n, cfg.num_kv_heads, 1, cfg.head_dim, dtype=model.dtype, device=model.device)
             pool = torch.zeros(n, cfg.num_kv_heads, 2, cfg.head_dim, dtype=model.dtype, device=model.device)
+            valid = torch.zeros(n, cfg.num_kv_heads, 2, dtype=torch.bool, device=model.device)
+            pos = torch.zeros(n, cfg.num_kv_heads, 2, dtype=torch.long, device=model.device)
+            store = [a, kv, kv, pool, pool, valid, pos, torch.zeros(n, dtype=torch.long, device=model.device)]
             if len(layers) > 1:
                 calls.append(("attend_between", (layers[0], layers[1]),
-                              [h, q, pool, pool, *_rope_tensors(layers[1].own_rope(rope))], model.scale))
-            calls.append(("attend_leave", (layers[-1],), [h, q, pool, pool], model.scale))
+                              [h, *store, *_rope_tensors(layers[1].own_rope(rope))], model.scale))
+            calls.append(("attend_leave", (layers[-1],), [h, *store], model.scale))
         try:
             with torch.inference_mode():
                 for name, blocks, tensors, *attend in calls:
@@ -315,11 +361,12 @@ class StepParts:
             pass
         return time.perf_counter() - t0
 
-    def _try(self, name: str, blocks: tuple, tensors: list, rows: int, attend: float | None = None):
+    def _try(self, name: str, blocks: tuple, tensors: list, rows: int, attend: float | None = None,
+             slot: int | None = None):
         """The part's outputs, or None once compiling (or running what was compiled) failed: then the step
         goes on eagerly, and so does every later step."""
         try:
-            return self._call(name, blocks, [t for t in tensors if t is not None], rows, attend)
+            return self._call(name, blocks, [t for t in tensors if t is not None], rows, attend, slot)
         except Exception as err:  # noqa: BLE001 -- whatever the compiler raises, the eager path is the answer
             self.failed = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:200]
             warnings.warn(f"torch.compile failed, decoding eagerly ({self.failed})", RuntimeWarning, stacklevel=4)
@@ -379,44 +426,47 @@ class StepParts:
         return all(session.planned(layer) is ALL for layer in selecting)
 
     def _run_whole(self, model, h, rope, session) -> torch.Tensor:
-        """A decoding step as one compiled call per layer plus the token's append: the call takes a layer's
-        q and its pool (the token appended first, the used length masked) and runs its attention, residual
-        and MLP and the next layer's attention input. The session's per-layer bookkeeping runs as in its own
-        attention (`Session._read`: the plan, listeners, counters; the append; policy and listeners hear of
-        it), with the events in the compiled parts' order."""
+        """A decoding step as one compiled call per layer: the call takes a layer's q, k, v and its store's
+        tensors, writes the token's k, v (and its valid mark and position) at the next slot in place, and runs
+        its attention over the used slots, its residual and MLP and the next layer's attention input. The
+        session's per-layer bookkeeping runs as in its own attention (`Session._read`: the plan, listeners,
+        counters; the store's append pointer; policy and listeners hear of the append), with the events in the
+        compiled parts' order."""
         layers, store, rows = model.layers, session.store, h.shape[0]
         attend = model.scale
         got = self._try("enter", (layers[0],), [h, *_rope_tensors(layers[0].own_rope(rope))], rows)
         if got is None:
             return _eager_from(model, 0, h, rope, session.attend, session.event)
         x, q, k, v = got
-        used = store.length[0] + 1  # the token's own slot included
+        slot = store.length[0]  # every layer's token goes there (`runs_whole`: the layers hold as many)
         light = _reads_all_by_construction(session)
         cur = session.positions[:, 0]
+        slots = torch.full((rows, k.shape[1]), slot, dtype=torch.long, device=k.device)  # what `append` returns
         for i, block in enumerate(layers):
             session.event(i, "attn_in", x)
             if light:  # what `Session._read` does when every layer reads all, nobody asked: the counters
-                session.stats.record_rows(i, rows * k.shape[1] * (used - 1))
-                session.stats.record_all(i, rows, k.shape[1], used - 1)
+                session.stats.record_rows(i, rows * k.shape[1] * slot)
+                session.stats.record_all(i, rows, k.shape[1], slot)
             else:
                 read = session._read(i, q, k)
                 if read.rows is not None:
                     raise RuntimeError(f"layer {i} does not read its store in place in a whole step")
-            slots = store.append(i, k, v, cur)
-            pool = (store.k[i][:, :, :used], store.v[i][:, :, :used])
+            tensors = [h, q, k, v, store.k[i], store.v[i], store.valid[i], store.pos[i], cur]
             if i + 1 < len(layers):
                 nxt = layers[i + 1]
-                tensors = [h, q, *pool, *_rope_tensors(nxt.own_rope(rope))]
-                got = self._try("attend_between", (block, nxt), tensors, rows, attend)
+                got = self._try("attend_between", (block, nxt), [*tensors, *_rope_tensors(nxt.own_rope(rope))],
+                                rows, attend, slot)
             else:
-                got = self._try("attend_leave", (block,), [h, q, *pool], rows, attend)
-            if got is None:  # this layer's attention eagerly, as the session's own, then the rest eagerly
+                got = self._try("attend_leave", (block,), tensors, rows, attend, slot)
+            if got is None:  # this layer's append and attention eagerly, as the session's own, then the rest
                 from .runtime import attend_all
+                slots = store.append(i, k, v, cur)
                 a = attend_all(q, *store.used_keys_values(i), model.scale)
                 session._appended(i, slots, k, v)
                 h1 = block.attention_output(h, a)
                 session.event(i, "attn_out", h1)
                 return _eager_from(model, i + 1, block.feed_forward(h1), rope, session.attend, session.event)
+            store.wrote_in_place(i)
             session._appended(i, slots, k, v)
             h1, h = got[:2]
             if i + 1 < len(layers):
