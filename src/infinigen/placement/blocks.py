@@ -369,15 +369,5 @@ class BlockedKVStore(OffloadedKVStore):
                 if place.numel():
                     out.index_copy_(0, place, source.index_select(0, row + kind * bs))
         local, own = packed_places(sel, n)
-        m = int(missed.sum())
-        self.stats.on_demand += 1
-        self.stats.missed += m
-        self.stats.missed_blocks += read
-        self.stats.rows_moved += m
-        self.stats.bytes_moved += read * self.unit
-        seconds = time.perf_counter() - t0
-        self.stats.ondemand_s += seconds
-        if self.stats.steps:
-            self.stats.steps[-1][1] += m
-            self.stats.steps[-1][3] += seconds
+        self.stats.fetched_missed(int(missed.sum()), read * self.unit, time.perf_counter() - t0, units=read)
         return HandedRows(keys, values, local, own)

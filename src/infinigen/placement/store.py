@@ -327,15 +327,7 @@ class OffloadedKVStore(KVStore):
         local = torch.where(found, at, 0)
         local[missing] = torch.arange(p, p + m, device=local.device)
         own = p + m + torch.arange(self.bh, device=local.device).view(self.batch, self.kv_heads)
-        self.stats.on_demand += 1
-        self.stats.missed += m
-        self.stats.rows_moved += m
-        self.stats.bytes_moved += 2 * m * self.layout.row_bytes
-        seconds = time.perf_counter() - t0
-        self.stats.ondemand_s += seconds
-        if self.stats.steps:
-            self.stats.steps[-1][1] += m
-            self.stats.steps[-1][3] += seconds
+        self.stats.fetched_missed(m, 2 * m * self.layout.row_bytes, time.perf_counter() - t0)
         return HandedRows(keys, values, local, own)
 
     def _gather_rows(self, layer, rows, keys, values) -> None:

@@ -56,6 +56,19 @@ class TransferStats:
         the used KV."""
         return [m / kv for _, m, kv, _ in self.steps if kv]
 
+    def fetched_missed(self, rows: int, nbytes: int, seconds: float, units: int = 0) -> None:
+        """Count one on-demand fetch of the `rows` a layer's own selection read and its prefetch missed: `nbytes`
+        read from the slow tier in `seconds` (`units`: the file's blocks read, for a pool in blocks)."""
+        self.on_demand += 1
+        self.missed += rows
+        self.missed_blocks += units
+        self.rows_moved += rows
+        self.bytes_moved += nbytes
+        self.ondemand_s += seconds
+        if self.steps:
+            self.steps[-1][1] += rows
+            self.steps[-1][3] += seconds
+
     def hit_rate(self) -> float | None:
         """Share of the distinct selected rows the row cache held (None: no lookup, or no cache)."""
         return self.row_hits / self.row_lookups if self.row_lookups else None
