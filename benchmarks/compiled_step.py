@@ -29,28 +29,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import infinigen  # noqa: E402
 from infinigen import compiled, runtime  # noqa: E402
+from infinigen.bench.dispatch import DispatchedCalls  # noqa: E402
 from infinigen.bench.side_by_side import staggered_prompts, text_ids  # noqa: E402
 from infinigen.placement import Placement  # noqa: E402
 from infinigen.policies import make_policy  # noqa: E402
 
 
 MODES = ("eager", "parts", "whole")
-
-
-class _Dispatched(TorchDispatchMode):
-    """Counts the aten operators dispatched from Python while active (what a step calls, not what they call)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
 
 
 def aten_calls(model, session, tokens, parts) -> tuple[int, int, int, int]:
@@ -61,7 +49,7 @@ def aten_calls(model, session, tokens, parts) -> tuple[int, int, int, int]:
         runtime.decode(model, tokens, session)
     events = [e for e in prof.events() if e.name.startswith("aten::")]
     top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
-    with _Dispatched() as counter:
+    with DispatchedCalls() as counter:
         runtime.decode(model, tokens, session)
     python_calls = 0
 

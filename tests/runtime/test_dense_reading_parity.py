@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from infinigen.bench.dispatch import DispatchedCalls
 
 from infinigen import compiled, runtime
 from infinigen.placement import Placement
@@ -26,18 +26,6 @@ def model():
     return build_tiny("llama")[1]
 
 
-class _AtenCalls(TorchDispatchMode):
-    """Counts the aten operators dispatched while it is active."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
 def _policy(name, model):
     if name == "infinigen":  # the default's knobs, every layer selecting, its crossing beyond the test's lengths
         return make_policy("infinigen", dense_layers=(), dense_below=1000).with_skew(random_skew(model))
@@ -52,7 +40,7 @@ def _steps(model, policy, tokens, parts) -> tuple[torch.Tensor, list[int]]:
         logits = [runtime.prefill(model, tokens[:, :P], sess)]
         calls = []
         for t in range(P, T - 1):
-            with _AtenCalls() as counter:
+            with DispatchedCalls() as counter:
                 logits.append(runtime.decode(model, tokens[:, t], sess))
             calls.append(counter.calls)
         return torch.stack(logits, 1), calls

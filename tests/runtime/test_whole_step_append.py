@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from infinigen.bench.dispatch import DispatchedCalls
 
 from infinigen import compiled, runtime
 from infinigen.placement import Placement
@@ -28,23 +28,6 @@ def models():
     return {layers: build_tiny("llama", num_hidden_layers=layers)[1] for layers in (2, 6)}
 
 
-class _Calls(TorchDispatchMode):
-    """The aten operators dispatched while active, and those among them given a tensor of `watched`'s storages."""
-
-    def __init__(self, watched=()):
-        super().__init__()
-        self.calls = 0
-        self.on_watched: list[str] = []
-        self._storages = {t.untyped_storage().data_ptr() for t in watched}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += 1
-        flat = [*args, *(kwargs or {}).values()]
-        if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self._storages for a in flat):
-            self.on_watched.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _store_tensors(store) -> list:
     return [*store.k, *store.v, *store.valid, *store.pos]
 
@@ -63,7 +46,7 @@ def _decode(model, tokens, parts, sentinel=False, count=False):
         calls, on_store = [], []
         for t in range(P, T - 1):
             if count:
-                with _Calls(_store_tensors(sess.store)) as counter:
+                with DispatchedCalls(_store_tensors(sess.store)) as counter:
                     out.append(runtime.decode(model, tokens[:, t], sess))
                 calls.append(counter.calls)
                 on_store.append(counter.on_watched)
