@@ -39,7 +39,7 @@ from ..cache import HandedRows, KVCodec, KVStore, packed_order, packed_places
 from ..errors import UserError
 from .rows import layout_for
 from .store import OffloadedKVStore, _Job
-from .transfer import KV, PAGE, TransferStats, _Buffers
+from .transfer import KV, PAGE, TransferStats, _Buffers, located
 from .tiers import SlowTier
 
 
@@ -348,11 +348,7 @@ class BlockedKVStore(OffloadedKVStore):
         seg, slot = flat // self.capacity, flat % self.capacity
         unit_id = slot // bs + seg * nb
         held, staged = job.staged
-        if held.numel():
-            at = torch.searchsorted(held, unit_id).clamp_(max=held.numel() - 1)
-            found = held[at] == unit_id
-        else:
-            at, found = torch.zeros_like(unit_id), torch.zeros(n, dtype=torch.bool)
+        at, found = located(held, unit_id)
         missed = ~found
         hit = torch.zeros(self.bh * nb, dtype=torch.bool)
         hit[unit_id[missed]] = True

@@ -37,7 +37,7 @@ from ..selection import ALL
 from .rows import layout_for
 from .rowcache import RowCache
 from .tiers import SlowTier
-from .transfer import KV, TransferStats, _Buffers, touched_page_share
+from .transfer import KV, TransferStats, _Buffers, located, touched_page_share
 
 @dataclass
 class _Job:
@@ -312,11 +312,8 @@ class OffloadedKVStore(KVStore):
         held = packed_order(job.selection)[0]  # the prefetched rows of the flat store order, ascending
         p = job.selected
         real = sel.head >= 0
-        if p:
-            at = torch.searchsorted(held, sel.rows).clamp_(max=p - 1)
-            found = real & (held[at] == sel.rows)
-        else:
-            at, found = torch.zeros_like(sel.rows), torch.zeros_like(real)
+        at, found = located(held, sel.rows)
+        found &= real
         missing = real & ~found
         want = sel.rows[missing]  # ascending: packed order
         m = want.numel()

@@ -24,6 +24,15 @@ def touched_page_share(rows: torch.Tensor, row_bytes: int, used_rows: int) -> fl
     return float(hit[:pages].sum()) / pages
 
 
+def located(held: torch.Tensor, wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(at, found) per entry of `wanted`: its place in the ascending `held` and whether it is there (at is 0 where
+    `held` is empty)."""
+    if not held.numel():
+        return torch.zeros_like(wanted), torch.zeros(wanted.shape, dtype=torch.bool, device=wanted.device)
+    at = torch.searchsorted(held, wanted).clamp_(max=held.numel() - 1)
+    return at, held[at] == wanted
+
+
 @dataclass
 class TransferStats:
     """What moved from the slow tier to the fast tier, and where the time went."""
