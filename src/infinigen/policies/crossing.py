@@ -218,14 +218,14 @@ def find_crossing(pairs_at, lo: int, hi: int, context: int, log=None, batch: int
         a, b = mid, hi
     else:
         a = b = None  # slower at the longest length: never pays
-    moved: list[str] = []  # which end of the bracket each step moved
+    narrowed = False  # the bracket moved once already: bisect from then on
     if a is not None and seen[a]["ratio"] >= 1 and not close(a) and not close(b):
         while b / a > NARROW and len(seen) < MAX_PROBES:
             # first false position on the difference of the step times (policy - full: > 0 at a, < 0 at b):
             # where both are linear it lands on the crossing, which the stop above ends on; where it did not
             # (a cost that bends or jumps, on which false position creeps), the bracket's middle in log length
             da, db = (seen[n]["policy_ms"] - seen[n]["full_ms"] for n in (a, b))
-            x = a + (b - a) * da / (da - db) if da > db and not moved else math.sqrt(a * b)
+            x = a + (b - a) * da / (da - db) if da > db and not narrowed else math.sqrt(a * b)
             edge = (b / a) ** 0.1
             x = int(round(min(max(x, a * edge), b / edge)))
             if x in seen or not a < x < b:
@@ -235,7 +235,7 @@ def find_crossing(pairs_at, lo: int, hi: int, context: int, log=None, batch: int
                 break
             slower = seen[x]["ratio"] >= 1
             a, b = (x, b) if slower else (a, x)
-            moved.append("a" if slower else "b")
+            narrowed = True
     lengths = sorted(seen)
     out = {k: [round(seen[n][k], 4 if k == "ratio" else 3) for n in lengths] for k in ("full_ms", "policy_ms",
                                                                                        "ratio")}
