@@ -6,10 +6,13 @@ which dequantize in registers:
 
   Int4Linear     group-wise asymmetric 4-bit, w = (code - 8) * scale + zero per group of `group` inputs
                  (tinygemm's convention), codes 0..15.
-                 CPU: `aten._weight_int4pack_mm_for_cpu` (AVX512 kernel for bfloat16; its float32 path
-                 is scalar, exact but ~20x slower), layout from `aten._convert_weight_to_int4pack_for_cpu`.
+                 CPU: layout from `aten._convert_weight_to_int4pack_for_cpu`; a decoding batch's call (at most
+                 8 rows, whole 64-output blocks) runs the native `int4_gemv` (AVX-512; kernels/int4_gemv.py),
+                 any other `aten._weight_int4pack_mm_for_cpu` (AVX512 kernel for bfloat16; its float32 path
+                 is scalar, exact but ~20x slower).
                  CUDA: `aten._weight_int4pack_mm` (bfloat16 only), layout from `_convert_weight_to_int4pack`.
-  Int8Linear     per-output-row symmetric 8-bit, w = code * scale: `aten._weight_int8pack_mm`.
+  Int8Linear     per-output-row symmetric 8-bit, w = code * scale: a decoding batch's call (at most 8 rows) the
+                 native `int8_gemv` (AVX-512), any other `aten._weight_int8pack_mm`.
   Int8Embedding  rows of an Int8Linear's table (a tied embedding and output layer share one table).
 
 GGUF blocks map onto them (`from_gguf_blocks`): Q4_1 stores w = d * q + m with q in 0..15, which is
@@ -34,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
+
+from . import int4_gemv
 
 GROUP = 32  # GGUF Q4_0/Q4_1/Q8_0 block size; the re-quantization group (K = 576 rules out 128)
 GROUPS = (32, 64, 128, 256)  # group sizes the int4 kernels take
@@ -260,6 +265,8 @@ class Int4Linear(nn.Module):
     # -- compute --
     def _kernel(self, x2: torch.Tensor) -> torch.Tensor:
         if self.packed.device.type == "cpu":
+            if int4_gemv.takes(x2, self.out_features) and _cpu_layout_known():
+                return int4_gemv.int4_gemv(x2, self.packed, self.group, self.scale_zero)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scale_zero)
         return torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group, self.scale_zero)
 
@@ -359,7 +366,10 @@ class Int8Linear(nn.Module):
         if rows > DENSE_ROWS or not _int8_kernel_ok(x.device.type):
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
+        if int4_gemv.takes_int8(flat, self.in_features):
+            y = int4_gemv.int8_gemv(flat, self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, self.scales)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -1,0 +1,363 @@
+// A few rows of activations times a group-wise 4-bit weight held in torch's AVX-512 CPU int4 layout
+// (`_convert_weight_to_int4pack_for_cpu`: blocks of 64 outputs, [K, 32] bytes each, byte j of input k holding
+// output j in its low nibble and output j + 32 in its high one; scale-and-zero [K / group, N, 2]), as the op
+// `infinigen::int4_gemv`, so a compiled graph calls it like any aten op.
+//
+// The weight is w = (q - 8) * scale + zero = q * scale + base with base = zero - 8 * scale, so an output is
+//   y[n] = sum over groups g of  scale[g, n] * (sum_{k in g} q[k, n] x[k])  +  base[g, n] * (sum_{k in g} x[k])
+// (what llama.cpp does per block): a code is never dequantized, each weight costs one multiply-add of its code,
+// and the group's scale and base are applied once per group. bfloat16 activations: each 4-bit code becomes the
+// bfloat16 of its value (exact) and `vdpbf16ps` adds code * x of two inputs per lane (the products are exact in
+// float32; the sums are float32); float32 activations: the codes as float32 and fused multiply-adds. Nothing is
+// quantized that the activations did not already hold, and every output is rounded once to x's dtype.
+//
+// Threads: the tasks are half blocks (32 outputs: low nibbles of bytes 16h..16h+15 and their high nibbles),
+// split over torch's intra-op threads; a row's arithmetic does not depend on the other rows or the split.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlockN = 64;  // outputs per block of the layout
+constexpr int64_t kRowsPerPass = 4;  // activation rows per pass over a half block (the accumulators' registers)
+constexpr int64_t kMaxRows = 8;
+constexpr int64_t kBlockBytesInL1 = 24 * 1024;  // a block's codes up to this size are read twice (once per half)
+// how many inputs ahead a half block's codes are prefetched (32 bytes each): the codes are one sequential stream,
+// but with arithmetic between its loads the hardware alone fetches too little ahead
+constexpr int64_t kPrefetchInputs = 128;
+
+#if defined(__AVX512F__)
+constexpr bool kFloat32 = true;
+#else
+constexpr bool kFloat32 = false;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+constexpr bool kBFloat16 = true;
+#else
+constexpr bool kBFloat16 = false;
+#endif
+
+struct Problem {
+  int64_t rows, k, n, group, groups;
+  const uint8_t* packed;  // [N / 64][K][32]
+  const void* x;          // [rows, K]
+  const void* sz;         // [groups, N, 2]
+  const float* sums;      // [rows, groups]: each group's sum of x, float32 in input order
+  void* out;              // [rows, N]
+};
+
+#if defined(__AVX512F__)
+// A group's scale and base (zero - 8 scale) for 16 outputs from their 16 (scale, zero) pairs
+inline void scale_base(const c10::BFloat16* pairs, __m512& scale, __m512& base) {
+  const __m512i both = _mm512_loadu_si512(pairs);  // lane i: scale_i in the low half, zero_i in the high one
+  scale = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
+  const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  base = _mm512_fmadd_ps(_mm512_set1_ps(-8.f), scale, zero);
+}
+
+inline void scale_base(const float* pairs, __m512& scale, __m512& base) {
+  const __m512 a = _mm512_loadu_ps(pairs), b = _mm512_loadu_ps(pairs + 16);
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  scale = _mm512_permutex2var_ps(a, even, b);
+  base = _mm512_fmadd_ps(_mm512_set1_ps(-8.f), scale, _mm512_permutex2var_ps(a, odd, b));
+}
+
+inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+inline void store16(c10::BFloat16* dst, __m512 v) {
+  const __m256bh r = _mm512_cvtneps_pbh(v);  // round to nearest even, as torch's conversion of a finite value
+  std::memcpy(dst, &r, 32);
+}
+#endif
+
+#if defined(__AVX512F__)
+// Folds a group's code sums into the outputs: y += scale * acc + base * (the group's sum of x)
+template <int ROWS, typename scalar_t>
+inline void fold_group(const Problem& p, int64_t first, int64_t g, int64_t row0, __m512 (&acc)[2][ROWS],
+                       __m512 (&y)[2][ROWS]) {
+  const scalar_t* sz = static_cast<const scalar_t*>(p.sz) + (g * p.n + first) * 2;
+  __m512 scale[2], base[2];
+  scale_base(sz, scale[0], base[0]);             // outputs first .. first + 15
+  scale_base(sz + 64, scale[1], base[1]);        // outputs first + 32 .. first + 47
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512 sum = _mm512_set1_ps(p.sums[(row0 + r) * p.groups + g]);
+    for (int s = 0; s < 2; ++s) {
+      y[s][r] = _mm512_fmadd_ps(scale[s], acc[s][r], y[s][r]);
+      y[s][r] = _mm512_fmadd_ps(base[s], sum, y[s][r]);
+      acc[s][r] = _mm512_setzero_ps();
+    }
+  }
+}
+
+template <int ROWS, typename scalar_t>
+inline void store_rows(const Problem& p, int64_t first, int64_t row0, __m512 (&y)[2][ROWS]) {
+  scalar_t* out = static_cast<scalar_t*>(p.out);
+  for (int r = 0; r < ROWS; ++r) {
+    store16(out + (row0 + r) * p.n + first, y[0][r]);
+    store16(out + (row0 + r) * p.n + first + 32, y[1][r]);
+  }
+}
+
+// float32 activations: half block `h` of block `nb` for rows row0 .. row0 + ROWS - 1
+template <int ROWS>
+void half_block_f32(const Problem& p, int64_t nb, int64_t h, int64_t row0) {
+  const uint8_t* codes = p.packed + nb * p.k * 32 + 16 * h;
+  const float* x = static_cast<const float*>(p.x) + row0 * p.k;
+  const int64_t first = nb * kBlockN + 16 * h;
+  const __m512i nibble = _mm512_set1_epi32(15);
+  __m512 acc[2][ROWS], y[2][ROWS];
+  for (int s = 0; s < 2; ++s)
+    for (int r = 0; r < ROWS; ++r) acc[s][r] = y[s][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) {
+      if (k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kPrefetchInputs) * 32), _MM_HINT_T0);
+      const __m512i both = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * 32)));
+      const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(both, nibble));
+      const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(both, 4));
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 xk = _mm512_set1_ps(x[r * p.k + k]);
+        acc[0][r] = _mm512_fmadd_ps(low, xk, acc[0][r]);
+        acc[1][r] = _mm512_fmadd_ps(high, xk, acc[1][r]);
+      }
+    }
+    fold_group<ROWS, float>(p, first, g, row0, acc, y);
+  }
+  store_rows<ROWS, float>(p, first, row0, y);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+// bfloat16 activations: two inputs at a time. The 64 bytes of inputs k and k + 1 (32 each) give, per 32-bit lane i,
+// byte 16h + i of input k and of input k + 1 (one byte permute), whose low nibbles are outputs 16h + i and high
+// nibbles outputs 32 + 16h + i; a word table turns each nibble into its bfloat16 value, and `vdpbf16ps` adds
+// q[k] x[k] + q[k+1] x[k+1] into the lane.
+template <int ROWS, int HALVES>
+void halves_bf16(const Problem& p, int64_t nb, int64_t h0, int64_t row0) {
+  const uint8_t* codes = p.packed + nb * p.k * 32;
+  const uint16_t* x = static_cast<const uint16_t*>(p.x) + row0 * p.k;
+  __m512i pick[HALVES];
+  for (int i = 0; i < HALVES; ++i) {
+    const int64_t h = h0 + i;
+    alignas(64) uint8_t index[64] = {};
+    for (int j = 0; j < 16; ++j) {
+      index[4 * j] = static_cast<uint8_t>(16 * h + j);            // input k's byte
+      index[4 * j + 2] = static_cast<uint8_t>(32 + 16 * h + j);   // input k + 1's byte
+    }
+    pick[i] = _mm512_load_si512(index);
+  }
+  const __mmask64 word_lows = 0x5555555555555555ULL;  // bytes 0 and 2 of each lane; 1 and 3 are zeroed
+  alignas(64) uint16_t table[32] = {};
+  for (int q = 0; q < 16; ++q) {
+    const float value = static_cast<float>(q);
+    uint32_t bits;
+    std::memcpy(&bits, &value, 4);
+    table[q] = static_cast<uint16_t>(bits >> 16);  // exact: q has at most 4 significant bits
+  }
+  const __m512i bf16_of = _mm512_load_si512(table);
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  __m512 acc[2][ROWS], y[HALVES][2][ROWS];
+  for (int s = 0; s < 2; ++s)
+    for (int r = 0; r < ROWS; ++r) {
+      acc[s][r] = _mm512_setzero_ps();
+      for (int i = 0; i < HALVES; ++i) y[i][s][r] = _mm512_setzero_ps();
+    }
+  for (int64_t g = 0; g < p.groups; ++g) {
+    for (int i = 0; i < HALVES; ++i) {  // a second half re-reads the group's codes from L1
+      for (int64_t k = g * p.group; k < (g + 1) * p.group; k += 2) {
+        if (i == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kPrefetchInputs) * 32), _MM_HINT_T0);
+        const __m512i pair = _mm512_loadu_si512(codes + k * 32);
+        const __m512i bytes = _mm512_maskz_permutexvar_epi8(word_lows, pick[i], pair);
+        const __m512i low = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, nibbles), bf16_of);
+        const __m512i high = _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi32(bytes, 4), nibbles),
+                                                      bf16_of);
+        for (int r = 0; r < ROWS; ++r) {
+          int32_t xs;
+          std::memcpy(&xs, x + r * p.k + k, 4);  // x[k] in the low half, x[k + 1] in the high one
+          const __m512i xk = _mm512_set1_epi32(xs);
+          acc[0][r] = _mm512_dpbf16_ps(acc[0][r], (__m512bh)low, (__m512bh)xk);
+          acc[1][r] = _mm512_dpbf16_ps(acc[1][r], (__m512bh)high, (__m512bh)xk);
+        }
+      }
+      fold_group<ROWS, c10::BFloat16>(p, nb * kBlockN + 16 * (h0 + i), g, row0, acc, y[i]);
+    }
+  }
+  for (int i = 0; i < HALVES; ++i) store_rows<ROWS, c10::BFloat16>(p, nb * kBlockN + 16 * (h0 + i), row0, y[i]);
+}
+#endif
+
+// `halves` halves of block nb from half h (both: a task of a whole block, whose codes are read from memory once)
+template <int ROWS>
+void half_blocks(const Problem& p, bool bf16, int64_t nb, int64_t h, int64_t halves, int64_t row0) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  if (bf16) return halves == 2 ? halves_bf16<ROWS, 2>(p, nb, h, row0) : halves_bf16<ROWS, 1>(p, nb, h, row0);
+#endif
+#if defined(__AVX512F__)
+  if (!bf16) {
+    for (int64_t i = 0; i < halves; ++i) half_block_f32<ROWS>(p, nb, h + i, row0);
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "int4_gemv: not built for this input type");
+}
+
+void rows_of_task(const Problem& p, bool bf16, int64_t nb, int64_t h, int64_t halves) {
+  for (int64_t row0 = 0; row0 < p.rows; row0 += kRowsPerPass) {
+    switch (std::min(kRowsPerPass, p.rows - row0)) {
+      case 1: half_blocks<1>(p, bf16, nb, h, halves, row0); break;
+      case 2: half_blocks<2>(p, bf16, nb, h, halves, row0); break;
+      case 3: half_blocks<3>(p, bf16, nb, h, halves, row0); break;
+      default: half_blocks<4>(p, bf16, nb, h, halves, row0); break;
+    }
+  }
+}
+
+template <typename scalar_t>
+std::vector<float> group_sums(const at::Tensor& x, int64_t group) {
+  const int64_t rows = x.size(0), k = x.size(1), groups = k / group;
+  const scalar_t* data = x.data_ptr<scalar_t>();
+  std::vector<float> sums(rows * groups);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = g * group; i < (g + 1) * group; ++i) s += static_cast<float>(data[r * k + i]);
+      sums[r * groups + g] = s;
+    }
+  return sums;
+}
+
+at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed_in, int64_t group,
+                     const at::Tensor& sz_in) {
+  const at::Tensor x = x_in.contiguous(), packed = packed_in.contiguous(), sz = sz_in.contiguous();
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && sz.dim() == 3, "int4_gemv: x [M, K], packed [N, K/2], sz [G, N, 2]");
+  const int64_t rows = x.size(0), k = x.size(1), n = packed.size(0);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 ? kBFloat16 : (x.scalar_type() == at::kFloat && kFloat32),
+              "int4_gemv: not built for ", x.scalar_type(), " inputs");
+  TORCH_CHECK(sz.scalar_type() == x.scalar_type(), "int4_gemv: scales in another dtype than x");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(1) * 2 == k, "int4_gemv: packed is not [N, K/2] uint8");
+  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "int4_gemv: 1 to ", kMaxRows, " rows, got ", rows);
+  TORCH_CHECK(n % kBlockN == 0, "int4_gemv: N must be a multiple of 64, got ", n);
+  TORCH_CHECK(group % 2 == 0 && group > 0 && k % group == 0, "int4_gemv: group ", group, " does not divide K ", k);
+  TORCH_CHECK(sz.size(0) == k / group && sz.size(1) == n && sz.size(2) == 2, "int4_gemv: sz is not [K/group, N, 2]");
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const std::vector<float> sums = bf16 ? group_sums<c10::BFloat16>(x, group) : group_sums<float>(x, group);
+  const Problem p{rows, k, n, group, k / group, packed.data_ptr<uint8_t>(), x.data_ptr(), sz.data_ptr(),
+                  sums.data(), out.data_ptr()};
+  // a task: half a block where a block's codes fit in L1 (more tasks to share between threads), else a whole
+  // block, whose second half re-reads each group's codes from L1; each output's arithmetic is the same either way
+  const int64_t per_task = k * 32 > kBlockBytesInL1 ? 2 : 1;
+  at::parallel_for(0, n / kBlockN * 2 / per_task, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      rows_of_task(p, bf16, t * per_task / 2, t * per_task % 2, per_task);
+  });
+  return out;
+}
+
+// ---- int8, one scale per output row (the output table) -------------------------------------------------------
+// y[n] = scale[n] * sum_k q[n, k] x[k]: the codes widened to float32 and fused multiply-adds over the row's
+// 16-input chunks in one float32 vector per row, summed across its lanes at the end, times the row's scale.
+constexpr int64_t kRowsPerTask = 64;  // output rows per task
+constexpr int64_t kRowsTogether = 4;  // output rows whose chunks are interleaved (independent accumulators)
+constexpr int64_t kPrefetchRows = 48;  // how far ahead the table's rows are prefetched
+
+#if defined(__AVX512F__)
+template <int ROWS>
+void int8_rows(const int8_t* q, const float* x, int64_t k, int64_t rows_n, float* sums) {
+  // sums[r * kRowsTogether + j]: activation row r against weight row j of the kRowsTogether from q
+  __m512 acc[ROWS][kRowsTogether];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < kRowsTogether; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 16) {
+    if (c % 64 == 0)  // rows kPrefetchRows on: a stream read with arithmetic between its loads needs asking for
+      for (int j = 0; j < kRowsTogether; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(q + (kPrefetchRows + j) * k + c), _MM_HINT_T0);
+    __m512 w[kRowsTogether];
+    for (int j = 0; j < kRowsTogether; ++j)
+      w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+          q + (j < rows_n ? j : 0) * k + c))));
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 xc = _mm512_loadu_ps(x + r * k + c);
+      for (int j = 0; j < kRowsTogether; ++j) acc[r][j] = _mm512_fmadd_ps(w[j], xc, acc[r][j]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < kRowsTogether; ++j) sums[r * kRowsTogether + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+#endif
+
+template <typename scalar_t>
+void int8_task(const int8_t* q, const scalar_t* scales, const float* x, int64_t rows, int64_t k, int64_t n,
+               int64_t begin, int64_t end, scalar_t* out) {
+#if defined(__AVX512F__)
+  float sums[kRowsPerPass * kRowsTogether];
+  for (int64_t j0 = begin; j0 < end; j0 += kRowsTogether) {
+    const int64_t together = std::min(kRowsTogether, end - j0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+      const int64_t pass = std::min(kRowsPerPass, rows - r0);
+      const float* xr = x + r0 * k;
+      switch (pass) {
+        case 1: int8_rows<1>(q + j0 * k, xr, k, together, sums); break;
+        case 2: int8_rows<2>(q + j0 * k, xr, k, together, sums); break;
+        case 3: int8_rows<3>(q + j0 * k, xr, k, together, sums); break;
+        default: int8_rows<4>(q + j0 * k, xr, k, together, sums); break;
+      }
+      for (int64_t r = 0; r < pass; ++r)
+        for (int64_t j = 0; j < together; ++j)
+          out[(r0 + r) * n + j0 + j] = static_cast<scalar_t>(sums[r * kRowsTogether + j] *
+                                                             static_cast<float>(scales[j0 + j]));
+    }
+  }
+#else
+  TORCH_CHECK(false, "int8_gemv: not built with AVX-512");
+#endif
+}
+
+at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scales_in) {
+  const at::Tensor q = q_in.contiguous(), scales = scales_in.contiguous();
+  TORCH_CHECK(kFloat32, "int8_gemv: not built with AVX-512");
+  TORCH_CHECK(x_in.dim() == 2 && q.dim() == 2 && scales.dim() == 1, "int8_gemv: x [M, K], q [N, K], scales [N]");
+  const int64_t rows = x_in.size(0), k = x_in.size(1), n = q.size(0);
+  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "int8_gemv: 1 to ", kMaxRows, " rows, got ", rows);
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.size(1) == k && k % 16 == 0, "int8_gemv: q is not [N, K] int8, K % 16");
+  TORCH_CHECK(scales.scalar_type() == x_in.scalar_type() && scales.size(0) == n, "int8_gemv: scales [N] in x's dtype");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "int8_gemv: float32 or bfloat16 inputs");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({rows, n}, x_in.options());
+  const int8_t* qd = q.data_ptr<int8_t>();
+  const float* xd = x.data_ptr<float>();
+  at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
+    const int64_t first = begin * kRowsPerTask, last = std::min(n, end * kRowsPerTask);
+    if (x_in.scalar_type() == at::kBFloat16)
+      int8_task(qd, scales.data_ptr<c10::BFloat16>(), xd, rows, k, n, first, last, out.data_ptr<c10::BFloat16>());
+    else
+      int8_task(qd, scales.data_ptr<float>(), xd, rows, k, n, first, last, out.data_ptr<float>());
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(infinigen, m) {
+  m.def("int4_gemv(Tensor x, Tensor packed, int group, Tensor scale_zero) -> Tensor");
+  m.def("int8_gemv(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(infinigen, CPU, m) {
+  m.impl("int4_gemv", &int4_gemv);
+  m.impl("int8_gemv", &int8_gemv);
+}
