@@ -5,6 +5,8 @@ side by side from one shared prefill per process.
     python benchmarks/disk_blocks.py                          # 8176 + 16 tokens x 8, bfloat16 (minutes)
     python benchmarks/disk_blocks.py --context 4096 --batch 4 # smaller, on a busy machine
     python benchmarks/disk_blocks.py --smoke                  # tiny sizes, results in a temp dir
+    python benchmarks/disk_blocks.py --rows ram,full,blocks,speculation --blocks 32 --breakdown 3
+                                          # the rows that the targets name, and where each step's time goes
 
 The disk rows run in a child process bounded after its shared prefill (`offload_cpu.disk_child`: a cgroup
 where the machine allows it), so the page cache cannot hold the pool. Per disk row: ms/step, the bytes the
