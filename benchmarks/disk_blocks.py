@@ -5,6 +5,8 @@ side by side from one shared prefill per process.
     python benchmarks/disk_blocks.py                          # 8176 + 16 tokens x 8, bfloat16 (minutes)
     python benchmarks/disk_blocks.py --context 4096 --batch 4 # smaller, on a busy machine
     python benchmarks/disk_blocks.py --smoke                  # tiny sizes, results in a temp dir
+    python benchmarks/disk_blocks.py --rows ram,full,blocks,speculation --blocks 32 --breakdown 3
+                                          # the rows that the targets name, and where each step's time goes
 
 The disk rows run in a child process bounded after its shared prefill (`offload_cpu.disk_child`: a cgroup
 where the machine allows it), so the page cache cannot hold the pool. Per disk row: ms/step, the bytes the
@@ -36,24 +38,33 @@ def block_policy(ig, block: int, fetch: float | None = None):
     return make_policy("infinigen", block=block, block_fetch=fetch, calibrate=False, dense_below=0, **chosen)
 
 
-def systems(ig, blocks: list[int]):
-    """`ig`: the default InfiniGen, prepared (its calibrated settings are the block rows' too)."""
+ROWS = ("ram", "ram-blocks", "full", "full-blocks", "tokens-mapped", "tokens-blocks", "blocks", "within",
+        "speculation")
+
+
+def systems(ig, blocks: list[int], rows=ROWS):
+    """`ig`: the default InfiniGen, prepared (its calibrated settings are the block rows' too); `rows`: which of
+    ROWS to run (the benchmark's rows in that order)."""
     from infinigen.bench import System
     from infinigen.policies import make_policy
-    out = [System("InfiniGen, tokens (KV in RAM)", ig, "none"),
-           System(f"InfiniGen, blocks of {blocks[0]} (KV in RAM)", block_policy(ig, blocks[0]), "none"),
-           System("full offload (disk, mapped file)", make_policy("full"), "disk"),
-           System(f"full offload (disk, blocks of {blocks[0]})", make_policy("full"), "disk", disk_block=blocks[0]),
-           System("InfiniGen, tokens (disk, mapped file)", ig, "disk"),
-           System(f"InfiniGen, tokens (disk, blocks of {blocks[0]})", ig, "disk", disk_block=blocks[0])]
-    out += [System(f"InfiniGen, blocks of {b} (disk, blocks of {b})", block_policy(ig, b), "disk", disk_block=b)
-            for b in blocks]
-    out.append(System(f"InfiniGen, tokens within 2x blocks of {blocks[0]} (disk, blocks of {blocks[0]})",
-                      block_policy(ig, blocks[0], 2.0), "disk", disk_block=blocks[0]))
-    # the rows above correct what was speculated (the default); this one reads what was speculated alone
-    out.append(System(f"InfiniGen, blocks of {blocks[-1]}, speculation only (disk, blocks of {blocks[-1]})",
-                      block_policy(ig, blocks[-1]), "disk", disk_block=blocks[-1], correct=False))
-    return out
+    out = {"ram": [System("InfiniGen, tokens (KV in RAM)", ig, "none")],
+           "ram-blocks": [System(f"InfiniGen, blocks of {blocks[0]} (KV in RAM)", block_policy(ig, blocks[0]),
+                                 "none")],
+           "full": [System("full offload (disk, mapped file)", make_policy("full"), "disk")],
+           "full-blocks": [System(f"full offload (disk, blocks of {blocks[0]})", make_policy("full"), "disk",
+                                  disk_block=blocks[0])],
+           "tokens-mapped": [System("InfiniGen, tokens (disk, mapped file)", ig, "disk")],
+           "tokens-blocks": [System(f"InfiniGen, tokens (disk, blocks of {blocks[0]})", ig, "disk",
+                                    disk_block=blocks[0])],
+           "blocks": [System(f"InfiniGen, blocks of {b} (disk, blocks of {b})", block_policy(ig, b), "disk",
+                             disk_block=b) for b in blocks],
+           "within": [System(f"InfiniGen, tokens within 2x blocks of {blocks[0]} (disk, blocks of {blocks[0]})",
+                             block_policy(ig, blocks[0], 2.0), "disk", disk_block=blocks[0])],
+           # the rows above correct what was speculated (the default); this one reads what was speculated alone
+           "speculation": [System(f"InfiniGen, blocks of {blocks[-1]}, speculation only (disk, blocks of "
+                                  f"{blocks[-1]})", block_policy(ig, blocks[-1]), "disk", disk_block=blocks[-1],
+                                  correct=False)]}
+    return [s for key in ROWS if key in rows for s in out[key]]
 
 
 def markdown(payload: dict) -> str:
@@ -100,7 +111,29 @@ def markdown(payload: dict) -> str:
               "thread). Relative KV: entries attended over all layers. Tokens = RAM's: the greedy tokens equal "
               "those of the same policy with the KV in RAM (not expected for InfiniGen: in RAM each layer selects "
               "with its own query, on an offloaded tier with the one speculated a layer ahead)."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + breakdown_lines(rows)) + "\n"
+
+
+def breakdown_lines(rows: list[dict]) -> list[str]:
+    """Where a decoding step's main-thread time goes (`--breakdown`: extra instrumented steps after the timed
+    ones), summed over the layers, for the rows that have it."""
+    timed = [r for r in rows if r.get("breakdown")]
+    if not timed:
+        return []
+    cats = list(timed[0]["breakdown"]["per_block_ms"])
+    details = sorted({k for r in timed for k in r["breakdown"].get("detail_ms_per_step", {})})
+    lines = ["", "Where a step's time goes (ms/step over every layer; instrumented steps after the timed ones, so "
+             "slower; detail: inclusive main-thread times of the correction's parts):", "",
+             "| system | step | " + " | ".join(cats + details) + " | worker gather |",
+             "|---|" + "---|" * (len(cats) + len(details) + 2)]
+    for r in timed:
+        bd = r["breakdown"]
+        n = len(bd["per_layer_ms"])
+        cells = [f"{bd['per_block_ms'][c] * n:.1f}" for c in cats]
+        cells += [f"{bd.get('detail_ms_per_step', {}).get(k, 0.0):.1f}" for k in details]
+        lines.append(f"| {r['system']} | {bd['step_ms']:.0f} | " + " | ".join(cells)
+                     + f" | {bd['worker_gather_ms_per_step']:.1f} |")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -114,9 +147,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--memory-limit", default="auto", help="bound of the disk rows (auto: below the pool; none)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"which rows to run, of {','.join(ROWS)}")
+    ap.add_argument("--breakdown", type=int, default=0,
+                    help="extra instrumented decoding steps per row for where the time goes (0: off)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (context 160, batch 2, 4 tokens)")
     ap.add_argument("--disk-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    rows_wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = sorted(set(rows_wanted) - set(ROWS))
+    if unknown or not rows_wanted:
+        ap.error(f"--rows: {', '.join(unknown) or 'none given'}: not one of {', '.join(ROWS)}")
     if args.smoke:
         args.context, args.batch, args.gen_len = 160, "2", 4
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="disk-blocks-")) if args.smoke \
@@ -134,7 +174,7 @@ def main(argv=None) -> int:
     from infinigen.policies import make_policy
     ig = make_policy("infinigen")
     ig = ig.prepare(model, tok, progress=True)
-    syst = systems(ig, [int(b) for b in args.blocks.split(",")])
+    syst = systems(ig, [int(b) for b in args.blocks.split(",")], rows_wanted)
     limit = parse_limit(args.memory_limit)
     if limit is None and args.memory_limit.strip().lower() == "auto":
         limit = auto_limit(model, syst, batches, args.context)
@@ -143,7 +183,8 @@ def main(argv=None) -> int:
     for s in syst:
         s.policy = s.policy.prepare(model, tok, progress=True)
     settings = bench.BenchSettings(prompt_lens=[args.context - args.gen_len], batch_sizes=batches,
-                                   gen_len=args.gen_len, pool_dir=args.pool_dir, share_prefill=True)
+                                   gen_len=args.gen_len, pool_dir=args.pool_dir, share_prefill=True,
+                                   breakdown_steps=args.breakdown)
 
     def progress(msg):
         print(f"{time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)

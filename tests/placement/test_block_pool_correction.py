@@ -129,3 +129,37 @@ def test_on_demand_units_are_exactly_those_the_prefetch_missed(tiny_llama, selec
     assert sorted(on_demand) == sorted(want["missed"]) and len(want["missed"]) > 0
     assert len(on_demand) == store.stats.missed_blocks
     assert sum(reads) == want["read"] * store.unit == store.stats.bytes_moved
+
+
+@pytest.mark.parametrize("correct", [True, False])
+def test_breakdown_times_the_correction_apart(tiny_llama, correct, tmp_path):
+    """`Breakdown` on a block pool that corrects times the layer's own selection, the corrected hand-over and its
+    on-demand reads apart (what `benchmarks/disk_blocks.py --breakdown` reports); one that reads the speculation
+    alone has no such part. Leaving it puts every instrumented method back."""
+    from infinigen.placement.timing import Breakdown
+    _, model = tiny_llama
+    pol = corrected_policy(model, budget="layer", block=BLOCK)
+    tokens, pad = offload_prompts()
+    sess = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK, correct=correct).new_session(
+        model, B, tokens.shape[1] + GEN, pol)
+    try:
+        store = sess.store
+        tok = runtime.prefill(model, tokens, sess, pad).argmax(-1)
+        for _ in range(GEN - 2):
+            tok = runtime.decode(model, tok, sess).argmax(-1)
+        missed0 = store.stats.missed_blocks
+        with Breakdown(model, sess) as bd:
+            for _ in range(2):
+                tok = bd.step(tok).argmax(-1)
+        detail = bd.summary().get("detail_ms_per_step", {})
+        assert not {"keep", "hand_rows", "_corrected", "_load"} & (set(vars(store)) | set(vars(sess.policy)))
+        if not correct:
+            assert detail == {}
+            return
+        assert set(detail) == {"own selection", "hand rows", "corrected hand-over", "on-demand reads"}
+        assert detail["own selection"] > 0 and detail["hand rows"] >= detail["corrected hand-over"] > 0
+        assert (detail["on-demand reads"] > 0) == (store.stats.missed_blocks > missed0)
+        # the main thread reads only in a corrected hand-over here (the prefetches ran on the worker)
+        assert detail["on-demand reads"] <= detail["corrected hand-over"]
+    finally:
+        Placement.close(sess)

@@ -15,14 +15,17 @@ full (victims), a victim's key and value rows are written in place.
 Reads. A layer's selection (prefetched one layer ahead on the store's worker thread, like `OffloadedKVStore`)
 names slots; the store reads exactly the units they lie in (every run of adjacent units announced to the kernel
 first, POSIX_FADV_WILLNEED, so the device has them all in its queue, then `os.preadv` into a staging buffer in
-fast memory, one call per run; the open block is copied from memory), then gathers the
-selected rows from the staging buffer. A selection made in blocks of this size reads each unit it names
-whole; a token-level selection reads every unit one of its tokens lies in. The file is opened with
-POSIX_FADV_RANDOM: the kernel reads what is asked, no readahead around it.
+fast memory, one call per run; the open block is copied from memory). The attention reads the selected rows
+where they lie in the staging buffer (`hand_rows`: a unit's keys, then its values, so the values are the same
+buffer a block further on), with spare rows for the token after the units; nothing is gathered. A selection
+made in blocks of this size reads each unit it names whole; a token-level selection reads every unit one of its
+tokens lies in. The file is opened with POSIX_FADV_RANDOM: the kernel reads what is asked, no readahead around it.
+Every visible slot (a layer read whole) is handed as a copy in (batch row, KV head, slot) order instead.
 
-Correction. A layer that selects again with its own query at its attention (`Placement.correct`) takes the rows
-of units the prefetch staged from there, whether or not the speculation chose those rows, and reads on demand,
-in one batch of positioned reads, only the units holding its own rows that the prefetch did not read.
+Correction. A layer that selects again with its own query at its attention (`Placement.correct`) reads its rows
+in units the prefetch staged where they lie, whether or not the speculation chose those rows, and reads on
+demand, in one batch of positioned reads, only the units holding its own rows that the prefetch did not read,
+into the same staging buffer after the staged units.
 """
 from __future__ import annotations
 
@@ -264,7 +267,8 @@ class BlockedKVStore(OffloadedKVStore):
         return None, None, self.valid[layer][:, :, :n], self.pos[layer][:, :, :n]
 
     def _run(self, job: _Job, ondemand: bool = False) -> None:
-        """Bring job.layer's selected rows (every used slot for a full job) to fast memory."""
+        """Bring job.layer's selected units (every used slot's for a full job) to fast memory; a full job's rows
+        gathered from them in (b, h, i) order."""
         t0 = time.perf_counter()
         if job.plan is not None and job.selection is None:  # the plan packed, as the runtime packs it
             n = job.n
@@ -278,33 +282,79 @@ class BlockedKVStore(OffloadedKVStore):
             job.selected = flat.numel()
             if not ondemand and self.stats.steps:  # this step's rows prefetched
                 self.stats.steps[-1][0] += job.selected
-        job.kv, units, job.staged = self._read(job.layer, seg, slot)
+        job.kv, units, job.staged = self._read(job.layer, seg, slot, gather=job.full)
         self.stats.bytes_moved += units * self.unit
         self.stats.rows_moved += slot.numel()
         self.stats.fetches += 1
         if not ondemand:
             self.stats.gather_s += time.perf_counter() - t0
 
-    def _read(self, layer: int, seg: torch.Tensor, slot: torch.Tensor):
-        """The rows of (batch row * Hkv + KV head, slot) pairs seg, slot [N] -> (keys, values [N + B * Hkv, d]:
-        the rows in that order, then a spare row per (batch row, KV head); units read from the file; the units
-        staged: their ids within the layer, ascending, and their copies [U, unit_rows, d] in that order)."""
-        parity, bs, nb = layer % 2, self.block, self.blocks_per_head
+    def _read(self, layer: int, seg: torch.Tensor, slot: torch.Tensor, gather: bool):
+        """The units holding the rows of (batch row * Hkv + KV head, slot) pairs seg, slot [N], read into the
+        layer parity's staging buffer -> (with `gather`: keys, values [N + B * Hkv, d], the rows in that order,
+        then a spare row per (batch row, KV head); else None), the units read from the file, and what was staged:
+        (the units' ids within the layer, ascending; the staging buffer, rows [U * unit_rows, d] then room for
+        the spare units (`_handed`); each pair's row in it [N])."""
+        parity, bs, nb, per = layer % 2, self.block, self.blocks_per_head, self.unit_rows
         unit_id = slot // bs + seg * nb  # [N] unit within the layer
         hit = torch.zeros(self.bh * nb, dtype=torch.bool)
         hit[unit_id] = True
         rank = hit.cumsum(0) - 1  # a hit unit's place in the staging buffer
         ids = hit.nonzero().squeeze(1)
-        stage = self.buffers.get(("disk", parity), max(ids.numel(), 1) * self.unit_rows, (self.head_dim,), self.dtype)
-        units = stage.view(-1, self.unit_rows, self.head_dim)[:ids.numel()]
-        read = self._load(layer, ids, units)
-        row = rank[unit_id] * self.unit_rows + slot % bs
+        u = ids.numel()
+        stage = self.buffers.get(("disk", parity), (u + self._spare_units) * per, (self.head_dim,), self.dtype)
+        read = self._load(layer, ids, stage[:u * per].view(u, per, self.head_dim))
+        row = rank[unit_id] * per + slot % bs
+        if not gather:
+            return None, read, (ids, stage, row)
         out = []
         for kind in KV:
             buf = self.buffers.get(("fast", parity, kind, 0), row.numel() + self.bh, (self.head_dim,), self.dtype)
             torch.index_select(stage, 0, row + kind * bs, out=buf[:row.numel()])
             out.append(buf)
-        return tuple(out), read, (ids, units)
+        return tuple(out), read, (ids, stage, row)
+
+    # ---- handing rows to the attention: views of the staging buffer, no copy ------------------------------
+    @property
+    def _spare_units(self) -> int:
+        """Units of the staging buffer after the units read that hold the spare rows (`_handed`)."""
+        return -(-self.bh // self.block)
+
+    def hand_rows(self, layer, sel, buffer=None, every: bool = False) -> HandedRows:
+        """The rows of `sel` in fast memory with a spare row per (batch row, KV head) for the token (`HandedRows`).
+        A selection's rows are handed as they lie in the staging buffer its units were read into (the prefetched
+        units, and for a selection other than the prefetched one the units it adds, read now: `_corrected`);
+        every visible slot (`every`), or a layer prefetched whole, as a whole-layer copy in (b, h, i) order."""
+        job = self._take(layer)
+        n = self.length[layer]
+        if every or (job is not None and job.full and job.n == n):
+            if job is None or not job.full or job.n != n:
+                self._discard(job)
+                job = self._fetch(layer, None, n)
+            local = sel.rows // self.capacity * n + sel.rows % self.capacity
+            own = self.bh * n + torch.arange(self.bh).view(self.batch, self.kv_heads)
+            return HandedRows(*job.kv, local, own)
+        if job is None or job.full:  # nothing prefetched for this selection: its units read now
+            self._discard(job)
+            job = self._fetch(layer, sel, n)
+        if job.selection is not sel:
+            return self._corrected(layer, job, sel, buffer)
+        ids, stage, row = job.staged
+        return self._handed(stage, ids.numel(), row, sel)
+
+    def _handed(self, stage: torch.Tensor, used: int, place: torch.Tensor, sel) -> HandedRows:
+        """`sel`'s rows handed as views of the staging buffer `stage`, whose first `used` units hold them
+        (`place`: the row in `stage` of each selected entry, in `sel`'s packed order): a unit holds its keys, then
+        its values `block` rows further, so the keys are the buffer and the values the same buffer `block` rows
+        on, both read at the same row. The spare rows lie in the spare units after the `used` ones, each key's
+        value `block` rows after it, where no other spare key lies."""
+        bs, per = self.block, self.unit_rows
+        local, _ = packed_places(sel, 0)
+        rows = place[local] if place.numel() else torch.zeros_like(local)
+        j = torch.arange(self.bh)
+        own = ((used + j // bs) * per + j % bs).view(self.batch, self.kv_heads)
+        end = (used + self._spare_units) * per
+        return HandedRows(stage[:end - bs], stage[bs:end], rows, own)
 
     def _load(self, layer: int, ids: torch.Tensor, units: torch.Tensor) -> int:
         """Units `ids` of `layer` (ids within the layer, ascending) into units [len(ids), unit_rows, d]: open
@@ -337,33 +387,30 @@ class BlockedKVStore(OffloadedKVStore):
         self.stats.blocks += read
         return read
 
-    def _corrected(self, layer, job, sel, buffer) -> HandedRows:
+    def _corrected(self, layer, job, sel, buffer=None) -> HandedRows:
         """`hand_rows` of the layer's own selection `sel` after a prefetch (`job`) of another: its rows in units
-        the prefetch staged are taken from there, the units holding the rest are read now in one batch; the
-        caller's `buffer` holds the rows in `sel`'s packed order, then the spare rows."""
+        the prefetch staged are read where they lie, the units holding the rest are read now, in one batch, into
+        the same staging buffer after the staged ones (grown, the staged units kept, where they do not fit)."""
         t0 = time.perf_counter()
-        bs, nb, d = self.block, self.blocks_per_head, self.head_dim
+        bs, nb, per, d = self.block, self.blocks_per_head, self.unit_rows, self.head_dim
+        held, stage, _ = job.staged
+        u = held.numel()
         flat = packed_order(sel)[0]
-        n = flat.numel()
-        seg, slot = flat // self.capacity, flat % self.capacity
-        unit_id = slot // bs + seg * nb
-        held, staged = job.staged
+        slot = flat % self.capacity
+        unit_id = slot // bs + flat // self.capacity * nb
         at, found = located(held, unit_id)
         missed = ~found
         hit = torch.zeros(self.bh * nb, dtype=torch.bool)
         hit[unit_id[missed]] = True
         ids = hit.nonzero().squeeze(1)
-        fresh = self.buffers.get(("missed", layer % 2), max(ids.numel(), 1) * self.unit_rows, (d,), self.dtype)
-        read = self._load(layer, ids, fresh.view(-1, self.unit_rows, d)[:ids.numel()])
-        keys, values = buffer(n + self.bh, job.kv[0])
-        within = slot % bs
-        parts = [(found.nonzero().squeeze(1), staged.view(-1, d), at[found] * self.unit_rows + within[found]),
-                 (missed.nonzero().squeeze(1), fresh, (hit.cumsum(0) - 1)[unit_id[missed]] * self.unit_rows
-                  + within[missed])]
-        for kind, out in zip(KV, (keys, values)):
-            for place, source, row in parts:
-                if place.numel():
-                    out.index_copy_(0, place, source.index_select(0, row + kind * bs))
-        local, own = packed_places(sel, n)
+        m = ids.numel()
+        need = (u + m + self._spare_units) * per
+        if stage.shape[0] < need:
+            grown = self.buffers.get(("disk", layer % 2), need, (d,), self.dtype)
+            if grown.data_ptr() != stage.data_ptr():  # a new buffer: the staged units move with it
+                grown[:u * per] = stage[:u * per]
+            stage = grown
+        read = self._load(layer, ids, stage[u * per:(u + m) * per].view(m, per, d))
+        unit_at = torch.where(found, at, u + (hit.cumsum(0) - 1)[unit_id])  # each row's unit in the buffer
         self.stats.fetched_missed(int(missed.sum()), read * self.unit, time.perf_counter() - t0, units=read)
-        return HandedRows(keys, values, local, own)
+        return self._handed(stage, u + m, unit_at * per + slot % bs, sel)

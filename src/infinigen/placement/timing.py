@@ -7,9 +7,14 @@ Instrumentation wraps instance methods of the session, the MLPs, the policy and 
 synchronizes the device, which removes the overlap it measures: take throughput from uninstrumented
 runs and use this only to see where time goes. The worker thread's gather time is reported apart
 ("gather (worker)"): it overlaps compute and is not part of the main thread's total.
+
+Where the store corrects a speculated selection, `detail` times what the correction adds on the main thread
+(inclusive, apart from the categories): the layer's own selection (the policy's `keep` asked with the layer's own
+query), handing the rows over (`hand_rows`), the corrected hand-over (`_corrected`) and the on-demand reads in it.
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 
@@ -29,6 +34,7 @@ class Breakdown:
         self.steps = 0
         self.step_time = 0.0
         self._undo = []
+        self.detail = defaultdict(float)  # name -> seconds on the main thread, inclusive (see the module doc)
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -53,8 +59,32 @@ class Breakdown:
         object.__setattr__(obj, name, timed)  # policies are frozen dataclasses: an instance attribute all the same
         self._undo.append((obj, name, orig if had else None))
 
+    def _clock(self, obj, name: str, key: str, counts=lambda args: True) -> None:
+        """Add the main thread's time in obj.name to `detail[key]` where `counts(args)` (inclusive)."""
+        if not hasattr(obj, name):
+            return
+        orig = getattr(obj, name)
+        had = name in vars(obj)
+
+        def clocked(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread() or not counts(args):
+                return orig(*args, **kwargs)
+            t0 = self._now()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                self.detail[key] += self._now() - t0
+
+        object.__setattr__(obj, name, clocked)
+        self._undo.append((obj, name, orig if had else None))
+
     def __enter__(self):
         pol, store, model = self.session.policy, self.session.store, self.model
+        if getattr(store, "corrects", False):  # inside the category clocks: those see one call each
+            self._clock(pol, "keep", "own selection", lambda args: getattr(args[1], "query", None) is not None)
+            self._clock(store, "hand_rows", "hand rows")
+            self._clock(store, "_corrected", "corrected hand-over")
+            self._clock(store, "_load", "on-demand reads")
         for hook in ("on_hidden", "keep", "observe", "on_append"):
             self._wrap(pol, hook, "speculation")
         # getting the rows: waiting for a prefetch, gathering in place, or packing a selection's rows
@@ -105,8 +135,11 @@ class Breakdown:
         n = len(rows)
         steps = max(self.steps, 1)
         block = {c: sum(r[c] for r in rows) / n for c in CATEGORIES}
-        return {"per_block_ms": block, "step_ms": 1e3 * self.step_time / steps,
-                "worker_gather_ms_per_step": 1e3 * self.worker_gather_s / steps, "per_layer_ms": rows}
+        out = {"per_block_ms": block, "step_ms": 1e3 * self.step_time / steps,
+               "worker_gather_ms_per_step": 1e3 * self.worker_gather_s / steps, "per_layer_ms": rows}
+        if self.detail:
+            out["detail_ms_per_step"] = {k: 1e3 * v / steps for k, v in self.detail.items()}
+        return out
 
 
 def _store_gather(store) -> float:

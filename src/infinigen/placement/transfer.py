@@ -105,7 +105,9 @@ class _Buffers:
             cap = max(rows, int(1.25 * t.shape[0]) if t is not None else rows, 1)
             self.bufs.pop(key, None)
             device = torch.device("cpu") if host_pinned else self.fast
-            t = torch.empty((cap, *shape), dtype=dtype, device=device, pin_memory=host_pinned)
+            with torch.inference_mode(False):  # a normal tensor: the worker thread (not in inference mode) and
+                # the main thread (decoding in it) both write it, whichever made it
+                t = torch.empty((cap, *shape), dtype=dtype, device=device, pin_memory=host_pinned)
             if read_on is not None:
                 t.record_stream(read_on)
             self.bufs[key] = t
