@@ -508,7 +508,9 @@ def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, 
 
     # what a trial costs: what it reads; at equal reads (the threshold trims under the caps) the tighter caps
     cost = lambda t: (t.kv, t.kv_caps, t.nll)  # noqa: E731
-    ok = lambda t: t.kv <= bound + 1e-9 and t.kv_caps <= bound + 1e-9  # noqa: E731
+    # under the bound: on the caps, and on what the run read where it ran to the end (a row reads a larger share of
+    # a shorter past, so the first rows of a stopped candidate overstate its reads)
+    ok = lambda t: (t.rows < total or t.kv <= bound + 1e-9) and t.kv_caps <= bound + 1e-9  # noqa: E731
 
     def pick(tried):  # (the choice, whether it reaches the target): the cheapest that does, else the lowest loss
         fit = [t for t in tried if t.nll <= goal and ok(t)]
