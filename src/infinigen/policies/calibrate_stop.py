@@ -8,12 +8,17 @@ that margin at `CONFIDENCE`, from the tokens scored so far: the observed ones ar
 predicted from them (a prediction interval for their mean: the uncertainty of the observed mean and the spread of
 N - n more tokens around it). Neighbouring tokens' differences correlate (a candidate's error on one token's keys
 and values reaches the tokens after it), so the spread is measured on means of BATCH consecutive tokens, and the
-quantile is Student's t with as many degrees of freedom as batches less one.
+quantile is Student's t with as many degrees of freedom as batches less one, at 1 - (1 - CONFIDENCE) / looks
+for the looks a pass may take (so CONFIDENCE holds over all of them).
 
 Only a miss stops a candidate: one certain to reach the target runs to the end, because the search ranks those by
 what they read over the whole run (a row reads a larger share of a shorter past: the reads of the first rows
-overstate a run's) and records the chosen one's loss and reads. A close candidate never stops, so the choice
-does not move; a far miss stops at MIN_ROWS or soon after.
+overstate a run's) and records the chosen one's loss and reads. A close candidate never stops, so its verdict is
+the one-pass verdict; a stopped miss's loss is an estimate from its tokens, which the search still compares with
+other misses' (which way to read layer 0, where the remainder starts, the lowest loss where none reaches the
+target). How early a miss stops depends on how much a selection moves each token's loss against how far the
+candidate is from the target: on SmolLM2's calibration text, late or not at all
+(results/calibration/calibration_early_stop.md).
 """
 from __future__ import annotations
 
