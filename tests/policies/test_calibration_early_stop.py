@@ -15,7 +15,7 @@ import torch
 from support.models import attention_model, build_gemma
 from infinigen.policies import calibrate as cal
 from infinigen.policies import calibrate_stop as stop_rule
-from infinigen.policies.infinigen import InfiniGen
+from infinigen.policies.infinigen import _CHOICES, InfiniGen
 from infinigen.policies.infinigen_calibration import candidate, remainder_starts, search_setup
 
 REF = 96
@@ -169,3 +169,34 @@ def test_the_t_quantile():
     for df, want, far in ((15, 3.733, 4.880), (30, 3.385, 4.234), (120, 3.160, 3.837)):
         assert stop_rule.t_quantile(0.999, df) == pytest.approx(want, rel=0.005)
         assert stop_rule.t_quantile(0.9999, df) == pytest.approx(far, rel=0.005)
+
+
+class ByteTokenizer:
+    """Token ids from characters (the tiny models' vocabulary is 256)."""
+
+    def __call__(self, text, verbose=False, **kw):
+        return {"input_ids": [ord(c) % 256 for c in text]}
+
+
+def test_a_stopped_miss_is_held_to_the_bound_on_its_caps(monkeypatch, tmp_path):
+    """Where nothing reaches the target, the lowest loss under the bound wins; a stopped candidate is held to the
+    bound on its caps, not on what its first rows read (a shorter past: a larger share read)."""
+    model = attention_model(3.0)
+    text = tmp_path / "calibration.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog, " * 40)
+
+    def scorer(m, tokens, prefill, own_query, margin):
+        total = tokens.shape[1] - prefill
+
+        def measure(pol):  # layer 0 read densely: the lower loss, stopped early, its first rows over the bound
+            dense = 0 in pol.dense_layers
+            return 2.0 + (0.1 if dense else 0.2), 0.99 if dense else 0.1, total // 2 if dense else total
+        return measure, 2.0
+
+    monkeypatch.setattr(cal, "_scorer", scorer)
+    monkeypatch.setitem(_CHOICES, model, {})
+    pol = InfiniGen(calibrate=True, skew=False, budget_ref=64, min_fetch=0, calibrate_text=str(text),
+                    calibrate_bound=0.7, calibrate_target=0.01, remainder=False).prepare(model, ByteTokenizer())
+    assert not pol.calibration["reached"]
+    assert pol.calibration["chosen"]["dense_layers"] == [0]
+    assert {t["rows"] for t in pol.calibration["trials"]} == {56, 28}
