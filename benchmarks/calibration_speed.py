@@ -10,14 +10,18 @@
    run), "fast" (what the search runs now: the fused kernel, `calibrate.head_nll` over a large vocabulary, each
    candidate's rows entering its first selecting layer from the shared pass: `calibrate.shared_layers`); with how
    far the loss moved between them.
-3. `--crossing N`: where selection pays (policies/crossing.py), measured N times each way, alternating: "sweep"
+3. `--early-stop N`: the whole search N times each way, alternating: "one pass" (every candidate's rows in one
+   block, run to the end: the search before) and "early stop" (rows in blocks of `calibrate.BLOCK_ROWS`, a
+   candidate stopped once it certainly misses the target: policies/calibrate_stop.py); each's CPU seconds, choice,
+   and per candidate its loss, reads and the tokens it scored.
+4. `--crossing N`: where selection pays (policies/crossing.py), measured N times each way, alternating: "sweep"
    (the measurement before: three lengths, ctx/16, ctx/4 and ctx, each 2 untimed then 7 timed interleaved steps
    of each system, medians, `crossing_from`) and "search" (`crossing.measure`: a few lengths, each timed until
    its side is clear); the policy measured is the model's calibrated one (found in the cache, else searched).
 /proc/loadavg is printed before and after each part (the machine may be shared: compare ratios).
 
     PYTHONPATH=src python benchmarks/calibration_speed.py [--model M] [--threads 2] [--compare 0,-1]
-        [--paths exact,fast] [--knobs '[{...}, ...]'] [--crossing N] [--json F]
+        [--paths exact,fast] [--knobs '[{...}, ...]'] [--early-stop N] [--crossing N] [--json F]
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ def fused_search(pol, model, tokenizer) -> dict:
     from infinigen.policies.infinigen_settings import CALIBRATE_BOUND, CALIBRATE_TARGET, CALIBRATE_TEXT
 
     passes = []
-    score_window, window = cal.score_window, cal.window
+    score_rows, window = cal.score_rows, cal.window
 
     def timed(fn):
         def run(*a, **k):
@@ -60,14 +64,14 @@ def fused_search(pol, model, tokenizer) -> dict:
 
     setup = ic.search_setup(pol, model)
     tokens = cal.calibration_tokens(tokenizer, load_text(CALIBRATE_TEXT), pol.budget_ref)
-    cal.score_window, cal.window = timed(score_window), timed(window)
+    cal.score_rows, cal.window = timed(score_rows), timed(window)
     before = loadavg()
     try:  # the search `calibration_record` runs where nothing is stored (nothing is written here)
         with Clock() as c:
             choice = ic._search(pol, model, tokens, "benchmark", setup, CALIBRATE_TARGET, CALIBRATE_BOUND,
                                 CALIBRATE_TEXT, progress=False)
     finally:
-        cal.score_window, cal.window = score_window, window
+        cal.score_rows, cal.window = score_rows, window
     return {"wall": c.wall, "cpu": c.cpu, "window": passes[0], "passes": passes[1:], "loadavg": [before, loadavg()],
             "choice": choice, "tokens": tokens, "setup": setup}
 
@@ -153,6 +157,8 @@ def main() -> None:
                     "running the search first")
     ap.add_argument("--paths", default="exact,fast", help="the two ways to score them side by side: torch, exact "
                     "(fused kernel, float32 head, every layer) or fast (what the search runs now)")
+    ap.add_argument("--early-stop", type=int, default=0, help="run the whole search N times each way (one pass "
+                    "per candidate, and blocks stopped early), instead of the search's passes")
     ap.add_argument("--crossing", type=int, default=0, help="measure where selection pays N times each way (sweep "
                     "and search), instead of the search's passes")
     ap.add_argument("--dtype", default="float32", help="with --crossing: the compute dtype (calibrate's: float32)")
@@ -174,6 +180,9 @@ def main() -> None:
     assert fused_select.available(), "the fused kernel did not build"
     if args.knobs:
         side_only(pol, model, tokenizer, json.loads(args.knobs), args)
+        return
+    if args.early_stop:
+        early_stop_searches(pol, model, tokenizer, name, args)
         return
     found = fused_search(pol, model, tokenizer)
     choice = found["choice"]
@@ -200,6 +209,40 @@ def main() -> None:
                "passes", "loadavg")}, "choice": choice.to_dict(), "shipped_trials": shipped, "side_by_side": rows}
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1, default=str)
+
+
+def early_stop_searches(pol, model, tokenizer, name: str, args) -> None:
+    """The whole search `args.early_stop` times each way, alternating: "one pass" (EARLY_STOP off, every
+    candidate's rows in one block) and "early stop" (what the search runs now)."""
+    from infinigen.policies import calibrate as cal
+
+    print(f"{name}, {args.threads} thread(s), float32 dense weights")
+    print("| run | way | wall s | CPU s | shared pass CPU s | chosen | per candidate: vs full, KV, tokens scored, "
+          "CPU s | load before -> after |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for run in range(args.early_stop):
+        for way in (("one pass", "early stop") if run % 2 == 0 else ("early stop", "one pass")):
+            saved = cal.EARLY_STOP, cal.BLOCK_ROWS
+            if way == "one pass":
+                cal.EARLY_STOP, cal.BLOCK_ROWS = False, 1 << 30
+            try:
+                found = fused_search(pol, model, tokenizer)
+            finally:
+                cal.EARLY_STOP, cal.BLOCK_ROWS = saved
+            choice = found["choice"]
+            trials = [{"knobs": t["knobs"], "vs_full": math.expm1(t["nll"] - choice.reference_nll), "kv": t["kv"],
+                       "rows": t["rows"], "cpu": cpu} for t, (_, cpu) in zip(choice.trials, found["passes"])]
+            rows.append({"run": run, "way": way, "wall": found["wall"], "cpu": found["cpu"],
+                         "window_cpu": found["window"][1], "chosen": choice.knobs, "reached": choice.reached,
+                         "trials": trials, "loadavg": found["loadavg"]})
+            each = "; ".join(f"{100 * t['vs_full']:+.3f}%, {100 * t['kv']:.2f}%, {t['rows']}, {t['cpu']:.1f}"
+                             for t in trials)
+            print(f"| {run} | {way} | {found['wall']:.1f} | {found['cpu']:.1f} | {found['window'][1]:.1f} | "
+                  f"{choice.knobs} | {each} | {found['loadavg'][0]} -> {found['loadavg'][1]} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"model": name, "threads": args.threads, "searches": rows}, fh, indent=1, default=str)
 
 
 def sweep(model, policy) -> dict:

@@ -44,9 +44,9 @@ def text(tmp_path_factory):
 
 def scored_by(monkeypatch, model, loss):
     """Candidates scored by `loss(policy)` (relative perplexity over the full cache), reading their caps' share."""
-    def scorer(m, tokens, prefill, own_query):
-        def measure(pol):
-            return FULL_NLL + math.log1p(loss(pol)), cal.caps_share(pol, m, REF, REF // 8)
+    def scorer(m, tokens, prefill, own_query, margin):
+        def measure(pol):  # (NLL, KV share, tokens scored)
+            return FULL_NLL + math.log1p(loss(pol)), cal.caps_share(pol, m, REF, REF // 8), REF - prefill
         return measure, FULL_NLL
     monkeypatch.setattr(cal, "_scorer", scorer)
     monkeypatch.setitem(_CHOICES, model, {})

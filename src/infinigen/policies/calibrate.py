@@ -35,11 +35,17 @@ tokens or more the loss head is a bfloat16 product with each row's largest logit
 (`head_nll`: on Gemma 3 it moves a candidate's NLL by 1e-5 to 4e-5, over twenty times less than the closest
 decision of its search: results/calibration/calibration_head.md). What is left of a
 candidate's pass is mostly its dense layers from its first selecting one on and the head, work no candidate
-shares with another; the fused kernel builds beside the shared pass. Not on fewer rows: the loss of
-one candidate has a sampling error of 0.3 points over the 1792 rows of a 2048-token run already, as much as
-what separates the candidates of one search, and scoring windows of rows after a dense past hides the error
-that compounds through the keys and values of earlier rows read under the selection (up to a point of
-perplexity on SmolLM2: results/calibration/).
+shares with another; the fused kernel builds beside the shared pass.
+
+A candidate's rows run BLOCK_ROWS at a time through every layer (`score_rows`), each block reading the keys and
+values of the rows before it, so that its pass can stop early: after each block a paired test on the per-token
+loss differences from the full cache (policies/calibrate_stop.py) ends the pass of a candidate that certainly
+misses the target (at 99.9%, after 512 tokens at least); the trial records the tokens it scored and its loss
+estimated from them. A candidate that reaches the target, or is close to it, runs to the end. Not on fewer rows
+from the start, nor windows of rows after a dense past: the loss of one candidate has a sampling error of 0.3
+points over the 1792 rows of a 2048-token run already, as much as what separates close candidates, and a dense
+past hides the error that compounds through the keys and values of earlier rows read under the selection (up to
+a point of perplexity on SmolLM2: results/calibration/).
 
 Where no candidate reaches the target, the search tries the structural options one at a time on the best
 setting before giving up (policies/calibrate_fallback.py): centred 4-bit keys (`key_centre`), then the other ways
@@ -68,17 +74,19 @@ from ..kernels import fused_select
 from ..placement import Placement
 from ..selection import ALL, Rows
 from ..skew import Progress
+from .calibrate_bound import LONG, POSITIONS, caps_share, counted_layers, largest_budget
 from .calibrate_fallback import options_in_order, try_structural
+from .calibrate_stop import looks_of, misses_certainly
 
 FORMAT = 4  # of the stored choice: bump when the search changes what it would choose
 ALPHA_HIGH = 9.0  # the caps decide (measured on SmolLM2: results/presets/)
 ALPHA_LOW = 7.0  # the threshold trims under the caps
-LONG = 4  # the bound is also checked at LONG * ref tokens
 SCORE_ROWS = 512  # logits rows turned into log-probabilities at once (a 262k vocabulary: Gemma 3)
 BF16_HEAD_VOCAB = 131072  # from this vocabulary on (Gemma 3: 262k), where the head is most of a pass, it is
 # mostly a bfloat16 product (`head_nll`); below it (SmolLM2: 49k) it is a small share and stays float32
 HEAD_EXACT = 64  # per row, its largest logits recomputed in float32 (`head_nll`)
-POSITIONS = 256  # cached lengths sampled to average the caps over a run
+BLOCK_ROWS = 256  # a candidate's rows run through every layer this many at a time (`score_rows`)
+EARLY_STOP = True  # a candidate stops once it certainly misses the target (policies/calibrate_stop.py)
 
 
 @dataclass
@@ -88,6 +96,7 @@ class Trial:
     kv: float  # share read over the counted layers, measured
     kv_caps: float  # the caps' share over a run of ref tokens (the bound's measure)
     kv_caps_long: float  # ... over a run of LONG * ref tokens
+    rows: int | None = None  # the calibration tokens scored (fewer than all where it certainly missed the target)
 
 
 @dataclass
@@ -106,7 +115,7 @@ class Choice:
     text: str
     tokens: int
     prefill: int
-    trials: list = field(default_factory=list)  # every candidate tried: knobs, nll, kv
+    trials: list = field(default_factory=list)  # every candidate tried: knobs, nll, kv, rows (tokens scored)
     # the structural options tried after the search missed the target: knobs, nll, kv, reached
     fallbacks: list = field(default_factory=list)
 
@@ -149,11 +158,6 @@ def calibration_tokens(tokenizer, text: str, n: int) -> torch.Tensor:
     return torch.tensor(ids[:n], dtype=torch.long)[None]
 
 
-def counted_layers(model) -> list[int]:
-    """The layers the bound is over: those a policy may read sparsely (not a model's local window layers)."""
-    return [i for i in range(model.cfg.num_layers) if not model.cfg.local(i)]
-
-
 def score(model, tokens: torch.Tensor, prefill: int, policy) -> tuple[float, float]:
     """(mean NLL of the tokens after the prompt, share of the entries read over `counted_layers`), one
     teacher-forced pass under `policy` (the same selection as decoding)."""
@@ -185,6 +189,7 @@ class Window:
     first_nll: float  # NLL of tokens[first], predicted by the prefix's last row (dense whatever the candidate)
     reference_nll: float  # the full cache's mean NLL of tokens[first:]
     inputs: list = field(default_factory=list)  # per layer, its input hidden states of the rows [1, T - first, h]
+    reference_nlls: torch.Tensor | None = None  # the full cache's NLL of each of tokens[first:], float64
 
 
 def window(model, tokens: torch.Tensor, first: int) -> Window:
@@ -209,7 +214,7 @@ def window(model, tokens: torch.Tensor, first: int) -> Window:
                   for i in range(model.cfg.num_layers)]
     finally:
         sess.store.close()
-    return Window(tokens, first, prefix, float(nll[0]), float(nll.mean()), inputs)
+    return Window(tokens, first, prefix, float(nll[0]), float(nll.mean()), inputs, nll.double())
 
 
 def _nll(model, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -281,11 +286,34 @@ def _bf16_head(model) -> torch.Tensor | None:
 def score_window(model, win: Window, policy, blocks: bool = True) -> tuple[float, float]:
     """`score` of the rows from `win.first` on, with the tokens before them read densely (their keys and
     values shared, `window`): the teacher-forced decoding rows of `runtime` (the policy's `keep` of every row
-    at once, `runtime.attend_rows`), run over the window's rows only. With the window's first row at the
-    prompt's end it is `score` itself (up to float summation order). The policy must select with each
+    of a block at once, `runtime.attend_rows`), run over the window's rows only. With the window's first row at
+    the prompt's end it is `score` itself (up to float summation order). The policy must select with each
     layer's own query (speculation one layer ahead hears of every row's hidden state: `score` runs it)."""
+    scored = score_rows(model, win, policy, blocks)
+    return scored.nll, scored.kv
+
+
+@dataclass
+class Scored:
+    """A candidate's pass over a window's rows (`score_rows`)."""
+    nll: float  # mean NLL of the window's tokens; where the pass stopped early, the full cache's plus the mean
+    # difference over the tokens scored (an estimate)
+    kv: float  # share read over `counted_layers`, on the rows run
+    rows: int  # the window's tokens scored
+    total: int  # the window's tokens
+
+
+def score_rows(model, win: Window, policy, blocks: bool = True, block_rows: int | None = None,
+               stop=None) -> Scored:
+    """`score_window`, its rows run `block_rows` at a time (default BLOCK_ROWS) through every layer, each block
+    reading the keys and values of the rows before it as computed (the same selection of every row, so the same
+    losses up to float rounding); after each block but the last, `stop(diffs)` is asked with the per-token NLL
+    differences from the full cache's so far (`calibrate_stop.misses_certainly`): True ends the pass there."""
     tokens, p = win.tokens, win.first
     t = tokens.shape[1]
+    block_rows = max(1, block_rows or BLOCK_ROWS)
+    if policy is not None and getattr(policy, "key_centre", False):
+        block_rows = t  # centred keys are centred on the keys before the first row selected: one block
     sess = Placement().new_session(model, 1, t, policy, prompt_len=p)
     if policy is not None and not getattr(sess.state, "own_query", False):
         sess.store.close()
@@ -294,55 +322,78 @@ def score_window(model, win: Window, policy, blocks: bool = True) -> tuple[float
         sess.state.rows_in_blocks = blocks
     positions = torch.arange(t, device=tokens.device)[None]
     sess.begin_teacher(positions, p)
-    row_pos = positions[0, p:, None]
-    cols = positions[:, :]
-    before = cols < row_pos  # [R, T]
+    held = list(win.prefix)  # per layer, the keys and values of every token before the block being run
+    span = [p, p]  # the block: rows span[0]..span[1] - 1
 
     def in_view(layer):  # what each row sees densely: its past, within the layer's window; its past's length
-        visible, past = before, row_pos.T
+        row_pos, cols = positions[0, span[0]:span[1], None], positions[:, :span[1]]
+        visible, past = cols < row_pos, row_pos.T
         if model.window(row_pos, cols, layer) is not None:
             visible = visible & model.window(row_pos, cols, layer)
             past = past.clamp(max=model.cfg.window(layer) - 1)
-        return visible, past
+        return visible, past, row_pos, cols
 
     def attend(layer, q, k, v):
-        pk, pv = win.prefix[layer]
-        k, v = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
-        rows = Rows(first=p, positions=positions[:, p:], entry_pos=cols[None], valid=before[None, None],
-                    in_store=False, query=q, own_keys=k[:, :, p:], keys=k)
+        b0, b1 = span
+        k, v = torch.cat([held[layer][0], k], 2), torch.cat([held[layer][1], v], 2)
+        held[layer] = (k, v)
+        visible, past, row_pos, cols = in_view(layer)
+        rows = Rows(first=b0, positions=positions[:, b0:b1], entry_pos=cols[None], valid=(cols < row_pos)[None, None],
+                    in_store=False, query=q, own_keys=k[:, :, b0:], keys=k)
         keep = sess.policy.keep(layer, rows, sess) if sess.selects(layer) else ALL
         if isinstance(keep, SelectedRows):  # packed per row by the fused kernel (a layer without a window)
-            sess.stats.record(layer, keep.counts.T[None], row_pos.T.expand(1, 1, t - p))
+            sess.stats.record(layer, keep.counts.T[None], row_pos.T.expand(1, 1, b1 - b0))
             remainder = sess.policy.remainder_at(layer, sess)
             if sess.store.codec.encode(k) is k and fused_select.usable(q, k):  # the keys as the store holds them
-                return runtime.attend_rows_packed(q, k, v, keep, p, model.scale, remainder)
+                return runtime.attend_rows_packed(q, k, v, keep, b0, model.scale, remainder)
             keep = keep.keep.permute(1, 0, 2)[None]
-            return runtime.attend_rows(q, k, v, keep, p, sess.store.codec, model.scale, remainder)
-        visible, past = in_view(layer)
+            return runtime.attend_rows(q, k, v, keep, b0, sess.store.codec, model.scale, remainder)
         dense = keep is ALL
         keep = visible[None, None] if dense else keep & visible
-        sess.stats.record(layer, keep.sum(-1).expand(1, k.shape[1], t - p), past.expand(1, 1, t - p))
+        sess.stats.record(layer, keep.sum(-1).expand(1, k.shape[1], b1 - b0), past.expand(1, 1, b1 - b0))
         remainder = sess.policy.remainder_at(layer, sess)
         if dense and remainder is None and sess.store.codec.encode(k) is k:  # every entry in view: one fused call
             return F.scaled_dot_product_attention(q, k, v, attn_mask=visible | (cols == row_pos), scale=model.scale,
                                                   enable_gqa=True)
-        return runtime.attend_rows(q, k, v, keep, p, sess.store.codec, model.scale, remainder)
+        return runtime.attend_rows(q, k, v, keep, b0, sess.store.codec, model.scale, remainder)
 
+    nlls = [torch.tensor([win.first_nll], dtype=torch.float64)]  # per token of the window, as scored
     try:
         with torch.no_grad():
             shared = shared_layers(model, win, sess)
-            for layer in range(shared):  # read densely, as in the window's pass: its hidden states, its reads
-                visible, past = in_view(layer)
-                sess.stats.record(layer, visible.sum(-1)[None, None].expand(1, model.cfg.num_kv_heads, t - p),
-                                  past.expand(1, 1, t - p))
-            h = win.inputs[shared] if shared else model.embed(tokens[:, p:], positions[:, p:])
-            rope = model.rope(positions[:, p:])
-            for block in model.layers[shared:]:
-                h = block(h, rope, attend, lambda *a: None)  # own queries: nothing is speculated ahead
-            total = win.first_nll + float(_nll(model, h[0, :-1], tokens[0, p + 1:]).double().sum())
+            for b0 in range(p, t, block_rows):
+                span[:] = b0, min(t, b0 + block_rows)
+                h = _run_block(model, win, sess, shared, span, attend, in_view)
+                targets = tokens[0, span[0] + 1:span[1] + 1]
+                nlls.append(_nll(model, h[0, :targets.numel()], targets).double())
+                if stop is not None and span[1] < t:
+                    got = torch.cat(nlls)
+                    if stop(got - win.reference_nlls[:got.numel()]):
+                        break
     finally:
         sess.store.close()
-    return total / (t - p), _counted_share(model, sess.stats.per_layer())
+    got = torch.cat(nlls)
+    n, total = got.numel(), t - p
+    nll = float(got.sum()) / total if n == total else win.reference_nll + float(
+        (got - win.reference_nlls[:n]).mean())
+    return Scored(nll, _counted_share(model, sess.stats.per_layer()), n, total)
+
+
+def _run_block(model, win: Window, sess, shared: int, span: list, attend, in_view) -> torch.Tensor:
+    """The rows span[0]..span[1] - 1 through every layer, their last hidden states: the first `shared` layers
+    read densely, as in the window's pass (its hidden states, its reads), the rest with `attend`."""
+    b0, b1 = span
+    p = win.first
+    for layer in range(shared):
+        visible, past, _, _ = in_view(layer)
+        sess.stats.record(layer, visible.sum(-1)[None, None].expand(1, model.cfg.num_kv_heads, b1 - b0),
+                          past.expand(1, 1, b1 - b0))
+    positions = torch.arange(b0, b1, device=win.tokens.device)[None]
+    h = win.inputs[shared][:, b0 - p:b1 - p] if shared else model.embed(win.tokens[:, b0:b1], positions)
+    rope = model.rope(positions)
+    for block in model.layers[shared:]:
+        h = block(h, rope, attend, lambda *a: None)  # own queries: nothing is speculated ahead
+    return h
 
 
 def shared_layers(model, win: Window, sess) -> int:
@@ -356,56 +407,6 @@ def shared_layers(model, win: Window, sess) -> int:
     while n < model.cfg.num_layers - 1 and not sess.selects(n):
         n += 1
     return n
-
-
-def caps_share(policy, model, ctx: int, prefill: int, samples: int = POSITIONS) -> float:
-    """The share of the entries the policy's caps allow, over `counted_layers`, averaged over the decoding
-    rows of a run of `ctx` tokens with a `prefill`-token prompt (about `samples` rows, evenly spaced): what a
-    selection reads at most (dense layers 100%, a cap at least `min_fetch` tokens per KV head)."""
-    layers = counted_layers(model)
-    step = max(1, (ctx - prefill) // samples)
-    ns = range(prefill + step // 2, ctx, step)  # row r has r cached tokens
-    hkv = model.cfg.num_kv_heads
-    pooled = policy.budget == "layer"  # the cap is over the layer's KV heads together (`infinigen_select.choose`)
-    floor = max(1, policy.min_fetch)
-    total = 0.0
-    for n in ns:
-        caps = policy.layer_caps(model, n)
-        for i in layers:
-            if i in caps:
-                if pooled:
-                    tokens = max(math.floor(caps[i] * n * hkv), floor * hkv) / hkv
-                else:
-                    tokens = max(math.floor(caps[i] * n), floor)
-                total += min(1.0, tokens / n)
-            else:
-                total += 1.0
-    return total / (len(ns) * len(layers))
-
-
-def largest_budget(make, model, ref: int, bound: float, growth: float, lo: float = 1e-3) -> float | None:
-    """The largest kv_budget whose caps (policy `make(kv_budget)`) stay within the bound over a run of `ref`
-    tokens and, scaled by the growth, of LONG * ref tokens (prompts 1/8 of the run). None: even the smallest
-    budget exceeds it (the layers read densely alone do)."""
-    long_bound = bound * (1 / LONG) ** (1 - growth)
-
-    def fits(b):
-        try:
-            pol = make(b)
-        except Exception:  # the dense layers alone exceed this budget
-            return False
-        return (caps_share(pol, model, ref, ref // 8) <= bound + 1e-9
-                and caps_share(pol, model, LONG * ref, LONG * ref // 8, POSITIONS // 2) <= long_bound + 1e-9)
-
-    if fits(1.0):
-        return 1.0
-    if not fits(lo):
-        return None
-    a, b = lo, 1.0
-    for _ in range(14):  # to ~1e-4 of the budget
-        mid = (a + b) / 2
-        a, b = (mid, b) if fits(mid) else (a, mid)
-    return a
 
 
 def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: list[dict], alphas: tuple,
@@ -463,40 +464,53 @@ def _at_largest_budget(knobs, candidate, model, ref, bound, growth, budget_free)
     return None if top is None else dict(knobs, kv_budget=round(top, 4))
 
 
-def _scorer(model, tokens, prefill, own_query):
-    """(how a candidate's policy is scored: its (NLL, KV share), the full cache's NLL)."""
+def _scorer(model, tokens, prefill, own_query, margin: float):
+    """(how a candidate's policy is scored: its (NLL, KV share, tokens scored), the full cache's NLL); with the
+    window's scoring and EARLY_STOP, a candidate stops once its NLL certainly exceeds the full cache's by more than
+    `margin` (`calibrate_stop.misses_certainly`)."""
+    total = tokens.shape[1] - prefill
     if not own_query:
-        return (lambda pol: score(model, tokens, prefill, pol)), score(model, tokens, prefill, None)[0]
+        return (lambda pol: (*score(model, tokens, prefill, pol), total)), score(model, tokens, prefill, None)[0]
     # the fused kernel (a fresh cache's first build: a compiler on one core for a minute or two) builds while
     # the shared dense pass runs; the candidates after it use it
     builder = threading.Thread(target=fused_select.available, daemon=True)
     builder.start()
     win = window(model, tokens, prefill)
     builder.join()
-    return (lambda pol: score_window(model, win, pol)), win.reference_nll
+    looks = looks_of(total, BLOCK_ROWS)
+    stop = (lambda diffs: misses_certainly(diffs, total, margin, looks)) if EARLY_STOP else None
+
+    def measure(pol):
+        scored = score_rows(model, win, pol, stop=stop)
+        return scored.nll, scored.kv, scored.rows
+    return measure, win.reference_nll
 
 
 def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, target, bound, growth, ref,
             key, text, max_evals, log, remainder_starts, bar, own_query, fallbacks) -> Choice:
-    measure, full = _scorer(model, tokens, prefill, own_query)
+    measure, full = _scorer(model, tokens, prefill, own_query, math.log1p(target))
     bar.update()
     goal = full + math.log1p(target)
     trials: list[Trial] = []
+    total = tokens.shape[1] - prefill
 
     def run(knobs):
         pol = candidate(knobs)
-        nll, kv = measure(pol)
+        nll, kv, rows = measure(pol)
         t = Trial(dict(knobs), nll, kv, caps_share(pol, model, ref, ref // 8),
-                  caps_share(pol, model, LONG * ref, LONG * ref // 8, POSITIONS // 2))
+                  caps_share(pol, model, LONG * ref, LONG * ref // 8, POSITIONS // 2), rows)
         trials.append(t)
         bar.update()
         if log:
-            log(f"  {knobs}: {100 * (math.exp(nll - full) - 1):+.2f}% vs full, {100 * kv:.1f}% of the KV read")
+            stopped = f" (missed the target: stopped after {rows} of {total} tokens)" if rows < total else ""
+            log(f"  {knobs}: {100 * (math.exp(nll - full) - 1):+.2f}% vs full, {100 * kv:.1f}% of the KV read{stopped}")
         return t
 
     # what a trial costs: what it reads; at equal reads (the threshold trims under the caps) the tighter caps
     cost = lambda t: (t.kv, t.kv_caps, t.nll)  # noqa: E731
-    ok = lambda t: t.kv <= bound + 1e-9 and t.kv_caps <= bound + 1e-9  # noqa: E731
+    # under the bound: on the caps, and on what the run read where it ran to the end (a row reads a larger share of
+    # a shorter past, so the first rows of a stopped candidate overstate its reads)
+    ok = lambda t: (t.rows < total or t.kv <= bound + 1e-9) and t.kv_caps <= bound + 1e-9  # noqa: E731
 
     def pick(tried):  # (the choice, whether it reaches the target): the cheapest that does, else the lowest loss
         fit = [t for t in tried if t.nll <= goal and ok(t)]
@@ -547,4 +561,5 @@ def _search(model, tokens, prefill, candidate, structures, alphas, budget_free, 
     return Choice(key=key, knobs=chosen.knobs, reached=reached, reference_nll=full, nll=chosen.nll, kv=chosen.kv,
                   kv_caps=chosen.kv_caps, kv_caps_long=chosen.kv_caps_long, target=target, bound=bound,
                   text=text, tokens=int(tokens.shape[1]), prefill=prefill,
-                  trials=[{"knobs": t.knobs, "nll": t.nll, "kv": t.kv} for t in trials], fallbacks=tried)
+                  trials=[{"knobs": t.knobs, "nll": t.nll, "kv": t.kv, "rows": t.rows} for t in trials],
+                  fallbacks=tried)

@@ -229,8 +229,11 @@ def _record(policy, choice, setup: dict, source: str) -> dict:
             "target": choice.target, "bound": choice.bound, "text": choice.text, "tokens": choice.tokens,
             "prefill": choice.prefill, "key": choice.key, "source": source, "summary": summary,
             "fallbacks": fallbacks,
+            # rows: the calibration tokens each trial scored (fewer where it stopped, certain to miss the target;
+            # None in a choice stored before trials stopped early)
             "trials": [{"knobs": t["knobs"], "vs_full": math.exp(t["nll"] - choice.reference_nll) - 1,
-                        "kv": t["kv"]} for t in choice.trials]}
+                        "kv": t["kv"], "rows": t.get("rows")} for t in choice.trials],
+            "rows": choice.tokens - choice.prefill}
 
 
 def _tried_text(fallbacks: list) -> str:
