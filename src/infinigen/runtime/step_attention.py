@@ -7,7 +7,8 @@ running requests, a fan-out): one session is "many" with one member.
                lie: its store, or the fast buffer an offloaded, coded or pool-limited store hands them in;
                else `attention.attend_packed`), or the dense step's entries read in place
                (`attention.attend_all`, one session) or stacked (`attention.attend_masked`)
-    remainder  mixed in once per session (`attention.with_remainder`), then each session stores its token
+    remainder  mixed in once per session (`attention.with_remainder`; inside the C++ call where one session's
+               rows are read in place on a CPU), then each session stores its token
 
 Entries of several sessions are stacked into buffers, each row's padded to the longest read; one session's are
 read where they lie, so its attention copies nothing it need not.
@@ -134,10 +135,8 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
         """Where session i's rows and tokens lie: its store, or the buffer its store hands them in."""
         s, p, (a, b) = sessions[i], plans[i], spans[i]
         if in_place[i]:
-            d = k.shape[-1]
-            seg = torch.arange(stored[i].numel(), device=q.device).view(stored[i].shape)
-            return HandedRows(s.store.k[layer].view(-1, d), s.store.v[layer].view(-1, d), p.rows.rows,
-                              seg * s.store.capacity + stored[i])
+            keys, values = buffers.flat_store(s.store, layer)
+            return HandedRows(keys, values, p.rows.rows, buffers.own_rows(stored[i], s.store.capacity) + stored[i])
         handed = s.store.hand_rows(layer, p.rows, buffers.handed, every=p.idx is ALL)
         own = handed.own.reshape(-1)
         handed.keys.index_copy_(0, own, _part(k, a, b).reshape(own.numel(), -1).to(handed.keys.dtype))
@@ -151,7 +150,9 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
         src = own_part(faults, 0, source, 0)
         if src is None:  # (the one session left of several: its rows could not be read)
             return torch.zeros_like(q)
-        att = _attend_rows_in_place(q, src, plans[0].rows.counts, scale, wants_lse)
+        att, mixed = _attend_rows_in_place(q, src, plans[0].rows.counts, scale, wants_lse, remainders[0])
+        if mixed:  # the kernel mixed the remainder in
+            remainders = [None]
     else:
         def own_source(i: int) -> HandedRows | None:
             return own_part(faults, i, source, i)
@@ -178,16 +179,18 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _attend_rows_in_place(q, src: HandedRows, counts, scale: float, wants_lse: bool) -> attention.Attended:
+def _attend_rows_in_place(q, src: HandedRows, counts, scale: float, wants_lse: bool, remainder=None):
     """One session's packed rows and tokens read where they lie (`src`: its store, or the buffer its store
-    handed them in): one C++ call, which returns what the remainder needs as well."""
+    handed them in): one C++ call, which returns what the remainder needs as well, or (on a CPU) mixes the
+    session's `remainder` in itself. Returns the attention and whether the remainder is mixed in."""
     b, h, _, d = q.shape
+    mixes = remainder is not None and not q.is_cuda
     out, lse, read_sum = fused_select.attend_rows(q.view(b, h, d), src.keys, src.values, src.rows, counts, src.own,
-                                                  scale)
-    if not wants_lse:
-        return attention.Attended(out.view(b, h, 1, d))
+                                                  scale, remainder=remainder if mixes else None)
+    if not wants_lse or mixes:
+        return attention.Attended(out.view(b, h, 1, d)), mixes
     hkv = counts.shape[1]
-    return attention.Attended(out.view(b, h, 1, d), lse.view(b, hkv, h // hkv, 1), read_sum, counts)
+    return attention.Attended(out.view(b, h, 1, d), lse.view(b, hkv, h // hkv, 1), read_sum, counts), False
 
 
 def _attend_rows_gathered(layer: int, q, k, sessions, spans, plans, source, scale: float, buffers: StepBuffers,
