@@ -184,8 +184,8 @@ void merge_parts(const float* acc, const float* m, const float* l, const float* 
 
 }  // namespace
 
-// q [B, H, d]; keys, values [N, d] (a layer's flat store); rows [B, n] int64, each batch row's selected rows
-// head-major (KV head 0's run first); counts [B, Hkv] int64, the length of each run; own [B, Hkv] int64, the
+// q [B, H, d] (or [B, H, 1, d]: out then too); keys, values [N, d] (a layer's flat store); rows [B, n] int64, each
+// batch row's selected rows head-major (KV head 0's run first); counts [B, Hkv] int64, the length of each run; own [B, Hkv] int64, the
 // token's own row (read last), or an empty tensor for none; part_rows: the most rows one task reads of a run (its
 // parts merged by log-sum-exp); r_lse [B, H], r_sums [B, Hkv, d] float32 and r_counts [B, Hkv] int64: a remainder
 // to mix in (`merge_parts`; the unread entries are every cached one, r_counts of them summing to r_sums, less
@@ -195,7 +195,8 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
                                        torch::Tensor rows, torch::Tensor counts, torch::Tensor own,
                                        double scale, int64_t part_rows, torch::Tensor r_lse, torch::Tensor r_sums,
                                        torch::Tensor r_counts) {
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 2 && values.dim() == 2, "q [B,H,d], keys/values [N,d]");
+  TORCH_CHECK((q.dim() == 3 || (q.dim() == 4 && q.size(2) == 1)) && keys.dim() == 2 && values.dim() == 2,
+              "q [B,H,d] or [B,H,1,d], keys/values [N,d]");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
               "q, keys and values must share a dtype");
   TORCH_CHECK(rows.scalar_type() == torch::kLong && counts.scalar_type() == torch::kLong, "int64 indices");
@@ -204,7 +205,7 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
   values = values.contiguous();
   rows = rows.contiguous();
   counts = counts.contiguous();
-  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = counts.size(1), g = h / hkv;
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(-1), hkv = counts.size(1), g = h / hkv;
   TORCH_CHECK(h % hkv == 0 && keys.size(1) == d && values.size(1) == d, "shapes do not match");
   TORCH_CHECK(rows.size(0) == b && counts.size(0) == b, "batch sizes do not match");
   const bool has_own = own.numel() > 0;
@@ -246,7 +247,7 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
   const float* r_lse_p = mixes ? r_lse.data_ptr<float>() : nullptr;
   const float* r_sums_p = mixes ? r_sums.data_ptr<float>() : nullptr;
   const int64_t* r_counts_p = mixes ? r_counts.data_ptr<int64_t>() : nullptr;
-  auto out = torch::empty({b, h, d}, q.options());
+  auto out = torch::empty(q.sizes(), q.options());  // q's shape: [B, H, d] or [B, H, 1, d]
   auto lse = torch::empty({b, h}, q.options().dtype(torch::kFloat));
   auto read_sum = torch::empty({b, hkv, d}, q.options().dtype(torch::kFloat));
   // each run cut into parts of at most `part_rows` rows (its own row in the last), so that a few long runs (one
@@ -731,7 +732,44 @@ void scatter_int4(torch::Tensor codes, torch::Tensor sz, torch::Tensor slots, to
   }
 }
 
+// One decoding token per (batch row, KV head) stored at `slot` of a layer's store in place, as `KVStore.append`'s
+// copies store it: keys, values [B, Hkv, capacity, d] (contiguous) get k, v [B, Hkv, 1, d] (their dtype), valid
+// [B, Hkv, capacity] bool is set and pos [B, Hkv, capacity] int64 gets positions [B]. One call for what is ten
+// operator calls from Python.
+void append_token(torch::Tensor keys, torch::Tensor values, torch::Tensor valid, torch::Tensor pos, int64_t slot,
+                  torch::Tensor k, torch::Tensor v, torch::Tensor positions) {
+  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && valid.is_contiguous() &&
+              pos.is_contiguous(), "the store's tensors must be contiguous");
+  const int64_t b = keys.size(0), hkv = keys.size(1), cap = keys.size(2), d = keys.size(3);
+  TORCH_CHECK(values.sizes() == keys.sizes() && k.scalar_type() == keys.scalar_type() &&
+              v.scalar_type() == values.scalar_type(), "k, v must have the store's dtype");
+  TORCH_CHECK(k.dim() == 4 && k.size(0) == b && k.size(1) == hkv && k.size(2) == 1 && k.size(3) == d &&
+              v.sizes() == k.sizes(), "k, v [B,Hkv,1,d]");
+  TORCH_CHECK(valid.scalar_type() == torch::kBool && pos.scalar_type() == torch::kLong &&
+              valid.numel() == b * hkv * cap && pos.numel() == b * hkv * cap, "valid, pos [B,Hkv,capacity]");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.numel() == b, "positions [B] int64");
+  TORCH_CHECK(slot >= 0 && slot < cap, "slot out of range");
+  k = k.contiguous();
+  v = v.contiguous();
+  positions = positions.contiguous();
+  const int64_t row = d * keys.element_size();
+  char* k_p = static_cast<char*>(keys.data_ptr());
+  char* v_p = static_cast<char*>(values.data_ptr());
+  const char* kt = static_cast<const char*>(k.data_ptr());
+  const char* vt = static_cast<const char*>(v.data_ptr());
+  bool* valid_p = valid.data_ptr<bool>();
+  int64_t* pos_p = pos.data_ptr<int64_t>();
+  const int64_t* at = positions.data_ptr<int64_t>();
+  for (int64_t bh = 0; bh < b * hkv; ++bh) {
+    std::memcpy(k_p + (bh * cap + slot) * row, kt + bh * row, row);
+    std::memcpy(v_p + (bh * cap + slot) * row, vt + bh * row, row);
+    valid_p[bh * cap + slot] = true;
+    pos_p[bh * cap + slot] = at[bh / hkv];
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("append_token", &append_token, "a decoding token stored at one slot of a layer's store");
   m.def("scatter_int4", &scatter_int4, "a decoding token's key quantized into the int4 kernel's layout");
   m.def("score_int4", &score_int4, "the int4 speculation keys' scores, one parallel region per layer");
   m.def("attend_rows", &attend_rows, "attention over packed selected rows, online softmax");

@@ -163,6 +163,21 @@ def scatter_int4(codes: torch.Tensor, sz: torch.Tensor, slots: torch.Tensor, row
     _module().scatter_int4(codes, sz, slots, rows, int(group), _NONE if rotation is None else rotation)
 
 
+def appends(k: torch.Tensor, *store: torch.Tensor) -> bool:
+    """Whether `append_token` stores k into a layer's store tensors (keys, values, valid, pos): on a CPU, contiguous,
+    k of the keys' dtype, the kernel built."""
+    return (k.device.type == "cpu" and k.dtype == store[0].dtype and all(t.is_contiguous() for t in store)
+            and store[0].device.type == "cpu" and available())
+
+
+def append_token(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, slot: int,
+                 k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    """One decoding token's k, v [B, Hkv, 1, d] stored at `slot` of a layer's store (keys, values [B, Hkv, capacity,
+    d], valid and pos [B, Hkv, capacity], contiguous), its valid mark set and its position (positions [B]) written:
+    `KVStore.append`'s copies in one call."""
+    _module().append_token(keys, values, valid, pos, int(slot), k, v, positions)
+
+
 def select_packed(scores: torch.Tensor, scale: float, alpha: float, total: int, capacity: int, with_lse: bool):
     """scores [B, Hkv, G, n] float32 (the speculated q . k of one decoding row per batch row over a store's first
     n slots, every one valid; overwritten) -> keep [B, Hkv, n] bool, rows [B, m] and head [B, m] int64 (each batch

@@ -113,7 +113,9 @@ def layer_sparsity(policy, model) -> list[float] | None:
     if m is None:
         m = getattr(model, "skew_folded", None)
     sp = getattr(m, "sparsity", None)
-    return None if sp is None or len(sp) != model.cfg.num_layers else [float(x) for x in sp]
+    if sp is None or len(sp) != model.cfg.num_layers:
+        return None
+    return sp.tolist() if isinstance(sp, torch.Tensor) else [float(x) for x in sp]  # (a tensor's in one call)
 
 
 # ---- keys and scorer ----------------------------------------------------------------------------------------

@@ -185,12 +185,15 @@ def _attend_rows_in_place(q, src: HandedRows, counts, scale: float, wants_lse: b
     session's `remainder` in itself. Returns the attention and whether the remainder is mixed in."""
     b, h, _, d = q.shape
     mixes = remainder is not None and not q.is_cuda
-    out, lse, read_sum = fused_select.attend_rows(q.view(b, h, d), src.keys, src.values, src.rows, counts, src.own,
-                                                  scale, remainder=remainder if mixes else None)
+    # q [B, H, 1, d] as it is on a CPU (the C++ kernel returns out in its shape); the Triton kernel takes [B, H, d]
+    out, lse, read_sum = fused_select.attend_rows(q.view(b, h, d) if q.is_cuda else q, src.keys, src.values,
+                                                  src.rows, counts, src.own, scale,
+                                                  remainder=remainder if mixes else None)
+    out = out.view(b, h, 1, d) if q.is_cuda else out
     if not wants_lse or mixes:
-        return attention.Attended(out.view(b, h, 1, d)), mixes
+        return attention.Attended(out), mixes
     hkv = counts.shape[1]
-    return attention.Attended(out.view(b, h, 1, d), lse.view(b, hkv, h // hkv, 1), read_sum, counts), False
+    return attention.Attended(out, lse.view(b, hkv, h // hkv, 1), read_sum, counts), False
 
 
 def _attend_rows_gathered(layer: int, q, k, sessions, spans, plans, source, scale: float, buffers: StepBuffers,
