@@ -124,6 +124,9 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
     pool's fetched rows, a coded or pool-limited store's copied ones), the token is written there and stored
     after the attention. One session: one C++ call over its rows where they lie; otherwise (several sessions, a
     policy that observes the weights, no kernel) every row is gathered into one buffer, one masked fused call."""
+    if (len(sessions) == 1 and not faults and sessions[0].store.reads_rows() and not sessions[0].policy.needs_weights
+            and fused_select.usable(q, sessions[0].store.k[layer])):
+        return _one_in_place(layer, q, k, v, sessions[0], plans[0], scale, buffers)
     in_place = [s.store.reads_rows() for s in sessions]
     stored = [s.store.append(layer, _part(k, a, b), _part(v, a, b), p.cur) if ip else None
               for s, p, ip, (a, b) in zip(sessions, plans, in_place, spans)]
@@ -177,6 +180,23 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
         else:
             own_part(faults, i, s._write, layer, p, seen, _part(k, a, b), _part(v, a, b))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _one_in_place(layer: int, q, k, v, session, plan, scale: float, buffers: StepBuffers) -> torch.Tensor:
+    """`_attend_rows` for one session whose store the attention reads in place, no weights wanted, the kernel
+    built (a decoding step's common case): the token stored first, one C++ call over its rows and its own (the
+    remainder mixed in there on a CPU), the policy and listeners told of the append."""
+    store = session.store
+    slots = store.append(layer, k, v, plan.cur)
+    remainder = session.policy.remainder_at(layer, session)  # (read before the token's append: it was read)
+    if plan.idx is not ALL:  # a read of ALL counted its rows already (`_read`)
+        session.stats.record_rows(layer, plan.rows.rows.numel())
+    keys, values = buffers.flat_store(store, layer)
+    src = HandedRows(keys, values, plan.rows.rows, buffers.own_rows(slots, store.capacity) + slots)
+    att, mixed = _attend_rows_in_place(q, src, plan.rows.counts, scale, remainder is not None, remainder)
+    out = att.out if mixed else attention.with_remainder(att, remainder)
+    session._appended(layer, slots, k, v)
+    return out
 
 
 def _attend_rows_in_place(q, src: HandedRows, counts, scale: float, wants_lse: bool, remainder=None):
