@@ -116,6 +116,12 @@ def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
     return q.device.type == "cpu" and available()
 
 
+def native_rows(q: torch.Tensor) -> bool:
+    """Whether `attend_rows` runs the C++ kernel for q (on a CPU): it then takes q [B, H, 1, d] as it is and mixes a
+    remainder in; the Triton kernel (CUDA) takes q [B, H, d] and leaves the remainder to the caller."""
+    return not q.is_cuda
+
+
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                 counts: torch.Tensor, own: torch.Tensor | None, scale: float, part_rows: int | None = None,
                 remainder=None):

@@ -204,12 +204,11 @@ def _attend_rows_in_place(q, src: HandedRows, counts, scale: float, wants_lse: b
     handed them in): one C++ call, which returns what the remainder needs as well, or (on a CPU) mixes the
     session's `remainder` in itself. Returns the attention and whether the remainder is mixed in."""
     b, h, _, d = q.shape
-    mixes = remainder is not None and not q.is_cuda
-    # q [B, H, 1, d] as it is on a CPU (the C++ kernel returns out in its shape); the Triton kernel takes [B, H, d]
-    out, lse, read_sum = fused_select.attend_rows(q.view(b, h, d) if q.is_cuda else q, src.keys, src.values,
-                                                  src.rows, counts, src.own, scale,
-                                                  remainder=remainder if mixes else None)
-    out = out.view(b, h, 1, d) if q.is_cuda else out
+    native = fused_select.native_rows(q)  # the C++ kernel: q [B, H, 1, d] as it is, a remainder mixed in there
+    mixes = remainder is not None and native
+    out, lse, read_sum = fused_select.attend_rows(q if native else q.view(b, h, d), src.keys, src.values, src.rows,
+                                                  counts, src.own, scale, **({"remainder": remainder} if mixes else {}))
+    out = out if native else out.view(b, h, 1, d)
     if not wants_lse or mixes:
         return attention.Attended(out), mixes
     hkv = counts.shape[1]
