@@ -180,23 +180,24 @@ def test_session_fused_equals_the_torch_path(make_tiny, monkeypatch, name, knobs
 
 
 @needs_kernel
-@pytest.mark.parametrize("breakage", ["drop a row", "stale lse"])
+@pytest.mark.parametrize("breakage", ["drop a row", "stale remainder"])
 def test_session_check_catches_a_broken_fused_path(make_tiny, monkeypatch, breakage):
-    """The session comparison fails when the fused path drops a selected row or applies the remainder from
-    the previous call's log-sum-exp."""
+    """The session comparison fails when the fused path drops a selected row or mixes in the remainder of the
+    previous call (its unread log-mass)."""
     _, model = make_tiny("llama", num_hidden_layers=3)
     ref, _, _ = _decode_with(model, "infinigen", REST, False, monkeypatch)
     inner, last = fused_select.attend_rows, {}
 
-    def broken(q, keys, values, rows, counts, own, scale):
+    def broken(q, keys, values, rows, counts, own, scale, remainder=None):
         if breakage == "drop a row":
             counts = counts.clone()
             counts[counts > 0] -= 1
+            return inner(q, keys, values, rows, counts, own, scale, remainder=remainder)
+        if remainder is None:  # a layer reading all (layer 0)
             return inner(q, keys, values, rows, counts, own, scale)
-        out, lse, sums = inner(q, keys, values, rows, counts, own, scale)
-        stale = last.get(lse.shape, lse)
-        last[lse.shape] = lse
-        return out, stale, sums
+        stale = last.get(remainder.lse.shape, remainder.lse)
+        last[remainder.lse.shape] = remainder.lse
+        return inner(q, keys, values, rows, counts, own, scale, remainder=remainder._replace(lse=stale))
     monkeypatch.setattr(fused_select, "attend_rows", broken)
     out, _, _ = _decode_with(model, "infinigen", REST, True, monkeypatch)
     assert (out - ref).abs().max() > 1e-4

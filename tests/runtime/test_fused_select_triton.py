@@ -100,7 +100,7 @@ _, model = build_tiny("llama", num_hidden_layers=3)
 tokens, mask = padded_prompts(model, (9, 4, 6))
 fused_select.packs_selection = False  # the selection stays torch's in both runs: only the attention differs
 REST = dict(remainder=True, remainder_from=0, max_fetch_ratio=0.3, min_fetch=0)
-torch_usable, calls = fused_select.usable, [0]
+torch_usable, torch_native, calls = fused_select.usable, fused_select.native_rows, [0]
 
 def through_triton(q, keys, values, rows, counts, own, scale, drop_a_row=False):
     calls[0] += 1
@@ -111,6 +111,7 @@ def through_triton(q, keys, values, rows, counts, own, scale, drop_a_row=False):
 
 def run(knobs, kernel):
     fused_select.usable = (lambda q, keys: True) if kernel else torch_usable  # as on CUDA tensors
+    fused_select.native_rows = (lambda q: False) if kernel else torch_native
     fused_select.attend_rows = kernel or fused_select.attend_rows
     fused_select.enabled = kernel is not None
     return decode_rows(model, packed_policy("infinigen", model, **knobs), tokens, mask, read_rows=True)

@@ -139,9 +139,14 @@ void attend_part(const scalar_t* q, const scalar_t* keys, const scalar_t* values
 
 // A run's parts merged in order (the log-sum-exp rule: each part's sums rescaled to the largest max), then
 // normalized: out [g, d], lse [g], read_sum [d]. One part: its own numbers (each factor is exp(0) = 1).
+// With a remainder (r_lse [g]: the unread past entries' log-mass per query head; r_sum [d]: the sum of every
+// cached value; unread: how many cached entries were not read), each head's output, rounded to scalar_t as
+// attention returns it, is mixed with the unread entries' mean value by their share of the mass, as
+// `runtime.attention.with_remainder` does: o + w (mean - o), w = sigmoid(lse_unread - lse_read).
 template <typename scalar_t>
 void merge_parts(const float* acc, const float* m, const float* l, const float* sums, int64_t parts, int64_t g,
-                 int64_t d, scalar_t* out, float* lse, float* read_sum, float* merged) {
+                 int64_t d, scalar_t* out, float* lse, float* read_sum, float* merged, const float* r_lse,
+                 const float* r_sum, int64_t unread) {
   std::copy(sums, sums + d, read_sum);
   for (int64_t t = 1; t < parts; ++t)
     for (int64_t c = 0; c < d; ++c) read_sum[c] += sums[t * d + c];
@@ -162,20 +167,36 @@ void merge_parts(const float* acc, const float* m, const float* l, const float* 
     const bool any = total > 0.f;
     lse[h] = any ? top + std::log(total) : -std::numeric_limits<float>::infinity();
     const float inv = any ? 1.f / total : 0.f;
-    for (int64_t c = 0; c < d; ++c) out[h * d + c] = static_cast<scalar_t>(merged[c] * inv);
+    if (r_lse == nullptr) {
+      for (int64_t c = 0; c < d; ++c) out[h * d + c] = static_cast<scalar_t>(merged[c] * inv);
+      continue;
+    }
+    const float lse_unread = unread > 0 ? r_lse[h] : -std::numeric_limits<float>::infinity();
+    const float w = 1.f / (1.f + std::exp(lse[h] - lse_unread));  // exp(u) / (exp(u) + exp(read))
+    const float count = static_cast<float>(std::max<int64_t>(unread, 1));
+    for (int64_t c = 0; c < d; ++c) {
+      const float o = static_cast<float>(static_cast<scalar_t>(merged[c] * inv));
+      const float mean = (r_sum[c] - read_sum[c]) / count;
+      out[h * d + c] = static_cast<scalar_t>(o + w * (mean - o));
+    }
   }
 }
 
 }  // namespace
 
-// q [B, H, d]; keys, values [N, d] (a layer's flat store); rows [B, n] int64, each batch row's selected rows
-// head-major (KV head 0's run first); counts [B, Hkv] int64, the length of each run; own [B, Hkv] int64, the
+// q [B, H, d] (or [B, H, 1, d]: out then too); keys, values [N, d] (a layer's flat store); rows [B, n] int64, each
+// batch row's selected rows head-major (KV head 0's run first); counts [B, Hkv] int64, the length of each run; own [B, Hkv] int64, the
 // token's own row (read last), or an empty tensor for none; part_rows: the most rows one task reads of a run (its
-// parts merged by log-sum-exp). Returns out [B, H, d] (q's dtype), lse [B, H] and read_sum [B, Hkv, d] (float32).
+// parts merged by log-sum-exp); r_lse [B, H], r_sums [B, Hkv, d] float32 and r_counts [B, Hkv] int64: a remainder
+// to mix in (`merge_parts`; the unread entries are every cached one, r_counts of them summing to r_sums, less
+// those read), or empty tensors for none. Returns out [B, H, d] (q's dtype), lse [B, H] and read_sum [B, Hkv, d]
+// (float32): the log-sum-exp and the past values' sum of what was read.
 std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                                        torch::Tensor rows, torch::Tensor counts, torch::Tensor own,
-                                       double scale, int64_t part_rows) {
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 2 && values.dim() == 2, "q [B,H,d], keys/values [N,d]");
+                                       double scale, int64_t part_rows, torch::Tensor r_lse, torch::Tensor r_sums,
+                                       torch::Tensor r_counts) {
+  TORCH_CHECK((q.dim() == 3 || (q.dim() == 4 && q.size(2) == 1)) && keys.dim() == 2 && values.dim() == 2,
+              "q [B,H,d] or [B,H,1,d], keys/values [N,d]");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
               "q, keys and values must share a dtype");
   TORCH_CHECK(rows.scalar_type() == torch::kLong && counts.scalar_type() == torch::kLong, "int64 indices");
@@ -184,7 +205,7 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
   values = values.contiguous();
   rows = rows.contiguous();
   counts = counts.contiguous();
-  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = counts.size(1), g = h / hkv;
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(-1), hkv = counts.size(1), g = h / hkv;
   TORCH_CHECK(h % hkv == 0 && keys.size(1) == d && values.size(1) == d, "shapes do not match");
   TORCH_CHECK(rows.size(0) == b && counts.size(0) == b, "batch sizes do not match");
   const bool has_own = own.numel() > 0;
@@ -214,7 +235,19 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
     }
   }
   TORCH_CHECK(values.size(0) == stored, "keys and values differ in rows");
-  auto out = torch::empty({b, h, d}, q.options());
+  const bool mixes = r_lse.numel() > 0;
+  if (mixes) {
+    TORCH_CHECK(r_lse.scalar_type() == torch::kFloat && r_lse.numel() == b * h, "remainder lse [B,Hkv,G] float32");
+    TORCH_CHECK(r_sums.scalar_type() == torch::kFloat && r_sums.numel() == b * hkv * d, "remainder sums [B,Hkv,d]");
+    TORCH_CHECK(r_counts.scalar_type() == torch::kLong && r_counts.numel() == b * hkv, "remainder counts [B,Hkv]");
+    r_lse = r_lse.contiguous();
+    r_sums = r_sums.contiguous();
+    r_counts = r_counts.contiguous();
+  }
+  const float* r_lse_p = mixes ? r_lse.data_ptr<float>() : nullptr;
+  const float* r_sums_p = mixes ? r_sums.data_ptr<float>() : nullptr;
+  const int64_t* r_counts_p = mixes ? r_counts.data_ptr<int64_t>() : nullptr;
+  auto out = torch::empty(q.sizes(), q.options());  // q's shape: [B, H, d] or [B, H, 1, d]
   auto lse = torch::empty({b, h}, q.options().dtype(torch::kFloat));
   auto read_sum = torch::empty({b, hkv, d}, q.options().dtype(torch::kFloat));
   // each run cut into parts of at most `part_rows` rows (its own row in the last), so that a few long runs (one
@@ -259,7 +292,8 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
         const int64_t t = first_part[bh];
         merge_parts<scalar_t>(acc.data() + t * g * d, mx.data() + t * g, l.data() + t * g, sums.data() + t * d,
                               first_part[bh + 1] - t, g, d, out_p + bh * g * d, lse_p + bh * g, sum_p + bh * d,
-                              merged.data());
+                              merged.data(), mixes ? r_lse_p + bh * g : nullptr,
+                              mixes ? r_sums_p + bh * d : nullptr, mixes ? r_counts_p[bh] - counts_p[bh] : 0);
       }
     });
   });
@@ -445,6 +479,48 @@ std::vector<torch::Tensor> select_packed_rows(torch::Tensor scores, torch::Tenso
 
 namespace {
 
+// A row x [d] of any floating type -> float32 out [d]: x A (A [d, d] row-major float64, a KV head's skew matrix;
+// the products and sums in float64, over k in order, rounded to float32 once), or x as float32 where A is null:
+// what `policies/speculation.py`'s `rotate` computes with torch's float64 matmul (the same float32 number unless
+// the float64 sums differ in their last bit right at a float32 rounding boundary).
+template <typename scalar_t>
+inline void rotate_row(const scalar_t* x, const double* A, int64_t d, float* out, double* work) {
+  if (A == nullptr) {
+    for (int64_t k = 0; k < d; ++k) out[k] = static_cast<float>(x[k]);
+    return;
+  }
+  std::fill(work, work + d, 0.0);
+  for (int64_t k = 0; k < d; ++k) {
+    const double xk = static_cast<double>(x[k]);
+    const double* ak = A + k * d;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) work[j] += xk * ak[j];
+  }
+  for (int64_t j = 0; j < d; ++j) out[j] = static_cast<float>(work[j]);
+}
+
+// The n rows of d values of `rows` (contiguous, any floating dtype) rotated by their KV head's matrix (row i's
+// head: (i / per_head) % hkv) into float32 out [n, d]; rotation: [Hkv, d, d] float64, or an empty tensor for none.
+void rotated_rows(const torch::Tensor& rows, int64_t n, int64_t d, const torch::Tensor& rotation, int64_t hkv,
+                  int64_t per_head, float* out) {
+  const double* a_p = rotation.numel() > 0 ? rotation.data_ptr<double>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, rows.scalar_type(), "rotated_rows", [&] {
+    const scalar_t* x_p = rows.data_ptr<scalar_t>();
+    std::vector<double> work(d);
+    for (int64_t i = 0; i < n; ++i)
+      rotate_row<scalar_t>(x_p + i * d, a_p == nullptr ? nullptr : a_p + (i / per_head) % hkv * d * d, d,
+                           out + i * d, work.data());
+  });
+}
+
+// The rotation's checks: empty, or [Hkv, d, d] float64 (made contiguous).
+torch::Tensor checked_rotation(torch::Tensor rotation, int64_t hkv, int64_t d) {
+  if (rotation.numel() == 0) return rotation;
+  TORCH_CHECK(rotation.scalar_type() == torch::kDouble && rotation.dim() == 3 && rotation.size(0) == hkv &&
+              rotation.size(1) == d && rotation.size(2) == d, "rotation [Hkv,d,d] float64");
+  return rotation.contiguous();
+}
+
 constexpr int64_t kSlotBlock = 64;  // slots per block of the int4 layout: each dim's 32 bytes hold 64 slots' codes
 
 // The scores of G float32 query rows a [G, d] against one 64-slot block of 4-bit keys (codes [d, 32]: dim k's
@@ -541,14 +617,15 @@ inline void score_block_any(const float* a, int64_t g, int64_t d, const uint8_t*
 }  // namespace
 
 // The 4-bit keys' scores of one decoding row per (batch row, KV head), in one parallel region: q [B, Hkv, G, d]
-// bfloat16; codes [B, Hkv, blocks * 64, d / 2] uint8 and sz [B, Hkv, ng, capacity, 2] bfloat16 in the layout of
-// torch's CPU int4 kernel (kernels/int4.py, "tinygemm"). Computed here in that kernel's arithmetic (`score_block`),
-// so every score has the bits of its call from Python, without its per-call work (a dispatch, a copy of the
-// scale-and-zero, a bfloat16 output converted again); each (batch row, KV head)'s blocks in parts of `part_slots`
-// slots, a task each. Returns float32 [B, Hkv, G, n].
+// (any floating dtype), rotated by rotation [Hkv, d, d] float64 (`rotate_row`; an empty tensor: not rotated) and
+// rounded to bfloat16 as torch's CPU int4 kernel takes its queries; codes [B, Hkv, blocks * 64, d / 2] uint8 and
+// sz [B, Hkv, ng, capacity, 2] bfloat16 in that kernel's layout (kernels/int4.py, "tinygemm"). Computed here in
+// that kernel's arithmetic (`score_block`), so every score has the bits of its call from Python, without its
+// per-call work (a dispatch, a copy of the scale-and-zero, a bfloat16 output converted again); each (batch row,
+// KV head)'s blocks in parts of `part_slots` slots, a task each. Returns float32 [B, Hkv, G, n].
 torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz, int64_t group, int64_t n,
-                         int64_t part_slots) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kBFloat16, "q [B,Hkv,G,d] bfloat16");
+                         int64_t part_slots, torch::Tensor rotation) {
+  TORCH_CHECK(q.dim() == 4 && q.is_floating_point(), "q [B,Hkv,G,d] floating");
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == torch::kByte, "codes [B,Hkv,blocks*64,d/2] uint8");
   TORCH_CHECK(sz.dim() == 5 && sz.scalar_type() == at::kBFloat16 && sz.size(4) == 2, "sz [B,Hkv,ng,cap,2] bf16");
   const int64_t b = q.size(0), hkv = q.size(1), g = q.size(2), d = q.size(3);
@@ -556,26 +633,31 @@ torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz,
   TORCH_CHECK(sz.size(0) == b && sz.size(1) == hkv && sz.size(2) * group == d, "sz does not match q");
   TORCH_CHECK(n >= 0 && n <= codes.size(2) && n <= sz.size(3), "n exceeds the packed slots");
   TORCH_CHECK(codes.size(2) % kSlotBlock == 0 && sz.size(3) >= codes.size(2), "codes in whole 64-slot blocks");
+  rotation = checked_rotation(rotation, hkv, d);
   q = q.contiguous();
   codes = codes.contiguous();
   sz = sz.contiguous();
+  // every query row rotated once, then rounded to bfloat16 (the kernel's input) and widened again
+  std::vector<float> queries(b * hkv * g * d);
+  rotated_rows(q, b * hkv * g, d, rotation, hkv, g, queries.data());
+  for (float& x : queries) x = static_cast<float>(c10::BFloat16(x));
   auto out = torch::empty({b, hkv, g, n}, q.options().dtype(torch::kFloat));
   if (n == 0) return out;
   const int64_t blocks = (n + kSlotBlock - 1) / kSlotBlock, cap = sz.size(3), ng = sz.size(2);
   const int64_t per_part = std::max<int64_t>(1, (part_slots + kSlotBlock - 1) / kSlotBlock);  // blocks per task
   const int64_t parts = (blocks + per_part - 1) / per_part;
-  const c10::BFloat16* q_p = q.data_ptr<c10::BFloat16>();
+  const float* q_p = queries.data();
   const uint8_t* codes_p = codes.data_ptr<uint8_t>();
   const c10::BFloat16* sz_p = sz.data_ptr<c10::BFloat16>();
   float* out_p = out.data_ptr<float>();
   const int64_t head_codes = codes.size(2) * d / 2;  // bytes of one (batch row, KV head)
   at::parallel_for(0, b * hkv * parts, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> a(g * d), c(g * kSlotBlock);
+    std::vector<float> c(g * kSlotBlock);
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t bh = t / parts, first = t % parts * per_part, last = std::min(blocks, first + per_part);
-      for (int64_t i = 0; i < g * d; ++i) a[i] = static_cast<float>(q_p[bh * g * d + i]);
+      const float* a = q_p + bh * g * d;
       for (int64_t blk = first; blk < last; ++blk) {
-        score_block_any(a.data(), g, d, codes_p + bh * head_codes + blk * kSlotBlock * d / 2,
+        score_block_any(a, g, d, codes_p + bh * head_codes + blk * kSlotBlock * d / 2,
                     sz_p + bh * ng * cap * 2 + blk * kSlotBlock * 2, cap, group, c.data());
         const int64_t used = std::min(kSlotBlock, n - blk * kSlotBlock);
         for (int64_t m = 0; m < g; ++m) {  // rounded to bfloat16, as the kernel returns its scores
@@ -588,18 +670,20 @@ torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz,
   return out;
 }
 
-// One decoding token's key per (batch row, KV head), rows [B, Hkv, 1, d] float32, quantized to 4 bits and written
+// One decoding token's key per (batch row, KV head), rows [B, Hkv, 1, d] (any floating dtype; rotated by rotation
+// [Hkv, d, d] float64 as `rotate_row` does, or taken as float32 where rotation is empty), quantized to 4 bits and written
 // into its slot (slots [B, Hkv]) of the int4 kernel's layout in place: codes [B, Hkv, blocks, d, 32] uint8 (slot s
 // of a block in byte s % 32 of each dim, the low nibble for s % 64 < 32) and sz [B, Hkv, d / group, capacity, 2]
 // bfloat16. The arithmetic of `int4._quantize_tinygemm` step by step in float32 (the same codes, scale and zero
 // to the bit): scale = max((max - min) / 15, tiny) and zero = min + 8 * scale, each rounded to bfloat16; code =
 // round-half-even((x - (zero - 8 * scale)) / scale), clamped to 0..15.
-void scatter_int4(torch::Tensor codes, torch::Tensor sz, torch::Tensor slots, torch::Tensor rows, int64_t group) {
+void scatter_int4(torch::Tensor codes, torch::Tensor sz, torch::Tensor slots, torch::Tensor rows, int64_t group,
+                  torch::Tensor rotation) {
   TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == torch::kByte && codes.is_contiguous() &&
               codes.size(4) == 32, "codes [B,Hkv,blocks,d,32] uint8, contiguous");
   TORCH_CHECK(sz.dim() == 5 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.size(4) == 2,
               "sz [B,Hkv,ng,capacity,2] bfloat16, contiguous");
-  TORCH_CHECK(rows.dim() == 4 && rows.size(2) == 1 && rows.scalar_type() == torch::kFloat, "rows [B,Hkv,1,d] float32");
+  TORCH_CHECK(rows.dim() == 4 && rows.size(2) == 1 && rows.is_floating_point(), "rows [B,Hkv,1,d] floating");
   TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == torch::kLong, "slots [B,Hkv] int64");
   const int64_t b = codes.size(0), hkv = codes.size(1), blocks = codes.size(2), d = codes.size(3);
   const int64_t cap = sz.size(3), ng = sz.size(2);
@@ -611,7 +695,10 @@ void scatter_int4(torch::Tensor codes, torch::Tensor sz, torch::Tensor slots, to
   const int64_t* slot_p = slots.data_ptr<int64_t>();
   for (int64_t bh = 0; bh < b * hkv; ++bh)
     TORCH_CHECK(slot_p[bh] >= 0 && slot_p[bh] < cap && slot_p[bh] < blocks * 64, "slot out of range");
-  const float* x_p = rows.data_ptr<float>();
+  rotation = checked_rotation(rotation, hkv, d);
+  std::vector<float> rotated(b * hkv * d);
+  rotated_rows(rows, b * hkv, d, rotation, hkv, 1, rotated.data());
+  const float* x_p = rotated.data();
   uint8_t* code_p = codes.data_ptr<uint8_t>();
   c10::BFloat16* sz_p = sz.data_ptr<c10::BFloat16>();
   for (int64_t bh = 0; bh < b * hkv; ++bh) {
@@ -645,7 +732,44 @@ void scatter_int4(torch::Tensor codes, torch::Tensor sz, torch::Tensor slots, to
   }
 }
 
+// One decoding token per (batch row, KV head) stored at `slot` of a layer's store in place, as `KVStore.append`'s
+// copies store it: keys, values [B, Hkv, capacity, d] (contiguous) get k, v [B, Hkv, 1, d] (their dtype), valid
+// [B, Hkv, capacity] bool is set and pos [B, Hkv, capacity] int64 gets positions [B]. One call for what is ten
+// operator calls from Python.
+void append_token(torch::Tensor keys, torch::Tensor values, torch::Tensor valid, torch::Tensor pos, int64_t slot,
+                  torch::Tensor k, torch::Tensor v, torch::Tensor positions) {
+  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && valid.is_contiguous() &&
+              pos.is_contiguous(), "the store's tensors must be contiguous");
+  const int64_t b = keys.size(0), hkv = keys.size(1), cap = keys.size(2), d = keys.size(3);
+  TORCH_CHECK(values.sizes() == keys.sizes() && k.scalar_type() == keys.scalar_type() &&
+              v.scalar_type() == values.scalar_type(), "k, v must have the store's dtype");
+  TORCH_CHECK(k.dim() == 4 && k.size(0) == b && k.size(1) == hkv && k.size(2) == 1 && k.size(3) == d &&
+              v.sizes() == k.sizes(), "k, v [B,Hkv,1,d]");
+  TORCH_CHECK(valid.scalar_type() == torch::kBool && pos.scalar_type() == torch::kLong &&
+              valid.numel() == b * hkv * cap && pos.numel() == b * hkv * cap, "valid, pos [B,Hkv,capacity]");
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.numel() == b, "positions [B] int64");
+  TORCH_CHECK(slot >= 0 && slot < cap, "slot out of range");
+  k = k.contiguous();
+  v = v.contiguous();
+  positions = positions.contiguous();
+  const int64_t row = d * keys.element_size();
+  char* k_p = static_cast<char*>(keys.data_ptr());
+  char* v_p = static_cast<char*>(values.data_ptr());
+  const char* kt = static_cast<const char*>(k.data_ptr());
+  const char* vt = static_cast<const char*>(v.data_ptr());
+  bool* valid_p = valid.data_ptr<bool>();
+  int64_t* pos_p = pos.data_ptr<int64_t>();
+  const int64_t* at = positions.data_ptr<int64_t>();
+  for (int64_t bh = 0; bh < b * hkv; ++bh) {
+    std::memcpy(k_p + (bh * cap + slot) * row, kt + bh * row, row);
+    std::memcpy(v_p + (bh * cap + slot) * row, vt + bh * row, row);
+    valid_p[bh * cap + slot] = true;
+    pos_p[bh * cap + slot] = at[bh / hkv];
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("append_token", &append_token, "a decoding token stored at one slot of a layer's store");
   m.def("scatter_int4", &scatter_int4, "a decoding token's key quantized into the int4 kernel's layout");
   m.def("score_int4", &score_int4, "the int4 speculation keys' scores, one parallel region per layer");
   m.def("attend_rows", &attend_rows, "attention over packed selected rows, online softmax");

@@ -42,6 +42,7 @@ packs_selection = True  # False: the selection stays in torch, only the attentio
 # so one batch row's few KV heads keep every thread busy
 ROWS_PER_PART = 256
 SLOTS_PER_PART = 2048  # the most slots of one (batch row, KV head) one task scores (whole 64-slot blocks)
+_NONE = torch.empty(0)  # an optional tensor argument left out
 
 
 def build_key() -> str:
@@ -115,38 +116,72 @@ def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
     return q.device.type == "cpu" and available()
 
 
+def native_rows(q: torch.Tensor) -> bool:
+    """Whether `attend_rows` runs the C++ kernel for q (on a CPU): it then takes q [B, H, 1, d] as it is and mixes a
+    remainder in; the Triton kernel (CUDA) takes q [B, H, d] and leaves the remainder to the caller."""
+    return not q.is_cuda
+
+
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
-                counts: torch.Tensor, own: torch.Tensor | None, scale: float, part_rows: int | None = None):
-    """q [B, H, d]; keys, values [N, d] (a layer's flat store); rows [B, n] int64, each batch row's selected
-    rows head-major (`SelectedRows.rows`: KV head 0's run first, padding after the last run); counts
-    [B, Hkv] the runs' lengths; own [B, Hkv] the token's own row, read after the run (None: no own row).
+                counts: torch.Tensor, own: torch.Tensor | None, scale: float, part_rows: int | None = None,
+                remainder=None):
+    """q [B, H, d]; keys, values [N, d] (a layer's flat store); rows [B, n] int64, each batch row's selected rows
+    head-major (`SelectedRows.rows`: KV head 0's run first, padding after the last run); counts [B, Hkv] the
+    runs' lengths; own [B, Hkv] the token's own row, read after the run (None: no own row).
     Returns out [B, H, d] (q's dtype), lse [B, H] and read_sum [B, Hkv, d] (float32; past rows only).
     A (batch row, KV head) that reads nothing gets a zero output and a log-sum-exp of -inf. A run longer than
     `part_rows` (None: `ROWS_PER_PART`) is attended in parts (by both threads at batch 1) merged by log-sum-exp;
-    the parts depend on the counts alone. On CUDA tensors the Triton kernel computes it (indices unchecked there:
-    a check would wait on the device)."""
+    the parts depend on the counts alone. `remainder` (CPU only): a `selection.Remainder` of one decoding row per
+    batch row (lse [B, Hkv, G, 1], sums [B, Hkv, d], counts [B, Hkv]) mixed into out as
+    `runtime.attention.with_remainder` mixes it, in the same call (lse and read_sum stay those of what was read).
+    On CUDA tensors the Triton kernel computes it (indices unchecked there: a check would wait on the device)."""
     if q.is_cuda:
+        if remainder is not None:
+            raise ValueError("the Triton kernel does not mix a remainder in")
         return _triton_kernel().attend_rows(q, keys, values, rows, counts, own, scale)
     own = rows.new_empty(0) if own is None else own
     part_rows = part_rows or ROWS_PER_PART
-    return _module().attend_rows(q, keys, values, rows, counts, own, float(scale), int(part_rows))
+    lse, sums, cached = (_NONE, _NONE, _NONE) if remainder is None else remainder
+    return _module().attend_rows(q, keys, values, rows, counts, own, float(scale), int(part_rows), lse, sums,
+                                 cached)
 
 
 def score_int4(q: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group: int, n: int,
-               part_slots: int | None = None) -> torch.Tensor:
-    """q [B, Hkv, G, d] bfloat16 against 4-bit keys in torch's CPU int4 layout (codes [B, Hkv, blocks * 64, d / 2]
-    uint8, scale-and-zero sz [B, Hkv, d / group, capacity, 2] bfloat16; kernels/int4.py "tinygemm") -> float32
-    [B, Hkv, G, n]: that kernel's scores of the first n slots, every (batch row, KV head) in one parallel region
-    instead of a call each from Python (the same bits), each cut into tasks of `part_slots` slots
-    (None: `SLOTS_PER_PART`)."""
-    return _module().score_int4(q, codes, sz, int(group), int(n), int(part_slots or SLOTS_PER_PART))
+               part_slots: int | None = None, rotation: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hkv, G, d] (any floating dtype, rounded to bfloat16 as the int4 kernel takes it) against 4-bit keys in
+    torch's CPU int4 layout (codes [B, Hkv, blocks * 64, d / 2] uint8, scale-and-zero sz [B, Hkv, d / group,
+    capacity, 2] bfloat16; kernels/int4.py "tinygemm") -> float32 [B, Hkv, G, n]: that kernel's scores of the first
+    n slots, every (batch row, KV head) in one parallel region instead of a call each from Python (the same bits),
+    each cut into tasks of `part_slots` slots (None: `SLOTS_PER_PART`). `rotation` [Hkv, d, d] float64: q is first
+    rotated by its KV head's matrix in float64 and rounded to float32 (InfiniGen's skew,
+    `speculation.SpeculationKeys.rotate`), in the same call."""
+    return _module().score_int4(q, codes, sz, int(group), int(n), int(part_slots or SLOTS_PER_PART),
+                                _NONE if rotation is None else rotation)
 
 
-def scatter_int4(codes: torch.Tensor, sz: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, group: int) -> None:
-    """One token's key per (batch row, KV head), rows [B, Hkv, 1, d] float32, quantized and written in place into
-    slots [B, Hkv] of 4-bit keys in torch's CPU int4 layout (codes [B, Hkv, blocks, d, 32] uint8, sz [B, Hkv,
-    d / group, capacity, 2] bfloat16): the codes, scale and zero `int4.PackedKeys.scatter` writes, in one call."""
-    _module().scatter_int4(codes, sz, slots, rows, int(group))
+def scatter_int4(codes: torch.Tensor, sz: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, group: int,
+                 rotation: torch.Tensor | None = None) -> None:
+    """One token's key per (batch row, KV head), rows [B, Hkv, 1, d] float32 (or any floating dtype with a
+    `rotation` [Hkv, d, d] float64: rotated first in float64, rounded to float32, as `score_int4` rotates q),
+    quantized and written in place into slots [B, Hkv] of 4-bit keys in torch's CPU int4 layout (codes [B, Hkv,
+    blocks, d, 32] uint8, sz [B, Hkv, d / group, capacity, 2] bfloat16): the codes, scale and zero
+    `int4.PackedKeys.scatter` writes, in one call."""
+    _module().scatter_int4(codes, sz, slots, rows, int(group), _NONE if rotation is None else rotation)
+
+
+def appends(k: torch.Tensor, *store: torch.Tensor) -> bool:
+    """Whether `append_token` stores k into a layer's store tensors (keys, values, valid, pos): on a CPU, contiguous,
+    k of the keys' dtype, the kernel built."""
+    return (k.device.type == "cpu" and k.dtype == store[0].dtype and all(t.is_contiguous() for t in store)
+            and store[0].device.type == "cpu" and available())
+
+
+def append_token(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, slot: int,
+                 k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    """One decoding token's k, v [B, Hkv, 1, d] stored at `slot` of a layer's store (keys, values [B, Hkv, capacity,
+    d], valid and pos [B, Hkv, capacity], contiguous), its valid mark set and its position (positions [B]) written:
+    `KVStore.append`'s copies in one call."""
+    _module().append_token(keys, values, valid, pos, int(slot), k, v, positions)
 
 
 def select_packed(scores: torch.Tensor, scale: float, alpha: float, total: int, capacity: int, with_lse: bool):

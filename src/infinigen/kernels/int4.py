@@ -180,6 +180,21 @@ class PackedKeys:
             blocks = -(-capacity // _BLOCK)  # the kernel reads whole blocks of 64 tokens
             self.codes = torch.full((batch, heads, blocks, dim, _BLOCK // 2), 0x88, dtype=torch.uint8, device=device)
             self.sz = torch.zeros(batch, heads, ng, blocks * _BLOCK, 2, dtype=torch.bfloat16, device=device)
+            self._codes_by_slot = self.codes.view(batch, heads, -1, dim // 2)  # as the scorer reads them
+
+    def rotates(self) -> bool:
+        """Whether `scores_rotated` and `scatter_rotated` run here: the int4 kernel's layout, on a CPU, with the
+        native build."""
+        return self.layout == "tinygemm" and self.codes.device.type == "cpu" and fused_select.available()
+
+    def scores_rotated(self, x: torch.Tensor, rotation: torch.Tensor | None, n: int) -> torch.Tensor:
+        """`scores` of x [B, Hkv, G, d] rotated by its KV head's matrix, rotation [Hkv, d, d] float64 (None: x as it
+        is), in float64 and rounded to float32 first: one native call (`rotates`)."""
+        return fused_select.score_int4(x, self._codes_by_slot, self.sz, self.group, n, rotation=rotation)
+
+    def scatter_rotated(self, slots: torch.Tensor, rows: torch.Tensor, rotation: torch.Tensor | None) -> None:
+        """`scatter` of rows [B, Hkv, 1, d] rotated as `scores_rotated` rotates: one native call (`rotates`)."""
+        fused_select.scatter_int4(self.codes, self.sz, slots, rows, self.group, rotation)
 
     @property
     def nbytes(self) -> int:

@@ -105,6 +105,7 @@ class InfiniGenState:
     value_counts: dict = field(default_factory=dict)
     remainders: dict = field(default_factory=dict)  # layer -> the unread entries' log-mass, then Remainder
     key_mean: dict = field(default_factory=dict)  # key_centre: layer -> [B, Hkv, 1, d] the packed keys' mean key
+    rotations: tuple = ()  # A's layers as views, made once (`SpeculationKeys.rotation`)
 
 
 # The policies `prepare` returned, per model (by id, held weakly): preparing one again for its model keeps its
@@ -546,14 +547,15 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
             q = rows.query
             b, h, _, d = q.shape
             hkv = session.model.cfg.num_kv_heads
-            st.spec[layer] = q.view(b, hkv, h // hkv, 1, d).expand(b, hkv, h // hkv, rows.first + 1, d)
+            own = q.view(b, hkv, h // hkv, 1, d)
+            st.spec[layer] = own if rows.first == 0 else own.expand(b, hkv, h // hkv, rows.first + 1, d)
         return select.select_row(self, layer, rows.first, session, packs)
 
     def on_append(self, layer, slots, k, v, session):
         st = session.state
         if layer in st.value_sums:
-            st.value_sums[layer] += v[:, :, 0].float()
-            st.value_counts[layer] += 1
+            st.value_sums[layer].add_(v[:, :, 0])  # (in float32)
+            st.value_counts[layer].add_(1)
         if layer not in st.spec_layers or layer not in st.spec_keys:  # not built yet (lazy_keys)
             return
         self.speculation.append(st, layer, slots, k)

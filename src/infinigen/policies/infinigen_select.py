@@ -9,6 +9,8 @@ selection leaves unread (`remainder_lse`), which the runtime turns into the rema
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -203,9 +205,10 @@ def layer_total(ratio: float, shared_length: int, hkv: int, slots: int, min_fetc
     """budget "layer"'s cap of a row that has `shared_length` valid tokens per KV head: the (KV head, slot)
     pairs it may read over the layer's `hkv` KV heads, at least `min_fetch` per KV head (`slots` slots)."""
     floor = min(max(1, min_fetch), slots)
-    # float32 arithmetic on a tensor, as `choose` computes it where the lengths are data
-    length = torch.tensor(shared_length).view(1, 1, 1)
-    return int((ratio * (length * hkv)).floor().clamp(min=floor * hkv))
+    # on the host, in float32 arithmetic as `choose` computes it on a tensor where the lengths are data: the ratio
+    # and the count rounded to float32, their product (exact in float64) rounded once to float32
+    product = np.float32(np.float32(ratio) * np.float32(shared_length * hkv))
+    return max(math.floor(product), floor * hkv)
 
 
 def rows_in_blocks(policy, layer, rows, session, block: int = ROWS_PER_CHOICE):

@@ -24,6 +24,7 @@ from ..errors import UserError
 from ..kernels.int4 import PackedKeys, tinygemm_ok
 
 INT4_GROUP = 32
+PADDED_FROM = 1024  # the capacity from which the 4-bit keys take the int4 kernel's layout whatever its padding
 
 # Skew matrices per model and calibration text (None: the cached or default one), loaded or computed once by
 # `prepare_skew`, shared by every policy object and session on that model.
@@ -46,9 +47,11 @@ def int4_layout(d: int, capacity: int, device) -> str:
     """The `PackedKeys` layout of a request's 4-bit speculation keys, chosen once in `begin` so that decoding
     and teacher-forced scoring quantize the same way: torch's CPU int4 kernel where it takes this head_dim and padding
     the capacity to its 64-token blocks keeps the bytes within 2.4% (40 B/token/head then stays under 8% of
-    float32 K+V), else the portable rows layout."""
+    float32 K+V) or the capacity holds at least `PADDED_FROM` slots (its at most 63 padded slots then cost under 1%
+    of 16-bit K+V), else the portable rows layout, whose torch scorer is several times slower on a CPU."""
     padded = -(-capacity // 64) * 64
-    return "tinygemm" if tinygemm_ok(d, INT4_GROUP, device) and padded <= 1.024 * capacity else "rows"
+    fits = padded <= 1.024 * capacity or capacity >= PADDED_FROM
+    return "tinygemm" if tinygemm_ok(d, INT4_GROUP, device) and fits else "rows"
 
 
 # ---- skew matrices ------------------------------------------------------------------------------------------
@@ -110,7 +113,9 @@ def layer_sparsity(policy, model) -> list[float] | None:
     if m is None:
         m = getattr(model, "skew_folded", None)
     sp = getattr(m, "sparsity", None)
-    return None if sp is None or len(sp) != model.cfg.num_layers else [float(x) for x in sp]
+    if sp is None or len(sp) != model.cfg.num_layers:
+        return None
+    return sp.tolist() if isinstance(sp, torch.Tensor) else [float(x) for x in sp]  # (a tensor's in one call)
 
 
 # ---- keys and scorer ----------------------------------------------------------------------------------------
@@ -200,9 +205,28 @@ class SpeculationKeys:
         spec_keys[:, :, :t] = self.project(st, k, layer).to(st.key_dtype)
         st.spec_keys[layer] = spec_keys
 
+    def native(self, spec_keys) -> bool:
+        """Whether a decoding row's query and key are rotated inside the native scorer and append
+        (`PackedKeys.scores_rotated`, `scatter_rotated`): 4-bit keys in the int4 kernel's layout, not centred,
+        the kernel built. The same float64 products rounded to float32 once as `rotate`, without its torch calls."""
+        return self.key_mode == "int4" and not self.key_centre and isinstance(spec_keys, PackedKeys) and \
+            spec_keys.rotates()
+
+    @staticmethod
+    def rotation(st, layer: int) -> torch.Tensor | None:
+        """The skew matrices [Hkv, d, d] float64 of `layer` (None: no rotation), views made once per request."""
+        if st.A is None:
+            return None
+        if not st.rotations:
+            st.rotations = st.A.unbind(0)
+        return st.rotations[layer]
+
     def append(self, st, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
         """The current token's key k [B, Hkv, 1, d] written into `slots` [B, Hkv] of the layer's keys."""
         spec_keys = st.spec_keys[layer]
+        if self.native(spec_keys):
+            spec_keys.scatter_rotated(slots, k, self.rotation(st, layer))
+            return
         if self.key_mode == "int4":
             spec_keys.scatter(slots, self.centre(st, layer, self.rotate(st, k, layer)))
             return
@@ -222,12 +246,17 @@ class SpeculationKeys:
             st.spec_keys[layer] = keys
         return keys
 
-    def queries(self, st, layer: int, rows: slice) -> torch.Tensor:
-        """Projected speculative queries [B, Hkv, G, R, c] (float32) of decoding rows `rows`."""
+    @staticmethod
+    def _query(st, layer: int) -> torch.Tensor:
+        """The post-RoPE queries [B, Hkv, G, T, d] speculation scores `layer` with."""
         qs = st.spec.get(layer)
         if qs is None:
             raise RuntimeError(f"no speculation for layer {layer} (the hook of layer {layer - 1} did not run)")
-        return self.project(st, qs[:, :, :, rows], layer)
+        return qs
+
+    def queries(self, st, layer: int, rows: slice) -> torch.Tensor:
+        """Projected speculative queries [B, Hkv, G, R, c] (float32) of decoding rows `rows`."""
+        return self.project(st, self._query(st, layer)[:, :, :, rows], layer)
 
     def scores(self, st, layer: int, row: int, spec_keys, n: int) -> torch.Tensor:
         """Speculated scores [B, Hkv, G, n] (float32) of decoding row `row` against the first n slots of
@@ -235,6 +264,8 @@ class SpeculationKeys:
         agree bit for bit. int4: torch's int4 kernel or the tiled scorer read the packed codes (no float
         copy of the context). partial: one matmul per row in the keys' 16-bit dtype; the G query heads
         are the matmul rows (broadcasting the keys over G copied them G times)."""
+        if self.native(spec_keys):  # the row's query rotated inside the scorer
+            return spec_keys.scores_rotated(self._query(st, layer)[:, :, :, row], self.rotation(st, layer), n)
         qs = self.queries(st, layer, slice(row, row + 1))[:, :, :, 0].contiguous()  # [B, Hkv, G, c]
         if isinstance(spec_keys, PackedKeys):
             return self.shifted(st, layer, spec_keys.scores(qs, n), qs)

@@ -178,6 +178,25 @@ class StepBuffers:
     def __init__(self):
         self.keys = self.values = None
         self.flat: dict = {}  # use -> (keys, values) [capacity, d], grown by a quarter when too small
+        self._store_views: dict = {}  # layer -> (its keys tensor, flat keys, flat values)
+        self._own_rows: dict = {}  # (shape, capacity, device) -> [B, Hkv] each (batch row, KV head)'s first row
+
+    def flat_store(self, store, layer: int):
+        """A store's keys and values of `layer` as flat [B * Hkv * capacity, d] views, made once per layer."""
+        seen = self._store_views.get(layer)
+        if seen is None or seen[0] is not store.k[layer]:
+            d = store.k[layer].shape[-1]
+            seen = self._store_views[layer] = (store.k[layer], store.k[layer].view(-1, d), store.v[layer].view(-1, d))
+        return seen[1], seen[2]
+
+    def own_rows(self, slots: torch.Tensor, capacity: int) -> torch.Tensor:
+        """[B, Hkv] the row of slot 0 of each (batch row, KV head) in a flat store of `capacity` slots (slots: a
+        [B, Hkv] tensor of the shape and device wanted), made once."""
+        key = (tuple(slots.shape), capacity, slots.device)
+        base = self._own_rows.get(key)
+        if base is None:
+            base = self._own_rows[key] = torch.arange(slots.numel(), device=slots.device).view(slots.shape) * capacity
+        return base
 
     def _flat(self, use: str, n: int, like: torch.Tensor):
         keys, values = self.flat.get(use, (None, None))

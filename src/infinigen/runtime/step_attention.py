@@ -7,7 +7,8 @@ running requests, a fan-out): one session is "many" with one member.
                lie: its store, or the fast buffer an offloaded, coded or pool-limited store hands them in;
                else `attention.attend_packed`), or the dense step's entries read in place
                (`attention.attend_all`, one session) or stacked (`attention.attend_masked`)
-    remainder  mixed in once per session (`attention.with_remainder`), then each session stores its token
+    remainder  mixed in once per session (`attention.with_remainder`; inside the C++ call where one session's
+               rows are read in place on a CPU), then each session stores its token
 
 Entries of several sessions are stacked into buffers, each row's padded to the longest read; one session's are
 read where they lie, so its attention copies nothing it need not.
@@ -123,6 +124,9 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
     pool's fetched rows, a coded or pool-limited store's copied ones), the token is written there and stored
     after the attention. One session: one C++ call over its rows where they lie; otherwise (several sessions, a
     policy that observes the weights, no kernel) every row is gathered into one buffer, one masked fused call."""
+    if (len(sessions) == 1 and not faults and sessions[0].store.reads_rows() and not sessions[0].policy.needs_weights
+            and fused_select.usable(q, sessions[0].store.k[layer])):
+        return _one_in_place(layer, q, k, v, sessions[0], plans[0], scale, buffers)
     in_place = [s.store.reads_rows() for s in sessions]
     stored = [s.store.append(layer, _part(k, a, b), _part(v, a, b), p.cur) if ip else None
               for s, p, ip, (a, b) in zip(sessions, plans, in_place, spans)]
@@ -134,10 +138,8 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
         """Where session i's rows and tokens lie: its store, or the buffer its store hands them in."""
         s, p, (a, b) = sessions[i], plans[i], spans[i]
         if in_place[i]:
-            d = k.shape[-1]
-            seg = torch.arange(stored[i].numel(), device=q.device).view(stored[i].shape)
-            return HandedRows(s.store.k[layer].view(-1, d), s.store.v[layer].view(-1, d), p.rows.rows,
-                              seg * s.store.capacity + stored[i])
+            keys, values = buffers.flat_store(s.store, layer)
+            return HandedRows(keys, values, p.rows.rows, buffers.own_rows(stored[i], s.store.capacity) + stored[i])
         handed = s.store.hand_rows(layer, p.rows, buffers.handed, every=p.idx is ALL)
         own = handed.own.reshape(-1)
         handed.keys.index_copy_(0, own, _part(k, a, b).reshape(own.numel(), -1).to(handed.keys.dtype))
@@ -151,7 +153,9 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
         src = own_part(faults, 0, source, 0)
         if src is None:  # (the one session left of several: its rows could not be read)
             return torch.zeros_like(q)
-        att = _attend_rows_in_place(q, src, plans[0].rows.counts, scale, wants_lse)
+        att, mixed = _attend_rows_in_place(q, src, plans[0].rows.counts, scale, wants_lse, remainders[0])
+        if mixed:  # the kernel mixed the remainder in
+            remainders = [None]
     else:
         def own_source(i: int) -> HandedRows | None:
             return own_part(faults, i, source, i)
@@ -178,16 +182,37 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _attend_rows_in_place(q, src: HandedRows, counts, scale: float, wants_lse: bool) -> attention.Attended:
+def _one_in_place(layer: int, q, k, v, session, plan, scale: float, buffers: StepBuffers) -> torch.Tensor:
+    """`_attend_rows` for one session whose store the attention reads in place, no weights wanted, the kernel
+    built (a decoding step's common case): the token stored first, one C++ call over its rows and its own (the
+    remainder mixed in there on a CPU), the policy and listeners told of the append."""
+    store = session.store
+    slots = store.append(layer, k, v, plan.cur)
+    remainder = session.policy.remainder_at(layer, session)  # (read before the token's append: it was read)
+    if plan.idx is not ALL:  # a read of ALL counted its rows already (`_read`)
+        session.stats.record_rows(layer, plan.rows.rows.numel())
+    keys, values = buffers.flat_store(store, layer)
+    src = HandedRows(keys, values, plan.rows.rows, buffers.own_rows(slots, store.capacity) + slots)
+    att, mixed = _attend_rows_in_place(q, src, plan.rows.counts, scale, remainder is not None, remainder)
+    out = att.out if mixed else attention.with_remainder(att, remainder)
+    session._appended(layer, slots, k, v)
+    return out
+
+
+def _attend_rows_in_place(q, src: HandedRows, counts, scale: float, wants_lse: bool, remainder=None):
     """One session's packed rows and tokens read where they lie (`src`: its store, or the buffer its store
-    handed them in): one C++ call, which returns what the remainder needs as well."""
+    handed them in): one C++ call, which returns what the remainder needs as well, or (on a CPU) mixes the
+    session's `remainder` in itself. Returns the attention and whether the remainder is mixed in."""
     b, h, _, d = q.shape
-    out, lse, read_sum = fused_select.attend_rows(q.view(b, h, d), src.keys, src.values, src.rows, counts, src.own,
-                                                  scale)
-    if not wants_lse:
-        return attention.Attended(out.view(b, h, 1, d))
+    native = fused_select.native_rows(q)  # the C++ kernel: q [B, H, 1, d] as it is, a remainder mixed in there
+    mixes = remainder is not None and native
+    out, lse, read_sum = fused_select.attend_rows(q if native else q.view(b, h, d), src.keys, src.values, src.rows,
+                                                  counts, src.own, scale, **({"remainder": remainder} if mixes else {}))
+    out = out if native else out.view(b, h, 1, d)
+    if not wants_lse or mixes:
+        return attention.Attended(out), mixes
     hkv = counts.shape[1]
-    return attention.Attended(out.view(b, h, 1, d), lse.view(b, hkv, h // hkv, 1), read_sum, counts)
+    return attention.Attended(out, lse.view(b, hkv, h // hkv, 1), read_sum, counts), False
 
 
 def _attend_rows_gathered(layer: int, q, k, sessions, spans, plans, source, scale: float, buffers: StepBuffers,

@@ -1,0 +1,77 @@
+"""What a batch-1 selecting step does outside its native calls, counted (never timed): the operators InfiniGen's
+fused path dispatches per selecting layer beyond the full cache's step (the query's and key's rotation inside the
+native scorer and append, the remainder mixed inside the attention kernel, the layer cap computed on the host); and
+that host cap equals the float32 tensor arithmetic `choose` uses where the lengths are data."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from infinigen import runtime
+from infinigen.bench.dispatch import DispatchedCalls
+from infinigen.kernels import fused_select
+from infinigen.kernels.int4 import tinygemm_ok
+from infinigen.placement import Placement
+from infinigen.policies import make_policy
+from infinigen.policies.infinigen_select import layer_total
+from support.models import build_tiny
+from support.speculation import random_skew
+
+needs_kernel = pytest.mark.skipif(not fused_select.available(), reason="the fused kernel cannot be built here")
+needs_tinygemm = pytest.mark.skipif(not tinygemm_ok(64), reason="torch's CPU int4 kernel does not take this layout")
+
+T, P = 128, 80  # a capacity of whole 64-slot blocks: the int4 kernel's layout
+# operators a selecting layer dispatches beyond the full cache's layer at batch 1 (eager step, the fused path):
+# measured 17 (78 with the rotation, the remainder's mix and the cap in torch calls), a bound with slack 2
+EXTRA_PER_LAYER = 19
+
+
+def _calls_per_step(model, policy) -> tuple[int, object]:
+    """Operators dispatched by the third decoding step after a P-token prompt (batch 1), and their names."""
+    sess = Placement().new_session(model, 1, T, policy)
+    tokens = torch.randint(3, model.cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(2))
+    runtime.prefill(model, tokens[:, :P], sess)
+    for t in range(P, P + 2):
+        runtime.decode(model, tokens[:, t], sess)
+    with DispatchedCalls() as counter:
+        runtime.decode(model, tokens[:, P + 2], sess)
+    return counter.calls, counter.by_op
+
+
+@needs_kernel
+@needs_tinygemm
+def test_a_selecting_layer_dispatches_few_operators_beyond_the_full_cache():
+    _, model = build_tiny("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          num_hidden_layers=4)
+    policy = make_policy("infinigen", calibrate=False, dense_below=0, kv_budget=0.3, budget_growth=1.0, min_fetch=4,
+                         remainder_from=0)
+    policy = policy.with_skew(random_skew(model))
+    full, full_ops = _calls_per_step(model, make_policy("full"))
+    selecting, ops = _calls_per_step(model, policy)
+    layers = len(policy.selecting_layers(model.cfg))
+    assert layers == model.cfg.num_layers
+    extra = (selecting - full) / layers
+    assert extra <= EXTRA_PER_LAYER, f"{extra:.1f} operators per selecting layer: {dict(ops - full_ops)}"
+
+
+def test_the_cap_on_the_host_equals_the_float32_tensor_arithmetic():
+    """`layer_total` in plain numbers against `choose`'s float32 product on a tensor, for caps of every size and
+    lengths up to 2^20 (where float32 no longer holds every integer times the heads)."""
+    gen = np.random.default_rng(0)
+    ratios = np.concatenate([gen.random(300), [0.1, 0.13, 0.2, 0.3, 1 / 3, 0.7, 1.0, 1e-6]])
+    for ratio in ratios:
+        for length in [*gen.integers(1, 1 << 20, 20), 1, 7, 2048, 8176, 8192, 32768]:
+            for hkv in (1, 3, 8):
+                tensor = torch.tensor(int(length)).view(1, 1, 1)
+                want = int((float(ratio) * (tensor * hkv)).floor().clamp(min=hkv))
+                assert layer_total(float(ratio), int(length), hkv, int(length), 1) == want, (ratio, length, hkv)
+
+
+@needs_tinygemm
+@pytest.mark.parametrize("capacity", [2048 + 8, 1024 + 1, 8176 + 16, 4096 + 9])
+def test_a_capacity_just_above_a_whole_block_keeps_the_int4_kernels_layout(capacity):
+    """The speculation keys of a pool a few slots past a multiple of 64 are padded to whole blocks and scored by
+    the int4 kernel (the rows layout's torch scorer took 2.6x the full cache's step at 2048 + 8)."""
+    from infinigen.policies.speculation import int4_layout
+    assert int4_layout(64, capacity, "cpu") == "tinygemm"
