@@ -96,7 +96,7 @@ def build_native(env: dict) -> None:
     had the server killed before it served). Checkouts at other paths sharing the cache rebuild the same build
     (its commands name the source's path): there give the run an INFINIGEN_CACHE of its own."""
     import subprocess
-    code = "from infinigen.kernels import fused_select; print(fused_select.available())"
+    code = "from infinigen.kernels import build_native, fused_select; build_native(); print(fused_select.available())"
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800)
     print(f"serve_disk: native kernels built: {run.stdout.strip() or run.stderr.strip()[-300:]}", file=sys.stderr)
 

@@ -252,10 +252,10 @@ def command_args(ctx) -> list[str]:
 
 
 def _build_kernels_first() -> None:
-    """The native kernel built (or found in the cache) before the bound: its compiler needs more memory than a
+    """The native kernels built (or found in the cache) before the bound: a compiler needs more memory than a
     bound sized for the run leaves, and the bounded run then only loads the build."""
-    from .kernels import fused_select
-    fused_select.available()
+    from .kernels import build_native
+    build_native()
 
 
 def rerun_bounded(ctx, module_argv: list[str], limit: int) -> int:

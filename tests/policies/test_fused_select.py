@@ -16,6 +16,7 @@ from infinigen import runtime
 from infinigen.runtime import attention
 from infinigen.cache import KVStore
 from infinigen.kernels import fused_select
+from infinigen.paths import writable_cache
 from support.packed_rows import decode_rows, packed_policy, padded_prompts
 
 needs_kernel = pytest.mark.skipif(not fused_select.available(), reason="the fused kernel cannot be built here")
@@ -226,7 +227,7 @@ def test_a_failed_build_warns_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False False"
-    lines = [ln for ln in done.stderr.splitlines() if "fused selection kernel" in ln]
+    lines = [ln for ln in done.stderr.splitlines() if "fused_select kernel" in ln]
     assert len(lines) == 1 and "no compiler found" in lines[0] and "second line" not in done.stderr
 
 
@@ -238,7 +239,7 @@ def test_a_build_killed_mid_way_does_not_hold_back_the_next_run(tmp_path):
     import os
     import shutil
     cache = tmp_path / "cache"
-    src = fused_select.writable_cache(f"kernels/fused_select-{fused_select.build_key()}")  # built (needs_kernel)
+    src = writable_cache(f"kernels/fused_select-{fused_select.build_key()}")  # built (needs_kernel)
     dst = cache / "kernels" / src.name
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("lock", "build.flock"))
     (dst / "lock").write_text("")  # as a killed build leaves it
@@ -259,7 +260,7 @@ def test_a_checkout_elsewhere_loads_the_built_kernel_without_building(tmp_path):
     package = Path(fused_select.__file__).parents[1]
     elsewhere = tmp_path / "elsewhere" / "src"
     shutil.copytree(package, elsewhere / "infinigen", ignore=shutil.ignore_patterns("__pycache__"))
-    build = fused_select.writable_cache(f"kernels/fused_select-{fused_select.build_key()}")  # built (needs_kernel)
+    build = writable_cache(f"kernels/fused_select-{fused_select.build_key()}")  # built (needs_kernel)
     (library,) = build.glob("*.so")
     before = library.stat().st_mtime_ns
     code = "from infinigen.kernels import fused_select as f\nprint(f.available(), f.__file__)\n"

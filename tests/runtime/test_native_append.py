@@ -38,3 +38,18 @@ def test_the_native_append_stores_what_the_copies_store(dtype, monkeypatch):
         assert torch.equal(getattr(native, name)[1], getattr(reference, name)[1]), name
     assert native.length == reference.length == [0, 4]
     assert bool((native.k[1][:, :, 4:] == 7).all())  # the slots after the tokens keep the sentinel
+
+
+def test_an_append_never_waits_for_the_kernels_build(monkeypatch):
+    """A first run's decode appends with the torch copies while the kernel is not loaded (its build takes tens of
+    seconds; the copies store the same bytes), and asks for no build."""
+    from infinigen.kernels import native_build
+
+    def no_build():
+        raise AssertionError("an append asked for the kernel's build")
+    monkeypatch.setattr(native_build, "_loaded", {})
+    monkeypatch.setattr(fused_select, "_module", no_build)
+    store = KVStore(1, 1, 2, 4, 8, torch.float32)
+    k, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    store.append(0, k, v, torch.tensor([3]))
+    assert torch.equal(store.k[0][:, :, :1], k) and torch.equal(store.v[0][:, :, :1], v)

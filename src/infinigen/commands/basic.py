@@ -40,6 +40,9 @@ def load_model(model: str, dtype: str = "auto", device: str = "cpu", weights: st
     from ..loading import load
     label = "the default model" if model in ("", "default") else model
     dtype = resolve_dtype(dtype, device)
+    if device == "cpu":  # a first run's kernels compile while the model converts and loads
+        from ..kernels import build_native_in_background
+        build_native_in_background()
     with spinner(f"Loading {label} ({dtype}, {device})..."):
         net, tok, name = load(model, dtype=dtype, device=device, weights=weights)
     fallbacks = net.weights_info.fallbacks

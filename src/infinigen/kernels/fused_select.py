@@ -22,18 +22,13 @@ triton is not installed `usable()` is False on CUDA after one warning line, and 
 """
 from __future__ import annotations
 
-import fcntl
 import functools
-import hashlib
-import os
-import platform
 import sys
 from pathlib import Path
 
 import torch
 
-from ..machine import cpu_flags
-from ..paths import writable_cache
+from . import native_build
 
 _SOURCE = Path(__file__).with_name("fused_select.cpp")
 enabled = True  # False: callers take the torch path (benchmarks compare the two in one process)
@@ -48,44 +43,13 @@ _NONE = torch.empty(0)  # an optional tensor argument left out
 def build_key() -> str:
     """A short hash of what the native build depends on: torch, the machine, the CPU's flags and the source
     (also what keys a measurement of its speed: policies/crossing.py)."""
-    flags = " ".join(sorted(cpu_flags()))
-    text = f"{torch.__version__}|{platform.machine()}|{flags}|{_SOURCE.read_bytes().hex()}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return native_build.build_key(_SOURCE)
 
 
 @functools.cache
 def _module():
     """The built extension, or None (after one warning line) where it cannot be built or loaded."""
-    try:
-        from torch.utils import cpp_extension
-
-        build = writable_cache(f"kernels/fused_select-{build_key()}")
-        with open(build / "build.flock", "w") as held:
-            # one builder at a time, by a lock the system drops when its holder dies: holding it, a `lock` file
-            # of cpp_extension's is one a builder left when it was killed (it would wait on that file forever)
-            fcntl.flock(held, fcntl.LOCK_EX)
-            (build / "lock").unlink(missing_ok=True)
-            source = _source_in(build)
-            return cpp_extension.load(
-                name="infinigen_fused_select", sources=[str(source)], build_directory=str(build),
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # noqa: BLE001 - any build or load failure means: use the torch path
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        print(f"infinigen: the fused selection kernel is unavailable ({first[:200]}); using the torch path",
-              file=sys.stderr)
-        return None
-
-
-def _source_in(build: Path) -> Path:
-    """The source copied into its build folder (the folder is keyed by the source's bytes, so the copy is that
-    source): the build's commands then name one path for every checkout and installation sharing the cache, and
-    one does not rebuild what another built because its source lies elsewhere."""
-    source = build / _SOURCE.name
-    if not source.is_file() or source.read_bytes() != _SOURCE.read_bytes():
-        partial = build / f"{_SOURCE.name}.partial"
-        partial.write_bytes(_SOURCE.read_bytes())
-        os.replace(partial, source)
-    return source
+    return native_build.load("fused_select", _SOURCE, python_module=True)
 
 
 def available() -> bool:
@@ -171,9 +135,10 @@ def scatter_int4(codes: torch.Tensor, sz: torch.Tensor, slots: torch.Tensor, row
 
 def appends(k: torch.Tensor, *store: torch.Tensor) -> bool:
     """Whether `append_token` stores k into a layer's store tensors (keys, values, valid, pos): on a CPU, contiguous,
-    k of the keys' dtype, the kernel built."""
-    return (k.device.type == "cpu" and k.dtype == store[0].dtype and all(t.is_contiguous() for t in store)
-            and store[0].device.type == "cpu" and available())
+    k of the keys' dtype, the kernel loaded already (the torch copies store the same bytes, so a first run's decode
+    does not wait for the build)."""
+    return (enabled and k.device.type == "cpu" and k.dtype == store[0].dtype and all(t.is_contiguous() for t in store)
+            and store[0].device.type == "cpu" and native_build.loaded("fused_select") and available())
 
 
 def append_token(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, slot: int,

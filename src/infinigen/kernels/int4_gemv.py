@@ -18,6 +18,7 @@ faster than torch's `_weight_int8pack_mm`, which reads the same bytes), times th
 from __future__ import annotations
 
 import functools
+import threading
 from pathlib import Path
 
 import torch
@@ -31,10 +32,19 @@ MAX_ROWS = 8  # rows beyond this: torch's kernel (a decoding batch of at most 8)
 BLOCK_N = 64  # outputs per block of the layout: the kernel takes whole blocks only
 
 
+_registering = threading.Lock()
+
+
 @functools.cache
 def _dtypes() -> frozenset:
     """The input dtypes this machine's build computes (empty: none, or the build failed), as the source's
     preprocessor tests decide them from -march=native."""
+    with _registering:  # once, whichever thread asks first (the ops' fake implementations are registered once)
+        return _load_and_register()
+
+
+@functools.cache
+def _load_and_register() -> frozenset:
     flags = cpu_flags()
     if "avx512f" not in flags or not load_library("int4_gemv", _SOURCE):
         return frozenset()

@@ -1,6 +1,9 @@
 """Native kernels built on first use with torch's cpp_extension into the cache (`cache_dir()/kernels/<name>-<key>`,
 keyed by torch's version, the machine, the CPU's flags and the source, so a shared cache never serves a build for
-another CPU or another source), one builder at a time; -O3 -march=native and OpenMP (`at::parallel_for`)."""
+another CPU or another source), one builder at a time; -O3 -march=native and OpenMP (`at::parallel_for`).
+
+Each kernel is built and loaded once per process, whichever thread asks first (`build_in_background` starts the
+builds while a command converts and loads its model; a caller that needs a kernel meanwhile waits for it)."""
 from __future__ import annotations
 
 import fcntl
@@ -8,6 +11,7 @@ import hashlib
 import os
 import platform
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -23,9 +27,35 @@ def build_key(source: Path) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+_locks: dict = {}  # name -> the lock its builder holds (each kernel builds beside the others)
+_locks_lock = threading.Lock()
+_loaded: dict = {}  # name -> the loaded module (True for a library of torch ops), or None where it failed
+
+
 def load_library(name: str, source: Path) -> bool:
     """Build (once per cache) and load `source`, a library registering torch ops (TORCH_LIBRARY): whether it
     loaded. A failure is one warning line on stderr; the caller keeps its torch path."""
+    return load(name, source) is not None
+
+
+def load(name: str, source: Path, python_module: bool = False):
+    """`source` built (once per cache) and loaded (once per process): the extension module where
+    `python_module`, else True (a library registering torch ops); None after one warning line on stderr where it
+    cannot be built or loaded (the caller keeps its torch path)."""
+    with _locks_lock:
+        lock = _locks.setdefault(name, threading.Lock())
+    with lock:
+        if name not in _loaded:
+            _loaded[name] = _build(name, source, python_module)
+        return _loaded[name]
+
+
+def loaded(name: str) -> bool:
+    """Whether kernel `name` is loaded in this process already (never waits for a build)."""
+    return _loaded.get(name) is not None
+
+
+def _build(name: str, source: Path, python_module: bool):
     try:
         from torch.utils import cpp_extension
 
@@ -36,14 +66,15 @@ def load_library(name: str, source: Path) -> bool:
             fcntl.flock(held, fcntl.LOCK_EX)
             (build / "lock").unlink(missing_ok=True)
             copy = _source_in(build, source)
-            cpp_extension.load(name=f"infinigen_{name}", sources=[str(copy)], build_directory=str(build),
-                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                               is_python_module=False, verbose=False)
-        return True
+            module = cpp_extension.load(
+                name=f"infinigen_{name}", sources=[str(copy)], build_directory=str(build),
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                is_python_module=python_module, verbose=False)
+        return module if python_module else True
     except Exception as e:  # noqa: BLE001 - any build or load failure means: the torch path
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"infinigen: the native {name} kernel is unavailable ({first[:200]}); using torch's", file=sys.stderr)
-        return False
+        return None
 
 
 def _source_in(build: Path, source: Path) -> Path:

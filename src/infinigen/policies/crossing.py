@@ -44,7 +44,7 @@ import torch
 
 from .. import machine
 from ..errors import UserError
-from ..kernels import fused_select
+from ..kernels import native_key
 from ..paths import cache_dir, write_atomic
 
 FORMAT = 2  # 2: the selection fused into the C++ kernel (earlier measurements timed the torch path)
@@ -86,7 +86,7 @@ def crossing_key(model, policy, batch: int = 1, lengths: list[int] | None = None
             "device": str(model.device),
             "weights": _weights(model), "compiled": getattr(model, "step_parts", None) is not None,
             "policy": json.loads(json.dumps(settings, sort_keys=True, default=str)), "batch": batch,
-            "machine": _machine(), "kernel": fused_select.build_key()} | ({"lengths": lengths} if batch > 1 else {})
+            "machine": _machine(), "kernel": native_key()} | ({"lengths": lengths} if batch > 1 else {})
 
 
 def _path(key: dict) -> Path:
