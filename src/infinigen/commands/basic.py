@@ -5,6 +5,7 @@ the first row streams to stdout; progress and the speed summary go to stderr, so
 """
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,7 +41,10 @@ def load_model(model: str, dtype: str = "auto", device: str = "cpu", weights: st
     from ..loading import load
     label = "the default model" if model in ("", "default") else model
     dtype = resolve_dtype(dtype, device)
-    if device == "cpu":  # a first run's kernels compile while the model converts and loads
+    from ..membound import BOUND_ENV
+    if device == "cpu" and BOUND_ENV not in os.environ:  # a first run's kernels compile while the model loads
+        # (under a memory bound the command that set it built them before, and loading them beside the model's
+        # own load could pass the bound)
         from ..kernels import build_native_in_background
         build_native_in_background()
     with spinner(f"Loading {label} ({dtype}, {device})..."):
