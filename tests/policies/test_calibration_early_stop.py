@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 
+from support.calibration import REF, calibration_tokens, selecting_policy
 from support.models import attention_model, build_gemma
 from infinigen.policies import calibrate as cal
 from infinigen.policies import calibrate_stop as stop_rule
 from infinigen.policies.infinigen import _CHOICES, InfiniGen
 from infinigen.policies.infinigen_calibration import candidate, remainder_starts, search_setup
 
-REF = 96
 PROMPT = 12
 TOTAL = REF - PROMPT  # the window's tokens
 BLOCK = 16
@@ -32,12 +32,10 @@ def models():
 
 @pytest.fixture(scope="module")
 def tokens():
-    return torch.randint(0, 256, (1, REF), generator=torch.Generator().manual_seed(3))
+    return calibration_tokens()
 
 
-def policy(**knobs):
-    return InfiniGen(**(dict(skew=False, budget_ref=REF, min_fetch=0, alpha=5.0, kv_budget=0.3, budget_growth=0.5,
-                             calibrate=False, dense_below=0) | knobs))
+policy = selecting_policy
 
 
 KNOBS = [dict(), dict(remainder=True, remainder_from=0, kv_budget=0.1), dict(remainder=True, remainder_from=1),

@@ -9,15 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.calibration import calibration_tokens, selecting_policy
 from support.models import attention_model, build_gemma
 from infinigen.kernels import fused_select
 from infinigen.placement import Placement
 from infinigen.policies import calibrate as cal
 from infinigen.policies import infinigen_select as select
-from infinigen.policies.infinigen import InfiniGen
 from infinigen.selection import Rows
 
-REF = 96
 PROMPT = 12
 
 pytestmark = pytest.mark.skipif(not fused_select.available(), reason="the fused kernel is not built here")
@@ -30,12 +29,10 @@ def models():
 
 @pytest.fixture(scope="module")
 def tokens():
-    return torch.randint(0, 256, (1, REF), generator=torch.Generator().manual_seed(3))
+    return calibration_tokens()
 
 
-def policy(**knobs):
-    return InfiniGen(**(dict(skew=False, budget_ref=REF, min_fetch=0, alpha=5.0, kv_budget=0.3, budget_growth=0.5,
-                             calibrate=False, dense_below=0) | knobs))
+policy = selecting_policy
 
 
 KNOBS = [dict(), dict(remainder=True, remainder_from=1), dict(kv_budget=0.08, remainder=True, remainder_from=0),

@@ -7,14 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinigen import compiled, runtime
+from infinigen import compiled
 from infinigen.bench.dispatch import DispatchedCalls
 from infinigen.kernels import int4_gemv
 from infinigen.kernels.qlinear import Int4Linear, Int8Linear, _cpu_layout_known
-from infinigen.placement import Placement
-from infinigen.policies import make_policy
 from infinigen.quantized import join_projections, quantize_model
-from support.models import build_tiny
+from support.models import build_tiny, decoded_logits
 
 BF16_ULP = 2.0 ** -8
 
@@ -166,12 +164,7 @@ def test_int8_linear_runs_it_for_a_decoding_batch_only(rows, native):
 
 
 # ---- inside the compiled step ---------------------------------------------------------------------------------
-def _logits(model, tokens):
-    sess = Placement().new_session(model, tokens.shape[0], tokens.shape[1] + 1, make_policy("full"))
-    out = [runtime.prefill(model, tokens[:, :6], sess)]
-    for t in range(6, tokens.shape[1]):
-        out.append(runtime.decode(model, tokens[:, t], sess))
-    return torch.stack(out, 1)
+_logits = decoded_logits
 
 
 def test_the_compiled_whole_step_calls_it_and_decodes_torch_kernels_logits(private_inductor_cache, monkeypatch):

@@ -8,12 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinigen import runtime
 from infinigen.kernels.qlinear import Int4Linear, _cpu_layout_known, parameter_count
-from infinigen.placement import Placement
-from infinigen.policies import make_policy
 from infinigen.quantized import cast_parameters, join_projections, quantize_model
-from support.models import build_tiny
+from support.models import build_tiny, decoded_logits
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") or not _cpu_layout_known(),
                                 reason="no AVX512 int4 CPU kernel layout in this torch build")
@@ -55,12 +52,7 @@ def int4_model():
     return model
 
 
-def _logits(model, tokens):
-    sess = Placement().new_session(model, tokens.shape[0], tokens.shape[1] + 1, make_policy("full"))
-    out = [runtime.prefill(model, tokens[:, :6], sess)]
-    for t in range(6, tokens.shape[1]):
-        out.append(runtime.decode(model, tokens[:, t], sess))
-    return torch.stack(out, 1)
+_logits = decoded_logits
 
 
 def test_a_joined_model_decodes_the_same_logits(int4_model):

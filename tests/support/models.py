@@ -144,3 +144,16 @@ def attention_model(query_scale: float, num_hidden_layers: int = 4):
             blk.attn.q_proj.weight.mul_(query_scale)
             blk.mlp.down_proj.weight.mul_(0.05)
     return model
+
+
+def decoded_logits(model, tokens: torch.Tensor, prefill: int = 6) -> torch.Tensor:
+    """The full cache's logits [B, T - prefill + 1, V]: the first `prefill` tokens prefilled, the rest decoded one
+    step at a time."""
+    from infinigen import runtime
+    from infinigen.placement import Placement
+    from infinigen.policies import make_policy
+    sess = Placement().new_session(model, tokens.shape[0], tokens.shape[1] + 1, make_policy("full"))
+    out = [runtime.prefill(model, tokens[:, :prefill], sess)]
+    for t in range(prefill, tokens.shape[1]):
+        out.append(runtime.decode(model, tokens[:, t], sess))
+    return torch.stack(out, 1)
