@@ -21,6 +21,8 @@ Systems, each a fresh process on a free port of 127.0.0.1 inside a fresh memory 
                  row selects): every layer selects blocks of B tokens, read with positioned reads
   llama-server   llama.cpp's server (the native build benchmarks/peer_llamacpp.py caches) with the same GGUF,
                  `-np N` slots of `-c` holding each request, its defaults otherwise (`--no-llama`: not run)
+  llama-q4kv     the same with its KV cache in 4 bits (`-ctk q4_0 -ctv q4_0 -fa on`, a quarter of the bytes): not
+                 its default, the form that fits a bound (only when `--systems` names it)
 
 Our servers find the bound from the cgroup they start in (no --memory-limit flag: the cgroup's limit sets their
 fast budget); --max-batch N and a queue for every client. Each system gets one warm-up request, then the N
@@ -301,6 +303,10 @@ def main(argv=None) -> int:
         gguf = _module("peer_llamacpp").default_gguf()
         systems["llama"] = (f"llama-server ({n} slots of {slot})",
                             lambda port: sl.llama_server_command(binary, gguf, args.threads, n, slot, port))
+        # llama.cpp at its best under a bound: its KV cache in 4 bits (flash attention, which that needs)
+        systems["llama-q4kv"] = (f"llama-server ({n} slots of {slot}, KV in q4_0)",
+                                 lambda port: [*sl.llama_server_command(binary, gguf, args.threads, n, slot, port),
+                                               "-ctk", "q4_0", "-ctv", "q4_0", "-fa", "on"])
     build_native(sl.child_env(args.threads))
     rows = []
     for key in args.systems.split(","):
