@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -323,6 +324,45 @@ inline bool before(const Candidate& a, const Candidate& b) {
   return a.mass > b.mass || (a.mass == b.mass && a.index < b.index);
 }
 
+constexpr int64_t kSampleStride = 8;  // one pair in this many sampled for the cut's lower bound
+
+// One batch row's kept (KV head, slot) pairs (keep [hkv * n], index kh * n + slot, masses mass [hkv * n]) over its
+// cap cut to exactly the `total` first in `before`'s order (more mass first, ties to the lower index). A sample of
+// the pairs gives a mass `floor` that about twice `total` pairs reach; where at least `total` do, the total-th pair
+// reaches it too, so every pair `before` keeps is among them and the partial selection runs over those alone (the
+// same pairs); else over every kept pair.
+void cut_to_total(bool* keep, int64_t* counts, const float* mass, int64_t hkv, int64_t n, int64_t total,
+                  std::vector<float>& sample, std::vector<Candidate>& cand) {
+  const int64_t pairs = hkv * n;
+  sample.clear();
+  for (int64_t i = 0; i < pairs; i += kSampleStride)
+    if (keep[i]) sample.push_back(mass[i]);
+  float floor = 0.f;  // every mass is >= 0: a floor of 0 takes every kept pair
+  const int64_t rank = 2 * total / kSampleStride;  // the sample's pairs above the floor
+  if (rank < static_cast<int64_t>(sample.size())) {
+    std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
+    floor = sample[rank];
+  }
+  for (int pass = 0; pass < 2; ++pass) {
+    cand.resize(pairs + 1);  // + 1: the branch-free compaction writes one past the last pair taken
+    int64_t c = 0;
+    for (int64_t i = 0; i < pairs; ++i) {
+      cand[c] = {mass[i], i};
+      c += keep[i] & (mass[i] >= floor);
+    }
+    cand.resize(c);
+    if (c >= total || floor == 0.f) break;
+    floor = 0.f;  // the sample misjudged: every kept pair
+  }
+  std::nth_element(cand.begin(), cand.begin() + total, cand.end(), before);
+  std::fill(keep, keep + pairs, false);  // then the `total` pairs `before` keeps marked again
+  std::fill(counts, counts + hkv, int64_t{0});
+  for (auto it = cand.begin(); it != cand.begin() + total; ++it) {
+    keep[it->index] = true;
+    ++counts[it->index / n];
+  }
+}
+
 }  // namespace
 
 // InfiniGen's "layer" selection of one decoding row per batch row, from its speculated scores to the packed rows
@@ -423,27 +463,12 @@ std::vector<torch::Tensor> select_from_scores(float* s_p, int64_t b, int64_t hkv
       }
     });
     at::parallel_for(0, static_cast<int64_t>(over.size()), 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> sample;
       std::vector<Candidate> cand;
       for (int64_t o = lo; o < hi; ++o) {
-        const int64_t bi = over[o], total = totals[bi];
-        int64_t kept = 0;
-        for (int64_t kh = 0; kh < hkv; ++kh) kept += counts_p[bi * hkv + kh];
-        cand.resize(kept + 1);  // + 1: the branch-free compaction below writes one past the last kept pair
-        int64_t c = 0;
-        for (int64_t kh = 0; kh < hkv; ++kh) {
-          const bool* kp = keep_p + (bi * hkv + kh) * n;
-          const float* ms = mass.data() + (o * hkv + kh) * n;
-          for (int64_t j = 0; j < n; ++j) {
-            cand[c] = {ms[j], kh * n + j};
-            c += kp[j];
-          }
-        }
-        cand.resize(kept);
-        std::nth_element(cand.begin(), cand.begin() + total, cand.end(), before);
-        for (auto it = cand.begin() + total; it != cand.end(); ++it) {
-          keep_p[bi * hkv * n + it->index] = false;
-          --counts_p[bi * hkv + it->index / n];
-        }
+        const int64_t bi = over[o];
+        cut_to_total(keep_p + bi * hkv * n, counts_p + bi * hkv, mass.data() + o * hkv * n, hkv, n, totals[bi],
+                     sample, cand);
       }
     });
   }
