@@ -13,6 +13,7 @@ function of the package that called them (where a batch-1 step's eager calls com
     PYTHONPATH=src python benchmarks/selecting_step.py --length 4096 --batch 8 --threads 1
     PYTHONPATH=src python benchmarks/selecting_step.py --length 8176 --batch 1 --threads 2
     PYTHONPATH=src python benchmarks/selecting_step.py --length 4096 --batch 1 --threads 1 --count
+    PYTHONPATH=src python benchmarks/selecting_step.py --length 8176 --batch 1 --threads 1 --two-calls --no-profile
 """
 from __future__ import annotations
 
