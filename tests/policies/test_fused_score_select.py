@@ -57,3 +57,20 @@ def test_one_call_scores_and_cuts_as_the_two_calls(seeds):
             assert torch.equal(x, y), f"seed {seed}: {name} differs (n={n}, {tuple(q.shape)}, {cut})"
         binding += int(two[3].sum(1).max()) == cut["total"]
     assert binding >= 10  # the cap decided a good share of the cases, not only the threshold
+
+
+@needs_kernel
+@pytest.mark.parametrize("total", [1, 12, 40, 200])
+def test_the_cut_is_exact_where_the_sampled_floor_misjudges(total):
+    """The cap's partial selection runs over the pairs a sample of every 8th pair says reach the cut; scores whose
+    sampled slots hold the 32 largest masses make that floor too high for a cap over 32 (then every kept pair is
+    searched): the cut keeps exactly the `total` slots of most mass either way (distinct scores, far apart)."""
+    n = 256
+    slots = torch.arange(n)
+    high = slots % 8 == 0  # the slots the sample sees
+    scores = torch.where(high, 100 - 0.5 * (slots // 8), 80 - 0.05 * slots).float().view(1, 1, 1, n)
+    keep, rows, _, counts, _ = fused_select.select_packed(scores.clone(), 1.0, 1000.0, total, n, False)
+    want = torch.zeros(n, dtype=torch.bool)
+    want[scores.view(n).topk(total).indices] = True
+    assert torch.equal(keep.view(n), want) and int(counts.sum()) == total
+    assert torch.equal(rows.view(-1), want.nonzero().view(-1))
