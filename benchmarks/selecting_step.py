@@ -13,6 +13,7 @@ function of the package that called them (where a batch-1 step's eager calls com
     PYTHONPATH=src python benchmarks/selecting_step.py --length 4096 --batch 8 --threads 1
     PYTHONPATH=src python benchmarks/selecting_step.py --length 8176 --batch 1 --threads 2
     PYTHONPATH=src python benchmarks/selecting_step.py --length 4096 --batch 1 --threads 1 --count
+    PYTHONPATH=src python benchmarks/selecting_step.py --length 8176 --batch 1 --threads 1 --two-calls --no-profile
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--count", action="store_true", help="count one step's dispatched operators, by name and caller")
     ap.add_argument("--no-profile", action="store_true", help="leave out the profiled steps")
+    ap.add_argument("--two-calls", action="store_true",
+                    help="the middle system scores and cuts in two native calls (`score_int4`, `select_packed`) "
+                         "instead of whole runs: the one-call `score_select` against them")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model, tok, _ = infinigen.load("default", dtype="auto", weights="auto", progress=False)
@@ -55,13 +59,16 @@ def main() -> None:
     tokens = staggered_prompts(text_ids(tok), a.length, a.batch)
     selecting = make_policy("infinigen", calibrate=False, dense_below=0).prepare(model, tok)
     pols = [make_policy("full"), selecting, selecting]
-    names = ["full", "infinigen, whole runs", "infinigen, parts"]
+    names = ["full", "infinigen, two calls" if a.two_calls else "infinigen, whole runs", "infinigen, parts"]
     logits, sessions = prefill_shared(model, tokens, pols, a.length + a.steps + 4)
     clock = time.thread_time if a.threads == 1 else time.perf_counter
     parts = (fused_select.ROWS_PER_PART, fused_select.SLOTS_PER_PART)
 
-    def cut(i: int) -> None:  # one task per (batch row, KV head) for the middle system
-        fused_select.ROWS_PER_PART, fused_select.SLOTS_PER_PART = (1 << 40, 1 << 40) if i == 1 else parts
+    def cut(i: int) -> None:  # the middle system: one task per (batch row, KV head), or scored and cut in two calls
+        if a.two_calls:
+            fused_select.scores_with_selection = i != 1
+        else:
+            fused_select.ROWS_PER_PART, fused_select.SLOTS_PER_PART = (1 << 40, 1 << 40) if i == 1 else parts
     with open("/proc/loadavg") as f:
         print("loadavg", f.read().strip())
     times, _, last = interleaved_decode(model, logits.argmax(-1), sessions, a.steps, clock, before=cut)

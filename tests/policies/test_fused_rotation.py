@@ -116,12 +116,14 @@ def _decode(model, fused, monkeypatch, rotation=None):
 def test_session_rotating_inside_the_kernels_equals_the_torch_path(model64, monkeypatch):
     ref, seen_ref, _ = _decode(model64, False, monkeypatch)
     calls = [0]
-    inner = PackedKeys.scores_rotated
 
-    def counted(self, *a, **kw):
-        calls[0] += 1
-        return inner(self, *a, **kw)
-    monkeypatch.setattr(PackedKeys, "scores_rotated", counted)
+    def counted(inner):
+        def call(self, *a, **kw):
+            calls[0] += 1
+            return inner(self, *a, **kw)
+        return call
+    for name in ("scores_rotated", "select_rotated"):  # scored alone, or scored and cut in one call
+        monkeypatch.setattr(PackedKeys, name, counted(getattr(PackedKeys, name)))
     out, seen, sess = _decode(model64, True, monkeypatch)
     assert calls[0] == model64.cfg.num_layers * (T - P - 1)  # every layer selects, every step, rotated inside
     assert seen.keys() == seen_ref.keys()

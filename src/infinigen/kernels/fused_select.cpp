@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -55,6 +56,17 @@ inline void to_float(const c10::BFloat16* src, float* dst, int64_t d) {
     const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
     std::memcpy(dst + i, &wide, sizeof(float));
   }
+}
+
+// x rounded to bfloat16 and widened again, as c10::BFloat16(x) rounds it (to nearest, ties to even; NaN stays a
+// NaN), in a form the compiler vectorizes (c10's conversion has a branch per value)
+inline float bf16_round(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  float rounded;
+  std::memcpy(&rounded, &bits, sizeof(rounded));
+  return x != x ? x : rounded;
 }
 
 // One task's float32 work space, allocated once per task and reused by each part of a run it attends.
@@ -312,6 +324,45 @@ inline bool before(const Candidate& a, const Candidate& b) {
   return a.mass > b.mass || (a.mass == b.mass && a.index < b.index);
 }
 
+constexpr int64_t kSampleStride = 8;  // one pair in this many sampled for the cut's lower bound
+
+// One batch row's kept (KV head, slot) pairs (keep [hkv * n], index kh * n + slot, masses mass [hkv * n]) over its
+// cap cut to exactly the `total` first in `before`'s order (more mass first, ties to the lower index). A sample of
+// the pairs gives a mass `floor` that about twice `total` pairs reach; where at least `total` do, the total-th pair
+// reaches it too, so every pair `before` keeps is among them and the partial selection runs over those alone (the
+// same pairs); else over every kept pair.
+void cut_to_total(bool* keep, int64_t* counts, const float* mass, int64_t hkv, int64_t n, int64_t total,
+                  std::vector<float>& sample, std::vector<Candidate>& cand) {
+  const int64_t pairs = hkv * n;
+  sample.clear();
+  for (int64_t i = 0; i < pairs; i += kSampleStride)
+    if (keep[i]) sample.push_back(mass[i]);
+  float floor = 0.f;  // every mass is >= 0: a floor of 0 takes every kept pair
+  const int64_t rank = 2 * total / kSampleStride;  // the sample's pairs above the floor
+  if (rank < static_cast<int64_t>(sample.size())) {
+    std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
+    floor = sample[rank];
+  }
+  for (int pass = 0; pass < 2; ++pass) {
+    cand.resize(pairs + 1);  // + 1: the branch-free compaction writes one past the last pair taken
+    int64_t c = 0;
+    for (int64_t i = 0; i < pairs; ++i) {
+      cand[c] = {mass[i], i};
+      c += keep[i] & (mass[i] >= floor);
+    }
+    cand.resize(c);
+    if (c >= total || floor == 0.f) break;
+    floor = 0.f;  // the sample misjudged: every kept pair
+  }
+  std::nth_element(cand.begin(), cand.begin() + total, cand.end(), before);
+  std::fill(keep, keep + pairs, false);  // then the `total` pairs `before` keeps marked again
+  std::fill(counts, counts + hkv, int64_t{0});
+  for (auto it = cand.begin(); it != cand.begin() + total; ++it) {
+    keep[it->index] = true;
+    ++counts[it->index / n];
+  }
+}
+
 }  // namespace
 
 // InfiniGen's "layer" selection of one decoding row per batch row, from its speculated scores to the packed rows
@@ -326,91 +377,101 @@ inline bool before(const Candidate& a, const Candidate& b) {
 // where their mass underflows next to the head's max: each slot below e^-87.3 of it counts 0).
 namespace {
 
-// `select_packed` with each batch row its own cap: totals[bi] (KV head, slot) pairs.
-std::vector<torch::Tensor> select_packed_capped(torch::Tensor scores, double scale, double alpha,
-                                                const std::vector<int64_t>& totals, int64_t capacity,
-                                                bool with_lse) {
-  TORCH_CHECK(scores.dim() == 4 && scores.scalar_type() == torch::kFloat, "scores [B,Hkv,G,n] float32");
-  scores = scores.contiguous();
-  const int64_t b = scores.size(0), hkv = scores.size(1), g = scores.size(2), n = scores.size(3);
+// The selection's first pass over one (batch row, KV head): each query head's row of scaled scores (`row` [g, n];
+// scaled here unless `maxima` is given, which then holds each head's max of the rows already scaled, as
+// `score_select` leaves them), its max, the group's largest relative `gm` [n], exp(relative) in place and its sum;
+// keep [n] and the count kept. One simple loop per step, so that each vectorizes (a loop mixing the bool mask with
+// floats, or a store with the max, does not). Never inlined: the sums' vectorized order is then this one function's
+// whichever call path gets here, so the fused call and the two calls cut alike to the bit.
+__attribute__((noinline)) int64_t first_pass(float* rows, int64_t g, int64_t n, float sc, float floor_rel,
+                                             const float* maxima, float* gm, float* head_max, float* head_sum,
+                                             bool* kp) {
+  std::fill(gm, gm + n, -std::numeric_limits<float>::infinity());
+  for (int64_t h = 0; h < g; ++h) {
+    float* row = rows + h * n;
+    float mx;
+    if (maxima == nullptr) {
+      for (int64_t j = 0; j < n; ++j) row[j] = row[j] * sc;  // as torch: the scaled score rounded
+      mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+      for (int64_t j = 0; j < n; ++j) mx = mx > row[j] ? mx : row[j];
+    } else {
+      mx = maxima[h];
+    }
+    mx = std::max(mx, std::numeric_limits<float>::lowest());  // as `_choose` clamps the max
+    for (int64_t j = 0; j < n; ++j) gm[j] = std::max(gm[j], row[j] - mx);  // then the max subtracted
+    for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) sum += row[j];
+    head_max[h] = mx;
+    head_sum[h] = sum;
+  }
+  int64_t c = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    kp[j] = gm[j] > floor_rel;
+    c += kp[j];
+  }
+  return c;
+}
+
+// `select_packed` over scores s_p [B, Hkv, G, n] float32 (overwritten), each batch row its own cap: totals[bi]
+// (KV head, slot) pairs. maxima [B, Hkv, G]: each head's max where the scores are scaled already (`score_select`),
+// or nullptr (scaled here).
+std::vector<torch::Tensor> select_from_scores(float* s_p, int64_t b, int64_t hkv, int64_t g, int64_t n,
+                                              const torch::TensorOptions& opts, double scale, double alpha,
+                                              const std::vector<int64_t>& totals, int64_t capacity, bool with_lse,
+                                              const float* maxima) {
   TORCH_CHECK(static_cast<int64_t>(totals.size()) == b, "one cap per batch row");
   for (const int64_t total : totals) TORCH_CHECK(total >= 0, "the layer cap must be >= 0");
   TORCH_CHECK(capacity >= n, "the store holds fewer slots than the scores cover");
-  const auto opts = scores.options();
   auto keep = torch::empty({b, hkv, n}, opts.dtype(torch::kBool));
   auto counts = torch::empty({b, hkv}, opts.dtype(torch::kLong));
-  auto lse = torch::empty({b, hkv, with_lse ? g : 0}, opts);
+  auto lse = torch::empty({b, hkv, with_lse ? g : 0}, opts.dtype(torch::kFloat));
   std::vector<float> head_max(b * hkv * g), head_sum(b * hkv * g);
-  float* s_p = scores.data_ptr<float>();
   bool* keep_p = keep.data_ptr<bool>();
   int64_t* counts_p = counts.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale), floor_rel = static_cast<float>(-alpha);
-  // each (batch row, KV head): scaled scores, each head's max, the threshold over the group, exp(relative). One
-  // simple loop per step, so that each vectorizes (a loop mixing the bool mask with floats, or a store with
-  // the max, does not)
   at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> group_max(n);
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      std::fill(group_max.begin(), group_max.end(), -std::numeric_limits<float>::infinity());
-      float* gm = group_max.data();
-      for (int64_t h = 0; h < g; ++h) {
-        float* row = s_p + (bh * g + h) * n;
-        for (int64_t j = 0; j < n; ++j) row[j] = row[j] * sc;  // as torch: the scaled score rounded
-        float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < n; ++j) mx = mx > row[j] ? mx : row[j];
-        mx = std::max(mx, std::numeric_limits<float>::lowest());  // as `_choose` clamps the max
-        for (int64_t j = 0; j < n; ++j) gm[j] = std::max(gm[j], row[j] - mx);  // then the max subtracted
-        for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) sum += row[j];
-        head_max[bh * g + h] = mx;
-        head_sum[bh * g + h] = sum;
-      }
-      bool* kp = keep_p + bh * n;
-      int64_t c = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        kp[j] = gm[j] > floor_rel;
-        c += kp[j];
-      }
-      counts_p[bh] = c;
-    }
+    for (int64_t bh = lo; bh < hi; ++bh)
+      counts_p[bh] = first_pass(s_p + bh * g * n, g, n, sc, floor_rel, maxima == nullptr ? nullptr : maxima + bh * g,
+                                group_max.data(), head_max.data() + bh * g, head_sum.data() + bh * g,
+                                keep_p + bh * n);
   });
-  // each batch row over its cap keeps exactly its `total` pairs with the most mass (a partial selection)
-  at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<Candidate> cand;
-    std::vector<float> mass(n);
-    for (int64_t bi = lo; bi < hi; ++bi) {
-      int64_t kept = 0;
-      for (int64_t kh = 0; kh < hkv; ++kh) kept += counts_p[bi * hkv + kh];
-      const int64_t total = totals[bi];
-      if (kept <= total) continue;
-      cand.resize(kept + 1);  // + 1: the branch-free compaction below writes one past the last kept pair
-      int64_t c = 0;
-      for (int64_t kh = 0; kh < hkv; ++kh) {
-        const int64_t bh = bi * hkv + kh;
-        const bool* kp = keep_p + bh * n;
-        float* ms = mass.data();
-        std::fill(mass.begin(), mass.end(), 0.f);
+  // each batch row over its cap keeps exactly its `total` pairs with the most mass (a partial selection); the
+  // masses (the same float32 operations whichever thread makes them) of every (batch row, KV head) over its cap
+  // made in parallel, so that one batch row's few KV heads keep both threads busy
+  std::vector<int64_t> over;
+  for (int64_t bi = 0; bi < b; ++bi) {
+    int64_t kept = 0;
+    for (int64_t kh = 0; kh < hkv; ++kh) kept += counts_p[bi * hkv + kh];
+    if (kept > totals[bi]) over.push_back(bi);
+  }
+  if (!over.empty()) {
+    const int64_t heads = static_cast<int64_t>(over.size()) * hkv;
+    std::vector<float> mass(heads * n, 0.f);
+    at::parallel_for(0, heads, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t bh = over[t / hkv] * hkv + t % hkv;
+        float* ms = mass.data() + t * n;
         for (int64_t h = 0; h < g; ++h) {  // as torch: each head's weights, then summed over the group in order
           const float* e = s_p + (bh * g + h) * n;
           const float z = head_sum[bh * g + h];
           for (int64_t j = 0; j < n; ++j) ms[j] += e[j] / z;
         }
-        for (int64_t j = 0; j < n; ++j) {
-          cand[c] = {ms[j], kh * n + j};
-          c += kp[j];
-        }
       }
-      cand.resize(kept);
-      std::nth_element(cand.begin(), cand.begin() + total, cand.end(), before);
-      for (auto it = cand.begin() + total; it != cand.end(); ++it) {
-        keep_p[bi * hkv * n + it->index] = false;
-        --counts_p[bi * hkv + it->index / n];
+    });
+    at::parallel_for(0, static_cast<int64_t>(over.size()), 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> sample;
+      std::vector<Candidate> cand;
+      for (int64_t o = lo; o < hi; ++o) {
+        const int64_t bi = over[o];
+        cut_to_total(keep_p + bi * hkv * n, counts_p + bi * hkv, mass.data() + o * hkv * n, hkv, n, totals[bi],
+                     sample, cand);
       }
-    }
-  });
+    });
+  }
   std::vector<int64_t> starts(b * hkv);
   int64_t m = 0;
   for (int64_t bi = 0; bi < b; ++bi) {
@@ -421,10 +482,15 @@ std::vector<torch::Tensor> select_packed_capped(torch::Tensor scores, double sca
     }
     m = std::max(m, at);
   }
-  auto rows = torch::zeros({b, m}, opts.dtype(torch::kLong));
-  auto head = torch::full({b, m}, -1, opts.dtype(torch::kLong));
+  auto rows = torch::empty({b, m}, opts.dtype(torch::kLong));
+  auto head = torch::empty({b, m}, opts.dtype(torch::kLong));
   int64_t* rows_p = rows.data_ptr<int64_t>();
   int64_t* head_p = head.data_ptr<int64_t>();
+  for (int64_t bi = 0; bi < b; ++bi) {  // padding after each batch row's last run: row 0, head -1
+    const int64_t used = starts[bi * hkv + hkv - 1] + counts_p[bi * hkv + hkv - 1];
+    std::fill(rows_p + bi * m + used, rows_p + (bi + 1) * m, int64_t{0});
+    std::fill(head_p + bi * m + used, head_p + (bi + 1) * m, int64_t{-1});
+  }
   float* lse_p = with_lse ? lse.data_ptr<float>() : nullptr;
   // the packed rows, and the mass each query head leaves unread
   at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
@@ -454,6 +520,16 @@ std::vector<torch::Tensor> select_packed_capped(torch::Tensor scores, double sca
     }
   });
   return {keep, rows, head, counts, lse};
+}
+
+// `select_from_scores` of a tensor of scores (made contiguous; overwritten).
+std::vector<torch::Tensor> select_packed_capped(torch::Tensor scores, double scale, double alpha,
+                                                const std::vector<int64_t>& totals, int64_t capacity,
+                                                bool with_lse) {
+  TORCH_CHECK(scores.dim() == 4 && scores.scalar_type() == torch::kFloat, "scores [B,Hkv,G,n] float32");
+  scores = scores.contiguous();
+  return select_from_scores(scores.data_ptr<float>(), scores.size(0), scores.size(1), scores.size(2),
+                            scores.size(3), scores.options(), scale, alpha, totals, capacity, with_lse, nullptr);
 }
 
 }  // namespace
@@ -662,12 +738,81 @@ torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz,
         const int64_t used = std::min(kSlotBlock, n - blk * kSlotBlock);
         for (int64_t m = 0; m < g; ++m) {  // rounded to bfloat16, as the kernel returns its scores
           float* dst = out_p + (bh * g + m) * n + blk * kSlotBlock;
-          for (int64_t j = 0; j < used; ++j) dst[j] = static_cast<float>(c10::BFloat16(c[m * kSlotBlock + j]));
+          const float* cm = c.data() + m * kSlotBlock;
+#pragma omp simd
+          for (int64_t j = 0; j < used; ++j) dst[j] = bf16_round(cm[j]);
         }
       }
     }
   });
   return out;
+}
+
+// `score_int4` and `select_packed` in one call: the same scores (the same bits) computed in the same tasks, each
+// multiplied by `scale` and its query head's max kept per task as it is written (the selection's first pass, while
+// the scores are in cache), then the same selection from them (`select_from_scores`: its rows equal the two
+// calls' to the bit). The scores live in a buffer of this thread reused from call to call: no [B, Hkv, G, n]
+// tensor is made. Returns what `select_packed` returns.
+std::vector<torch::Tensor> score_select(torch::Tensor q, torch::Tensor codes, torch::Tensor sz, int64_t group,
+                                        int64_t n, int64_t part_slots, torch::Tensor rotation, double scale,
+                                        double alpha, int64_t total, int64_t capacity, bool with_lse) {
+  TORCH_CHECK(q.dim() == 4 && q.is_floating_point(), "q [B,Hkv,G,d] floating");
+  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == torch::kByte, "codes [B,Hkv,blocks*64,d/2] uint8");
+  TORCH_CHECK(sz.dim() == 5 && sz.scalar_type() == at::kBFloat16 && sz.size(4) == 2, "sz [B,Hkv,ng,cap,2] bf16");
+  const int64_t b = q.size(0), hkv = q.size(1), g = q.size(2), d = q.size(3);
+  TORCH_CHECK(codes.size(0) == b && codes.size(1) == hkv && codes.size(3) * 2 == d, "codes do not match q");
+  TORCH_CHECK(sz.size(0) == b && sz.size(1) == hkv && sz.size(2) * group == d, "sz does not match q");
+  TORCH_CHECK(n >= 0 && n <= codes.size(2) && n <= sz.size(3), "n exceeds the packed slots");
+  TORCH_CHECK(codes.size(2) % kSlotBlock == 0 && sz.size(3) >= codes.size(2), "codes in whole 64-slot blocks");
+  rotation = checked_rotation(rotation, hkv, d);
+  q = q.contiguous();
+  codes = codes.contiguous();
+  sz = sz.contiguous();
+  std::vector<float> queries(b * hkv * g * d);
+  rotated_rows(q, b * hkv * g, d, rotation, hkv, g, queries.data());
+  for (float& x : queries) x = static_cast<float>(c10::BFloat16(x));
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < b * hkv * g * n) buffer.resize(b * hkv * g * n);
+  float* out_p = buffer.data();
+  const int64_t blocks = (n + kSlotBlock - 1) / kSlotBlock, cap = sz.size(3), ng = sz.size(2);
+  const int64_t per_part = std::max<int64_t>(1, (part_slots + kSlotBlock - 1) / kSlotBlock);
+  const int64_t parts = (blocks + per_part - 1) / per_part;
+  std::vector<float> part_max(b * hkv * parts * g, -std::numeric_limits<float>::infinity());
+  const float sc = static_cast<float>(scale);
+  const float* q_p = queries.data();
+  const uint8_t* codes_p = codes.data_ptr<uint8_t>();
+  const c10::BFloat16* sz_p = sz.data_ptr<c10::BFloat16>();
+  const int64_t head_codes = codes.size(2) * d / 2;
+  at::parallel_for(0, b * hkv * parts, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> c(g * kSlotBlock);
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t bh = t / parts, first = t % parts * per_part, last = std::min(blocks, first + per_part);
+      const float* a = q_p + bh * g * d;
+      float* top = part_max.data() + t * g;
+      for (int64_t blk = first; blk < last; ++blk) {
+        score_block_any(a, g, d, codes_p + bh * head_codes + blk * kSlotBlock * d / 2,
+                        sz_p + bh * ng * cap * 2 + blk * kSlotBlock * 2, cap, group, c.data());
+        const int64_t used = std::min(kSlotBlock, n - blk * kSlotBlock);
+        for (int64_t m = 0; m < g; ++m) {  // rounded to bfloat16 as `score_int4` returns it, then scaled
+          float* dst = out_p + (bh * g + m) * n + blk * kSlotBlock;
+          const float* cm = c.data() + m * kSlotBlock;
+#pragma omp simd
+          for (int64_t j = 0; j < used; ++j) dst[j] = bf16_round(cm[j]) * sc;
+          float mx = top[m];
+#pragma omp simd reduction(max : mx)
+          for (int64_t j = 0; j < used; ++j) mx = mx > dst[j] ? mx : dst[j];
+          top[m] = mx;
+        }
+      }
+    }
+  });
+  std::vector<float> maxima(b * hkv * g, -std::numeric_limits<float>::infinity());
+  for (int64_t bh = 0; bh < b * hkv; ++bh)
+    for (int64_t t = 0; t < parts; ++t)
+      for (int64_t m = 0; m < g; ++m)
+        maxima[bh * g + m] = std::max(maxima[bh * g + m], part_max[(bh * parts + t) * g + m]);
+  return select_from_scores(out_p, b, hkv, g, n, q.options(), scale, alpha, std::vector<int64_t>(b, total),
+                            capacity, with_lse, maxima.data());
 }
 
 // One decoding token's key per (batch row, KV head), rows [B, Hkv, 1, d] (any floating dtype; rotated by rotation
@@ -772,6 +917,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("append_token", &append_token, "a decoding token stored at one slot of a layer's store");
   m.def("scatter_int4", &scatter_int4, "a decoding token's key quantized into the int4 kernel's layout");
   m.def("score_int4", &score_int4, "the int4 speculation keys' scores, one parallel region per layer");
+  m.def("score_select", &score_select, "score_int4 and select_packed in one call");
   m.def("attend_rows", &attend_rows, "attention over packed selected rows, online softmax");
   m.def("select_packed", &select_packed, "InfiniGen's layer-capped selection from scores to packed rows");
   m.def("select_packed_rows", &select_packed_rows, "select_packed with one cap per batch row");

@@ -33,6 +33,7 @@ from . import native_build
 _SOURCE = Path(__file__).with_name("fused_select.cpp")
 enabled = True  # False: callers take the torch path (benchmarks compare the two in one process)
 packs_selection = True  # False: the selection stays in torch, only the attention is fused (a benchmark's middle row)
+scores_with_selection = True  # False: `score_int4` then `select_packed`, two calls (benchmarks compare the two)
 # the most rows of one (batch row, KV head) one task attends: longer runs are cut into parts merged by log-sum-exp,
 # so one batch row's few KV heads keep every thread busy
 ROWS_PER_PART = 256
@@ -121,6 +122,17 @@ def score_int4(q: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group: in
     `speculation.SpeculationKeys.rotate`), in the same call."""
     return _module().score_int4(q, codes, sz, int(group), int(n), int(part_slots or SLOTS_PER_PART),
                                 _NONE if rotation is None else rotation)
+
+
+def score_select(q: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group: int, n: int, scale: float,
+                 alpha: float, total: int, capacity: int, with_lse: bool, rotation: torch.Tensor | None = None,
+                 part_slots: int | None = None):
+    """`score_int4` then `select_packed` in one call: the scores scaled and each query head's max taken as they are
+    written, in the scorer's tasks, then the same selection from them (the same rows, to the bit), no scores tensor
+    made. Returns what `select_packed` returns."""
+    return _module().score_select(q, codes, sz, int(group), int(n), int(part_slots or SLOTS_PER_PART),
+                                  _NONE if rotation is None else rotation, float(scale), float(alpha), int(total),
+                                  int(capacity), bool(with_lse))
 
 
 def scatter_int4(codes: torch.Tensor, sz: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, group: int,

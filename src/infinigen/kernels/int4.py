@@ -192,6 +192,11 @@ class PackedKeys:
         is), in float64 and rounded to float32 first: one native call (`rotates`)."""
         return fused_select.score_int4(x, self._codes_by_slot, self.sz, self.group, n, rotation=rotation)
 
+    def select_rotated(self, x: torch.Tensor, rotation: torch.Tensor | None, n: int, **cut):
+        """`scores_rotated` and InfiniGen's layer cut of them (`cut`: scale, alpha, total, capacity, with_lse) in one
+        native call (`fused_select.score_select`): what `fused_select.select_packed` returns."""
+        return fused_select.score_select(x, self._codes_by_slot, self.sz, self.group, n, rotation=rotation, **cut)
+
     def scatter_rotated(self, slots: torch.Tensor, rows: torch.Tensor, rotation: torch.Tensor | None) -> None:
         """`scatter` of rows [B, Hkv, 1, d] rotated as `scores_rotated` rotates: one native call (`rotates`)."""
         fused_select.scatter_int4(self.codes, self.sz, slots, rows, self.group, rotation)

@@ -103,16 +103,20 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     st, store, model = session.state, session.store, session.model
     n = store.length[layer]
     spec_keys = policy.speculation.keys(st, layer, session)
-    scores = policy.speculation.scores(st, layer, row, spec_keys, n)  # [B, Hkv, G, S]
     cap = policy._cap(st, model, layer, n)
     adds = policy._adds_remainder(st, layer)
-    if packs and not store.padded and model.cfg.sliding_window is None and fuses_selection(policy, scores):
-        total = policy._layer_total(cap, n, scores.shape[1], n)
-        keep, rows, head, counts, lse = fused_select.select_packed(scores, model.scale, st.alpha, total,
-                                                                   store.capacity, adds)
+    where = spec_keys.codes.device if isinstance(spec_keys, PackedKeys) else spec_keys.device  # the scores'
+    if packs and not store.padded and model.cfg.sliding_window is None and fuses_selection(policy, where):
+        total = policy._layer_total(cap, n, model.cfg.num_kv_heads, n)
+        cut = {"scale": model.scale, "alpha": st.alpha, "total": total, "capacity": store.capacity, "with_lse": adds}
+        got = policy.speculation.scores_cut(st, layer, row, spec_keys, n, **cut)  # scored and cut in one call
+        if got is None:
+            got = fused_select.select_packed(policy.speculation.scores(st, layer, row, spec_keys, n), **cut)
+        keep, rows, head, counts, lse = got
         if adds:
             st.remainders[layer] = lse[..., None]
         return SelectedRows(keep, rows, head, counts)
+    scores = policy.speculation.scores(st, layer, row, spec_keys, n)  # [B, Hkv, G, S]
     scores = scores[:, :, :, None]  # [B, Hkv, G, 1, S]
     valid = store.valid[layer][:, :, :n]
     cur = session.positions[:, row]
@@ -194,10 +198,10 @@ def sequence_rows(policy, layer, rows, session):
     return out
 
 
-def fuses_selection(policy, scores: torch.Tensor) -> bool:
-    """Whether `fused_select.select_packed` makes this selection: budget "layer" slot by slot, scores on the
-    CPU, the kernel built."""
-    return (policy.budget == "layer" and policy.block <= 1 and scores.device.type == "cpu"
+def fuses_selection(policy, device) -> bool:
+    """Whether `fused_select.select_packed` makes this selection: budget "layer" slot by slot, the scores on the
+    CPU (`device`: the speculation keys', where they are scored), the kernel built."""
+    return (policy.budget == "layer" and policy.block <= 1 and torch.device(device).type == "cpu"
             and fused_select.packs_selection and fused_select.available())
 
 

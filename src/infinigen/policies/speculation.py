@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import UserError
+from ..kernels import fused_select
 from ..kernels.int4 import PackedKeys, tinygemm_ok
 
 INT4_GROUP = 32
@@ -271,3 +272,11 @@ class SpeculationKeys:
             return self.shifted(st, layer, spec_keys.scores(qs, n), qs)
         k = spec_keys[:, :, :n]
         return (qs.to(k.dtype) @ k.transpose(-1, -2)).float()
+
+    def scores_cut(self, st, layer: int, row: int, spec_keys, n: int, **cut):
+        """`scores` of decoding row `row` and InfiniGen's layer cut of them (`cut`: scale, alpha, total, capacity,
+        with_lse) in one native call, where the row's query is rotated inside the native scorer (`native`): what
+        `fused_select.select_packed` returns, else None (the caller scores, then cuts)."""
+        if not (fused_select.scores_with_selection and self.native(spec_keys)):
+            return None
+        return spec_keys.select_rotated(self._query(st, layer)[:, :, :, row], self.rotation(st, layer), n, **cut)
