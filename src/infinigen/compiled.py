@@ -30,7 +30,8 @@ attention moves into the compiled region too, and a step is `enter` then one cal
 
 Each takes the layer's store tensors whole (keys, values, valid, pos) and the slot the token goes to, writes
 the token there in place, as `KVStore.append` would (Inductor stores the one slot), and attends over the slots
-before it and its own (gpt-fast's static cache, written inside the graph). The slot, the store's capacity,
+before it and its own (gpt-fast's static cache, written inside the graph). The slot (passed as the size of a
+marker tensor, which Inductor's C++ wrapper takes too: `_symbolic_slot`), the store's capacity,
 and q's, k's and v's batch and head strides are symbols of the traced graph (`make_fx` in symbolic mode over
 fake inputs marked so, `_symbolic`): one compiled kernel per part serves every cached length, every pool and
 every layer, so a run compiles nothing after `warm` (a server before it listens, a benchmark before its timed
@@ -161,6 +162,7 @@ _ROTATES = ("enter", "between", "attend_between")  # the parts ending in the nex
 _POOLS = (4, 5, 6, 7)
 _SYMBOLIC_STRIDES = {1: 3, 2: 3, 3: 3}  # input -> how many leading dimensions have a symbolic stride
 _TRACE_SLOT, _TRACE_CAPACITY = 36, 53
+_SLOT_MARGIN = 2  # a slot's marker tensor holds this many more elements than the slot (`_symbolic_slot`)
 
 
 def _weights(blocks: tuple) -> dict:
@@ -214,11 +216,13 @@ def _symbolic(fake_mode, t: torch.Tensor, position: int | None):
 
 
 def _symbolic_slot(fake_mode):
-    """The slot an attending part writes the token at, as a symbol of the traced graph."""
-    from torch._dynamo.source import ConstantSource
-    env, source = fake_mode.shape_env, ConstantSource("slot")
-    return env.create_symintnode(env.create_symbol(_TRACE_SLOT, source, positive=None), hint=_TRACE_SLOT,
-                                 source=source)
+    """The slot an attending part writes the token at, traced as the size of a marker tensor less
+    `_SLOT_MARGIN` (Inductor's C++ wrapper takes no integer symbol as an input, only tensors' sizes; the margin
+    keeps the size above 1, which tracing would specialise for a slot of 0 or 1)."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+    marker = torch.empty(_TRACE_SLOT + _SLOT_MARGIN, dtype=torch.uint8)
+    return fake_mode.from_tensor(marker, symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC], dynamic_strides=[DimDynamic.INFER_STRIDE]))
 
 
 def available() -> str | None:
@@ -235,11 +239,15 @@ class StepParts:
     in `compile_log`; `compiled`: how many parts were compiled; `failed`: the reason once compiling failed,
     after which the step runs eagerly (`Block.forward`)."""
 
-    def __init__(self, whole: bool = True):
+    def __init__(self, whole: bool = True, cpp_wrapper: bool = False):
         self.whole = whole  # a session's step may run whole (`runs_whole`); False: the dense parts only
+        self.cpp_wrapper = cpp_wrapper  # a CPU part's generated wrapper in C++ (`_compile`); False: Python's
+        self.wrappers: dict = {}  # part name -> the wrapper its last compile got ("cpp" or "python")
+        self.cpp_failed: str | None = None  # why a C++ wrapper failed to compile (that part then got Python's)
+        self._marker = torch.empty(0, dtype=torch.uint8)  # the attending parts' slot markers are views of it
         self._parts: dict = {}  # key -> (compiled callable, names of the weight inputs)
         self._structures: dict = {}  # id(block) -> (_structure, block)
-        self._keys: dict = {}  # (part, scale, id(block)...) -> (blocks, the inputs' layouts, the part's key)
+        self._keys: dict = {}  # (part, scale, id(block)...) -> [blocks, the inputs' layouts, the part's key, part]
         self._inputs: dict = {}  # (part, id(block), id(next block)) -> the weights, in the traced order
         self.compile_seconds = 0.0
         self.compile_log: list = []  # (part, seconds) of each part compiled
@@ -256,7 +264,10 @@ class StepParts:
         """The compiled part `name` for these blocks' structure and these tensor inputs (padded), traced and
         compiled the first time (the generated code is specialised to the inputs' sizes and strides but an
         attending part's slot and its store's capacity; an attending part also to its `attend`, the scale)."""
-        key = self._key(name, blocks, tensors, attend)
+        seen = self._seen(name, blocks, tensors, attend)
+        if seen[3] is not None:  # these inputs' part, found before (its key, a long tuple, is not hashed again)
+            return seen[3]
+        key = seen[2]
         part = self._parts.get(key)
         if part is None:
             from torch._subclasses.fake_tensor import FakeTensorMode
@@ -278,8 +289,8 @@ class StepParts:
                 args = rest[:base]
                 if name in _ROTATES:
                     args.append(_rope(rest[base:]) if has_rope else None)
-                if symbolic:  # the slot, an int, after the tensors
-                    args.append(flat[-1])
+                if symbolic:  # the slot, the size of the marker after the tensors
+                    args.append(flat[-1].shape[0] - _SLOT_MARGIN)
                 return functional_call(wrapper, dict(zip(names, flat[:n])), tuple(args))
 
             fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False))  # equal examples, not one symbol
@@ -288,34 +299,62 @@ class StepParts:
             if symbolic:
                 example.append(_symbolic_slot(fake_mode))
             graph = make_fx(traced, tracing_mode="symbolic")(*example)
-            with _inductor_cache():
-                fn = torch._inductor.compile(graph, example)
+            fn = self._compile(name, graph, example)
             part = self._parts[key] = (fn, names)
             self.compile_log.append((name, time.perf_counter() - t0))
             self.compile_seconds += self.compile_log[-1][1]
             self.compiled += 1
+        seen[3] = part
         return part
 
-    def _key(self, name: str, blocks: tuple, tensors: list, attend: float | None) -> tuple:
-        """The key of the part these inputs call: its structure and the inputs' signatures, remembered for the
-        inputs' raw layouts (a step calls each part with the same layouts at every layer and every step, so
-        the signatures are worked out once)."""
+    def _compile(self, name: str, graph, example: list):
+        """Inductor's compiled callable of a traced part. On a CPU its wrapper (what allocates the buffers and
+        calls the kernels and the weight ops) is generated as C++ (`cpp_wrapper`): a call is then one Python
+        call into it, where the Python wrapper makes tens per part (size and stride checks, allocations, the
+        ops' Python dispatch). Where the C++ wrapper fails to compile, the Python one serves (`cpp_failed`).
+        Off by default: a batch-1 step of the default model took as long with either wrapper (the weight
+        kernels, the head and the attention's reads are its time), and the C++ one compiles longer."""
+        cpu = all(t.device.type == "cpu" for t in example)
+        with _inductor_cache():
+            if self.cpp_wrapper and cpu:
+                try:
+                    fn = torch._inductor.compile(graph, example, options={"cpp_wrapper": True})
+                    self.wrappers[name] = "cpp"
+                    return fn
+                except Exception as err:  # noqa: BLE001 -- the Python wrapper computes the same
+                    self.cpp_failed = f"{name}: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:200]
+            fn = torch._inductor.compile(graph, example)
+            self.wrappers[name] = "python"
+            return fn
+
+    def _slot_marker(self, slot: int, capacity: int) -> torch.Tensor:
+        """A tensor of slot + `_SLOT_MARGIN` elements: how an attending part is told its slot (a view of one
+        buffer, made once for a store of `capacity` slots; its contents are never read)."""
+        if self._marker.shape[0] < capacity + _SLOT_MARGIN:
+            self._marker = torch.empty(capacity + _SLOT_MARGIN, dtype=torch.uint8)
+        return self._marker[:slot + _SLOT_MARGIN]
+
+    def _seen(self, name: str, blocks: tuple, tensors: list, attend: float | None) -> list:
+        """[blocks, layouts, key, part] of the part these inputs call: its key (its structure and the inputs'
+        signatures) and, once compiled or found, the part, remembered for the inputs' raw layouts (a step calls
+        each part with the same layouts at every layer and every step, so the signatures are worked out once)."""
         layouts = [(t.shape, t.stride(), t.dtype, t.device) for t in tensors]
         memo = (name, attend, *map(id, blocks))
         seen = self._keys.get(memo)
         if seen is not None and seen[1] == layouts and all(a is b for a, b in zip(seen[0], blocks)):
-            return seen[2]
+            return seen
         symbolic = attend is not None
         key = (name, attend, *(self._structure(b) for b in blocks),
                *(_signature(t, i if symbolic else None) for i, t in enumerate(tensors)))
-        self._keys[memo] = (blocks, layouts, key)
-        return key
+        seen = self._keys[memo] = [blocks, layouts, key, None]
+        return seen
 
     def _call(self, name: str, blocks: tuple, tensors: list, rows: int, attend: float | None = None,
-              slot: int | None = None):
+              slot: torch.Tensor | None = None):
         """The part's outputs for these rows. The dense parts pad the rows to a power of two and take
-        contiguous inputs; an attending part (`attend` given; `slot`: where it writes the token) takes its
-        inputs as they are: its rows are a power of two already, and it writes into the store's own tensors."""
+        contiguous inputs; an attending part (`attend` given; `slot`: the marker of where it writes the token,
+        `_slot_marker`) takes its inputs as they are: its rows are a power of two already, and it writes into the
+        store's own tensors."""
         pad = _bucket(rows) - rows
         if pad:
             tensors = [torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in tensors]
@@ -362,7 +401,7 @@ class StepParts:
         return time.perf_counter() - t0
 
     def _try(self, name: str, blocks: tuple, tensors: list, rows: int, attend: float | None = None,
-             slot: int | None = None):
+             slot: torch.Tensor | None = None):
         """The part's outputs, or None once compiling (or running what was compiled) failed: then the step
         goes on eagerly, and so does every later step."""
         try:
@@ -439,6 +478,7 @@ class StepParts:
             return _eager_from(model, 0, h, rope, session.attend, session.event)
         x, q, k, v = got
         slot = store.length[0]  # every layer's token goes there (`runs_whole`: the layers hold as many)
+        marker = self._slot_marker(slot, store.capacity)  # how the attending parts are told the slot
         light = _reads_all_by_construction(session)
         cur = session.positions[:, 0]
         slots = torch.full((rows, k.shape[1]), slot, dtype=torch.long, device=k.device)  # what `append` returns
@@ -455,9 +495,9 @@ class StepParts:
             if i + 1 < len(layers):
                 nxt = layers[i + 1]
                 got = self._try("attend_between", (block, nxt), [*tensors, *_rope_tensors(nxt.own_rope(rope))],
-                                rows, attend, slot)
+                                rows, attend, marker)
             else:
-                got = self._try("attend_leave", (block,), tensors, rows, attend, slot)
+                got = self._try("attend_leave", (block,), tensors, rows, attend, marker)
             if got is None:  # this layer's append and attention eagerly, as the session's own, then the rest
                 from .runtime import attend_all
                 slots = store.append(i, k, v, cur)

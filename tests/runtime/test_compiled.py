@@ -174,3 +174,45 @@ def test_modes():
     assert compiled.resolve("auto", "cpu", True) == compiled.available()
     with pytest.raises(ValueError, match="compile must be one of"):
         compiled.resolve("fast", "cpu", True)
+
+
+@pytest.mark.parametrize("cpp_fails", [False, True])
+def test_the_cpp_wrapper_computes_the_eager_step_and_falls_back_to_the_python_wrapper(monkeypatch, cpp_fails):
+    """`StepParts(cpp_wrapper=True)`: every part's wrapper generated as C++ (the whole step's attending parts too:
+    their slot reaches the C++ wrapper as a tensor's size) gives the eager logits; where the C++ wrapper fails to
+    compile, the part gets Inductor's Python wrapper, the same logits, no eager fallback and no warning."""
+    model = _model("llama")
+    tokens = _tokens(model, 2, seed=6)
+    eager = _run(model, _policy("full", model), tokens)
+    if cpp_fails:
+        original = torch._inductor.compile
+
+        def compile_without_cpp(graph, example, options=None):
+            if options and options.get("cpp_wrapper"):
+                raise RuntimeError("C++ wrapper: compile error\nmore lines")
+            return original(graph, example, options)
+
+        monkeypatch.setattr(torch._inductor, "compile", compile_without_cpp)
+    parts = compiled.StepParts(cpp_wrapper=True)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fast = _run(model, _policy("full", model), tokens, parts)
+    assert parts.failed is None and not [w for w in seen if "torch.compile failed" in str(w.message)]
+    wrapper = "python" if cpp_fails else "cpp"
+    assert parts.wrappers == dict.fromkeys(("enter", "attend_between", "attend_leave"), wrapper)
+    assert (parts.cpp_failed is not None and "compile error" in parts.cpp_failed) == cpp_fails
+    torch.testing.assert_close(fast, eager, atol=2e-5, rtol=2e-5)
+    assert torch.equal(fast.argmax(-1), eager.argmax(-1))
+
+
+def test_one_step_parts_serves_batches_of_other_layouts_with_their_own_kernels():
+    """A part found for one input layout (its key and its compiled kernel remembered per layer) is not called with
+    another: a later session of another batch size gets kernels compiled for its rows, and the eager logits."""
+    model = _model("llama")
+    parts = compiled.StepParts()
+    for batch in (1, 2):
+        tokens = _tokens(model, batch, seed=7)
+        fast = _run(model, _policy("full", model), tokens, parts)
+        assert parts.failed is None
+        torch.testing.assert_close(fast, _run(model, _policy("full", model), tokens), atol=2e-5, rtol=2e-5)
+    assert parts.compiled == 6  # enter, attend_between, attend_leave for 1 row, and again for 2
