@@ -106,3 +106,24 @@ def test_reused_buffers_and_the_in_place_log_sum_exp_change_no_bit(cap):
         assert torch.equal(got, float32_copy_nll(h[rows], weight, low, targets[rows], cap)), rows
         assert torch.equal(got, cal.head_nll(h[rows], weight, low, targets[rows], cap))
     assert buffers["logits"].shape == (200, 4096)  # made for the first call's rows, reused while they suffice
+
+
+def test_the_search_keeps_the_head_s_buffers_while_it_runs_and_drops_them_after(models, monkeypatch):
+    """Every chunk of rows of a search (the shared pass and each candidate) reuses one set of buffers; after the
+    search none is held (a 262k vocabulary's are ~0.8 GB)."""
+    from infinigen.policies.infinigen_calibration import candidate, search_setup
+
+    monkeypatch.setattr(cal, "BF16_HEAD_VOCAB", 1)
+    model = models[0]
+    seen = []
+    head_nll = cal.head_nll
+    monkeypatch.setattr(cal, "head_nll", lambda *a, buffers=None, **k: seen.append(buffers) or head_nll(
+        *a, buffers=buffers, **k))
+    pol = InfiniGen(calibrate=True, skew=False, budget_ref=REF, min_fetch=0, remainder=False)
+    setup = search_setup(pol, model)
+    tokens = torch.randint(0, 256, (1, REF), generator=torch.Generator().manual_seed(2))
+    cal.search(model, tokens, REF // 8, lambda k: candidate(pol, model, k, setup["growth"]), setup["structures"],
+               setup["alphas"], setup["budget_free"], 0.01, 0.8, setup["growth"], REF, "key", "text", max_evals=3)
+    assert len(seen) > 3 and seen[0] is not None and all(b is seen[0] for b in seen)
+    assert "logits" in seen[0]
+    assert getattr(cal._HEAD_BUFFERS, "held", None) is None
