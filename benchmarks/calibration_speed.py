@@ -14,14 +14,19 @@
    block, run to the end: the search before) and "early stop" (rows in blocks of `calibrate.BLOCK_ROWS`, a
    candidate stopped once it certainly misses the target: policies/calibrate_stop.py); each's CPU seconds, choice,
    and per candidate its loss, reads and the tokens it scored.
-4. `--crossing N`: where selection pays (policies/crossing.py), measured N times each way, alternating: "sweep"
+4. `--low-precision N`: the whole search N times each way, alternating: "float32" (what the search runs), "bf16
+   layers" (a candidate's dense layers multiply in bfloat16: `low_blocks`) and "bf16 layers and window" (the
+   shared dense pass too), or `--ways` of these and "head before" (`calibrate.head_nll` before its reused
+   buffers and in-place log-sum-exp); each's CPU seconds, choice, and per candidate its loss and reads.
+5. `--crossing N`: where selection pays (policies/crossing.py), measured N times each way, alternating: "sweep"
    (the measurement before: three lengths, ctx/16, ctx/4 and ctx, each 2 untimed then 7 timed interleaved steps
    of each system, medians, `crossing_from`) and "search" (`crossing.measure`: a few lengths, each timed until
    its side is clear); the policy measured is the model's calibrated one (found in the cache, else searched).
 /proc/loadavg is printed before and after each part (the machine may be shared: compare ratios).
 
     PYTHONPATH=src python benchmarks/calibration_speed.py [--model M] [--threads 2] [--compare 0,-1]
-        [--paths exact,fast] [--knobs '[{...}, ...]'] [--early-stop N] [--crossing N] [--json F]
+        [--paths exact,fast] [--knobs '[{...}, ...]'] [--early-stop N] [--low-precision N] [--crossing N]
+        [--json F]
 """
 from __future__ import annotations
 
@@ -45,7 +50,38 @@ class Clock:
         self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
-def fused_search(pol, model, tokenizer) -> dict:
+def low_blocks(model):
+    """The model's blocks with every nn.Linear multiplying in bfloat16 (input and weight rounded, float32 sums),
+    returning float32 with the bias added in float32; every other module and tensor is the model's own."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class LowLinear(nn.Module):
+        def __init__(self, linear: nn.Linear):
+            super().__init__()
+            self.low = linear.weight.detach().to(torch.bfloat16)
+            self.bias = None if linear.bias is None else linear.bias.detach()
+
+        def forward(self, x):
+            y = F.linear(x.to(torch.bfloat16), self.low).float()
+            return y if self.bias is None else y + self.bias
+
+    blocks = []
+    for block in model.layers:
+        twin = copy.deepcopy(block, memo={id(t): t for t in [*block.parameters(), *block.buffers()]})
+        for name, m in list(twin.named_modules()):
+            if type(m) is nn.Linear:
+                parent, _, leaf = name.rpartition(".")
+                setattr(twin.get_submodule(parent) if parent else twin, leaf, LowLinear(m))
+        blocks.append(twin)
+    return nn.ModuleList(blocks)
+
+
+def fused_search(pol, model, tokenizer, low: tuple = ()) -> dict:
+    """The search, each pass timed; `low`: the passes ("window", "score_rows") run with `low_blocks`."""
     from infinigen.paths import load_text
     from infinigen.policies import calibrate as cal
     from infinigen.policies import infinigen_calibration as ic
@@ -53,11 +89,16 @@ def fused_search(pol, model, tokenizer) -> dict:
 
     passes = []
     score_rows, window = cal.score_rows, cal.window
+    layers = {"float32": model.layers, "bf16": low_blocks(model) if low else None}
 
     def timed(fn):
         def run(*a, **k):
-            with Clock() as c:
-                out = fn(*a, **k)
+            model.layers = layers["bf16" if fn.__name__ in low else "float32"]
+            try:
+                with Clock() as c:
+                    out = fn(*a, **k)
+            finally:
+                model.layers = layers["float32"]
             passes.append((c.wall, c.cpu))
             return out
         return run
@@ -159,6 +200,10 @@ def main() -> None:
                     "(fused kernel, float32 head, every layer) or fast (what the search runs now)")
     ap.add_argument("--early-stop", type=int, default=0, help="run the whole search N times each way (one pass "
                     "per candidate, and blocks stopped early), instead of the search's passes")
+    ap.add_argument("--low-precision", type=int, default=0, help="run the whole search N times each way (float32, "
+                    "bfloat16 layers, bfloat16 layers and shared pass), instead of the search's passes")
+    ap.add_argument("--ways", default="float32,bf16 layers,bf16 layers and window", help="with --low-precision: "
+                    "the ways compared, of " + ", ".join(WAYS))
     ap.add_argument("--crossing", type=int, default=0, help="measure where selection pays N times each way (sweep "
                     "and search), instead of the search's passes")
     ap.add_argument("--dtype", default="float32", help="with --crossing: the compute dtype (calibrate's: float32)")
@@ -183,6 +228,9 @@ def main() -> None:
         return
     if args.early_stop:
         early_stop_searches(pol, model, tokenizer, name, args)
+        return
+    if args.low_precision:
+        low_precision_searches(pol, model, tokenizer, name, args)
         return
     found = fused_search(pol, model, tokenizer)
     choice = found["choice"]
@@ -236,6 +284,58 @@ def early_stop_searches(pol, model, tokenizer, name: str, args) -> None:
             rows.append({"run": run, "way": way, "wall": found["wall"], "cpu": found["cpu"],
                          "window_cpu": found["window"][1], "chosen": choice.knobs, "reached": choice.reached,
                          "trials": trials, "loadavg": found["loadavg"]})
+            each = "; ".join(f"{100 * t['vs_full']:+.3f}%, {100 * t['kv']:.2f}%, {t['rows']}, {t['cpu']:.1f}"
+                             for t in trials)
+            print(f"| {run} | {way} | {found['wall']:.1f} | {found['cpu']:.1f} | {found['window'][1]:.1f} | "
+                  f"{choice.knobs} | {each} | {found['loadavg'][0]} -> {found['loadavg'][1]} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"model": name, "threads": args.threads, "searches": rows}, fh, indent=1, default=str)
+
+
+WAYS = {"float32": (), "bf16 layers": ("score_rows",), "bf16 layers and window": ("score_rows", "window"),
+        "head before": "head before"}
+
+
+def head_before(h, weight, low, targets, cap=None, exact=64, buffers=None):
+    """`calibrate.head_nll` before its buffers: fresh tensors, the float32 copy ranked, torch.logsumexp."""
+    import torch
+    logits = (h.to(low.dtype) @ low.T).float()
+    idx = torch.cat([logits.topk(min(exact, logits.shape[1]), dim=-1).indices, targets[:, None]], 1)
+    logits.scatter_(1, idx, torch.einsum("nd,nkd->nk", h.float(), weight[idx].float()))
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return torch.logsumexp(logits, -1) - logits.gather(1, targets[:, None])[:, 0]
+
+
+def low_precision_searches(pol, model, tokenizer, name: str, args) -> None:
+    """The whole search `args.low_precision` times each way of `args.ways` (WAYS: which passes run `low_blocks`,
+    or the head before its buffers), the order turned round each run."""
+    from infinigen.policies import calibrate as cal
+
+    ways = args.ways.split(",")
+    print(f"{name}, {args.threads} thread(s), float32 dense weights")
+    print("| run | way | wall s | CPU s | shared pass CPU s | chosen | per candidate: vs full, KV, tokens scored, "
+          "CPU s | load before -> after |")
+    print("|---|---|---|---|---|---|---|---|")
+    rows = []
+    for run in range(args.low_precision):
+        for way in (ways if run % 2 == 0 else ways[::-1]):
+            saved = cal.head_nll
+            if WAYS[way] == "head before":
+                cal.head_nll = head_before
+            try:
+                found = fused_search(pol, model, tokenizer, () if WAYS[way] == "head before" else WAYS[way])
+            finally:
+                cal.head_nll = saved
+            choice = found["choice"]
+            trials = [{"knobs": t["knobs"], "vs_full": math.expm1(t["nll"] - choice.reference_nll), "kv": t["kv"],
+                       "nll": t["nll"], "rows": t["rows"], "cpu": cpu}
+                      for t, (_, cpu) in zip(choice.trials, found["passes"])]
+            rows.append({"run": run, "way": way, "wall": found["wall"], "cpu": found["cpu"],
+                         "window_cpu": found["window"][1], "reference_nll": choice.reference_nll,
+                         "chosen": choice.knobs, "reached": choice.reached, "trials": trials,
+                         "loadavg": found["loadavg"]})
             each = "; ".join(f"{100 * t['vs_full']:+.3f}%, {100 * t['kv']:.2f}%, {t['rows']}, {t['cpu']:.1f}"
                              for t in trials)
             print(f"| {run} | {way} | {found['wall']:.1f} | {found['cpu']:.1f} | {found['window'][1]:.1f} | "

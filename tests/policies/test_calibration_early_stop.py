@@ -35,9 +35,6 @@ def tokens():
     return calibration_tokens()
 
 
-policy = selecting_policy
-
-
 KNOBS = [dict(), dict(remainder=True, remainder_from=0, kv_budget=0.1), dict(remainder=True, remainder_from=1),
          dict(exact_first=False, dense_layers=(0,), kv_budget=0.2), dict(budget="union"), dict(alpha=1.0, min_fetch=8)]
 
@@ -50,7 +47,7 @@ def test_blocks_of_rows_score_as_one_pass(models, tokens, knobs, blocks):
     or row by row."""
     for name, model in models.items():
         win = cal.window(model, tokens, PROMPT)
-        pol = policy(**knobs)
+        pol = selecting_policy(**knobs)
         whole = cal.score_rows(model, win, pol, blocks, block_rows=REF)
         for rows in (BLOCK, 7):
             got = cal.score_rows(model, win, pol, blocks, block_rows=rows)
@@ -83,7 +80,7 @@ def test_a_far_miss_stops_early_and_a_close_one_runs_to_the_end(models, tokens, 
     for name, model in models.items():
         win = cal.window(model, tokens, PROMPT)
         for knobs in KNOBS[:3]:
-            pol = policy(**knobs)
+            pol = selecting_policy(**knobs)
             whole = cal.score_rows(model, win, pol)
             diff = whole.nll - win.reference_nll
             far = cal.score_rows(model, win, pol, stop=lambda d: stop_rule.misses_certainly(d, TOTAL, diff - 2.0))

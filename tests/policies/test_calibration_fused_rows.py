@@ -32,9 +32,6 @@ def tokens():
     return calibration_tokens()
 
 
-policy = selecting_policy
-
-
 KNOBS = [dict(), dict(remainder=True, remainder_from=1), dict(kv_budget=0.08, remainder=True, remainder_from=0),
          dict(alpha=1.0, min_fetch=8), dict(exact_first=False, dense_layers=(0,), kv_budget=0.2)]
 
@@ -48,7 +45,7 @@ def test_fused_rows_score_as_the_torch_blocks(models, tokens, knobs, monkeypatch
     monkeypatch.setattr(select, "rows_fused", lambda *a, **k: calls.append(1) or fused(*a, **k))
     for model in models:
         win = cal.window(model, tokens, PROMPT)
-        pol = policy(**knobs)
+        pol = selecting_policy(**knobs)
         calls.clear()
         got = cal.score_window(model, win, pol)
         assert calls, "the fused path was not taken"
@@ -92,7 +89,7 @@ def _selection(model, tokens, pol, layer: int):
 def test_fused_rows_select_as_the_torch_blocks(models, tokens, monkeypatch):
     """Row by row the fused kernel keeps the entries the torch blocks keep, each row under its own cap, packs
     them head-major in the sequence's flat keys, and leaves the same mass unread."""
-    pol = policy(kv_budget=0.15, remainder=True, remainder_from=0, min_fetch=2)
+    pol = selecting_policy(kv_budget=0.15, remainder=True, remainder_from=0, min_fetch=2)
     for model in models:
         for layer in (0, 2):
             sel, lse = _selection(model, tokens, pol, layer)
@@ -120,7 +117,7 @@ def test_a_model_with_local_layers_scores_as_the_runtime(tokens, monkeypatch):
     _, model = build_gemma()
     win = cal.window(model, tokens, PROMPT)
     for knobs in (dict(), dict(remainder=True, remainder_from=1), dict(exact_first=False, kv_budget=0.2)):
-        pol = policy(**knobs)
+        pol = selecting_policy(**knobs)
         nll, kv = cal.score(model, tokens, PROMPT, pol)
         got = cal.score_window(model, win, pol)
         assert got[0] == pytest.approx(nll, abs=1e-4) and got[1] == pytest.approx(kv, abs=1e-6), knobs

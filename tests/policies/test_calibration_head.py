@@ -81,3 +81,49 @@ def test_a_head_it_cannot_split_keeps_float32(monkeypatch):
     assert cal._bf16_head(plain) is not None
     doubled.head = lambda h: doubled.lm_head(h) * 2  # a head that is not the final norm then the projection
     assert cal._bf16_head(doubled) is None
+
+
+def float32_copy_nll(h, weight, low, targets, cap=None, exact=cal.HEAD_EXACT):
+    """`head_nll` as written first: the float32 copy of the bfloat16 logits ranked, a fresh tensor per step,
+    torch.logsumexp."""
+    logits = (h.to(low.dtype) @ low.T).float()
+    idx = torch.cat([logits.topk(exact, dim=-1).indices, targets[:, None]], 1)
+    logits.scatter_(1, idx, torch.einsum("nd,nkd->nk", h.float(), weight[idx].float()))
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return torch.logsumexp(logits, -1) - logits.gather(1, targets[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("cap", [None, 15.0])
+def test_reused_buffers_and_the_in_place_log_sum_exp_change_no_bit(cap):
+    """The head's logits written into buffers kept between calls (more rows, then fewer, then more again), ranked
+    as bfloat16 and their log-sum-exp taken in place: the same bits as fresh tensors and torch.logsumexp."""
+    h, weight, targets = head(4096, rows=300)
+    low = weight.bfloat16()
+    buffers = {}
+    for rows in (slice(0, 200), slice(200, 260), slice(100, 300)):
+        got = cal.head_nll(h[rows], weight, low, targets[rows], cap, buffers=buffers)
+        assert torch.equal(got, float32_copy_nll(h[rows], weight, low, targets[rows], cap)), rows
+        assert torch.equal(got, cal.head_nll(h[rows], weight, low, targets[rows], cap))
+    assert buffers["logits"].shape == (200, 4096)  # made for the first call's rows, reused while they suffice
+
+
+def test_the_search_keeps_the_head_s_buffers_while_it_runs_and_drops_them_after(models, monkeypatch):
+    """Every chunk of rows of a search (the shared pass and each candidate) reuses one set of buffers; after the
+    search none is held (a 262k vocabulary's are ~0.8 GB)."""
+    from infinigen.policies.infinigen_calibration import candidate, search_setup
+
+    monkeypatch.setattr(cal, "BF16_HEAD_VOCAB", 1)
+    model = models[0]
+    seen = []
+    head_nll = cal.head_nll
+    monkeypatch.setattr(cal, "head_nll", lambda *a, buffers=None, **k: seen.append(buffers) or head_nll(
+        *a, buffers=buffers, **k))
+    pol = InfiniGen(calibrate=True, skew=False, budget_ref=REF, min_fetch=0, remainder=False)
+    setup = search_setup(pol, model)
+    tokens = torch.randint(0, 256, (1, REF), generator=torch.Generator().manual_seed(2))
+    cal.search(model, tokens, REF // 8, lambda k: candidate(pol, model, k, setup["growth"]), setup["structures"],
+               setup["alphas"], setup["budget_free"], 0.01, 0.8, setup["growth"], REF, "key", "text", max_evals=3)
+    assert len(seen) > 3 and seen[0] is not None and all(b is seen[0] for b in seen)
+    assert "logits" in seen[0]
+    assert getattr(cal._HEAD_BUFFERS, "held", None) is None

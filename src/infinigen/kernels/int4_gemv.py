@@ -39,19 +39,17 @@ _registering = threading.Lock()
 def _dtypes() -> frozenset:
     """The input dtypes this machine's build computes (empty: none, or the build failed), as the source's
     preprocessor tests decide them from -march=native."""
-    with _registering:  # once, whichever thread asks first (the ops' fake implementations are registered once)
-        return _load_and_register()
-
-
-@functools.cache
-def _load_and_register() -> frozenset:
-    flags = cpu_flags()
-    if "avx512f" not in flags or not load_library("int4_gemv", _SOURCE):
-        return frozenset()
-    torch.library.register_fake("infinigen::int4_gemv", _fake)
-    torch.library.register_fake("infinigen::int8_gemv", _fake_int8)
-    bf16 = {"avx512_bf16", "avx512vbmi", "avx512bw"} <= flags
-    return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
+    # The cache does not keep two first callers apart: the lock makes the second wait for the first's build and
+    # registration, which it then repeats at no cost (native_build loads the library once per process, and a
+    # fake implementation registered again replaces the same one).
+    with _registering:
+        flags = cpu_flags()
+        if "avx512f" not in flags or not load_library("int4_gemv", _SOURCE):
+            return frozenset()
+        torch.library.register_fake("infinigen::int4_gemv", _fake)
+        torch.library.register_fake("infinigen::int8_gemv", _fake_int8)
+        bf16 = {"avx512_bf16", "avx512vbmi", "avx512bw"} <= flags
+        return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
 
 
 def _fake(x, packed, group, scale_zero):

@@ -219,7 +219,7 @@ def window(model, tokens: torch.Tensor, first: int) -> Window:
 
 def _nll(model, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per target, its NLL from the hidden states `rows` [n, hidden] (the head's logits SCORE_ROWS at a time;
-    from BF16_HEAD_VOCAB tokens on, through `head_nll`)."""
+    from BF16_HEAD_VOCAB tokens on, through `head_nll`, in the search's reused buffers)."""
     low = _bf16_head(model)
     out = []
     for s in range(0, rows.shape[0], SCORE_ROWS):
@@ -227,23 +227,42 @@ def _nll(model, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if low is None:
             out.append(F.cross_entropy(model.head(r[None])[0].float(), t, reduction="none"))
         else:
-            out.append(head_nll(_head_input(model, r), model.lm_head.weight, low, t, model.cfg.final_softcap))
+            out.append(head_nll(_head_input(model, r), model.lm_head.weight, low, t, model.cfg.final_softcap,
+                                buffers=getattr(_HEAD_BUFFERS, "held", None)))
     return torch.cat(out)
 
 
+# within a search, per thread: the head's logits buffers, reused by every chunk of rows (a 262k vocabulary's
+# [SCORE_ROWS, vocab] float32 logits are hundreds of MB, which a fresh allocation maps and faults in each time)
+_HEAD_BUFFERS = threading.local()
+
+
 def head_nll(h: torch.Tensor, weight: torch.Tensor, low: torch.Tensor, targets: torch.Tensor,
-             cap: float | None = None, exact: int = HEAD_EXACT) -> torch.Tensor:
+             cap: float | None = None, exact: int = HEAD_EXACT, buffers: dict | None = None) -> torch.Tensor:
     """Per row of `h` [n, d], the NLL of its target under the logits h @ weight.T (tanh-capped at `cap`), the
     logits computed as a bfloat16 product (`low`: the weight in bfloat16, 2.8x faster than float32 on CPU)
     except each row's `exact` largest and its target's, recomputed in float32: those carry the loss (the
     target's logit) and the bulk of the log-sum-exp, so what the bfloat16 rounding leaves is its error on the
-    tail's small share of the mass."""
-    logits = (h.to(low.dtype) @ low.T).float()
-    idx = torch.cat([logits.topk(min(exact, logits.shape[1]), dim=-1).indices, targets[:, None]], 1)
+    tail's small share of the mass. The log-sum-exp is torch.logsumexp's arithmetic done in place in the logits;
+    `buffers` (a dict, filled on first use): the bfloat16 and float32 logits' storage, kept for the next call."""
+    n, vocab = h.shape[0], low.shape[0]
+    if buffers is None:
+        buffers = {}
+    if buffers.get("shape", (0, 0))[0] < n or buffers.get("shape", (0, vocab))[1] != vocab:
+        buffers.update(shape=(n, vocab), low=torch.empty(n, vocab, dtype=low.dtype, device=low.device),
+                       logits=torch.empty(n, vocab, device=low.device))
+    low_logits, logits = buffers["low"][:n], buffers["logits"][:n]
+    torch.mm(h.to(low.dtype), low.T, out=low_logits)
+    logits.copy_(low_logits)
+    # the largest logits as bfloat16 (the same values as their float32 copies, half the bytes to read)
+    idx = torch.cat([low_logits.topk(min(exact, vocab), dim=-1).indices, targets[:, None]], 1)
     logits.scatter_(1, idx, torch.einsum("nd,nkd->nk", h.float(), weight[idx].float()))
     if cap is not None:
-        logits = torch.tanh(logits / cap) * cap
-    return torch.logsumexp(logits, -1) - logits.gather(1, targets[:, None])[:, 0]
+        logits.div_(cap).tanh_().mul_(cap)
+    target = logits.gather(1, targets[:, None])[:, 0]
+    top = logits.amax(-1, keepdim=True)
+    top.masked_fill_(top.abs() == math.inf, 0)
+    return logits.sub_(top).exp_().sum(-1).log_().add_(top[:, 0]) - target
 
 
 def _head_input(model, h: torch.Tensor) -> torch.Tensor:
@@ -427,6 +446,7 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
     `score_window`); else each by `score`. `progress`: passes done of at most
     1 + max_evals (+ the structural options), with an ETA (`skew.Progress`); `log` gets a line per candidate."""
     fallbacks = options_in_order(key_options, budgets)
+    _HEAD_BUFFERS.held = {}
     bar = Progress(progress, "calibrating InfiniGen", 1 + max_evals + len(fallbacks), "pass")
     if log and progress:
         log = bar.write
@@ -435,7 +455,8 @@ def search(model, tokens: torch.Tensor, prefill: int, candidate, structures: lis
                          growth, ref, key, text, max_evals, log, remainder_starts, bar, own_query, fallbacks)
     finally:
         bar.finish()
-        _LOW_HEADS.pop(model, None)  # the bfloat16 head lives as long as the search
+        _LOW_HEADS.pop(model, None)  # the bfloat16 head and its buffers live as long as the search
+        _HEAD_BUFFERS.held = None
     return choice
 
 
