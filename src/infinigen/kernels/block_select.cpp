@@ -1,0 +1,203 @@
+// InfiniGen's layer-capped selection in blocks of slots (budget "layer", `infinigen_select.choose_blocks`) of one
+// decoding row per batch row, from its speculated scores to the chosen slots and the packed rows the attention
+// reads, in one call: what some hundred torch calls make per layer (the scores' softmax per query head, the
+// block masses, the top blocks under the cap, the mask and `KVStore.select_rows`'s packing).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (no call, no branch): Cephes' expf polynomial on
+// x - n ln 2, times 2^n built in the exponent bits; within 2 ulp of expf; 0 below -87.3 (where float32 turns
+// subnormal).
+inline float exp_nonpositive(float x) {
+  const float below = x < -87.3f ? 0.f : 1.f;
+  x = x > -87.3f ? x : -87.3f;
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale * below;
+}
+
+struct Block {  // one (KV head, block) of a batch row
+  float mass;   // the block's speculated mass; -1 where no token of it qualifies
+  int64_t index;  // KV head * blocks + block
+};
+
+// The cut's order (`top_n_per_row`): more mass first; equal mass, the lower (KV head, block) first.
+inline bool before(const Block& a, const Block& b) {
+  return a.mass > b.mass || (a.mass == b.mass && a.index < b.index);
+}
+
+}  // namespace
+
+// scores [B, Hkv, G, n] float32 (every slot of the store's first n valid: no padding, no window; OVERWRITTEN with
+// exp(relative)). Per query head relative = s * scale - max (the max clamped to float32's lowest); a slot
+// qualifies when its group's largest relative exceeds -alpha; blocks are `block` consecutive slots (the last one
+// shorter, `block` above n: one block of n), a block qualifies when one of its slots does, and its mass is the
+// sum over its slots of the group's summed weights exp(relative) / the head's sum. A batch row whose qualifying
+// blocks hold at most `total` slots keeps them all; else its max(1, total / block) (KV head, block) pairs with the
+// most mass (a block that does not qualify: mass -1), ties to the lower pair. A chosen block is kept whole.
+// Returns keep [B, Hkv, n] bool; with `pack`: rows [B, m] int64, each batch row's kept rows of the flat
+// [B * Hkv * capacity, d] store, head-major in ascending slots, padded with row 0 to the longest batch row's m,
+// head [B, m] int64 (-1 on padding) (else both [B, 0]); counts [B, Hkv] int64; with `with_lse`, lse [B, Hkv, G]
+// float32: the log-sum-exp of the scaled scores left unread (-inf where none is, or where their mass underflows
+// next to the head's max: each slot below e^-87.3 of it counts 0); else [B, Hkv, 0].
+std::vector<torch::Tensor> select_blocks(torch::Tensor scores, double scale, double alpha, int64_t total,
+                                         int64_t block, int64_t capacity, bool with_lse, bool pack) {
+  TORCH_CHECK(scores.dim() == 4 && scores.scalar_type() == torch::kFloat, "scores [B,Hkv,G,n] float32");
+  TORCH_CHECK(total >= 0, "the layer cap must be >= 0");
+  TORCH_CHECK(block >= 1, "the block must be >= 1 slot");
+  scores = scores.contiguous();
+  const int64_t b = scores.size(0), hkv = scores.size(1), g = scores.size(2), n = scores.size(3);
+  TORCH_CHECK(capacity >= n, "the store holds fewer slots than the scores cover");
+  const int64_t k = std::max<int64_t>(1, std::min(block, n));  // a block over the cached slots is all of them
+  const int64_t nb = (n + k - 1) / k;
+  const int64_t nblocks = std::max<int64_t>(1, total / k);
+  const auto opts = scores.options();
+  auto keep = torch::zeros({b, hkv, n}, opts.dtype(torch::kBool));
+  auto counts = torch::zeros({b, hkv}, opts.dtype(torch::kLong));
+  auto lse = torch::empty({b, hkv, with_lse ? g : 0}, opts);
+  std::vector<float> head_max(b * hkv * g), block_mass(b * hkv * nb);
+  std::vector<uint8_t> qualifies(b * hkv * nb);
+  float* s_p = scores.data_ptr<float>();
+  bool* keep_p = keep.data_ptr<bool>();
+  int64_t* counts_p = counts.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale), floor_rel = static_cast<float>(-alpha);
+  // each (batch row, KV head): scaled scores, each head's max and weights, the group's largest relative, the
+  // slots' mass summed over the group, each block's mass and whether it qualifies. One simple loop per step, so
+  // that each vectorizes
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> group_max(n), mass(n);
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      std::fill(group_max.begin(), group_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(mass.begin(), mass.end(), 0.f);
+      float* gm = group_max.data();
+      float* ms = mass.data();
+      for (int64_t h = 0; h < g; ++h) {
+        float* row = s_p + (bh * g + h) * n;
+        for (int64_t j = 0; j < n; ++j) row[j] = row[j] * sc;  // as torch: the scaled score rounded
+        float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < n; ++j) mx = mx > row[j] ? mx : row[j];
+        mx = std::max(mx, std::numeric_limits<float>::lowest());  // as `choose` clamps the max
+        for (int64_t j = 0; j < n; ++j) gm[j] = std::max(gm[j], row[j] - mx);  // then the max subtracted
+        for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) sum += row[j];
+        head_max[bh * g + h] = mx;
+        for (int64_t j = 0; j < n; ++j) ms[j] += row[j] / sum;  // each head's weights, summed over the group
+      }
+      for (int64_t jb = 0; jb < nb; ++jb) {
+        const int64_t lo_j = jb * k, hi_j = std::min(n, lo_j + k);
+        float m = 0.f;
+        bool q = false;
+        for (int64_t j = lo_j; j < hi_j; ++j) {
+          m += ms[j];
+          q |= gm[j] > floor_rel;
+        }
+        block_mass[bh * nb + jb] = q ? m : -1.f;
+        qualifies[bh * nb + jb] = q;
+      }
+    }
+  });
+  // each batch row: its qualifying blocks, or over the cap its top blocks; the chosen blocks' slots kept
+  at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<Block> cand(hkv * nb);
+    for (int64_t bi = lo; bi < hi; ++bi) {
+      const uint8_t* qp = qualifies.data() + bi * hkv * nb;
+      int64_t held = 0;  // the qualifying blocks' slots
+      for (int64_t i = 0; i < hkv * nb; ++i) held += qp[i] ? std::min(n, (i % nb + 1) * k) - i % nb * k : 0;
+      std::vector<uint8_t> chosen(qp, qp + hkv * nb);
+      if (held > total) {
+        const float* mp = block_mass.data() + bi * hkv * nb;
+        for (int64_t i = 0; i < hkv * nb; ++i) cand[i] = {mp[i], i};
+        const int64_t top = std::min(nblocks, hkv * nb);
+        std::nth_element(cand.begin(), cand.begin() + (top - 1), cand.end(), before);
+        std::fill(chosen.begin(), chosen.end(), 0);
+        for (int64_t i = 0; i < top; ++i) chosen[cand[i].index] = 1;
+      }
+      for (int64_t kh = 0; kh < hkv; ++kh) {
+        bool* kp = keep_p + (bi * hkv + kh) * n;
+        int64_t c = 0;
+        for (int64_t jb = 0; jb < nb; ++jb) {
+          if (!chosen[kh * nb + jb]) continue;
+          const int64_t lo_j = jb * k, hi_j = std::min(n, lo_j + k);
+          std::fill(kp + lo_j, kp + hi_j, true);
+          c += hi_j - lo_j;
+        }
+        counts_p[bi * hkv + kh] = c;
+      }
+    }
+  });
+  if (with_lse) {  // the mass each query head leaves unread
+    float* lse_p = lse.data_ptr<float>();
+    at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> unread(n);
+      for (int64_t bh = lo; bh < hi; ++bh) {
+        const bool* kp = keep_p + bh * n;
+        for (int64_t j = 0; j < n; ++j) unread[j] = kp[j] ? 0.f : 1.f;
+        for (int64_t h = 0; h < g; ++h) {
+          const float* e = s_p + (bh * g + h) * n;
+          const float* u = unread.data();
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < n; ++j) sum += e[j] * u[j];
+          lse_p[bh * g + h] = sum > 0.f ? head_max[bh * g + h] + std::log(sum)
+                                        : -std::numeric_limits<float>::infinity();
+        }
+      }
+    });
+  }
+  if (!pack) {
+    auto none = torch::empty({b, 0}, opts.dtype(torch::kLong));
+    return {keep, none, none, counts, lse};
+  }
+  std::vector<int64_t> starts(b * hkv);
+  int64_t m = 0;
+  for (int64_t bi = 0; bi < b; ++bi) {
+    int64_t at = 0;
+    for (int64_t kh = 0; kh < hkv; ++kh) {
+      starts[bi * hkv + kh] = at;
+      at += counts_p[bi * hkv + kh];
+    }
+    m = std::max(m, at);
+  }
+  auto rows = torch::zeros({b, m}, opts.dtype(torch::kLong));
+  auto head = torch::full({b, m}, -1, opts.dtype(torch::kLong));
+  int64_t* rows_p = rows.data_ptr<int64_t>();
+  int64_t* head_p = head.data_ptr<int64_t>();
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t bi = bh / hkv, kh = bh % hkv;
+      const bool* kp = keep_p + bh * n;
+      int64_t* out = rows_p + bi * m + starts[bh];
+      int64_t c = 0;
+      for (int64_t j = 0; j < n; ++j)
+        if (kp[j]) out[c++] = bh * capacity + j;
+      std::fill(head_p + bi * m + starts[bh], head_p + bi * m + starts[bh] + c, kh);
+    }
+  });
+  return {keep, rows, head, counts, lse};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("select_blocks", &select_blocks, "InfiniGen's layer-capped block selection from scores to packed rows");
+}

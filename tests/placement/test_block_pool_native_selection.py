@@ -1,0 +1,131 @@
+"""The disk tier in blocks with InfiniGen choosing blocks through the native block selection
+(`kernels.block_select.select_blocks`): the speculation one layer ahead and the layer's own query (the correction)
+each make their blocks in one call per layer, and a session decodes what the torch path (`choose_blocks`,
+`KVStore.select_rows`) decodes: the same selections at every layer and step, the same units read from the file
+(prefetched and on demand), the same tokens and logits; with an unlimited budget the dense result. The comparison
+fails when the native selection's blocks are off by a slot or its cap is lifted."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinigen import runtime
+from infinigen.kernels import block_select
+from infinigen.placement import BlockedKVStore, Placement
+from infinigen.policies import make_policy
+
+from support.offload import GEN, corrected_policy, offload_prompts, run_placed
+from support.packed_rows import Selections
+
+needs_kernel = pytest.mark.skipif(not block_select.available(), reason="the block kernel cannot be built here")
+BLOCK = 4
+# unpadded prompts: every used slot valid, where the native selection applies (a padded prompt keeps torch's)
+PROMPTS = (offload_prompts()[0], None)
+
+
+def _decode(model, placement, pol, native: bool, monkeypatch, wrap=None):
+    """Greedy decoding of the unpadded prompts: (tokens, logits, every selection the layers' own queries made,
+    the store's counters, native calls)."""
+    monkeypatch.setattr(block_select, "enabled", native)
+    calls = [0]
+    inner = block_select.select_blocks
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return (wrap or inner)(*args, **kw)
+    monkeypatch.setattr(block_select, "select_blocks", counted)
+    seen = Selections()
+    pl = placement
+    sess = pl.new_session(model, PROMPTS[0].shape[0], PROMPTS[0].shape[1] + GEN, pol, listeners=[seen])
+    logits = runtime.prefill(model, PROMPTS[0], sess)
+    out, steps = [], []
+    for _ in range(GEN):
+        out.append(logits.argmax(-1))
+        logits = runtime.decode(model, out[-1], sess)
+        steps.append(logits)
+    st = getattr(sess.store, "stats", None)  # (a store in fast memory moves nothing)
+    counters = st and dict(blocks=st.blocks, missed_blocks=st.missed_blocks, missed=st.missed, bytes=st.bytes_moved)
+    pl.close(sess)
+    return torch.stack(out, 1), torch.stack(steps, 1), seen.seen, counters, calls[0]
+
+
+def _same_selections(seen, ref):
+    return seen.keys() == ref.keys() and all(
+        (seen[k] == "all" and ref[k] == "all") or torch.equal(seen[k], ref[k]) for k in seen)
+
+
+@needs_kernel
+@pytest.mark.parametrize("correct", [True, False], ids=["corrected", "speculation-only"])
+def test_native_blocks_decode_what_the_torch_path_decodes(tiny_llama, correct, tmp_path, monkeypatch):
+    """Both selections of every selecting layer and step go through the native call (two per layer and step when
+    corrected: the speculation's plan, then the own query's), and the session selects, reads and decodes what the
+    torch path does."""
+    _, model = tiny_llama
+    pol = corrected_policy(model, budget="layer", block=BLOCK)
+    pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK, correct=correct)
+    ref = _decode(model, pl, pol, False, monkeypatch)
+    got = _decode(model, pl, pol, True, monkeypatch)
+    selecting = len(pol.selecting_layers(model.cfg))
+    assert ref[4] == 0 and got[4] == selecting * GEN * (2 if correct else 1)
+    assert torch.equal(got[0], ref[0]) and _same_selections(got[2], ref[2])
+    assert got[3] == ref[3] and got[3]["blocks"] > 0
+    assert (got[3]["missed_blocks"] > 0) == correct
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=1e-5)
+
+
+@needs_kernel
+def test_native_blocks_in_fast_memory_equal_the_torch_path(tiny_llama, monkeypatch):
+    """The KV in RAM: the layer's own query selects its blocks natively, packed, and the attention reads them."""
+    _, model = tiny_llama
+    pol = corrected_policy(model, budget="layer", block=BLOCK)
+    ref = _decode(model, Placement("none"), pol, False, monkeypatch)
+    got = _decode(model, Placement("none"), pol, True, monkeypatch)
+    assert got[4] == len(pol.selecting_layers(model.cfg)) * GEN
+    assert torch.equal(got[0], ref[0]) and _same_selections(got[2], ref[2])
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=1e-5)
+
+
+@needs_kernel
+def test_native_blocks_with_an_unlimited_budget_are_dense(tiny_llama, tmp_path, monkeypatch):
+    _, model = tiny_llama
+    full = make_policy("full")
+    _, ref_logits, _ = run_placed(model, Placement("none"), full, prompts=PROMPTS)
+    pol = corrected_policy(model, budget="layer", block=BLOCK, alpha=1e9, max_fetch_ratio=1.0)
+    pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK)
+    _, logits, _, counters, calls = _decode(model, pl, pol, True, monkeypatch)
+    assert calls > 0 and counters["missed_blocks"] == 0
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("breakage", ["block boundary off by one", "cap lifted"])
+def test_the_session_check_catches_a_broken_native_selection(tiny_llama, breakage, tmp_path, monkeypatch):
+    _, model = tiny_llama
+    pol = corrected_policy(model, budget="layer", block=BLOCK)
+    pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK)
+    ref = _decode(model, pl, pol, False, monkeypatch)
+    inner = block_select.select_blocks
+
+    def broken(scores, scale, alpha, total, block, capacity, with_lse, pack=True):
+        if breakage == "block boundary off by one":
+            block += 1
+        else:
+            total = scores.shape[1] * scores.shape[3]
+        return inner(scores, scale, alpha, total, block, capacity, with_lse, pack)
+    got = _decode(model, pl, pol, True, monkeypatch, wrap=broken)
+    assert got[4] > 0
+    assert not _same_selections(got[2], ref[2]) or got[3] != ref[3]
+
+
+def test_a_padded_prompt_keeps_the_torch_path(tiny_llama, tmp_path, monkeypatch):
+    """Where some used slot is not valid (a left-padded prompt) the torch path selects: the kernel assumes every
+    slot valid."""
+    _, model = tiny_llama
+    calls = [0]
+    inner = block_select.select_blocks
+    monkeypatch.setattr(block_select, "select_blocks", lambda *a, **kw: (calls.__setitem__(0, calls[0] + 1),
+                                                                        inner(*a, **kw))[1])
+    pol = corrected_policy(model, budget="layer", block=BLOCK)
+    _, _, sess = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK), pol)
+    assert isinstance(sess.store, BlockedKVStore) and sess.store.padded
+    assert calls[0] == 0
