@@ -129,3 +129,65 @@ def test_a_padded_prompt_keeps_the_torch_path(tiny_llama, tmp_path, monkeypatch)
     _, _, sess = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK), pol)
     assert isinstance(sess.store, BlockedKVStore) and sess.store.padded
     assert calls[0] == 0
+
+
+# ---- the corrected hand-over's bookkeeping (`block_select.staged_places`) -----------------------------------------
+def _pool(tmp_path, batch, hkv, capacity, block):
+    from infinigen.placement.tiers import SlowTier
+    return BlockedKVStore(1, batch, hkv, capacity, 8, torch.float32, tier=SlowTier("disk", "cpu", tmp_path),
+                          threaded=False, block=block)
+
+
+def _places_case(store, seed, n, density, staged_share):
+    """A random packed selection over the first n slots and a random ascending set of staged units."""
+    from infinigen.cache import KVStore
+    gen = torch.Generator().manual_seed(seed)
+    keep = torch.rand(store.batch, store.kv_heads, n, generator=gen) < density
+    sel = KVStore.select_rows(store, 0, keep, torch.ones_like(keep))
+    units = store.bh * store.blocks_per_head
+    held = (torch.rand(units, generator=gen) < staged_share).nonzero().squeeze(1)
+    return held, sel
+
+
+def _native_places(store, held, sel, block=None):
+    return block_select.staged_places(held, sel.rows, sel.head, store.capacity, block or store.block,
+                                      store.blocks_per_head, store.unit_rows, store.bh * store.blocks_per_head)
+
+
+PLACES = [(2, 3, 40, 4, 26), (3, 3, 512, 32, 500), (1, 2, 64, 16, 64), (4, 1, 30, 8, 3)]  # B, Hkv, cap, block, n
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", PLACES, ids=["x".join(map(str, c)) for c in PLACES])
+def test_staged_places_equal_the_torch_bookkeeping(case, tmp_path):
+    """The units to read, each packed column's row in the staging buffer and the count of missed entries equal the
+    torch bookkeeping's, whatever share of the units the prefetch staged (none, some, all) and the selection holds
+    (nothing, sparse, dense)."""
+    b, hkv, cap, block, n = case
+    store = _pool(tmp_path, b, hkv, cap, block)
+    try:
+        for seed in range(6):
+            for density in (0.0, 0.05, 0.4, 1.0):
+                for staged in (0.0, 0.3, 1.0):
+                    held, sel = _places_case(store, seed, n, density, staged)
+                    ids, rows, missed = _native_places(store, held, sel)
+                    ids_ref, rows_ref, missed_ref = store._staged_places(held, sel)
+                    assert torch.equal(ids, ids_ref) and torch.equal(rows, rows_ref) and missed == missed_ref
+    finally:
+        store.close()
+
+
+@needs_kernel
+@pytest.mark.parametrize("breakage", ["block off by one", "a staged unit forgotten"])
+def test_the_places_check_catches_a_wrong_unit(breakage, tmp_path):
+    store = _pool(tmp_path, 3, 3, 512, 32)
+    try:
+        held, sel = _places_case(store, 1, 500, 0.05, 0.3)
+        ref = store._staged_places(held, sel)
+        if breakage == "block off by one":
+            got = _native_places(store, held, sel, block=store.block + 1)
+        else:
+            got = _native_places(store, held[1:], sel)
+        assert not (torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and got[2] == ref[2])
+    finally:
+        store.close()

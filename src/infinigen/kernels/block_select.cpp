@@ -198,6 +198,66 @@ std::vector<torch::Tensor> select_blocks(torch::Tensor scores, double scale, dou
   return {keep, rows, head, counts, lse};
 }
 
+// Where a selection's rows lie in a staging buffer of whole units (the disk tier in blocks: a unit holds `block`
+// slots of one (batch row, KV head), `unit_rows` rows each): the units `held` (ids within the layer, ascending,
+// id = (batch row * Hkv + KV head) * blocks_per_head + slot / block) are staged first, in that order, and the
+// units holding the selection's other rows are to be read after them, ascending. rows, head [B, m]: the packed
+// selection (`SelectedRows`: rows of the flat [B * Hkv * capacity, d] store, head -1 on padding). Returns the
+// units to read (ids ascending, [M] int64), each packed column's row in the buffer ([B, m] int64: its unit's place
+// times unit_rows plus its slot within the block; padding: the first selected entry's row, 0 where none is) and
+// the count of selected entries lying in units to read ([1] int64).
+std::vector<torch::Tensor> staged_places(torch::Tensor held, torch::Tensor rows, torch::Tensor head,
+                                         int64_t capacity, int64_t block, int64_t blocks_per_head,
+                                         int64_t unit_rows, int64_t units) {
+  TORCH_CHECK(held.dim() == 1 && held.scalar_type() == torch::kLong, "held [U] int64");
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kLong && head.sizes() == rows.sizes() &&
+              head.scalar_type() == torch::kLong, "rows, head [B, m] int64");
+  TORCH_CHECK(capacity >= 1 && block >= 1 && blocks_per_head >= 1 && unit_rows >= block, "a unit's shape");
+  held = held.contiguous();
+  rows = rows.contiguous();
+  head = head.contiguous();
+  const int64_t u = held.numel(), entries = rows.numel();
+  const int64_t* held_p = held.data_ptr<int64_t>();
+  const int64_t* rows_p = rows.data_ptr<int64_t>();
+  const int64_t* head_p = head.data_ptr<int64_t>();
+  std::vector<int64_t> place_of(units, -1);  // a unit's place in the buffer; -1: not selected, -2: to be read
+  for (int64_t i = 0; i < u; ++i) {
+    TORCH_CHECK(held_p[i] >= 0 && held_p[i] < units && (i == 0 || held_p[i] > held_p[i - 1]),
+                "held units ascending within the layer");
+    place_of[held_p[i]] = i;
+  }
+  auto unit_of = [&](int64_t row) { return row / capacity * blocks_per_head + row % capacity / block; };
+  int64_t missed_rows = 0;
+  for (int64_t e = 0; e < entries; ++e) {
+    if (head_p[e] < 0) continue;
+    const int64_t unit = unit_of(rows_p[e]);
+    TORCH_CHECK(rows_p[e] >= 0 && unit < units, "a selected row outside the layer's units");
+    if (place_of[unit] < 0) {  // not staged: its unit to be read
+      place_of[unit] = -2;
+      ++missed_rows;
+    }
+  }
+  std::vector<int64_t> ids;
+  for (int64_t unit = 0; unit < units; ++unit)
+    if (place_of[unit] == -2) {
+      place_of[unit] = u + static_cast<int64_t>(ids.size());
+      ids.push_back(unit);
+    }
+  auto out = torch::empty_like(rows);
+  int64_t* out_p = out.data_ptr<int64_t>();
+  int64_t first = -1;
+  for (int64_t e = 0; e < entries; ++e) {
+    if (head_p[e] < 0) continue;
+    out_p[e] = place_of[unit_of(rows_p[e])] * unit_rows + rows_p[e] % capacity % block;
+    if (first < 0) first = out_p[e];
+  }
+  for (int64_t e = 0; e < entries; ++e)
+    if (head_p[e] < 0) out_p[e] = first < 0 ? 0 : first;
+  auto ids_t = torch::tensor(ids, rows.options());
+  return {ids_t, out, torch::full({1}, missed_rows, rows.options())};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("select_blocks", &select_blocks, "InfiniGen's layer-capped block selection from scores to packed rows");
+  m.def("staged_places", &staged_places, "a selection's rows in a staging buffer of units, and the units to read");
 }

@@ -47,3 +47,15 @@ def select_blocks(scores: torch.Tensor, scale: float, alpha: float, total: int, 
     the block; ties to the lower (KV head, block)); else every qualifying block. A kept block is kept whole."""
     return _module().select_blocks(scores, float(scale), float(alpha), int(total), int(block), int(capacity),
                                    bool(with_lse), bool(pack))
+
+
+def staged_places(held: torch.Tensor, rows: torch.Tensor, head: torch.Tensor, capacity: int, block: int,
+                  blocks_per_head: int, unit_rows: int, units: int):
+    """Where a packed selection's rows (rows, head [B, m]: `SelectedRows`) lie in a staging buffer of whole units
+    (`placement.blocks`: a unit holds `block` slots of one (batch row, KV head) in `unit_rows` rows; id (batch row
+    * Hkv + KV head) * blocks_per_head + slot // block, `units` in the layer) whose first units are `held` (ids
+    ascending) and whose next ones are to be read -> (the units to read, ids ascending [M]; each packed column's
+    row in the buffer [B, m] (padding: the first selected entry's); the selected entries in units to read)."""
+    ids, places, missed = _module().staged_places(held, rows, head, int(capacity), int(block), int(blocks_per_head),
+                                                   int(unit_rows), int(units))
+    return ids, places, int(missed)

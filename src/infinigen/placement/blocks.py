@@ -40,6 +40,7 @@ import torch
 
 from ..cache import HandedRows, KVCodec, KVStore, packed_order, packed_places
 from ..errors import UserError
+from ..kernels import block_select
 from .rows import layout_for
 from .store import OffloadedKVStore, _Job
 from .transfer import KV, PAGE, TransferStats, _Buffers, located
@@ -344,13 +345,17 @@ class BlockedKVStore(OffloadedKVStore):
 
     def _handed(self, stage: torch.Tensor, used: int, place: torch.Tensor, sel) -> HandedRows:
         """`sel`'s rows handed as views of the staging buffer `stage`, whose first `used` units hold them
-        (`place`: the row in `stage` of each selected entry, in `sel`'s packed order): a unit holds its keys, then
-        its values `block` rows further, so the keys are the buffer and the values the same buffer `block` rows
-        on, both read at the same row. The spare rows lie in the spare units after the `used` ones, each key's
-        value `block` rows after it, where no other spare key lies."""
-        bs, per = self.block, self.unit_rows
+        (`place`: the row in `stage` of each selected entry, in `sel`'s packed order)."""
         local, _ = packed_places(sel, 0)
-        rows = place[local] if place.numel() else torch.zeros_like(local)
+        return self._hand(stage, used, place[local] if place.numel() else torch.zeros_like(local))
+
+    def _hand(self, stage: torch.Tensor, used: int, rows: torch.Tensor) -> HandedRows:
+        """Rows of the staging buffer `stage` handed as views of it (`rows`: each packed column's row, [B, m]), its
+        first `used` units holding them: a unit holds its keys, then its values `block` rows further, so the keys
+        are the buffer and the values the same buffer `block` rows on, both read at the same row. The spare rows
+        lie in the spare units after the `used` ones, each key's value `block` rows after it, where no other spare
+        key lies."""
+        bs, per = self.block, self.unit_rows
         j = torch.arange(self.bh)
         own = ((used + j // bs) * per + j % bs).view(self.batch, self.kv_heads)
         end = (used + self._spare_units) * per
@@ -392,17 +397,14 @@ class BlockedKVStore(OffloadedKVStore):
         the prefetch staged are read where they lie, the units holding the rest are read now, in one batch, into
         the same staging buffer after the staged ones (grown, the staged units kept, where they do not fit)."""
         t0 = time.perf_counter()
-        bs, nb, per, d = self.block, self.blocks_per_head, self.unit_rows, self.head_dim
+        nb, per, d = self.blocks_per_head, self.unit_rows, self.head_dim
         held, stage, _ = job.staged
         u = held.numel()
-        flat = packed_order(sel)[0]
-        slot = flat % self.capacity
-        unit_id = slot // bs + flat // self.capacity * nb
-        at, found = located(held, unit_id)
-        missed = ~found
-        hit = torch.zeros(self.bh * nb, dtype=torch.bool)
-        hit[unit_id[missed]] = True
-        ids = hit.nonzero().squeeze(1)
+        if block_select.available():  # one native call for the bookkeeping below
+            ids, rows, missed = block_select.staged_places(held, sel.rows, sel.head, self.capacity, self.block, nb,
+                                                           per, self.bh * nb)
+        else:
+            ids, rows, missed = self._staged_places(held, sel)
         m = ids.numel()
         need = (u + m + self._spare_units) * per
         if stage.shape[0] < need:
@@ -411,6 +413,23 @@ class BlockedKVStore(OffloadedKVStore):
                 grown[:u * per] = stage[:u * per]
             stage = grown
         read = self._load(layer, ids, stage[u * per:(u + m) * per].view(m, per, d))
-        unit_at = torch.where(found, at, u + (hit.cumsum(0) - 1)[unit_id])  # each row's unit in the buffer
-        self.stats.fetched_missed(int(missed.sum()), read * self.unit, time.perf_counter() - t0, units=read)
-        return self._handed(stage, u + m, unit_at * per + slot % bs, sel)
+        self.stats.fetched_missed(missed, read * self.unit, time.perf_counter() - t0, units=read)
+        return self._hand(stage, u + m, rows)
+
+    def _staged_places(self, held: torch.Tensor, sel) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`block_select.staged_places` in torch: the units holding `sel`'s rows that are not among the staged
+        units `held` (ascending), each packed column's row in a staging buffer of the `held` units then those, and
+        the count of selected entries in them."""
+        bs, nb, per = self.block, self.blocks_per_head, self.unit_rows
+        flat = packed_order(sel)[0]
+        slot = flat % self.capacity
+        unit_id = slot // bs + flat // self.capacity * nb
+        at, found = located(held, unit_id)
+        missed = ~found
+        hit = torch.zeros(self.bh * nb, dtype=torch.bool)
+        hit[unit_id[missed]] = True
+        unit_at = torch.where(found, at, held.numel() + (hit.cumsum(0) - 1)[unit_id])  # each row's unit there
+        place = unit_at * per + slot % bs
+        local, _ = packed_places(sel, 0)
+        rows = place[local] if place.numel() else torch.zeros_like(local)
+        return hit.nonzero().squeeze(1), rows, int(missed.sum())
