@@ -191,3 +191,21 @@ def test_the_places_check_catches_a_wrong_unit(breakage, tmp_path):
         assert not (torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and got[2] == ref[2])
     finally:
         store.close()
+
+
+@needs_kernel
+@pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
+def test_packed_plan_equals_select_rows(density):
+    """A prefetched plan packed natively (`block_select.pack_rows`) is `KVStore.select_rows`'s packing: the same
+    rows, heads and counts, batch rows of unequal totals padded alike."""
+    from infinigen.cache import KVStore
+    gen = torch.Generator().manual_seed(int(density * 100))
+    for b, hkv, n, cap in [(3, 3, 300, 320), (1, 2, 17, 17), (5, 1, 64, 100)]:
+        keep = torch.rand(b, hkv, n, generator=gen) < density
+        keep[0] &= density < 1  # one batch row keeping nothing (unless all)
+        store = KVStore(1, b, hkv, cap, 4, torch.float32)
+        ref = store.select_rows(0, keep, torch.ones_like(keep))
+        rows, head, counts = block_select.pack_rows(keep, cap)
+        assert torch.equal(rows, ref.rows) and torch.equal(head, ref.head) and torch.equal(counts, ref.counts)
+        wrong = block_select.pack_rows(keep, cap + 1)[0]
+        assert not torch.equal(wrong, ref.rows) or not keep[1:].any()  # the store's capacity matters

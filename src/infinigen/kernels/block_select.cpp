@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -43,6 +44,40 @@ struct Block {  // one (KV head, block) of a batch row
 // The cut's order (`top_n_per_row`): more mass first; equal mass, the lower (KV head, block) first.
 inline bool before(const Block& a, const Block& b) {
   return a.mass > b.mass || (a.mass == b.mass && a.index < b.index);
+}
+
+// The kept slots keep [B, Hkv, n] (their counts per (batch row, KV head) given) packed as `KVStore.select_rows`
+// packs them: rows [B, m] of the flat [B * Hkv * capacity, d] store, head-major in ascending slots, padded with
+// row 0 to the longest batch row's m, and head [B, m] (-1 on padding).
+std::pair<torch::Tensor, torch::Tensor> pack_kept(const bool* keep_p, const int64_t* counts_p, int64_t b,
+                                                  int64_t hkv, int64_t n, int64_t capacity,
+                                                  const torch::TensorOptions& opts) {
+  std::vector<int64_t> starts(b * hkv);
+  int64_t m = 0;
+  for (int64_t bi = 0; bi < b; ++bi) {
+    int64_t at = 0;
+    for (int64_t kh = 0; kh < hkv; ++kh) {
+      starts[bi * hkv + kh] = at;
+      at += counts_p[bi * hkv + kh];
+    }
+    m = std::max(m, at);
+  }
+  auto rows = torch::zeros({b, m}, opts.dtype(torch::kLong));
+  auto head = torch::full({b, m}, -1, opts.dtype(torch::kLong));
+  int64_t* rows_p = rows.data_ptr<int64_t>();
+  int64_t* head_p = head.data_ptr<int64_t>();
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t bi = bh / hkv, kh = bh % hkv;
+      const bool* kp = keep_p + bh * n;
+      int64_t* out = rows_p + bi * m + starts[bh];
+      int64_t c = 0;
+      for (int64_t j = 0; j < n; ++j)
+        if (kp[j]) out[c++] = bh * capacity + j;
+      std::fill(head_p + bi * m + starts[bh], head_p + bi * m + starts[bh] + c, kh);
+    }
+  });
+  return {rows, head};
 }
 
 }  // namespace
@@ -170,32 +205,27 @@ std::vector<torch::Tensor> select_blocks(torch::Tensor scores, double scale, dou
     auto none = torch::empty({b, 0}, opts.dtype(torch::kLong));
     return {keep, none, none, counts, lse};
   }
-  std::vector<int64_t> starts(b * hkv);
-  int64_t m = 0;
-  for (int64_t bi = 0; bi < b; ++bi) {
-    int64_t at = 0;
-    for (int64_t kh = 0; kh < hkv; ++kh) {
-      starts[bi * hkv + kh] = at;
-      at += counts_p[bi * hkv + kh];
-    }
-    m = std::max(m, at);
+  auto packed = pack_kept(keep_p, counts_p, b, hkv, n, capacity, opts);
+  return {keep, packed.first, packed.second, counts, lse};
+}
+
+// keep [B, Hkv, n] bool -> rows, head [B, m] and counts [B, Hkv] int64: `KVStore.select_rows`'s packing of the
+// kept slots (every slot of keep a valid one) in one pass.
+std::vector<torch::Tensor> pack_rows(torch::Tensor keep, int64_t capacity) {
+  TORCH_CHECK(keep.dim() == 3 && keep.scalar_type() == torch::kBool, "keep [B,Hkv,n] bool");
+  keep = keep.contiguous();
+  const int64_t b = keep.size(0), hkv = keep.size(1), n = keep.size(2);
+  TORCH_CHECK(capacity >= n, "the store holds fewer slots than keep covers");
+  auto counts = torch::empty({b, hkv}, keep.options().dtype(torch::kLong));
+  const bool* keep_p = keep.data_ptr<bool>();
+  int64_t* counts_p = counts.data_ptr<int64_t>();
+  for (int64_t bh = 0; bh < b * hkv; ++bh) {
+    int64_t c = 0;
+    for (int64_t j = 0; j < n; ++j) c += keep_p[bh * n + j];
+    counts_p[bh] = c;
   }
-  auto rows = torch::zeros({b, m}, opts.dtype(torch::kLong));
-  auto head = torch::full({b, m}, -1, opts.dtype(torch::kLong));
-  int64_t* rows_p = rows.data_ptr<int64_t>();
-  int64_t* head_p = head.data_ptr<int64_t>();
-  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      const int64_t bi = bh / hkv, kh = bh % hkv;
-      const bool* kp = keep_p + bh * n;
-      int64_t* out = rows_p + bi * m + starts[bh];
-      int64_t c = 0;
-      for (int64_t j = 0; j < n; ++j)
-        if (kp[j]) out[c++] = bh * capacity + j;
-      std::fill(head_p + bi * m + starts[bh], head_p + bi * m + starts[bh] + c, kh);
-    }
-  });
-  return {keep, rows, head, counts, lse};
+  auto packed = pack_kept(keep_p, counts_p, b, hkv, n, capacity, keep.options());
+  return {packed.first, packed.second, counts};
 }
 
 // Where a selection's rows lie in a staging buffer of whole units (the disk tier in blocks: a unit holds `block`
@@ -259,5 +289,6 @@ std::vector<torch::Tensor> staged_places(torch::Tensor held, torch::Tensor rows,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("select_blocks", &select_blocks, "InfiniGen's layer-capped block selection from scores to packed rows");
+  m.def("pack_rows", &pack_rows, "KVStore.select_rows's packing of kept slots");
   m.def("staged_places", &staged_places, "a selection's rows in a staging buffer of units, and the units to read");
 }

@@ -59,3 +59,10 @@ def staged_places(held: torch.Tensor, rows: torch.Tensor, head: torch.Tensor, ca
     ids, places, missed = _module().staged_places(held, rows, head, int(capacity), int(block), int(blocks_per_head),
                                                    int(unit_rows), int(units))
     return ids, places, int(missed)
+
+
+def pack_rows(keep: torch.Tensor, capacity: int):
+    """keep [B, Hkv, n] bool (every kept slot valid) -> rows, head [B, m] and counts [B, Hkv] int64: the kept slots
+    packed as `KVStore.select_rows` packs them (rows of the flat [B * Hkv * capacity, d] store, head-major in
+    ascending slots; padding: row 0, head -1), in one call."""
+    return _module().pack_rows(keep, int(capacity))

@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..cache import HandedRows, KVCodec, KVStore, packed_order, packed_places
+from ..cache import HandedRows, KVCodec, KVStore, SelectedRows, packed_order, packed_places
 from ..errors import UserError
 from ..kernels import block_select
 from .rows import layout_for
@@ -51,6 +51,7 @@ from .tiers import SlowTier
 # Announcing every run first (POSIX_FADV_WILLNEED starts their reads without waiting) lets the device serve them
 # together; the reads then find their pages arriving or arrived.
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+_NO_UNITS = torch.empty(0, dtype=torch.long)  # no unit staged yet
 
 
 def unit_bytes(block: int, row_bytes: int) -> int:
@@ -272,30 +273,54 @@ class BlockedKVStore(OffloadedKVStore):
         gathered from them in (b, h, i) order."""
         t0 = time.perf_counter()
         if job.plan is not None and job.selection is None:  # the plan packed, as the runtime packs it
-            n = job.n
-            job.selection = KVStore.select_rows(self, job.layer, job.plan[:, :, :n], self.valid[job.layer][:, :, :n])
+            job.selection = self._packed_plan(job)
         if job.full:  # every used slot (padding's too), in (b, h, i) order
             seg = torch.arange(self.bh).repeat_interleave(job.n)
             slot = torch.arange(job.n).repeat(self.bh)
+            job.kv, units, job.staged = self._read(job.layer, seg, slot, gather=True)
+            moved = slot.numel()
         else:
-            flat = packed_order(job.selection)[0]
-            seg, slot = flat // self.capacity, flat % self.capacity
-            job.selected = flat.numel()
+            units, job.staged, job.selected = self._stage(job.layer, job.selection)
+            moved = job.selected
             if not ondemand and self.stats.steps:  # this step's rows prefetched
                 self.stats.steps[-1][0] += job.selected
-        job.kv, units, job.staged = self._read(job.layer, seg, slot, gather=job.full)
         self.stats.bytes_moved += units * self.unit
-        self.stats.rows_moved += slot.numel()
+        self.stats.rows_moved += moved
         self.stats.fetches += 1
         if not ondemand:
             self.stats.gather_s += time.perf_counter() - t0
+
+    def _packed_plan(self, job: _Job):
+        """The job's plan and the valid slots packed as `KVStore.select_rows` packs them (one native call where
+        the kernel is built)."""
+        n, layer = job.n, job.layer
+        if not block_select.available():
+            return KVStore.select_rows(self, layer, job.plan[:, :, :n], self.valid[layer][:, :, :n])
+        keep = job.plan[:, :, :n] & self.valid[layer][:, :, :n]
+        return SelectedRows(keep, *block_select.pack_rows(keep, self.capacity))
+
+    def _stage(self, layer: int, sel) -> tuple[int, tuple, int]:
+        """The units holding `sel`'s rows read into the layer parity's staging buffer -> (the units read from the
+        file; (the units' ids within the layer, ascending; the staging buffer, rows [U * unit_rows, d] then room
+        for the spare units (`_hand`); each packed column's row in it [B, m]); the selected entries)."""
+        nb, per, d = self.blocks_per_head, self.unit_rows, self.head_dim
+        if block_select.available():  # none staged: every unit holding a selected row is to read
+            ids, rows, selected = block_select.staged_places(_NO_UNITS, sel.rows, sel.head, self.capacity, self.block,
+                                                             nb, per, self.bh * nb)
+            u = ids.numel()
+            stage = self.buffers.get(("disk", layer % 2), (u + self._spare_units) * per, (d,), self.dtype)
+            return self._load(layer, ids, stage[:u * per].view(u, per, d)), (ids, stage, rows), selected
+        flat = packed_order(sel)[0]
+        _, read, (ids, stage, row) = self._read(layer, flat // self.capacity, flat % self.capacity, gather=False)
+        local, _ = packed_places(sel, 0)
+        return read, (ids, stage, row[local] if row.numel() else torch.zeros_like(local)), flat.numel()
 
     def _read(self, layer: int, seg: torch.Tensor, slot: torch.Tensor, gather: bool):
         """The units holding the rows of (batch row * Hkv + KV head, slot) pairs seg, slot [N], read into the
         layer parity's staging buffer -> (with `gather`: keys, values [N + B * Hkv, d], the rows in that order,
         then a spare row per (batch row, KV head); else None), the units read from the file, and what was staged:
         (the units' ids within the layer, ascending; the staging buffer, rows [U * unit_rows, d] then room for
-        the spare units (`_handed`); each pair's row in it [N])."""
+        the spare units (`_hand`); each pair's row in it [N])."""
         parity, bs, nb, per = layer % 2, self.block, self.blocks_per_head, self.unit_rows
         unit_id = slot // bs + seg * nb  # [N] unit within the layer
         hit = torch.zeros(self.bh * nb, dtype=torch.bool)
@@ -318,7 +343,7 @@ class BlockedKVStore(OffloadedKVStore):
     # ---- handing rows to the attention: views of the staging buffer, no copy ------------------------------
     @property
     def _spare_units(self) -> int:
-        """Units of the staging buffer after the units read that hold the spare rows (`_handed`)."""
+        """Units of the staging buffer after the units read that hold the spare rows (`_hand`)."""
         return -(-self.bh // self.block)
 
     def hand_rows(self, layer, sel, buffer=None, every: bool = False) -> HandedRows:
@@ -340,14 +365,8 @@ class BlockedKVStore(OffloadedKVStore):
             job = self._fetch(layer, sel, n)
         if job.selection is not sel:
             return self._corrected(layer, job, sel, buffer)
-        ids, stage, row = job.staged
-        return self._handed(stage, ids.numel(), row, sel)
-
-    def _handed(self, stage: torch.Tensor, used: int, place: torch.Tensor, sel) -> HandedRows:
-        """`sel`'s rows handed as views of the staging buffer `stage`, whose first `used` units hold them
-        (`place`: the row in `stage` of each selected entry, in `sel`'s packed order)."""
-        local, _ = packed_places(sel, 0)
-        return self._hand(stage, used, place[local] if place.numel() else torch.zeros_like(local))
+        ids, stage, rows = job.staged
+        return self._hand(stage, ids.numel(), rows)
 
     def _hand(self, stage: torch.Tensor, used: int, rows: torch.Tensor) -> HandedRows:
         """Rows of the staging buffer `stage` handed as views of it (`rows`: each packed column's row, [B, m]), its
