@@ -6,6 +6,8 @@ each make their blocks in one call per layer, and a session decodes what the tor
 fails when the native selection's blocks are off by a slot or its cap is lifted."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -209,3 +211,49 @@ def test_packed_plan_equals_select_rows(density):
         assert torch.equal(rows, ref.rows) and torch.equal(head, ref.head) and torch.equal(counts, ref.counts)
         wrong = block_select.pack_rows(keep, cap + 1)[0]
         assert not torch.equal(wrong, ref.rows) or not keep[1:].any()  # the store's capacity matters
+
+
+# ---- the units read natively (`block_select.read_units`) -------------------------------------------------------
+@needs_kernel
+def test_native_reads_stage_the_bytes_the_python_reads_stage(tiny_llama, tmp_path, monkeypatch):
+    """A session whose units are read by the native reader decodes, stages and counts what the same session
+    reading through os.preadv does; the staged units hold the file's bytes."""
+    from infinigen.placement import blocks as blocks_mod
+    _, model = tiny_llama
+    pol = corrected_policy(model, budget="layer", block=BLOCK)
+    pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK)
+    monkeypatch.setattr(blocks_mod, "native_reads", False)
+    ref = _decode(model, pl, pol, True, monkeypatch)
+    monkeypatch.setattr(blocks_mod, "native_reads", True)
+    calls = [0]
+    inner = block_select.read_units
+
+    def counted(*a, **kw):
+        calls[0] += 1
+        return inner(*a, **kw)
+    monkeypatch.setattr(block_select, "read_units", counted)
+    got = _decode(model, pl, pol, True, monkeypatch)
+    assert calls[0] > 0 and got[3] == ref[3]
+    assert torch.equal(got[0], ref[0]) and _same_selections(got[2], ref[2])
+    assert torch.equal(got[1], ref[1])  # the same bytes attended: the same logits to the bit
+
+
+@needs_kernel
+def test_native_reads_read_the_named_units_and_fail_in_one_line(tmp_path):
+    """Units at scattered places of a file land at their places in the buffer (runs of adjacent units in one read);
+    a unit past the file's end is an OSError naming where it ended."""
+    unit = 4096
+    data = torch.arange(16 * unit // 8, dtype=torch.int64)  # 16 units, each its own numbers
+    path = tmp_path / "pool"
+    path.write_bytes(data.numpy().tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        disk = torch.tensor([1, 2, 3, 7, 12])
+        place = torch.tensor([0, 1, 2, 3, 4])
+        dst = torch.full((5, unit // 8), -1, dtype=torch.int64)
+        block_select.read_units(fd, disk, place, dst, unit, True)
+        assert torch.equal(dst, data.view(16, unit // 8)[disk])
+        with pytest.raises(OSError, match="ended at byte"):
+            block_select.read_units(fd, torch.tensor([16]), torch.tensor([0]), dst, unit, False)
+    finally:
+        os.close(fd)

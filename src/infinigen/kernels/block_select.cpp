@@ -6,9 +6,13 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cerrno>
 #include <cstring>
+#include <fcntl.h>
+#include <unistd.h>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -287,7 +291,55 @@ std::vector<torch::Tensor> staged_places(torch::Tensor held, torch::Tensor rows,
   return {ids_t, out, torch::full({1}, missed_rows, rows.options())};
 }
 
+// Units of a pool file read into a staging buffer with positioned reads, one per run of adjacent units, every run
+// announced to the kernel first (POSIX_FADV_WILLNEED, where `willneed`): disk [R] int64 the units' indices in the
+// file (ascending), place [R] int64 each one's unit in dst (adjacent units at adjacent places), dst a contiguous
+// tensor of whole units of `unit_bytes`. Runs without the GIL. Returns {0, 0}, or {errno, offset} of the read that
+// failed ({-1, offset} where the file ended).
+std::vector<int64_t> read_units(int64_t fd, torch::Tensor disk, torch::Tensor place, torch::Tensor dst,
+                                int64_t unit_bytes, bool willneed) {
+  TORCH_CHECK(disk.dim() == 1 && place.sizes() == disk.sizes() && disk.scalar_type() == torch::kLong &&
+              place.scalar_type() == torch::kLong, "disk, place [R] int64");
+  TORCH_CHECK(dst.is_contiguous() && dst.device().is_cpu(), "dst: a contiguous CPU tensor");
+  const int64_t r = disk.numel(), capacity = dst.numel() * dst.element_size() / unit_bytes;
+  disk = disk.contiguous();
+  place = place.contiguous();
+  const int64_t* d_p = disk.data_ptr<int64_t>();
+  const int64_t* p_p = place.data_ptr<int64_t>();
+  for (int64_t i = 0; i < r; ++i) TORCH_CHECK(p_p[i] >= 0 && p_p[i] < capacity && d_p[i] >= 0, "a unit outside");
+  std::vector<std::array<int64_t, 3>> runs;  // file unit, count, place
+  for (int64_t i = 0; i < r; ++i) {
+    if (!runs.empty() && d_p[i] == runs.back()[0] + runs.back()[1] && p_p[i] == runs.back()[2] + runs.back()[1])
+      ++runs.back()[1];
+    else
+      runs.push_back({d_p[i], 1, p_p[i]});
+  }
+  char* base = static_cast<char*>(dst.data_ptr());
+  pybind11::gil_scoped_release unlocked;
+#ifdef POSIX_FADV_WILLNEED
+  if (willneed)
+    for (const auto& run : runs) posix_fadvise(fd, run[0] * unit_bytes, run[1] * unit_bytes, POSIX_FADV_WILLNEED);
+#endif
+  for (const auto& run : runs) {
+    int64_t offset = run[0] * unit_bytes, left = run[1] * unit_bytes;
+    char* out = base + run[2] * unit_bytes;
+    while (left > 0) {
+      const ssize_t n = pread(static_cast<int>(fd), out, static_cast<size_t>(left), offset);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return {errno, offset};
+      }
+      if (n == 0) return {-1, offset};
+      out += n;
+      offset += n;
+      left -= n;
+    }
+  }
+  return {0, 0};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("read_units", &read_units, "a pool file's units read by runs, without the GIL");
   m.def("select_blocks", &select_blocks, "InfiniGen's layer-capped block selection from scores to packed rows");
   m.def("pack_rows", &pack_rows, "KVStore.select_rows's packing of kept slots");
   m.def("staged_places", &staged_places, "a selection's rows in a staging buffer of units, and the units to read");

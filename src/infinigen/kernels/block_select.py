@@ -12,6 +12,7 @@ other at the cut.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -66,3 +67,15 @@ def pack_rows(keep: torch.Tensor, capacity: int):
     packed as `KVStore.select_rows` packs them (rows of the flat [B * Hkv * capacity, d] store, head-major in
     ascending slots; padding: row 0, head -1), in one call."""
     return _module().pack_rows(keep, int(capacity))
+
+
+def read_units(fd: int, disk: torch.Tensor, place: torch.Tensor, dst: torch.Tensor, unit_bytes: int,
+               willneed: bool) -> None:
+    """Units `disk` (their indices in the file, ascending, int64 [R]) of a pool file of `unit_bytes` units read into
+    units `place` [R] of the contiguous tensor `dst`, one positioned read per run of adjacent units, every run
+    announced first (POSIX_FADV_WILLNEED, where `willneed`), without the GIL. A failed read raises OSError."""
+    err, offset = _module().read_units(int(fd), disk, place, dst, int(unit_bytes), bool(willneed))
+    if err == -1:
+        raise OSError(f"the KV pool file ended at byte {offset}")
+    if err:
+        raise OSError(err, os.strerror(err))
