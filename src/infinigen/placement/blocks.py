@@ -14,8 +14,9 @@ full (victims), a victim's key and value rows are written in place.
 
 Reads. A layer's selection (prefetched one layer ahead on the store's worker thread, like `OffloadedKVStore`)
 names slots; the store reads exactly the units they lie in (every run of adjacent units announced to the kernel
-first, POSIX_FADV_WILLNEED, so the device has them all in its queue, then `os.preadv` into a staging buffer in
-fast memory, one call per run; the open block is copied from memory). The attention reads the selected rows
+first, POSIX_FADV_WILLNEED, so the device has them all in its queue, then positioned reads into a staging buffer
+in fast memory, one per run: `block_select.read_units`, one native call without the GIL, or `os.preadv` where it
+is not built; the open block is copied from memory). The attention reads the selected rows
 where they lie in the staging buffer (`hand_rows`: a unit's keys, then its values, so the values are the same
 buffer a block further on), with spare rows for the token after the units; nothing is gathered. A selection
 made in blocks of this size reads each unit it names whole; a token-level selection reads every unit one of its
