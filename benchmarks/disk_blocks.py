@@ -7,6 +7,8 @@ side by side from one shared prefill per process.
     python benchmarks/disk_blocks.py --smoke                  # tiny sizes, results in a temp dir
     python benchmarks/disk_blocks.py --rows ram,full,blocks,speculation --blocks 32 --breakdown 3
                                           # the rows that the targets name, and where each step's time goes
+    ... --rows ram,full,blocks,blocks-torch,speculation,speculation-torch  # the native block selection against
+                                          # the torch path's (the same blocks) in one run
 
 The disk rows run in a child process bounded after its shared prefill (`offload_cpu.disk_child`: a cgroup
 where the machine allows it), so the page cache cannot hold the pool. Per disk row: ms/step, the bytes the
@@ -28,18 +30,35 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def block_policy(ig, block: int, fetch: float | None = None):
+def block_policy(ig, block: int, fetch: float | None = None, torch_path: bool = False):
     """InfiniGen with `ig`'s calibrated settings, choosing blocks of `block` tokens (no second calibration;
     `dense_below` 0: at these lengths every row selects, and the crossing is not measured again); `fetch`: the
-    blocks holding that many times the cap read, the token rule's tokens within them attended (`block_fetch`)."""
+    blocks holding that many times the cap read, the token rule's tokens within them attended (`block_fetch`);
+    `torch_path`: its blocks chosen by the torch path, not the native block selection (the same choice)."""
     from infinigen.policies import make_policy
     chosen = {k: getattr(ig, k) for k in ("alpha", "kv_budget", "budget_growth", "exact_first", "dense_layers",
                                           "remainder_from")}
-    return make_policy("infinigen", block=block, block_fetch=fetch, calibrate=False, dense_below=0, **chosen)
+    pol = make_policy("infinigen", block=block, block_fetch=fetch, calibrate=False, dense_below=0, **chosen)
+    return _on_torch_path(pol) if torch_path else pol
 
 
-ROWS = ("ram", "ram-blocks", "full", "full-blocks", "tokens-mapped", "tokens-blocks", "blocks", "within",
-        "speculation")
+def _on_torch_path(pol):
+    """`pol` choosing its selections with the native block selection turned off (the rows side by side in one
+    process)."""
+    from infinigen.kernels import block_select
+
+    class TorchBlocks(type(pol)):
+        def keep(self, layer, rows, session):
+            was, block_select.enabled = block_select.enabled, False
+            try:
+                return super().keep(layer, rows, session)
+            finally:
+                block_select.enabled = was
+    return TorchBlocks(**pol.requested)
+
+
+ROWS = ("ram", "ram-blocks", "full", "full-blocks", "tokens-mapped", "tokens-blocks", "blocks", "blocks-torch",
+        "within", "speculation", "speculation-torch")
 
 
 def systems(ig, blocks: list[int], rows=ROWS):
@@ -58,12 +77,17 @@ def systems(ig, blocks: list[int], rows=ROWS):
                                     disk_block=blocks[0])],
            "blocks": [System(f"InfiniGen, blocks of {b} (disk, blocks of {b})", block_policy(ig, b), "disk",
                              disk_block=b) for b in blocks],
+           "blocks-torch": [System(f"InfiniGen, blocks of {blocks[0]}, torch selection (disk, blocks of {blocks[0]})",
+                                   block_policy(ig, blocks[0], torch_path=True), "disk", disk_block=blocks[0])],
            "within": [System(f"InfiniGen, tokens within 2x blocks of {blocks[0]} (disk, blocks of {blocks[0]})",
                              block_policy(ig, blocks[0], 2.0), "disk", disk_block=blocks[0])],
            # the rows above correct what was speculated (the default); this one reads what was speculated alone
            "speculation": [System(f"InfiniGen, blocks of {blocks[-1]}, speculation only (disk, blocks of "
                                   f"{blocks[-1]})", block_policy(ig, blocks[-1]), "disk", disk_block=blocks[-1],
-                                  correct=False)]}
+                                  correct=False)],
+           "speculation-torch": [System(f"InfiniGen, blocks of {blocks[-1]}, speculation only, torch selection (disk, "
+                                        f"blocks of {blocks[-1]})", block_policy(ig, blocks[-1], torch_path=True),
+                                        "disk", disk_block=blocks[-1], correct=False)]}
     return [s for key in ROWS if key in rows for s in out[key]]
 
 

@@ -123,6 +123,7 @@ def test_on_demand_units_are_exactly_those_the_prefetch_missed(tiny_llama, selec
     logits = runtime.prefill(model, tokens, sess, pad)
     store.stats.reset()
     monkeypatch.setattr(blocks_mod.os, "preadv", counting_preadv)
+    monkeypatch.setattr(blocks_mod, "native_reads", False)  # every read through os.preadv, counted
     for _ in range(GEN):
         logits = runtime.decode(model, logits.argmax(-1), sess)
     pl.close(sess)

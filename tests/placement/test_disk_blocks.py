@@ -107,6 +107,7 @@ class _CountIO:
             return n
         monkeypatch.setattr(blocks_mod.os, "preadv", counting_preadv)
         monkeypatch.setattr(blocks_mod.os, "pwrite", counting_pwrite)
+        monkeypatch.setattr(blocks_mod, "native_reads", False)  # every read through os.preadv, counted
 
 
 def test_reads_exactly_the_named_blocks(tiny_llama, tmp_path, monkeypatch):

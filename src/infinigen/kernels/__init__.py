@@ -20,8 +20,9 @@ def build_native() -> None:
     its torch path."""
     import torch
 
-    from . import fused_select, int4_gemv
+    from . import block_select, fused_select, int4_gemv
     fused_select.available()
+    block_select.available()
     int4_gemv.available(torch.float32)
 
 

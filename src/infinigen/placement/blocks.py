@@ -14,8 +14,9 @@ full (victims), a victim's key and value rows are written in place.
 
 Reads. A layer's selection (prefetched one layer ahead on the store's worker thread, like `OffloadedKVStore`)
 names slots; the store reads exactly the units they lie in (every run of adjacent units announced to the kernel
-first, POSIX_FADV_WILLNEED, so the device has them all in its queue, then `os.preadv` into a staging buffer in
-fast memory, one call per run; the open block is copied from memory). The attention reads the selected rows
+first, POSIX_FADV_WILLNEED, so the device has them all in its queue, then positioned reads into a staging buffer
+in fast memory, one per run: `block_select.read_units`, one native call without the GIL, or `os.preadv` where it
+is not built; the open block is copied from memory). The attention reads the selected rows
 where they lie in the staging buffer (`hand_rows`: a unit's keys, then its values, so the values are the same
 buffer a block further on), with spare rows for the token after the units; nothing is gathered. A selection
 made in blocks of this size reads each unit it names whole; a token-level selection reads every unit one of its
@@ -38,8 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..cache import HandedRows, KVCodec, KVStore, packed_order, packed_places
+from ..cache import HandedRows, KVCodec, KVStore, SelectedRows, packed_order, packed_places
 from ..errors import UserError
+from ..kernels import block_select
 from .rows import layout_for
 from .store import OffloadedKVStore, _Job
 from .transfer import KV, PAGE, TransferStats, _Buffers, located
@@ -50,6 +52,8 @@ from .tiers import SlowTier
 # Announcing every run first (POSIX_FADV_WILLNEED starts their reads without waiting) lets the device serve them
 # together; the reads then find their pages arriving or arrived.
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+_NO_UNITS = torch.empty(0, dtype=torch.long)  # no unit staged yet
+native_reads = True  # a selection's units read by the native reader where it is built (tests counting os.preadv: off)
 
 
 def unit_bytes(block: int, row_bytes: int) -> int:
@@ -271,30 +275,54 @@ class BlockedKVStore(OffloadedKVStore):
         gathered from them in (b, h, i) order."""
         t0 = time.perf_counter()
         if job.plan is not None and job.selection is None:  # the plan packed, as the runtime packs it
-            n = job.n
-            job.selection = KVStore.select_rows(self, job.layer, job.plan[:, :, :n], self.valid[job.layer][:, :, :n])
+            job.selection = self._packed_plan(job)
         if job.full:  # every used slot (padding's too), in (b, h, i) order
             seg = torch.arange(self.bh).repeat_interleave(job.n)
             slot = torch.arange(job.n).repeat(self.bh)
+            job.kv, units, job.staged = self._read(job.layer, seg, slot, gather=True)
+            moved = slot.numel()
         else:
-            flat = packed_order(job.selection)[0]
-            seg, slot = flat // self.capacity, flat % self.capacity
-            job.selected = flat.numel()
+            units, job.staged, job.selected = self._stage(job.layer, job.selection)
+            moved = job.selected
             if not ondemand and self.stats.steps:  # this step's rows prefetched
                 self.stats.steps[-1][0] += job.selected
-        job.kv, units, job.staged = self._read(job.layer, seg, slot, gather=job.full)
         self.stats.bytes_moved += units * self.unit
-        self.stats.rows_moved += slot.numel()
+        self.stats.rows_moved += moved
         self.stats.fetches += 1
         if not ondemand:
             self.stats.gather_s += time.perf_counter() - t0
+
+    def _packed_plan(self, job: _Job):
+        """The job's plan and the valid slots packed as `KVStore.select_rows` packs them (one native call where
+        the kernel is built)."""
+        n, layer = job.n, job.layer
+        if not block_select.available():
+            return KVStore.select_rows(self, layer, job.plan[:, :, :n], self.valid[layer][:, :, :n])
+        keep = job.plan[:, :, :n] & self.valid[layer][:, :, :n]
+        return SelectedRows(keep, *block_select.pack_rows(keep, self.capacity))
+
+    def _stage(self, layer: int, sel) -> tuple[int, tuple, int]:
+        """The units holding `sel`'s rows read into the layer parity's staging buffer -> (the units read from the
+        file; (the units' ids within the layer, ascending; the staging buffer, rows [U * unit_rows, d] then room
+        for the spare units (`_hand`); each packed column's row in it [B, m]); the selected entries)."""
+        nb, per, d = self.blocks_per_head, self.unit_rows, self.head_dim
+        if block_select.available():  # none staged: every unit holding a selected row is to read
+            ids, rows, selected = block_select.staged_places(_NO_UNITS, sel.rows, sel.head, self.capacity, self.block,
+                                                             nb, per, self.bh * nb)
+            u = ids.numel()
+            stage = self.buffers.get(("disk", layer % 2), (u + self._spare_units) * per, (d,), self.dtype)
+            return self._load(layer, ids, stage[:u * per].view(u, per, d)), (ids, stage, rows), selected
+        flat = packed_order(sel)[0]
+        _, read, (ids, stage, row) = self._read(layer, flat // self.capacity, flat % self.capacity, gather=False)
+        local, _ = packed_places(sel, 0)
+        return read, (ids, stage, row[local] if row.numel() else torch.zeros_like(local)), flat.numel()
 
     def _read(self, layer: int, seg: torch.Tensor, slot: torch.Tensor, gather: bool):
         """The units holding the rows of (batch row * Hkv + KV head, slot) pairs seg, slot [N], read into the
         layer parity's staging buffer -> (with `gather`: keys, values [N + B * Hkv, d], the rows in that order,
         then a spare row per (batch row, KV head); else None), the units read from the file, and what was staged:
         (the units' ids within the layer, ascending; the staging buffer, rows [U * unit_rows, d] then room for
-        the spare units (`_handed`); each pair's row in it [N])."""
+        the spare units (`_hand`); each pair's row in it [N])."""
         parity, bs, nb, per = layer % 2, self.block, self.blocks_per_head, self.unit_rows
         unit_id = slot // bs + seg * nb  # [N] unit within the layer
         hit = torch.zeros(self.bh * nb, dtype=torch.bool)
@@ -317,7 +345,7 @@ class BlockedKVStore(OffloadedKVStore):
     # ---- handing rows to the attention: views of the staging buffer, no copy ------------------------------
     @property
     def _spare_units(self) -> int:
-        """Units of the staging buffer after the units read that hold the spare rows (`_handed`)."""
+        """Units of the staging buffer after the units read that hold the spare rows (`_hand`)."""
         return -(-self.bh // self.block)
 
     def hand_rows(self, layer, sel, buffer=None, every: bool = False) -> HandedRows:
@@ -339,18 +367,16 @@ class BlockedKVStore(OffloadedKVStore):
             job = self._fetch(layer, sel, n)
         if job.selection is not sel:
             return self._corrected(layer, job, sel, buffer)
-        ids, stage, row = job.staged
-        return self._handed(stage, ids.numel(), row, sel)
+        ids, stage, rows = job.staged
+        return self._hand(stage, ids.numel(), rows)
 
-    def _handed(self, stage: torch.Tensor, used: int, place: torch.Tensor, sel) -> HandedRows:
-        """`sel`'s rows handed as views of the staging buffer `stage`, whose first `used` units hold them
-        (`place`: the row in `stage` of each selected entry, in `sel`'s packed order): a unit holds its keys, then
-        its values `block` rows further, so the keys are the buffer and the values the same buffer `block` rows
-        on, both read at the same row. The spare rows lie in the spare units after the `used` ones, each key's
-        value `block` rows after it, where no other spare key lies."""
+    def _hand(self, stage: torch.Tensor, used: int, rows: torch.Tensor) -> HandedRows:
+        """Rows of the staging buffer `stage` handed as views of it (`rows`: each packed column's row, [B, m]), its
+        first `used` units holding them: a unit holds its keys, then its values `block` rows further, so the keys
+        are the buffer and the values the same buffer `block` rows on, both read at the same row. The spare rows
+        lie in the spare units after the `used` ones, each key's value `block` rows after it, where no other spare
+        key lies."""
         bs, per = self.block, self.unit_rows
-        local, _ = packed_places(sel, 0)
-        rows = place[local] if place.numel() else torch.zeros_like(local)
         j = torch.arange(self.bh)
         own = ((used + j // bs) * per + j % bs).view(self.batch, self.kv_heads)
         end = (used + self._spare_units) * per
@@ -370,7 +396,11 @@ class BlockedKVStore(OffloadedKVStore):
         where = on_disk.nonzero().squeeze(1)  # places in `units`; adjacent ids lie at adjacent places
         disk = ids[where]
         read = disk.numel()
-        if read:
+        if read and native_reads and block_select.available():  # the loop below in C++, without the GIL
+            with _pool_io(self.tier.dir, "read"):
+                block_select.read_units(self.fd, disk + layer * self.bh * self.blocks_per_head, where, units,
+                                        self.unit, _WILLNEED is not None)
+        elif read:
             starts = torch.ones(read, dtype=torch.bool)
             starts[1:] = disk[1:] != disk[:-1] + 1
             first = starts.nonzero().squeeze(1)
@@ -392,17 +422,14 @@ class BlockedKVStore(OffloadedKVStore):
         the prefetch staged are read where they lie, the units holding the rest are read now, in one batch, into
         the same staging buffer after the staged ones (grown, the staged units kept, where they do not fit)."""
         t0 = time.perf_counter()
-        bs, nb, per, d = self.block, self.blocks_per_head, self.unit_rows, self.head_dim
+        nb, per, d = self.blocks_per_head, self.unit_rows, self.head_dim
         held, stage, _ = job.staged
         u = held.numel()
-        flat = packed_order(sel)[0]
-        slot = flat % self.capacity
-        unit_id = slot // bs + flat // self.capacity * nb
-        at, found = located(held, unit_id)
-        missed = ~found
-        hit = torch.zeros(self.bh * nb, dtype=torch.bool)
-        hit[unit_id[missed]] = True
-        ids = hit.nonzero().squeeze(1)
+        if block_select.available():  # one native call for the bookkeeping below
+            ids, rows, missed = block_select.staged_places(held, sel.rows, sel.head, self.capacity, self.block, nb,
+                                                           per, self.bh * nb)
+        else:
+            ids, rows, missed = self._staged_places(held, sel)
         m = ids.numel()
         need = (u + m + self._spare_units) * per
         if stage.shape[0] < need:
@@ -411,6 +438,23 @@ class BlockedKVStore(OffloadedKVStore):
                 grown[:u * per] = stage[:u * per]
             stage = grown
         read = self._load(layer, ids, stage[u * per:(u + m) * per].view(m, per, d))
-        unit_at = torch.where(found, at, u + (hit.cumsum(0) - 1)[unit_id])  # each row's unit in the buffer
-        self.stats.fetched_missed(int(missed.sum()), read * self.unit, time.perf_counter() - t0, units=read)
-        return self._handed(stage, u + m, unit_at * per + slot % bs, sel)
+        self.stats.fetched_missed(missed, read * self.unit, time.perf_counter() - t0, units=read)
+        return self._hand(stage, u + m, rows)
+
+    def _staged_places(self, held: torch.Tensor, sel) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`block_select.staged_places` in torch: the units holding `sel`'s rows that are not among the staged
+        units `held` (ascending), each packed column's row in a staging buffer of the `held` units then those, and
+        the count of selected entries in them."""
+        bs, nb, per = self.block, self.blocks_per_head, self.unit_rows
+        flat = packed_order(sel)[0]
+        slot = flat % self.capacity
+        unit_id = slot // bs + flat // self.capacity * nb
+        at, found = located(held, unit_id)
+        missed = ~found
+        hit = torch.zeros(self.bh * nb, dtype=torch.bool)
+        hit[unit_id[missed]] = True
+        unit_at = torch.where(found, at, held.numel() + (hit.cumsum(0) - 1)[unit_id])  # each row's unit there
+        place = unit_at * per + slot % bs
+        local, _ = packed_places(sel, 0)
+        rows = place[local] if place.numel() else torch.zeros_like(local)
+        return hit.nonzero().squeeze(1), rows, int(missed.sum())

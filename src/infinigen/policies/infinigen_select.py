@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import SelectedRows
-from ..kernels import fused_select
+from ..kernels import block_select, fused_select
 from ..kernels.int4 import PackedKeys
 from .base import ALL
 from .speculation import INT4_GROUP
@@ -99,14 +99,16 @@ def in_window(cfg, valid, pos, cur):
 def select_row(policy, layer: int, row: int, session, packs: bool = False) -> torch.Tensor | SelectedRows:
     """Selection [B, Hkv, S] over the store's slots for decoding row `row`; with `packs` (the runtime reads
     packed rows, every used slot valid) and the fused kernel built, budget "layer" makes the packed rows
-    and the remainder's log-sum-exp in one C++ call (`fused_select.select_packed`: the same cut)."""
+    and the remainder's log-sum-exp in one C++ call (`fused_select.select_packed`: the same cut). Blocks read
+    whole (every used slot valid, the kernel built): `block_select.select_blocks` makes them, packed or not."""
     st, store, model = session.state, session.store, session.model
     n = store.length[layer]
     spec_keys = policy.speculation.keys(st, layer, session)
     cap = policy._cap(st, model, layer, n)
     adds = policy._adds_remainder(st, layer)
+    every_valid = not store.padded and model.cfg.sliding_window is None
     where = spec_keys.codes.device if isinstance(spec_keys, PackedKeys) else spec_keys.device  # the scores'
-    if packs and not store.padded and model.cfg.sliding_window is None and fuses_selection(policy, where):
+    if every_valid and packs and fuses_selection(policy, where):
         total = policy._layer_total(cap, n, model.cfg.num_kv_heads, n)
         cut = {"scale": model.scale, "alpha": st.alpha, "total": total, "capacity": store.capacity, "with_lse": adds}
         got = policy.speculation.scores_cut(st, layer, row, spec_keys, n, **cut)  # scored and cut in one call
@@ -117,6 +119,13 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
             st.remainders[layer] = lse[..., None]
         return SelectedRows(keep, rows, head, counts)
     scores = policy.speculation.scores(st, layer, row, spec_keys, n)  # [B, Hkv, G, S]
+    if every_valid and selects_blocks_natively(policy, scores):  # the blocks, and (packs) their rows, in one call
+        total = policy._layer_total(cap, n, scores.shape[1], n)
+        keep, rows, head, counts, lse = block_select.select_blocks(scores, model.scale, st.alpha, total,
+                                                                   policy.block, store.capacity, adds, packs)
+        if adds:
+            st.remainders[layer] = lse[..., None]
+        return SelectedRows(keep, rows, head, counts) if packs else keep
     scores = scores[:, :, :, None]  # [B, Hkv, G, 1, S]
     valid = store.valid[layer][:, :, :n]
     cur = session.positions[:, row]
@@ -203,6 +212,13 @@ def fuses_selection(policy, device) -> bool:
     CPU (`device`: the speculation keys', where they are scored), the kernel built."""
     return (policy.budget == "layer" and policy.block <= 1 and torch.device(device).type == "cpu"
             and fused_select.packs_selection and fused_select.available())
+
+
+def selects_blocks_natively(policy, scores: torch.Tensor) -> bool:
+    """Whether `block_select.select_blocks` makes this selection: budget "layer" in blocks read whole (no
+    `block_fetch`), scores on the CPU, the kernel built."""
+    return (policy.budget == "layer" and policy.block > 1 and policy.block_fetch is None
+            and scores.device.type == "cpu" and block_select.available())
 
 
 def layer_total(ratio: float, shared_length: int, hkv: int, slots: int, min_fetch: int) -> int:

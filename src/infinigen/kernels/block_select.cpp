@@ -1,0 +1,346 @@
+// InfiniGen's layer-capped selection in blocks of slots (budget "layer", `infinigen_select.choose_blocks`) of one
+// decoding row per batch row, from its speculated scores to the chosen slots and the packed rows the attention
+// reads, in one call: what some hundred torch calls make per layer (the scores' softmax per query head, the
+// block masses, the top blocks under the cap, the mask and `KVStore.select_rows`'s packing).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cerrno>
+#include <cstring>
+#include <fcntl.h>
+#include <unistd.h>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (no call, no branch): Cephes' expf polynomial on
+// x - n ln 2, times 2^n built in the exponent bits; within 2 ulp of expf; 0 below -87.3 (where float32 turns
+// subnormal).
+inline float exp_nonpositive(float x) {
+  const float below = x < -87.3f ? 0.f : 1.f;
+  x = x > -87.3f ? x : -87.3f;
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale * below;
+}
+
+struct Block {  // one (KV head, block) of a batch row
+  float mass;   // the block's speculated mass; -1 where no token of it qualifies
+  int64_t index;  // KV head * blocks + block
+};
+
+// The cut's order (`top_n_per_row`): more mass first; equal mass, the lower (KV head, block) first.
+inline bool before(const Block& a, const Block& b) {
+  return a.mass > b.mass || (a.mass == b.mass && a.index < b.index);
+}
+
+// The kept slots keep [B, Hkv, n] (their counts per (batch row, KV head) given) packed as `KVStore.select_rows`
+// packs them: rows [B, m] of the flat [B * Hkv * capacity, d] store, head-major in ascending slots, padded with
+// row 0 to the longest batch row's m, and head [B, m] (-1 on padding).
+std::pair<torch::Tensor, torch::Tensor> pack_kept(const bool* keep_p, const int64_t* counts_p, int64_t b,
+                                                  int64_t hkv, int64_t n, int64_t capacity,
+                                                  const torch::TensorOptions& opts) {
+  std::vector<int64_t> starts(b * hkv);
+  int64_t m = 0;
+  for (int64_t bi = 0; bi < b; ++bi) {
+    int64_t at = 0;
+    for (int64_t kh = 0; kh < hkv; ++kh) {
+      starts[bi * hkv + kh] = at;
+      at += counts_p[bi * hkv + kh];
+    }
+    m = std::max(m, at);
+  }
+  auto rows = torch::zeros({b, m}, opts.dtype(torch::kLong));
+  auto head = torch::full({b, m}, -1, opts.dtype(torch::kLong));
+  int64_t* rows_p = rows.data_ptr<int64_t>();
+  int64_t* head_p = head.data_ptr<int64_t>();
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      const int64_t bi = bh / hkv, kh = bh % hkv;
+      const bool* kp = keep_p + bh * n;
+      int64_t* out = rows_p + bi * m + starts[bh];
+      int64_t c = 0;
+      for (int64_t j = 0; j < n; ++j)
+        if (kp[j]) out[c++] = bh * capacity + j;
+      std::fill(head_p + bi * m + starts[bh], head_p + bi * m + starts[bh] + c, kh);
+    }
+  });
+  return {rows, head};
+}
+
+}  // namespace
+
+// scores [B, Hkv, G, n] float32 (every slot of the store's first n valid: no padding, no window; OVERWRITTEN with
+// exp(relative)). Per query head relative = s * scale - max (the max clamped to float32's lowest); a slot
+// qualifies when its group's largest relative exceeds -alpha; blocks are `block` consecutive slots (the last one
+// shorter, `block` above n: one block of n), a block qualifies when one of its slots does, and its mass is the
+// sum over its slots of the group's summed weights exp(relative) / the head's sum. A batch row whose qualifying
+// blocks hold at most `total` slots keeps them all; else its max(1, total / block) (KV head, block) pairs with the
+// most mass (a block that does not qualify: mass -1), ties to the lower pair. A chosen block is kept whole.
+// Returns keep [B, Hkv, n] bool; with `pack`: rows [B, m] int64, each batch row's kept rows of the flat
+// [B * Hkv * capacity, d] store, head-major in ascending slots, padded with row 0 to the longest batch row's m,
+// head [B, m] int64 (-1 on padding) (else both [B, 0]); counts [B, Hkv] int64; with `with_lse`, lse [B, Hkv, G]
+// float32: the log-sum-exp of the scaled scores left unread (-inf where none is, or where their mass underflows
+// next to the head's max: each slot below e^-87.3 of it counts 0); else [B, Hkv, 0].
+std::vector<torch::Tensor> select_blocks(torch::Tensor scores, double scale, double alpha, int64_t total,
+                                         int64_t block, int64_t capacity, bool with_lse, bool pack) {
+  TORCH_CHECK(scores.dim() == 4 && scores.scalar_type() == torch::kFloat, "scores [B,Hkv,G,n] float32");
+  TORCH_CHECK(total >= 0, "the layer cap must be >= 0");
+  TORCH_CHECK(block >= 1, "the block must be >= 1 slot");
+  scores = scores.contiguous();
+  const int64_t b = scores.size(0), hkv = scores.size(1), g = scores.size(2), n = scores.size(3);
+  TORCH_CHECK(capacity >= n, "the store holds fewer slots than the scores cover");
+  const int64_t k = std::max<int64_t>(1, std::min(block, n));  // a block over the cached slots is all of them
+  const int64_t nb = (n + k - 1) / k;
+  const int64_t nblocks = std::max<int64_t>(1, total / k);
+  const auto opts = scores.options();
+  auto keep = torch::zeros({b, hkv, n}, opts.dtype(torch::kBool));
+  auto counts = torch::zeros({b, hkv}, opts.dtype(torch::kLong));
+  auto lse = torch::empty({b, hkv, with_lse ? g : 0}, opts);
+  std::vector<float> head_max(b * hkv * g), block_mass(b * hkv * nb);
+  std::vector<uint8_t> qualifies(b * hkv * nb);
+  float* s_p = scores.data_ptr<float>();
+  bool* keep_p = keep.data_ptr<bool>();
+  int64_t* counts_p = counts.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale), floor_rel = static_cast<float>(-alpha);
+  // each (batch row, KV head): scaled scores, each head's max and weights, the group's largest relative, the
+  // slots' mass summed over the group, each block's mass and whether it qualifies. One simple loop per step, so
+  // that each vectorizes
+  at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> group_max(n), mass(n);
+    for (int64_t bh = lo; bh < hi; ++bh) {
+      std::fill(group_max.begin(), group_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(mass.begin(), mass.end(), 0.f);
+      float* gm = group_max.data();
+      float* ms = mass.data();
+      for (int64_t h = 0; h < g; ++h) {
+        float* row = s_p + (bh * g + h) * n;
+        for (int64_t j = 0; j < n; ++j) row[j] = row[j] * sc;  // as torch: the scaled score rounded
+        float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < n; ++j) mx = mx > row[j] ? mx : row[j];
+        mx = std::max(mx, std::numeric_limits<float>::lowest());  // as `choose` clamps the max
+        for (int64_t j = 0; j < n; ++j) gm[j] = std::max(gm[j], row[j] - mx);  // then the max subtracted
+        for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) sum += row[j];
+        head_max[bh * g + h] = mx;
+        for (int64_t j = 0; j < n; ++j) ms[j] += row[j] / sum;  // each head's weights, summed over the group
+      }
+      for (int64_t jb = 0; jb < nb; ++jb) {
+        const int64_t lo_j = jb * k, hi_j = std::min(n, lo_j + k);
+        float m = 0.f;
+        bool q = false;
+        for (int64_t j = lo_j; j < hi_j; ++j) {
+          m += ms[j];
+          q |= gm[j] > floor_rel;
+        }
+        block_mass[bh * nb + jb] = q ? m : -1.f;
+        qualifies[bh * nb + jb] = q;
+      }
+    }
+  });
+  // each batch row: its qualifying blocks, or over the cap its top blocks; the chosen blocks' slots kept
+  at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<Block> cand(hkv * nb);
+    for (int64_t bi = lo; bi < hi; ++bi) {
+      const uint8_t* qp = qualifies.data() + bi * hkv * nb;
+      int64_t held = 0;  // the qualifying blocks' slots
+      for (int64_t i = 0; i < hkv * nb; ++i) held += qp[i] ? std::min(n, (i % nb + 1) * k) - i % nb * k : 0;
+      std::vector<uint8_t> chosen(qp, qp + hkv * nb);
+      if (held > total) {
+        const float* mp = block_mass.data() + bi * hkv * nb;
+        for (int64_t i = 0; i < hkv * nb; ++i) cand[i] = {mp[i], i};
+        const int64_t top = std::min(nblocks, hkv * nb);
+        std::nth_element(cand.begin(), cand.begin() + (top - 1), cand.end(), before);
+        std::fill(chosen.begin(), chosen.end(), 0);
+        for (int64_t i = 0; i < top; ++i) chosen[cand[i].index] = 1;
+      }
+      for (int64_t kh = 0; kh < hkv; ++kh) {
+        bool* kp = keep_p + (bi * hkv + kh) * n;
+        int64_t c = 0;
+        for (int64_t jb = 0; jb < nb; ++jb) {
+          if (!chosen[kh * nb + jb]) continue;
+          const int64_t lo_j = jb * k, hi_j = std::min(n, lo_j + k);
+          std::fill(kp + lo_j, kp + hi_j, true);
+          c += hi_j - lo_j;
+        }
+        counts_p[bi * hkv + kh] = c;
+      }
+    }
+  });
+  if (with_lse) {  // the mass each query head leaves unread
+    float* lse_p = lse.data_ptr<float>();
+    at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> unread(n);
+      for (int64_t bh = lo; bh < hi; ++bh) {
+        const bool* kp = keep_p + bh * n;
+        for (int64_t j = 0; j < n; ++j) unread[j] = kp[j] ? 0.f : 1.f;
+        for (int64_t h = 0; h < g; ++h) {
+          const float* e = s_p + (bh * g + h) * n;
+          const float* u = unread.data();
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < n; ++j) sum += e[j] * u[j];
+          lse_p[bh * g + h] = sum > 0.f ? head_max[bh * g + h] + std::log(sum)
+                                        : -std::numeric_limits<float>::infinity();
+        }
+      }
+    });
+  }
+  if (!pack) {
+    auto none = torch::empty({b, 0}, opts.dtype(torch::kLong));
+    return {keep, none, none, counts, lse};
+  }
+  auto packed = pack_kept(keep_p, counts_p, b, hkv, n, capacity, opts);
+  return {keep, packed.first, packed.second, counts, lse};
+}
+
+// keep [B, Hkv, n] bool -> rows, head [B, m] and counts [B, Hkv] int64: `KVStore.select_rows`'s packing of the
+// kept slots (every slot of keep a valid one) in one pass.
+std::vector<torch::Tensor> pack_rows(torch::Tensor keep, int64_t capacity) {
+  TORCH_CHECK(keep.dim() == 3 && keep.scalar_type() == torch::kBool, "keep [B,Hkv,n] bool");
+  keep = keep.contiguous();
+  const int64_t b = keep.size(0), hkv = keep.size(1), n = keep.size(2);
+  TORCH_CHECK(capacity >= n, "the store holds fewer slots than keep covers");
+  auto counts = torch::empty({b, hkv}, keep.options().dtype(torch::kLong));
+  const bool* keep_p = keep.data_ptr<bool>();
+  int64_t* counts_p = counts.data_ptr<int64_t>();
+  for (int64_t bh = 0; bh < b * hkv; ++bh) {
+    int64_t c = 0;
+    for (int64_t j = 0; j < n; ++j) c += keep_p[bh * n + j];
+    counts_p[bh] = c;
+  }
+  auto packed = pack_kept(keep_p, counts_p, b, hkv, n, capacity, keep.options());
+  return {packed.first, packed.second, counts};
+}
+
+// Where a selection's rows lie in a staging buffer of whole units (the disk tier in blocks: a unit holds `block`
+// slots of one (batch row, KV head), `unit_rows` rows each): the units `held` (ids within the layer, ascending,
+// id = (batch row * Hkv + KV head) * blocks_per_head + slot / block) are staged first, in that order, and the
+// units holding the selection's other rows are to be read after them, ascending. rows, head [B, m]: the packed
+// selection (`SelectedRows`: rows of the flat [B * Hkv * capacity, d] store, head -1 on padding). Returns the
+// units to read (ids ascending, [M] int64), each packed column's row in the buffer ([B, m] int64: its unit's place
+// times unit_rows plus its slot within the block; padding: the first selected entry's row, 0 where none is) and
+// the count of selected entries lying in units to read ([1] int64).
+std::vector<torch::Tensor> staged_places(torch::Tensor held, torch::Tensor rows, torch::Tensor head,
+                                         int64_t capacity, int64_t block, int64_t blocks_per_head,
+                                         int64_t unit_rows, int64_t units) {
+  TORCH_CHECK(held.dim() == 1 && held.scalar_type() == torch::kLong, "held [U] int64");
+  TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == torch::kLong && head.sizes() == rows.sizes() &&
+              head.scalar_type() == torch::kLong, "rows, head [B, m] int64");
+  TORCH_CHECK(capacity >= 1 && block >= 1 && blocks_per_head >= 1 && unit_rows >= block, "a unit's shape");
+  held = held.contiguous();
+  rows = rows.contiguous();
+  head = head.contiguous();
+  const int64_t u = held.numel(), entries = rows.numel();
+  const int64_t* held_p = held.data_ptr<int64_t>();
+  const int64_t* rows_p = rows.data_ptr<int64_t>();
+  const int64_t* head_p = head.data_ptr<int64_t>();
+  std::vector<int64_t> place_of(units, -1);  // a unit's place in the buffer; -1: not selected, -2: to be read
+  for (int64_t i = 0; i < u; ++i) {
+    TORCH_CHECK(held_p[i] >= 0 && held_p[i] < units && (i == 0 || held_p[i] > held_p[i - 1]),
+                "held units ascending within the layer");
+    place_of[held_p[i]] = i;
+  }
+  auto unit_of = [&](int64_t row) { return row / capacity * blocks_per_head + row % capacity / block; };
+  int64_t missed_rows = 0;
+  for (int64_t e = 0; e < entries; ++e) {
+    if (head_p[e] < 0) continue;
+    const int64_t unit = unit_of(rows_p[e]);
+    TORCH_CHECK(rows_p[e] >= 0 && unit < units, "a selected row outside the layer's units");
+    if (place_of[unit] < 0) {  // not staged: its unit to be read
+      place_of[unit] = -2;
+      ++missed_rows;
+    }
+  }
+  std::vector<int64_t> ids;
+  for (int64_t unit = 0; unit < units; ++unit)
+    if (place_of[unit] == -2) {
+      place_of[unit] = u + static_cast<int64_t>(ids.size());
+      ids.push_back(unit);
+    }
+  auto out = torch::empty_like(rows);
+  int64_t* out_p = out.data_ptr<int64_t>();
+  int64_t first = -1;
+  for (int64_t e = 0; e < entries; ++e) {
+    if (head_p[e] < 0) continue;
+    out_p[e] = place_of[unit_of(rows_p[e])] * unit_rows + rows_p[e] % capacity % block;
+    if (first < 0) first = out_p[e];
+  }
+  for (int64_t e = 0; e < entries; ++e)
+    if (head_p[e] < 0) out_p[e] = first < 0 ? 0 : first;
+  auto ids_t = torch::tensor(ids, rows.options());
+  return {ids_t, out, torch::full({1}, missed_rows, rows.options())};
+}
+
+// Units of a pool file read into a staging buffer with positioned reads, one per run of adjacent units, every run
+// announced to the kernel first (POSIX_FADV_WILLNEED, where `willneed`): disk [R] int64 the units' indices in the
+// file (ascending), place [R] int64 each one's unit in dst (adjacent units at adjacent places), dst a contiguous
+// tensor of whole units of `unit_bytes`. Runs without the GIL. Returns {0, 0}, or {errno, offset} of the read that
+// failed ({-1, offset} where the file ended).
+std::vector<int64_t> read_units(int64_t fd, torch::Tensor disk, torch::Tensor place, torch::Tensor dst,
+                                int64_t unit_bytes, bool willneed) {
+  TORCH_CHECK(disk.dim() == 1 && place.sizes() == disk.sizes() && disk.scalar_type() == torch::kLong &&
+              place.scalar_type() == torch::kLong, "disk, place [R] int64");
+  TORCH_CHECK(dst.is_contiguous() && dst.device().is_cpu(), "dst: a contiguous CPU tensor");
+  const int64_t r = disk.numel(), capacity = dst.numel() * dst.element_size() / unit_bytes;
+  disk = disk.contiguous();
+  place = place.contiguous();
+  const int64_t* d_p = disk.data_ptr<int64_t>();
+  const int64_t* p_p = place.data_ptr<int64_t>();
+  for (int64_t i = 0; i < r; ++i) TORCH_CHECK(p_p[i] >= 0 && p_p[i] < capacity && d_p[i] >= 0, "a unit outside");
+  std::vector<std::array<int64_t, 3>> runs;  // file unit, count, place
+  for (int64_t i = 0; i < r; ++i) {
+    if (!runs.empty() && d_p[i] == runs.back()[0] + runs.back()[1] && p_p[i] == runs.back()[2] + runs.back()[1])
+      ++runs.back()[1];
+    else
+      runs.push_back({d_p[i], 1, p_p[i]});
+  }
+  char* base = static_cast<char*>(dst.data_ptr());
+  pybind11::gil_scoped_release unlocked;
+#ifdef POSIX_FADV_WILLNEED
+  if (willneed)
+    for (const auto& run : runs) posix_fadvise(fd, run[0] * unit_bytes, run[1] * unit_bytes, POSIX_FADV_WILLNEED);
+#endif
+  for (const auto& run : runs) {
+    int64_t offset = run[0] * unit_bytes, left = run[1] * unit_bytes;
+    char* out = base + run[2] * unit_bytes;
+    while (left > 0) {
+      const ssize_t n = pread(static_cast<int>(fd), out, static_cast<size_t>(left), offset);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return {errno, offset};
+      }
+      if (n == 0) return {-1, offset};
+      out += n;
+      offset += n;
+      left -= n;
+    }
+  }
+  return {0, 0};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("read_units", &read_units, "a pool file's units read by runs, without the GIL");
+  m.def("select_blocks", &select_blocks, "InfiniGen's layer-capped block selection from scores to packed rows");
+  m.def("pack_rows", &pack_rows, "KVStore.select_rows's packing of kept slots");
+  m.def("staged_places", &staged_places, "a selection's rows in a staging buffer of units, and the units to read");
+}
