@@ -17,6 +17,8 @@ reads for it (the valid entries of every block of `--block` slots holding an att
 layout reads from disk), both summed over every selecting layer, row and KV head. A model mixing local and
 global layers (Gemma 3) selects on its global layers only; its local layers read their window's blocks, which
 the "all layers" share adds (each layer's share of its cached entries, averaged over the layers).
+Writes `--out`.{md,json} (default results/disk_blocks/block_accuracy_run; block_accuracy.md gathers the studies
+and is written by hand, so the runner leaves it alone).
 """
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--budgets", default="0.1354,0.2,0.27", help="kv_budget values of the block rows")
     ap.add_argument("--fetch", default="1,1.5,2,3", help="block_fetch values (at the token row's kv_budget; '' none)")
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "disk_blocks" / "block_accuracy")
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "disk_blocks" / "block_accuracy_run")
     a = ap.parse_args()
     import torch
 
