@@ -31,3 +31,9 @@ def peer():
 def sl():
     """benchmarks/serve_load.py"""
     yield from _script("serve_load")
+
+
+@pytest.fixture(scope="module")
+def block_accuracy():
+    """benchmarks/disk_block_accuracy.py"""
+    yield from _script("disk_block_accuracy")
