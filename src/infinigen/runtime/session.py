@@ -84,6 +84,8 @@ class Session:
         self._cached = 0  # tokens of the prompt being prefilled that the store held already (a prefix cache)
         self._plans: dict = {}  # layer -> this step's selection, asked one layer ahead
         self._row_buffers = StepBuffers()  # the packed rows a step gathers, reused by every layer
+        self._row_key: tuple = (None, -1)  # (positions, row) the tensors below were made for
+        self._row_tensors: tuple = ()  # `_current_row`'s (cur, positions, past), made once per row
         self.state = self.policy.begin(model, self)
 
     # ---- the cursor, read ------------------------------------------------------------------------------------
@@ -273,10 +275,20 @@ class Session:
             mask = mask & window
         return self.model.dense_attention(q, kp, vp, mask)
 
+    def _current_row(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The current decoding row's cur [B] (its tokens' positions), positions [B, 1] and past [B, 1, 1] (the
+        tokens before it: a copy, which the counters keep), made once per row and shared by every layer: the
+        same for each layer of a step."""
+        positions, r = self._positions, self._row
+        if self._row_key[0] is not positions or self._row_key[1] != r:
+            cur = positions[:, r]
+            self._row_tensors = (cur, positions[:, r:r + 1], cur[:, None, None].clone())
+            self._row_key = (positions, r)
+        return self._row_tensors
+
     def _rows(self, valid, pos, q=None, k=None, keys=None, packs: bool = False) -> Rows:
         """The current decoding row against the store's used slots."""
-        r = self._row
-        return Rows(first=r, positions=self._positions[:, r:r + 1], entry_pos=pos, valid=valid[:, :, None],
+        return Rows(first=self._row, positions=self._current_row()[1], entry_pos=pos, valid=valid[:, :, None],
                     in_store=True, query=q, own_keys=k, keys=keys, packs=packs)
 
     @staticmethod
@@ -296,7 +308,7 @@ class Session:
             sel = store.every_row(layer) if every else store.select_rows(layer, visible, visible)
             return ReadPlan(cur, ALL, visible, ALL, sel)
         sel = packed if packed is not None else store.select_rows(layer, keep, visible)
-        self.stats.record(layer, sel.counts[..., None], past)
+        self.stats.record(layer, sel.counts, past, owned=True)
         return ReadPlan(cur, sel.keep, sel.keep, None, sel)
 
     def _selection(self, layer: int, q, k, packs: bool):
@@ -307,7 +319,7 @@ class Session:
         with the rows packed (`Rows.packs`) where the store is read in place (the padded reference does not)."""
         store, pol, model = self.store, self.policy, self.model
         kp, _, valid, pos = store.past(layer)
-        cur = self._positions[:, self._row]  # [B]
+        cur, _, past = self._current_row()
         window = model.cfg.window(layer)
         rows = packed = None
         keep = self._plans.pop(layer, None)
@@ -341,9 +353,9 @@ class Session:
                 self.stats.record_all(layer, *valid.shape)
                 return ReadPlan(cur, ALL, valid, ALL, None)
         visible = valid if window is None else valid & (cur[:, None, None] - pos < window)
-        past = cur[:, None, None] if window is None else cur[:, None, None].clamp(max=window - 1)
+        past = past if window is None else past.clamp(max=window - 1)  # (a copy either way)
         if keep is ALL:
-            self.stats.record(layer, visible.sum(-1, keepdim=True), past)
+            self.stats.record(layer, visible.sum(-1, keepdim=True), past, owned=True)
         return cur, keep, packed, valid, visible, past
 
     def _write(self, layer: int, read: ReadPlan, weights, k, v) -> None:
