@@ -56,6 +56,37 @@ class ReadPlan(NamedTuple):
     # in place
 
 
+class StoreRows(Rows):
+    """`Rows` of the current decoding row against a store's used slots whose keys, valid and entry positions are
+    sliced from the store (`KVStore.past`) when a policy or listener first reads them: the fused selection reads
+    none of them, so a selecting layer makes none of the slices."""
+
+    def __init__(self, store, layer: int, first: int, positions: torch.Tensor, query=None, own_keys=None,
+                 packs: bool = False):
+        for name, value in (("first", first), ("positions", positions), ("in_store", True), ("query", query),
+                            ("own_keys", own_keys), ("packs", packs), ("_store", store), ("_layer", layer),
+                            ("_sliced", None)):
+            object.__setattr__(self, name, value)  # (a frozen dataclass)
+
+    def _past(self) -> tuple:
+        if self._sliced is None:
+            keys, _, valid, pos = self._store.past(self._layer)
+            object.__setattr__(self, "_sliced", (keys, valid[:, :, None], pos))
+        return self._sliced
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._past()[0]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self._past()[1]
+
+    @property
+    def entry_pos(self) -> torch.Tensor:
+        return self._past()[2]
+
+
 # ---- sessions ----------------------------------------------------------------------------------------------------
 class Session:
     """One batch of requests in flight: the model, its KV store, the policy and the policy's state for
@@ -301,7 +332,7 @@ class Session:
         got = self._selection(layer, q, k, packs=True)
         if isinstance(got, ReadPlan):
             return got
-        cur, keep, packed, valid, visible, past = got
+        cur, keep, packed, valid, visible, past = got  # (valid and visible None with the policy's packed rows)
         store = self.store
         if keep is ALL:
             every = store.allocator is None and not store.padded and visible is valid  # (no count to wait on)
@@ -315,11 +346,11 @@ class Session:
         """What the current row reads at `layer`, as the policy says it (asked now, or planned one layer ahead),
         listeners told and the reads counted: the plan of every used slot read in place where that is all it
         reads, else (cur [B], keep: ALL or [B, Hkv, S], the policy's own packed rows or None, the used slots'
-        valid and visible [B, Hkv, S], each row's past length for the counters). `packs`: the policy may answer
-        with the rows packed (`Rows.packs`) where the store is read in place (the padded reference does not)."""
+        valid and visible [B, Hkv, S] (None with the policy's own packed rows), each row's past length for the
+        counters). `packs`: the policy may answer with the rows packed (`Rows.packs`) where the store is read in
+        place (the padded reference does not)."""
         store, pol, model = self.store, self.policy, self.model
-        kp, _, valid, pos = store.past(layer)
-        cur, _, past = self._current_row()
+        cur, positions, past = self._current_row()
         window = model.cfg.window(layer)
         rows = packed = None
         keep = self._plans.pop(layer, None)
@@ -332,7 +363,7 @@ class Session:
                 # offloaded store packs the plan it fetched one layer ahead)
                 packs = (packs and window is None and not store.padded
                          and (store.reads_rows() or (store.offloaded and pol.reselects(layer, self))))
-                rows = self._rows(valid, pos, q, k, kp, packs)
+                rows = StoreRows(store, layer, self._row, positions, q, k, packs)
                 keep = pol.keep(layer, rows, self)
                 if isinstance(keep, SelectedRows):
                     packed, keep = keep, keep.keep
@@ -341,10 +372,13 @@ class Session:
             else:
                 keep = ALL
         if self.listeners:
-            rows = rows or self._rows(valid, pos, q, k, kp)
+            rows = rows or StoreRows(store, layer, self._row, positions, q, k)
             wide = keep if keep is ALL else keep[:, :, None]
             for lis in self.listeners:
                 lis.on_select(layer, rows, wide, self)
+        if packed is not None:  # the policy's own packed rows: every used slot was a visible candidate
+            return cur, keep, packed, None, None, past
+        _, _, valid, pos = store.past(layer)
         if keep is ALL:
             self.stats.record_rows(layer, valid.numel())  # every used slot of every (batch row, KV head)
             if store.attends_in_place() and not pol.needs_weights and (window is None or store.length[layer] < window):
