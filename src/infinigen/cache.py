@@ -87,6 +87,7 @@ class KVStore:
         self.pos = [torch.full(shape[:3], -1, dtype=torch.long, device=device) for _ in range(num_layers)]
         self.length = [0] * num_layers  # slots in use (the append pointer until the pool is full)
         self.padded = False  # a prompt had padding: some used slots are not valid
+        self._appended_at: tuple = (None, None)  # ((slot, B, Hkv, device), [B, Hkv] that slot): `_slot_tensor`
 
     def past(self, layer: int):
         """Views of the used slots: k, v [B,Hkv,S,d], valid and pos [B,Hkv,S]."""
@@ -192,19 +193,27 @@ class KVStore:
                                                                     self.pos[layer]):  # the copies in one call
                 fused_select.append_token(self.k[layer], self.v[layer], self.valid[layer], self.pos[layer], n, k, v,
                                           positions)
-                return torch.full((b, h), n, dtype=torch.long, device=k.device)
+                return self._slot_tensor(n, b, h, k.device)
             # (narrow/select and an in-place copy: 9 operator calls, where indexed assignment takes 14)
             self.k[layer].narrow(2, n, 1).copy_(self.codec.encode(k))
             self.v[layer].narrow(2, n, 1).copy_(self.codec.encode(v))
             self.valid[layer].select(2, n).fill_(True)
             self.pos[layer].select(2, n).copy_(positions[:, None])
-            return torch.full((b, h), n, dtype=torch.long, device=k.device)
+            return self._slot_tensor(n, b, h, k.device)
         slots = self._claim(layer, b, h, k.device)
         idx = slots[:, :, None, None].expand(b, h, 1, k.shape[-1])
         for buf, x in ((self.k[layer], self.codec.encode(k)), (self.v[layer], self.codec.encode(v))):
             _scatter_rows(buf, idx, x)
         self._mark(layer, slots, positions)
         return slots
+
+    def _slot_tensor(self, slot: int, b: int, h: int, device) -> torch.Tensor:
+        """[B, Hkv] filled with `slot`: what `append` returns where every row's token went to one slot, made once
+        per slot and shared by every layer of a step (each appends at the same slot; nobody writes it)."""
+        key = (slot, b, h, device)
+        if self._appended_at[0] != key:
+            self._appended_at = (key, torch.full((b, h), slot, dtype=torch.long, device=device))
+        return self._appended_at[1]
 
     def wrote_in_place(self, layer: int) -> None:
         """The caller wrote every row's next token at slot `length[layer]` itself, as `append`'s plain copies

@@ -180,6 +180,7 @@ class StepBuffers:
         self.flat: dict = {}  # use -> (keys, values) [capacity, d], grown by a quarter when too small
         self._store_views: dict = {}  # layer -> (its keys tensor, flat keys, flat values)
         self._own_rows: dict = {}  # (shape, capacity, device) -> [B, Hkv] each (batch row, KV head)'s first row
+        self._own_rows_at: tuple = (None, 0, None)  # (slots, capacity, their rows): `own_rows_at`
 
     def flat_store(self, store, layer: int):
         """A store's keys and values of `layer` as flat [B * Hkv * capacity, d] views, made once per layer."""
@@ -197,6 +198,15 @@ class StepBuffers:
         if base is None:
             base = self._own_rows[key] = torch.arange(slots.numel(), device=slots.device).view(slots.shape) * capacity
         return base
+
+    def own_rows_at(self, slots: torch.Tensor, capacity: int) -> torch.Tensor:
+        """[B, Hkv] the row of each (batch row, KV head)'s slot `slots` in a flat store of `capacity` slots
+        (`own_rows` + slots), made once per slots tensor: a store appending every layer of a step at one slot
+        hands each layer the same one (`KVStore.append`)."""
+        last = self._own_rows_at
+        if last[0] is not slots or last[1] != capacity:
+            last = self._own_rows_at = (slots, capacity, self.own_rows(slots, capacity) + slots)
+        return last[2]
 
     def _flat(self, use: str, n: int, like: torch.Tensor):
         keys, values = self.flat.get(use, (None, None))

@@ -56,6 +56,37 @@ class ReadPlan(NamedTuple):
     # in place
 
 
+class StoreRows(Rows):
+    """`Rows` of the current decoding row against a store's used slots whose keys, valid and entry positions are
+    sliced from the store (`KVStore.past`) when a policy or listener first reads them: the fused selection reads
+    none of them, so a selecting layer makes none of the slices."""
+
+    def __init__(self, store, layer: int, first: int, positions: torch.Tensor, query=None, own_keys=None,
+                 packs: bool = False):
+        for name, value in (("first", first), ("positions", positions), ("in_store", True), ("query", query),
+                            ("own_keys", own_keys), ("packs", packs), ("_store", store), ("_layer", layer),
+                            ("_sliced", None)):
+            object.__setattr__(self, name, value)  # (a frozen dataclass)
+
+    def _past(self) -> tuple:
+        if self._sliced is None:
+            keys, _, valid, pos = self._store.past(self._layer)
+            object.__setattr__(self, "_sliced", (keys, valid[:, :, None], pos))
+        return self._sliced
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._past()[0]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self._past()[1]
+
+    @property
+    def entry_pos(self) -> torch.Tensor:
+        return self._past()[2]
+
+
 # ---- sessions ----------------------------------------------------------------------------------------------------
 class Session:
     """One batch of requests in flight: the model, its KV store, the policy and the policy's state for
@@ -84,6 +115,8 @@ class Session:
         self._cached = 0  # tokens of the prompt being prefilled that the store held already (a prefix cache)
         self._plans: dict = {}  # layer -> this step's selection, asked one layer ahead
         self._row_buffers = StepBuffers()  # the packed rows a step gathers, reused by every layer
+        self._row_key: tuple = (None, -1)  # (positions, row) the tensors below were made for
+        self._row_tensors: tuple = ()  # `_current_row`'s (cur, positions, past), made once per row
         self.state = self.policy.begin(model, self)
 
     # ---- the cursor, read ------------------------------------------------------------------------------------
@@ -273,10 +306,20 @@ class Session:
             mask = mask & window
         return self.model.dense_attention(q, kp, vp, mask)
 
+    def _current_row(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The current decoding row's cur [B] (its tokens' positions), positions [B, 1] and past [B, 1, 1] (the
+        tokens before it: a copy, which the counters keep), made once per row and shared by every layer: the
+        same for each layer of a step."""
+        positions, r = self._positions, self._row
+        if self._row_key[0] is not positions or self._row_key[1] != r:
+            cur = positions[:, r]
+            self._row_tensors = (cur, positions[:, r:r + 1], cur[:, None, None].clone())
+            self._row_key = (positions, r)
+        return self._row_tensors
+
     def _rows(self, valid, pos, q=None, k=None, keys=None, packs: bool = False) -> Rows:
         """The current decoding row against the store's used slots."""
-        r = self._row
-        return Rows(first=r, positions=self._positions[:, r:r + 1], entry_pos=pos, valid=valid[:, :, None],
+        return Rows(first=self._row, positions=self._current_row()[1], entry_pos=pos, valid=valid[:, :, None],
                     in_store=True, query=q, own_keys=k, keys=keys, packs=packs)
 
     @staticmethod
@@ -289,25 +332,25 @@ class Session:
         got = self._selection(layer, q, k, packs=True)
         if isinstance(got, ReadPlan):
             return got
-        cur, keep, packed, valid, visible, past = got
+        cur, keep, packed, valid, visible, past = got  # (valid and visible None with the policy's packed rows)
         store = self.store
         if keep is ALL:
             every = store.allocator is None and not store.padded and visible is valid  # (no count to wait on)
             sel = store.every_row(layer) if every else store.select_rows(layer, visible, visible)
             return ReadPlan(cur, ALL, visible, ALL, sel)
         sel = packed if packed is not None else store.select_rows(layer, keep, visible)
-        self.stats.record(layer, sel.counts[..., None], past)
+        self.stats.record(layer, sel.counts, past, owned=True)
         return ReadPlan(cur, sel.keep, sel.keep, None, sel)
 
     def _selection(self, layer: int, q, k, packs: bool):
         """What the current row reads at `layer`, as the policy says it (asked now, or planned one layer ahead),
         listeners told and the reads counted: the plan of every used slot read in place where that is all it
         reads, else (cur [B], keep: ALL or [B, Hkv, S], the policy's own packed rows or None, the used slots'
-        valid and visible [B, Hkv, S], each row's past length for the counters). `packs`: the policy may answer
-        with the rows packed (`Rows.packs`) where the store is read in place (the padded reference does not)."""
+        valid and visible [B, Hkv, S] (None with the policy's own packed rows), each row's past length for the
+        counters). `packs`: the policy may answer with the rows packed (`Rows.packs`) where the store is read in
+        place (the padded reference does not)."""
         store, pol, model = self.store, self.policy, self.model
-        kp, _, valid, pos = store.past(layer)
-        cur = self._positions[:, self._row]  # [B]
+        cur, positions, past = self._current_row()
         window = model.cfg.window(layer)
         rows = packed = None
         keep = self._plans.pop(layer, None)
@@ -320,7 +363,7 @@ class Session:
                 # offloaded store packs the plan it fetched one layer ahead)
                 packs = (packs and window is None and not store.padded
                          and (store.reads_rows() or (store.offloaded and pol.reselects(layer, self))))
-                rows = self._rows(valid, pos, q, k, kp, packs)
+                rows = StoreRows(store, layer, self._row, positions, q, k, packs)
                 keep = pol.keep(layer, rows, self)
                 if isinstance(keep, SelectedRows):
                     packed, keep = keep, keep.keep
@@ -329,10 +372,13 @@ class Session:
             else:
                 keep = ALL
         if self.listeners:
-            rows = rows or self._rows(valid, pos, q, k, kp)
+            rows = rows or StoreRows(store, layer, self._row, positions, q, k)
             wide = keep if keep is ALL else keep[:, :, None]
             for lis in self.listeners:
                 lis.on_select(layer, rows, wide, self)
+        if packed is not None:  # the policy's own packed rows: every used slot was a visible candidate
+            return cur, keep, packed, None, None, past
+        _, _, valid, pos = store.past(layer)
         if keep is ALL:
             self.stats.record_rows(layer, valid.numel())  # every used slot of every (batch row, KV head)
             if store.attends_in_place() and not pol.needs_weights and (window is None or store.length[layer] < window):
@@ -341,9 +387,9 @@ class Session:
                 self.stats.record_all(layer, *valid.shape)
                 return ReadPlan(cur, ALL, valid, ALL, None)
         visible = valid if window is None else valid & (cur[:, None, None] - pos < window)
-        past = cur[:, None, None] if window is None else cur[:, None, None].clamp(max=window - 1)
+        past = past if window is None else past.clamp(max=window - 1)  # (a copy either way)
         if keep is ALL:
-            self.stats.record(layer, visible.sum(-1, keepdim=True), past)
+            self.stats.record(layer, visible.sum(-1, keepdim=True), past, owned=True)
         return cur, keep, packed, valid, visible, past
 
     def _write(self, layer: int, read: ReadPlan, weights, k, v) -> None:

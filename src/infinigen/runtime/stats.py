@@ -31,9 +31,11 @@ class KVStats:
         what a gather moved, padding included, or the used slots a dense read covers)."""
         self.rows[layer] += rows
 
-    def record(self, layer: int, selected: torch.Tensor, past: torch.Tensor) -> None:
-        """selected [B, Hkv, R] entries read and past [B, 1|Hkv, R] tokens before each row."""
-        self._pending.append((layer, selected, past.clone()))  # past may be a view of live positions
+    def record(self, layer: int, selected: torch.Tensor, past: torch.Tensor, owned: bool = False) -> None:
+        """selected [B, Hkv, R] (or [B, Hkv]: one row) entries read and past [B, 1|Hkv, R] tokens before each row.
+        `owned`: past is the caller's copy, which nothing changes later (else it is copied: it may be a view of
+        live positions)."""
+        self._pending.append((layer, selected, past if owned else past.clone()))
         if len(self._pending) >= 2048:
             self._flush()
 
@@ -45,12 +47,14 @@ class KVStats:
             groups.setdefault((item[1].shape, item[2].shape, item[1].device), []).append(item)
         for items in groups.values():
             sel = torch.stack([s for _, s, _ in items]).float()
+            if sel.dim() == 3:  # [L, B, Hkv]: one row each
+                sel = sel[..., None]
             past = torch.stack([p for _, _, p in items]).float().clamp(min=1)
             fracs = (sel / past).mean(dim=(1, 2)).sum(-1).tolist()
             totals = sel.sum(dim=(1, 2, 3)).tolist()
             for (layer, s, _), f, n in zip(items, fracs, totals):
                 self.read[layer] += f
-                self.steps[layer] += s.shape[-1]
+                self.steps[layer] += s.shape[-1] if s.dim() == 3 else 1
                 self.entries[layer] += int(n)
 
     def record_all(self, layer: int, batch: int, kv_heads: int, past: int) -> None:

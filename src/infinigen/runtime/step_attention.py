@@ -139,7 +139,7 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
         s, p, (a, b) = sessions[i], plans[i], spans[i]
         if in_place[i]:
             keys, values = buffers.flat_store(s.store, layer)
-            return HandedRows(keys, values, p.rows.rows, buffers.own_rows(stored[i], s.store.capacity) + stored[i])
+            return HandedRows(keys, values, p.rows.rows, buffers.own_rows_at(stored[i], s.store.capacity))
         handed = s.store.hand_rows(layer, p.rows, buffers.handed, every=p.idx is ALL)
         own = handed.own.reshape(-1)
         handed.keys.index_copy_(0, own, _part(k, a, b).reshape(own.numel(), -1).to(handed.keys.dtype))
@@ -192,7 +192,7 @@ def _one_in_place(layer: int, q, k, v, session, plan, scale: float, buffers: Ste
     if plan.idx is not ALL:  # a read of ALL counted its rows already (`_read`)
         session.stats.record_rows(layer, plan.rows.rows.numel())
     keys, values = buffers.flat_store(store, layer)
-    src = HandedRows(keys, values, plan.rows.rows, buffers.own_rows(slots, store.capacity) + slots)
+    src = HandedRows(keys, values, plan.rows.rows, buffers.own_rows_at(slots, store.capacity))
     att, mixed = _attend_rows_in_place(q, src, plan.rows.counts, scale, remainder is not None, remainder)
     out = att.out if mixed else attention.with_remainder(att, remainder)
     session._appended(layer, slots, k, v)
