@@ -20,10 +20,17 @@ from ..machine import cpu_flags
 from ..paths import writable_cache
 
 
+def headers(source: Path) -> list[Path]:
+    """The headers beside `source` that every kernel may include (`native_common.h`), in a fixed order."""
+    return sorted(source.parent.glob("*.h"))
+
+
 def build_key(source: Path) -> str:
-    """A short hash of what a build of `source` depends on."""
+    """A short hash of what a build of `source` depends on (its headers included)."""
     flags = " ".join(sorted(cpu_flags()))
     text = f"{torch.__version__}|{platform.machine()}|{flags}|{source.read_bytes().hex()}"
+    for header in headers(source):
+        text += f"|{header.name}|{header.read_bytes().hex()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -65,6 +72,8 @@ def _build(name: str, source: Path, python_module: bool):
             # this lock (which the system drops when its holder dies), nobody else is building
             fcntl.flock(held, fcntl.LOCK_EX)
             (build / "lock").unlink(missing_ok=True)
+            for header in headers(source):
+                _source_in(build, header)
             copy = _source_in(build, source)
             module = cpp_extension.load(
                 name=f"infinigen_{name}", sources=[str(copy)], build_directory=str(build),
@@ -78,8 +87,8 @@ def _build(name: str, source: Path, python_module: bool):
 
 
 def _source_in(build: Path, source: Path) -> Path:
-    """The source copied into its build folder (keyed by its bytes): every checkout sharing the cache names one
-    path in the build's commands, so none rebuilds what another built."""
+    """The source (or a header) copied into its build folder (keyed by its bytes): every checkout sharing the
+    cache names one path in the build's commands, so none rebuilds what another built."""
     copy = build / source.name
     if not copy.is_file() or copy.read_bytes() != source.read_bytes():
         partial = build / f"{source.name}.partial"

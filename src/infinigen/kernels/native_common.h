@@ -1,0 +1,48 @@
+// What the native kernels share (native_build copies it beside each kernel's source and keys every build by it).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace infinigen_native {
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (no call, no branch): Cephes' expf polynomial on
+// x - n ln 2, times 2^n built in the exponent bits; within 2 ulp of expf; 0 below -87.3 (where float32 turns
+// subnormal).
+inline float exp_nonpositive(float x) {
+  const float below = x < -87.3f ? 0.f : 1.f;
+  x = x > -87.3f ? x : -87.3f;
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln 2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale * below;
+}
+
+// Where each (batch row, KV head)'s packed rows start in its batch row (`starts`, [b * hkv]) from the kept counts
+// [b, hkv]; returns the longest batch row's number of packed rows.
+inline int64_t packed_starts(const int64_t* counts_p, int64_t b, int64_t hkv, std::vector<int64_t>& starts) {
+  starts.assign(b * hkv, 0);
+  int64_t m = 0;
+  for (int64_t bi = 0; bi < b; ++bi) {
+    int64_t at = 0;
+    for (int64_t kh = 0; kh < hkv; ++kh) {
+      starts[bi * hkv + kh] = at;
+      at += counts_p[bi * hkv + kh];
+    }
+    m = std::max(m, at);
+  }
+  return m;
+}
+
+}  // namespace infinigen_native
