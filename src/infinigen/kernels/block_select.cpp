@@ -23,6 +23,7 @@ namespace {
 
 using infinigen_native::exp_nonpositive;
 using infinigen_native::packed_starts;
+using infinigen_native::unread_lse;
 
 
 struct Block {  // one (KV head, block) of a batch row
@@ -168,17 +169,7 @@ std::vector<torch::Tensor> select_blocks(torch::Tensor scores, double scale, dou
     at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> unread(n);
       for (int64_t bh = lo; bh < hi; ++bh) {
-        const bool* kp = keep_p + bh * n;
-        for (int64_t j = 0; j < n; ++j) unread[j] = kp[j] ? 0.f : 1.f;
-        for (int64_t h = 0; h < g; ++h) {
-          const float* e = s_p + (bh * g + h) * n;
-          const float* u = unread.data();
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < n; ++j) sum += e[j] * u[j];
-          lse_p[bh * g + h] = sum > 0.f ? head_max[bh * g + h] + std::log(sum)
-                                        : -std::numeric_limits<float>::infinity();
-        }
+        unread_lse(keep_p + bh * n, s_p + bh * g * n, head_max.data() + bh * g, lse_p + bh * g, g, n, unread);
       }
     });
   }

@@ -25,6 +25,7 @@ namespace {
 
 using infinigen_native::exp_nonpositive;
 using infinigen_native::packed_starts;
+using infinigen_native::unread_lse;
 
 constexpr int64_t kBlock = 32;  // rows per online-softmax block: their keys and values fit in L1 at d <= 128
 
@@ -483,17 +484,7 @@ std::vector<torch::Tensor> select_from_scores(float* s_p, int64_t b, int64_t hkv
       }
       std::copy(kept.begin(), kept.begin() + c, rows_p + bi * m + starts[bh]);
       std::fill(head_p + bi * m + starts[bh], head_p + bi * m + starts[bh] + c, kh);
-      if (!with_lse) continue;
-      for (int64_t j = 0; j < n; ++j) unread[j] = kp[j] ? 0.f : 1.f;
-      for (int64_t h = 0; h < g; ++h) {
-        const float* e = s_p + (bh * g + h) * n;
-        const float* u = unread.data();
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) sum += e[j] * u[j];
-        lse_p[bh * g + h] = sum > 0.f ? head_max[bh * g + h] + std::log(sum)
-                                      : -std::numeric_limits<float>::infinity();
-      }
+      if (with_lse) unread_lse(kp, s_p + bh * g * n, head_max.data() + bh * g, lse_p + bh * g, g, n, unread);
     }
   });
   return {keep, rows, head, counts, lse};
@@ -669,15 +660,10 @@ inline void score_block_any(const float* a, int64_t g, int64_t d, const uint8_t*
 
 }  // namespace
 
-// The 4-bit keys' scores of one decoding row per (batch row, KV head), in one parallel region: q [B, Hkv, G, d]
-// (any floating dtype), rotated by rotation [Hkv, d, d] float64 (`rotate_row`; an empty tensor: not rotated) and
-// rounded to bfloat16 as torch's CPU int4 kernel takes its queries; codes [B, Hkv, blocks * 64, d / 2] uint8 and
-// sz [B, Hkv, ng, capacity, 2] bfloat16 in that kernel's layout (kernels/int4.py, "tinygemm"). Computed here in
-// that kernel's arithmetic (`score_block`), so every score has the bits of its call from Python, without its
-// per-call work (a dispatch, a copy of the scale-and-zero, a bfloat16 output converted again); each (batch row,
-// KV head)'s blocks in parts of `part_slots` slots, a task each. Returns float32 [B, Hkv, G, n].
-torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz, int64_t group, int64_t n,
-                         int64_t part_slots, torch::Tensor rotation) {
+// The checks `score_int4` and `score_select` make of their inputs (q, codes and sz made contiguous in place), and
+// every query row rotated once, then rounded to bfloat16 (the int4 kernel's input) and widened again.
+static std::vector<float> scoring_queries(torch::Tensor& q, torch::Tensor& codes, torch::Tensor& sz,
+                                          int64_t group, int64_t n, torch::Tensor& rotation) {
   TORCH_CHECK(q.dim() == 4 && q.is_floating_point(), "q [B,Hkv,G,d] floating");
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == torch::kByte, "codes [B,Hkv,blocks*64,d/2] uint8");
   TORCH_CHECK(sz.dim() == 5 && sz.scalar_type() == at::kBFloat16 && sz.size(4) == 2, "sz [B,Hkv,ng,cap,2] bf16");
@@ -690,10 +676,23 @@ torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz,
   q = q.contiguous();
   codes = codes.contiguous();
   sz = sz.contiguous();
-  // every query row rotated once, then rounded to bfloat16 (the kernel's input) and widened again
   std::vector<float> queries(b * hkv * g * d);
   rotated_rows(q, b * hkv * g, d, rotation, hkv, g, queries.data());
   for (float& x : queries) x = static_cast<float>(c10::BFloat16(x));
+  return queries;
+}
+
+// The 4-bit keys' scores of one decoding row per (batch row, KV head), in one parallel region: q [B, Hkv, G, d]
+// (any floating dtype), rotated by rotation [Hkv, d, d] float64 (`rotate_row`; an empty tensor: not rotated) and
+// rounded to bfloat16 as torch's CPU int4 kernel takes its queries; codes [B, Hkv, blocks * 64, d / 2] uint8 and
+// sz [B, Hkv, ng, capacity, 2] bfloat16 in that kernel's layout (kernels/int4.py, "tinygemm"). Computed here in
+// that kernel's arithmetic (`score_block`), so every score has the bits of its call from Python, without its
+// per-call work (a dispatch, a copy of the scale-and-zero, a bfloat16 output converted again); each (batch row,
+// KV head)'s blocks in parts of `part_slots` slots, a task each. Returns float32 [B, Hkv, G, n].
+torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz, int64_t group, int64_t n,
+                         int64_t part_slots, torch::Tensor rotation) {
+  const std::vector<float> queries = scoring_queries(q, codes, sz, group, n, rotation);
+  const int64_t b = q.size(0), hkv = q.size(1), g = q.size(2), d = q.size(3);
   auto out = torch::empty({b, hkv, g, n}, q.options().dtype(torch::kFloat));
   if (n == 0) return out;
   const int64_t blocks = (n + kSlotBlock - 1) / kSlotBlock, cap = sz.size(3), ng = sz.size(2);
@@ -733,21 +732,8 @@ torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz,
 std::vector<torch::Tensor> score_select(torch::Tensor q, torch::Tensor codes, torch::Tensor sz, int64_t group,
                                         int64_t n, int64_t part_slots, torch::Tensor rotation, double scale,
                                         double alpha, int64_t total, int64_t capacity, bool with_lse) {
-  TORCH_CHECK(q.dim() == 4 && q.is_floating_point(), "q [B,Hkv,G,d] floating");
-  TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == torch::kByte, "codes [B,Hkv,blocks*64,d/2] uint8");
-  TORCH_CHECK(sz.dim() == 5 && sz.scalar_type() == at::kBFloat16 && sz.size(4) == 2, "sz [B,Hkv,ng,cap,2] bf16");
+  const std::vector<float> queries = scoring_queries(q, codes, sz, group, n, rotation);
   const int64_t b = q.size(0), hkv = q.size(1), g = q.size(2), d = q.size(3);
-  TORCH_CHECK(codes.size(0) == b && codes.size(1) == hkv && codes.size(3) * 2 == d, "codes do not match q");
-  TORCH_CHECK(sz.size(0) == b && sz.size(1) == hkv && sz.size(2) * group == d, "sz does not match q");
-  TORCH_CHECK(n >= 0 && n <= codes.size(2) && n <= sz.size(3), "n exceeds the packed slots");
-  TORCH_CHECK(codes.size(2) % kSlotBlock == 0 && sz.size(3) >= codes.size(2), "codes in whole 64-slot blocks");
-  rotation = checked_rotation(rotation, hkv, d);
-  q = q.contiguous();
-  codes = codes.contiguous();
-  sz = sz.contiguous();
-  std::vector<float> queries(b * hkv * g * d);
-  rotated_rows(q, b * hkv * g, d, rotation, hkv, g, queries.data());
-  for (float& x : queries) x = static_cast<float>(c10::BFloat16(x));
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < b * hkv * g * n) buffer.resize(b * hkv * g * n);
   float* out_p = buffer.data();

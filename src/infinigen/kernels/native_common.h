@@ -2,8 +2,10 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace infinigen_native {
@@ -43,6 +45,22 @@ inline int64_t packed_starts(const int64_t* counts_p, int64_t b, int64_t hkv, st
     m = std::max(m, at);
   }
   return m;
+}
+
+// The log-sum-exp of the mass one (batch row, KV head) leaves unread, per query head: `e` [g, n] its scores'
+// exp(score - the head's max), `head_max` [g] those maxima, `kp` [n] the kept slots; `unread` a scratch row of n.
+inline void unread_lse(const bool* kp, const float* e, const float* head_max, float* lse, int64_t g, int64_t n,
+                       std::vector<float>& unread) {
+  unread.resize(n);
+  for (int64_t j = 0; j < n; ++j) unread[j] = kp[j] ? 0.f : 1.f;
+  const float* u = unread.data();
+  for (int64_t h = 0; h < g; ++h) {
+    const float* eh = e + h * n;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) sum += eh[j] * u[j];
+    lse[h] = sum > 0.f ? head_max[h] + std::log(sum) : -std::numeric_limits<float>::infinity();
+  }
 }
 
 }  // namespace infinigen_native
