@@ -278,19 +278,24 @@ def early_stop_searches(pol, model, tokenizer, name: str, args) -> None:
                 found = fused_search(pol, model, tokenizer)
             finally:
                 cal.EARLY_STOP, cal.BLOCK_ROWS = saved
-            choice = found["choice"]
-            trials = [{"knobs": t["knobs"], "vs_full": math.expm1(t["nll"] - choice.reference_nll), "kv": t["kv"],
-                       "rows": t["rows"], "cpu": cpu} for t, (_, cpu) in zip(choice.trials, found["passes"])]
-            rows.append({"run": run, "way": way, "wall": found["wall"], "cpu": found["cpu"],
-                         "window_cpu": found["window"][1], "chosen": choice.knobs, "reached": choice.reached,
-                         "trials": trials, "loadavg": found["loadavg"]})
-            each = "; ".join(f"{100 * t['vs_full']:+.3f}%, {100 * t['kv']:.2f}%, {t['rows']}, {t['cpu']:.1f}"
-                             for t in trials)
-            print(f"| {run} | {way} | {found['wall']:.1f} | {found['cpu']:.1f} | {found['window'][1]:.1f} | "
-                  f"{choice.knobs} | {each} | {found['loadavg'][0]} -> {found['loadavg'][1]} |", flush=True)
+            rows.append(search_row(run, way, found))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": name, "threads": args.threads, "searches": rows}, fh, indent=1, default=str)
+
+
+def search_row(run: int, way: str, found: dict) -> dict:
+    """One timed search's record (its choice, and per candidate its loss, reads, tokens and CPU), printed as a
+    row of the table."""
+    choice = found["choice"]
+    trials = [{"knobs": t["knobs"], "vs_full": math.expm1(t["nll"] - choice.reference_nll), "kv": t["kv"],
+               "nll": t["nll"], "rows": t["rows"], "cpu": cpu} for t, (_, cpu) in zip(choice.trials, found["passes"])]
+    each = "; ".join(f"{100 * t['vs_full']:+.3f}%, {100 * t['kv']:.2f}%, {t['rows']}, {t['cpu']:.1f}" for t in trials)
+    print(f"| {run} | {way} | {found['wall']:.1f} | {found['cpu']:.1f} | {found['window'][1]:.1f} | "
+          f"{choice.knobs} | {each} | {found['loadavg'][0]} -> {found['loadavg'][1]} |", flush=True)
+    return {"run": run, "way": way, "wall": found["wall"], "cpu": found["cpu"], "window_cpu": found["window"][1],
+            "reference_nll": choice.reference_nll, "chosen": choice.knobs, "reached": choice.reached,
+            "trials": trials, "loadavg": found["loadavg"]}
 
 
 WAYS = {"float32": (), "bf16 layers": ("score_rows",), "bf16 layers and window": ("score_rows", "window"),
@@ -328,18 +333,7 @@ def low_precision_searches(pol, model, tokenizer, name: str, args) -> None:
                 found = fused_search(pol, model, tokenizer, () if WAYS[way] == "head before" else WAYS[way])
             finally:
                 cal.head_nll = saved
-            choice = found["choice"]
-            trials = [{"knobs": t["knobs"], "vs_full": math.expm1(t["nll"] - choice.reference_nll), "kv": t["kv"],
-                       "nll": t["nll"], "rows": t["rows"], "cpu": cpu}
-                      for t, (_, cpu) in zip(choice.trials, found["passes"])]
-            rows.append({"run": run, "way": way, "wall": found["wall"], "cpu": found["cpu"],
-                         "window_cpu": found["window"][1], "reference_nll": choice.reference_nll,
-                         "chosen": choice.knobs, "reached": choice.reached, "trials": trials,
-                         "loadavg": found["loadavg"]})
-            each = "; ".join(f"{100 * t['vs_full']:+.3f}%, {100 * t['kv']:.2f}%, {t['rows']}, {t['cpu']:.1f}"
-                             for t in trials)
-            print(f"| {run} | {way} | {found['wall']:.1f} | {found['cpu']:.1f} | {found['window'][1]:.1f} | "
-                  f"{choice.knobs} | {each} | {found['loadavg'][0]} -> {found['loadavg'][1]} |", flush=True)
+            rows.append(search_row(run, way, found))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"model": name, "threads": args.threads, "searches": rows}, fh, indent=1, default=str)

@@ -17,7 +17,7 @@ from infinigen.kernels import fused_select
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
 from infinigen.policies.infinigen_select import remainder_lse
-from support.packed_rows import P, T
+from support.packed_rows import P, T, first_row_dropped
 from support.packed_rows import Selections as _Seen
 from support.speculation import random_skew as _mats
 
@@ -148,11 +148,7 @@ def test_the_comparison_catches_a_broken_selection(breakage):
     else:
         out = fused_select.select_packed(scores.clone(), SCALE, alpha, total, n + 3, True)
     if breakage == "drop a row":
-        keep, rows, head, counts, lse = out
-        rows, counts = rows.clone(), counts.clone()
-        rows[0, :-1] = rows[0, 1:].clone()  # batch row 0's first row never read
-        counts[0, 0] -= 1
-        out = (keep, rows, head, counts, lse)
+        out = first_row_dropped(out)
     if breakage == "stale lse":
         stale = fused_select.select_packed(_scores(case, seed=99), SCALE, alpha, total, n + 3, True)[4]
         out = (*out[:4], stale)

@@ -18,6 +18,7 @@ from infinigen.cache import KVStore
 from infinigen.kernels import block_select
 from infinigen.policies import make_policy
 from infinigen.policies.infinigen_select import remainder_lse
+from support.packed_rows import first_row_dropped
 
 needs_kernel = pytest.mark.skipif(not block_select.available(), reason="the block kernel cannot be built here")
 NEAR_TIE = 1e-6  # relative difference of two block masses at the cut that float32 summation order may flip
@@ -182,11 +183,7 @@ def test_the_comparison_catches_a_broken_block_selection(breakage):
     else:
         out = block_select.select_blocks(scores.clone(), SCALE, alpha, call["total"], call["block"], n + 5, True)
     if breakage == "drop a row":
-        keep, rows, head, counts, lse = out
-        rows, counts = rows.clone(), counts.clone()
-        rows[0, :-1] = rows[0, 1:].clone()  # batch row 0's first row never read
-        counts[0, 0] -= 1
-        out = (keep, rows, head, counts, lse)
+        out = first_row_dropped(out)
     if breakage == "stale lse":
         other_scores = _scores(case, seed=99)
         out = (*out[:4], block_select.select_blocks(other_scores, SCALE, alpha, total, block, n + 5, True)[4])

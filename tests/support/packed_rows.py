@@ -54,3 +54,13 @@ def decode_rows(model, policy, tokens, mask, read_rows, greedy=False):
         nxt = out[-1].argmax(-1) if greedy else tokens[:, t]
         out.append(runtime.decode(model, nxt, sess))
     return torch.stack(out, 1), seen.seen, sess
+
+
+def first_row_dropped(selection):
+    """A native selection's (keep, rows, head, counts, lse) with batch row 0's first packed row never read: the
+    breakage the selection tests make on purpose."""
+    keep, rows, head, counts, lse = selection
+    rows, counts = rows.clone(), counts.clone()
+    rows[0, :-1] = rows[0, 1:].clone()
+    counts[0, 0] -= 1
+    return keep, rows, head, counts, lse
