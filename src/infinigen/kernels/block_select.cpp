@@ -23,6 +23,8 @@ namespace {
 
 using infinigen_native::exp_nonpositive;
 using infinigen_native::packed_starts;
+using infinigen_native::exp_relative;
+using infinigen_native::scaled_max;
 using infinigen_native::unread_lse;
 
 
@@ -109,16 +111,8 @@ std::vector<torch::Tensor> select_blocks(torch::Tensor scores, double scale, dou
       float* ms = mass.data();
       for (int64_t h = 0; h < g; ++h) {
         float* row = s_p + (bh * g + h) * n;
-        for (int64_t j = 0; j < n; ++j) row[j] = row[j] * sc;  // as torch: the scaled score rounded
-        float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-        for (int64_t j = 0; j < n; ++j) mx = mx > row[j] ? mx : row[j];
-        mx = std::max(mx, std::numeric_limits<float>::lowest());  // as `choose` clamps the max
-        for (int64_t j = 0; j < n; ++j) gm[j] = std::max(gm[j], row[j] - mx);  // then the max subtracted
-        for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) sum += row[j];
+        float mx = scaled_max(row, n, sc);
+        const float sum = exp_relative(row, n, mx, gm);
         head_max[bh * g + h] = mx;
         for (int64_t j = 0; j < n; ++j) ms[j] += row[j] / sum;  // each head's weights, summed over the group
       }

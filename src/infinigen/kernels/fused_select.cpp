@@ -25,6 +25,8 @@ namespace {
 
 using infinigen_native::exp_nonpositive;
 using infinigen_native::packed_starts;
+using infinigen_native::exp_relative;
+using infinigen_native::scaled_max;
 using infinigen_native::unread_lse;
 
 constexpr int64_t kBlock = 32;  // rows per online-softmax block: their keys and values fit in L1 at d <= 128
@@ -375,21 +377,8 @@ __attribute__((noinline)) int64_t first_pass(float* rows, int64_t g, int64_t n, 
   std::fill(gm, gm + n, -std::numeric_limits<float>::infinity());
   for (int64_t h = 0; h < g; ++h) {
     float* row = rows + h * n;
-    float mx;
-    if (maxima == nullptr) {
-      for (int64_t j = 0; j < n; ++j) row[j] = row[j] * sc;  // as torch: the scaled score rounded
-      mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-      for (int64_t j = 0; j < n; ++j) mx = mx > row[j] ? mx : row[j];
-    } else {
-      mx = maxima[h];
-    }
-    mx = std::max(mx, std::numeric_limits<float>::lowest());  // as `_choose` clamps the max
-    for (int64_t j = 0; j < n; ++j) gm[j] = std::max(gm[j], row[j] - mx);  // then the max subtracted
-    for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < n; ++j) sum += row[j];
+    float mx = maxima == nullptr ? scaled_max(row, n, sc) : maxima[h];
+    const float sum = exp_relative(row, n, mx, gm);
     head_max[h] = mx;
     head_sum[h] = sum;
   }

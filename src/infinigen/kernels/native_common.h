@@ -47,6 +47,27 @@ inline int64_t packed_starts(const int64_t* counts_p, int64_t b, int64_t hkv, st
   return m;
 }
 
+// One query head's scores `row` [n] scaled by `sc` in place (as torch rounds the scaled score); returns their max.
+inline float scaled_max(float* row, int64_t n, float sc) {
+  for (int64_t j = 0; j < n; ++j) row[j] = row[j] * sc;
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < n; ++j) mx = mx > row[j] ? mx : row[j];
+  return mx;
+}
+
+// One query head's scaled scores `row` [n] made exp(score - mx) in place, `mx` first clamped as `choose` clamps the
+// max; the group's largest relative score `gm` [n] raised to them. Returns the sum of the exponentials.
+inline float exp_relative(float* row, int64_t n, float& mx, float* gm) {
+  mx = std::max(mx, std::numeric_limits<float>::lowest());
+  for (int64_t j = 0; j < n; ++j) gm[j] = std::max(gm[j], row[j] - mx);
+  for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) sum += row[j];
+  return sum;
+}
+
 // The log-sum-exp of the mass one (batch row, KV head) leaves unread, per query head: `e` [g, n] its scores'
 // exp(score - the head's max), `head_max` [g] those maxima, `kp` [n] the kept slots; `unread` a scratch row of n.
 inline void unread_lse(const bool* kp, const float* e, const float* head_max, float* lse, int64_t g, int64_t n,
