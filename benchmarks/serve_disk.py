@@ -32,6 +32,14 @@ tok/s (completion tokens after each client's first, over the span from the first
 token), completion tokens/s over the whole run, TTFT p50/max, the cgroup's peak charge (page cache included) and
 the server's peak RSS (VmHWM), lost requests (errors or short answers), answers equal to the same request alone.
 
+`--turns 2` adds the conversations' second turn: once every client has its first answer, each asks a follow-up in
+the same conversation (its document, its answer, `FOLLOW_UP`), all at once. Our servers then keep the prompts'
+prefixes in a prefix cache whose folder is on disk (`--prefix-cache-dir`, a temporary folder per system, bounded
+at twice the documents' KV), so a second turn prefills only its answer and question (a hit writes the cached
+blocks into the request's pool file a block at a time) and the turn's decode is the tier's, not the prefills'.
+The prefix cache needs the pool in blocks, so full offload runs on the block layout too in that mode. The same
+statistics are reported for the second turn, with its own sample of requests alone.
+
 Writes OUT.md and OUT.json (default results/serve_disk/serve_disk).
 """
 from __future__ import annotations
@@ -67,6 +75,7 @@ def _module(name: str):
 CALIBRATED = ("calibrate=false", "alpha=7", "kv_budget=0.1354", "budget_growth=0.5", "exact_first=true",
               "remainder_from=1", "dense_layers=", "dense_below=0")
 INSTRUCTION = "Read the text below, then say in a few sentences what happens in it."
+FOLLOW_UP = "Now name the people in the text and say in one sentence each what they want."
 
 
 def peak_rss(pid: int) -> int | None:
@@ -141,32 +150,8 @@ def run_system(name: str, argv: list[str], port: int, chats: list[list[dict]], a
             sl.warm_up(client, model)
             t0 = time.perf_counter()
             row["startup_s"] = round(t0 - started, 1)
-            answers = {}
-
-            def concurrent_one(i):
-                rec = sl.Sent(sent=time.perf_counter())
-                try:
-                    stream = client.chat.completions.create(
-                        model=model, messages=chats[i], max_tokens=args.answer_tokens, temperature=0, stream=True,
-                        stream_options={"include_usage": True})
-                    parts = []
-                    for chunk in stream:
-                        now = time.perf_counter()
-                        if chunk.choices and chunk.choices[0].delta is not None and chunk.choices[0].delta.content:
-                            rec.arrivals.append(now)
-                            parts.append(chunk.choices[0].delta.content)
-                        if chunk.usage is not None:
-                            rec.completion_tokens = chunk.usage.completion_tokens
-                    answers[i] = "".join(parts)
-                except Exception as e:  # noqa: BLE001
-                    rec.error = repr(e)[:300]
-                rec.done = time.perf_counter()
-                return rec
-
-            with concurrent.futures.ThreadPoolExecutor(len(chats)) as pool:
-                recs = list(pool.map(concurrent_one, range(len(chats))))
-            wall = time.perf_counter() - t0
-            # a sample of the requests again alone (each a fresh prefill of its document)
+            answers, recs, wall = concurrent_round(client, model, chats, args.answer_tokens)
+            # a sample of the requests again alone (each a fresh prefill of its document, or a prefix hit)
             sample = alone_sample(len(chats), args.alone_count if args.alone else 0)
             t1 = time.perf_counter()
             alone = {i: text_of(client, model, chats[i], args.answer_tokens) for i in sample}
@@ -175,6 +160,9 @@ def run_system(name: str, argv: list[str], port: int, chats: list[list[dict]], a
             row["equal_alone"] = sum(alone[i] is not None and alone[i] == answers.get(i) for i in sample)
             row["compared_alone"] = len(sample)
             row["alone_sample"] = sample
+            if args.turns == 2:
+                row["turn2"] = second_turn(client, model, chats, answers, sample, args)
+                row["prefix_metrics"] = prefix_metrics(url)
             row["rss_peak_mib"] = round((peak_rss(proc.pid) or 0) / 2**20)
             stats = mb.stats()
             row["cgroup_peak_mib"] = round(stats.get("peak", 0) / 2**20) if stats.get("peak") else None
@@ -184,6 +172,70 @@ def run_system(name: str, argv: list[str], port: int, chats: list[list[dict]], a
         row["failed"] = " ".join(str(e).split())[:600]
     row["system_s"] = round(time.perf_counter() - started, 1)
     return row
+
+
+def concurrent_round(client, model, chats: list[list[dict]], answer_tokens: int):
+    """Every chat sent at once, streamed and greedy: (answers by client, the `Sent` records, the round's wall s)."""
+    sl = _module("serve_load")
+    answers = {}
+
+    def one(i):
+        rec = sl.Sent(sent=time.perf_counter())
+        try:
+            stream = client.chat.completions.create(
+                model=model, messages=chats[i], max_tokens=answer_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True})
+            parts = []
+            for chunk in stream:
+                now = time.perf_counter()
+                if chunk.choices and chunk.choices[0].delta is not None and chunk.choices[0].delta.content:
+                    rec.arrivals.append(now)
+                    parts.append(chunk.choices[0].delta.content)
+                if chunk.usage is not None:
+                    rec.completion_tokens = chunk.usage.completion_tokens
+            answers[i] = "".join(parts)
+        except Exception as e:  # noqa: BLE001 -- counted as lost, the run goes on
+            rec.error = repr(e)[:300]
+        rec.done = time.perf_counter()
+        return rec
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(chats)) as pool:
+        recs = list(pool.map(one, range(len(chats))))
+    return answers, recs, time.perf_counter() - t0
+
+
+def follow_ups(chats: list[list[dict]], answers: dict) -> list[list[dict]]:
+    """Each conversation's second turn: its first prompt, its answer (empty where it had none) and FOLLOW_UP."""
+    return [chat + [{"role": "assistant", "content": answers.get(i) or ""}, {"role": "user", "content": FOLLOW_UP}]
+            for i, chat in enumerate(chats)]
+
+
+def second_turn(client, model, chats, answers, sample, args) -> dict:
+    """The follow-ups sent at once, then the sample again alone: the same statistics as the first turn."""
+    chats2 = follow_ups(chats, answers)
+    answers2, recs, wall = concurrent_round(client, model, chats2, args.answer_tokens)
+    t1 = time.perf_counter()
+    alone = {i: text_of(client, model, chats2[i], args.answer_tokens) for i in sample}
+    out = {"alone_s": round(time.perf_counter() - t1, 1), **summary(recs, wall, args.answer_tokens)}
+    out["equal_alone"] = sum(alone[i] is not None and alone[i] == answers2.get(i) for i in sample)
+    out["compared_alone"] = len(sample)
+    return out
+
+
+def prefix_metrics(url: str) -> dict:
+    """The server's prefix-cache counters from /metrics (hits, tokens not prefilled again, the folder's)."""
+    import urllib.request
+    try:
+        text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    except OSError as e:
+        return {"error": str(e)[:200]}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("infinigen_prefix_cache") and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name.removeprefix("infinigen_")] = float(value)
+    return out
 
 
 def alone_sample(clients: int, count: int | None) -> list[int]:
@@ -248,6 +300,20 @@ def markdown(d: dict) -> str:
               "first token to the last token; (all running): tokens over the span while every client was decoding "
               "(the last first token to the first client's last token). Clients s: the concurrent clients' wall "
               "time; alone s: the sample's requests alone; system s: start-up to shut-down."]
+    turn2 = [r for r in d["rows"] if "turn2" in r]
+    if turn2:
+        lines += ["", "## The second turn: every client's follow-up at once, its document's prefix cached on disk", "",
+                  "| system | lost | decode tok/s (aggregate) | decode tok/s (all running) | tok/s (whole turn) "
+                  "| TTFT p50 s | TTFT max s | answers = alone | turn s | prefix tokens reused (memory, folder) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in turn2:
+            t, m = r["turn2"], r.get("prefix_metrics", {})
+            reused = (f"{m.get('prefix_cache_hit_tokens_total', m.get('prefix_cache_hit_tokens'))}, "
+                      f"{m.get('prefix_cache_disk_hit_tokens_total', m.get('prefix_cache_disk_hit_tokens'))}")
+            lines.append(f"| {r['system']} | {t['lost']} of {t['requests']} | {t['decode_tok_s']} | "
+                         f"{t.get('decode_tok_s_all_running')} | {t['tok_s_wall']} | {t['ttft_p50_s']} | "
+                         f"{t['ttft_max_s']} | {t['equal_alone']} of {t['compared_alone']} | {t['wall_s']} "
+                         f"| {reused} |")
     lines += ["", "Commands:"] + [f"- {r['system']}: `{r['command']}`" for r in d["rows"]]
     return "\n".join(lines) + "\n"
 
@@ -268,7 +334,12 @@ def parse_args(argv=None):
     p.add_argument("--alone-count", type=int, default=2,
                    help="compare N requests, spread over the clients, with the same request alone (>= --clients: "
                         "every one)")
+    p.add_argument("--turns", type=int, choices=(1, 2), default=1,
+                   help="2: each conversation's follow-up after its first answer, the documents' prefixes cached in "
+                        "a folder on disk (see above)")
     p.add_argument("--systems", default="full,infinigen,llama")
+    p.add_argument("--prefix-dir", default=None,
+                   help="where the second turn's prefix-cache folders go (default: the system's temporary folder)")
     p.add_argument("--out", default="results/serve_disk/serve_disk")
     args = p.parse_args(argv)
     args.memory_limit = parse_bytes(args.memory_limit, "memory-limit")
@@ -284,18 +355,29 @@ def main(argv=None) -> int:
     run_started = time.perf_counter()
     chats = documents(args.clients, args.doc_tokens)
     n, b = args.clients, args.disk_block
-    # every client's document is its own: a prefix cache (on for block pools) would only churn, in the bound's RAM
-    common = ["--max-batch", str(n), "--max-queue", str(4 * n), "--host", "127.0.0.1", "--kv-offload", "disk",
-              "--no-prefix-cache"]
+    common = ["--max-batch", str(n), "--max-queue", str(4 * n), "--host", "127.0.0.1", "--kv-offload", "disk"]
+    full_layout, full_name = [], "full offload (disk, mapped file)"
+    if args.turns == 1:  # every client's document is its own: a prefix cache would only churn, in the bound's RAM
+        common += ["--no-prefix-cache"]
+    else:  # the second turn reuses each document's prefix, which a prefix cache keeps for block pools only
+        full_layout, full_name = ["--disk-block", str(b)], f"full offload (disk, blocks of {b})"
+    folders = tempfile.TemporaryDirectory(prefix="serve-disk-prefix-", dir=args.prefix_dir)
+
+    def prefix_folder(key: str) -> list[str]:
+        if args.turns == 1:
+            return []
+        # twice the documents' KV (23040 B per token: the default model in bfloat16) holds every document's blocks
+        limit = 2 * n * (args.doc_tokens + 2 * args.answer_tokens + 64) * 23040
+        return ["--prefix-cache-dir", str(Path(folders.name) / key), "--prefix-cache-dir-bytes", str(limit)]
     ours = [sys.executable, "-m", "infinigen.cli", "serve"]
     fetch = [f"block_fetch={args.block_fetch}"] if args.block_fetch is not None else []
     within = f", tokens within {args.block_fetch}x" if fetch else ""
     systems = {
-        "full": ("full offload (disk, mapped file)", lambda port: ours + ["--policy", "full", *common,
-                                                                          "--port", str(port)]),
+        "full": (full_name, lambda port: ours + ["--policy", "full", *common, *full_layout, *prefix_folder("full"),
+                                                 "--port", str(port)]),
         "infinigen": (f"InfiniGen (disk, blocks of {b}{within})", lambda port: ours + [
             "--policy", "infinigen", *[x for k in (*CALIBRATED, f"block={b}", *fetch) for x in ("--knob", k)], *common,
-            "--disk-block", str(b), "--port", str(port)]),
+            "--disk-block", str(b), *prefix_folder("infinigen"), "--port", str(port)]),
     }
     binary = None if args.no_llama else llama_bin()
     if binary is not None:
@@ -322,6 +404,7 @@ def main(argv=None) -> int:
          "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
          "load_before": load_before, "load_after": Path("/proc/loadavg").read_text().strip(),
          "run_s": round(time.perf_counter() - run_started, 1)}
+    folders.cleanup()
     out.with_suffix(".json").write_text(json.dumps(d, indent=1))
     out.with_suffix(".md").write_text(markdown(d))
     print(markdown(d))

@@ -37,3 +37,9 @@ def sl():
 def block_accuracy():
     """benchmarks/disk_block_accuracy.py"""
     yield from _script("disk_block_accuracy")
+
+
+@pytest.fixture(scope="module")
+def serve_disk():
+    """benchmarks/serve_disk.py"""
+    yield from _script("serve_disk")
