@@ -403,3 +403,36 @@ def test_a_file_with_this_models_fingerprint_but_other_tensors_is_skipped(make_t
     assert _served(again, doc + [2], 4) == _alone(model, make_policy("full"), doc + [2], 4)
     s = again.snapshot()
     assert s["prefix_cache_disk_skipped"] == 1 and s["prefix_cache_disk_hit_tokens"] == 8, bad
+
+
+def test_blocks_waiting_for_the_writer_are_bounded_in_bytes(tmp_path, monkeypatch):
+    """A long prompt's blocks are copies in memory until written: the writer holds at most IN_FLIGHT_BYTES of
+    them, and the insert waits (a server under a memory bound must not hold a whole prompt's blocks twice)."""
+    import threading
+
+    from infinigen.serve import prefix as prefix_mod
+    layers, heads, dim, block = 2, 2, 8, 4
+    block_bytes = 2 * layers * heads * dim * block * 4  # float32
+    monkeypatch.setattr(prefix_mod, "IN_FLIGHT_BYTES", 3 * block_bytes)
+    disk = prefix_mod.DiskTier(tmp_path, 1 << 30, "f" * 20, block, (layers, heads, dim, torch.float32))
+    release, writing = threading.Event(), threading.Event()
+    real_write = disk._write
+
+    def slow_write(*a):  # the disk is slow: nothing is written until released
+        writing.set()
+        release.wait()
+        real_write(*a)
+    monkeypatch.setattr(disk, "_write", slow_write)
+    blk = prefix_mod._Block([torch.zeros(1, heads, block, dim) for _ in range(layers)],
+                            [torch.zeros(1, heads, block, dim) for _ in range(layers)], block_bytes)
+    disk.save(b"k0", blk)
+    writing.wait(timeout=60)  # the writer took the first block and is stuck writing it
+    handed = []
+    saver = threading.Thread(target=lambda: [handed.append(disk.save(bytes([i]), blk)) for i in range(1, 6)])
+    saver.start()
+    saver.join(timeout=2)
+    assert saver.is_alive() and len(handed) == 3  # three blocks wait in the queue; the insert waits for room
+    release.set()
+    saver.join(timeout=60)
+    disk.flush()
+    assert not saver.is_alive() and disk.writes == 6 and disk.write_errors == 0

@@ -35,6 +35,7 @@ log = logging.getLogger("infinigen.serve")
 
 FORMAT_VERSION = 1
 SUFFIX = ".safetensors"
+IN_FLIGHT_BYTES = 32 << 20
 
 
 def prefix_fingerprint(model) -> str:
@@ -86,7 +87,12 @@ class DiskTier:
         self._lock = threading.Lock()  # the byte count and the folder's listing: the writer and lookups
         self._clean_partials()
         self.bytes = sum(size for _, _, size, _ in self._listing())
-        self._queue: queue.Queue = queue.Queue()
+        # blocks handed to the writer and not written yet are copies in memory: at most IN_FLIGHT_BYTES of them
+        # (a prompt of 8000 tokens is ~180 MB of blocks), so that a long prompt's insert cannot push a server past
+        # its memory bound while the next prompt's prefill runs
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        block_bytes = 2 * self.layers * self.kv_heads * self.head_dim * block_tokens * itemsize
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, IN_FLIGHT_BYTES // max(1, block_bytes)))
         self._writer = threading.Thread(target=self._write_loop, name="infinigen-prefix-writer", daemon=True)
         self._writer.start()
 
@@ -182,7 +188,8 @@ class DiskTier:
 
     # ---- writing --------------------------------------------------------------------------------------
     def save(self, key: bytes, block: "_Block", keep: frozenset[bytes] = frozenset()) -> None:
-        """Write the block (by the writer thread); `keep`: keys that eviction spares (its prompt's chain)."""
+        """Write the block (by the writer thread; waits while IN_FLIGHT_BYTES of blocks are not written yet);
+        `keep`: keys that eviction spares (its prompt's chain)."""
         self._queue.put((key, block, keep))
 
     def flush(self) -> None:
