@@ -141,86 +141,97 @@ void half_block_f32(const Problem& p, int64_t nb, int64_t h, int64_t row0) {
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-// bfloat16 activations: two inputs at a time. The 64 bytes of inputs k and k + 1 (32 each) give, per 32-bit lane i,
-// byte 16h + i of input k and of input k + 1 (one byte permute), whose low nibbles are outputs 16h + i and high
-// nibbles outputs 32 + 16h + i; a word table turns each nibble into its bfloat16 value, and `vdpbf16ps` adds
-// q[k] x[k] + q[k+1] x[k+1] into the lane.
-template <int ROWS, int HALVES>
-void halves_bf16(const Problem& p, int64_t nb, int64_t h0, int64_t row0) {
+// bfloat16 activations: a whole block (64 outputs) per pass over K, two inputs at a time. One byte permute of the
+// 64 bytes of inputs k and k + 1 gives lane i the bytes (k: i, k: 16 + i, k + 1: i, k + 1: 16 + i), so each 16-bit
+// word (word 0 input k, word 1 input k + 1) holds the codes of outputs i (bits 0-3), 32 + i (4-7), 16 + i (8-11)
+// and 48 + i (12-15). A shift and one ternary logic op put a code into the top four mantissa bits of the bfloat16
+// 16.0: the word is then exactly 16 + code, and `vdpbf16ps` adds (16 + q[k]) x[k] + (16 + q[k+1]) x[k+1] into the
+// lane (exact products, float32 sums). The fold takes the 16 back out: y += scale * acc + (base - 16 scale) * sum.
+// Four shifts and four logic ops and one permute per 128 codes: no table look-ups, one shuffle.
+constexpr int kCodeOffset = 16;
+constexpr int kQuarterOutput[4] = {0, 32, 16, 48};  // first output of each code position in a word (bits 0, 4, 8, 12)
+
+template <int Q>
+inline __m512i code_words(__m512i words) {  // the Q-th code of each word as the bfloat16 of 16 + code
+  const __m512i mask = _mm512_set1_epi16(0x0078), sixteen = _mm512_set1_epi16(0x4180);
+  const __m512i at3 = Q == 0 ? _mm512_slli_epi16(words, 3) : _mm512_srli_epi16(words, 4 * Q - 3);
+  return _mm512_ternarylogic_epi32(at3, mask, sixteen, 0xEA);  // (at3 & mask) | sixteen
+}
+
+template <int ROWS>
+void block_bf16(const Problem& p, int64_t nb, int64_t row0) {
   const uint8_t* codes = p.packed + nb * p.k * 32;
   const uint16_t* x = static_cast<const uint16_t*>(p.x) + row0 * p.k;
-  __m512i pick[HALVES];
-  for (int i = 0; i < HALVES; ++i) {
-    const int64_t h = h0 + i;
-    alignas(64) uint8_t index[64] = {};
-    for (int j = 0; j < 16; ++j) {
-      index[4 * j] = static_cast<uint8_t>(16 * h + j);            // input k's byte
-      index[4 * j + 2] = static_cast<uint8_t>(32 + 16 * h + j);   // input k + 1's byte
-    }
-    pick[i] = _mm512_load_si512(index);
-  }
-  const __mmask64 word_lows = 0x5555555555555555ULL;  // bytes 0 and 2 of each lane; 1 and 3 are zeroed
-  alignas(64) uint16_t table[32] = {};
-  for (int q = 0; q < 16; ++q) {
-    const float value = static_cast<float>(q);
-    uint32_t bits;
-    std::memcpy(&bits, &value, 4);
-    table[q] = static_cast<uint16_t>(bits >> 16);  // exact: q has at most 4 significant bits
-  }
-  const __m512i bf16_of = _mm512_load_si512(table);
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
-  __m512 acc[2][ROWS], y[HALVES][2][ROWS];
-  for (int s = 0; s < 2; ++s)
-    for (int r = 0; r < ROWS; ++r) {
-      acc[s][r] = _mm512_setzero_ps();
-      for (int i = 0; i < HALVES; ++i) y[i][s][r] = _mm512_setzero_ps();
-    }
+  const c10::BFloat16* sz = static_cast<const c10::BFloat16*>(p.sz);
+  const int64_t first = nb * kBlockN;
+  alignas(64) uint8_t index[64];
+  for (int i = 0; i < 16; ++i)
+    for (int b = 0; b < 4; ++b) index[4 * i + b] = static_cast<uint8_t>(16 * b + i);
+  const __m512i spread = _mm512_load_si512(index);
+  alignas(64) float y[ROWS][kBlockN] = {};
+  __m512 acc[4][ROWS];
   for (int64_t g = 0; g < p.groups; ++g) {
-    for (int i = 0; i < HALVES; ++i) {  // a second half re-reads the group's codes from L1
-      for (int64_t k = g * p.group; k < (g + 1) * p.group; k += 2) {
-        if (i == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kPrefetchInputs) * 32), _MM_HINT_T0);
-        const __m512i pair = _mm512_loadu_si512(codes + k * 32);
-        const __m512i bytes = _mm512_maskz_permutexvar_epi8(word_lows, pick[i], pair);
-        const __m512i low = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, nibbles), bf16_of);
-        const __m512i high = _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi32(bytes, 4), nibbles),
-                                                      bf16_of);
-        for (int r = 0; r < ROWS; ++r) {
-          int32_t xs;
-          std::memcpy(&xs, x + r * p.k + k, 4);  // x[k] in the low half, x[k + 1] in the high one
-          const __m512i xk = _mm512_set1_epi32(xs);
-          acc[0][r] = _mm512_dpbf16_ps(acc[0][r], (__m512bh)low, (__m512bh)xk);
-          acc[1][r] = _mm512_dpbf16_ps(acc[1][r], (__m512bh)high, (__m512bh)xk);
-        }
+    if (first + kBlockN < p.n)  // the next block's scale-and-zero pairs: one group apart is N pairs, no stream
+      for (int64_t line = 0; line < kBlockN * 2 * 2; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(sz + (g * p.n + first + kBlockN) * 2) + line, _MM_HINT_T0);
+    for (int q = 0; q < 4; ++q)
+      for (int r = 0; r < ROWS; ++r) acc[q][r] = _mm512_setzero_ps();
+    for (int64_t k = g * p.group; k < (g + 1) * p.group; k += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kPrefetchInputs) * 32), _MM_HINT_T0);
+      const __m512i words = _mm512_permutexvar_epi8(spread, _mm512_loadu_si512(codes + k * 32));
+      const __m512i w[4] = {code_words<0>(words), code_words<1>(words), code_words<2>(words), code_words<3>(words)};
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t xs;
+        std::memcpy(&xs, x + r * p.k + k, 4);  // x[k] in the low half, x[k + 1] in the high one
+        const __m512i xk = _mm512_set1_epi32(xs);
+        for (int q = 0; q < 4; ++q) acc[q][r] = _mm512_dpbf16_ps(acc[q][r], (__m512bh)w[q], (__m512bh)xk);
       }
-      fold_group<ROWS, c10::BFloat16>(p, nb * kBlockN + 16 * (h0 + i), g, row0, acc, y[i]);
+    }
+    for (int q = 0; q < 4; ++q) {
+      __m512 scale, base;
+      scale_base(sz + (g * p.n + first + kQuarterOutput[q]) * 2, scale, base);
+      base = _mm512_fmadd_ps(_mm512_set1_ps(-static_cast<float>(kCodeOffset)), scale, base);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 sum = _mm512_set1_ps(p.sums[(row0 + r) * p.groups + g]);
+        float* yq = y[r] + kQuarterOutput[q];
+        __m512 v = _mm512_fmadd_ps(scale, acc[q][r], _mm512_load_ps(yq));
+        _mm512_store_ps(yq, _mm512_fmadd_ps(base, sum, v));
+      }
     }
   }
-  for (int i = 0; i < HALVES; ++i) store_rows<ROWS, c10::BFloat16>(p, nb * kBlockN + 16 * (h0 + i), row0, y[i]);
+  c10::BFloat16* out = static_cast<c10::BFloat16*>(p.out);
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t j = 0; j < kBlockN; j += 16) store16(out + (row0 + r) * p.n + first + j, _mm512_load_ps(y[r] + j));
 }
 #endif
 
-// `halves` halves of block nb from half h (both: a task of a whole block, whose codes are read from memory once)
+// `halves` halves of block nb from half h, float32 activations (both: a task of a whole block, whose codes are
+// read from memory once)
 template <int ROWS>
-void half_blocks(const Problem& p, bool bf16, int64_t nb, int64_t h, int64_t halves, int64_t row0) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-  if (bf16) return halves == 2 ? halves_bf16<ROWS, 2>(p, nb, h, row0) : halves_bf16<ROWS, 1>(p, nb, h, row0);
-#endif
+void half_blocks_f32(const Problem& p, int64_t nb, int64_t h, int64_t halves, int64_t row0) {
 #if defined(__AVX512F__)
-  if (!bf16) {
-    for (int64_t i = 0; i < halves; ++i) half_block_f32<ROWS>(p, nb, h + i, row0);
-    return;
-  }
-#endif
+  for (int64_t i = 0; i < halves; ++i) half_block_f32<ROWS>(p, nb, h + i, row0);
+#else
   TORCH_CHECK(false, "int4_gemv: not built for this input type");
+#endif
+}
+
+template <int ROWS>
+void block_rows(const Problem& p, bool bf16, int64_t nb, int64_t h, int64_t halves, int64_t row0) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  if (bf16) return block_bf16<ROWS>(p, nb, row0);
+#endif
+  TORCH_CHECK(!bf16, "int4_gemv: not built for this input type");
+  half_blocks_f32<ROWS>(p, nb, h, halves, row0);
 }
 
 void rows_of_task(const Problem& p, bool bf16, int64_t nb, int64_t h, int64_t halves) {
   for (int64_t row0 = 0; row0 < p.rows; row0 += kRowsPerPass) {
     switch (std::min(kRowsPerPass, p.rows - row0)) {
-      case 1: half_blocks<1>(p, bf16, nb, h, halves, row0); break;
-      case 2: half_blocks<2>(p, bf16, nb, h, halves, row0); break;
-      case 3: half_blocks<3>(p, bf16, nb, h, halves, row0); break;
-      default: half_blocks<4>(p, bf16, nb, h, halves, row0); break;
+      case 1: block_rows<1>(p, bf16, nb, h, halves, row0); break;
+      case 2: block_rows<2>(p, bf16, nb, h, halves, row0); break;
+      case 3: block_rows<3>(p, bf16, nb, h, halves, row0); break;
+      default: block_rows<4>(p, bf16, nb, h, halves, row0); break;
     }
   }
 }
@@ -259,7 +270,8 @@ at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed_in, int64_
                   sums.data(), out.data_ptr()};
   // a task: half a block where a block's codes fit in L1 (more tasks to share between threads), else a whole
   // block, whose second half re-reads each group's codes from L1; each output's arithmetic is the same either way
-  const int64_t per_task = k * 32 > kBlockBytesInL1 ? 2 : 1;
+  // bfloat16: a task is always a whole block (one pass gives its 64 outputs)
+  const int64_t per_task = bf16 || k * 32 > kBlockBytesInL1 ? 2 : 1;
   at::parallel_for(0, n / kBlockN * 2 / per_task, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       rows_of_task(p, bf16, t * per_task / 2, t * per_task % 2, per_task);
