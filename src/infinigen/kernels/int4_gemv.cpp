@@ -281,61 +281,86 @@ at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed_in, int64_
 
 // ---- int8, one scale per output row (the output table) -------------------------------------------------------
 // y[n] = scale[n] * sum_k q[n, k] x[k]: the codes widened to float32 and fused multiply-adds over the row's
-// 16-input chunks in one float32 vector per row, summed across its lanes at the end, times the row's scale.
+// 16-input chunks in one float32 vector per (activation row, weight row); the lanes of four such vectors are summed
+// together (one transposing add tree gives the four sums in one vector), times the rows' scales.
 constexpr int64_t kRowsPerTask = 64;  // output rows per task
-constexpr int64_t kRowsTogether = 4;  // output rows whose chunks are interleaved (independent accumulators)
-constexpr int64_t kPrefetchRows = 48;  // how far ahead the table's rows are prefetched
+// how far ahead the table's rows are prefetched, into L2: 37 KB at K = 576, more than L1 holds, so a prefetch into
+// L1 this far ahead was evicted before its use; nearer ones came too late (about as slow as none)
+constexpr int64_t kPrefetchRows = 64;
 
 #if defined(__AVX512F__)
-template <int ROWS>
+// The lane sums of a, b, c and d, in this order
+inline __m128 sums_of_four(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128 bits: a02 b02 a13 b13
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // per 128 bits: a b c d
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+}
+
+// TOGETHER weight rows (independent accumulators) against ROWS activation rows: sums[r * TOGETHER + j]
+template <int ROWS, int TOGETHER>
 void int8_rows(const int8_t* q, const float* x, int64_t k, int64_t rows_n, float* sums) {
-  // sums[r * kRowsTogether + j]: activation row r against weight row j of the kRowsTogether from q
-  __m512 acc[ROWS][kRowsTogether];
+  __m512 acc[ROWS][TOGETHER];
   for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < kRowsTogether; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < TOGETHER; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < k; c += 16) {
     if (c % 64 == 0)  // rows kPrefetchRows on: a stream read with arithmetic between its loads needs asking for
-      for (int j = 0; j < kRowsTogether; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(q + (kPrefetchRows + j) * k + c), _MM_HINT_T0);
-    __m512 w[kRowsTogether];
-    for (int j = 0; j < kRowsTogether; ++j)
+      for (int j = 0; j < TOGETHER; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(q + (kPrefetchRows + j) * k + c), _MM_HINT_T1);
+    __m512 w[TOGETHER];
+    for (int j = 0; j < TOGETHER; ++j)
       w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
           q + (j < rows_n ? j : 0) * k + c))));
     for (int r = 0; r < ROWS; ++r) {
       const __m512 xc = _mm512_loadu_ps(x + r * k + c);
-      for (int j = 0; j < kRowsTogether; ++j) acc[r][j] = _mm512_fmadd_ps(w[j], xc, acc[r][j]);
+      for (int j = 0; j < TOGETHER; ++j) acc[r][j] = _mm512_fmadd_ps(w[j], xc, acc[r][j]);
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < kRowsTogether; ++j) sums[r * kRowsTogether + j] = _mm512_reduce_add_ps(acc[r][j]);
+    for (int j = 0; j < TOGETHER; j += 4)
+      _mm_storeu_ps(sums + r * TOGETHER + j, sums_of_four(acc[r][j], acc[r][j + 1], acc[r][j + 2], acc[r][j + 3]));
 }
 #endif
 
-template <typename scalar_t>
+template <int TOGETHER, typename scalar_t>
 void int8_task(const int8_t* q, const scalar_t* scales, const float* x, int64_t rows, int64_t k, int64_t n,
                int64_t begin, int64_t end, scalar_t* out) {
 #if defined(__AVX512F__)
-  float sums[kRowsPerPass * kRowsTogether];
-  for (int64_t j0 = begin; j0 < end; j0 += kRowsTogether) {
-    const int64_t together = std::min(kRowsTogether, end - j0);
+  float sums[kRowsPerPass * TOGETHER];
+  for (int64_t j0 = begin; j0 < end; j0 += TOGETHER) {
+    const int64_t together = std::min<int64_t>(TOGETHER, end - j0);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
       const int64_t pass = std::min(kRowsPerPass, rows - r0);
       const float* xr = x + r0 * k;
       switch (pass) {
-        case 1: int8_rows<1>(q + j0 * k, xr, k, together, sums); break;
-        case 2: int8_rows<2>(q + j0 * k, xr, k, together, sums); break;
-        case 3: int8_rows<3>(q + j0 * k, xr, k, together, sums); break;
-        default: int8_rows<4>(q + j0 * k, xr, k, together, sums); break;
+        case 1: int8_rows<1, TOGETHER>(q + j0 * k, xr, k, together, sums); break;
+        case 2: int8_rows<2, TOGETHER>(q + j0 * k, xr, k, together, sums); break;
+        case 3: int8_rows<3, TOGETHER>(q + j0 * k, xr, k, together, sums); break;
+        default: int8_rows<4, TOGETHER>(q + j0 * k, xr, k, together, sums); break;
       }
       for (int64_t r = 0; r < pass; ++r)
         for (int64_t j = 0; j < together; ++j)
-          out[(r0 + r) * n + j0 + j] = static_cast<scalar_t>(sums[r * kRowsTogether + j] *
+          out[(r0 + r) * n + j0 + j] = static_cast<scalar_t>(sums[r * TOGETHER + j] *
                                                              static_cast<float>(scales[j0 + j]));
     }
   }
 #else
   TORCH_CHECK(false, "int8_gemv: not built with AVX-512");
 #endif
+}
+
+template <typename scalar_t>
+void int8_range(const int8_t* q, const scalar_t* scales, const float* x, int64_t rows, int64_t k, int64_t n,
+                int64_t begin, int64_t end, scalar_t* out) {
+  // eight weight rows together where the activation rows leave registers for them: each output's arithmetic is
+  // its own accumulator and its own lane sums either way
+  if (rows <= 2)
+    int8_task<8>(q, scales, x, rows, k, n, begin, end, out);
+  else
+    int8_task<4>(q, scales, x, rows, k, n, begin, end, out);
 }
 
 at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scales_in) {
@@ -355,9 +380,9 @@ at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const at::T
   at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = begin * kRowsPerTask, last = std::min(n, end * kRowsPerTask);
     if (x_in.scalar_type() == at::kBFloat16)
-      int8_task(qd, scales.data_ptr<c10::BFloat16>(), xd, rows, k, n, first, last, out.data_ptr<c10::BFloat16>());
+      int8_range(qd, scales.data_ptr<c10::BFloat16>(), xd, rows, k, n, first, last, out.data_ptr<c10::BFloat16>());
     else
-      int8_task(qd, scales.data_ptr<float>(), xd, rows, k, n, first, last, out.data_ptr<float>());
+      int8_range(qd, scales.data_ptr<float>(), xd, rows, k, n, first, last, out.data_ptr<float>());
   });
   return out;
 }
