@@ -7,12 +7,14 @@
 //   y[n] = sum over groups g of  scale[g, n] * (sum_{k in g} q[k, n] x[k])  +  base[g, n] * (sum_{k in g} x[k])
 // (what llama.cpp does per block): a code is never dequantized, each weight costs one multiply-add of its code,
 // and the group's scale and base are applied once per group. bfloat16 activations: each 4-bit code becomes the
-// bfloat16 of its value (exact) and `vdpbf16ps` adds code * x of two inputs per lane (the products are exact in
-// float32; the sums are float32); float32 activations: the codes as float32 and fused multiply-adds. Nothing is
-// quantized that the activations did not already hold, and every output is rounded once to x's dtype.
+// bfloat16 of 16 + code (exact, by a shift and a logic op) and `vdpbf16ps` adds (16 + code) * x of two inputs per
+// lane (the products are exact in float32; the sums are float32), the group's fold taking 16 * sum(x) back out;
+// float32 activations: the codes as float32 and fused multiply-adds. Nothing is quantized that the activations did
+// not already hold, and every output is rounded once to x's dtype.
 //
-// Threads: the tasks are half blocks (32 outputs: low nibbles of bytes 16h..16h+15 and their high nibbles),
-// split over torch's intra-op threads; a row's arithmetic does not depend on the other rows or the split.
+// Threads: the tasks are whole blocks (bfloat16: one pass over K gives all 64 outputs) or, for float32, half blocks
+// (32 outputs: low nibbles of bytes 16h..16h+15 and their high nibbles) where a block's codes fit in L1, split over
+// torch's intra-op threads; a row's arithmetic does not depend on the other rows or the split.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,10 +32,11 @@
 namespace {
 
 constexpr int64_t kBlockN = 64;  // outputs per block of the layout
-constexpr int64_t kRowsPerPass = 4;  // activation rows per pass over a half block (the accumulators' registers)
+constexpr int64_t kRowsPerPass = 4;  // activation rows per pass over a block (the accumulators' registers)
 constexpr int64_t kMaxRows = 8;
-constexpr int64_t kBlockBytesInL1 = 24 * 1024;  // a block's codes up to this size are read twice (once per half)
-// how many inputs ahead a half block's codes are prefetched (32 bytes each): the codes are one sequential stream,
+// float32: a block's codes up to this size are read twice (once per half)
+constexpr int64_t kBlockBytesInL1 = 24 * 1024;
+// how many inputs ahead a block's codes are prefetched (32 bytes each): the codes are one sequential stream,
 // but with arithmetic between its loads the hardware alone fetches too little ahead
 constexpr int64_t kPrefetchInputs = 128;
 
