@@ -219,13 +219,15 @@ def test_bfloat16_blocks_at_odd_shapes_and_batches(n, k, group, rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [5, 100, 49152 // 64 + 13])
+@pytest.mark.parametrize("k", [576, 48])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5])
-def test_int8_row_groups_at_odd_counts(dtype, n, rows):
+def test_int8_row_groups_at_odd_counts(dtype, n, k, rows):
     """Tables whose rows are not whole groups of four or eight nor whole tasks, at batches 1 to 5 (eight rows
-    together at one or two, four beyond): within the bound of the float64 product, each row alone the same bits."""
+    together at one or two, four beyond), K a multiple of 32 and not: within the
+    bound of the float64 product, each row alone the same bits."""
     _needs(dtype)
-    table = _int8_table(n, 576, dtype)
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(n + rows)).to(dtype)
+    table = _int8_table(n, k, dtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n + rows)).to(dtype)
     w = table.dequantize(torch.float32).double()
     ref = x.double() @ w.T
     y = int4_gemv.int8_gemv(x, table.qweight, table.scales)
