@@ -2,7 +2,10 @@
 (kernels/int4_gemv), side by side in one process.
 
     PYTHONPATH=src python benchmarks/batch1_weights.py [--threads 1,2] [--steps 30] [--rounds 20]
-        [--batches 1,4] [--out results/compiled_step/batch1_weights.json]
+        [--batches 1,4] [--base REV] [--out results/compiled_step/batch1_weights.json]
+
+--base REV: the native kernels of git revision REV (built beside this checkout's, weight_kernels_micro.base_ops)
+take the place of torch's, so the two native builds are compared side by side.
 
 For each thread count:
 - calls: each weight kind's call at batch 1 (the 30 layers' modules of that kind in turn, as a step reads them,
@@ -35,7 +38,26 @@ from infinigen.kernels import int4_gemv  # noqa: E402
 from infinigen.placement import Placement  # noqa: E402
 from infinigen.policies import make_policy  # noqa: E402
 
-KERNELS = ("torch", "native")
+KERNELS = ["torch", "native"]  # --base: ["base", "native"]
+_BASE = {}  # "ops": the base revision's op namespace (--base)
+_NATIVE = {"int4": int4_gemv.int4_gemv, "int8": int4_gemv.int8_gemv}
+
+
+def use_kernel(kernel: str) -> None:
+    """The kernels `Int4Linear` and `Int8Linear` call from now on (and trace into a compiled step)."""
+    int4_gemv.enabled = kernel != "torch"
+    base = kernel == "base"
+    int4_gemv.int4_gemv = (lambda x, p, g, sz: _BASE["ops"].int4_gemv(x, p, g, sz)) if base else _NATIVE["int4"]
+    int4_gemv.int8_gemv = (lambda x, q, s: _BASE["ops"].int8_gemv(x, q, s)) if base else _NATIVE["int8"]
+
+
+def load_base(rev: str) -> None:
+    from weight_kernels_micro import base_ops
+
+    _BASE["ops"] = base_ops(rev)
+    torch.library.register_fake("infinigen_base::int4_gemv", lambda x, p, g, sz: x.new_empty(x.shape[0], p.shape[0]))
+    torch.library.register_fake("infinigen_base::int8_gemv", lambda x, q, s: x.new_empty(x.shape[0], q.shape[0]))
+    KERNELS[0] = "base"
 
 
 def weight_kinds(model) -> dict:
@@ -45,6 +67,8 @@ def weight_kinds(model) -> dict:
 
 
 def _op(kernel: str):
+    if kernel == "base":
+        return _BASE["ops"].int4_gemv
     return torch.ops.aten._weight_int4pack_mm_for_cpu if kernel == "torch" else torch.ops.infinigen.int4_gemv
 
 
@@ -70,7 +94,7 @@ def calls(model, rounds: int) -> dict:
     for kind, modules in weight_kinds(model).items():
         m = modules[0]
         x = torch.randn(1, m.in_features).to(dtype)
-        got = _op("torch")(x, m.packed, m.group, m.scale_zero).float()
+        got = _op(KERNELS[0])(x, m.packed, m.group, m.scale_zero).float()
         want = _op("native")(x, m.packed, m.group, m.scale_zero).float()
         nbytes = m.packed.numel() + m.scale_zero.numel() * m.scale_zero.element_size()
         step_bytes += nbytes * len(modules)
@@ -82,13 +106,22 @@ def calls(model, rounds: int) -> dict:
                      **{f"{k}_gb_s": round(nbytes / w / 1e9, 2) for k, (w, _) in times.items()}}
     head = model.lm_head
     h = torch.randn(1, head.in_features).to(dtype)
-    t, c = time.perf_counter(), time.thread_time()
-    for _ in range(rounds):
-        head(h)
-    wall, cpu = (time.perf_counter() - t) / rounds, (time.thread_time() - c) / rounds
     head_bytes = head.qweight.numel() + head.scales.numel() * head.scales.element_size()
-    out["head (int8)"] = {"shape": list(head.qweight.shape), "bytes": head_bytes, "us": round(1e6 * wall, 1),
-                          "cpu_us": round(1e6 * cpu, 1), "gb_s": round(head_bytes / wall / 1e9, 2)}
+    head_times = {k: {"wall": [], "cpu": []} for k in KERNELS}
+    for r in range(rounds):
+        for kernel in (KERNELS if r % 2 else KERNELS[::-1]):
+            use_kernel(kernel)
+            t, c = time.perf_counter(), time.thread_time()
+            head(h)
+            head_times[kernel]["wall"].append(time.perf_counter() - t)
+            head_times[kernel]["cpu"].append(time.thread_time() - c)
+    use_kernel("native")
+    wall = {k: statistics.median(v["wall"]) for k, v in head_times.items()}
+    out["head (int8)"] = {"shape": list(head.qweight.shape), "bytes": head_bytes,
+                          **{f"{k}_us": round(1e6 * w, 1) for k, w in wall.items()},
+                          **{f"{k}_cpu_us": round(1e6 * statistics.median(v["cpu"]), 1)
+                             for k, v in head_times.items()},
+                          **{f"{k}_gb_s": round(head_bytes / w / 1e9, 2) for k, w in wall.items()}}
     total = step_bytes + head_bytes
     src = torch.ones(total // 4)
     dst = torch.empty_like(src)
@@ -135,7 +168,7 @@ def steps(model, tok, batch: int, count: int) -> dict:
 
     with torch.inference_mode():
         for kernel in KERNELS:
-            int4_gemv.enabled = kernel == "native"
+            use_kernel(kernel)
             model.step_parts = None
             sessions[kernel] = Placement().new_session(model, batch, 512 + count + 8, policy)
             tokens[kernel] = runtime.prefill(model, prompts, sessions[kernel]).argmax(-1)
@@ -146,7 +179,7 @@ def steps(model, tok, batch: int, count: int) -> dict:
             for i in range(count + 2):
                 for kernel in (KERNELS if i % 2 else KERNELS[::-1]):
                     current["kernel"] = kernel
-                    int4_gemv.enabled = kernel == "native"
+                    use_kernel(kernel)
                     p = model.step_parts = parts[kernel]
                     if i == 1:  # compiled for these inputs by now: time each compiled call from here on
                         for key, (fn, names) in list(p._parts.items()):
@@ -161,7 +194,7 @@ def steps(model, tok, batch: int, count: int) -> dict:
         finally:
             del model.head
             model.step_parts = None
-            int4_gemv.enabled = True
+            use_kernel("native")
     out = {"batch": batch, "steps": count}
     for kernel in KERNELS:
         med = {name: 1e3 * statistics.median(v) for name, v in rows[kernel].items()}
@@ -177,13 +210,16 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--base", help="a git revision whose native kernels replace torch's")
     ap.add_argument("--skip-steps", action="store_true", help="the calls only")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "compiled_step" / "batch1_weights.json")
     a = ap.parse_args(argv)
+    if a.base:
+        load_base(a.base)
     model, tok, name = infinigen.load("default", dtype="auto", weights="auto")
     if not int4_gemv.available(model.dtype):
         raise SystemExit(f"no native int4 kernel for {model.dtype} on this machine")
-    report = {"model": name, "torch": torch.__version__, "runs": []}
+    report = {"model": name, "torch": torch.__version__, "kernels": KERNELS, "base": a.base, "runs": []}
     for threads in (int(t) for t in a.threads.split(",")):
         torch.set_num_threads(threads)
         with open("/proc/loadavg") as f:

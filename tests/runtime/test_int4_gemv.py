@@ -192,3 +192,48 @@ def test_the_compiled_whole_step_calls_it_and_decodes_torch_kernels_logits(priva
     assert "infinigen.int4_gemv.default" in seen.on_watched
     assert torch.equal(again, got)
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+# ---- odd shapes and batches of the bfloat16 block kernel and the int8 table's row groups ----------------------
+ODD_SHAPES = [(64, 96, 32), (320, 96, 32), (192, 160, 32), (128, 192, 64), (320, 384, 128), (64, 768, 256)]
+
+
+@pytest.mark.parametrize("n,k,group", ODD_SHAPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_bfloat16_blocks_at_odd_shapes_and_batches(n, k, group, rows):
+    """One block, an odd number of blocks (split unevenly over threads), an odd number of groups, every group size,
+    batches 1 to 5 (a second pass of rows): within one rounding of the float64 product and of torch's kernel's
+    bound, and each row the same bits computed alone."""
+    _needs(torch.bfloat16)
+    m = _module(n, k, group, torch.bfloat16, seed=7 * n + k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + k)).bfloat16()
+    w = m.dequantize(torch.float32).double()
+    ref = x.double() @ w.T
+    bound = BF16_ULP * (x.double().abs() @ w.abs().T) + 1e-6
+    native = _product(m, x, True)
+    assert ((native.double() - ref).abs() <= bound).all()
+    assert ((native.double() - _product(m, x, False).double()).abs() <= 2 * bound).all()
+    for r in range(rows):
+        assert torch.equal(_product(m, x[r:r + 1], True)[0], native[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [5, 100, 49152 // 64 + 13])
+@pytest.mark.parametrize("k", [576, 48])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_int8_row_groups_at_odd_counts(dtype, n, k, rows):
+    """Tables whose rows are not whole groups of four or eight nor whole tasks, at batches 1 to 5 (eight rows
+    together at one or two, four beyond), K a multiple of 32 and not: within the
+    bound of the float64 product, each row alone the same bits."""
+    _needs(dtype)
+    table = _int8_table(n, k, dtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n + rows)).to(dtype)
+    w = table.dequantize(torch.float32).double()
+    ref = x.double() @ w.T
+    y = int4_gemv.int8_gemv(x, table.qweight, table.scales)
+    if dtype == torch.float32:
+        assert (y.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    else:
+        assert ((y.double() - ref).abs() <= BF16_ULP * (x.double().abs() @ w.abs().T) + 1e-6).all()
+    for r in range(rows):
+        assert torch.equal(int4_gemv.int8_gemv(x[r:r + 1], table.qweight, table.scales)[0], y[r])

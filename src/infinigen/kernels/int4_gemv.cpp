@@ -7,12 +7,14 @@
 //   y[n] = sum over groups g of  scale[g, n] * (sum_{k in g} q[k, n] x[k])  +  base[g, n] * (sum_{k in g} x[k])
 // (what llama.cpp does per block): a code is never dequantized, each weight costs one multiply-add of its code,
 // and the group's scale and base are applied once per group. bfloat16 activations: each 4-bit code becomes the
-// bfloat16 of its value (exact) and `vdpbf16ps` adds code * x of two inputs per lane (the products are exact in
-// float32; the sums are float32); float32 activations: the codes as float32 and fused multiply-adds. Nothing is
-// quantized that the activations did not already hold, and every output is rounded once to x's dtype.
+// bfloat16 of 16 + code (exact, by a shift and a logic op) and `vdpbf16ps` adds (16 + code) * x of two inputs per
+// lane (the products are exact in float32; the sums are float32), the group's fold taking 16 * sum(x) back out;
+// float32 activations: the codes as float32 and fused multiply-adds. Nothing is quantized that the activations did
+// not already hold, and every output is rounded once to x's dtype.
 //
-// Threads: the tasks are half blocks (32 outputs: low nibbles of bytes 16h..16h+15 and their high nibbles),
-// split over torch's intra-op threads; a row's arithmetic does not depend on the other rows or the split.
+// Threads: the tasks are whole blocks (bfloat16: one pass over K gives all 64 outputs) or, for float32, half blocks
+// (32 outputs: low nibbles of bytes 16h..16h+15 and their high nibbles) where a block's codes fit in L1, split over
+// torch's intra-op threads; a row's arithmetic does not depend on the other rows or the split.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,10 +32,11 @@
 namespace {
 
 constexpr int64_t kBlockN = 64;  // outputs per block of the layout
-constexpr int64_t kRowsPerPass = 4;  // activation rows per pass over a half block (the accumulators' registers)
+constexpr int64_t kRowsPerPass = 4;  // activation rows per pass over a block (the accumulators' registers)
 constexpr int64_t kMaxRows = 8;
-constexpr int64_t kBlockBytesInL1 = 24 * 1024;  // a block's codes up to this size are read twice (once per half)
-// how many inputs ahead a half block's codes are prefetched (32 bytes each): the codes are one sequential stream,
+// float32: a block's codes up to this size are read twice (once per half)
+constexpr int64_t kBlockBytesInL1 = 24 * 1024;
+// how many inputs ahead a block's codes are prefetched (32 bytes each): the codes are one sequential stream,
 // but with arithmetic between its loads the hardware alone fetches too little ahead
 constexpr int64_t kPrefetchInputs = 128;
 
@@ -141,86 +144,97 @@ void half_block_f32(const Problem& p, int64_t nb, int64_t h, int64_t row0) {
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-// bfloat16 activations: two inputs at a time. The 64 bytes of inputs k and k + 1 (32 each) give, per 32-bit lane i,
-// byte 16h + i of input k and of input k + 1 (one byte permute), whose low nibbles are outputs 16h + i and high
-// nibbles outputs 32 + 16h + i; a word table turns each nibble into its bfloat16 value, and `vdpbf16ps` adds
-// q[k] x[k] + q[k+1] x[k+1] into the lane.
-template <int ROWS, int HALVES>
-void halves_bf16(const Problem& p, int64_t nb, int64_t h0, int64_t row0) {
+// bfloat16 activations: a whole block (64 outputs) per pass over K, two inputs at a time. One byte permute of the
+// 64 bytes of inputs k and k + 1 gives lane i the bytes (k: i, k: 16 + i, k + 1: i, k + 1: 16 + i), so each 16-bit
+// word (word 0 input k, word 1 input k + 1) holds the codes of outputs i (bits 0-3), 32 + i (4-7), 16 + i (8-11)
+// and 48 + i (12-15). A shift and one ternary logic op put a code into the top four mantissa bits of the bfloat16
+// 16.0: the word is then exactly 16 + code, and `vdpbf16ps` adds (16 + q[k]) x[k] + (16 + q[k+1]) x[k+1] into the
+// lane (exact products, float32 sums). The fold takes the 16 back out: y += scale * acc + (base - 16 scale) * sum.
+// Four shifts and four logic ops and one permute per 128 codes: no table look-ups, one shuffle.
+constexpr int kCodeOffset = 16;
+constexpr int kQuarterOutput[4] = {0, 32, 16, 48};  // first output of each code position in a word (bits 0, 4, 8, 12)
+
+template <int Q>
+inline __m512i code_words(__m512i words) {  // the Q-th code of each word as the bfloat16 of 16 + code
+  const __m512i mask = _mm512_set1_epi16(0x0078), sixteen = _mm512_set1_epi16(0x4180);
+  const __m512i at3 = Q == 0 ? _mm512_slli_epi16(words, 3) : _mm512_srli_epi16(words, 4 * Q - 3);
+  return _mm512_ternarylogic_epi32(at3, mask, sixteen, 0xEA);  // (at3 & mask) | sixteen
+}
+
+template <int ROWS>
+void block_bf16(const Problem& p, int64_t nb, int64_t row0) {
   const uint8_t* codes = p.packed + nb * p.k * 32;
   const uint16_t* x = static_cast<const uint16_t*>(p.x) + row0 * p.k;
-  __m512i pick[HALVES];
-  for (int i = 0; i < HALVES; ++i) {
-    const int64_t h = h0 + i;
-    alignas(64) uint8_t index[64] = {};
-    for (int j = 0; j < 16; ++j) {
-      index[4 * j] = static_cast<uint8_t>(16 * h + j);            // input k's byte
-      index[4 * j + 2] = static_cast<uint8_t>(32 + 16 * h + j);   // input k + 1's byte
-    }
-    pick[i] = _mm512_load_si512(index);
-  }
-  const __mmask64 word_lows = 0x5555555555555555ULL;  // bytes 0 and 2 of each lane; 1 and 3 are zeroed
-  alignas(64) uint16_t table[32] = {};
-  for (int q = 0; q < 16; ++q) {
-    const float value = static_cast<float>(q);
-    uint32_t bits;
-    std::memcpy(&bits, &value, 4);
-    table[q] = static_cast<uint16_t>(bits >> 16);  // exact: q has at most 4 significant bits
-  }
-  const __m512i bf16_of = _mm512_load_si512(table);
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
-  __m512 acc[2][ROWS], y[HALVES][2][ROWS];
-  for (int s = 0; s < 2; ++s)
-    for (int r = 0; r < ROWS; ++r) {
-      acc[s][r] = _mm512_setzero_ps();
-      for (int i = 0; i < HALVES; ++i) y[i][s][r] = _mm512_setzero_ps();
-    }
+  const c10::BFloat16* sz = static_cast<const c10::BFloat16*>(p.sz);
+  const int64_t first = nb * kBlockN;
+  alignas(64) uint8_t index[64];
+  for (int i = 0; i < 16; ++i)
+    for (int b = 0; b < 4; ++b) index[4 * i + b] = static_cast<uint8_t>(16 * b + i);
+  const __m512i spread = _mm512_load_si512(index);
+  alignas(64) float y[ROWS][kBlockN] = {};
+  __m512 acc[4][ROWS];
   for (int64_t g = 0; g < p.groups; ++g) {
-    for (int i = 0; i < HALVES; ++i) {  // a second half re-reads the group's codes from L1
-      for (int64_t k = g * p.group; k < (g + 1) * p.group; k += 2) {
-        if (i == 0) _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kPrefetchInputs) * 32), _MM_HINT_T0);
-        const __m512i pair = _mm512_loadu_si512(codes + k * 32);
-        const __m512i bytes = _mm512_maskz_permutexvar_epi8(word_lows, pick[i], pair);
-        const __m512i low = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, nibbles), bf16_of);
-        const __m512i high = _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srli_epi32(bytes, 4), nibbles),
-                                                      bf16_of);
-        for (int r = 0; r < ROWS; ++r) {
-          int32_t xs;
-          std::memcpy(&xs, x + r * p.k + k, 4);  // x[k] in the low half, x[k + 1] in the high one
-          const __m512i xk = _mm512_set1_epi32(xs);
-          acc[0][r] = _mm512_dpbf16_ps(acc[0][r], (__m512bh)low, (__m512bh)xk);
-          acc[1][r] = _mm512_dpbf16_ps(acc[1][r], (__m512bh)high, (__m512bh)xk);
-        }
+    if (first + kBlockN < p.n)  // the next block's scale-and-zero pairs: one group apart is N pairs, no stream
+      for (int64_t line = 0; line < kBlockN * 2 * 2; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(sz + (g * p.n + first + kBlockN) * 2) + line, _MM_HINT_T0);
+    for (int q = 0; q < 4; ++q)
+      for (int r = 0; r < ROWS; ++r) acc[q][r] = _mm512_setzero_ps();
+    for (int64_t k = g * p.group; k < (g + 1) * p.group; k += 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(codes + (k + kPrefetchInputs) * 32), _MM_HINT_T0);
+      const __m512i words = _mm512_permutexvar_epi8(spread, _mm512_loadu_si512(codes + k * 32));
+      const __m512i w[4] = {code_words<0>(words), code_words<1>(words), code_words<2>(words), code_words<3>(words)};
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t xs;
+        std::memcpy(&xs, x + r * p.k + k, 4);  // x[k] in the low half, x[k + 1] in the high one
+        const __m512i xk = _mm512_set1_epi32(xs);
+        for (int q = 0; q < 4; ++q) acc[q][r] = _mm512_dpbf16_ps(acc[q][r], (__m512bh)w[q], (__m512bh)xk);
       }
-      fold_group<ROWS, c10::BFloat16>(p, nb * kBlockN + 16 * (h0 + i), g, row0, acc, y[i]);
+    }
+    for (int q = 0; q < 4; ++q) {
+      __m512 scale, base;
+      scale_base(sz + (g * p.n + first + kQuarterOutput[q]) * 2, scale, base);
+      base = _mm512_fmadd_ps(_mm512_set1_ps(-static_cast<float>(kCodeOffset)), scale, base);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 sum = _mm512_set1_ps(p.sums[(row0 + r) * p.groups + g]);
+        float* yq = y[r] + kQuarterOutput[q];
+        __m512 v = _mm512_fmadd_ps(scale, acc[q][r], _mm512_load_ps(yq));
+        _mm512_store_ps(yq, _mm512_fmadd_ps(base, sum, v));
+      }
     }
   }
-  for (int i = 0; i < HALVES; ++i) store_rows<ROWS, c10::BFloat16>(p, nb * kBlockN + 16 * (h0 + i), row0, y[i]);
+  c10::BFloat16* out = static_cast<c10::BFloat16*>(p.out);
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t j = 0; j < kBlockN; j += 16) store16(out + (row0 + r) * p.n + first + j, _mm512_load_ps(y[r] + j));
 }
 #endif
 
-// `halves` halves of block nb from half h (both: a task of a whole block, whose codes are read from memory once)
+// `halves` halves of block nb from half h, float32 activations (both: a task of a whole block, whose codes are
+// read from memory once)
 template <int ROWS>
-void half_blocks(const Problem& p, bool bf16, int64_t nb, int64_t h, int64_t halves, int64_t row0) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
-  if (bf16) return halves == 2 ? halves_bf16<ROWS, 2>(p, nb, h, row0) : halves_bf16<ROWS, 1>(p, nb, h, row0);
-#endif
+void half_blocks_f32(const Problem& p, int64_t nb, int64_t h, int64_t halves, int64_t row0) {
 #if defined(__AVX512F__)
-  if (!bf16) {
-    for (int64_t i = 0; i < halves; ++i) half_block_f32<ROWS>(p, nb, h + i, row0);
-    return;
-  }
-#endif
+  for (int64_t i = 0; i < halves; ++i) half_block_f32<ROWS>(p, nb, h + i, row0);
+#else
   TORCH_CHECK(false, "int4_gemv: not built for this input type");
+#endif
+}
+
+template <int ROWS>
+void block_rows(const Problem& p, bool bf16, int64_t nb, int64_t h, int64_t halves, int64_t row0) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+  if (bf16) return block_bf16<ROWS>(p, nb, row0);
+#endif
+  TORCH_CHECK(!bf16, "int4_gemv: not built for this input type");
+  half_blocks_f32<ROWS>(p, nb, h, halves, row0);
 }
 
 void rows_of_task(const Problem& p, bool bf16, int64_t nb, int64_t h, int64_t halves) {
   for (int64_t row0 = 0; row0 < p.rows; row0 += kRowsPerPass) {
     switch (std::min(kRowsPerPass, p.rows - row0)) {
-      case 1: half_blocks<1>(p, bf16, nb, h, halves, row0); break;
-      case 2: half_blocks<2>(p, bf16, nb, h, halves, row0); break;
-      case 3: half_blocks<3>(p, bf16, nb, h, halves, row0); break;
-      default: half_blocks<4>(p, bf16, nb, h, halves, row0); break;
+      case 1: block_rows<1>(p, bf16, nb, h, halves, row0); break;
+      case 2: block_rows<2>(p, bf16, nb, h, halves, row0); break;
+      case 3: block_rows<3>(p, bf16, nb, h, halves, row0); break;
+      default: block_rows<4>(p, bf16, nb, h, halves, row0); break;
     }
   }
 }
@@ -259,7 +273,8 @@ at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed_in, int64_
                   sums.data(), out.data_ptr()};
   // a task: half a block where a block's codes fit in L1 (more tasks to share between threads), else a whole
   // block, whose second half re-reads each group's codes from L1; each output's arithmetic is the same either way
-  const int64_t per_task = k * 32 > kBlockBytesInL1 ? 2 : 1;
+  // bfloat16: a task is always a whole block (one pass gives its 64 outputs)
+  const int64_t per_task = bf16 || k * 32 > kBlockBytesInL1 ? 2 : 1;
   at::parallel_for(0, n / kBlockN * 2 / per_task, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       rows_of_task(p, bf16, t * per_task / 2, t * per_task % 2, per_task);
@@ -269,61 +284,86 @@ at::Tensor int4_gemv(const at::Tensor& x_in, const at::Tensor& packed_in, int64_
 
 // ---- int8, one scale per output row (the output table) -------------------------------------------------------
 // y[n] = scale[n] * sum_k q[n, k] x[k]: the codes widened to float32 and fused multiply-adds over the row's
-// 16-input chunks in one float32 vector per row, summed across its lanes at the end, times the row's scale.
+// 16-input chunks in one float32 vector per (activation row, weight row); the lanes of four such vectors are summed
+// together (one transposing add tree gives the four sums in one vector), times the rows' scales.
 constexpr int64_t kRowsPerTask = 64;  // output rows per task
-constexpr int64_t kRowsTogether = 4;  // output rows whose chunks are interleaved (independent accumulators)
-constexpr int64_t kPrefetchRows = 48;  // how far ahead the table's rows are prefetched
+// how far ahead the table's rows are prefetched, into L2: 37 KB at K = 576, more than L1 holds, so a prefetch into
+// L1 this far ahead was evicted before its use; nearer ones came too late (about as slow as none)
+constexpr int64_t kPrefetchRows = 64;
 
 #if defined(__AVX512F__)
-template <int ROWS>
+// The lane sums of a, b, c and d, in this order
+inline __m128 sums_of_four(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));  // per 128 bits: a02 b02 a13 b13
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));  // per 128 bits: a b c d
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+}
+
+// TOGETHER weight rows (independent accumulators) against ROWS activation rows: sums[r * TOGETHER + j]
+template <int ROWS, int TOGETHER>
 void int8_rows(const int8_t* q, const float* x, int64_t k, int64_t rows_n, float* sums) {
-  // sums[r * kRowsTogether + j]: activation row r against weight row j of the kRowsTogether from q
-  __m512 acc[ROWS][kRowsTogether];
+  __m512 acc[ROWS][TOGETHER];
   for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < kRowsTogether; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < TOGETHER; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < k; c += 16) {
     if (c % 64 == 0)  // rows kPrefetchRows on: a stream read with arithmetic between its loads needs asking for
-      for (int j = 0; j < kRowsTogether; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(q + (kPrefetchRows + j) * k + c), _MM_HINT_T0);
-    __m512 w[kRowsTogether];
-    for (int j = 0; j < kRowsTogether; ++j)
+      for (int j = 0; j < TOGETHER; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(q + (kPrefetchRows + j) * k + c), _MM_HINT_T1);
+    __m512 w[TOGETHER];
+    for (int j = 0; j < TOGETHER; ++j)
       w[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
           q + (j < rows_n ? j : 0) * k + c))));
     for (int r = 0; r < ROWS; ++r) {
       const __m512 xc = _mm512_loadu_ps(x + r * k + c);
-      for (int j = 0; j < kRowsTogether; ++j) acc[r][j] = _mm512_fmadd_ps(w[j], xc, acc[r][j]);
+      for (int j = 0; j < TOGETHER; ++j) acc[r][j] = _mm512_fmadd_ps(w[j], xc, acc[r][j]);
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < kRowsTogether; ++j) sums[r * kRowsTogether + j] = _mm512_reduce_add_ps(acc[r][j]);
+    for (int j = 0; j < TOGETHER; j += 4)
+      _mm_storeu_ps(sums + r * TOGETHER + j, sums_of_four(acc[r][j], acc[r][j + 1], acc[r][j + 2], acc[r][j + 3]));
 }
 #endif
 
-template <typename scalar_t>
+template <int TOGETHER, typename scalar_t>
 void int8_task(const int8_t* q, const scalar_t* scales, const float* x, int64_t rows, int64_t k, int64_t n,
                int64_t begin, int64_t end, scalar_t* out) {
 #if defined(__AVX512F__)
-  float sums[kRowsPerPass * kRowsTogether];
-  for (int64_t j0 = begin; j0 < end; j0 += kRowsTogether) {
-    const int64_t together = std::min(kRowsTogether, end - j0);
+  float sums[kRowsPerPass * TOGETHER];
+  for (int64_t j0 = begin; j0 < end; j0 += TOGETHER) {
+    const int64_t together = std::min<int64_t>(TOGETHER, end - j0);
     for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
       const int64_t pass = std::min(kRowsPerPass, rows - r0);
       const float* xr = x + r0 * k;
       switch (pass) {
-        case 1: int8_rows<1>(q + j0 * k, xr, k, together, sums); break;
-        case 2: int8_rows<2>(q + j0 * k, xr, k, together, sums); break;
-        case 3: int8_rows<3>(q + j0 * k, xr, k, together, sums); break;
-        default: int8_rows<4>(q + j0 * k, xr, k, together, sums); break;
+        case 1: int8_rows<1, TOGETHER>(q + j0 * k, xr, k, together, sums); break;
+        case 2: int8_rows<2, TOGETHER>(q + j0 * k, xr, k, together, sums); break;
+        case 3: int8_rows<3, TOGETHER>(q + j0 * k, xr, k, together, sums); break;
+        default: int8_rows<4, TOGETHER>(q + j0 * k, xr, k, together, sums); break;
       }
       for (int64_t r = 0; r < pass; ++r)
         for (int64_t j = 0; j < together; ++j)
-          out[(r0 + r) * n + j0 + j] = static_cast<scalar_t>(sums[r * kRowsTogether + j] *
+          out[(r0 + r) * n + j0 + j] = static_cast<scalar_t>(sums[r * TOGETHER + j] *
                                                              static_cast<float>(scales[j0 + j]));
     }
   }
 #else
   TORCH_CHECK(false, "int8_gemv: not built with AVX-512");
 #endif
+}
+
+template <typename scalar_t>
+void int8_range(const int8_t* q, const scalar_t* scales, const float* x, int64_t rows, int64_t k, int64_t n,
+                int64_t begin, int64_t end, scalar_t* out) {
+  // eight weight rows together where the activation rows leave registers for them: each output's arithmetic is
+  // its own accumulator and its own lane sums either way
+  if (rows <= 2)
+    int8_task<8>(q, scales, x, rows, k, n, begin, end, out);
+  else
+    int8_task<4>(q, scales, x, rows, k, n, begin, end, out);
 }
 
 at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const at::Tensor& scales_in) {
@@ -343,9 +383,9 @@ at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const at::T
   at::parallel_for(0, (n + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t begin, int64_t end) {
     const int64_t first = begin * kRowsPerTask, last = std::min(n, end * kRowsPerTask);
     if (x_in.scalar_type() == at::kBFloat16)
-      int8_task(qd, scales.data_ptr<c10::BFloat16>(), xd, rows, k, n, first, last, out.data_ptr<c10::BFloat16>());
+      int8_range(qd, scales.data_ptr<c10::BFloat16>(), xd, rows, k, n, first, last, out.data_ptr<c10::BFloat16>());
     else
-      int8_task(qd, scales.data_ptr<float>(), xd, rows, k, n, first, last, out.data_ptr<float>());
+      int8_range(qd, scales.data_ptr<float>(), xd, rows, k, n, first, last, out.data_ptr<float>());
   });
   return out;
 }
