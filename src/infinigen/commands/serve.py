@@ -400,10 +400,13 @@ def build(config: ServerConfig, phase=None, url: str | None = None):
 def _budget_under_bound(config: ServerConfig) -> tuple[int, str] | None:
     """Under a memory bound and without --fast-bytes: (the fast budget it leaves beside the loaded server,
     a line saying so); None otherwise."""
-    from ..memory import resident_bytes
+    from ..memory import map_large_allocations, resident_bytes
     from ..serve.bound import fast_budget_under, server_bound
     bound = server_bound(config.memory_limit)
-    if bound is None or config.fast_bytes is not None:
+    if bound is None:
+        return None
+    map_large_allocations()  # a prompt's freed activations go back to the OS at once, not at the next trim
+    if config.fast_bytes is not None:
         return None
     resident = resident_bytes() or 0
     fast = fast_budget_under(bound, resident)
