@@ -281,8 +281,8 @@ class OffloadedKVStore(KVStore):
 
     def hand_rows(self, layer, sel, buffer=None, every: bool = False) -> HandedRows:
         """The rows of `sel` in the fast tier (the prefetched ones, else fetched now; `every`: sel is every
-        visible slot, fetched as the whole used layer) with a spare row per (batch row, KV head) for the token
-        (`HandedRows`)."""
+        visible slot, fetched as the whole used layer where no sliding window hides one) with a spare row per
+        (batch row, KV head) for the token (`HandedRows`)."""
         job = self._take(layer)
         n = self.length[layer]
         if (job is not None and not job.full and job.selection is not sel and not every and buffer is not None
@@ -290,7 +290,7 @@ class OffloadedKVStore(KVStore):
             return self._corrected(layer, job, sel, buffer)
         if job is None or (job.selection is not sel and not (job.full and job.n == n)):
             self._discard(job)
-            job = self._fetch(layer, None if every else sel, n)
+            job = self._fetch(layer, None if self._whole(sel, n, every) else sel, n)
         if job.full:  # every used slot in (b, h, i) order: a column's row there, the spare rows after them
             before = self.bh * n
             local = sel.rows // self.capacity * n + sel.rows % self.capacity
@@ -303,6 +303,11 @@ class OffloadedKVStore(KVStore):
         if spare > 0:  # (behind a GPU the rows arrive without the spare rows)
             keys, values = (torch.cat([x, x.new_empty(spare, x.shape[1])]) for x in (keys, values))
         return HandedRows(keys, values, local, own)
+
+    def _whole(self, sel, n: int, every: bool) -> bool:
+        """Whether a fetch on demand of `sel` reads the whole used layer: `sel` is every visible slot (`every`)
+        and no sliding window hides a used slot (a window's slots are fetched as a selection)."""
+        return every and int(sel.counts.sum()) == self.bh * n
 
     def _corrected(self, layer, job: _Job, sel, buffer) -> HandedRows:
         """`hand_rows` of a selection other than the prefetched one (`job`'s): its rows the prefetch holds are
@@ -359,7 +364,7 @@ class OffloadedKVStore(KVStore):
         job = self._jobs.get(nxt)
         if job is not None and job.step == self._step:
             return  # already on its way
-        plan = session.planned(nxt)
+        plan = session.fetch_plan(nxt)  # (a layer behind a sliding window: the slots it sees)
         if plan is None:  # not known yet
             return
         self._issue(nxt, plan)
