@@ -141,6 +141,7 @@ class BlockedKVStore(OffloadedKVStore):
         self.prefetch = prefetch
         self._jobs: dict[int, _Job] = {}
         self._step = 0
+        self._held: dict = {}  # (no missed rows held: a corrected selection's missed units are read on demand)
         self._pending: list[list] = [[] for _ in range(num_layers)]
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch", initializer=torch.set_num_threads,
