@@ -15,11 +15,13 @@ in-RAM form read short contexts densely).
 1. Perplexity (`infinigen ppl`'s scoring, teacher-forced) of the full cache, InfiniGen in RAM, InfiniGen offloaded
    (cpu) without and with the correction: the perplexity's change against the full cache and the share of the KV
    read.
-2. Decoding (greedy, batch 1) after a `--decode-prompt`-token prompt of the same text, the three InfiniGen forms
+2. Decoding (greedy, batch 1) after a `--decode-prompt`-token prompt of the same text, the InfiniGen forms
    taking turns for `--rounds` rounds: ms per step, and on the offloaded forms the rows prefetched and the rows
    fetched on demand (those the layers' own selections read that the prefetch missed) as shares of the used KV
-   per step, and the time fetching them; on blocks, the units read per step and those read on demand. The tokens
-   of the corrected form against the in-RAM form's.
+   per step (the rows the prefetch missed that the layer's previous step missed too come from fast memory, where
+   the store held them: `held`; the form "nothing held" fetches every missed row from the slow tier), the rows read
+   from the slow tier (prefetched and fetched on demand), and the time fetching them; on blocks, the units read
+   per step and those read on demand. The tokens of the corrected forms against the in-RAM form's.
 """
 from __future__ import annotations
 
@@ -42,6 +44,14 @@ def forms():
             "offloaded, corrected": Placement(**TIER, correct=True)}
 
 
+NOT_HELD = "offloaded, corrected, nothing held"  # decoding only: every missed row from the slow tier
+
+
+def decode_forms():
+    """The forms decoded: `forms()` and the corrected one whose store holds no missed row for the next step."""
+    return forms() | {NOT_HELD: forms()["offloaded, corrected"]}
+
+
 def infinigen():
     from infinigen.policies import make_policy
     return make_policy("infinigen", **({"dense_below": 0} | KNOBS))
@@ -58,10 +68,13 @@ def perplexities(model, tok, ids, prefill: int) -> dict:
             for k, r in out.items()}
 
 
-def decode_once(model, tok, prompt, steps: int, placement) -> dict:
+def decode_once(model, tok, prompt, steps: int, placement, holds: bool = True) -> dict:
     from infinigen import runtime
     pol = infinigen().prepare(model, tok)
     sess = placement.new_session(model, 1, prompt.shape[1] + steps + 1, pol)
+    if hasattr(sess.store, "holds_missed"):
+        sess.store.holds_missed = holds
+    held = []  # per step: missed rows taken from fast memory (held since the layer's last step)
     try:
         logits = runtime.prefill(model, prompt, sess)
         stats = getattr(sess.store, "stats", None)
@@ -73,7 +86,9 @@ def decode_once(model, tok, prompt, steps: int, placement) -> dict:
         for _ in range(steps):
             t = logits.argmax(-1)
             out.append(int(t))
+            before = getattr(stats, "held", 0)
             logits = runtime.decode(model, t, sess)
+            held.append(getattr(stats, "held", 0) - before)
         seconds = time.perf_counter() - t0
         store = sess.store
         block = getattr(store, "block", 0)
@@ -86,8 +101,12 @@ def decode_once(model, tok, prompt, steps: int, placement) -> dict:
                    used_units=used_units, mb_read_per_step=stats.bytes_moved / steps / 1e6)
     if stats is not None:
         shares = stats.missed_shares()
+        wanted = [(m + h) / kv for (_, m, kv, _), h in zip(stats.steps, held)]  # missed, fetched or held
         row.update(prefetched_share=statistics.mean(p / kv for p, _, kv, _ in stats.steps),
                    missed_share_mean=statistics.mean(shares), missed_share_max=max(shares),
+                   held_share_mean=statistics.mean(h / kv for (_, _, kv, _), h in zip(stats.steps, held)),
+                   not_prefetched_share_mean=statistics.mean(wanted), not_prefetched_share_max=max(wanted),
+                   read_share_mean=statistics.mean((p + m) / kv for p, m, kv, _ in stats.steps),
                    ondemand_ms_per_step=1e3 * stats.ondemand_s / steps)
     return row
 
@@ -122,10 +141,10 @@ def main(argv=None) -> int:
             result["ppl"] = perplexities(model, tok, ids, a.prefill)
             print(json.dumps(result["ppl"], indent=1), flush=True)
         prompt = ids[:, :a.decode_prompt]
-        runs: dict = {name: [] for name in forms()}
+        runs: dict = {name: [] for name in decode_forms()}
         for _ in range(a.rounds):
-            for name, placement in forms().items():
-                runs[name].append(decode_once(model, tok, prompt, a.steps, placement))
+            for name, placement in decode_forms().items():
+                runs[name].append(decode_once(model, tok, prompt, a.steps, placement, holds=name != NOT_HELD))
                 print(name, {k: v for k, v in runs[name][-1].items() if k != "tokens"}, flush=True)
     decode = {}
     for name, rows in runs.items():

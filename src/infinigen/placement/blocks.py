@@ -21,7 +21,8 @@ where they lie in the staging buffer (`hand_rows`: a unit's keys, then its value
 buffer a block further on), with spare rows for the token after the units; nothing is gathered. A selection
 made in blocks of this size reads each unit it names whole; a token-level selection reads every unit one of its
 tokens lies in. The file is opened with POSIX_FADV_RANDOM: the kernel reads what is asked, no readahead around it.
-Every visible slot (a layer read whole) is handed as a copy in (batch row, KV head, slot) order instead.
+A layer reading every used slot (read whole) is handed them as a copy in (batch row, KV head, slot) order instead;
+a layer behind a sliding window (Gemma 3's local layers) reads its window as a selection: the units it lies in.
 
 Correction. A layer that selects again with its own query at its attention (`Placement.correct`) reads its rows
 in units the prefetch staged where they lie, whether or not the speculation chose those rows, and reads on
@@ -140,6 +141,7 @@ class BlockedKVStore(OffloadedKVStore):
         self.prefetch = prefetch
         self._jobs: dict[int, _Job] = {}
         self._step = 0
+        self._held: dict = {}  # (no missed rows held: a corrected selection's missed units are read on demand)
         self._pending: list[list] = [[] for _ in range(num_layers)]
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch", initializer=torch.set_num_threads,
@@ -352,19 +354,17 @@ class BlockedKVStore(OffloadedKVStore):
         """The rows of `sel` in fast memory with a spare row per (batch row, KV head) for the token (`HandedRows`).
         A selection's rows are handed as they lie in the staging buffer its units were read into (the prefetched
         units, and for a selection other than the prefetched one the units it adds, read now: `_corrected`);
-        every visible slot (`every`), or a layer prefetched whole, as a whole-layer copy in (b, h, i) order."""
+        every used slot (`every`, no window hiding one), or a layer prefetched whole, as a whole-layer copy in
+        (b, h, i) order."""
         job = self._take(layer)
         n = self.length[layer]
-        if every or (job is not None and job.full and job.n == n):
-            if job is None or not job.full or job.n != n:
-                self._discard(job)
-                job = self._fetch(layer, None, n)
+        if job is None or (job.full and job.n != n):
+            self._discard(job)  # nothing prefetched for this selection: read now (its units, or the layer whole)
+            job = self._fetch(layer, None if self._whole(sel, n, every) else sel, n)
+        if job.full:
             local = sel.rows // self.capacity * n + sel.rows % self.capacity
             own = self.bh * n + torch.arange(self.bh).view(self.batch, self.kv_heads)
             return HandedRows(*job.kv, local, own)
-        if job is None or job.full:  # nothing prefetched for this selection: its units read now
-            self._discard(job)
-            job = self._fetch(layer, sel, n)
         if job.selection is not sel:
             return self._corrected(layer, job, sel, buffer)
         ids, stage, rows = job.staged

@@ -73,6 +73,7 @@ class OffloadedKVStore(KVStore):
     offloaded = True
     corrects = True  # a policy that `reselects` may read its own selection (`Placement.correct`)
     fetches_missing = True  # a corrected selection's rows: the prefetched ones and one gather of the missed ones
+    holds_missed = True  # a corrected layer's missed rows held in fast memory for its next step (`_missed_rows`)
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
@@ -124,6 +125,8 @@ class OffloadedKVStore(KVStore):
         self.prefetch = prefetch
         self._jobs: dict[int, _Job] = {}
         self._step = 0
+        # per layer: the rows its last corrected selection had to add to the prefetch (`_missed_rows`)
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._pending: list[list] = [[] for _ in range(num_layers)]  # CUDA: appends on their way to the pool
         self._lock = threading.Lock()
         # The worker's own OpenMP team: one thread on a CPU host, where compute needs the cores; behind a GPU
@@ -145,8 +148,10 @@ class OffloadedKVStore(KVStore):
         return self.tier.nbytes
 
     def fast_bytes(self) -> int:
-        """Metadata and the buffers of fetched rows (not the pinned host staging behind a GPU: host memory)."""
-        return self.buffers.fast_bytes()
+        """Metadata, the buffers of fetched rows (not the pinned host staging behind a GPU: host memory) and the
+        missed rows held for the next step."""
+        held = sum(t.numel() * t.element_size() for rows in self._held.values() for t in rows)
+        return self.buffers.fast_bytes() + held
 
     def peak_fast_bytes(self) -> int:
         """The most metadata, staging and fetched rows held in the fast tier (`TransferStats`)."""
@@ -182,6 +187,7 @@ class OffloadedKVStore(KVStore):
         if t > self.capacity:
             raise ValueError(f"prompt of {t} tokens does not fit a KV pool of {self.capacity}")
         self._drop(layer)
+        self._held.pop(layer, None)
         if self.row_cache is not None:
             self.row_cache.reset(layer)
         for kind, x in zip(KV, (k, v)):
@@ -201,6 +207,8 @@ class OffloadedKVStore(KVStore):
 
     def append(self, layer, k, v, positions):
         b, h = k.shape[:2]
+        if self.length[layer] >= self.capacity:  # a victim's slot may be a held row's: another token's now
+            self._held.pop(layer, None)
         slots = self._claim(layer, b, h, k.device)
         self._drop(layer)  # an unused prefetched copy of this layer no longer matches the pool
         rows = (slots * self.bh + torch.arange(self.bh, device=k.device).view(b, h)).reshape(-1)
@@ -281,8 +289,8 @@ class OffloadedKVStore(KVStore):
 
     def hand_rows(self, layer, sel, buffer=None, every: bool = False) -> HandedRows:
         """The rows of `sel` in the fast tier (the prefetched ones, else fetched now; `every`: sel is every
-        visible slot, fetched as the whole used layer) with a spare row per (batch row, KV head) for the token
-        (`HandedRows`)."""
+        visible slot, fetched as the whole used layer where no sliding window hides one) with a spare row per
+        (batch row, KV head) for the token (`HandedRows`)."""
         job = self._take(layer)
         n = self.length[layer]
         if (job is not None and not job.full and job.selection is not sel and not every and buffer is not None
@@ -290,7 +298,7 @@ class OffloadedKVStore(KVStore):
             return self._corrected(layer, job, sel, buffer)
         if job is None or (job.selection is not sel and not (job.full and job.n == n)):
             self._discard(job)
-            job = self._fetch(layer, None if every else sel, n)
+            job = self._fetch(layer, None if self._whole(sel, n, every) else sel, n)
         if job.full:  # every used slot in (b, h, i) order: a column's row there, the spare rows after them
             before = self.bh * n
             local = sel.rows // self.capacity * n + sel.rows % self.capacity
@@ -303,6 +311,11 @@ class OffloadedKVStore(KVStore):
         if spare > 0:  # (behind a GPU the rows arrive without the spare rows)
             keys, values = (torch.cat([x, x.new_empty(spare, x.shape[1])]) for x in (keys, values))
         return HandedRows(keys, values, local, own)
+
+    def _whole(self, sel, n: int, every: bool) -> bool:
+        """Whether a fetch on demand of `sel` reads the whole used layer: `sel` is every visible slot (`every`)
+        and no sliding window hides a used slot (a window's slots are fetched as a selection)."""
+        return every and int(sel.counts.sum()) == self.bh * n
 
     def _corrected(self, layer, job: _Job, sel, buffer) -> HandedRows:
         """`hand_rows` of a selection other than the prefetched one (`job`'s): its rows the prefetch holds are
@@ -319,13 +332,36 @@ class OffloadedKVStore(KVStore):
         m = want.numel()
         keys, values = buffer(p + m + self.bh, job.kv[0])  # (like: the dtype and device of the fast tier)
         keys[:p], values[:p] = job.kv[0][:p], job.kv[1][:p]
-        if m:
-            self._gather_rows(layer, self._slow_rows(want), keys[p:p + m], values[p:p + m])
+        gathered = self._missed_rows(layer, want, keys[p:p + m], values[p:p + m])
         local = torch.where(found, at, 0)
         local[missing] = torch.arange(p, p + m, device=local.device)
         own = p + m + torch.arange(self.bh, device=local.device).view(self.batch, self.kv_heads)
-        self.stats.fetched_missed(m, 2 * m * self.layout.row_bytes, time.perf_counter() - t0)
+        self.stats.fetched_missed(gathered, 2 * gathered * self.layout.row_bytes, time.perf_counter() - t0,
+                                  held=m - gathered)
         return HandedRows(keys, values, local, own)
+
+    def _missed_rows(self, layer: int, want: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """The rows `want` (flat store order, ascending) a corrected selection adds to its prefetch, into keys, values
+        [m, d]: those the layer's last corrected selection added too, held in fast memory since (`holds_missed`: the
+        own query's picks the speculation misses recur), copied from there, the others gathered from the slow tier;
+        then held for the layer's next step. Returns the rows gathered from the slow tier."""
+        prev = self._held.pop(layer, None)
+        lack = torch.arange(want.numel(), device=want.device)  # the rows' places that the slow tier fills
+        if prev is not None and want.numel():
+            at, found = located(prev[0], want)
+            hit = found.nonzero().squeeze(1)
+            keys.index_copy_(0, hit, prev[1].index_select(0, at[hit]))
+            values.index_copy_(0, hit, prev[2].index_select(0, at[hit]))
+            lack = (~found).nonzero().squeeze(1)
+        if lack.numel():
+            k, v = torch.empty_like(keys[:lack.numel()]), torch.empty_like(values[:lack.numel()])
+            self._gather_rows(layer, self._slow_rows(want[lack]), k, v)
+            keys.index_copy_(0, lack, k)
+            values.index_copy_(0, lack, v)
+        if self.holds_missed and want.numel():
+            self._held[layer] = (want.clone(), keys.clone(), values.clone())
+            self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, self.fast_bytes())
+        return lack.numel()
 
     def _gather_rows(self, layer, rows, keys, values) -> None:
         """The slow tier's rows `rows` (slot-major) of `layer`, decoded, into keys and values [m, d]."""
@@ -359,7 +395,7 @@ class OffloadedKVStore(KVStore):
         job = self._jobs.get(nxt)
         if job is not None and job.step == self._step:
             return  # already on its way
-        plan = session.planned(nxt)
+        plan = session.fetch_plan(nxt)  # (a layer behind a sliding window: the slots it sees)
         if plan is None:  # not known yet
             return
         self._issue(nxt, plan)

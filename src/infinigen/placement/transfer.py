@@ -41,7 +41,8 @@ class TransferStats:
     fetches: int = 0  # fetch jobs run (prefetched or on demand)
     on_demand: int = 0  # fetched when attention asked (nothing planned, or the plan differed)
     stale: int = 0  # prefetched but not what attention read (wasted)
-    missed: int = 0  # rows a layer's own selection read that its prefetch missed (fetched on demand)
+    missed: int = 0  # rows a layer's own selection read that its prefetch missed, fetched on demand
+    held: int = 0  # such rows taken from fast memory instead, where the layer's last step held them
     reused: int = 0  # selections whose slot indices the runtime took from the plan (no second pass)
     bulk: int = 0  # disk: selections read as the whole used layer (they touched most of its pages)
     blocks: int = 0  # disk in blocks (`BlockedKVStore`): units read from the file
@@ -56,8 +57,8 @@ class TransferStats:
     # per decoding step (while a row cache is on): [hits, distinct rows asked for, rows fetched from the
     # slow tier, bytes read from it] over the step's selecting layers
     row_steps: list = field(default_factory=list)
-    # per decoding step: [rows prefetched, rows the prefetch missed and the layers' own selections read, rows
-    # of the used KV over every layer, seconds fetching them on demand]
+    # per decoding step: [rows prefetched, rows the prefetch missed that the layers' own selections read, fetched
+    # on demand (not those held in fast memory), rows of the used KV over every layer, seconds fetching them]
     steps: list = field(default_factory=list)
 
     def missed_shares(self) -> list[float]:
@@ -65,11 +66,13 @@ class TransferStats:
         the used KV."""
         return [m / kv for _, m, kv, _ in self.steps if kv]
 
-    def fetched_missed(self, rows: int, nbytes: int, seconds: float, units: int = 0) -> None:
+    def fetched_missed(self, rows: int, nbytes: int, seconds: float, units: int = 0, held: int = 0) -> None:
         """Count one on-demand fetch of the `rows` a layer's own selection read and its prefetch missed: `nbytes`
-        read from the slow tier in `seconds` (`units`: the file's blocks read, for a pool in blocks)."""
+        read from the slow tier in `seconds` (`units`: the file's blocks read, for a pool in blocks; `held`: more
+        such rows, taken from fast memory, where the layer's last step held them)."""
         self.on_demand += 1
         self.missed += rows
+        self.held += held
         self.missed_blocks += units
         self.rows_moved += rows
         self.bytes_moved += nbytes

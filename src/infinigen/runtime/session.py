@@ -243,6 +243,22 @@ class Session:
         self._plans[layer] = plan
         return plan
 
+    def fetch_plan(self, layer: int) -> torch.Tensor | All | None:
+        """What placement fetches ahead for `layer` at this decoding step: its plan (`planned`), except that a
+        layer reading every entry it sees behind a sliding window that hides some used slots (a local layer of
+        Gemma 3 past its window) fetches only the visible slots [B, Hkv, S], the rows its attention packs."""
+        plan = self.planned(layer)
+        window = self.model.cfg.window(layer)
+        store = self.store
+        if plan is not ALL or window is None or (store.allocator is None and store.length[layer] < window):
+            return plan  # (no victims and fewer slots than the window: every used slot is within it)
+        _, _, valid, pos = store.past(layer)
+        return self._visible(valid, pos, window)
+
+    def _visible(self, valid: torch.Tensor, pos: torch.Tensor, window: int | None) -> torch.Tensor:
+        """The used slots [B, Hkv, S] the current row sees: the valid ones within its window."""
+        return valid if window is None else valid & (self._current_row()[0][:, None, None] - pos < window)
+
     def selects(self, layer: int) -> bool:
         """Whether the policy chooses what `layer` reads. A local layer of a model that mixes local and
         global layers (Gemma 3) reads its whole window: the window already bounds it, and the policy
@@ -336,7 +352,7 @@ class Session:
         store = self.store
         if keep is ALL:
             every = store.allocator is None and not store.padded and visible is valid  # (no count to wait on)
-            sel = store.every_row(layer) if every else store.select_rows(layer, visible, visible)
+            sel = store.every_row(layer) if every else store.select_rows(layer, visible, valid)
             return ReadPlan(cur, ALL, visible, ALL, sel)
         sel = packed if packed is not None else store.select_rows(layer, keep, visible)
         self.stats.record(layer, sel.counts, past, owned=True)
@@ -386,7 +402,7 @@ class Session:
                 # past (counted without tensor work: this is the dense step's per-layer path)
                 self.stats.record_all(layer, *valid.shape)
                 return ReadPlan(cur, ALL, valid, ALL, None)
-        visible = valid if window is None else valid & (cur[:, None, None] - pos < window)
+        visible = self._visible(valid, pos, window)
         past = past if window is None else past.clamp(max=window - 1)  # (a copy either way)
         if keep is ALL:
             self.stats.record(layer, visible.sum(-1, keepdim=True), past, owned=True)
