@@ -279,4 +279,4 @@ class SpeculationKeys:
         `fused_select.select_packed` returns, else None (the caller scores, then cuts)."""
         if not (fused_select.scores_with_selection and self.native(spec_keys)):
             return None
-        return spec_keys.select_rotated(self._query(st, layer)[:, :, :, row], self.rotation(st, layer), n, **cut)
+        return spec_keys.select_rotated(self._query(st, layer).select(3, row), self.rotation(st, layer), n, **cut)
