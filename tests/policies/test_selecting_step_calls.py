@@ -105,9 +105,19 @@ def test_the_cap_on_the_host_equals_the_float32_tensor_arithmetic():
 
 
 @needs_tinygemm
-@pytest.mark.parametrize("capacity", [2048 + 8, 1024 + 1, 8176 + 16, 4096 + 9])
+@pytest.mark.parametrize("capacity", [2048 + 8, 1024 + 1, 8176 + 16, 4096 + 9, 512 + 9, 512 + 64 + 1])
 def test_a_capacity_just_above_a_whole_block_keeps_the_int4_kernels_layout(capacity):
     """The speculation keys of a pool a few slots past a multiple of 64 are padded to whole blocks and scored by
-    the int4 kernel (the rows layout's torch scorer took 2.6x the full cache's step at 2048 + 8)."""
+    the int4 kernel (the rows layout's torch scorer took 2.6x the full cache's step at 2048 + 8, and a chat's step
+    of 512 + 8 slots dispatched 6,767 aten operators)."""
     from infinigen.policies.speculation import int4_layout
     assert int4_layout(64, capacity, "cpu") == "tinygemm"
+
+
+@needs_tinygemm
+@pytest.mark.parametrize("capacity", [9, 100, 300, 450])
+def test_a_small_pool_far_from_a_whole_block_keeps_the_rows_layout(capacity):
+    """Below 512 slots a pool whose padding to 64-slot blocks would add more than 2.4% keeps the compact rows layout
+    (its padding would be a larger share of the KV than speculation's own keys are meant to add)."""
+    from infinigen.policies.speculation import int4_layout
+    assert int4_layout(64, capacity, "cpu") == "rows"
