@@ -1,10 +1,12 @@
-"""Where a batch-1 selecting step's time goes, and speculation plus selection as a share of dense attention per layer:
-the full cache, the default InfiniGen and the same with `dense_below=0`, prefilled once in one process, steps
+"""Where a selecting step's time goes, and speculation plus selection as a share of dense attention per layer:
+the full cache, the default InfiniGen and the same with `dense_below=0` (`--batch` above 1: the full cache and
+`dense_below=0` alone, to hold two stores of the long case in memory, not three), prefilled once in one process, steps
 interleaved; each native call of the latter's steps timed (`fused_select.*`, this thread's CPU time); dense attention
 timed as `attend_all` over a real layer's used slots. One thread, so the times are CPU times a loaded machine's
 preemption does not inflate.
 
     PYTHONPATH=src python benchmarks/selecting_layer_share.py --length 8176
+    PYTHONPATH=src python benchmarks/selecting_layer_share.py --length 8176 --batch 8 --steps 4
 """
 from __future__ import annotations
 
@@ -52,30 +54,33 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--length", type=int, default=8176)
     ap.add_argument("--steps", type=int, default=8, help="steps per system (the first is left out of the median)")
+    ap.add_argument("--batch", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(1)
     model, tok, _ = infinigen.load("default", dtype="auto", weights="auto", progress=False)
-    enable_compile(model, "on", long_running=True, rows=[1])
-    tokens = staggered_prompts(text_ids(tok), a.length, 1)
+    enable_compile(model, "on", long_running=True, rows=[a.batch])
+    tokens = staggered_prompts(text_ids(tok), a.length, a.batch)
     policies = [make_policy("full"), make_policy("infinigen").prepare(model, tok),
                 make_policy("infinigen", dense_below=0).prepare(model, tok)]
     names = ["full cache", "InfiniGen (default)", "InfiniGen dense_below=0"]
+    if a.batch > 1:
+        del policies[1], names[1]
     logits, sessions = prefill_shared(model, tokens, policies, a.length + a.steps + 4)
     spent = _timed_native_calls()
-    layers = model.cfg.num_layers
-    last, times, per_layer = [logits.argmax(-1)] * 3, [[] for _ in sessions], {}
+    layers, selecting = model.cfg.num_layers, len(sessions) - 1
+    last, times, per_layer = [logits.argmax(-1)] * len(sessions), [[] for _ in sessions], {}
     print("loadavg", _loadavg())
     with torch.inference_mode():
         for step in range(a.steps):
-            for i in (0, 1, 2) if step % 2 == 0 else (2, 1, 0):
+            for i in range(len(sessions)) if step % 2 == 0 else reversed(range(len(sessions))):
                 for calls in spent.values():
                     calls.clear()
                 t0 = time.thread_time()
                 last[i] = runtime.decode(model, last[i], sessions[i]).argmax(-1)
                 times[i].append(1e3 * (time.thread_time() - t0))
-                if i == 2:  # the native calls of the policy selecting at every length, ms per layer
+                if i == selecting:  # the native calls of the policy selecting at every length, ms per layer
                     per_layer = {k: 1e3 * sum(v) / layers for k, v in spent.items() if v}
-        q = torch.randn(1, model.cfg.num_heads, 1, model.cfg.head_dim, dtype=model.dtype)
+        q = torch.randn(a.batch, model.cfg.num_heads, 1, model.cfg.head_dim, dtype=model.dtype)
         dense = []
         for _ in range(3):
             for layer in range(layers):

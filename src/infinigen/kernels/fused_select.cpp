@@ -5,6 +5,7 @@
 // the float32 sum of the past values read (the token's own row excluded). And, in front of it, the selection
 // that packs those rows from a layer's speculated scores (`select_packed`).
 #include <torch/extension.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 
 #include "native_common.h"
@@ -28,6 +29,13 @@ using infinigen_native::packed_starts;
 using infinigen_native::exp_relative;
 using infinigen_native::scaled_max;
 using infinigen_native::unread_lse;
+
+// A new CPU tensor of these kernels' outputs, allocated without a dispatch (`at::detail::empty_cpu`): a selecting
+// layer of a decoding step makes eight, which as dispatched `empty` calls were most of the operators its step
+// dispatched.
+torch::Tensor new_cpu(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return torch::Tensor(at::detail::empty_cpu(sizes, dtype, false, std::nullopt));
+}
 
 constexpr int64_t kBlock = 32;  // rows per online-softmax block: their keys and values fit in L1 at d <= 128
 
@@ -199,6 +207,7 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
               "q [B,H,d] or [B,H,1,d], keys/values [N,d]");
   TORCH_CHECK(q.scalar_type() == keys.scalar_type() && keys.scalar_type() == values.scalar_type(),
               "q, keys and values must share a dtype");
+  TORCH_CHECK(q.is_cpu() && keys.is_cpu() && values.is_cpu(), "CPU tensors (CUDA's run the Triton kernel)");
   TORCH_CHECK(rows.scalar_type() == torch::kLong && counts.scalar_type() == torch::kLong, "int64 indices");
   q = q.contiguous();
   keys = keys.contiguous();
@@ -247,9 +256,9 @@ std::vector<torch::Tensor> attend_rows(torch::Tensor q, torch::Tensor keys, torc
   const float* r_lse_p = mixes ? r_lse.data_ptr<float>() : nullptr;
   const float* r_sums_p = mixes ? r_sums.data_ptr<float>() : nullptr;
   const int64_t* r_counts_p = mixes ? r_counts.data_ptr<int64_t>() : nullptr;
-  auto out = torch::empty(q.sizes(), q.options());  // q's shape: [B, H, d] or [B, H, 1, d]
-  auto lse = torch::empty({b, h}, q.options().dtype(torch::kFloat));
-  auto read_sum = torch::empty({b, hkv, d}, q.options().dtype(torch::kFloat));
+  auto out = new_cpu(q.sizes(), q.scalar_type());  // q's shape: [B, H, d] or [B, H, 1, d]
+  auto lse = new_cpu({b, h}, torch::kFloat);
+  auto read_sum = new_cpu({b, hkv, d}, torch::kFloat);
   // each run cut into parts of at most `part_rows` rows (its own row in the last), so that a few long runs (one
   // batch row, three KV heads) keep every thread busy; the parts depend on the counts alone, never on the batch
   // or the threads, so a run's numbers are the same whatever runs beside it
@@ -394,15 +403,15 @@ __attribute__((noinline)) int64_t first_pass(float* rows, int64_t g, int64_t n, 
 // (KV head, slot) pairs. maxima [B, Hkv, G]: each head's max where the scores are scaled already (`score_select`),
 // or nullptr (scaled here).
 std::vector<torch::Tensor> select_from_scores(float* s_p, int64_t b, int64_t hkv, int64_t g, int64_t n,
-                                              const torch::TensorOptions& opts, double scale, double alpha,
+                                              double scale, double alpha,
                                               const std::vector<int64_t>& totals, int64_t capacity, bool with_lse,
                                               const float* maxima) {
   TORCH_CHECK(static_cast<int64_t>(totals.size()) == b, "one cap per batch row");
   for (const int64_t total : totals) TORCH_CHECK(total >= 0, "the layer cap must be >= 0");
   TORCH_CHECK(capacity >= n, "the store holds fewer slots than the scores cover");
-  auto keep = torch::empty({b, hkv, n}, opts.dtype(torch::kBool));
-  auto counts = torch::empty({b, hkv}, opts.dtype(torch::kLong));
-  auto lse = torch::empty({b, hkv, with_lse ? g : 0}, opts.dtype(torch::kFloat));
+  auto keep = new_cpu({b, hkv, n}, torch::kBool);
+  auto counts = new_cpu({b, hkv}, torch::kLong);
+  auto lse = new_cpu({b, hkv, with_lse ? g : 0}, torch::kFloat);
   std::vector<float> head_max(b * hkv * g), head_sum(b * hkv * g);
   bool* keep_p = keep.data_ptr<bool>();
   int64_t* counts_p = counts.data_ptr<int64_t>();
@@ -449,8 +458,8 @@ std::vector<torch::Tensor> select_from_scores(float* s_p, int64_t b, int64_t hkv
   }
   std::vector<int64_t> starts;
   const int64_t m = packed_starts(counts_p, b, hkv, starts);
-  auto rows = torch::empty({b, m}, opts.dtype(torch::kLong));
-  auto head = torch::empty({b, m}, opts.dtype(torch::kLong));
+  auto rows = new_cpu({b, m}, torch::kLong);
+  auto head = new_cpu({b, m}, torch::kLong);
   int64_t* rows_p = rows.data_ptr<int64_t>();
   int64_t* head_p = head.data_ptr<int64_t>();
   for (int64_t bi = 0; bi < b; ++bi) {  // padding after each batch row's last run: row 0, head -1
@@ -483,10 +492,11 @@ std::vector<torch::Tensor> select_from_scores(float* s_p, int64_t b, int64_t hkv
 std::vector<torch::Tensor> select_packed_capped(torch::Tensor scores, double scale, double alpha,
                                                 const std::vector<int64_t>& totals, int64_t capacity,
                                                 bool with_lse) {
-  TORCH_CHECK(scores.dim() == 4 && scores.scalar_type() == torch::kFloat, "scores [B,Hkv,G,n] float32");
+  TORCH_CHECK(scores.dim() == 4 && scores.scalar_type() == torch::kFloat && scores.is_cpu(),
+              "scores [B,Hkv,G,n] float32 on the CPU");
   scores = scores.contiguous();
   return select_from_scores(scores.data_ptr<float>(), scores.size(0), scores.size(1), scores.size(2),
-                            scores.size(3), scores.options(), scale, alpha, totals, capacity, with_lse, nullptr);
+                            scores.size(3), scale, alpha, totals, capacity, with_lse, nullptr);
 }
 
 }  // namespace
@@ -653,7 +663,7 @@ inline void score_block_any(const float* a, int64_t g, int64_t d, const uint8_t*
 // every query row rotated once, then rounded to bfloat16 (the int4 kernel's input) and widened again.
 static std::vector<float> scoring_queries(torch::Tensor& q, torch::Tensor& codes, torch::Tensor& sz,
                                           int64_t group, int64_t n, torch::Tensor& rotation) {
-  TORCH_CHECK(q.dim() == 4 && q.is_floating_point(), "q [B,Hkv,G,d] floating");
+  TORCH_CHECK(q.dim() == 4 && q.is_floating_point() && q.is_cpu(), "q [B,Hkv,G,d] floating, on the CPU");
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == torch::kByte, "codes [B,Hkv,blocks*64,d/2] uint8");
   TORCH_CHECK(sz.dim() == 5 && sz.scalar_type() == at::kBFloat16 && sz.size(4) == 2, "sz [B,Hkv,ng,cap,2] bf16");
   const int64_t b = q.size(0), hkv = q.size(1), g = q.size(2), d = q.size(3);
@@ -682,7 +692,7 @@ torch::Tensor score_int4(torch::Tensor q, torch::Tensor codes, torch::Tensor sz,
                          int64_t part_slots, torch::Tensor rotation) {
   const std::vector<float> queries = scoring_queries(q, codes, sz, group, n, rotation);
   const int64_t b = q.size(0), hkv = q.size(1), g = q.size(2), d = q.size(3);
-  auto out = torch::empty({b, hkv, g, n}, q.options().dtype(torch::kFloat));
+  auto out = new_cpu({b, hkv, g, n}, torch::kFloat);
   if (n == 0) return out;
   const int64_t blocks = (n + kSlotBlock - 1) / kSlotBlock, cap = sz.size(3), ng = sz.size(2);
   const int64_t per_part = std::max<int64_t>(1, (part_slots + kSlotBlock - 1) / kSlotBlock);  // blocks per task
@@ -763,7 +773,7 @@ std::vector<torch::Tensor> score_select(torch::Tensor q, torch::Tensor codes, to
     for (int64_t t = 0; t < parts; ++t)
       for (int64_t m = 0; m < g; ++m)
         maxima[bh * g + m] = std::max(maxima[bh * g + m], part_max[(bh * parts + t) * g + m]);
-  return select_from_scores(out_p, b, hkv, g, n, q.options(), scale, alpha, std::vector<int64_t>(b, total),
+  return select_from_scores(out_p, b, hkv, g, n, scale, alpha, std::vector<int64_t>(b, total),
                             capacity, with_lse, maxima.data());
 }
 
@@ -865,7 +875,35 @@ void append_token(torch::Tensor keys, torch::Tensor values, torch::Tensor valid,
   }
 }
 
+// A layer's running float32 sums [B, Hkv, d] and counts [B, Hkv] of its stored values (InfiniGen's remainder)
+// advanced by one decoding token's values v [B, Hkv, 1, d] (any floating dtype, any strides), in place: each value
+// widened to float32 and added once, as torch's in-place add of v into the sums computes it (the same bits), and
+// each count by one, in one call instead of two dispatched adds.
+void add_values(torch::Tensor sums, torch::Tensor counts, torch::Tensor v) {
+  TORCH_CHECK(sums.dim() == 3 && sums.scalar_type() == torch::kFloat && sums.is_contiguous() && sums.is_cpu(),
+              "sums [B,Hkv,d] float32, contiguous, on the CPU");
+  const int64_t b = sums.size(0), hkv = sums.size(1), d = sums.size(2);
+  TORCH_CHECK(counts.scalar_type() == torch::kLong && counts.is_contiguous() && counts.numel() == b * hkv,
+              "counts [B,Hkv] int64, contiguous");
+  TORCH_CHECK(v.dim() == 4 && v.size(0) == b && v.size(1) == hkv && v.size(2) == 1 && v.size(3) == d && v.is_cpu(),
+              "v [B,Hkv,1,d] on the CPU");
+  float* s_p = sums.data_ptr<float>();
+  int64_t* c_p = counts.data_ptr<int64_t>();
+  const int64_t sb = v.stride(0), sh = v.stride(1), sd = v.stride(3);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, v.scalar_type(), "add_values", [&] {
+    const scalar_t* v_p = v.data_ptr<scalar_t>();
+    for (int64_t bi = 0; bi < b; ++bi)
+      for (int64_t kh = 0; kh < hkv; ++kh) {
+        float* s = s_p + (bi * hkv + kh) * d;
+        const scalar_t* x = v_p + bi * sb + kh * sh;
+        for (int64_t j = 0; j < d; ++j) s[j] += static_cast<float>(x[j * sd]);
+        c_p[bi * hkv + kh] += 1;
+      }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_values", &add_values, "a decoding token's values added to a layer's running sums and counts");
   m.def("append_token", &append_token, "a decoding token stored at one slot of a layer's store");
   m.def("scatter_int4", &scatter_int4, "a decoding token's key quantized into the int4 kernel's layout");
   m.def("score_int4", &score_int4, "the int4 speculation keys' scores, one parallel region per layer");

@@ -161,6 +161,18 @@ def append_token(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, 
     _module().append_token(keys, values, valid, pos, int(slot), k, v, positions)
 
 
+def add_values(sums: torch.Tensor, counts: torch.Tensor, v: torch.Tensor) -> None:
+    """A layer's running value sums [B, Hkv, d] float32 and counts [B, Hkv] int64 advanced by one decoding token's
+    values v [B, Hkv, 1, d] in place: `sums.add_(v[:, :, 0])` and `counts.add_(1)` (the same bits) in one call where
+    the kernel is loaded and the tensors are on a CPU (sums and counts contiguous), else those two adds."""
+    if (enabled and sums.device.type == "cpu" and v.device.type == "cpu" and sums.is_contiguous()
+            and counts.is_contiguous() and native_build.loaded("fused_select") and available()):
+        _module().add_values(sums, counts, v)
+        return
+    sums.add_(v[:, :, 0])  # (in float32)
+    counts.add_(1)
+
+
 def select_packed(scores: torch.Tensor, scale: float, alpha: float, total: int, capacity: int, with_lse: bool):
     """scores [B, Hkv, G, n] float32 (the speculated q . k of one decoding row per batch row over a store's first
     n slots, every one valid; overwritten) -> keep [B, Hkv, n] bool, rows [B, m] and head [B, m] int64 (each batch

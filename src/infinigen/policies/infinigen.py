@@ -48,6 +48,7 @@ import torch
 
 from ..cache import KVStore, SelectedRows
 from ..errors import UserError
+from ..kernels import fused_select
 from ..kernels.int4 import PackedKeys
 from ..memory import tensor_bytes, weight_bytes
 from . import infinigen_select as select
@@ -554,8 +555,7 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
     def on_append(self, layer, slots, k, v, session):
         st = session.state
         if layer in st.value_sums:
-            st.value_sums[layer].add_(v[:, :, 0])  # (in float32)
-            st.value_counts[layer].add_(1)
+            fused_select.add_values(st.value_sums[layer], st.value_counts[layer], v)
         if layer not in st.spec_layers or layer not in st.spec_keys:  # not built yet (lazy_keys)
             return
         self.speculation.append(st, layer, slots, k)

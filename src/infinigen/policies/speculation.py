@@ -25,7 +25,7 @@ from ..kernels import fused_select
 from ..kernels.int4 import PackedKeys, tinygemm_ok
 
 INT4_GROUP = 32
-PADDED_FROM = 1024  # the capacity from which the 4-bit keys take the int4 kernel's layout whatever its padding
+PADDED_FROM = 512  # the capacity from which the 4-bit keys take the int4 kernel's layout whatever its padding
 
 # Skew matrices per model and calibration text (None: the cached or default one), loaded or computed once by
 # `prepare_skew`, shared by every policy object and session on that model.
@@ -48,8 +48,9 @@ def int4_layout(d: int, capacity: int, device) -> str:
     """The `PackedKeys` layout of a request's 4-bit speculation keys, chosen once in `begin` so that decoding
     and teacher-forced scoring quantize the same way: torch's CPU int4 kernel where it takes this head_dim and padding
     the capacity to its 64-token blocks keeps the bytes within 2.4% (40 B/token/head then stays under 8% of
-    float32 K+V) or the capacity holds at least `PADDED_FROM` slots (its at most 63 padded slots then cost under 1%
-    of 16-bit K+V), else the portable rows layout, whose torch scorer is several times slower on a CPU."""
+    float32 K+V) or the capacity holds at least `PADDED_FROM` slots (its at most 63 padded slots then cost under 2%
+    of 16-bit K+V: a chat of 512 tokens and its answer is scored natively), else the portable rows layout, whose
+    torch scorer is several times slower on a CPU and dispatches thousands of operators per step."""
     padded = -(-capacity // 64) * 64
     fits = padded <= 1.024 * capacity or capacity >= PADDED_FROM
     return "tinygemm" if tinygemm_ok(d, INT4_GROUP, device) and fits else "rows"
@@ -279,4 +280,4 @@ class SpeculationKeys:
         `fused_select.select_packed` returns, else None (the caller scores, then cuts)."""
         if not (fused_select.scores_with_selection and self.native(spec_keys)):
             return None
-        return spec_keys.select_rotated(self._query(st, layer)[:, :, :, row], self.rotation(st, layer), n, **cut)
+        return spec_keys.select_rotated(self._query(st, layer).select(3, row), self.rotation(st, layer), n, **cut)
