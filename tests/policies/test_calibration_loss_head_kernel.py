@@ -68,6 +68,7 @@ def test_the_kernel_ranks_as_a_stable_sort_and_scores_as_float64(rows, vocab, le
 def test_large_logits_and_a_row_of_equal_ones():
     logits, h, weight, targets = problem(4, 777, seed=3, scale=1000.0)  # logits of thousands: most exp() are 0
     logits[2] = 5.0  # every logit equal: the k largest are the first k
+    logits[3, :512] = -10000.0  # the max in a later block, thousands above the first block's
     nll, top, finite = loss_head.row_nll(logits, h, weight, targets, 64)
     assert finite.all() and torch.equal(top[2], torch.arange(64))
     assert torch.allclose(nll.double(), float64_nll(logits, h, weight, targets, 64), rtol=1e-6, atol=2e-6)
