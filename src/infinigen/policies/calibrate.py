@@ -74,6 +74,7 @@ from ..kernels import fused_select
 from ..placement import Placement
 from ..selection import ALL, Rows
 from ..skew import Progress
+from .calibrate_head import HEAD_EXACT, head_nll  # noqa: F401 (HEAD_EXACT: read as calibrate's)
 from .calibrate_bound import LONG, POSITIONS, caps_share, counted_layers, largest_budget
 from .calibrate_fallback import options_in_order, try_structural
 from .calibrate_stop import looks_of, misses_certainly
@@ -84,7 +85,6 @@ ALPHA_LOW = 7.0  # the threshold trims under the caps
 SCORE_ROWS = 512  # logits rows turned into log-probabilities at once (a 262k vocabulary: Gemma 3)
 BF16_HEAD_VOCAB = 131072  # from this vocabulary on (Gemma 3: 262k), where the head is most of a pass, it is
 # mostly a bfloat16 product (`head_nll`); below it (SmolLM2: 49k) it is a small share and stays float32
-HEAD_EXACT = 64  # per row, its largest logits recomputed in float32 (`head_nll`)
 BLOCK_ROWS = 256  # a candidate's rows run through every layer this many at a time (`score_rows`)
 EARLY_STOP = True  # a candidate stops once it certainly misses the target (policies/calibrate_stop.py)
 
@@ -235,34 +235,6 @@ def _nll(model, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 # within a search, per thread: the head's logits buffers, reused by every chunk of rows (a 262k vocabulary's
 # [SCORE_ROWS, vocab] float32 logits are hundreds of MB, which a fresh allocation maps and faults in each time)
 _HEAD_BUFFERS = threading.local()
-
-
-def head_nll(h: torch.Tensor, weight: torch.Tensor, low: torch.Tensor, targets: torch.Tensor,
-             cap: float | None = None, exact: int = HEAD_EXACT, buffers: dict | None = None) -> torch.Tensor:
-    """Per row of `h` [n, d], the NLL of its target under the logits h @ weight.T (tanh-capped at `cap`), the
-    logits computed as a bfloat16 product (`low`: the weight in bfloat16, 2.8x faster than float32 on CPU)
-    except each row's `exact` largest and its target's, recomputed in float32: those carry the loss (the
-    target's logit) and the bulk of the log-sum-exp, so what the bfloat16 rounding leaves is its error on the
-    tail's small share of the mass. The log-sum-exp is torch.logsumexp's arithmetic done in place in the logits;
-    `buffers` (a dict, filled on first use): the bfloat16 and float32 logits' storage, kept for the next call."""
-    n, vocab = h.shape[0], low.shape[0]
-    if buffers is None:
-        buffers = {}
-    if buffers.get("shape", (0, 0))[0] < n or buffers.get("shape", (0, vocab))[1] != vocab:
-        buffers.update(shape=(n, vocab), low=torch.empty(n, vocab, dtype=low.dtype, device=low.device),
-                       logits=torch.empty(n, vocab, device=low.device))
-    low_logits, logits = buffers["low"][:n], buffers["logits"][:n]
-    torch.mm(h.to(low.dtype), low.T, out=low_logits)
-    logits.copy_(low_logits)
-    # the largest logits as bfloat16 (the same values as their float32 copies, half the bytes to read)
-    idx = torch.cat([low_logits.topk(min(exact, vocab), dim=-1).indices, targets[:, None]], 1)
-    logits.scatter_(1, idx, torch.einsum("nd,nkd->nk", h.float(), weight[idx].float()))
-    if cap is not None:
-        logits.div_(cap).tanh_().mul_(cap)
-    target = logits.gather(1, targets[:, None])[:, 0]
-    top = logits.amax(-1, keepdim=True)
-    top.masked_fill_(top.abs() == math.inf, 0)
-    return logits.sub_(top).exp_().sum(-1).log_().add_(top[:, 0]) - target
 
 
 def _head_input(model, h: torch.Tensor) -> torch.Tensor:
