@@ -4,14 +4,13 @@ as the float64 log-softmax of the same logits gives it; rows holding an infinite
 a build, the torch path serves."""
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from infinigen.kernels import loss_head
 from infinigen.policies import calibrate as cal
+from support.native import assert_failed_build_warns_once
 
 needs_kernel = pytest.mark.skipif(not loss_head.available(), reason="no C++ compiler: the loss head kernel not built")
 
@@ -134,14 +133,4 @@ def test_without_a_build_the_torch_path_serves(monkeypatch):
 
 def test_a_failed_build_warns_in_one_line(tmp_path):
     """No compiler: one warning line on stderr, `available()` False, nothing raised."""
-    code = ("import torch.utils.cpp_extension as c\n"
-            "def fail(*a, **k):\n    raise RuntimeError('no compiler found\\nsecond line')\n"
-            "c.load = fail\n"
-            "from infinigen.kernels import loss_head as f\n"
-            "print(f.available(), f.available())\n")
-    env = {"INFINIGEN_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False False"
-    lines = [ln for ln in done.stderr.splitlines() if "loss_head kernel" in ln]
-    assert len(lines) == 1 and "no compiler found" in lines[0] and "second line" not in done.stderr
+    assert_failed_build_warns_once("loss_head", tmp_path)

@@ -18,6 +18,7 @@ from infinigen.cache import KVStore
 from infinigen.kernels import fused_select
 from infinigen.paths import writable_cache
 from support.packed_rows import decode_rows, packed_policy, padded_prompts
+from support.native import assert_failed_build_warns_once
 
 needs_kernel = pytest.mark.skipif(not fused_select.available(), reason="the fused kernel cannot be built here")
 
@@ -218,17 +219,7 @@ def test_without_a_build_the_torch_path_serves(make_tiny, monkeypatch):
 
 def test_a_failed_build_warns_in_one_line(tmp_path):
     """No compiler: one warning line on stderr, `available()` False, nothing raised."""
-    code = ("import torch.utils.cpp_extension as c\n"
-            "def fail(*a, **k):\n    raise RuntimeError('no compiler found\\nsecond line')\n"
-            "c.load = fail\n"
-            "from infinigen.kernels import fused_select as f\n"
-            "print(f.available(), f.available())\n")
-    env = {"INFINIGEN_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "False False"
-    lines = [ln for ln in done.stderr.splitlines() if "fused_select kernel" in ln]
-    assert len(lines) == 1 and "no compiler found" in lines[0] and "second line" not in done.stderr
+    assert_failed_build_warns_once("fused_select", tmp_path)
 
 
 @needs_kernel
