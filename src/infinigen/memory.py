@@ -118,6 +118,16 @@ class MemoryProbe:
         return peak_rss_of("self")
 
 
+def _glibc_function(name: str):
+    """glibc's function `name` through ctypes, or None where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
 _malloc_trim = None
 
 
@@ -127,12 +137,7 @@ def release_free_heap() -> bool:
     grew by about 1 MiB/s under a mixed load with no leaked object (benchmarks/serve_soak.py)."""
     global _malloc_trim
     if _malloc_trim is None:
-        import ctypes
-        import ctypes.util
-        try:
-            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):  # not glibc
-            _malloc_trim = False
+        _malloc_trim = _glibc_function("malloc_trim") or False
     if _malloc_trim is False:
         return False
     _malloc_trim(0)
@@ -148,13 +153,8 @@ def map_large_allocations(threshold: int = 1 << 20) -> bool:
     so a long prompt's per-layer tensors are carved from the heap and their pages stay with the process
     between trims: an 8000-token InfiniGen prefill rose ~0.4 GiB above its start where it rises ~0.2 with this.
     For a process under a memory bound, where a peak is what the kernel kills for."""
-    import ctypes
-    import ctypes.util
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, int(threshold)))
+    mallopt = _glibc_function("mallopt")
+    return mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, int(threshold)))
 
 
 __all__ = ["tensor_bytes", "weight_bytes", "kv_bytes", "storages", "session_bytes", "device_memory_bytes",
