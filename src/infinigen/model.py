@@ -297,6 +297,19 @@ class Rope(NamedTuple):
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
+    def rows(self, start: int, stop: int) -> "Rope":
+        """The rotation of this pass's rows start..stop-1 only."""
+        return Rope(*(t[:, :, start:stop] for t in self))
+
+
+def rope_rows(rope, start: int, stop: int):
+    """`rope` (a Rope, a list of one per layer, or None) for a pass's rows start..stop-1."""
+    if rope is None:
+        return None
+    if isinstance(rope, Rope):
+        return rope.rows(start, stop)
+    return [rope_rows(r, start, stop) for r in rope]
+
 
 class Transformer(nn.Module):
     """The network: embedding, blocks, head. What a pass does with a KV cache is `infinigen.runtime`'s."""
@@ -399,6 +412,35 @@ class Transformer(nn.Module):
             o = F.scaled_dot_product_attention(qc, k[:, :, lo:n], v[:, :, lo:n], attn_mask=m, scale=self.scale)
             out[:, :, :, s:e] = o.view(b, hkv, g, e - s, d)
         return out.view(b, h, t, d)
+
+    def tiled_attention(self, q, k, v, start: int, tile: int, layer: int) -> torch.Tensor:
+        """A prompt's attention whose every row is computed alike wherever the prompt was cut: q [B,H,T,d] are
+        the rows at positions start..start+T-1 (start a multiple of `tile`), k, v [B,Hkv,start+T,d] the keys and
+        values of positions 0..start+T-1, unpadded. The rows go in tiles of `tile` at multiples of `tile`, each
+        one call over the keys it may see under a causal (and the layer's sliding-window) mask, so a tile's call
+        has the same operands whether the prompt was prefilled whole or continued from a cached prefix at a
+        multiple of `tile` (a flash call's blocking and a matmul's depend on the number of rows)."""
+        if start % tile:
+            raise ValueError(f"a tiled prefill starts at a multiple of its tile ({tile}), not at {start}")
+        b, h, t, d = q.shape
+        g = h // k.shape[1]
+        w = self.cfg.window(layer)
+        out = torch.empty_like(q)
+        for s in range(0, t, tile):
+            e = min(t, s + tile)
+            lo = 0 if w is None else max(0, start + s - w + 1)  # the first key a row of the tile may see
+            q_pos = torch.arange(start + s, start + e, device=q.device)[:, None]
+            k_pos = torch.arange(lo, start + e, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if w is not None:
+                mask &= (q_pos - k_pos) < w
+            kt, vt = k[:, :, lo:start + e], v[:, :, lo:start + e]
+            if g > 1 and not SDPA_GQA:
+                kt, vt = kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1)
+            kw = {"enable_gqa": True} if g > 1 and SDPA_GQA else {}
+            out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], kt, vt, attn_mask=mask, scale=self.scale,
+                                                            **kw)
+        return out
 
     def prompt_mask(self, valid: torch.Tensor, positions: torch.Tensor, window: int | None):
         """(mask [B,1,T,T] or None, causal) of a prompt with real tokens valid [B, T] for layers with this

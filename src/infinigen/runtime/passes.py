@@ -5,6 +5,7 @@ from typing import Sequence
 
 import torch
 
+from ..model import rope_rows
 from .attention import StepBuffers
 from .session import Session
 from .step_attention import attend_sessions, own_part
@@ -24,7 +25,7 @@ def prefill(model, tokens: torch.Tensor, session: Session, pad_mask: torch.Tenso
 
 @torch.inference_mode()
 def prefill_in_slices(model, tokens: torch.Tensor, session: Session, pad_mask: torch.Tensor | None = None,
-                      all_logits: bool = False, layers_per_slice: int = 1, cached: int = 0):
+                      all_logits: bool = False, layers_per_slice: int = 1, cached: int = 0, tile: int = 0):
     """`prefill` as a generator that pauses (yields) after every `layers_per_slice` layers (0: never), so a
     server can decode its running requests between slices while a long prompt joins. The logits are the
     generator's return value. Exactly `prefill`'s computation: a slice ends between two layers, and nothing
@@ -32,19 +33,42 @@ def prefill_in_slices(model, tokens: torch.Tensor, session: Session, pad_mask: t
 
     `cached` > 0: the session's store holds the keys and values of the prompt's first `cached` tokens (a
     prefix cache restored them, `Session.restore_prefix`) and `tokens` are the rest (unpadded); only they
-    are computed, attending to the whole prompt, for policies that `continues_prefill`."""
+    are computed, attending to the whole prompt, for policies that `continues_prefill`.
+
+    `tile` > 0 (unpadded, `cached` a multiple of it): every row's arithmetic is the same wherever the prompt was
+    cut, so a prompt continued from a prefix cached at a multiple of `tile` gets the very bits of its whole
+    prefill: the rows go through each layer's dense parts in tiles of `tile` rows at multiples of `tile`
+    (`tiled_block`), and through its attention likewise (`Transformer.tiled_attention`). A matmul's and a flash
+    call's blocking depend on their number of rows, which shows in bfloat16: without tiles a prefix hit's
+    greedy answer can differ from a miss's."""
     if cached and (pad_mask is not None or not session.policy.continues_prefill()):
         raise ValueError("a prefill continues a cached prefix only unpadded, for a policy that continues_prefill")
+    if tile and (pad_mask is not None or cached % tile):
+        raise ValueError("a tiled prefill is unpadded and continues a prefix of whole tiles")
     valid = torch.ones_like(tokens, dtype=torch.bool) if pad_mask is None else pad_mask.bool()
     positions = cached + (valid.long().cumsum(-1) - 1).clamp(min=0)  # padding sits at position 0
-    session.begin_prefill(positions, valid, cached)
+    session.begin_prefill(positions, valid, cached, tile)
     h = model.embed(tokens, positions)
     rope = model.rope(positions)
     for i, block in enumerate(model.layers):
-        h = block(h, rope, session.attend, session.event)
+        h = tiled_block(block, h, rope, session, tile) if tile else block(h, rope, session.attend, session.event)
         if layers_per_slice and (i + 1) % layers_per_slice == 0 and i + 1 < len(model.layers):
             yield i + 1  # layers done
     return model.head(h if all_logits else h[:, -1])
+
+
+def tiled_block(block, h: torch.Tensor, rope, session: Session, tile: int) -> torch.Tensor:
+    """`block(h, rope, session.attend, session.event)` with its dense parts run on tiles of `tile` rows, each
+    call's operands those of the same tile in any prefill that reaches it (`prefill_in_slices`' `tile`)."""
+    spans = [(s, min(h.shape[1], s + tile)) for s in range(0, h.shape[1], tile)]
+    rope = block.own_rope(rope)
+    parts = [block.attention_input(h[:, s:e], rope_rows(rope, s, e)) for s, e in spans]
+    x, q, k, v = (torch.cat([p[0] for p in parts], 1), *(torch.cat([p[j] for p in parts], 2) for j in (1, 2, 3)))
+    session.event(block.index, "attn_in", x)
+    a = session.attend(block.index, q, k, v)
+    h = torch.cat([block.attention_output(h[:, s:e], a[:, :, s:e]) for s, e in spans], 1)
+    session.event(block.index, "attn_out", h)
+    return torch.cat([block.feed_forward(h[:, s:e]) for s, e in spans], 1)
 
 
 @torch.inference_mode()

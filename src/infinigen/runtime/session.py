@@ -113,6 +113,7 @@ class Session:
         self._mask_of = None
         self._phase = ""
         self._cached = 0  # tokens of the prompt being prefilled that the store held already (a prefix cache)
+        self._tile = 0  # a prefill's attention in tiles of this many rows (`Transformer.tiled_attention`); 0: not
         self._plans: dict = {}  # layer -> this step's selection, asked one layer ahead
         self._row_buffers = StepBuffers()  # the packed rows a step gathers, reused by every layer
         self._row_key: tuple = (None, -1)  # (positions, row) the tensors below were made for
@@ -160,10 +161,11 @@ class Session:
         return self._phase == "decode"
 
     # ---- the cursor, moved -----------------------------------------------------------------------------------
-    def begin_prefill(self, positions: torch.Tensor, valid: torch.Tensor, cached: int = 0) -> None:
+    def begin_prefill(self, positions: torch.Tensor, valid: torch.Tensor, cached: int = 0, tile: int = 0) -> None:
         """A prompt with positions [B, T] and real (unpadded) tokens valid [B, T] is about to be written;
-        `cached` > 0: it continues the first `cached` tokens, whose keys and values the store holds already."""
-        self._cached = cached
+        `cached` > 0: it continues the first `cached` tokens, whose keys and values the store holds already;
+        `tile` > 0: its attention in tiles (`Transformer.tiled_attention`, `runtime.prefill_in_slices`)."""
+        self._cached, self._tile = cached, tile
         self._positions, self._row, self._phase = positions, positions.shape[1] - 1, "prefill"
         self._next_pos = positions[:, -1] + 1
         self._prompt_valid = valid
@@ -296,6 +298,8 @@ class Session:
         if self._cached:
             return self._continued_prompt_attention(layer, q, k, v)
         self.prefill_layer(layer, q, k, v)
+        if self._tile:
+            return self.model.tiled_attention(q, k, v, 0, self._tile, layer)
         window = self.model.cfg.window(layer)
         if window not in self._prompt_masks:
             self._prompt_masks[window] = self.model.prompt_mask(*self._mask_of, window)
@@ -315,6 +319,8 @@ class Session:
         self.policy.on_prefill(layer, q, kp, vp, self)
         for lis in self.listeners:
             lis.on_prefill(layer, q, kp, vp, self)
+        if self._tile:
+            return self.model.tiled_attention(q, kp, vp, n, self._tile, layer)
         q_pos = self._positions[:, None, :, None]  # [B, 1, T, 1]
         mask = pos[:, :1, None, :] <= q_pos  # [B, 1, T, n + T]: causal over the whole prompt
         window = self.model.window(q_pos, pos[:, :1, None, :], layer)

@@ -345,9 +345,12 @@ class Engine:
                 cached, blocks = self.prefix.lookup_blocks(req.prompt)
                 for i, block in enumerate(blocks):  # one block at a time: the prefix is never copied whole
                     req.session.restore_prefix(block.keys, block.values, at=i * self.prefix.block_tokens)
+            # with a prefix cache every prompt is prefilled in tiles of its blocks, so a hit's rows get the bits
+            # a miss computes (a request's greedy answer does not depend on what was cached before it)
             req.prefilling = runtime.prefill_in_slices(
                 self.model, torch.tensor([req.prompt[cached:]], device=self.model.device), req.session,
-                all_logits=req.prompt_logprobs, layers_per_slice=self.prefill_chunk_layers, cached=cached)
+                all_logits=req.prompt_logprobs, layers_per_slice=self.prefill_chunk_layers, cached=cached,
+                tile=self.prefix.block_tokens if self.prefix is not None else 0)
         except Exception as e:
             if not isinstance(e, UserError):
                 log.exception("prefill failed")
