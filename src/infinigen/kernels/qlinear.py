@@ -30,7 +30,9 @@ an error (quantized weights are not edited in place).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import numpy as np
 import torch
@@ -44,6 +46,29 @@ GROUP = 32  # GGUF Q4_0/Q4_1/Q8_0 block size; the re-quantization group (K = 576
 GROUPS = (32, 64, 128, 256)  # group sizes the int4 kernels take
 DENSE_ROWS = 64  # more input rows than this: dequantize once and run a dense matmul (measured crossover)
 _CPU_BLOCK_N = 64  # output rows per block of the AVX512 packed layout
+_kept = threading.local()  # .weights: {(layer, dtype): its dense weight} inside `dense_weights_kept`
+
+
+@contextlib.contextmanager
+def dense_weights_kept():
+    """Inside: a quantized layer called with more than DENSE_ROWS rows dequantizes its weight once and reuses
+    it for every such call (a prefill in row tiles calls each layer once per tile); freed on leaving."""
+    outer = getattr(_kept, "weights", None)
+    _kept.weights = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _kept.weights = outer
+
+
+def _dense_weight(layer, dtype: torch.dtype) -> torch.Tensor:
+    kept = getattr(_kept, "weights", None)
+    if kept is None:
+        return layer.dequantize(dtype)
+    w = kept.get((id(layer), dtype))
+    if w is None:
+        w = kept[(id(layer), dtype)] = layer.dequantize(dtype)
+    return w
 
 
 # ---- what the kernels take --------------------------------------------------------------------------
@@ -274,7 +299,7 @@ class Int4Linear(nn.Module):
         _check_input(self, x, self.scale_zero)
         rows = x.numel() // self.in_features
         if rows > DENSE_ROWS and (self.packed.device.type != "cpu" or _cpu_layout_known()):
-            return F.linear(x, self.dequantize(x.dtype), self.bias)
+            return F.linear(x, _dense_weight(self, x.dtype), self.bias)
         y = self._kernel(x.reshape(rows, self.in_features).contiguous())
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
@@ -364,7 +389,7 @@ class Int8Linear(nn.Module):
         _check_input(self, x, self.scales)
         rows = x.numel() // self.in_features
         if rows > DENSE_ROWS or not _int8_kernel_ok(x.device.type):
-            return F.linear(x, self.dequantize(x.dtype), self.bias)
+            return F.linear(x, _dense_weight(self, x.dtype), self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()
         if int4_gemv.takes_int8(flat, self.in_features):
             y = int4_gemv.int8_gemv(flat, self.qweight, self.scales)

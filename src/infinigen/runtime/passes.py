@@ -5,6 +5,7 @@ from typing import Sequence
 
 import torch
 
+from ..kernels.qlinear import dense_weights_kept
 from ..model import rope_rows
 from .attention import StepBuffers
 from .session import Session
@@ -62,13 +63,14 @@ def tiled_block(block, h: torch.Tensor, rope, session: Session, tile: int) -> to
     call's operands those of the same tile in any prefill that reaches it (`prefill_in_slices`' `tile`)."""
     spans = [(s, min(h.shape[1], s + tile)) for s in range(0, h.shape[1], tile)]
     rope = block.own_rope(rope)
-    parts = [block.attention_input(h[:, s:e], rope_rows(rope, s, e)) for s, e in spans]
-    x, q, k, v = (torch.cat([p[0] for p in parts], 1), *(torch.cat([p[j] for p in parts], 2) for j in (1, 2, 3)))
-    session.event(block.index, "attn_in", x)
-    a = session.attend(block.index, q, k, v)
-    h = torch.cat([block.attention_output(h[:, s:e], a[:, :, s:e]) for s, e in spans], 1)
-    session.event(block.index, "attn_out", h)
-    return torch.cat([block.feed_forward(h[:, s:e]) for s, e in spans], 1)
+    with dense_weights_kept():  # a quantized weight dequantized once for all the tiles, not once per tile
+        parts = [block.attention_input(h[:, s:e], rope_rows(rope, s, e)) for s, e in spans]
+        x, q, k, v = (torch.cat([p[0] for p in parts], 1), *(torch.cat([p[j] for p in parts], 2) for j in (1, 2, 3)))
+        session.event(block.index, "attn_in", x)
+        a = session.attend(block.index, q, k, v)
+        h = torch.cat([block.attention_output(h[:, s:e], a[:, :, s:e]) for s, e in spans], 1)
+        session.event(block.index, "attn_out", h)
+        return torch.cat([block.feed_forward(h[:, s:e]) for s, e in spans], 1)
 
 
 @torch.inference_mode()
