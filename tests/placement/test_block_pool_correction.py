@@ -72,13 +72,15 @@ def _units(store, layer: int, chosen: torch.Tensor) -> torch.Tensor:
 def test_on_demand_units_are_exactly_those_the_prefetch_missed(tiny_llama, selection, tmp_path, monkeypatch):
     """Per layer and step, from what placement prefetched (the plan) and what the layer's own query selected:
     the units read on demand (their file offsets, at the reads) are the units holding own-selected rows and no
-    prefetched one, and the file is read for the prefetched units and those only."""
+    prefetched one, less those the layer's last `hold_steps` steps read on demand too (held in fast memory since;
+    no cap here), and the file is read for the prefetched units and those only."""
     _, model = tiny_llama
     pol = corrected_policy(model, **SELECTIONS[selection])
     tokens, pad = offload_prompts()
     pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK, threaded=False)
     planned: dict = {}
-    want = {"read": 0, "missed": []}  # missed: file offsets, a unit per step it was missed
+    want = {"read": 0, "missed": [], "held": 0}  # missed: file offsets, a unit per step it was read on demand
+    missed_at: dict = {}  # per layer and unit: the last step it was missed
 
     class Own(runtime.Listener):
         def on_select(self, layer, rows, keep, s):
@@ -90,12 +92,19 @@ def test_on_demand_units_are_exactly_those_the_prefetch_missed(tiny_llama, selec
                 return
             prefetched = _units(store, layer, plan[:, :, :n] & valid)
             missed = _units(store, layer, keep[:, :, 0, :n] & valid) & ~prefetched
+            last = missed_at.setdefault(layer, torch.full((store.bh, store.blocks_per_head), -10**6))
+            last = last[:, :missed.shape[1]]
+            held = missed & (last >= store._step - store.hold_steps)
+            last[missed] = store._step
+            missed &= ~held
+            want["held"] += int(held.sum())
             want["read"] += int(prefetched.sum() + missed.sum())
             for bh, j in missed.nonzero().tolist():
                 want["missed"].append(store._offset(layer, bh, j))
 
     sess = pl.new_session(model, B, PROMPT + GEN, pol, listeners=[Own()])
     store = sess.store
+    store.hold_share = 1.0  # every recent miss held
     issue, corrected = store._issue, store._corrected
 
     def remember(layer, plan):  # what placement prefetches for `layer`
@@ -127,7 +136,7 @@ def test_on_demand_units_are_exactly_those_the_prefetch_missed(tiny_llama, selec
     for _ in range(GEN):
         logits = runtime.decode(model, logits.argmax(-1), sess)
     pl.close(sess)
-    assert sorted(on_demand) == sorted(want["missed"]) and len(want["missed"]) > 0
+    assert sorted(on_demand) == sorted(want["missed"]) and len(want["missed"]) > 0 and want["held"] > 0
     assert len(on_demand) == store.stats.missed_blocks
     assert sum(reads) == want["read"] * store.unit == store.stats.bytes_moved
 
