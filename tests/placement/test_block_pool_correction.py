@@ -17,7 +17,7 @@ from infinigen.placement import BlockedKVStore, Placement
 from infinigen.placement import blocks as blocks_mod
 from infinigen.selection import ALL
 
-from support.offload import B, GEN, PROMPT, corrected_policy, offload_prompts, run_placed
+from support.offload import B, GEN, PROMPT, FifoVictims, corrected_policy, offload_prompts, run_placed
 
 BLOCK = 4
 SELECTIONS = {"tokens": {}, "blocks": dict(budget="layer", block=BLOCK),
@@ -173,3 +173,48 @@ def test_breakdown_times_the_correction_apart(tiny_llama, correct, tmp_path):
         assert detail["on-demand reads"] <= detail["corrected hand-over"]
     finally:
         Placement.close(sess)
+
+
+class HeldUnitVictims(FifoVictims):
+    """Victims at the first slot of the last unit a layer's block pool holds (`BlockedKVStore._held`), slot 0 where
+    it holds none, every choice recorded; or the recorded choices replayed (`replay`) by a store in fast memory."""
+
+    def __init__(self, replay=None):
+        self.chosen, self.replay = [], None if replay is None else iter(replay)
+
+    def victims(self, layer, store):
+        if self.replay is not None:
+            return next(self.replay)
+        b, h = store.valid[layer].shape[:2]
+        held = store._held.get(layer)
+        slot = 0 if held is None else int(held[0][-1]) % store.blocks_per_head * store.block
+        self.chosen.append(torch.full((b, h), slot, dtype=torch.long))
+        return self.chosen[-1]
+
+
+def test_held_units_are_the_files_with_victims(tiny_llama, tmp_path):
+    """The units a corrected block pool holds for its next steps, checked after every step against the file, with
+    victims written into held units: a held copy of a unit a victim's token changed is gone, never read; the tokens
+    are those of fast memory evicting the same slots."""
+    _, model = tiny_llama
+    pol = corrected_policy(model, remainder=False)  # (no remainder under a pool limit)
+    victims = HeldUnitVictims()
+    tokens, steps, sess = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK,
+                                                       threaded=False), pol, capacity=PROMPT, allocator=victims,
+                                     keep=True, gen=1)
+    store = sess.store
+    store.hold_share = 1.0
+    out, checked, logits = [tokens[:, 0]], 0, steps[:, -1]
+    for _ in range(GEN - 1):
+        out.append(logits.argmax(-1))
+        logits = runtime.decode(model, out[-1], sess)
+        for layer, (ids, units, _) in store._held.items():
+            fresh = torch.empty_like(units)
+            store._load(layer, ids, fresh)
+            assert torch.equal(fresh, units)
+            checked += ids.numel()
+    Placement("disk").close(sess)
+    assert checked > 0
+    ref_tokens, _, _ = run_placed(model, Placement("none"), pol, capacity=PROMPT, gen=GEN,
+                                  allocator=HeldUnitVictims(replay=victims.chosen))
+    assert torch.equal(torch.stack(out, 1), ref_tokens)
