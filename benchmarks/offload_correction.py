@@ -81,7 +81,7 @@ def decode_once(model, tok, prompt, steps: int, placement, attrs: dict | None = 
         if hasattr(sess.store, k):
             setattr(sess.store, k, v)
     held = []  # per step: missed rows taken from fast memory (held since the layer's recent steps)
-    holding = []  # per step: rows held in fast memory after it, over every layer
+    holding = []  # per step: rows held in fast memory after it, over every layer (a held unit: its slots)
     try:
         logits = runtime.prefill(model, prompt, sess)
         stats = getattr(sess.store, "stats", None)
@@ -96,7 +96,8 @@ def decode_once(model, tok, prompt, steps: int, placement, attrs: dict | None = 
             before = getattr(stats, "held", 0)
             logits = runtime.decode(model, t, sess)
             held.append(getattr(stats, "held", 0) - before)
-            holding.append(sum(h[0].numel() for h in getattr(sess.store, "_held", {}).values()))
+            rows_each = getattr(sess.store, "block", 0) or 1  # the block pool holds units of `block` slots
+            holding.append(rows_each * sum(h[0].numel() for h in getattr(sess.store, "_held", {}).values()))
         seconds = time.perf_counter() - t0
         store = sess.store
         block = getattr(store, "block", 0)
@@ -137,7 +138,18 @@ def main(argv=None) -> int:
     ap.add_argument("--disk-block", type=int, default=0)
     ap.add_argument("--pool-dir", default=None)
     ap.add_argument("--knob", action="append", default=[], help="NAME=VALUE for every InfiniGen form")
+    ap.add_argument("--forms", default=None,
+                    help="decode only these forms (names separated by ';', e.g. 'corrected;corrected, held one step'; "
+                         "the in-RAM form always: the tokens are compared with it)")
     a = ap.parse_args(argv)
+    chosen = list(decode_forms())
+    if a.forms is not None:
+        asked = {f.strip() for f in a.forms.split(";") if f.strip()}
+        unknown = asked - {n.removeprefix("offloaded, ") for n in chosen}
+        if unknown:
+            ap.error(f"--forms: unknown {'; '.join(sorted(unknown))}; choose among "
+                     + "; ".join(n.removeprefix("offloaded, ") for n in chosen))
+        chosen = [n for n in chosen if n == "in RAM" or n.removeprefix("offloaded, ") in asked]
     from infinigen.policies.knobs import knob_dict
     TIER.update(kv_offload=a.kv_offload, disk_block=a.disk_block, pool_dir=a.pool_dir)
     KNOBS.update(knob_dict("infinigen", a.knob))
@@ -152,9 +164,11 @@ def main(argv=None) -> int:
             result["ppl"] = perplexities(model, tok, ids, a.prefill)
             print(json.dumps(result["ppl"], indent=1), flush=True)
         prompt = ids[:, :a.decode_prompt]
-        runs: dict = {name: [] for name in decode_forms()}
+        runs: dict = {name: [] for name in chosen}
         for _ in range(a.rounds):
             for name, placement in decode_forms().items():
+                if name not in runs:
+                    continue
                 runs[name].append(decode_once(model, tok, prompt, a.steps, placement, VARIANTS.get(name)))
                 print(name, {k: v for k, v in runs[name][-1].items() if k != "tokens"}, flush=True)
     decode = {}

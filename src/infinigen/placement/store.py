@@ -12,7 +12,8 @@ Decoding step, layer i (the runtime calls `ahead` after each policy hook):
 The layer reads the planned selection, packed as the runtime packs it (`KVStore.select_rows`, derived on the
 worker; the store hands over the plan's when the selection is the plan), or the selection its own query makes
 at its attention (the correction, `corrects`: the policy `reselects`): then only the rows of that selection
-the prefetch missed are fetched on the spot, in one gather, after the prefetched ones. Nothing planned: the
+the prefetch missed are fetched on the spot, in one gather, after the prefetched ones, less those the layer's recent
+steps missed too, held in fast memory since (`holds_missed`). Nothing planned: the
 rows are fetched on the spot. The fetched rows are handed to the
 attention in the packed order (`hand_rows`), with a spare row per (batch row, KV head) for the token, which is
 stored after the attention. The tokens are therefore always those of the in-memory store.
