@@ -396,9 +396,8 @@ class OffloadedKVStore(KVStore):
             ids0, *data0, last0 = prev
             _, again = located(want, ids0)
             old = ~again & (last0 > step - self.hold_steps)  # held before, not added again, not too old
-            if bool(old.any()):
-                want, last = torch.cat([ids0[old], want]), torch.cat([last0[old], last])
-                data = tuple(torch.cat([a[old], b]) for a, b in zip(data0, data))
+            want, last = torch.cat([ids0[old], want]), torch.cat([last0[old], last])
+            data = tuple(torch.cat([a[old], b]) for a, b in zip(data0, data))
         limit = int(self.hold_share * self.length[layer] * self.bh) // rows_each
         if want.numel() > limit:  # the most recently added first (stable: ties keep the lower ones)
             keep = torch.sort(last, descending=True, stable=True).indices[:limit]
