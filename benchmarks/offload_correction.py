@@ -18,10 +18,12 @@ in-RAM form read short contexts densely).
 2. Decoding (greedy, batch 1) after a `--decode-prompt`-token prompt of the same text, the InfiniGen forms
    taking turns for `--rounds` rounds: ms per step, and on the offloaded forms the rows prefetched and the rows
    fetched on demand (those the layers' own selections read that the prefetch missed) as shares of the used KV
-   per step (the rows the prefetch missed that the layer's previous step missed too come from fast memory, where
-   the store held them: `held`; the form "nothing held" fetches every missed row from the slow tier), the rows read
-   from the slow tier (prefetched and fetched on demand), and the time fetching them; on blocks, the units read
-   per step and those read on demand. The tokens of the corrected forms against the in-RAM form's.
+   per step (the rows the prefetch missed that the layer's recent steps missed too come from fast memory, where
+   the store held them: `held`; the rows held after each step: `holding`; the variant "nothing held" fetches
+   every missed row from the slow tier, "held one step" holds only the last step's misses and prefetches no wider
+   speculation for a layer holding nothing), the rows read from the slow tier (prefetched and fetched on demand),
+   and the time fetching them; on blocks, the units read per step and those read on demand. The tokens of the
+   corrected forms against the in-RAM form's.
 """
 from __future__ import annotations
 
@@ -45,11 +47,14 @@ def forms():
 
 
 NOT_HELD = "offloaded, corrected, nothing held"  # decoding only: every missed row from the slow tier
+ONE_STEP = "offloaded, corrected, held one step"  # decoding only: the last step's misses held, no prefetch margin
+# decoding only: store attributes of the corrected variants (the default: `OffloadedKVStore`'s class values)
+VARIANTS = {NOT_HELD: {"holds_missed": False}, ONE_STEP: {"hold_steps": 1, "first_margin": 1.0}}
 
 
 def decode_forms():
-    """The forms decoded: `forms()` and the corrected one whose store holds no missed row for the next step."""
-    return forms() | {NOT_HELD: forms()["offloaded, corrected"]}
+    """The forms decoded: `forms()` and the corrected variants (`VARIANTS`) on the same tier."""
+    return forms() | {name: forms()["offloaded, corrected"] for name in VARIANTS}
 
 
 def infinigen():
@@ -68,13 +73,15 @@ def perplexities(model, tok, ids, prefill: int) -> dict:
             for k, r in out.items()}
 
 
-def decode_once(model, tok, prompt, steps: int, placement, holds: bool = True) -> dict:
+def decode_once(model, tok, prompt, steps: int, placement, attrs: dict | None = None) -> dict:
     from infinigen import runtime
     pol = infinigen().prepare(model, tok)
     sess = placement.new_session(model, 1, prompt.shape[1] + steps + 1, pol)
-    if hasattr(sess.store, "holds_missed"):
-        sess.store.holds_missed = holds
-    held = []  # per step: missed rows taken from fast memory (held since the layer's last step)
+    for k, v in (attrs or {}).items():
+        if hasattr(sess.store, k):
+            setattr(sess.store, k, v)
+    held = []  # per step: missed rows taken from fast memory (held since the layer's recent steps)
+    holding = []  # per step: rows held in fast memory after it, over every layer (a held unit: its slots)
     try:
         logits = runtime.prefill(model, prompt, sess)
         stats = getattr(sess.store, "stats", None)
@@ -89,6 +96,8 @@ def decode_once(model, tok, prompt, steps: int, placement, holds: bool = True) -
             before = getattr(stats, "held", 0)
             logits = runtime.decode(model, t, sess)
             held.append(getattr(stats, "held", 0) - before)
+            rows_each = getattr(sess.store, "block", 0) or 1  # the block pool holds units of `block` slots
+            holding.append(rows_each * sum(h[0].numel() for h in getattr(sess.store, "_held", {}).values()))
         seconds = time.perf_counter() - t0
         store = sess.store
         block = getattr(store, "block", 0)
@@ -107,6 +116,9 @@ def decode_once(model, tok, prompt, steps: int, placement, holds: bool = True) -
                    held_share_mean=statistics.mean(h / kv for (_, _, kv, _), h in zip(stats.steps, held)),
                    not_prefetched_share_mean=statistics.mean(wanted), not_prefetched_share_max=max(wanted),
                    read_share_mean=statistics.mean((p + m) / kv for p, m, kv, _ in stats.steps),
+                   read_share_max=max((p + m) / kv for p, m, kv, _ in stats.steps),
+                   holding_share_mean=statistics.mean(n / kv for (_, _, kv, _), n in zip(stats.steps, holding)),
+                   holding_share_max=max(n / kv for (_, _, kv, _), n in zip(stats.steps, holding)),
                    ondemand_ms_per_step=1e3 * stats.ondemand_s / steps)
     return row
 
@@ -126,7 +138,18 @@ def main(argv=None) -> int:
     ap.add_argument("--disk-block", type=int, default=0)
     ap.add_argument("--pool-dir", default=None)
     ap.add_argument("--knob", action="append", default=[], help="NAME=VALUE for every InfiniGen form")
+    ap.add_argument("--forms", default=None,
+                    help="decode only these forms (names separated by ';', e.g. 'corrected;corrected, held one step'; "
+                         "the in-RAM form always: the tokens are compared with it)")
     a = ap.parse_args(argv)
+    chosen = list(decode_forms())
+    if a.forms is not None:
+        asked = {f.strip() for f in a.forms.split(";") if f.strip()}
+        unknown = asked - {n.removeprefix("offloaded, ") for n in chosen}
+        if unknown:
+            ap.error(f"--forms: unknown {'; '.join(sorted(unknown))}; choose among "
+                     + "; ".join(n.removeprefix("offloaded, ") for n in chosen))
+        chosen = [n for n in chosen if n == "in RAM" or n.removeprefix("offloaded, ") in asked]
     from infinigen.policies.knobs import knob_dict
     TIER.update(kv_offload=a.kv_offload, disk_block=a.disk_block, pool_dir=a.pool_dir)
     KNOBS.update(knob_dict("infinigen", a.knob))
@@ -141,10 +164,12 @@ def main(argv=None) -> int:
             result["ppl"] = perplexities(model, tok, ids, a.prefill)
             print(json.dumps(result["ppl"], indent=1), flush=True)
         prompt = ids[:, :a.decode_prompt]
-        runs: dict = {name: [] for name in decode_forms()}
+        runs: dict = {name: [] for name in chosen}
         for _ in range(a.rounds):
             for name, placement in decode_forms().items():
-                runs[name].append(decode_once(model, tok, prompt, a.steps, placement, holds=name != NOT_HELD))
+                if name not in runs:
+                    continue
+                runs[name].append(decode_once(model, tok, prompt, a.steps, placement, VARIANTS.get(name)))
                 print(name, {k: v for k, v in runs[name][-1].items() if k != "tokens"}, flush=True)
     decode = {}
     for name, rows in runs.items():

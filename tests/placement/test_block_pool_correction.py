@@ -17,7 +17,7 @@ from infinigen.placement import BlockedKVStore, Placement
 from infinigen.placement import blocks as blocks_mod
 from infinigen.selection import ALL
 
-from support.offload import B, GEN, PROMPT, corrected_policy, offload_prompts, run_placed
+from support.offload import B, GEN, PROMPT, FifoVictims, corrected_policy, offload_prompts, run_placed
 
 BLOCK = 4
 SELECTIONS = {"tokens": {}, "blocks": dict(budget="layer", block=BLOCK),
@@ -72,13 +72,15 @@ def _units(store, layer: int, chosen: torch.Tensor) -> torch.Tensor:
 def test_on_demand_units_are_exactly_those_the_prefetch_missed(tiny_llama, selection, tmp_path, monkeypatch):
     """Per layer and step, from what placement prefetched (the plan) and what the layer's own query selected:
     the units read on demand (their file offsets, at the reads) are the units holding own-selected rows and no
-    prefetched one, and the file is read for the prefetched units and those only."""
+    prefetched one, less those the layer's last `hold_steps` steps read on demand too (held in fast memory since;
+    no cap here), and the file is read for the prefetched units and those only."""
     _, model = tiny_llama
     pol = corrected_policy(model, **SELECTIONS[selection])
     tokens, pad = offload_prompts()
     pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK, threaded=False)
     planned: dict = {}
-    want = {"read": 0, "missed": []}  # missed: file offsets, a unit per step it was missed
+    want = {"read": 0, "missed": [], "held": 0}  # missed: file offsets, a unit per step it was read on demand
+    missed_at: dict = {}  # per layer and unit: the last step it was missed
 
     class Own(runtime.Listener):
         def on_select(self, layer, rows, keep, s):
@@ -90,12 +92,19 @@ def test_on_demand_units_are_exactly_those_the_prefetch_missed(tiny_llama, selec
                 return
             prefetched = _units(store, layer, plan[:, :, :n] & valid)
             missed = _units(store, layer, keep[:, :, 0, :n] & valid) & ~prefetched
+            last = missed_at.setdefault(layer, torch.full((store.bh, store.blocks_per_head), -10**6))
+            last = last[:, :missed.shape[1]]
+            held = missed & (last >= store._step - store.hold_steps)
+            last[missed] = store._step
+            missed &= ~held
+            want["held"] += int(held.sum())
             want["read"] += int(prefetched.sum() + missed.sum())
             for bh, j in missed.nonzero().tolist():
                 want["missed"].append(store._offset(layer, bh, j))
 
     sess = pl.new_session(model, B, PROMPT + GEN, pol, listeners=[Own()])
     store = sess.store
+    store.hold_share = 1.0  # every recent miss held
     issue, corrected = store._issue, store._corrected
 
     def remember(layer, plan):  # what placement prefetches for `layer`
@@ -127,7 +136,7 @@ def test_on_demand_units_are_exactly_those_the_prefetch_missed(tiny_llama, selec
     for _ in range(GEN):
         logits = runtime.decode(model, logits.argmax(-1), sess)
     pl.close(sess)
-    assert sorted(on_demand) == sorted(want["missed"]) and len(want["missed"]) > 0
+    assert sorted(on_demand) == sorted(want["missed"]) and len(want["missed"]) > 0 and want["held"] > 0
     assert len(on_demand) == store.stats.missed_blocks
     assert sum(reads) == want["read"] * store.unit == store.stats.bytes_moved
 
@@ -164,3 +173,48 @@ def test_breakdown_times_the_correction_apart(tiny_llama, correct, tmp_path):
         assert detail["on-demand reads"] <= detail["corrected hand-over"]
     finally:
         Placement.close(sess)
+
+
+class HeldUnitVictims(FifoVictims):
+    """Victims at the first slot of the last unit a layer's block pool holds (`BlockedKVStore._held`), slot 0 where
+    it holds none, every choice recorded; or the recorded choices replayed (`replay`) by a store in fast memory."""
+
+    def __init__(self, replay=None):
+        self.chosen, self.replay = [], None if replay is None else iter(replay)
+
+    def victims(self, layer, store):
+        if self.replay is not None:
+            return next(self.replay)
+        b, h = store.valid[layer].shape[:2]
+        held = store._held.get(layer)
+        slot = 0 if held is None else int(held[0][-1]) % store.blocks_per_head * store.block
+        self.chosen.append(torch.full((b, h), slot, dtype=torch.long))
+        return self.chosen[-1]
+
+
+def test_held_units_are_the_files_with_victims(tiny_llama, tmp_path):
+    """The units a corrected block pool holds for its next steps, checked after every step against the file, with
+    victims written into held units: a held copy of a unit a victim's token changed is gone, never read; the tokens
+    are those of fast memory evicting the same slots."""
+    _, model = tiny_llama
+    pol = corrected_policy(model, remainder=False)  # (no remainder under a pool limit)
+    victims = HeldUnitVictims()
+    tokens, steps, sess = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK,
+                                                       threaded=False), pol, capacity=PROMPT, allocator=victims,
+                                     keep=True, gen=1)
+    store = sess.store
+    store.hold_share = 1.0
+    out, checked, logits = [tokens[:, 0]], 0, steps[:, -1]
+    for _ in range(GEN - 1):
+        out.append(logits.argmax(-1))
+        logits = runtime.decode(model, out[-1], sess)
+        for layer, (ids, units, _) in store._held.items():
+            fresh = torch.empty_like(units)
+            store._load(layer, ids, fresh)
+            assert torch.equal(fresh, units)
+            checked += ids.numel()
+    Placement("disk").close(sess)
+    assert checked > 0
+    ref_tokens, _, _ = run_placed(model, Placement("none"), pol, capacity=PROMPT, gen=GEN,
+                                  allocator=HeldUnitVictims(replay=victims.chosen))
+    assert torch.equal(torch.stack(out, 1), ref_tokens)

@@ -6,6 +6,8 @@ selection and its remainder), with an unlimited budget the dense result; the row
 the own selection less the prefetched one, and the slow tier is read for the prefetch and those rows only."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -49,16 +51,16 @@ def test_corrected_offload_with_an_unlimited_budget_is_dense(tiny_llama, device)
 @pytest.mark.parametrize("kind", ["cpu", "disk"])
 def test_on_demand_rows_are_the_own_selection_less_the_prefetched(tiny_llama, kind, tmp_path, device):
     """Per decoding step, counted from what the policy planned (placement's prefetch) and what each layer's
-    own query selected: the rows fetched on demand are |own - prefetched| less those the layer's previous step
-    missed too (held in fast memory since), and the slow tier (counted at the tier) is read for the prefetched
-    rows and those only, never the whole selection again."""
+    own query selected: the rows fetched on demand are |own - prefetched| less those the layer's last `hold_steps`
+    steps missed too (held in fast memory since; no cap here), and the slow tier (counted at the tier) is read for
+    the prefetched rows and those only, never the whole selection again."""
     model = tiny_llama[1].to(device)
     pol = corrected_policy(model)
     tokens, pad = (x.to(device) for x in offload_prompts())
     pl = Placement(kind, pool_dir=str(tmp_path), threaded=False, disk_bulk_share=1.0)
     planned: dict = {}
     want = {"missed": 0, "rows": 0, "held": 0}
-    missed_before: dict = {}  # per layer: what its previous step's own selection read beyond its prefetch
+    missed_at: dict = {}  # per layer and slot: the last step whose own selection read it beyond its prefetch
 
     class Own(runtime.Listener):  # what each layer's own selection reads, against what was prefetched
         def on_select(self, layer, rows, keep, s):
@@ -73,12 +75,15 @@ def test_on_demand_rows_are_the_own_selection_less_the_prefetched(tiny_llama, ki
             missed_now = torch.nn.functional.pad(own & ~prefetched, (0, store.capacity - n))
             want["missed"] += int(missed_now.sum())
             want["rows"] += int(prefetched.sum())
-            if layer in missed_before:
-                want["held"] += int((missed_now & missed_before[layer]).sum())
-            missed_before[layer] = missed_now
+            step = store._step
+            last = missed_at.setdefault(layer, torch.full_like(missed_now, -10**6, dtype=torch.long))
+            want["held"] += int((missed_now & (last >= step - store.hold_steps)).sum())
+            last[missed_now] = step
 
     sess = pl.new_session(model, B, PROMPT + GEN, pol, listeners=[Own()])
     store = sess.store
+    store.hold_share = 1.0  # every recent miss held (the cap: `test_held_rows_stay_under_their_cap`)
+    assert store.hold_steps > 1
     issue = store._issue
 
     def remember(layer, plan):  # what placement prefetches for `layer`
@@ -152,3 +157,108 @@ def test_corrected_offload_with_victims_decodes_what_fast_memory_decodes(tiny_ll
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     assert sess.store.stats.missed > 0
+
+
+def _check_held(store) -> int:
+    """Every layer's held rows: ascending, added at one of the last `hold_steps` steps, and copies of what the pool
+    holds in those rows now (never a token a victim's slot no longer holds). Returns their count."""
+    total = 0
+    for layer, (rows, keys, values, last) in store._held.items():
+        assert torch.equal(rows, rows.sort().values) and rows.numel() == rows.unique().numel()
+        assert bool((last > store._step - store.hold_steps).all())
+        k, v = torch.empty_like(keys), torch.empty_like(values)
+        store._gather_rows(layer, store._slow_rows(rows), k, v)
+        assert torch.equal(k, keys) and torch.equal(v, values)
+        total += rows.numel()
+    return total
+
+
+@pytest.mark.parametrize("victims,share", [(False, 0.03), (True, 0.15)])
+def test_held_rows_are_the_pools_under_their_cap(tiny_llama, victims, share):
+    """The rows held for the next steps, checked after every step: none older than `hold_steps` steps, each a copy
+    of the pool's row (with victims chosen among the held rows' slots: the held copy of a slot a new token took is
+    gone), and as they are held never more than `hold_share` of the layer's used rows (a small share: the cap is
+    reached); the tokens are fast memory's."""
+    model = tiny_llama[1]
+    pol = corrected_policy(model, remainder=False)  # (no remainder under a pool limit)
+    chooser = HeldVictims() if victims else None
+    capacity = PROMPT if victims else None
+    pl = dataclasses.replace(Placement("cpu", threaded=False), capacity=capacity)
+    tokens, pad = offload_prompts()
+    sess = pl.new_session(model, B, PROMPT + GEN, pol, allocator=chooser)
+    store = sess.store
+    store.hold_steps, store.hold_share = 3, share
+    hold, capped = store._hold, []
+
+    def held_under_cap(layer, want, data, rows_each=1):
+        hold(layer, want, data, rows_each)
+        n = store._held[layer][0].numel() if layer in store._held else 0
+        limit = int(share * store.length[layer] * store.bh)
+        assert n <= limit
+        capped.append(n == limit)
+    store._hold = held_under_cap
+    logits = runtime.prefill(model, tokens, sess, pad)
+    out, held = [], 0
+    for _ in range(GEN):
+        t = logits.argmax(-1)
+        out.append(t)
+        logits = runtime.decode(model, t, sess)
+        held += _check_held(store)
+    pl.close(sess)
+    assert held > 0 and (any(capped) if not victims else store.stats.held > 0)
+    replay = HeldVictims(replay=chooser.chosen) if victims else None
+    ref_tokens, _, _ = run_placed(model, Placement("none"), pol, capacity=capacity, allocator=replay)
+    assert torch.equal(torch.stack(out, 1), ref_tokens)
+
+def test_holding_recent_misses_serves_more_of_them(tiny_llama):
+    """Held over several steps (`hold_steps`) the rows the prefetch misses are served from fast memory more often
+    than held for one step: fewer rows fetched on demand, the same tokens, the same rows missed."""
+    model = tiny_llama[1]
+    pol = corrected_policy(model)
+    counts = {}
+    for steps in (1, 4):
+        pl = Placement("cpu", threaded=False)
+        tokens, pad = offload_prompts()
+        sess = pl.new_session(model, B, PROMPT + GEN, pol)
+        sess.store.hold_steps, sess.store.hold_share = steps, 1.0
+        logits = runtime.prefill(model, tokens, sess, pad)
+        sess.store.stats.reset()
+        out = []
+        for _ in range(GEN):
+            out.append(logits.argmax(-1))
+            logits = runtime.decode(model, out[-1], sess)
+        st = sess.store.stats
+        counts[steps] = (st.missed, st.held, torch.stack(out, 1))
+        pl.close(sess)
+    (m1, h1, t1), (m4, h4, t4) = counts[1], counts[4]
+    assert torch.equal(t1, t4) and m1 + h1 == m4 + h4
+    assert h4 > h1 > 0 and m4 < m1
+
+
+def test_a_layer_holding_nothing_prefetches_a_wider_speculation(tiny_llama):
+    """`first_margin`: a corrected layer that holds none of its recent misses (its first step) prefetches the
+    speculation at that factor on its cap, so fewer of its own picks are fetched on demand; later steps (rows
+    held) prefetch the plain speculation; the tokens are fast memory's."""
+    model = tiny_llama[1]
+    pol = corrected_policy(model)
+    per = {}
+    for margin in (1.0, 1.5):
+        pl = Placement("cpu", threaded=False)
+        tokens, pad = offload_prompts()
+        sess = pl.new_session(model, B, PROMPT + GEN, pol)
+        sess.store.first_margin = margin
+        logits = runtime.prefill(model, tokens, sess, pad)
+        sess.store.stats.reset()
+        sess.store.stats.steps.clear()
+        out = []
+        for _ in range(GEN):
+            out.append(logits.argmax(-1))
+            logits = runtime.decode(model, out[-1], sess)
+        per[margin] = ([s[:2] for s in sess.store.stats.steps], torch.stack(out, 1))
+        store = sess.store  # later steps: the margin only where the layer holds nothing
+        assert store._held and all(store.prefetch_margin(layer) == (1.0 if layer in store._held else margin)
+                                   for layer in range(1, model.cfg.num_layers))
+        pl.close(sess)
+    (plain, t1), (wide, t2) = per[1.0], per[1.5]
+    assert torch.equal(t1, t2)
+    assert wide[0][0] > plain[0][0] and wide[0][1] < plain[0][1]  # step 1: more prefetched, fewer on demand

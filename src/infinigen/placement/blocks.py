@@ -96,7 +96,8 @@ def _bytes(t: torch.Tensor) -> memoryview:
 class BlockedKVStore(OffloadedKVStore):
     """`OffloadedKVStore` with the pool on disk in page-aligned blocks (see the module doc); CPU hosts only,
     keys and values as computed (no packed codec), no row cache. A corrected selection reads on demand only the
-    units its prefetch did not read (`_corrected`)."""
+    units its prefetch did not read (`_corrected`), those its recent steps read on demand too held in fast memory
+    (`holds_missed`: the units, as `OffloadedKVStore` holds rows)."""
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
@@ -141,7 +142,9 @@ class BlockedKVStore(OffloadedKVStore):
         self.prefetch = prefetch
         self._jobs: dict[int, _Job] = {}
         self._step = 0
-        self._held: dict = {}  # (no missed rows held: a corrected selection's missed units are read on demand)
+        # per layer: units its recent corrected selections read on demand, ascending, their data and the step each
+        # was last read (`_hold`); never an open block (it changes as tokens arrive: read from fast memory anyway)
+        self._held: dict = {}
         self._pending: list[list] = [[] for _ in range(num_layers)]
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch", initializer=torch.set_num_threads,
@@ -180,6 +183,7 @@ class BlockedKVStore(OffloadedKVStore):
         self._drop(layer)
         if not at:
             self.open[layer].zero_()
+            self._held.pop(layer, None)
         self._extend(layer, at, self._encode(k), self._encode(v))
         if not at:
             self._prompt_written(layer, t, token_valid, positions)
@@ -256,7 +260,8 @@ class BlockedKVStore(OffloadedKVStore):
                 with _pool_io(self.tier.dir, "write"):
                     for bh in range(self.bh):
                         _write_all(self.fd, _bytes(self.open[layer, bh]), self._offset(layer, bh, j))
-        else:  # victims anywhere in the pool: their rows in place
+        else:  # victims anywhere in the pool: their rows in place (a held copy of their units is stale)
+            self._unhold(layer, slots)
             with _pool_io(self.tier.dir, "write"):
                 for bh, s in enumerate(slots.reshape(-1).tolist()):
                     j, i = divmod(s, bs)
@@ -437,9 +442,35 @@ class BlockedKVStore(OffloadedKVStore):
             if grown.data_ptr() != stage.data_ptr():  # a new buffer: the staged units move with it
                 grown[:u * per] = stage[:u * per]
             stage = grown
-        read = self._load(layer, ids, stage[u * per:(u + m) * per].view(m, per, d))
+        read = self._load_missed(layer, ids, stage[u * per:(u + m) * per].view(m, per, d))
         self.stats.fetched_missed(missed, read * self.unit, time.perf_counter() - t0, units=read)
         return self._hand(stage, u + m, rows)
+
+    def _load_missed(self, layer: int, ids: torch.Tensor, units: torch.Tensor) -> int:
+        """`_load` of the units a corrected selection reads beyond its prefetch: those held (`holds_missed`) copied
+        from fast memory, the others loaded; then held for the layer's next steps (`_hold`), but an open block.
+        Returns the number of units read from the file."""
+        prev = self._held.get(layer)
+        if prev is None or not ids.numel():
+            read = self._load(layer, ids, units)
+        else:
+            at, found = located(prev[0], ids)
+            hit = found.nonzero().squeeze(1)
+            units[hit] = prev[1][at[hit]]
+            lack = (~found).nonzero().squeeze(1)
+            read = 0
+            if lack.numel():
+                got = torch.empty((lack.numel(), *units.shape[1:]), dtype=units.dtype)
+                read = self._load(layer, ids[lack], got)
+                units[lack] = got
+        if self.holds_missed:
+            closed = ids % self.blocks_per_head != self._open_block(layer)
+            self._hold(layer, ids[closed], (units[closed],), self.block)
+        return read
+
+    def _held_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """The held entries (units within the layer) of the slots [B, Hkv], ascending."""
+        return (torch.arange(self.bh) * self.blocks_per_head + slots.reshape(-1) // self.block).sort().values
 
     def _staged_places(self, held: torch.Tensor, sel) -> tuple[torch.Tensor, torch.Tensor, int]:
         """`block_select.staged_places` in torch: the units holding `sel`'s rows that are not among the staged

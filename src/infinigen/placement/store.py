@@ -12,7 +12,8 @@ Decoding step, layer i (the runtime calls `ahead` after each policy hook):
 The layer reads the planned selection, packed as the runtime packs it (`KVStore.select_rows`, derived on the
 worker; the store hands over the plan's when the selection is the plan), or the selection its own query makes
 at its attention (the correction, `corrects`: the policy `reselects`): then only the rows of that selection
-the prefetch missed are fetched on the spot, in one gather, after the prefetched ones. Nothing planned: the
+the prefetch missed are fetched on the spot, in one gather, after the prefetched ones, less those the layer's recent
+steps missed too, held in fast memory since (`holds_missed`). Nothing planned: the
 rows are fetched on the spot. The fetched rows are handed to the
 attention in the packed order (`hand_rows`), with a spare row per (batch row, KV head) for the token, which is
 stored after the attention. The tokens are therefore always those of the in-memory store.
@@ -73,7 +74,14 @@ class OffloadedKVStore(KVStore):
     offloaded = True
     corrects = True  # a policy that `reselects` may read its own selection (`Placement.correct`)
     fetches_missing = True  # a corrected selection's rows: the prefetched ones and one gather of the missed ones
-    holds_missed = True  # a corrected layer's missed rows held in fast memory for its next step (`_missed_rows`)
+    holds_missed = True  # a corrected layer's missed rows held in fast memory for its next steps (`_hold`)
+    # A held row stays while one of the layer's last `hold_steps` corrected selections added it, at most
+    # `hold_share` of the layer's used rows held; a layer holding none (its first step) prefetches the speculation
+    # at `first_margin` times its cap. Chosen on the validation text at 2048 (results/recall/correction.md: the
+    # on-demand share per step 1.66% mean / 2.43% max with one step held and no margin, 1.30% / 1.81% with these)
+    hold_steps = 6
+    hold_share = 0.10
+    first_margin = 1.2
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
@@ -125,8 +133,9 @@ class OffloadedKVStore(KVStore):
         self.prefetch = prefetch
         self._jobs: dict[int, _Job] = {}
         self._step = 0
-        # per layer: the rows its last corrected selection had to add to the prefetch (`_missed_rows`)
-        self._held: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # per layer: rows its recent corrected selections had to add to the prefetch, ascending, their keys and
+        # values, and the step each was last added (`_hold`)
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._pending: list[list] = [[] for _ in range(num_layers)]  # CUDA: appends on their way to the pool
         self._lock = threading.Lock()
         # The worker's own OpenMP team: one thread on a CPU host, where compute needs the cores; behind a GPU
@@ -150,7 +159,7 @@ class OffloadedKVStore(KVStore):
     def fast_bytes(self) -> int:
         """Metadata, the buffers of fetched rows (not the pinned host staging behind a GPU: host memory) and the
         missed rows held for the next step."""
-        held = sum(t.numel() * t.element_size() for rows in self._held.values() for t in rows)
+        held = sum(t.numel() * t.element_size() for rows in self._held.values() for t in rows)  # (with indices)
         return self.buffers.fast_bytes() + held
 
     def peak_fast_bytes(self) -> int:
@@ -207,9 +216,10 @@ class OffloadedKVStore(KVStore):
 
     def append(self, layer, k, v, positions):
         b, h = k.shape[:2]
-        if self.length[layer] >= self.capacity:  # a victim's slot may be a held row's: another token's now
-            self._held.pop(layer, None)
+        full = self.length[layer] >= self.capacity
         slots = self._claim(layer, b, h, k.device)
+        if full:  # a victim's slot may be a held row's: another token's now
+            self._unhold(layer, slots)
         self._drop(layer)  # an unused prefetched copy of this layer no longer matches the pool
         rows = (slots * self.bh + torch.arange(self.bh, device=k.device).view(b, h)).reshape(-1)
         if self.row_cache is not None:  # the slot may be a reused victim: its cached rows are another token's
@@ -223,6 +233,19 @@ class OffloadedKVStore(KVStore):
                     plane.index_copy_(0, rows, d)
         self._mark(layer, slots, positions)
         return slots
+
+    def _held_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """The held entries (flat store rows) of the slots [B, Hkv], ascending."""
+        return (torch.arange(self.bh, device=slots.device) * self.capacity + slots.reshape(-1)).sort().values
+
+    def _unhold(self, layer: int, slots: torch.Tensor) -> None:
+        """Drop the layer's held entries of the slots [B, Hkv] a victim's token now takes."""
+        held = self._held.get(layer)
+        if held is None:
+            return
+        _, stale = located(self._held_at(slots).to(held[0].device), held[0])
+        if bool(stale.any()):
+            self._held[layer] = tuple(x[~stale] for x in held)
 
     def _write_async(self, layer, rows, data):
         """CUDA: copy the new rows device->pinned host on the copy stream; they enter the pool (a host-side
@@ -342,10 +365,9 @@ class OffloadedKVStore(KVStore):
 
     def _missed_rows(self, layer: int, want: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
         """The rows `want` (flat store order, ascending) a corrected selection adds to its prefetch, into keys, values
-        [m, d]: those the layer's last corrected selection added too, held in fast memory since (`holds_missed`: the
-        own query's picks the speculation misses recur), copied from there, the others gathered from the slow tier;
-        then held for the layer's next step. Returns the rows gathered from the slow tier."""
-        prev = self._held.pop(layer, None)
+        [m, d]: those held in fast memory (`holds_missed`: the own query's picks the speculation misses recur) copied
+        from there, the others gathered from the slow tier. Returns the rows gathered from the slow tier."""
+        prev = self._held.get(layer)
         lack = torch.arange(want.numel(), device=want.device)  # the rows' places that the slow tier fills
         if prev is not None and want.numel():
             at, found = located(prev[0], want)
@@ -358,10 +380,38 @@ class OffloadedKVStore(KVStore):
             self._gather_rows(layer, self._slow_rows(want[lack]), k, v)
             keys.index_copy_(0, lack, k)
             values.index_copy_(0, lack, v)
-        if self.holds_missed and want.numel():
-            self._held[layer] = (want.clone(), keys.clone(), values.clone())
-            self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, self.fast_bytes())
+        if self.holds_missed:
+            self._hold(layer, want, (keys, values))
         return lack.numel()
+
+    def _hold(self, layer: int, want: torch.Tensor, data: tuple, rows_each: int = 1) -> None:
+        """Hold for the layer's next steps what its corrected selection added to the prefetch this step (`want`: rows,
+        or the block pool's units of `rows_each` slots, ascending; `data`: their keys and values) with what was held
+        before: an entry stays while a corrected selection of the layer's last `hold_steps` steps added it, and past
+        `hold_share` of the layer's used rows the entries added longest ago go first. Counted in the fast bytes."""
+        prev = self._held.pop(layer, None)
+        step = self._step
+        last = torch.full((want.numel(),), step, dtype=torch.long, device=want.device)
+        if prev is not None:
+            ids0, *data0, last0 = prev
+            _, again = located(want, ids0)
+            old = ~again & (last0 > step - self.hold_steps)  # held before, not added again, not too old
+            want, last = torch.cat([ids0[old], want]), torch.cat([last0[old], last])
+            data = tuple(torch.cat([a[old], b]) for a, b in zip(data0, data))
+        limit = int(self.hold_share * self.length[layer] * self.bh) // rows_each
+        if want.numel() > limit:  # the most recently added first (stable: ties keep the lower ones)
+            keep = torch.sort(last, descending=True, stable=True).indices[:limit]
+            want, last, data = want[keep], last[keep], tuple(x[keep] for x in data)
+        if not want.numel():
+            return
+        order = torch.argsort(want)
+        self._held[layer] = tuple(x.index_select(0, order) for x in (want, *data, last))
+        self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, self.fast_bytes())
+
+    def prefetch_margin(self, layer: int) -> float:
+        """The factor on `layer`'s cap while its selection is speculated for the prefetch: `first_margin` where the
+        corrected layer holds none of its recent misses (its first step: nothing to take them from), else 1."""
+        return self.first_margin if self.holds_missed and layer not in self._held else 1.0
 
     def _gather_rows(self, layer, rows, keys, values) -> None:
         """The slow tier's rows `rows` (slot-major) of `layer`, decoded, into keys and values [m, d]."""

@@ -100,6 +100,9 @@ class InfiniGenState:
     # decoding speculates each selecting layer's selection one layer ahead (placement prefetches it); with
     # own_query too, the layer selects again with its own query (the correction, `reselects`)
     ahead: bool = False
+    # the factor on the layer's cap while its selection is speculated for the prefetch (the store's
+    # `prefetch_margin`: a wider prefetch of a layer that holds none of its last misses); 1 otherwise
+    widen: float = 1.0
     # teacher-forced rows chosen a block at a time (`infinigen_select.rows_in_blocks`: calibration's scoring)
     rows_in_blocks: bool = False
     value_sums: dict = field(default_factory=dict)
@@ -326,10 +329,10 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         """Layer's cap at `cached` tokens; with a growth below 1 the caps of the last length asked are kept
         (every layer of a decoding step asks at the same length)."""
         if self.budget_growth == 1 or self.kv_budget is None:
-            return st.caps[layer]
+            return st.caps[layer] * st.widen
         if st.caps_for_length[0] != cached:
             st.caps_for_length = (cached, self.layer_caps(model, cached))
-        return st.caps_for_length[1][layer]
+        return st.caps_for_length[1][layer] * st.widen
 
     def dense_below_at(self, rows: int) -> int:
         """The cached length below which a session of `rows` rows reads densely: the crossing measured at the
@@ -550,6 +553,13 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
             hkv = session.model.cfg.num_kv_heads
             own = q.view(b, hkv, h // hkv, 1, d)
             st.spec[layer] = own if rows.first == 0 else own.expand(b, hkv, h // hkv, rows.first + 1, d)
+        elif layer > 0 and self.reselects(layer, session) and session.decoding:  # the speculated plan to prefetch
+            margin = getattr(session.store, "prefetch_margin", None)
+            st.widen = margin(layer) if margin is not None else 1.0
+            try:
+                return select.select_row(self, layer, rows.first, session, packs)
+            finally:
+                st.widen = 1.0
         return select.select_row(self, layer, rows.first, session, packs)
 
     def on_append(self, layer, slots, k, v, session):
