@@ -2,7 +2,7 @@
 over the same bfloat16 keys and values: every output within one bfloat16 rounding, at head counts, slot counts
 (one slot, partial and whole 16-slot groups, one and several 64-slot chunks) and strides (views of a larger
 pool) that are not the model's; a row's bits independent of the rows beside it and of the threads; the compiled
-whole step calls it in bfloat16 and decodes the eager step's tokens."""
+whole step calls it in bfloat16, its logits within four bfloat16 roundings (of the largest) of the eager step's."""
 from __future__ import annotations
 
 import pytest
@@ -94,9 +94,10 @@ def test_refuses_what_it_cannot_take():
         int4_gemv.decode_attend(q, keys[:, :, :0], values[:, :, :0], 0.1)
 
 
-def test_the_compiled_whole_step_calls_it_and_decodes_the_eager_steps_tokens(private_inductor_cache):
+def test_the_compiled_whole_step_calls_it_within_rounding_of_the_eager_step(private_inductor_cache):
     """A bfloat16 tiny llama (head size 64, two query heads per KV head): the compiled whole step's attending
-    parts call the native attention and its logits are within bfloat16 rounding of the eager step's."""
+    parts call the native attention (once per layer and step) and its logits are within four bfloat16
+    roundings of the largest of the eager step's."""
     _needs()
     model = build_tiny("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                        intermediate_size=128)[1].to(torch.bfloat16)
