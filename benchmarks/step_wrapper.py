@@ -2,7 +2,7 @@
 version of compiled.py), side by side in one process.
 
     PYTHONPATH=src python benchmarks/step_wrapper.py [--threads 1,2] [--batches 1,4] [--steps 40]
-        [--base FILE] [--out results/compiled_step/step_wrapper.json]
+        [--base FILE] [--no-cpp] [--out results/compiled_step/step_wrapper.json]
 
 For each thread count and batch: full-cache sessions of a 512-token prompt (the default model, its defaults),
 each with its own `compiled.StepParts`: "python" (this checkout, Python wrapper), "cpp" (this checkout,
@@ -116,8 +116,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--base", type=Path, help="another compiled.py whose StepParts runs beside (as \"base\")")
+    ap.add_argument("--no-cpp", action="store_true", help="leave out the C++ wrapper's variant (its compile is long)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "compiled_step" / "step_wrapper.json")
     a = ap.parse_args(argv)
+    if a.no_cpp:
+        del VARIANTS["cpp"]
     if a.base is not None:
         global BASE
         import importlib.util

@@ -30,8 +30,10 @@ attention moves into the compiled region too, and a step is `enter` then one cal
 
 Each takes the layer's store tensors whole (keys, values, valid, pos) and the slot the token goes to, writes
 the token there in place, as `KVStore.append` would (Inductor stores the one slot), and attends over the slots
-before it and its own (gpt-fast's static cache, written inside the graph). The slot (passed as the size of a
-marker tensor, which Inductor's C++ wrapper takes too: `_symbolic_slot`), the store's capacity,
+before it and its own (gpt-fast's static cache, written inside the graph; in bfloat16 on a CPU with AVX512-BF16
+the attention is the native `infinigen::decode_attend`, traced in like an aten op, `_attend_pool`). The slot
+(passed as the size of a marker tensor, which Inductor's C++ wrapper takes too: `_symbolic_slot`), the store's
+capacity,
 and q's, k's and v's batch and head strides are symbols of the traced graph (`make_fx` in symbolic mode over
 fake inputs marked so, `_symbolic`): one compiled kernel per part serves every cached length, every pool and
 every layer, so a run compiles nothing after `warm` (a server before it listens, a benchmark before its timed
@@ -60,6 +62,7 @@ import warnings
 import torch
 from torch import nn
 
+from .kernels import int4_gemv
 from .paths import cache_dir
 from .selection import ALL
 
@@ -104,7 +107,12 @@ def _attend_pool(q, keys, values, scale: float):
     """One token per row, q [B,H,1,d], over the used slots of a layer's pool, keys and values [B,Hkv,L,d] (views
     of the store, the token's own written first; L is a symbolic size: one compiled kernel serves every cached
     length and every pool capacity). In float32 as pointwise products and reductions, which Inductor fuses
-    into loops (no matmul call, no product kept)."""
+    into loops (no matmul call, no product kept); in bfloat16 on a CPU with AVX512-BF16 the native
+    `infinigen::decode_attend` instead (the same float32 sums; Inductor's loops computed each score's lane sum
+    alone, split the work by row and KV head only, which leaves one of two threads idle at batch 1, and ran the
+    softmax on one thread)."""
+    if int4_gemv.takes_attend(q, keys):
+        return int4_gemv.decode_attend(q, keys, values, scale)
     b, h, _, d = q.shape
     hkv = keys.shape[1]
     qg = q.reshape(b, hkv, h // hkv, 1, d).float()

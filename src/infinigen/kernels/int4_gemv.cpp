@@ -23,6 +23,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <cmath>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -390,14 +392,202 @@ at::Tensor int8_gemv(const at::Tensor& x_in, const at::Tensor& q_in, const at::T
   return out;
 }
 
+// ---- one decoding token's attention over a layer's used slots (bfloat16) ----------------------------------------
+// q [B, H, 1, d] against keys and values [B, Hkv, L, d] (views of the store: any strides but the last), G = H / Hkv
+// query heads per KV head: out[b, h] = sum_s softmax_s(scale * q . k_s) v_s, every sum in float32, rounded once
+// to bfloat16. A task is (row, KV head, a chunk of kAttendSlots slots): its G heads' scores (`vdpbf16ps`: the
+// products of bfloat16 values are exact, the sums float32; 16 slots' lane sums in one transposing add tree), their
+// maximum, exp(score - maximum), their sum and the float32 sum of p * v; the chunks are then joined in slot order
+// (flash-decoding's log-sum-exp join), so the split does not depend on the thread count and a row's bits do not
+// depend on the other rows.
+constexpr int64_t kAttendSlots = 64;  // slots per task: 2-thread batch-1 steps need several tasks per KV head
+constexpr int64_t kAttendMaxG = 8;
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+struct Attend {
+  int64_t b, h, hkv, g, slots, d;
+  const uint16_t *q, *k, *v;
+  int64_t qs0, qs1, ks0, ks1, ks2, vs0, vs1, vs2;
+  float scale;
+};
+
+// exp(x) in float32: x = n ln2 + r (two-constant Cody-Waite), Cephes' degree-6 polynomial for exp(r) (|r| <= ln2 / 2,
+// within about one unit in the last place), times 2^n by scalef (0 below float32's range, as exp)
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The lane sums of v[0..15] as one vector (lane i: the sum of v[i]'s lanes)
+inline __m512 sums_of_sixteen(__m512 (&v)[16]) {
+  __m512 two[8], four[4];
+  for (int i = 0; i < 8; ++i)  // per 128 bits: a02 b02 a13 b13
+    two[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128 bits: the partial sums of rows 4i .. 4i + 3
+    four[i] = _mm512_add_ps(_mm512_shuffle_ps(two[2 * i], two[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_ps(two[2 * i], two[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(four[0], four[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(four[0], four[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(four[2], four[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(four[2], four[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// 16 bfloat16 values widened to float32 (exact)
+inline __m512 widen16(const uint16_t* src) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16));
+}
+
+// Task (row b, KV head hk, slots s0 .. s1 - 1): per query head g, its maximum m[g], sum of exps l[g] and
+// acc[g][0 .. D) = sum_s exp(score_s - m[g]) v_s
+template <int D, int G>
+void attend_chunk(const Attend& a, int64_t b, int64_t hk, int64_t s0, int64_t s1, float* part) {
+  constexpr int Q = D / 32, V = D / 16;
+  __m512bh qv[G][Q];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < Q; ++j)
+      qv[g][j] = (__m512bh)_mm512_loadu_si512(a.q + b * a.qs0 + (hk * G + g) * a.qs1 + 32 * j);
+  alignas(64) float p[G][kAttendSlots];
+  const int64_t n = s1 - s0;
+  const uint16_t* keys = a.k + b * a.ks0 + hk * a.ks1;
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    for (int g = 0; g < G; ++g) {
+      __m512 lanes[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        lanes[i] = _mm512_setzero_ps();
+        if (i < m) {
+          const uint16_t* kr = keys + (s0 + i0 + i) * a.ks2;
+          for (int j = 0; j < Q; ++j)
+            lanes[i] = _mm512_dpbf16_ps(lanes[i], (__m512bh)_mm512_loadu_si512(kr + 32 * j), qv[g][j]);
+        }
+      }
+      _mm512_store_ps(p[g] + i0, _mm512_mul_ps(sums_of_sixteen(lanes), scale));
+    }
+  }
+  float* out = part;  // [G][2 + D]: m, l, acc
+  for (int g = 0; g < G; ++g, out += 2 + D) {
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, p[g][i]);
+    const __m512 mv = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+      const __mmask16 live = n - i0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i0)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_load_ps(p[g] + i0), mv)));
+      _mm512_store_ps(p[g] + i0, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    out[0] = mx;
+    out[1] = _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[G][V];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < V; ++j) acc[g][j] = _mm512_setzero_ps();
+  const uint16_t* values = a.v + b * a.vs0 + hk * a.vs1;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t* vr = values + (s0 + i) * a.vs2;
+    __m512 vv[V];
+    for (int j = 0; j < V; ++j) vv[j] = widen16(vr + 16 * j);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pi = _mm512_set1_ps(p[g][i]);
+      for (int j = 0; j < V; ++j) acc[g][j] = _mm512_fmadd_ps(pi, vv[j], acc[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < V; ++j) _mm512_storeu_ps(part + g * (2 + D) + 2 + 16 * j, acc[g][j]);
+}
+
+template <int D>
+void attend_chunk_g(const Attend& a, int64_t b, int64_t hk, int64_t s0, int64_t s1, float* part) {
+  switch (a.g) {
+    case 1: return attend_chunk<D, 1>(a, b, hk, s0, s1, part);
+    case 2: return attend_chunk<D, 2>(a, b, hk, s0, s1, part);
+    case 3: return attend_chunk<D, 3>(a, b, hk, s0, s1, part);
+    case 4: return attend_chunk<D, 4>(a, b, hk, s0, s1, part);
+    case 5: return attend_chunk<D, 5>(a, b, hk, s0, s1, part);
+    case 6: return attend_chunk<D, 6>(a, b, hk, s0, s1, part);
+    case 7: return attend_chunk<D, 7>(a, b, hk, s0, s1, part);
+    default: return attend_chunk<D, 8>(a, b, hk, s0, s1, part);
+  }
+}
+#endif
+
+at::Tensor decode_attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && keys.dim() == 4 && values.sizes() == keys.sizes(),
+              "decode_attend: q [B, H, 1, d], keys and values [B, Hkv, L, d]");
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(3), hkv = keys.size(1), slots = keys.size(2);
+  TORCH_CHECK(keys.size(0) == b && keys.size(3) == d && hkv > 0 && h % hkv == 0 && h / hkv <= kAttendMaxG,
+              "decode_attend: keys [B, Hkv, L, d] with H a multiple of Hkv, at most ", kAttendMaxG, " per KV head");
+  TORCH_CHECK(d == 64 || d == 128, "decode_attend: head size 64 or 128, got ", d);
+  TORCH_CHECK(slots >= 1, "decode_attend: no slot to attend to");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && keys.scalar_type() == at::kBFloat16 &&
+              values.scalar_type() == at::kBFloat16, "decode_attend: bfloat16 q, keys and values");
+  TORCH_CHECK(q.stride(3) == 1 && keys.stride(3) == 1 && values.stride(3) == 1, "decode_attend: d not contiguous");
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  const Attend a{b, h, hkv, h / hkv, slots, d,
+                 reinterpret_cast<const uint16_t*>(q.data_ptr()), reinterpret_cast<const uint16_t*>(keys.data_ptr()),
+                 reinterpret_cast<const uint16_t*>(values.data_ptr()),
+                 q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+                 values.stride(0), values.stride(1), values.stride(2), static_cast<float>(scale)};
+  const int64_t chunks = (slots + kAttendSlots - 1) / kAttendSlots, width = a.g * (2 + d);
+  std::vector<float> parts(b * hkv * chunks * width);
+  at::parallel_for(0, b * hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t c = t % chunks, bh = t / chunks, s0 = c * kAttendSlots;
+      const int64_t s1 = std::min(slots, s0 + kAttendSlots);
+      if (d == 64)
+        attend_chunk_g<64>(a, bh / hkv, bh % hkv, s0, s1, parts.data() + t * width);
+      else
+        attend_chunk_g<128>(a, bh / hkv, bh % hkv, s0, s1, parts.data() + t * width);
+    }
+  });
+  at::Tensor out = at::empty({b, h, 1, d}, q.options());
+  c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+  std::vector<float> y(d);
+  for (int64_t bh = 0; bh < b * hkv; ++bh)
+    for (int64_t g = 0; g < a.g; ++g) {  // the chunks joined in slot order
+      float mx = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, parts[(bh * chunks + c) * width + g * (2 + d)]);
+      std::fill(y.begin(), y.end(), 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float* part = parts.data() + (bh * chunks + c) * width + g * (2 + d);
+        const float w = chunks == 1 ? 1.f : std::exp(part[0] - mx);
+        total += w * part[1];
+        for (int64_t j = 0; j < d; ++j) y[j] += w * part[2 + j];
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / total);
+      c10::BFloat16* dst = o + (bh / hkv) * h * d + ((bh % hkv) * a.g + g) * d;
+      for (int64_t j = 0; j < d; j += 16) store16(dst + j, _mm512_mul_ps(_mm512_loadu_ps(y.data() + j), inv));
+    }
+  return out;
+#else
+  TORCH_CHECK(false, "decode_attend: not built with AVX512-BF16");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infinigen, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, int group, Tensor scale_zero) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("decode_attend(Tensor q, Tensor keys, Tensor values, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infinigen, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int8_gemv", &int8_gemv);
+  m.impl("decode_attend", &decode_attend);
 }

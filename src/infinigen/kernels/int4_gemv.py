@@ -30,6 +30,7 @@ _SOURCE = Path(__file__).with_name("int4_gemv.cpp")
 enabled = True  # False: torch's kernel everywhere (read when a call is made or traced; benchmarks compare the two)
 MAX_ROWS = 8  # rows beyond this: torch's kernel (a decoding batch of at most 8)
 BLOCK_N = 64  # outputs per block of the layout: the kernel takes whole blocks only
+ATTEND_MAX_G = 8  # decode_attend: query heads per KV head
 
 
 _registering = threading.Lock()
@@ -48,6 +49,7 @@ def _dtypes() -> frozenset:
             return frozenset()
         torch.library.register_fake("infinigen::int4_gemv", _fake)
         torch.library.register_fake("infinigen::int8_gemv", _fake_int8)
+        torch.library.register_fake("infinigen::decode_attend", _fake_attend)
         bf16 = {"avx512_bf16", "avx512vbmi", "avx512bw"} <= flags
         return frozenset({torch.float32, torch.bfloat16} if bf16 else {torch.float32})
 
@@ -58,6 +60,10 @@ def _fake(x, packed, group, scale_zero):
 
 def _fake_int8(x, qweight, scales):
     return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+def _fake_attend(q, keys, values, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def takes(x2: torch.Tensor, out_features: int) -> bool:
@@ -82,6 +88,21 @@ def int8_gemv(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> 
     """x2 [rows, K] times qweight [N, K] int8 with scales [N] (x2's dtype): [rows, N], each output the float32
     sum of code * x times its row's scale, rounded once to x2's dtype."""
     return torch.ops.infinigen.int8_gemv(x2, qweight, scales)
+
+
+def takes_attend(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the native kernel attends one token per row, q [B, H, 1, d], over keys [B, Hkv, L, d]: bfloat16 on
+    a CPU with AVX512-BF16, a head size of 64 or 128, at most ATTEND_MAX_G query heads per KV head."""
+    return (enabled and q.device.type == "cpu" and q.dtype == torch.bfloat16 == keys.dtype
+            and q.dim() == 4 and q.shape[2] == 1 and q.shape[3] in (64, 128) and q.shape[1] % keys.shape[1] == 0
+            and q.shape[1] // keys.shape[1] <= ATTEND_MAX_G and torch.bfloat16 in _dtypes())
+
+
+def decode_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token's attention per row: q [B, H, 1, d] over keys and values [B, Hkv, L, d] (any strides but the
+    last; G = H / Hkv query heads share a KV head): softmax(scale * q k^T) v as [B, H, 1, d] in q's dtype, the
+    scores, exps and sums in float32 (the products of bfloat16 values exact), rounded once."""
+    return torch.ops.infinigen.decode_attend(q, keys, values, scale)
 
 
 def available(dtype: torch.dtype) -> bool:
