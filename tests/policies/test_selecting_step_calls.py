@@ -14,7 +14,7 @@ from infinigen.kernels import fused_select
 from infinigen.kernels.int4 import tinygemm_ok
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
-from infinigen.policies.infinigen_select import layer_total
+from infinigen.policies.infinigen_select import layer_total, layer_totals
 from support.models import build_tiny
 from support.speculation import random_skew
 
@@ -102,6 +102,18 @@ def test_the_cap_on_the_host_equals_the_float32_tensor_arithmetic():
                 tensor = torch.tensor(int(length)).view(1, 1, 1)
                 want = int((float(ratio) * (tensor * hkv)).floor().clamp(min=hkv))
                 assert layer_total(float(ratio), int(length), hkv, int(length), 1) == want, (ratio, length, hkv)
+
+
+def test_every_layers_cap_at_once_equals_each_layers_own():
+    """`layer_totals` (every selecting layer's cap of a step in one numpy call, as decoding's fused cut makes them)
+    against `layer_total` per layer, bit for bit: caps of every size, lengths up to 2^20, floors of `min_fetch`."""
+    gen = np.random.default_rng(1)
+    ratios = [float(r) for r in np.concatenate([gen.random(200), [0.1, 0.13, 1 / 3, 0.7, 1.0, 1e-6, 0.0]])]
+    for length in [*gen.integers(1, 1 << 20, 30), 1, 2, 7, 2048, 8176, 8192, 32768]:
+        for hkv in (1, 3, 8):
+            for min_fetch in (0, 1, 4, 64):
+                want = [layer_total(r, int(length), hkv, int(length), min_fetch) for r in ratios]
+                assert layer_totals(ratios, int(length), hkv, int(length), min_fetch) == want, (length, hkv)
 
 
 @needs_tinygemm

@@ -107,6 +107,8 @@ class InfiniGenState:
     remainders: dict = field(default_factory=dict)  # layer -> the unread entries' log-mass, then Remainder
     key_mean: dict = field(default_factory=dict)  # key_centre: layer -> [B, Hkv, 1, d] the packed keys' mean key
     rotations: tuple = ()  # A's layers as views, made once (`SpeculationKeys.rotation`)
+    # decoding's fused cut: ((cached length, capacity), layer -> the cut's arguments at it), made once per step
+    cuts: tuple = (None, None)
 
 
 # The policies `prepare` returned, per model (by id, held weakly): preparing one again for its model keeps its
@@ -325,11 +327,30 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
     def _cap(self, st: InfiniGenState, model, layer: int, cached: int) -> float:
         """Layer's cap at `cached` tokens; with a growth below 1 the caps of the last length asked are kept
         (every layer of a decoding step asks at the same length)."""
+        return self._caps_at(st, model, cached)[layer]
+
+    def _caps_at(self, st: InfiniGenState, model, cached: int) -> dict:
+        """Every selecting layer's cap at `cached` tokens (`_cap`)."""
         if self.budget_growth == 1 or self.kv_budget is None:
-            return st.caps[layer]
+            return st.caps
         if st.caps_for_length[0] != cached:
             st.caps_for_length = (cached, self.layer_caps(model, cached))
-        return st.caps_for_length[1][layer]
+        return st.caps_for_length[1]
+
+    def _cut(self, st: InfiniGenState, model, layer: int, cached: int, capacity: int, with_lse: bool) -> dict:
+        """The arguments of decoding's fused layer cut at `cached` tokens (scale, alpha, total, capacity, with_lse:
+        `fused_select.select_packed`'s), every used slot valid: each layer's cap (`_layer_total`) computed for every
+        layer at once when the length changes (once per step: every layer of a step asks at one length)."""
+        at, cuts = st.cuts
+        if at != (cached, capacity):
+            caps = self._caps_at(st, model, cached)
+            layers = list(caps)
+            ratios = [self.max_fetch_ratio if caps[i] is None else caps[i] for i in layers]
+            totals = select.layer_totals(ratios, cached, model.cfg.num_kv_heads, cached, self.min_fetch)
+            cuts = {i: {"scale": model.scale, "alpha": st.alpha, "total": t, "capacity": capacity}
+                    for i, t in zip(layers, totals)}
+            st.cuts = ((cached, capacity), cuts)
+        return cuts[layer] | {"with_lse": with_lse}
 
     def dense_below_at(self, rows: int) -> int:
         """The cached length below which a session of `rows` rows reads densely: the crossing measured at the

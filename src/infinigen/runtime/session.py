@@ -63,10 +63,9 @@ class StoreRows(Rows):
 
     def __init__(self, store, layer: int, first: int, positions: torch.Tensor, query=None, own_keys=None,
                  packs: bool = False):
-        for name, value in (("first", first), ("positions", positions), ("in_store", True), ("query", query),
-                            ("own_keys", own_keys), ("packs", packs), ("_store", store), ("_layer", layer),
-                            ("_sliced", None)):
-            object.__setattr__(self, name, value)  # (a frozen dataclass)
+        # (a frozen dataclass: its fields set at once through the instance's dict)
+        self.__dict__.update(first=first, positions=positions, in_store=True, query=query, own_keys=own_keys,
+                             packs=packs, _store=store, _layer=layer, _sliced=None)
 
     def _past(self) -> tuple:
         if self._sliced is None:
