@@ -149,8 +149,10 @@ def appends(k: torch.Tensor, *store: torch.Tensor) -> bool:
     """Whether `append_token` stores k into a layer's store tensors (keys, values, valid, pos): on a CPU, contiguous,
     k of the keys' dtype, the kernel loaded already (the torch copies store the same bytes, so a first run's decode
     does not wait for the build)."""
-    return (enabled and k.device.type == "cpu" and k.dtype == store[0].dtype and all(t.is_contiguous() for t in store)
-            and store[0].device.type == "cpu" and native_build.loaded("fused_select") and available())
+    keys, values, valid, pos = store
+    return (enabled and k.is_cpu and keys.is_cpu and k.dtype == keys.dtype and keys.is_contiguous()
+            and values.is_contiguous() and valid.is_contiguous() and pos.is_contiguous()
+            and native_build.loaded("fused_select") and available())
 
 
 def append_token(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, slot: int,
@@ -165,8 +167,8 @@ def add_values(sums: torch.Tensor, counts: torch.Tensor, v: torch.Tensor) -> Non
     """A layer's running value sums [B, Hkv, d] float32 and counts [B, Hkv] int64 advanced by one decoding token's
     values v [B, Hkv, 1, d] in place: `sums.add_(v[:, :, 0])` and `counts.add_(1)` (the same bits) in one call where
     the kernel is loaded and the tensors are on a CPU (sums and counts contiguous), else those two adds."""
-    if (enabled and sums.device.type == "cpu" and v.device.type == "cpu" and sums.is_contiguous()
-            and counts.is_contiguous() and native_build.loaded("fused_select") and available()):
+    if (enabled and sums.is_cpu and v.is_cpu and sums.is_contiguous() and counts.is_contiguous()
+            and native_build.loaded("fused_select") and available()):
         _module().add_values(sums, counts, v)
         return
     sums.add_(v[:, :, 0])  # (in float32)

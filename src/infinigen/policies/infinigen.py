@@ -82,6 +82,8 @@ class InfiniGenState:
     # layer -> the keys speculation scores against: PackedKeys (int4) | [B, Hkv, capacity, cols] partial keys
     spec_keys: dict = field(default_factory=dict)
     spec: dict = field(default_factory=dict)  # layer -> [B, Hkv, G, T, d] post-RoPE queries (projected per row)
+    # (layer, [B, Hkv, G, d]): a decoding row's own query while its layer selects (in place of `spec`'s entry)
+    spec_row: tuple = (None, None)
     ready: set = field(default_factory=set)  # layers whose speculation for this decoding step has run
     # dense_below with packed keys in fast memory: the packed keys are built from the store at the first step
     # that selects, not kept up to date while every step reads densely (their append costs ~20% of a dense
@@ -569,8 +571,14 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
             q = rows.query
             b, h, _, d = q.shape
             hkv = session.model.cfg.num_kv_heads
-            own = q.view(b, hkv, h // hkv, 1, d)
-            st.spec[layer] = own if rows.first == 0 else own.expand(b, hkv, h // hkv, rows.first + 1, d)
+            if rows.first == 0:  # the row's query as one view [B, Hkv, G, d], for this selection only
+                st.spec.pop(layer, None)
+                st.spec_row = (layer, q.view(b, hkv, h // hkv, d))
+                try:
+                    return select.select_row(self, layer, 0, session, packs)
+                finally:
+                    st.spec_row = (None, None)
+            st.spec[layer] = q.view(b, hkv, h // hkv, 1, d).expand(b, hkv, h // hkv, rows.first + 1, d)
         return select.select_row(self, layer, rows.first, session, packs)
 
     def on_append(self, layer, slots, k, v, session):
