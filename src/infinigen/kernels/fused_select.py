@@ -73,12 +73,13 @@ def _triton_kernel():
 def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether `attend_rows` can take these tensors: one floating dtype, one device, and on the CPU the C++
     kernel built, on CUDA triton installed."""
-    if q.device != keys.device or q.dtype != keys.dtype or q.dtype not in (torch.float32, torch.bfloat16,
-                                                                           torch.float16):
+    if q.dtype != keys.dtype or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if q.device.type == "cuda":
-        return enabled and _triton_kernel() is not None
-    return q.device.type == "cpu" and available()
+    if q.is_cpu:  # (the flags, not device objects: this is asked at every selecting layer)
+        return keys.is_cpu and available()
+    if q.device != keys.device:
+        return False
+    return q.device.type == "cuda" and enabled and _triton_kernel() is not None
 
 
 def native_rows(q: torch.Tensor) -> bool:

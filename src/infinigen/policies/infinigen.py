@@ -111,6 +111,8 @@ class InfiniGenState:
     rotations: tuple = ()  # A's layers as views, made once (`SpeculationKeys.rotation`)
     # decoding's fused cut: ((cached length, capacity), layer -> the cut's arguments at it), made once per step
     cuts: tuple = (None, None)
+    # layer -> (its speculation keys, whether decoding's fused own-query cut applies to them, its rotation)
+    lanes: dict = field(default_factory=dict)
 
 
 # The policies `prepare` returned, per model (by id, held weakly): preparing one again for its model keeps its
@@ -527,6 +529,9 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         if rows.in_store:
             if select.dense_pass(session):
                 return ALL
+            packed = self._own_row_packed(layer, rows, session) if rows.packs else None
+            if packed is not None:
+                return packed
             keep = self._decoding_row(layer, rows, session)
             if not isinstance(keep, SelectedRows):
                 keep = keep[:, :, None]
@@ -537,14 +542,62 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         lse = st.remainders.pop(layer, None)
         if lse is not None and not rows.in_store:  # teacher-forced: the runtime sums the sequence's values
             st.remainders[layer] = Remainder(lse)
-        elif lse is not None and (layer in st.value_sums or st.lazy_keys):  # decoding: the sums before this
-            # step's append; with lazy_keys summed from the store the first time, as the keys are packed
-            if layer not in st.value_sums:
-                _, v, valid, _ = session.store.past(layer)
-                st.value_sums[layer] = (v.float() * valid[..., None]).sum(2)
-                st.value_counts[layer] = valid.sum(-1)
-            st.remainders[layer] = Remainder(lse, st.value_sums[layer], st.value_counts[layer])
+        elif lse is not None:
+            self._decoding_remainder(st, layer, lse, session)
         return keep
+
+    def _decoding_remainder(self, st: InfiniGenState, layer: int, lse: torch.Tensor, session) -> None:
+        """A decoding row's remainder at `layer` from its unread log-mass lse [B, Hkv, G, 1] and the value sums
+        before this step's append (with lazy_keys summed from the store the first time, as the keys are packed);
+        none where the sums are not kept."""
+        if layer not in st.value_sums:
+            if not st.lazy_keys:
+                return
+            _, v, valid, _ = session.store.past(layer)
+            st.value_sums[layer] = (v.float() * valid[..., None]).sum(2)
+            st.value_counts[layer] = valid.sum(-1)
+        st.remainders[layer] = Remainder(lse, st.value_sums[layer], st.value_counts[layer])
+
+    def _lane(self, st: InfiniGenState, layer: int, spec_keys) -> tuple:
+        """What holds for a layer's speculation keys, found once per keys object: (the keys, whether a row's query
+        and key are rotated inside the native scorer and append (`SpeculationKeys.native`), whether decoding's fused
+        own-query cut applies (`_own_row_packed`), the layer's rotation)."""
+        native = self.speculation.native(spec_keys)
+        lane = st.lanes[layer] = (spec_keys, native, native and self.budget == "layer" and self.block <= 1,
+                                  self.speculation.rotation(st, layer))
+        return lane
+
+    def _own_row_packed(self, layer, rows, session) -> SelectedRows | None:
+        """Decoding's common selecting row straight to its packed rows: the layer's own query (row 0 of the
+        step), every used slot a valid candidate, no batch row below dense_below, budget "layer" and the 4-bit keys
+        scored and cut in one native call (`PackedKeys.select_rotated`): what `_decoding_row` makes there through
+        `infinigen_select.select_row`'s fused cut, the same call with the same arguments, in fewer Python steps.
+        None where that does not apply (the caller takes `_decoding_row`)."""
+        st = session.state
+        if (rows.first != 0 or rows.query is None or not (layer == 0 or st.own_query)
+                or not fused_select.packs_selection or not fused_select.scores_with_selection
+                or not fused_select.available()
+                or select.dense_rows(session, 0) is not None):
+            return None
+        store, model = session.store, session.model
+        spec_keys = self.speculation.keys(st, layer, session)
+        lane = st.lanes.get(layer)
+        if lane is None or lane[0] is not spec_keys:
+            lane = self._lane(st, layer, spec_keys)
+        if not lane[2] or store.padded or model.cfg.sliding_window is not None:
+            return None
+        st.ready.discard(layer)
+        st.spec.pop(layer, None)
+        q = rows.query
+        b, h, _, d = q.shape
+        hkv = model.cfg.num_kv_heads
+        n = store.length[layer]
+        adds = self._adds_remainder(st, layer)
+        keep, packed, head, counts, lse = spec_keys.select_rotated(
+            q.view(b, hkv, h // hkv, d), lane[3], n, **self._cut(st, model, layer, n, store.capacity, adds))
+        if adds:
+            self._decoding_remainder(st, layer, lse.unsqueeze(-1), session)
+        return SelectedRows(keep, packed, head, counts)
 
     def _decoding_row(self, layer, rows, session) -> torch.Tensor | SelectedRows:
         st = session.state
@@ -586,6 +639,10 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         if layer in st.value_sums:
             fused_select.add_values(st.value_sums[layer], st.value_counts[layer], v)
         if layer not in st.spec_layers or layer not in st.spec_keys:  # not built yet (lazy_keys)
+            return
+        lane = st.lanes.get(layer)
+        if lane is not None and lane[1] and lane[0] is st.spec_keys[layer] and fused_select.available():
+            lane[0].scatter_rotated(slots, k, lane[3])  # (`speculation.append`'s native case, its checks found once)
             return
         self.speculation.append(st, layer, slots, k)
 
