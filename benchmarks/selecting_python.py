@@ -145,6 +145,8 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=8176)
     ap.add_argument("--steps", type=int, default=12, help="timed steps per system (the first two not in the median)")
     ap.add_argument("--full", action="store_true", help="the full cache too (each package's)")
+    ap.add_argument("--this-first", action="store_true",
+                    help="load and prefill this checkout's system first (the order's own bias, measured by swapping)")
     a = ap.parse_args()
     if not Path(a.base, "infinigen", "__init__.py").is_file():
         sys.exit(f"error: no infinigen package in {a.base}")
@@ -152,8 +154,9 @@ def main() -> None:
     _register_fake_once()
     import infinigen  # noqa: F401  (this checkout's, from PYTHONPATH)
     load_package(a.base, "infinigen_base")
-    systems = [System("base", "infinigen_base", a.length, a.full, a.steps),
-               System("this", "infinigen", a.length, a.full, a.steps)]
+    made = [("base", "infinigen_base"), ("this", "infinigen")]
+    made = [System(name, pkg, a.length, a.full, a.steps) for name, pkg in (made[::-1] if a.this_first else made)]
+    systems = sorted(made, key=lambda s: s.name != "base")  # reported base first
     n = len(systems[0].sessions)
     order = [(s, i) for i in range(n) for s in systems]
     with open("/proc/loadavg") as f:
