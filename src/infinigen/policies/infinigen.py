@@ -82,8 +82,9 @@ class InfiniGenState:
     # layer -> the keys speculation scores against: PackedKeys (int4) | [B, Hkv, capacity, cols] partial keys
     spec_keys: dict = field(default_factory=dict)
     spec: dict = field(default_factory=dict)  # layer -> [B, Hkv, G, T, d] post-RoPE queries (projected per row)
-    # (layer, [B, Hkv, G, d]): a decoding row's own query while its layer selects (in place of `spec`'s entry)
-    spec_row: tuple = (None, None)
+    # layer -> [B, Hkv, G, d]: a decoding row's own query, where the layer selected with it (in place of `spec`'s
+    # entry, which `speculation._query` then gives as [B, Hkv, G, 1, d])
+    spec_rows: dict = field(default_factory=dict)
     ready: set = field(default_factory=set)  # layers whose speculation for this decoding step has run
     # dense_below with packed keys in fast memory: the packed keys are built from the store at the first step
     # that selects, not kept up to date while every step reads densely (their append costs ~20% of a dense
@@ -407,7 +408,7 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         queries and plans."""
         out = {"speculation": self.speculation_bytes(state),
                "remainder": tensor_bytes(state.value_sums) + tensor_bytes(state.value_counts)}
-        out.update({k: tensor_bytes(getattr(state, k)) for k in ("A", "spec")})
+        out.update({"A": tensor_bytes(state.A), "spec": tensor_bytes(state.spec) + tensor_bytes(state.spec_rows)})
         return {k: v for k, v in out.items() if v}
 
     def _adds_remainder(self, st: InfiniGenState, layer: int) -> bool:
@@ -593,8 +594,9 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         hkv = model.cfg.num_kv_heads
         n = store.length[layer]
         adds = self._adds_remainder(st, layer)
+        own = st.spec_rows[layer] = q.view(b, hkv, h // hkv, d)
         keep, packed, head, counts, lse = spec_keys.select_rotated(
-            q.view(b, hkv, h // hkv, d), lane[3], n, **self._cut(st, model, layer, n, store.capacity, adds))
+            own, lane[3], n, **self._cut(st, model, layer, n, store.capacity, adds))
         if adds:
             self._decoding_remainder(st, layer, lse.unsqueeze(-1), session)
         return SelectedRows(keep, packed, head, counts)
@@ -624,13 +626,10 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
             q = rows.query
             b, h, _, d = q.shape
             hkv = session.model.cfg.num_kv_heads
-            if rows.first == 0:  # the row's query as one view [B, Hkv, G, d], for this selection only
+            if rows.first == 0:  # the row's query as one view [B, Hkv, G, d]
                 st.spec.pop(layer, None)
-                st.spec_row = (layer, q.view(b, hkv, h // hkv, d))
-                try:
-                    return select.select_row(self, layer, 0, session, packs)
-                finally:
-                    st.spec_row = (None, None)
+                st.spec_rows[layer] = q.view(b, hkv, h // hkv, d)
+                return select.select_row(self, layer, 0, session, packs)
             st.spec[layer] = q.view(b, hkv, h // hkv, 1, d).expand(b, hkv, h // hkv, rows.first + 1, d)
         return select.select_row(self, layer, rows.first, session, packs)
 

@@ -252,8 +252,8 @@ class SpeculationKeys:
     def _query(st, layer: int) -> torch.Tensor:
         """The post-RoPE queries [B, Hkv, G, T, d] speculation scores `layer` with."""
         qs = st.spec.get(layer)
-        if qs is None and st.spec_row[0] == layer:  # the layer's own query, one row
-            return st.spec_row[1].unsqueeze(3)
+        if qs is None and layer in st.spec_rows:  # the layer's own query, one row
+            return st.spec_rows[layer].unsqueeze(3)
         if qs is None:
             raise RuntimeError(f"no speculation for layer {layer} (the hook of layer {layer - 1} did not run)")
         return qs
@@ -261,8 +261,8 @@ class SpeculationKeys:
     @staticmethod
     def _row_query(st, layer: int, row: int) -> torch.Tensor:
         """The post-RoPE query [B, Hkv, G, d] of decoding row `row` that speculation scores `layer` with."""
-        if row == 0 and st.spec_row[0] == layer and layer not in st.spec:
-            return st.spec_row[1]
+        if row == 0 and layer not in st.spec and layer in st.spec_rows:
+            return st.spec_rows[layer]
         return SpeculationKeys._query(st, layer).select(3, row)
 
     def queries(self, st, layer: int, rows: slice) -> torch.Tensor:
