@@ -14,7 +14,7 @@ from infinigen.kernels import fused_select
 from infinigen.kernels.int4 import tinygemm_ok
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
-from infinigen.policies.infinigen_select import layer_total
+from infinigen.policies.infinigen_select import layer_total, layer_totals
 from support.models import build_tiny
 from support.speculation import random_skew
 
@@ -104,6 +104,18 @@ def test_the_cap_on_the_host_equals_the_float32_tensor_arithmetic():
                 assert layer_total(float(ratio), int(length), hkv, int(length), 1) == want, (ratio, length, hkv)
 
 
+def test_every_layers_cap_at_once_equals_each_layers_own():
+    """`layer_totals` (every selecting layer's cap of a step in one numpy call, as decoding's fused cut makes them)
+    against `layer_total` per layer, bit for bit: caps of every size, lengths up to 2^20, floors of `min_fetch`."""
+    gen = np.random.default_rng(1)
+    ratios = [float(r) for r in np.concatenate([gen.random(200), [0.1, 0.13, 1 / 3, 0.7, 1.0, 1e-6, 0.0]])]
+    for length in [*gen.integers(1, 1 << 20, 30), 1, 2, 7, 2048, 8176, 8192, 32768]:
+        for hkv in (1, 3, 8):
+            for min_fetch in (0, 1, 4, 64):
+                want = [layer_total(r, int(length), hkv, int(length), min_fetch) for r in ratios]
+                assert layer_totals(ratios, int(length), hkv, int(length), min_fetch) == want, (length, hkv)
+
+
 @needs_tinygemm
 @pytest.mark.parametrize("capacity", [2048 + 8, 1024 + 1, 8176 + 16, 4096 + 9, 512 + 9, 512 + 64 + 1])
 def test_a_capacity_just_above_a_whole_block_keeps_the_int4_kernels_layout(capacity):
@@ -121,3 +133,47 @@ def test_a_small_pool_far_from_a_whole_block_keeps_the_rows_layout(capacity):
     (its padding would be a larger share of the KV than speculation's own keys are meant to add)."""
     from infinigen.policies.speculation import int4_layout
     assert int4_layout(64, capacity, "cpu") == "rows"
+
+
+@needs_kernel
+@needs_tinygemm
+@pytest.mark.parametrize("budget_growth,kv_budget", [(1.0, 0.3), (0.5, 0.04)])
+def test_the_own_row_lane_equals_the_general_fused_path(monkeypatch, budget_growth, kv_budget):
+    """Decoding's common selecting row taken straight to its packed rows (`InfiniGen._own_row_packed`) against the
+    same step through `_decoding_row` and `select_row`'s fused cut: every layer's selection (what a listener hears),
+    its remainder, the keys appended after it and the logits, bit for bit, step after step (the caps change with the
+    length under budget_growth 0.5)."""
+    from infinigen.policies.infinigen import InfiniGen
+    _, model = build_tiny("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          num_hidden_layers=3)
+    # alpha large: every slot passes the threshold, the cap decides (a cap of another length selects other rows)
+    policy = make_policy("infinigen", calibrate=False, dense_below=0, kv_budget=kv_budget, budget_growth=budget_growth,
+                         min_fetch=4, remainder_from=1, alpha=30.0).with_skew(random_skew(model))
+    tokens = torch.randint(3, model.cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(5))
+    lane = InfiniGen._own_row_packed
+    taken = [0]
+
+    def run(through_lane: bool):
+        def own_row(self, layer, rows, session):
+            got = lane(self, layer, rows, session) if through_lane else None
+            taken[0] += got is not None
+            return got
+        monkeypatch.setattr(InfiniGen, "_own_row_packed", own_row)
+        seen = []
+
+        class Heard(runtime.Listener):
+            def on_select(self, layer, rows, keep, session):
+                seen.append(keep.clone())
+        sess = Placement().new_session(model, 1, T, policy, listeners=[Heard()])
+        runtime.prefill(model, tokens[:, :P], sess)
+        logits = [runtime.decode(model, tokens[:, t], sess) for t in range(P, P + 6)]
+        return torch.stack(logits), seen, sess.state.spec_keys
+    want, seen_want, keys_want = run(False)
+    assert taken[0] == 0
+    got, seen_got, keys_got = run(True)
+    assert taken[0] == 6 * model.cfg.num_layers  # every selecting layer of every step took the lane
+    assert len(seen_got) == len(seen_want) and all(torch.equal(a, b) for a, b in zip(seen_got, seen_want))
+    assert any(bool((~k).any()) for k in seen_got)  # entries left unread: the selections mean something
+    assert all(torch.equal(keys_got[i].codes, keys_want[i].codes) and torch.equal(keys_got[i].sz, keys_want[i].sz)
+               for i in keys_want)
+    assert torch.equal(got, want)

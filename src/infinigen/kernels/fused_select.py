@@ -73,12 +73,13 @@ def _triton_kernel():
 def usable(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether `attend_rows` can take these tensors: one floating dtype, one device, and on the CPU the C++
     kernel built, on CUDA triton installed."""
-    if q.device != keys.device or q.dtype != keys.dtype or q.dtype not in (torch.float32, torch.bfloat16,
-                                                                           torch.float16):
+    if q.dtype != keys.dtype or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    if q.device.type == "cuda":
-        return enabled and _triton_kernel() is not None
-    return q.device.type == "cpu" and available()
+    if q.is_cpu:  # (the flags, not device objects: this is asked at every selecting layer)
+        return keys.is_cpu and available()
+    if q.device != keys.device:
+        return False
+    return q.device.type == "cuda" and enabled and _triton_kernel() is not None
 
 
 def native_rows(q: torch.Tensor) -> bool:
@@ -149,8 +150,10 @@ def appends(k: torch.Tensor, *store: torch.Tensor) -> bool:
     """Whether `append_token` stores k into a layer's store tensors (keys, values, valid, pos): on a CPU, contiguous,
     k of the keys' dtype, the kernel loaded already (the torch copies store the same bytes, so a first run's decode
     does not wait for the build)."""
-    return (enabled and k.device.type == "cpu" and k.dtype == store[0].dtype and all(t.is_contiguous() for t in store)
-            and store[0].device.type == "cpu" and native_build.loaded("fused_select") and available())
+    keys, values, valid, pos = store
+    return (enabled and k.is_cpu and keys.is_cpu and k.dtype == keys.dtype and keys.is_contiguous()
+            and values.is_contiguous() and valid.is_contiguous() and pos.is_contiguous()
+            and native_build.loaded("fused_select") and available())
 
 
 def append_token(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, pos: torch.Tensor, slot: int,
@@ -165,8 +168,8 @@ def add_values(sums: torch.Tensor, counts: torch.Tensor, v: torch.Tensor) -> Non
     """A layer's running value sums [B, Hkv, d] float32 and counts [B, Hkv] int64 advanced by one decoding token's
     values v [B, Hkv, 1, d] in place: `sums.add_(v[:, :, 0])` and `counts.add_(1)` (the same bits) in one call where
     the kernel is loaded and the tensors are on a CPU (sums and counts contiguous), else those two adds."""
-    if (enabled and sums.device.type == "cpu" and v.device.type == "cpu" and sums.is_contiguous()
-            and counts.is_contiguous() and native_build.loaded("fused_select") and available()):
+    if (enabled and sums.is_cpu and v.is_cpu and sums.is_contiguous() and counts.is_contiguous()
+            and native_build.loaded("fused_select") and available()):
         _module().add_values(sums, counts, v)
         return
     sums.add_(v[:, :, 0])  # (in float32)

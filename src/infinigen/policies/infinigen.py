@@ -82,6 +82,9 @@ class InfiniGenState:
     # layer -> the keys speculation scores against: PackedKeys (int4) | [B, Hkv, capacity, cols] partial keys
     spec_keys: dict = field(default_factory=dict)
     spec: dict = field(default_factory=dict)  # layer -> [B, Hkv, G, T, d] post-RoPE queries (projected per row)
+    # layer -> [B, Hkv, G, d]: a decoding row's own query, where the layer selected with it (in place of `spec`'s
+    # entry, which `speculation._query` then gives as [B, Hkv, G, 1, d])
+    spec_rows: dict = field(default_factory=dict)
     ready: set = field(default_factory=set)  # layers whose speculation for this decoding step has run
     # dense_below with packed keys in fast memory: the packed keys are built from the store at the first step
     # that selects, not kept up to date while every step reads densely (their append costs ~20% of a dense
@@ -110,6 +113,10 @@ class InfiniGenState:
     remainders: dict = field(default_factory=dict)  # layer -> the unread entries' log-mass, then Remainder
     key_mean: dict = field(default_factory=dict)  # key_centre: layer -> [B, Hkv, 1, d] the packed keys' mean key
     rotations: tuple = ()  # A's layers as views, made once (`SpeculationKeys.rotation`)
+    # decoding's fused cut: ((cached length, capacity), layer -> the cut's arguments at it), made once per step
+    cuts: tuple = (None, None)
+    # layer -> (its speculation keys, whether decoding's fused own-query cut applies to them, its rotation)
+    lanes: dict = field(default_factory=dict)
 
 
 # The policies `prepare` returned, per model (by id, held weakly): preparing one again for its model keeps its
@@ -327,12 +334,39 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
 
     def _cap(self, st: InfiniGenState, model, layer: int, cached: int) -> float:
         """Layer's cap at `cached` tokens; with a growth below 1 the caps of the last length asked are kept
-        (every layer of a decoding step asks at the same length)."""
+        (every layer of a decoding step asks at the same length); times `st.widen` (a prefetch margin)."""
+        cap = self._caps_at(st, model, cached)[layer]
+        return cap if cap is None or st.widen == 1.0 else cap * st.widen
+
+    def _caps_at(self, st: InfiniGenState, model, cached: int) -> dict:
+        """Every selecting layer's cap at `cached` tokens (`_cap`)."""
         if self.budget_growth == 1 or self.kv_budget is None:
-            return st.caps[layer] * st.widen
+            return st.caps
         if st.caps_for_length[0] != cached:
             st.caps_for_length = (cached, self.layer_caps(model, cached))
-        return st.caps_for_length[1][layer] * st.widen
+        return st.caps_for_length[1]
+
+    def _cut(self, st: InfiniGenState, model, layer: int, cached: int, capacity: int, with_lse: bool) -> dict:
+        """The arguments of decoding's fused layer cut at `cached` tokens (scale, alpha, total, capacity, with_lse:
+        `fused_select.select_packed`'s), every used slot valid: each layer's cap (`_layer_total`) computed for every
+        layer at once when the length changes (once per step: every layer of a step asks at one length); a
+        widened plan (`st.widen`, the store's prefetch margin) from its own widened cap."""
+        at, cuts = st.cuts
+        if at != (cached, capacity):
+            caps = self._caps_at(st, model, cached)
+            layers = list(caps)
+            ratios = [self.max_fetch_ratio if caps[i] is None else caps[i] for i in layers]
+            totals = select.layer_totals(ratios, cached, model.cfg.num_kv_heads, cached, self.min_fetch)
+            cuts = {i: {"scale": model.scale, "alpha": st.alpha, "total": t, "capacity": capacity}
+                    for i, t in zip(layers, totals)}
+            st.cuts = ((cached, capacity), cuts)
+        cut = cuts[layer]
+        if st.widen != 1.0:
+            cap = self._cap(st, model, layer, cached)
+            ratio = self.max_fetch_ratio * st.widen if cap is None else cap
+            cut = cut | {"total": select.layer_totals([ratio], cached, model.cfg.num_kv_heads, cached,
+                                                      self.min_fetch)[0]}
+        return cut | {"with_lse": with_lse}
 
     def dense_below_at(self, rows: int) -> int:
         """The cached length below which a session of `rows` rows reads densely: the crossing measured at the
@@ -385,7 +419,7 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         queries and plans."""
         out = {"speculation": self.speculation_bytes(state),
                "remainder": tensor_bytes(state.value_sums) + tensor_bytes(state.value_counts)}
-        out.update({k: tensor_bytes(getattr(state, k)) for k in ("A", "spec")})
+        out.update({"A": tensor_bytes(state.A), "spec": tensor_bytes(state.spec) + tensor_bytes(state.spec_rows)})
         return {k: v for k, v in out.items() if v}
 
     def _adds_remainder(self, st: InfiniGenState, layer: int) -> bool:
@@ -507,6 +541,9 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         if rows.in_store:
             if select.dense_pass(session):
                 return ALL
+            packed = self._own_row_packed(layer, rows, session) if rows.packs else None
+            if packed is not None:
+                return packed
             keep = self._decoding_row(layer, rows, session)
             if not isinstance(keep, SelectedRows):
                 keep = keep[:, :, None]
@@ -517,14 +554,63 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         lse = st.remainders.pop(layer, None)
         if lse is not None and not rows.in_store:  # teacher-forced: the runtime sums the sequence's values
             st.remainders[layer] = Remainder(lse)
-        elif lse is not None and (layer in st.value_sums or st.lazy_keys):  # decoding: the sums before this
-            # step's append; with lazy_keys summed from the store the first time, as the keys are packed
-            if layer not in st.value_sums:
-                _, v, valid, _ = session.store.past(layer)
-                st.value_sums[layer] = (v.float() * valid[..., None]).sum(2)
-                st.value_counts[layer] = valid.sum(-1)
-            st.remainders[layer] = Remainder(lse, st.value_sums[layer], st.value_counts[layer])
+        elif lse is not None:
+            self._decoding_remainder(st, layer, lse, session)
         return keep
+
+    def _decoding_remainder(self, st: InfiniGenState, layer: int, lse: torch.Tensor, session) -> None:
+        """A decoding row's remainder at `layer` from its unread log-mass lse [B, Hkv, G, 1] and the value sums
+        before this step's append (with lazy_keys summed from the store the first time, as the keys are packed);
+        none where the sums are not kept."""
+        if layer not in st.value_sums:
+            if not st.lazy_keys:
+                return
+            _, v, valid, _ = session.store.past(layer)
+            st.value_sums[layer] = (v.float() * valid[..., None]).sum(2)
+            st.value_counts[layer] = valid.sum(-1)
+        st.remainders[layer] = Remainder(lse, st.value_sums[layer], st.value_counts[layer])
+
+    def _lane(self, st: InfiniGenState, layer: int, spec_keys) -> tuple:
+        """What holds for a layer's speculation keys, found once per keys object: (the keys, whether a row's query
+        and key are rotated inside the native scorer and append (`SpeculationKeys.native`), whether decoding's fused
+        own-query cut applies (`_own_row_packed`), the layer's rotation)."""
+        native = self.speculation.native(spec_keys)
+        lane = st.lanes[layer] = (spec_keys, native, native and self.budget == "layer" and self.block <= 1,
+                                  self.speculation.rotation(st, layer))
+        return lane
+
+    def _own_row_packed(self, layer, rows, session) -> SelectedRows | None:
+        """Decoding's common selecting row straight to its packed rows: the layer's own query (row 0 of the
+        step), every used slot a valid candidate, no batch row below dense_below, budget "layer" and the 4-bit keys
+        scored and cut in one native call (`PackedKeys.select_rotated`): what `_decoding_row` makes there through
+        `infinigen_select.select_row`'s fused cut, the same call with the same arguments, in fewer Python steps.
+        None where that does not apply (the caller takes `_decoding_row`)."""
+        st = session.state
+        if (rows.first != 0 or rows.query is None or not (layer == 0 or st.own_query)
+                or not fused_select.packs_selection or not fused_select.scores_with_selection
+                or not fused_select.available()
+                or select.dense_rows(session, 0) is not None):
+            return None
+        store, model = session.store, session.model
+        spec_keys = self.speculation.keys(st, layer, session)
+        lane = st.lanes.get(layer)
+        if lane is None or lane[0] is not spec_keys:
+            lane = self._lane(st, layer, spec_keys)
+        if not lane[2] or store.padded or model.cfg.sliding_window is not None:
+            return None
+        st.ready.discard(layer)
+        st.spec.pop(layer, None)
+        q = rows.query
+        b, h, _, d = q.shape
+        hkv = model.cfg.num_kv_heads
+        n = store.length[layer]
+        adds = self._adds_remainder(st, layer)
+        own = st.spec_rows[layer] = q.view(b, hkv, h // hkv, d)
+        keep, packed, head, counts, lse = spec_keys.select_rotated(
+            own, lane[3], n, **self._cut(st, model, layer, n, store.capacity, adds))
+        if adds:
+            self._decoding_remainder(st, layer, lse.unsqueeze(-1), session)
+        return SelectedRows(keep, packed, head, counts)
 
     def _decoding_row(self, layer, rows, session) -> torch.Tensor | SelectedRows:
         st = session.state
@@ -551,8 +637,11 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
             q = rows.query
             b, h, _, d = q.shape
             hkv = session.model.cfg.num_kv_heads
-            own = q.view(b, hkv, h // hkv, 1, d)
-            st.spec[layer] = own if rows.first == 0 else own.expand(b, hkv, h // hkv, rows.first + 1, d)
+            if rows.first == 0:  # the row's query as one view [B, Hkv, G, d]
+                st.spec.pop(layer, None)
+                st.spec_rows[layer] = q.view(b, hkv, h // hkv, d)
+                return select.select_row(self, layer, 0, session, packs)
+            st.spec[layer] = q.view(b, hkv, h // hkv, 1, d).expand(b, hkv, h // hkv, rows.first + 1, d)
         elif layer > 0 and self.reselects(layer, session) and session.decoding:  # the speculated plan to prefetch
             margin = getattr(session.store, "prefetch_margin", None)
             st.widen = margin(layer) if margin is not None else 1.0
@@ -567,6 +656,10 @@ class InfiniGen(Policy, InfiniGenExperimental, InfiniGenSettings):
         if layer in st.value_sums:
             fused_select.add_values(st.value_sums[layer], st.value_counts[layer], v)
         if layer not in st.spec_layers or layer not in st.spec_keys:  # not built yet (lazy_keys)
+            return
+        lane = st.lanes.get(layer)
+        if lane is not None and lane[1] and lane[0] is st.spec_keys[layer] and fused_select.available():
+            lane[0].scatter_rotated(slots, k, lane[3])  # (`speculation.append`'s native case, its checks found once)
             return
         self.speculation.append(st, layer, slots, k)
 

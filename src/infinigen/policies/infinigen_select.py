@@ -104,13 +104,11 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     st, store, model = session.state, session.store, session.model
     n = store.length[layer]
     spec_keys = policy.speculation.keys(st, layer, session)
-    cap = policy._cap(st, model, layer, n)
     adds = policy._adds_remainder(st, layer)
     every_valid = not store.padded and model.cfg.sliding_window is None
     where = spec_keys.codes.device if isinstance(spec_keys, PackedKeys) else spec_keys.device  # the scores'
     if every_valid and packs and fuses_selection(policy, where):
-        total = policy._layer_total(cap, n, model.cfg.num_kv_heads, n)
-        cut = {"scale": model.scale, "alpha": st.alpha, "total": total, "capacity": store.capacity, "with_lse": adds}
+        cut = policy._cut(st, model, layer, n, store.capacity, adds)
         got = policy.speculation.scores_cut(st, layer, row, spec_keys, n, **cut)  # scored and cut in one call
         if got is None:
             got = fused_select.select_packed(policy.speculation.scores(st, layer, row, spec_keys, n), **cut)
@@ -118,6 +116,7 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
         if adds:
             st.remainders[layer] = lse.unsqueeze(-1)  # (a method: indexing with None costs several times more)
         return SelectedRows(keep, rows, head, counts)
+    cap = policy._cap(st, model, layer, n)
     scores = policy.speculation.scores(st, layer, row, spec_keys, n)  # [B, Hkv, G, S]
     if every_valid and selects_blocks_natively(policy, scores):  # the blocks, and (packs) their rows, in one call
         total = policy._layer_total(cap, n, scores.shape[1], n)
@@ -210,8 +209,9 @@ def sequence_rows(policy, layer, rows, session):
 def fuses_selection(policy, device) -> bool:
     """Whether `fused_select.select_packed` makes this selection: budget "layer" slot by slot, the scores on the
     CPU (`device`: the speculation keys', where they are scored), the kernel built."""
-    return (policy.budget == "layer" and policy.block <= 1 and torch.device(device).type == "cpu"
-            and fused_select.packs_selection and fused_select.available())
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return (policy.budget == "layer" and policy.block <= 1 and kind == "cpu" and fused_select.packs_selection
+            and fused_select.available())
 
 
 def selects_blocks_natively(policy, scores: torch.Tensor) -> bool:
@@ -229,6 +229,13 @@ def layer_total(ratio: float, shared_length: int, hkv: int, slots: int, min_fetc
     # and the count rounded to float32, their product (exact in float64) rounded once to float32
     product = np.float32(np.float32(ratio) * np.float32(shared_length * hkv))
     return max(math.floor(product), floor * hkv)
+
+
+def layer_totals(ratios: list, shared_length: int, hkv: int, slots: int, min_fetch: int) -> list[int]:
+    """`layer_total` of each of `ratios` at one length (the same float32 arithmetic, one numpy call for all)."""
+    floor = min(max(1, min_fetch), slots)
+    products = np.asarray(ratios, dtype=np.float32) * np.float32(shared_length * hkv)
+    return [max(t, floor * hkv) for t in np.floor(products).astype(np.int64).tolist()]
 
 
 def rows_in_blocks(policy, layer, rows, session, block: int = ROWS_PER_CHOICE):

@@ -252,9 +252,18 @@ class SpeculationKeys:
     def _query(st, layer: int) -> torch.Tensor:
         """The post-RoPE queries [B, Hkv, G, T, d] speculation scores `layer` with."""
         qs = st.spec.get(layer)
+        if qs is None and layer in st.spec_rows:  # the layer's own query, one row
+            return st.spec_rows[layer].unsqueeze(3)
         if qs is None:
             raise RuntimeError(f"no speculation for layer {layer} (the hook of layer {layer - 1} did not run)")
         return qs
+
+    @staticmethod
+    def _row_query(st, layer: int, row: int) -> torch.Tensor:
+        """The post-RoPE query [B, Hkv, G, d] of decoding row `row` that speculation scores `layer` with."""
+        if row == 0 and layer not in st.spec and layer in st.spec_rows:
+            return st.spec_rows[layer]
+        return SpeculationKeys._query(st, layer).select(3, row)
 
     def queries(self, st, layer: int, rows: slice) -> torch.Tensor:
         """Projected speculative queries [B, Hkv, G, R, c] (float32) of decoding rows `rows`."""
@@ -267,7 +276,7 @@ class SpeculationKeys:
         copy of the context). partial: one matmul per row in the keys' 16-bit dtype; the G query heads
         are the matmul rows (broadcasting the keys over G copied them G times)."""
         if self.native(spec_keys):  # the row's query rotated inside the scorer
-            return spec_keys.scores_rotated(self._query(st, layer)[:, :, :, row], self.rotation(st, layer), n)
+            return spec_keys.scores_rotated(self._row_query(st, layer, row), self.rotation(st, layer), n)
         qs = self.queries(st, layer, slice(row, row + 1))[:, :, :, 0].contiguous()  # [B, Hkv, G, c]
         if isinstance(spec_keys, PackedKeys):
             return self.shifted(st, layer, spec_keys.scores(qs, n), qs)
@@ -280,4 +289,4 @@ class SpeculationKeys:
         `fused_select.select_packed` returns, else None (the caller scores, then cuts)."""
         if not (fused_select.scores_with_selection and self.native(spec_keys)):
             return None
-        return spec_keys.select_rotated(self._query(st, layer).select(3, row), self.rotation(st, layer), n, **cut)
+        return spec_keys.select_rotated(self._row_query(st, layer, row), self.rotation(st, layer), n, **cut)

@@ -63,10 +63,9 @@ class StoreRows(Rows):
 
     def __init__(self, store, layer: int, first: int, positions: torch.Tensor, query=None, own_keys=None,
                  packs: bool = False):
-        for name, value in (("first", first), ("positions", positions), ("in_store", True), ("query", query),
-                            ("own_keys", own_keys), ("packs", packs), ("_store", store), ("_layer", layer),
-                            ("_sliced", None)):
-            object.__setattr__(self, name, value)  # (a frozen dataclass)
+        # (a frozen dataclass: its fields set at once through the instance's dict)
+        self.__dict__.update(first=first, positions=positions, in_store=True, query=query, own_keys=own_keys,
+                             packs=packs, _store=store, _layer=layer, _sliced=None)
 
     def _past(self) -> tuple:
         if self._sliced is None:
@@ -118,6 +117,8 @@ class Session:
         self._row_buffers = StepBuffers()  # the packed rows a step gathers, reused by every layer
         self._row_key: tuple = (None, -1)  # (positions, row) the tensors below were made for
         self._row_tensors: tuple = ()  # `_current_row`'s (cur, positions, past), made once per row
+        self._layer_facts: dict = {}  # layer -> (its window, whether the policy selects it): the model's and the
+        # policy's (a frozen record), so found once per session
         self.state = self.policy.begin(model, self)
 
     # ---- the cursor, read ------------------------------------------------------------------------------------
@@ -373,13 +374,16 @@ class Session:
         place (the padded reference does not)."""
         store, pol, model = self.store, self.policy, self.model
         cur, positions, past = self._current_row()
-        window = model.cfg.window(layer)
+        facts = self._layer_facts.get(layer)
+        if facts is None:
+            facts = self._layer_facts[layer] = (model.cfg.window(layer), self.selects(layer))
+        window = facts[0]
         rows = packed = None
         keep = self._plans.pop(layer, None)
         if keep is not None and keep is not ALL and pol.reselects(layer, self):
             keep = None  # the plan was what placement prefetched: the layer's own query selects
         if keep is None:
-            if self.selects(layer):
+            if facts[1]:
                 # every used slot a visible candidate, read as packed rows in place, or handed by an offloaded
                 # store to a layer that selects again (as in fast memory): the policy may pack them itself (an
                 # offloaded store packs the plan it fetched one layer ahead)

@@ -41,6 +41,13 @@ def attend_sessions(layer: int, q, k, v, sessions: list, spans: list[tuple[int, 
     or its token's write fail while every session reads packed rows, its rows attend nothing and the others go
     on. Its rows' output then means nothing; every other row's is computed as without it. Elsewhere the error
     fails the step."""
+    if faults is None and len(sessions) == 1:  # one session (a decoding step's common case): its plan, and where
+        # it reads packed rows of a store read in place with the kernel built, one C++ call (`_one_in_place`)
+        session = sessions[0]
+        plan = session._read(layer, q, k)
+        if plan.rows is not None and _reads_in_place(q, session, layer):
+            return _one_in_place(layer, q, k, v, session, plan, scale, buffers)
+        return _attend_planned(layer, q, k, v, sessions, spans, [plan], scale, buffers, faults)
     plans = [own_part(faults, i, s._read, layer, _part(q, a, b), _part(k, a, b))
              for i, (s, (a, b)) in enumerate(zip(sessions, spans))]
     if any(p is None for p in plans):  # a session whose plan failed: the others attend without it
@@ -124,8 +131,7 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
     pool's fetched rows, a coded or pool-limited store's copied ones), the token is written there and stored
     after the attention. One session: one C++ call over its rows where they lie; otherwise (several sessions, a
     policy that observes the weights, no kernel) every row is gathered into one buffer, one masked fused call."""
-    if (len(sessions) == 1 and not faults and sessions[0].store.reads_rows() and not sessions[0].policy.needs_weights
-            and fused_select.usable(q, sessions[0].store.k[layer])):
+    if len(sessions) == 1 and not faults and _reads_in_place(q, sessions[0], layer):
         return _one_in_place(layer, q, k, v, sessions[0], plans[0], scale, buffers)
     in_place = [s.store.reads_rows() for s in sessions]
     stored = [s.store.append(layer, _part(k, a, b), _part(v, a, b), p.cur) if ip else None
@@ -182,6 +188,13 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
+def _reads_in_place(q, session, layer: int) -> bool:
+    """Whether one session's packed rows are attended where they lie by the C++ kernel (`_one_in_place`): a store
+    read in place, no weights wanted, the kernel usable for q and the store."""
+    store = session.store
+    return store.reads_rows() and not session.policy.needs_weights and fused_select.usable(q, store.k[layer])
+
+
 def _one_in_place(layer: int, q, k, v, session, plan, scale: float, buffers: StepBuffers) -> torch.Tensor:
     """`_attend_rows` for one session whose store the attention reads in place, no weights wanted, the kernel
     built (a decoding step's common case): the token stored first, one C++ call over its rows and its own (the
@@ -192,9 +205,14 @@ def _one_in_place(layer: int, q, k, v, session, plan, scale: float, buffers: Ste
     if plan.idx is not ALL:  # a read of ALL counted its rows already (`_read`)
         session.stats.record_rows(layer, plan.rows.rows.numel())
     keys, values = buffers.flat_store(store, layer)
-    src = HandedRows(keys, values, plan.rows.rows, buffers.own_rows_at(slots, store.capacity))
-    att, mixed = _attend_rows_in_place(q, src, plan.rows.counts, scale, remainder is not None, remainder)
-    out = att.out if mixed else attention.with_remainder(att, remainder)
+    own = buffers.own_rows_at(slots, store.capacity)
+    if fused_select.native_rows(q):  # the C++ kernel, the remainder mixed in there
+        out = fused_select.attend_rows(q, keys, values, plan.rows.rows, plan.rows.counts, own, scale,
+                                       remainder=remainder)[0]
+    else:
+        src = HandedRows(keys, values, plan.rows.rows, own)
+        att, mixed = _attend_rows_in_place(q, src, plan.rows.counts, scale, remainder is not None, remainder)
+        out = att.out if mixed else attention.with_remainder(att, remainder)
     session._appended(layer, slots, k, v)
     return out
 
