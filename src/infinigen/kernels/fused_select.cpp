@@ -600,7 +600,10 @@ inline void score_block(const float* a, int64_t g, int64_t d, const uint8_t* cod
 
 #if defined(__AVX512F__)
 // `score_block` with G query rows known at compile time, in AVX-512 registers: the same operations on the same
-// values (code - 8 is exact in float32; scale and zero are bfloat16 widened by a shift), so the same bits.
+// values (scale and zero are bfloat16 widened by a shift), so the same bits. Each code becomes the float32
+// code - 8 (exact) by one table look-up (`vpermps` reads only an index's low 4 bits, so a byte widened to 32 bits
+// indexes its low nibble as it is): one shuffle in place of a mask, a conversion and a subtraction, which share
+// the floating-point pipes with the FMAs that bound this loop.
 template <int G>
 inline void score_block_avx512(const float* a, int64_t d, const uint8_t* codes, const c10::BFloat16* sz,
                                int64_t cap, int64_t group, float* c) {
@@ -608,8 +611,8 @@ inline void score_block_avx512(const float* a, int64_t d, const uint8_t* codes, 
   for (int m = 0; m < G; ++m)
     for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
   __m512 scale[4], zero[4];
-  const __m512 eight = _mm512_set1_ps(8.f);
-  const __m512i nibble = _mm512_set1_epi32(15);
+  const __m512 minus_eight = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f,
+                                            5.f, 6.f, 7.f);  // code -> code - 8
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < d; ++k) {
     if (k % group == 0) {  // each slot's (scale, zero) pair is one 32-bit lane: scale in its low half
@@ -620,14 +623,13 @@ inline void score_block_avx512(const float* a, int64_t d, const uint8_t* codes, 
         zero[v] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
       }
     }
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * (kSlotBlock / 2)));
-    const __m512i first = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes));  // bytes 0..15
-    const __m512i second = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1));  // bytes 16..31
-    const __m512i code[4] = {_mm512_and_si512(first, nibble), _mm512_and_si512(second, nibble),
-                             _mm512_srli_epi32(first, 4), _mm512_srli_epi32(second, 4)};  // slots 0, 16, 32, 48 on
-    __m512 key[4];
+    const uint8_t* byte = codes + k * (kSlotBlock / 2);
+    const __m512i first = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(byte)));
+    const __m512i second = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(byte + 16)));
+    const __m512i code[4] = {first, second, _mm512_srli_epi32(first, 4), _mm512_srli_epi32(second, 4)};
+    __m512 key[4];  // slots 0, 16, 32, 48 on
     for (int v = 0; v < 4; ++v)
-      key[v] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(code[v]), eight), scale[v], zero[v]);
+      key[v] = _mm512_fmadd_ps(_mm512_permutexvar_ps(code[v], minus_eight), scale[v], zero[v]);
     for (int m = 0; m < G; ++m) {
       const __m512 am = _mm512_set1_ps(a[m * d + k]);
       for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_fmadd_ps(am, key[v], acc[m][v]);
