@@ -62,11 +62,11 @@ inline float exp_relative(float* row, int64_t n, float& mx, float* gm) {
   mx = std::max(mx, std::numeric_limits<float>::lowest());
   const float m = mx;
 #pragma omp simd  // gm and row never overlap: without the pragma the compiler keeps this loop scalar
-  for (int64_t j = 0; j < n; ++j) {
+  for (int64_t j = 0; j < n; ++j) {  // one pass over the row for both
     const float r = row[j] - m;
     gm[j] = gm[j] < r ? r : gm[j];  // std::max(gm, r), NaN included
+    row[j] = exp_nonpositive(r);
   }
-  for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) sum += row[j];
