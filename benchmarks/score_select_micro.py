@@ -62,7 +62,8 @@ def build(src: Path, name: str):
     for f in src.iterdir():
         if f.suffix in (".cpp", ".h"):
             shutil.copy(f, work / f.name)
-    module = native_build.load(name, work / "fused_select.cpp", python_module=True)
+    module = native_build.load(name, work / "fused_select.cpp", python_module=True)  # copies them into its build
+    shutil.rmtree(work)
     if module is None:
         sys.exit(f"{src}: the build failed")
     return module
