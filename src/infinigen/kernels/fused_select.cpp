@@ -321,6 +321,27 @@ inline bool before(const Candidate& a, const Candidate& b) {
   return a.mass > b.mass || (a.mass == b.mass && a.index < b.index);
 }
 
+// The kept pairs i of `pairs` whose mass reaches `floor` appended to `cand` in ascending i: sixteen pairs tested at
+// once, only the few that pass written (a pair's write waiting on the previous count made the scalar form slow).
+inline void candidates_from(const bool* keep, const float* mass, int64_t pairs, float floor,
+                            std::vector<Candidate>& cand) {
+  int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m512 lowest = _mm512_set1_ps(floor);
+  for (; i + 16 <= pairs; i += 16) {
+    const __m128i marks = _mm_loadu_si128(reinterpret_cast<const __m128i*>(keep + i));
+    const __m512 ms = _mm512_loadu_ps(mass + i);
+    uint32_t take = _mm_test_epi8_mask(marks, marks) & _mm512_cmp_ps_mask(ms, lowest, _CMP_GE_OQ);
+    for (; take != 0; take &= take - 1) {
+      const int64_t at = i + __builtin_ctz(take);
+      cand.push_back({mass[at], at});
+    }
+  }
+#endif
+  for (; i < pairs; ++i)
+    if (keep[i] && mass[i] >= floor) cand.push_back({mass[i], i});
+}
+
 constexpr int64_t kSampleStride = 8;  // one pair in this many sampled for the cut's lower bound
 
 // One batch row's kept (KV head, slot) pairs (keep [hkv * n], index kh * n + slot, masses mass [hkv * n]) over its
@@ -341,14 +362,9 @@ void cut_to_total(bool* keep, int64_t* counts, const float* mass, int64_t hkv, i
     floor = sample[rank];
   }
   for (int pass = 0; pass < 2; ++pass) {
-    cand.resize(pairs + 1);  // + 1: the branch-free compaction writes one past the last pair taken
-    int64_t c = 0;
-    for (int64_t i = 0; i < pairs; ++i) {
-      cand[c] = {mass[i], i};
-      c += keep[i] & (mass[i] >= floor);
-    }
-    cand.resize(c);
-    if (c >= total || floor == 0.f) break;
+    cand.clear();  // its capacity kept from row to row: nothing zeroed or allocated again
+    candidates_from(keep, mass, pairs, floor, cand);
+    if (static_cast<int64_t>(cand.size()) >= total || floor == 0.f) break;
     floor = 0.f;  // the sample misjudged: every kept pair
   }
   std::nth_element(cand.begin(), cand.begin() + total, cand.end(), before);
@@ -399,6 +415,27 @@ __attribute__((noinline)) int64_t first_pass(float* rows, int64_t g, int64_t n, 
   return c;
 }
 
+// The flat store rows first + j of the kept slots j (kp [n]) written to out in ascending j; returns their count. out
+// holds n + 8: eight candidate rows are stored at once, the count moved past the kept ones.
+inline int64_t kept_rows(const bool* kp, int64_t n, int64_t first, int64_t* out) {
+  int64_t c = 0, j = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m512i step = _mm512_set1_epi64(8);
+  __m512i rows = _mm512_add_epi64(_mm512_set1_epi64(first), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
+  for (; j + 8 <= n; j += 8, rows = _mm512_add_epi64(rows, step)) {
+    const __m128i marks = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(kp + j));
+    const __mmask8 take = static_cast<__mmask8>(_mm_test_epi8_mask(marks, marks));
+    _mm512_storeu_si512(out + c, _mm512_maskz_compress_epi64(take, rows));
+    c += __builtin_popcount(take);
+  }
+#endif
+  for (; j < n; ++j) {  // branch-free: each slot written, the count moved past the kept ones
+    out[c] = first + j;
+    c += kp[j];
+  }
+  return c;
+}
+
 // `select_packed` over scores s_p [B, Hkv, G, n] float32 (overwritten), each batch row its own cap: totals[bi]
 // (KV head, slot) pairs. maxima [B, Hkv, G]: each head's max where the scores are scaled already (`score_select`),
 // or nullptr (scaled here).
@@ -434,15 +471,21 @@ std::vector<torch::Tensor> select_from_scores(float* s_p, int64_t b, int64_t hkv
   }
   if (!over.empty()) {
     const int64_t heads = static_cast<int64_t>(over.size()) * hkv;
-    std::vector<float> mass(heads * n, 0.f);
+    thread_local std::vector<float> mass;  // reused from call to call: a fresh one faulted its pages in each time
+    if (static_cast<int64_t>(mass.size()) < heads * n) mass.resize(heads * n);
+    float* mass_p = mass.data();  // this thread's buffer, which the workers' lambdas must not name (their own)
     at::parallel_for(0, heads, 1, [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
         const int64_t bh = over[t / hkv] * hkv + t % hkv;
-        float* ms = mass.data() + t * n;
+        float* ms = mass_p + t * n;
         for (int64_t h = 0; h < g; ++h) {  // as torch: each head's weights, then summed over the group in order
           const float* e = s_p + (bh * g + h) * n;
           const float z = head_sum[bh * g + h];
-          for (int64_t j = 0; j < n; ++j) ms[j] += e[j] / z;
+          if (h == 0) {  // the first head's weights as they are (0 + x is x: the same bits as a sum from 0)
+            for (int64_t j = 0; j < n; ++j) ms[j] = e[j] / z;
+          } else {
+            for (int64_t j = 0; j < n; ++j) ms[j] += e[j] / z;
+          }
         }
       }
     });
@@ -451,7 +494,7 @@ std::vector<torch::Tensor> select_from_scores(float* s_p, int64_t b, int64_t hkv
       std::vector<Candidate> cand;
       for (int64_t o = lo; o < hi; ++o) {
         const int64_t bi = over[o];
-        cut_to_total(keep_p + bi * hkv * n, counts_p + bi * hkv, mass.data() + o * hkv * n, hkv, n, totals[bi],
+        cut_to_total(keep_p + bi * hkv * n, counts_p + bi * hkv, mass_p + o * hkv * n, hkv, n, totals[bi],
                      sample, cand);
       }
     });
@@ -470,16 +513,12 @@ std::vector<torch::Tensor> select_from_scores(float* s_p, int64_t b, int64_t hkv
   float* lse_p = with_lse ? lse.data_ptr<float>() : nullptr;
   // the packed rows, and the mass each query head leaves unread
   at::parallel_for(0, b * hkv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<int64_t> kept(n);
+    std::vector<int64_t> kept(n + 8);  // + 8: `kept_rows` stores whole vectors of eight
     std::vector<float> unread(with_lse ? n : 0);
     for (int64_t bh = lo; bh < hi; ++bh) {
       const int64_t bi = bh / hkv, kh = bh % hkv;
       const bool* kp = keep_p + bh * n;
-      int64_t c = 0;
-      for (int64_t j = 0; j < n; ++j) {  // branch-free: each slot written, the count moved past the kept ones
-        kept[c] = bh * capacity + j;
-        c += kp[j];
-      }
+      const int64_t c = kept_rows(kp, n, bh * capacity, kept.data());
       std::copy(kept.begin(), kept.begin() + c, rows_p + bi * m + starts[bh]);
       std::fill(head_p + bi * m + starts[bh], head_p + bi * m + starts[bh] + c, kh);
       if (with_lse) unread_lse(kp, s_p + bh * g * n, head_max.data() + bh * g, lse_p + bh * g, g, n, unread);
@@ -600,7 +639,10 @@ inline void score_block(const float* a, int64_t g, int64_t d, const uint8_t* cod
 
 #if defined(__AVX512F__)
 // `score_block` with G query rows known at compile time, in AVX-512 registers: the same operations on the same
-// values (code - 8 is exact in float32; scale and zero are bfloat16 widened by a shift), so the same bits.
+// values (scale and zero are bfloat16 widened by a shift), so the same bits. Each code becomes the float32
+// code - 8 (exact) by one table look-up (`vpermps` reads only an index's low 4 bits, so a byte widened to 32 bits
+// indexes its low nibble as it is): one shuffle in place of a mask, a conversion and a subtraction, which share
+// the floating-point pipes with the FMAs that bound this loop.
 template <int G>
 inline void score_block_avx512(const float* a, int64_t d, const uint8_t* codes, const c10::BFloat16* sz,
                                int64_t cap, int64_t group, float* c) {
@@ -608,8 +650,8 @@ inline void score_block_avx512(const float* a, int64_t d, const uint8_t* codes, 
   for (int m = 0; m < G; ++m)
     for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_setzero_ps();
   __m512 scale[4], zero[4];
-  const __m512 eight = _mm512_set1_ps(8.f);
-  const __m512i nibble = _mm512_set1_epi32(15);
+  const __m512 minus_eight = _mm512_setr_ps(-8.f, -7.f, -6.f, -5.f, -4.f, -3.f, -2.f, -1.f, 0.f, 1.f, 2.f, 3.f, 4.f,
+                                            5.f, 6.f, 7.f);  // code -> code - 8
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < d; ++k) {
     if (k % group == 0) {  // each slot's (scale, zero) pair is one 32-bit lane: scale in its low half
@@ -620,14 +662,13 @@ inline void score_block_avx512(const float* a, int64_t d, const uint8_t* codes, 
         zero[v] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
       }
     }
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + k * (kSlotBlock / 2)));
-    const __m512i first = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(bytes));  // bytes 0..15
-    const __m512i second = _mm512_cvtepu8_epi32(_mm256_extracti128_si256(bytes, 1));  // bytes 16..31
-    const __m512i code[4] = {_mm512_and_si512(first, nibble), _mm512_and_si512(second, nibble),
-                             _mm512_srli_epi32(first, 4), _mm512_srli_epi32(second, 4)};  // slots 0, 16, 32, 48 on
-    __m512 key[4];
+    const uint8_t* byte = codes + k * (kSlotBlock / 2);
+    const __m512i first = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(byte)));
+    const __m512i second = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(byte + 16)));
+    const __m512i code[4] = {first, second, _mm512_srli_epi32(first, 4), _mm512_srli_epi32(second, 4)};
+    __m512 key[4];  // slots 0, 16, 32, 48 on
     for (int v = 0; v < 4; ++v)
-      key[v] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(code[v]), eight), scale[v], zero[v]);
+      key[v] = _mm512_fmadd_ps(_mm512_permutexvar_ps(code[v], minus_eight), scale[v], zero[v]);
     for (int m = 0; m < G; ++m) {
       const __m512 am = _mm512_set1_ps(a[m * d + k]);
       for (int v = 0; v < 4; ++v) acc[m][v] = _mm512_fmadd_ps(am, key[v], acc[m][v]);

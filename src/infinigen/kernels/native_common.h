@@ -60,8 +60,13 @@ inline float scaled_max(float* row, int64_t n, float sc) {
 // max; the group's largest relative score `gm` [n] raised to them. Returns the sum of the exponentials.
 inline float exp_relative(float* row, int64_t n, float& mx, float* gm) {
   mx = std::max(mx, std::numeric_limits<float>::lowest());
-  for (int64_t j = 0; j < n; ++j) gm[j] = std::max(gm[j], row[j] - mx);
-  for (int64_t j = 0; j < n; ++j) row[j] = exp_nonpositive(row[j] - mx);
+  const float m = mx;
+#pragma omp simd  // gm and row never overlap: without the pragma the compiler keeps this loop scalar
+  for (int64_t j = 0; j < n; ++j) {  // one pass over the row for both
+    const float r = row[j] - m;
+    gm[j] = gm[j] < r ? r : gm[j];  // std::max(gm, r), NaN included
+    row[j] = exp_nonpositive(r);
+  }
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) sum += row[j];
@@ -73,7 +78,10 @@ inline float exp_relative(float* row, int64_t n, float& mx, float* gm) {
 inline void unread_lse(const bool* kp, const float* e, const float* head_max, float* lse, int64_t g, int64_t n,
                        std::vector<float>& unread) {
   unread.resize(n);
-  for (int64_t j = 0; j < n; ++j) unread[j] = kp[j] ? 0.f : 1.f;
+  float* un = unread.data();
+  const uint8_t* kb = reinterpret_cast<const uint8_t*>(kp);  // a bool is the byte 0 or 1
+#pragma omp simd  // branch-free (a branch per slot mispredicts on a selection's scattered marks)
+  for (int64_t j = 0; j < n; ++j) un[j] = static_cast<float>(1 - kb[j]);
   const float* u = unread.data();
   for (int64_t h = 0; h < g; ++h) {
     const float* eh = e + h * n;
