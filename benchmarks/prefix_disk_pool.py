@@ -24,14 +24,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _drain(slices):
-    while True:
-        try:
-            next(slices)
-        except StopIteration as done:
-            return done.value
-
-
 def _answer(model, sess, logits, n):
     from infinigen import runtime
     out = [int(logits.argmax(-1))]
@@ -71,8 +63,7 @@ def one_length(model, pol, placement, cache, doc_len: int, answer: int, seed: in
             cached, keys, values = cache.lookup(prompt)
             sess.restore_prefix(keys, values)
             del keys, values
-        logits = _drain(runtime.prefill_in_slices(model, torch.tensor([prompt[cached:]]), sess, layers_per_slice=0,
-                                                  cached=cached))
+        logits = runtime.prefill(model, torch.tensor([prompt[cached:]]), sess, cached=cached)
         row[f"{how}_ttft_s"] = time.perf_counter() - t0
         row[f"{how}_peak_growth_bytes"] = probe.peak() - base
         row["cached_tokens"] = cached

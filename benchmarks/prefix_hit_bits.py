@@ -25,14 +25,6 @@ from infinigen.policies import make_policy
 BLOCK = 256
 
 
-def _run(slices):
-    while True:
-        try:
-            next(slices)
-        except StopIteration as done:
-            return done.value
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("lengths", type=int, nargs="+")
@@ -62,11 +54,11 @@ def main(argv=None) -> None:
             for r in range(args.rounds):
                 for tile in (0, BLOCK):
                     t = time.thread_time()
-                    _run(runtime.prefill_in_slices(model, ids, session(n), layers_per_slice=0, tile=tile))
+                    runtime.prefill(model, ids, session(n), tile=tile)
                     print(f"n={n} round={r} tile={tile} cpu={time.thread_time() - t:.2f}s", flush=True)
             continue
         whole = session(n)
-        want = _run(runtime.prefill_in_slices(model, ids, whole, layers_per_slice=0, tile=args.tile))
+        want = runtime.prefill(model, ids, whole, tile=args.tile)
         want_tokens = greedy(whole, want)
         for m in range(1, (n - 1) // BLOCK + 1):
             hit = session(n)
@@ -74,8 +66,7 @@ def main(argv=None) -> None:
                 span = slice(i * BLOCK, (i + 1) * BLOCK)
                 hit.restore_prefix([whole.store.past(j)[0][:, :, span].clone() for j in layers],
                                    [whole.store.past(j)[1][:, :, span].clone() for j in layers], at=i * BLOCK)
-            got = _run(runtime.prefill_in_slices(model, ids[:, m * BLOCK:], hit, layers_per_slice=0,
-                                                 cached=m * BLOCK, tile=args.tile))
+            got = runtime.prefill(model, ids[:, m * BLOCK:], hit, cached=m * BLOCK, tile=args.tile)
             diff = (want.float() - got.float()).abs().max().item()
             print(f"n={n} blocks={m} rest={n - m * BLOCK} max_logit_diff={diff} "
                   f"tokens_equal={greedy(hit, got) == want_tokens}", flush=True)

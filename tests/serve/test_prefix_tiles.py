@@ -64,7 +64,7 @@ def test_a_prompt_continued_from_any_cached_tile_gets_the_bits_of_its_whole_tile
     pol = _policy(policy, model)
     ids = torch.randint(3, model.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(3))
     whole = Placement().new_session(model, 1, n + 8, pol)
-    want = _run(runtime.prefill_in_slices(model, ids, whole, layers_per_slice=0, tile=tile))
+    want = runtime.prefill(model, ids, whole, tile=tile)
     untiled = runtime.prefill(model, ids, Placement().new_session(model, 1, n + 8, pol))
     assert (want - untiled).abs().max() < 0.05 * untiled.abs().max()  # the same function, rounded otherwise
     want_tokens = _greedy(model, whole, want)
@@ -85,7 +85,7 @@ def test_without_tiles_a_continued_prompt_rounds_differently():
     whole = Placement().new_session(model, 1, 80, pol)
     want = runtime.prefill(model, ids, whole)
     sess = _restored(model, pol, whole, 2, 80)
-    got = _run(runtime.prefill_in_slices(model, ids[:, 2 * TILE:], sess, layers_per_slice=0, cached=2 * TILE))
+    got = runtime.prefill(model, ids[:, 2 * TILE:], sess, cached=2 * TILE)
     assert not torch.equal(got, want)
 
 

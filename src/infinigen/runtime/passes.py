@@ -13,10 +13,11 @@ from .step_attention import attend_sessions, own_part
 
 
 def prefill(model, tokens: torch.Tensor, session: Session, pad_mask: torch.Tensor | None = None,
-            all_logits: bool = False) -> torch.Tensor:
+            all_logits: bool = False, cached: int = 0, tile: int = 0) -> torch.Tensor:
     """tokens [B, T] left-padded (pad_mask True on real tokens). Returns logits of the last position
-    [B, V], or of every position [B, T, V]."""
-    slices = prefill_in_slices(model, tokens, session, pad_mask, all_logits, layers_per_slice=0)
+    [B, V], or of every position [B, T, V]. `cached`, `tile`: `prefill_in_slices`'."""
+    slices = prefill_in_slices(model, tokens, session, pad_mask, all_logits, layers_per_slice=0, cached=cached,
+                               tile=tile)
     while True:
         try:
             next(slices)
