@@ -35,6 +35,7 @@ import torch
 from ..cache import HandedRows, KVCodec, KVStore, SelectedRows, packed_order, packed_places
 from ..errors import UserError
 from ..selection import ALL
+from .held import HoldsMisses
 from .rows import layout_for
 from .rowcache import RowCache
 from .tiers import SlowTier
@@ -58,7 +59,7 @@ class _Job:
     selected: int = 0  # a selection's rows in kv (counted on the worker: the main thread need not wait for it)
 
 
-class OffloadedKVStore(KVStore):
+class OffloadedKVStore(HoldsMisses, KVStore):
     """KVStore with the pool in `tier` (a `SlowTier`); metadata (valid, pos) stays in the fast tier.
 
     `prefetch=False` fetches every layer on demand (no overlap); `threaded=False` runs prefetch jobs
@@ -74,14 +75,6 @@ class OffloadedKVStore(KVStore):
     offloaded = True
     corrects = True  # a policy that `reselects` may read its own selection (`Placement.correct`)
     fetches_missing = True  # a corrected selection's rows: the prefetched ones and one gather of the missed ones
-    holds_missed = True  # a corrected layer's missed rows held in fast memory for its next steps (`_hold`)
-    # A held row stays while one of the layer's last `hold_steps` corrected selections added it, at most
-    # `hold_share` of the layer's used rows held; a layer holding none (its first step) prefetches the speculation
-    # at `first_margin` times its cap. Chosen on the validation text at 2048 (results/recall/correction.md: the
-    # on-demand share per step 1.66% mean / 2.43% max with one step held and no margin, 1.30% / 1.81% with these)
-    hold_steps = 6
-    hold_share = 0.10
-    first_margin = 1.2
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", codec: KVCodec | None = None,
@@ -234,19 +227,6 @@ class OffloadedKVStore(KVStore):
         self._mark(layer, slots, positions)
         return slots
 
-    def _held_at(self, slots: torch.Tensor) -> torch.Tensor:
-        """The held entries (flat store rows) of the slots [B, Hkv], ascending."""
-        return (torch.arange(self.bh, device=slots.device) * self.capacity + slots.reshape(-1)).sort().values
-
-    def _unhold(self, layer: int, slots: torch.Tensor) -> None:
-        """Drop the layer's held entries of the slots [B, Hkv] a victim's token now takes."""
-        held = self._held.get(layer)
-        if held is None:
-            return
-        _, stale = located(self._held_at(slots).to(held[0].device), held[0])
-        if bool(stale.any()):
-            self._held[layer] = tuple(x[~stale] for x in held)
-
     def _write_async(self, layer, rows, data):
         """CUDA: copy the new rows device->pinned host on the copy stream; they enter the pool (a host-side
         index_copy) before the next read of this layer, by which time the copy has long finished."""
@@ -362,56 +342,6 @@ class OffloadedKVStore(KVStore):
         self.stats.fetched_missed(gathered, 2 * gathered * self.layout.row_bytes, time.perf_counter() - t0,
                                   held=m - gathered)
         return HandedRows(keys, values, local, own)
-
-    def _missed_rows(self, layer: int, want: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """The rows `want` (flat store order, ascending) a corrected selection adds to its prefetch, into keys, values
-        [m, d]: those held in fast memory (`holds_missed`: the own query's picks the speculation misses recur) copied
-        from there, the others gathered from the slow tier. Returns the rows gathered from the slow tier."""
-        prev = self._held.get(layer)
-        lack = torch.arange(want.numel(), device=want.device)  # the rows' places that the slow tier fills
-        if prev is not None and want.numel():
-            at, found = located(prev[0], want)
-            hit = found.nonzero().squeeze(1)
-            keys.index_copy_(0, hit, prev[1].index_select(0, at[hit]))
-            values.index_copy_(0, hit, prev[2].index_select(0, at[hit]))
-            lack = (~found).nonzero().squeeze(1)
-        if lack.numel():
-            k, v = torch.empty_like(keys[:lack.numel()]), torch.empty_like(values[:lack.numel()])
-            self._gather_rows(layer, self._slow_rows(want[lack]), k, v)
-            keys.index_copy_(0, lack, k)
-            values.index_copy_(0, lack, v)
-        if self.holds_missed:
-            self._hold(layer, want, (keys, values))
-        return lack.numel()
-
-    def _hold(self, layer: int, want: torch.Tensor, data: tuple, rows_each: int = 1) -> None:
-        """Hold for the layer's next steps what its corrected selection added to the prefetch this step (`want`: rows,
-        or the block pool's units of `rows_each` slots, ascending; `data`: their keys and values) with what was held
-        before: an entry stays while a corrected selection of the layer's last `hold_steps` steps added it, and past
-        `hold_share` of the layer's used rows the entries added longest ago go first. Counted in the fast bytes."""
-        prev = self._held.pop(layer, None)
-        step = self._step
-        last = torch.full((want.numel(),), step, dtype=torch.long, device=want.device)
-        if prev is not None:
-            ids0, *data0, last0 = prev
-            _, again = located(want, ids0)
-            old = ~again & (last0 > step - self.hold_steps)  # held before, not added again, not too old
-            want, last = torch.cat([ids0[old], want]), torch.cat([last0[old], last])
-            data = tuple(torch.cat([a[old], b]) for a, b in zip(data0, data))
-        limit = int(self.hold_share * self.length[layer] * self.bh) // rows_each
-        if want.numel() > limit:  # the most recently added first (stable: ties keep the lower ones)
-            keep = torch.sort(last, descending=True, stable=True).indices[:limit]
-            want, last, data = want[keep], last[keep], tuple(x[keep] for x in data)
-        if not want.numel():
-            return
-        order = torch.argsort(want)
-        self._held[layer] = tuple(x.index_select(0, order) for x in (want, *data, last))
-        self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, self.fast_bytes())
-
-    def prefetch_margin(self, layer: int) -> float:
-        """The factor on `layer`'s cap while its selection is speculated for the prefetch: `first_margin` where the
-        corrected layer holds none of its recent misses (its first step: nothing to take them from), else 1."""
-        return self.first_margin if self.holds_missed and layer not in self._held else 1.0
 
     def _gather_rows(self, layer, rows, keys, values) -> None:
         """The slow tier's rows `rows` (slot-major) of `layer`, decoded, into keys and values [m, d]."""
