@@ -381,3 +381,19 @@ def test_default_model_offloaded_to_disk(default_model, policy, tmp_path):
 
     assert torch.equal(run(Placement("disk", pool_dir=str(tmp_path))), run(Placement("none")))
     assert os.listdir(tmp_path) == []
+
+
+def test_bench_compiles_the_step_before_the_policies_measure_their_crossing(tiny_checkpoint, tmp_path, monkeypatch):
+    """InfiniGen's `prepare` measures where selecting pays against the full cache's decoding step: in `bench` that
+    is the compiled step the run decodes with, so the step is compiled first (an eager full cache is several
+    times slower, which would put the crossing far too early)."""
+    from infinigen.cli import main
+    from infinigen.commands import bench
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    calls = []
+    monkeypatch.setattr(bench, "enable_compile", lambda net, *a, **k: calls.append("compile") or "")
+    real_prepare = bench.prepare_policies
+    monkeypatch.setattr(bench, "prepare_policies", lambda *a, **k: calls.append("prepare") or real_prepare(*a, **k))
+    assert main(["bench", "-m", str(tiny_checkpoint), "--prompt-len", "24", "--gen-len", "2", "--policy", "full",
+                 "--no-ideal", "--no-transformers", "--dtype", "float32"]) == 0
+    assert calls == ["compile", "prepare"]

@@ -144,13 +144,14 @@ def _prepare(settings, policies: dict, tiers: list[str], *, model, synthetic, la
                  settings.row_cache_bytes)
     check_policies_fit(policies, net)
     check_kv_fits(net, batch, max_len, device)
+    # auto: not under a memory bound, which is there to bound the KV tier's page cache: Inductor's compile
+    # workers would be charged to it (and a 512 MiB bound cannot hold them). Compiled before the policies prepare:
+    # InfiniGen's crossing (`dense_below`) is measured with the step the run decodes with
+    compiled_note = enable_compile(net, compile, long_running=membound.current() is None, rows=settings.batch_sizes)
     if synthetic:
         policies = {label: pol.for_random_weights(net, fixed_ratio) for label, pol in policies.items()}
     else:
         prepare_policies(policies, net, tok, longest=max_len, batch=batch)
-    # auto: not under a memory bound, which is there to bound the KV tier's page cache: Inductor's compile
-    # workers would be charged to it (and a 512 MiB bound cannot hold them)
-    compiled_note = enable_compile(net, compile, long_running=membound.current() is None, rows=settings.batch_sizes)
     if compiled_note:
         print(compiled_note, file=sys.stderr)
     return _Prepared(net, tok, hf_model, name, body, policies, dtype)
