@@ -311,6 +311,16 @@ def rope_rows(rope, start: int, stop: int):
     return [rope_rows(r, start, stop) for r in rope]
 
 
+def _grouped_sdpa(q, k, v, g: int, **kw) -> torch.Tensor:
+    """One SDPA call of q [B,H,T,d] over k, v [B,Hkv,S,d] whose G = H / Hkv query heads share a KV head: torch's
+    `enable_gqa` where it has it (no copy: 9% faster at 8192 tokens on CPU), else each KV head repeated G times."""
+    if g > 1 and SDPA_GQA:
+        kw["enable_gqa"] = True
+    elif g > 1:  # the GQA group's keys for every query head (a transient copy)
+        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 class Transformer(nn.Module):
     """The network: embedding, blocks, head. What a pass does with a KV cache is `infinigen.runtime`'s."""
 
@@ -392,10 +402,7 @@ class Transformer(nn.Module):
         hkv = k.shape[1]
         g = h // hkv
         if causal and t == k.shape[2]:
-            if g > 1 and not SDPA_GQA:  # the GQA group's keys for every query head (a transient copy)
-                k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-            kw = {"enable_gqa": True} if g > 1 and SDPA_GQA else {}  # no copy: 9% faster at 8192 tokens on CPU
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, **kw)
+            return _grouped_sdpa(q, k, v, g, is_causal=True, scale=self.scale)
         qg = q.view(b, hkv, g, t, d)
         out = torch.empty_like(qg)
         for s in range(0, t, PREFILL_CHUNK):
@@ -432,14 +439,11 @@ class Transformer(nn.Module):
             q_pos = torch.arange(start + s, start + e, device=q.device)[:, None]
             k_pos = torch.arange(lo, start + e, device=q.device)[None, :]
             mask = k_pos <= q_pos
-            if w is not None:
-                mask &= (q_pos - k_pos) < w
-            kt, vt = k[:, :, lo:start + e], v[:, :, lo:start + e]
-            if g > 1 and not SDPA_GQA:
-                kt, vt = kt.repeat_interleave(g, 1), vt.repeat_interleave(g, 1)
-            kw = {"enable_gqa": True} if g > 1 and SDPA_GQA else {}
-            out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], kt, vt, attn_mask=mask, scale=self.scale,
-                                                            **kw)
+            window = self.window(q_pos, k_pos, layer)
+            if window is not None:
+                mask &= window
+            out[:, :, s:e] = _grouped_sdpa(q[:, :, s:e], k[:, :, lo:start + e], v[:, :, lo:start + e], g,
+                                           attn_mask=mask, scale=self.scale)
         return out
 
     def prompt_mask(self, valid: torch.Tensor, positions: torch.Tensor, window: int | None):

@@ -210,6 +210,25 @@ def test_held_rows_are_the_pools_under_their_cap(tiny_llama, victims, share):
     ref_tokens, _, _ = run_placed(model, Placement("none"), pol, capacity=capacity, allocator=replay)
     assert torch.equal(torch.stack(out, 1), ref_tokens)
 
+
+def _decoded_on_cpu_tier(model, pol, **store_settings):
+    """(placement, session, tokens [B, GEN]): the offload prompts prefilled on the cpu tier with these store
+    settings, then GEN greedy steps counted from a clean slate (the session still open)."""
+    pl = Placement("cpu", threaded=False)
+    tokens, pad = offload_prompts()
+    sess = pl.new_session(model, B, PROMPT + GEN, pol)
+    for name, value in store_settings.items():
+        setattr(sess.store, name, value)
+    logits = runtime.prefill(model, tokens, sess, pad)
+    sess.store.stats.reset()
+    sess.store.stats.steps.clear()
+    out = []
+    for _ in range(GEN):
+        out.append(logits.argmax(-1))
+        logits = runtime.decode(model, out[-1], sess)
+    return pl, sess, torch.stack(out, 1)
+
+
 def test_holding_recent_misses_serves_more_of_them(tiny_llama):
     """Held over several steps (`hold_steps`) the rows the prefetch misses are served from fast memory more often
     than held for one step: fewer rows fetched on demand, the same tokens, the same rows missed."""
@@ -217,18 +236,9 @@ def test_holding_recent_misses_serves_more_of_them(tiny_llama):
     pol = corrected_policy(model)
     counts = {}
     for steps in (1, 4):
-        pl = Placement("cpu", threaded=False)
-        tokens, pad = offload_prompts()
-        sess = pl.new_session(model, B, PROMPT + GEN, pol)
-        sess.store.hold_steps, sess.store.hold_share = steps, 1.0
-        logits = runtime.prefill(model, tokens, sess, pad)
-        sess.store.stats.reset()
-        out = []
-        for _ in range(GEN):
-            out.append(logits.argmax(-1))
-            logits = runtime.decode(model, out[-1], sess)
+        pl, sess, tokens = _decoded_on_cpu_tier(model, pol, hold_steps=steps, hold_share=1.0)
         st = sess.store.stats
-        counts[steps] = (st.missed, st.held, torch.stack(out, 1))
+        counts[steps] = (st.missed, st.held, tokens)
         pl.close(sess)
     (m1, h1, t1), (m4, h4, t4) = counts[1], counts[4]
     assert torch.equal(t1, t4) and m1 + h1 == m4 + h4
@@ -243,18 +253,8 @@ def test_a_layer_holding_nothing_prefetches_a_wider_speculation(tiny_llama):
     pol = corrected_policy(model)
     per = {}
     for margin in (1.0, 1.5):
-        pl = Placement("cpu", threaded=False)
-        tokens, pad = offload_prompts()
-        sess = pl.new_session(model, B, PROMPT + GEN, pol)
-        sess.store.first_margin = margin
-        logits = runtime.prefill(model, tokens, sess, pad)
-        sess.store.stats.reset()
-        sess.store.stats.steps.clear()
-        out = []
-        for _ in range(GEN):
-            out.append(logits.argmax(-1))
-            logits = runtime.decode(model, out[-1], sess)
-        per[margin] = ([s[:2] for s in sess.store.stats.steps], torch.stack(out, 1))
+        pl, sess, tokens = _decoded_on_cpu_tier(model, pol, first_margin=margin)
+        per[margin] = ([s[:2] for s in sess.store.stats.steps], tokens)
         store = sess.store  # later steps: the margin only where the layer holds nothing
         assert store._held and all(store.prefetch_margin(layer) == (1.0 if layer in store._held else margin)
                                    for layer in range(1, model.cfg.num_layers))
