@@ -93,7 +93,7 @@ class _Serve:
             time.sleep(0.02)
         pytest.fail(f"no {pattern!r} in {timeout} s: {''.join(self.lines)}")
 
-    def finish(self, timeout: float = 120) -> tuple[int, str]:
+    def finish(self, timeout: float = 600) -> tuple[int, str]:
         try:
             self.p.wait(timeout=timeout)
         finally:
