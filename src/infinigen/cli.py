@@ -20,13 +20,29 @@ COMMAND_MODULES = ["basic", "skew", "calibrate", "ppl", "bench", "fewshot", "nee
 INTERRUPTED = 130
 
 _app = None
-_sigint_seen = False  # set by our SIGINT handler: libraries may turn the KeyboardInterrupt into another error
+# the signal that stops the command (SIGINT; SIGTERM where a command exits on it, `exit_on_sigterm`): whatever error
+# follows is that stop, since libraries turn the exception a handler raises into errors of their own (a lazy
+# import's ModuleNotFoundError, the interpreter's "Error calling __set_name__", a loader's "no valid model")
+_stopped_by: int | None = None
 
 
 def _on_sigint(signum, frame):
-    global _sigint_seen
-    _sigint_seen = True
+    global _stopped_by
+    _stopped_by = signum
     raise KeyboardInterrupt
+
+
+def stopping() -> bool:
+    """Whether a signal is stopping the command (an error raised now is that stop, not a failure to report)."""
+    return _stopped_by is not None
+
+
+def exit_on_sigterm(signum, frame):
+    """A SIGTERM handler for a command with nothing to finish (`serve` while it warms up): exit 0 now, quietly."""
+    global _stopped_by
+    _stopped_by = signum
+    stop_native_builds()
+    raise SystemExit(0)
 
 
 def build_app():
@@ -45,8 +61,8 @@ def build_app():
 def main(argv: list[str] | None = None) -> int:
     import signal
     import threading
-    global _sigint_seen
-    _sigint_seen = False
+    global _stopped_by
+    _stopped_by = None
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, _on_sigint)
@@ -100,29 +116,41 @@ def _run(argv: list[str] | None) -> int:
     try:
         rv = build_app()(args=argv, standalone_mode=False)
         _flush_stdout()  # what is still buffered: a full disk or a closed pipe shows here, not at exit
-    except ArgumentError as e:  # the library names its argument; the user set it by a flag
-        return _error(f"--{e.argument.replace('_', '-')} {e.problem}")
-    except UserError as e:
-        return _error(str(e))
-    except KeyboardInterrupt:
-        return _interrupted()
-    except Exception as e:
-        if isinstance(e, _click_types("Abort")) or _caused_by_interrupt(e):  # click's Ctrl-C; or one that a
-            return _interrupted()  # library turned into another error (transformers' lazy imports do)
-        if type(e).__name__ == "NoArgsIsHelpError":  # the help is already printed
-            return 2
-        if isinstance(e, _click_types("ClickException")):  # usage errors: bad option values
-            return _error(e.format_message())
-        if isinstance(e, _click_types("Exit")):
-            return _exit_code(e.exit_code)
-        if isinstance(e, OSError) and _from_stdout(e):
-            return _stdout_failed(e)
-        if isinstance(e, OSError) and e.filename:  # disk full, permissions: the user's environment, not a bug
-            return _error(f"{e.filename}: {e.strerror or e}")
-        raise
+    except BaseException as e:
+        code = _exit_code_for(e)
+        if code is None:
+            raise
+        return code
     # In non-standalone mode typer *returns* the code of an Exit (130 for a KeyboardInterrupt it caught);
     # our commands return None.
     return _exit_code(rv) if isinstance(rv, int) and not isinstance(rv, bool) else 0
+
+
+def _exit_code_for(e: BaseException) -> int | None:
+    """The exit code of a command that raised `e`, its line written; None: let it propagate (a bug's traceback,
+    a SystemExit)."""
+    import signal
+    if _stopped_by == signal.SIGTERM:
+        return 0  # `exit_on_sigterm`: whatever a library made of its SystemExit
+    if isinstance(e, KeyboardInterrupt) or isinstance(e, _click_types("Abort")) or _caused_by_interrupt(e):
+        return _interrupted()  # Ctrl-C; click's; or one that a library turned into another error
+    if isinstance(e, ArgumentError):  # the library names its argument; the user set it by a flag
+        return _error(f"--{e.argument.replace('_', '-')} {e.problem}")
+    if isinstance(e, UserError):
+        return _error(str(e))
+    if not isinstance(e, Exception):
+        return None
+    if type(e).__name__ == "NoArgsIsHelpError":  # the help is already printed
+        return 2
+    if isinstance(e, _click_types("ClickException")):  # usage errors: bad option values
+        return _error(e.format_message())
+    if isinstance(e, _click_types("Exit")):
+        return _exit_code(e.exit_code)
+    if isinstance(e, OSError) and _from_stdout(e):
+        return _stdout_failed(e)
+    if isinstance(e, OSError) and e.filename:  # disk full, permissions: the user's environment, not a bug
+        return _error(f"{e.filename}: {e.strerror or e}")
+    return None
 
 
 def _flush_stdout() -> None:
@@ -157,7 +185,7 @@ def _stdout_failed(e: OSError) -> int:
 def _caused_by_interrupt(e: BaseException) -> bool:
     """A SIGINT arrived, or a KeyboardInterrupt is anywhere in the error's causes and contexts (transformers'
     lazy imports re-raise one as ModuleNotFoundError, with the interrupt two links down)."""
-    if _sigint_seen:
+    if _stopped_by is not None:
         return True
     todo, seen = [e], set()
     while todo:
@@ -187,7 +215,15 @@ def _interrupted() -> int:
         print("\ninfinigen: interrupted", file=sys.stderr)
     except Exception:
         pass
+    stop_native_builds()
     return INTERRUPTED
+
+
+def stop_native_builds() -> None:
+    """An interrupted command exits now, not when a native kernel's build in flight finishes."""
+    native_build = sys.modules.get("infinigen.kernels.native_build")  # not imported: nothing is building
+    if native_build is not None:
+        native_build.stop_builds()
 
 
 def _click_types(name: str) -> tuple[type, ...]:

@@ -187,3 +187,24 @@ def test_a_failure_while_warming_up_is_one_line(cli, tiny_checkpoint, monkeypatc
     assert code == 1
     assert _progress_then_error(err) == "infinigen: error: warming up failed: RuntimeError: a step broke"
     assert not any(t.name == "infinigen-http" for t in threading.enumerate())  # the server's thread is gone
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_that_a_library_turned_into_its_own_error(cli, tiny_checkpoint, monkeypatch, sig, code):
+    """The exception a signal's handler raises can come out of a library as another error (the interpreter wraps
+    one raised in `__set_name__` while a module imports; the loader then says the config describes no valid model):
+    the exit is still the signal's (0 or 130), without that error's line."""
+    from infinigen import loading
+    from infinigen.errors import UserError
+
+    def load(*a, **k):
+        try:
+            os.kill(os.getpid(), sig)
+            time.sleep(30)
+        except BaseException:
+            raise UserError("config.json describes no valid model: Error calling __set_name__") from None
+    monkeypatch.setattr(loading, "load", load)
+    got, _, err = cli("serve", "--model", tiny_checkpoint, "--port", 0, "--compile", "off")
+    assert got == code, err
+    assert "error" not in err and "Traceback" not in err
+    assert ("interrupted" in err) == (sig == signal.SIGINT)

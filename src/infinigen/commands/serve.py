@@ -23,6 +23,7 @@ from typing import Optional
 
 import typer
 
+from ..cli import exit_on_sigterm, stop_native_builds, stopping
 from ..errors import UserError
 from ..policies import REGISTRY
 from ..serve.config import ServerConfig
@@ -176,6 +177,8 @@ def _serve_here(config: ServerConfig) -> None:
             except (UserError, KeyboardInterrupt, OSError):
                 raise  # the CLI's one line: the user's input or environment (2), or Ctrl-C (130)
             except Exception as e:  # noqa: BLE001 -- not the user's fault: one line and exit 1, not a traceback
+                if stopping():
+                    raise  # a signal's exception that a library turned into another: the CLI exits as it asks
                 print(f"infinigen: error: warming up failed: {type(e).__name__}: {' '.join(str(e).split())}"[:500],
                       file=sys.stderr)
                 raise typer.Exit(1)
@@ -186,8 +189,10 @@ def _serve_here(config: ServerConfig) -> None:
     described = ", ".join(filter(None, [app.state.engine.describe(), app.state.compiled_note,
                                         app.state.bound_note]))
     print(f"infinigen: serving {app.state.model_name} on {url}/v1 ({described})", file=sys.stderr, flush=True)
-    if server.wait(app.state.engine) == signal.SIGINT:
+    stopped_by = server.wait(app.state.engine)
+    if stopped_by == signal.SIGINT:
         raise KeyboardInterrupt  # the CLI's Ctrl-C: exit 130
+    stop_native_builds()  # SIGTERM soon after the start: the exit does not wait for a build still in flight
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -293,10 +298,7 @@ def _sigterm_exits():
         yield
         return
 
-    def stop(signum, frame):
-        raise SystemExit(0)
-
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         yield
     finally:

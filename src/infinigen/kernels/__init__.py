@@ -29,7 +29,8 @@ def build_native() -> None:
 def build_native_in_background() -> None:
     """The weight kernels every CPU decoding step calls, built on a thread while the command converts and loads its
     model (the compiler is a process of its own); a caller that needs them before the build finishes waits for it,
-    and so does the process's exit (a compiler is not left running unattended). The selection's kernel, a longer
+    and so does the process's exit (a compiler is not left running unattended) unless the command is interrupted
+    (`native_build.stop_builds`). The selection's kernel, a longer
     build used once contexts are long, stays on first use (a token's append takes its torch path until then: the
     same bytes). Not where the cache cannot be written: the command says so itself, and a failed build is not
     retried."""

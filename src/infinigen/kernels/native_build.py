@@ -2,16 +2,19 @@
 keyed by torch's version, the machine, the CPU's flags and the source, so a shared cache never serves a build for
 another CPU or another source), one builder at a time; -O3 -march=native and OpenMP (`at::parallel_for`).
 
-Each kernel is built and loaded once per process, whichever thread asks first (`build_in_background` starts the
-builds while a command converts and loads its model; a caller that needs a kernel meanwhile waits for it)."""
+Each kernel is built and loaded once per process, whichever thread asks first (`build_native_in_background` starts
+the builds while a command converts and loads its model; a caller that needs a kernel meanwhile waits for it). An
+interrupted command does not wait for a build in flight: `stop_builds` interrupts its ninja."""
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import os
 import platform
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +40,8 @@ def build_key(source: Path) -> str:
 _locks: dict = {}  # name -> the lock its builder holds (each kernel builds beside the others)
 _locks_lock = threading.Lock()
 _loaded: dict = {}  # name -> the loaded module (True for a library of torch ops), or None where it failed
+_building = 0  # builds in flight (under _locks_lock)
+_stopping = threading.Event()  # set by stop_builds: no build starts, the one in flight ends without a warning
 
 
 def load_library(name: str, source: Path) -> bool:
@@ -62,7 +67,52 @@ def loaded(name: str) -> bool:
     return _loaded.get(name) is not None
 
 
+def stop_builds(wait_s: float = 10.0) -> None:
+    """The exit of an interrupted command (Ctrl-C, SIGTERM): the builds in flight stop now instead of holding the
+    exit until their compiler finishes (minutes on a busy machine). Their ninja is interrupted, which stops its
+    compilers and removes what they half-wrote; the next command builds again. Linux (elsewhere the exit waits)."""
+    _stopping.set()
+    deadline = time.monotonic() + wait_s
+    while _building and time.monotonic() < deadline:  # a build may be about to start its ninja
+        for pid in _children_named("ninja"):
+            try:
+                os.kill(pid, signal.SIGINT)
+            except OSError:
+                pass
+        time.sleep(0.05)
+
+
+def _children_named(command: str) -> list[int]:
+    """This process's child processes running `command` (from /proc: every thread's children)."""
+    found = []
+    for children in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids = children.read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == command:
+                    found.append(int(pid))
+            except OSError:
+                pass
+    return found
+
+
 def _build(name: str, source: Path, python_module: bool):
+    global _building
+    with _locks_lock:
+        if _stopping.is_set():
+            return None
+        _building += 1
+    try:
+        return _build_now(name, source, python_module)
+    finally:
+        with _locks_lock:
+            _building -= 1
+
+
+def _build_now(name: str, source: Path, python_module: bool):
     try:
         from torch.utils import cpp_extension
 
@@ -81,6 +131,8 @@ def _build(name: str, source: Path, python_module: bool):
                 is_python_module=python_module, verbose=False)
         return module if python_module else True
     except Exception as e:  # noqa: BLE001 - any build or load failure means: the torch path
+        if _stopping.is_set():
+            return None  # stop_builds interrupted it: the command is exiting, it says why itself
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         print(f"infinigen: the native {name} kernel is unavailable ({first[:200]}); using torch's", file=sys.stderr)
         return None

@@ -1,0 +1,120 @@
+"""A command interrupted while a native kernel builds exits now: its ninja is interrupted (and with it the
+compiler), the build ends without a warning line, and nothing waits for the minutes a cold build takes on a busy
+machine. The build here is a ninja whose one command sleeps for ten minutes, so every verdict is seconds against
+minutes."""
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from infinigen.kernels import native_build
+from support.cli import console, subprocess_env
+
+pytestmark = pytest.mark.skipif(shutil.which("ninja") is None or not Path("/proc/self/task").is_dir(),
+                                reason="needs ninja and Linux's /proc")
+
+SLOW_BUILD = """
+import subprocess
+from pathlib import Path
+import torch.utils.cpp_extension as cpp_extension
+
+def slow_load(name, sources, build_directory, **kw):  # a build that takes ten minutes
+    Path(build_directory, "build.ninja").write_text("rule wait\\n  command = sleep 600\\nbuild never: wait\\n")
+    subprocess.run(["ninja", "-C", build_directory], check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+cpp_extension.load = slow_load
+"""
+
+
+def _wait_until(condition, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_stop_builds_ends_a_build_in_flight(tmp_path, monkeypatch, capsys):
+    """`stop_builds` interrupts the ninja of the build in flight: the building thread returns None (the torch
+    path) within seconds, prints nothing, its compiler is gone, and no later build starts."""
+    namespace: dict = {}
+    exec(SLOW_BUILD, namespace)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", namespace["slow_load"])
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native_build, "_stopping", threading.Event())
+    monkeypatch.setattr(native_build, "_loaded", {})
+    source = tmp_path / "slow.cpp"
+    source.write_text("// built by a ninja that sleeps\n")
+    got = []
+    builder = threading.Thread(target=lambda: got.append(native_build.load("slow", source)))
+    builder.start()
+    try:
+        assert _wait_until(lambda: native_build._children_named("ninja")), "the build's ninja never started"
+        ninja = native_build._children_named("ninja")[0]
+        native_build.stop_builds()
+        builder.join(timeout=60)
+        assert not builder.is_alive(), "the build still runs after stop_builds"
+    finally:
+        for pid in native_build._children_named("ninja"):
+            subprocess.run(["kill", "-9", str(pid)])
+        builder.join(timeout=60)
+    assert got == [None]
+    assert not Path(f"/proc/{ninja}").exists() or "Z" in Path(f"/proc/{ninja}/stat").read_text().split()[2]
+    assert native_build.load("another", source) is None  # stopping: nothing builds any more
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 0)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_kernels_build_exits_at_once(tiny_checkpoint, tmp_path, sig, code):
+    """`infinigen serve` starts the weight kernels' build while it loads its model; a signal while that build
+    runs exits (130 after Ctrl-C, 0 after SIGTERM) within seconds, with no warning about the kernel."""
+    script = SLOW_BUILD + "import sys\nfrom infinigen.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    argv = console("serve", "--model", tiny_checkpoint, "--port", 0, "--compile", "off", "--max-batch", 1)[1:]
+    if argv[:2] == ["-m", "infinigen.cli"]:
+        argv = argv[2:]
+    env = subprocess_env(INFINIGEN_CACHE=str(tmp_path / "cache"))
+    p = subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        assert _wait_until(lambda: any(_comm(c) == "ninja" for c in _descendants(p.pid)), timeout=300), \
+            "the kernels' build never started"
+        p.send_signal(sig)
+        try:
+            _, err = p.communicate(timeout=120)  # the build alone would take 600 s
+        except subprocess.TimeoutExpired:
+            pytest.fail("the command waited for the kernels' build after the signal")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == code, err
+    assert "Traceback" not in err and "unavailable" not in err
+    assert ("interrupted" in err) == (sig == signal.SIGINT)
+
+
+def _descendants(pid: int) -> list[int]:
+    todo, found = [pid], []
+    while todo:
+        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                kids = [int(c) for c in children.read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
