@@ -18,4 +18,5 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" INFINIGEN_TEST_DEVICE=cu
 timeout -s INT -k 15 "${TESTS_TIMEOUT:-600}" "$PYTHON" -m pytest -q -p no:cacheprovider --timeout 120 -rfEs \
   --tb=short --durations=10 -m "not integration" --junitxml "$OUT/cuda_tests.xml" \
   tests/runtime/test_exactness.py tests/policies/test_policies.py tests/placement/test_offload.py \
-  tests/runtime/test_int4_kernels.py tests/policies/test_spec_packed.py tests/runtime/test_fused_select_triton.py "$@"
+  tests/runtime/test_int4_kernels.py tests/policies/test_spec_packed.py tests/runtime/test_fused_select_triton.py \
+  tests/policies/test_remainder.py tests/placement/test_offload_correction.py "$@"

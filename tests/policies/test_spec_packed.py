@@ -151,11 +151,13 @@ def test_decode_selection_needs_no_host_sync_on_cuda(make_tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("policy", ["infinigen", "full"])
 def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy):
-    """Decoding with the KV pool in pinned host memory (InfiniGen's default, and full offload): the main
+    """Decoding with the KV pool in pinned host memory (InfiniGen's speculation, and full offload): the main
     thread (speculation, selection, attention over the fetched rows, the next token) never waits for the
     GPU. The fetch worker may: turning a planned selection into a host gather is its job, off the main
     thread. Synchronizing calls are reported by torch's sync debug mode ("warn": the worker's are
-    expected) and attributed to the thread that made them."""
+    expected) and attributed to the thread that made them. Without the correction (`Placement.correct`): a
+    corrected layer packs its own selection and gathers what the prefetch missed on the main thread, whose
+    rows the host must know, so it waits there by design."""
     import collections
     import os
     import threading
@@ -168,7 +170,7 @@ def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy)
     else:
         pol = make_policy(policy)
     tokens = random_tokens(model, t=T).cuda()
-    pl = Placement("cpu")
+    pl = Placement("cpu", correct=False)
     sess = pl.new_session(model, 2, T, pol)
     assert sess.store.tier.pinned
     runtime.prefill(model, tokens[:, :P], sess)
