@@ -149,15 +149,16 @@ def test_decode_selection_needs_no_host_sync_on_cuda(make_tiny):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("policy", ["infinigen", "full"])
-def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy):
+@pytest.mark.parametrize("policy,correct", [("infinigen", False), ("infinigen", True), ("full", False)],
+                         ids=["infinigen", "infinigen-corrected", "full"])
+def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy, correct):
     """Decoding with the KV pool in pinned host memory (InfiniGen's speculation, and full offload): the main
     thread (speculation, selection, attention over the fetched rows, the next token) never waits for the
     GPU. The fetch worker may: turning a planned selection into a host gather is its job, off the main
     thread. Synchronizing calls are reported by torch's sync debug mode ("warn": the worker's are
-    expected) and attributed to the thread that made them. Without the correction (`Placement.correct`): a
-    corrected layer packs its own selection and gathers what the prefetch missed on the main thread, whose
-    rows the host must know, so it waits there by design."""
+    expected) and attributed to the thread that made them. With the correction (`Placement.correct`, the
+    default), a corrected layer's own selection must reach the host, which gathers the rows the prefetch
+    missed: one copy of its mask per corrected layer and step (`_select_on_host`), the only wait there."""
     import collections
     import os
     import threading
@@ -170,7 +171,7 @@ def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy)
     else:
         pol = make_policy(policy)
     tokens = random_tokens(model, t=T).cuda()
-    pl = Placement("cpu", correct=False)
+    pl = Placement("cpu", correct=correct)
     sess = pl.new_session(model, 2, T, pol)
     assert sess.store.tier.pinned
     runtime.prefill(model, tokens[:, :P], sess)
@@ -185,12 +186,14 @@ def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy)
             syncs.append((threading.current_thread() is threading.main_thread(), site))
     torch.cuda.synchronize()
     shown = warnings.showwarning
+    missed0 = sess.store.stats.missed
+    steps = range(P + 1, T - 1)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            for t in range(P + 1, T - 1):
+            for t in steps:
                 runtime.decode(model, tokens[:, t], sess)
         finally:
             torch.cuda.set_sync_debug_mode("default")
@@ -198,9 +201,17 @@ def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy)
     st = sess.store.stats
     pl.close(sess)
     main = collections.Counter(site for on_main, site in syncs if on_main)
+    if correct:  # the one copy of each corrected layer's mask; the layers that select: all but layer 0
+        copies = sum(n for site, n in main.items() if "torch.stack([keep, valid]).cpu()" in site)
+        assert copies <= len(steps) * (model.cfg.num_layers - 1), main
+        main = collections.Counter({site: n for site, n in main.items()
+                                    if "torch.stack([keep, valid]).cpu()" not in site})
+        assert st.missed > missed0  # the correction ran: it fetched rows the prefetch missed
     assert not main, f"{sum(main.values())} synchronizing calls on the main thread:\n" + "\n".join(
         f"{n} x {site}" for site, n in main.most_common())
-    assert st.fetches > 0 and st.on_demand == 0 and st.stale == 0
+    assert st.fetches > 0 and st.stale == 0
+    if not correct:
+        assert st.on_demand == 0
 
 
 def test_kth_largest_is_the_top_k_threshold():

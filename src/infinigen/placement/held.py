@@ -11,8 +11,10 @@ from .transfer import located
 
 class HoldsMisses:
     """The held set of `OffloadedKVStore` (its `_held`: per layer the entries, ascending, their data and the step
-    each was last added; `_step`, `length`, `bh`, `capacity`, `stats`, `_gather_rows`, `_slow_rows` are the
-    store's)."""
+    each was last added; `_step`, `length`, `bh`, `capacity`, `stats`, `_gather_rows`, `_slow_rows`, `fast` are
+    the store's). The entries and steps live on the host, the data in the fast tier: behind a GPU every choice of
+    rows is made on the host, which must know them to gather from the slow tier anyway, and only the indices
+    travel to the GPU (`_to_fast`), so the main thread does not wait for the GPU here."""
     holds_missed = True  # a corrected layer's missed rows held in fast memory for its next steps (`_hold`)
     # A held row stays while one of the layer's last `hold_steps` corrected selections added it, at most
     # `hold_share` of the layer's used rows held; a layer holding none (its first step) prefetches the speculation
@@ -21,6 +23,12 @@ class HoldsMisses:
     hold_steps = 6
     hold_share = 0.10
     first_margin = 1.2
+
+    def _to_fast(self, index: torch.Tensor) -> torch.Tensor:
+        """A host index tensor on the fast tier's device (behind a GPU from pinned memory, without waiting)."""
+        if index.device.type == self.fast.type:
+            return index
+        return index.pin_memory().to(self.fast, non_blocking=True)
 
     def _held_at(self, slots: torch.Tensor) -> torch.Tensor:
         """The held entries (flat store rows) of the slots [B, Hkv], ascending."""
@@ -33,25 +41,30 @@ class HoldsMisses:
             return
         _, stale = located(self._held_at(slots).to(held[0].device), held[0])
         if bool(stale.any()):
-            self._held[layer] = tuple(x[~stale] for x in held)
+            ids, *data, last = held
+            stay = (~stale).nonzero().squeeze(1)
+            self._held[layer] = (ids[stay], *(x.index_select(0, self._to_fast(stay)) for x in data), last[stay])
 
     def _missed_rows(self, layer: int, want: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """The rows `want` (flat store order, ascending) a corrected selection adds to its prefetch, into keys, values
-        [m, d]: those held in fast memory (`holds_missed`: the own query's picks the speculation misses recur) copied
-        from there, the others gathered from the slow tier. Returns the rows gathered from the slow tier."""
+        """The rows `want` (flat store order, ascending, on the host) a corrected selection adds to its prefetch, into
+        keys, values [m, d]: those held in fast memory (`holds_missed`: the own query's picks the speculation misses
+        recur) copied from there, the others gathered from the slow tier. Returns the rows gathered from the slow
+        tier."""
         prev = self._held.get(layer)
-        lack = torch.arange(want.numel(), device=want.device)  # the rows' places that the slow tier fills
+        lack = torch.arange(want.numel())  # the rows' places that the slow tier fills
         if prev is not None and want.numel():
             at, found = located(prev[0], want)
             hit = found.nonzero().squeeze(1)
-            keys.index_copy_(0, hit, prev[1].index_select(0, at[hit]))
-            values.index_copy_(0, hit, prev[2].index_select(0, at[hit]))
+            to, frm = self._to_fast(hit), self._to_fast(at[hit])
+            keys.index_copy_(0, to, prev[1].index_select(0, frm))
+            values.index_copy_(0, to, prev[2].index_select(0, frm))
             lack = (~found).nonzero().squeeze(1)
         if lack.numel():
             k, v = torch.empty_like(keys[:lack.numel()]), torch.empty_like(values[:lack.numel()])
             self._gather_rows(layer, self._slow_rows(want[lack]), k, v)
-            keys.index_copy_(0, lack, k)
-            values.index_copy_(0, lack, v)
+            to = self._to_fast(lack)
+            keys.index_copy_(0, to, k)
+            values.index_copy_(0, to, v)
         if self.holds_missed:
             self._hold(layer, want, (keys, values))
         return lack.numel()
@@ -63,21 +76,24 @@ class HoldsMisses:
         `hold_share` of the layer's used rows the entries added longest ago go first. Counted in the fast bytes."""
         prev = self._held.pop(layer, None)
         step = self._step
-        last = torch.full((want.numel(),), step, dtype=torch.long, device=want.device)
+        last = torch.full((want.numel(),), step, dtype=torch.long)
         if prev is not None:
             ids0, *data0, last0 = prev
             _, again = located(want, ids0)
-            old = ~again & (last0 > step - self.hold_steps)  # held before, not added again, not too old
+            old = (~again & (last0 > step - self.hold_steps)).nonzero().squeeze(1)  # not added again, not too old
             want, last = torch.cat([ids0[old], want]), torch.cat([last0[old], last])
-            data = tuple(torch.cat([a[old], b]) for a, b in zip(data0, data))
+            old = self._to_fast(old)
+            data = tuple(torch.cat([a.index_select(0, old), b]) for a, b in zip(data0, data))
         limit = int(self.hold_share * self.length[layer] * self.bh) // rows_each
         if want.numel() > limit:  # the most recently added first (stable: ties keep the lower ones)
             keep = torch.sort(last, descending=True, stable=True).indices[:limit]
-            want, last, data = want[keep], last[keep], tuple(x[keep] for x in data)
+            want, last = want[keep], last[keep]
+            data = tuple(x.index_select(0, self._to_fast(keep)) for x in data)
         if not want.numel():
             return
         order = torch.argsort(want)
-        self._held[layer] = tuple(x.index_select(0, order) for x in (want, *data, last))
+        fast_order = self._to_fast(order)
+        self._held[layer] = (want[order], *(x.index_select(0, fast_order) for x in data), last[order])
         self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, self.fast_bytes())
 
     def prefetch_margin(self, layer: int) -> float:

@@ -57,6 +57,8 @@ class _Job:
     # row order (b, h, i); then (CPU host) a spare row per (batch row, KV head) for the token
     kv: tuple | None = None
     selected: int = 0  # a selection's rows in kv (counted on the worker: the main thread need not wait for it)
+    held_rows: torch.Tensor | None = None  # a selection's rows of the flat store order, ascending, on the host
+    plan_host: torch.Tensor | None = None  # CUDA: the plan [B, Hkv, n] on the host (a corrected layer compares)
 
 
 class OffloadedKVStore(HoldsMisses, KVStore):
@@ -129,6 +131,7 @@ class OffloadedKVStore(HoldsMisses, KVStore):
         # per layer: rows its recent corrected selections had to add to the prefetch, ascending, their keys and
         # values, and the step each was last added (`_hold`)
         self._held: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._own_host = None  # CUDA: the last selection `_select_on_host` packed: (its rows, on the host rows, heads)
         self._pending: list[list] = [[] for _ in range(num_layers)]  # CUDA: appends on their way to the pool
         self._lock = threading.Lock()
         # The worker's own OpenMP team: one thread on a CPU host, where compute needs the cores; behind a GPU
@@ -276,19 +279,40 @@ class OffloadedKVStore(HoldsMisses, KVStore):
         return self._views(job)
 
     def select_rows(self, layer, keep, valid):
-        """The planned selection, packed, when `keep` is what was planned (no second pass over the mask)."""
+        """The planned selection, packed, when `keep` is what was planned (no second pass over the mask); behind a
+        GPU another selection (a corrected layer's own) is packed on the host (`_select_on_host`)."""
         job = self._jobs.get(layer)
+        planned = None
         if job is not None and job.step == self._step and job.plan is not None:
             self._settle(job)  # the worker packs the plan (and gathers its rows) off the main thread
             n = self.length[layer]
             mine = self.valid[layer]
-            same_valid = (valid.data_ptr() == mine.data_ptr() and valid.shape[-1] == n
-                          and valid.stride() == mine.stride())
-            plan = job.plan
-            if same_valid and (keep is plan or (keep.shape[-1] == n and torch.equal(keep, plan[:, :, :n]))):
+            if valid.data_ptr() == mine.data_ptr() and valid.shape[-1] == n and valid.stride() == mine.stride():
+                planned = job
+            if planned is not None and keep is job.plan:
                 self.stats.reused += 1
                 return job.selection
+        if self.cuda:
+            return self._select_on_host(layer, keep, valid, planned)
+        if planned is not None and keep.shape[-1] == n and torch.equal(keep, job.plan[:, :, :n]):
+            self.stats.reused += 1
+            return job.selection
         return super().select_rows(layer, keep, valid)
+
+    def _select_on_host(self, layer, keep, valid, planned: _Job | None):
+        """CUDA: `select_rows` packed on the host from one copy of the mask (the main thread waits once; packing on
+        the GPU waits for its counts several times), the packed rows sent back without waiting. The host's copy of
+        the rows and heads is kept for `_corrected`, which gathers the ones the prefetch missed."""
+        keep, valid = torch.broadcast_tensors(keep, valid)
+        keep_h, valid_h = torch.stack([keep, valid]).cpu()
+        if (planned is not None and planned.plan_host is not None and keep_h.shape == planned.plan_host.shape
+                and torch.equal(keep_h, planned.plan_host)):
+            self.stats.reused += 1
+            return planned.selection
+        packed = KVStore.select_rows(self, layer, keep_h, valid_h)
+        sel = SelectedRows(keep & valid, *(self._to_fast(x) for x in packed[1:]))
+        self._own_host = (sel.rows, packed.rows, packed.head)
+        return sel
 
     def hand_rows(self, layer, sel, buffer=None, every: bool = False) -> HandedRows:
         """The rows of `sel` in the fast tier (the prefetched ones, else fetched now; `every`: sel is every
@@ -325,33 +349,46 @@ class OffloadedKVStore(HoldsMisses, KVStore):
         taken from there, those it missed are fetched now in one gather; the caller's `buffer` holds the
         prefetched rows, then the missed ones, then the spare rows."""
         t0 = time.perf_counter()
-        held = packed_order(job.selection)[0]  # the prefetched rows of the flat store order, ascending
+        held = job.held_rows  # the prefetched rows of the flat store order, ascending, on the host
         p = job.selected
-        real = sel.head >= 0
-        at, found = located(held, sel.rows)
+        rows, head = self._host_rows(layer, sel)
+        real = head >= 0
+        at, found = located(held, rows)
         found &= real
         missing = real & ~found
-        want = sel.rows[missing]  # ascending: packed order
+        want = rows[missing]  # ascending: packed order
         m = want.numel()
         keys, values = buffer(p + m + self.bh, job.kv[0])  # (like: the dtype and device of the fast tier)
         keys[:p], values[:p] = job.kv[0][:p], job.kv[1][:p]
         gathered = self._missed_rows(layer, want, keys[p:p + m], values[p:p + m])
         local = torch.where(found, at, 0)
-        local[missing] = torch.arange(p, p + m, device=local.device)
-        own = p + m + torch.arange(self.bh, device=local.device).view(self.batch, self.kv_heads)
+        local[missing] = torch.arange(p, p + m)
+        local = self._to_fast(local)
+        own = p + m + torch.arange(self.bh, device=self.fast).view(self.batch, self.kv_heads)
         self.stats.fetched_missed(gathered, 2 * gathered * self.layout.row_bytes, time.perf_counter() - t0,
                                   held=m - gathered)
         return HandedRows(keys, values, local, own)
 
+    def _host_rows(self, layer, sel) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sel`'s rows and heads on the host: the copy `_select_on_host` kept, else one copy now."""
+        if not self.cuda:
+            return sel.rows, sel.head
+        own = self._own_host
+        if own is not None and own[0] is sel.rows:
+            return own[1], own[2]
+        rows, head = torch.stack([sel.rows, sel.head]).cpu()
+        return rows, head
+
     def _gather_rows(self, layer, rows, keys, values) -> None:
-        """The slow tier's rows `rows` (slot-major) of `layer`, decoded, into keys and values [m, d]."""
+        """The slow tier's rows `rows` (slot-major, on the host: the host gathers) of `layer`, decoded, into keys
+        and values [m, d] (behind a GPU through pinned memory, without waiting)."""
         self._flush(layer)
-        if self.cuda:
-            rows = rows.cpu()  # behind a GPU the host gathers
         for kind, out in zip(KV, (keys, values)):
-            planes = [torch.index_select(pl, 0, rows) for pl in self.planes[layer][kind]]
+            planes = [torch.index_select(pl, 0, rows, out=torch.empty((rows.numel(), *pl.shape[1:]), dtype=pl.dtype,
+                                                                       pin_memory=self.cuda))
+                      for pl in self.planes[layer][kind]]
             if self.cuda:
-                planes = [x.to(self.fast) for x in planes]
+                planes = [x.to(self.fast, non_blocking=True) for x in planes]
             out.copy_(self.layout.decode(planes))
 
     # ---- the pipeline -----------------------------------------------------------------------------
@@ -447,12 +484,15 @@ class OffloadedKVStore(HoldsMisses, KVStore):
         if job.plan is not None and job.selection is None:  # the plan packed, as the runtime packs it
             n = job.n
             job.selection = KVStore.select_rows(self, job.layer, job.plan[:, :, :n], self.valid[job.layer][:, :, :n])
+            if self.cuda and self.corrects:
+                job.plan_host = job.plan[:, :, :n].cpu()
         self._flush(job.layer)
         total = job.n * self.bh
         rows = None
         if not job.full:
             flat = packed_order(job.selection)[0]
-            rows = self._slow_rows(flat.cpu() if self.cuda else flat)  # behind a GPU the host gathers
+            job.held_rows = flat.cpu()  # behind a GPU the host gathers
+            rows = self._slow_rows(job.held_rows)
             total = rows.numel()
         asked = total
         job.selected = asked
