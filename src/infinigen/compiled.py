@@ -333,8 +333,9 @@ class StepParts:
         calls the kernels and the weight ops) is generated as C++ (`cpp_wrapper`): a call is then one Python
         call into it, where the Python wrapper makes tens per part (size and stride checks, allocations, the
         ops' Python dispatch). Where the C++ wrapper fails to compile, the Python one serves (`cpp_failed`).
-        Off by default: a batch-1 step of the default model took as long with either wrapper (the weight
-        kernels, the head and the attention's reads are its time), and the C++ one compiles longer."""
+        Off by default: a batch-1 step of the default model took as long with either wrapper once the Python one
+        checks no sizes and the whole step finds its parts once (results/compiled_step/chat_b1_overhead.md), and
+        the C++ one compiles ~20 s longer cold."""
         cpu = all(t.device.type == "cpu" for t in example)
         with _inductor_cache():
             if self.cpp_wrapper and cpu:
