@@ -437,6 +437,8 @@ class StepParts:
             return self._fail(err)
 
     def _fail(self, err: Exception) -> None:
+        """Compiling or running a part failed: one warning; this step goes on eagerly from there, and every later
+        step runs eagerly."""
         self.failed = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:200]
         warnings.warn(f"torch.compile failed, decoding eagerly ({self.failed})", RuntimeWarning, stacklevel=5)
 
@@ -578,6 +580,7 @@ class _WholePlan:
 
     def __init__(self, key: tuple, blocks: list, calls: list):
         self.key, self.blocks, self.calls = key, blocks, calls
+
 
 def _reads_all_by_construction(session) -> bool:
     """Whether every layer of `session` reads all of its store this step with nothing to decide or tell: the
