@@ -39,7 +39,10 @@ fake inputs marked so, `_symbolic`): one compiled kernel per part serves every c
 every layer, so a run compiles nothing after `warm` (a server before it listens, a benchmark before its timed
 steps). Outside the calls, per layer, only Python runs: the store's append pointer (`KVStore.wrote_in_place`)
 and the session's bookkeeping as in its attention (`Session._read`'s plan, listeners and counters;
-`on_append` for the policy and listeners; the events).
+`on_append` for the policy and listeners; the events). Each layer's part is found by its inputs' layouts in
+the first such step; the steps after it that are alike (the same store, layer 0's inputs of the same layouts) make
+the same calls without looking them up again (`_WholePlan`). The generated code checks no input's size or stride
+(`_OPTIONS`: ~26 Python calls a part): what a part is called with is what it was found and compiled for.
 The default: `--compile on` and `auto` run a step whole where it may, `parts` never.
 
 What stays eager otherwise is what the runtime and the policies decide per step (the store, the selection,
@@ -58,6 +61,7 @@ import os
 import shutil
 import time
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -171,6 +175,11 @@ _POOLS = (4, 5, 6, 7)
 _SYMBOLIC_STRIDES = {1: 3, 2: 3, 3: 3}  # input -> how many leading dimensions have a symbolic stride
 _TRACE_SLOT, _TRACE_CAPACITY = 36, 53
 _SLOT_MARGIN = 2  # a slot's marker tensor holds this many more elements than the slot (`_symbolic_slot`)
+# Inductor's options for every part: no size and stride check of each input and each op's output per call (~26
+# Python calls a part, 3% of a batch-1 step's CPU): a part is found by its inputs' layouts (`_seen`, the whole
+# step's `_WholePlan`) and by its blocks' structure, weight strides included, so what it is called with is what it
+# was compiled for
+_OPTIONS = {"size_asserts": False}
 
 
 def _weights(blocks: tuple) -> dict:
@@ -180,10 +189,12 @@ def _weights(blocks: tuple) -> dict:
 
 
 def _structure(block: nn.Module) -> tuple:
-    """What a traced part depends on in a block: its modules' types and its tensors' names, shapes and dtypes
-    (a layer whose matrix fell back to int8 is another structure)."""
+    """What a traced part depends on in a block: its modules' types and its tensors' names, shapes, strides and
+    dtypes (a layer whose matrix fell back to int8 is another structure; the compiled code checks no input's
+    layout, `_OPTIONS`, so a weight of other strides is another part too)."""
     return (tuple(type(m).__name__ for m in block.modules()),
-            tuple((n, tuple(t.shape), t.dtype) for n, t in (*block.named_parameters(), *block.named_buffers())))
+            tuple((n, tuple(t.shape), _strides(t), t.dtype)
+                  for n, t in (*block.named_parameters(), *block.named_buffers())))
 
 
 def _strides(t: torch.Tensor) -> tuple:
@@ -261,6 +272,8 @@ class StepParts:
         self.compile_log: list = []  # (part, seconds) of each part compiled
         self.compiled = 0
         self.failed: str | None = None
+        self._plan: _WholePlan | None = None  # the whole step's calls, found once for steps alike (`_whole_plan`)
+        self._plan_key: tuple | None = None
 
     def _structure(self, block) -> tuple:
         entry = self._structures.get(id(block))
@@ -320,18 +333,19 @@ class StepParts:
         calls the kernels and the weight ops) is generated as C++ (`cpp_wrapper`): a call is then one Python
         call into it, where the Python wrapper makes tens per part (size and stride checks, allocations, the
         ops' Python dispatch). Where the C++ wrapper fails to compile, the Python one serves (`cpp_failed`).
-        Off by default: a batch-1 step of the default model took as long with either wrapper (the weight
-        kernels, the head and the attention's reads are its time), and the C++ one compiles longer."""
+        Off by default: a batch-1 step of the default model took as long with either wrapper once the Python one
+        checks no sizes and the whole step finds its parts once (results/compiled_step/chat_b1_overhead.md), and
+        the C++ one compiles ~20 s longer cold."""
         cpu = all(t.device.type == "cpu" for t in example)
         with _inductor_cache():
             if self.cpp_wrapper and cpu:
                 try:
-                    fn = torch._inductor.compile(graph, example, options={"cpp_wrapper": True})
+                    fn = torch._inductor.compile(graph, example, options={**_OPTIONS, "cpp_wrapper": True})
                     self.wrappers[name] = "cpp"
                     return fn
                 except Exception as err:  # noqa: BLE001 -- the Python wrapper computes the same
                     self.cpp_failed = f"{name}: {type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:200]
-            fn = torch._inductor.compile(graph, example)
+            fn = torch._inductor.compile(graph, example, options=_OPTIONS)
             self.wrappers[name] = "python"
             return fn
 
@@ -368,14 +382,19 @@ class StepParts:
             tensors = [torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) for t in tensors]
         elif attend is None:
             tensors = [t.contiguous() for t in tensors]
+        fn, weights = self._resolve(name, blocks, tensors, attend)
+        out = fn(*weights, *tensors) if slot is None else fn(*weights, *tensors, slot)
+        return [o[:rows] for o in out] if pad else list(out)
+
+    def _resolve(self, name: str, blocks: tuple, tensors: list, attend: float | None = None) -> tuple:
+        """(the compiled part these inputs call, its blocks' weights in the traced order)."""
         fn, names = self._part(name, blocks, tensors, attend)
         key = (name, *(id(b) for b in blocks))
         weights = self._inputs.get(key)
         if weights is None:
             found = _weights(blocks)
             weights = self._inputs[key] = [found[n] for n in names]
-        out = fn(*weights, *tensors) if slot is None else fn(*weights, *tensors, slot)
-        return [o[:rows] for o in out] if pad else list(out)
+        return fn, weights
 
     def warm(self, model, rows: int = 1) -> float:
         """Compile the parts for decoding steps of `rows` rows now (a server before it listens); the seconds
@@ -415,9 +434,13 @@ class StepParts:
         try:
             return self._call(name, blocks, [t for t in tensors if t is not None], rows, attend, slot)
         except Exception as err:  # noqa: BLE001 -- whatever the compiler raises, the eager path is the answer
-            self.failed = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:200]
-            warnings.warn(f"torch.compile failed, decoding eagerly ({self.failed})", RuntimeWarning, stacklevel=4)
-            return None
+            return self._fail(err)
+
+    def _fail(self, err: Exception) -> None:
+        """Compiling or running a part failed: one warning; this step goes on eagerly from there, and every later
+        step runs eagerly."""
+        self.failed = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}"[:200]
+        warnings.warn(f"torch.compile failed, decoding eagerly ({self.failed})", RuntimeWarning, stacklevel=5)
 
     def run(self, model, h, rope, attend, event, session=None) -> torch.Tensor:
         """The blocks of a decoding step over h [B, 1, hidden] (each layer's attention and events in the
@@ -479,9 +502,9 @@ class StepParts:
         session's per-layer bookkeeping runs as in its own attention (`Session._read`: the plan, listeners,
         counters; the store's append pointer; policy and listeners hear of the append), with the events in the
         compiled parts' order."""
-        layers, store, rows = model.layers, session.store, h.shape[0]
-        attend = model.scale
-        got = self._try("enter", (layers[0],), [h, *_rope_tensors(layers[0].own_rope(rope))], rows)
+        blocks, store, rows = list(model.layers), session.store, h.shape[0]
+        attend, n = model.scale, len(blocks)
+        got = self._try("enter", (blocks[0],), [h, *_rope_tensors(blocks[0].own_rope(rope))], rows)
         if got is None:
             return _eager_from(model, 0, h, rope, session.attend, session.event)
         x, q, k, v = got
@@ -490,7 +513,10 @@ class StepParts:
         light = _reads_all_by_construction(session)
         cur = session.positions[:, 0]
         slots = torch.full((rows, k.shape[1]), slot, dtype=torch.long, device=k.device)  # what `append` returns
-        for i, block in enumerate(layers):
+        ropes = [[t for t in _rope_tensors(b.own_rope(rope)) if t is not None] for b in blocks[1:]]
+        plan = self._whole_plan(blocks, store, attend, [h, q, k, v, cur], ropes)
+        calls = []  # this step's (part, weights, pool tensors' ids) per layer: the next steps' plan
+        for i, block in enumerate(blocks):
             session.event(i, "attn_in", x)
             if light:  # what `Session._read` does when every layer reads all, nobody asked: the counters
                 session.stats.record_rows(i, rows * k.shape[1] * slot)
@@ -499,13 +525,20 @@ class StepParts:
                 read = session._read(i, q, k)
                 if read.rows is not None:
                     raise RuntimeError(f"layer {i} does not read its store in place in a whole step")
-            tensors = [h, q, k, v, store.k[i], store.v[i], store.valid[i], store.pos[i], cur]
-            if i + 1 < len(layers):
-                nxt = layers[i + 1]
-                got = self._try("attend_between", (block, nxt), [*tensors, *_rope_tensors(nxt.own_rope(rope))],
-                                rows, attend, marker)
-            else:
-                got = self._try("attend_leave", (block,), tensors, rows, attend, marker)
+            pools = (store.k[i], store.v[i], store.valid[i], store.pos[i])
+            tensors = [h, q, k, v, *pools, cur, *(ropes[i] if i + 1 < n else ())]
+            ids = tuple(map(id, pools))
+            try:
+                if plan is not None and plan.calls[i][2] == ids:
+                    fn, weights = plan.calls[i][:2]
+                else:  # found by every input's layout (and from here on in this step)
+                    plan = None
+                    fn, weights = self._resolve(*(("attend_between", (block, blocks[i + 1])) if i + 1 < n
+                                                   else ("attend_leave", (block,))), tensors, attend)
+                calls.append((fn, weights, ids))
+                got = fn(*weights, *tensors, marker)
+            except Exception as err:  # noqa: BLE001 -- whatever the compiler raises, the eager path is the answer
+                got = self._fail(err)
             if got is None:  # this layer's append and attention eagerly, as the session's own, then the rest
                 from .runtime import attend_all
                 slots = store.append(i, k, v, cur)
@@ -517,10 +550,36 @@ class StepParts:
             store.wrote_in_place(i)
             session._appended(i, slots, k, v)
             h1, h = got[:2]
-            if i + 1 < len(layers):
+            if i + 1 < n:
                 x, q, k, v = got[2:]
             session.event(i, "attn_out", h1)
+        if plan is None and self._plan_key is not None:
+            self._plan = _WholePlan(self._plan_key, blocks, calls)
         return model.head(h[:, -1])
+
+    def _whole_plan(self, blocks: list, store, attend: float, first: list, ropes: list):
+        """The whole step's calls of the last step that found them, where this step makes the same calls: the same
+        blocks, store and scale, layer 0's inputs (its hidden state, the enter part's q, k, v, the positions, the
+        rotary tensors, which every layer shares) of the same layouts. Each layer's inputs then have the layouts
+        they had at that step: its pool tensors are the same (checked per layer), and its h, q, k, v are what
+        the same part made of inputs of the same layouts. None: this step finds each layer's part by its inputs."""
+        if any(len(r) != len(ropes[0]) or any(a is not b for a, b in zip(r, ropes[0])) for r in ropes[1:]):
+            self._plan_key = None  # layers rotating differently: each layer's inputs are checked
+            return None
+        key = (weakref.ref(store), store.capacity, attend, len(blocks),
+               *((t.shape, t.stride(), t.dtype, t.device) for t in (*first, *(ropes[0] if ropes else ()))))
+        self._plan_key = key
+        plan = self._plan
+        if plan is None or plan.key != key or any(a is not b for a, b in zip(plan.blocks, blocks)):
+            return None
+        return plan
+
+
+class _WholePlan:
+    """The calls a whole step made, layer by layer: (part, its weights, the ids of the layer's pool tensors)."""
+
+    def __init__(self, key: tuple, blocks: list, calls: list):
+        self.key, self.blocks, self.calls = key, blocks, calls
 
 
 def _reads_all_by_construction(session) -> bool:

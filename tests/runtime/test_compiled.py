@@ -216,3 +216,52 @@ def test_one_step_parts_serves_batches_of_other_layouts_with_their_own_kernels()
         assert parts.failed is None
         torch.testing.assert_close(fast, _run(model, _policy("full", model), tokens), atol=2e-5, rtol=2e-5)
     assert parts.compiled == 6  # enter, attend_between, attend_leave for 1 row, and again for 2
+
+
+def test_later_whole_steps_make_the_calls_the_first_found_without_finding_them_again(monkeypatch):
+    """A whole step finds each layer's part by its inputs' layouts once; the steps after it, alike (the same store,
+    layer 0's inputs of the same layouts), call the parts it found (`_WholePlan`) without looking them up, and give
+    the eager logits. A session of another batch on the same StepParts finds its own parts (and its logits)."""
+    model = _model("llama")
+    parts = compiled.StepParts()
+    looked_up = []
+    original = parts._resolve
+
+    def resolve(name, blocks, tensors, *scale):
+        looked_up.append(name)
+        return original(name, blocks, tensors, *scale)
+
+    monkeypatch.setattr(parts, "_resolve", resolve)
+    layers = len(model.layers)
+    for batch in (2, 1):
+        tokens = _tokens(model, batch, seed=8)
+        looked_up.clear()
+        fast = _run(model, _policy("full", model), tokens, parts)
+        assert parts.failed is None
+        attending = [name for name in looked_up if name != "enter"]  # each step's enter part is looked up
+        assert attending == ["attend_between"] * (layers - 1) + ["attend_leave"]  # in the first step only
+        torch.testing.assert_close(fast, _run(model, _policy("full", model), tokens), atol=2e-5, rtol=2e-5)
+
+
+def test_a_block_whose_weight_has_other_strides_gets_its_own_part():
+    """The compiled code checks no input's layout (`compiled._OPTIONS`): a layer whose weight has other strides
+    than the layer before's (here one norm weight a strided view) is another structure, compiled for its own
+    layout, and the step gives the eager logits."""
+    from support.models import build_tiny
+    model = build_tiny("llama", num_hidden_layers=3)[1]  # layer 2's part is layer 1's unless the strides tell
+    tokens = _tokens(model, 2, seed=9)
+    eager = _run(model, _policy("full", model), tokens)
+    norm = model.layers[2].attn_norm
+    before = norm.weight
+    strided = torch.zeros(2 * before.numel(), dtype=before.dtype)[::2]
+    strided.copy_(before.detach().flip(0))  # other values too, so a part compiled for layer 0's layout shows
+    try:
+        norm.weight = torch.nn.Parameter(strided, requires_grad=False)
+        eager_strided = _run(model, _policy("full", model), tokens)
+        parts = compiled.StepParts()
+        fast = _run(model, _policy("full", model), tokens, parts)
+    finally:
+        norm.weight = before
+    assert parts.failed is None
+    assert not torch.allclose(eager_strided, eager)
+    torch.testing.assert_close(fast, eager_strided, atol=2e-5, rtol=2e-5)
