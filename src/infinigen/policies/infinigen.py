@@ -237,7 +237,7 @@ class InfiniGen(Policy, InfiniGenCaps, InfiniGenExperimental, InfiniGenSettings)
         else:
             pol = self._rebuilt(record)
             if pol.crossing["source"] not in ("set", "preset"):
-                pol = self._rebuilt(record, crossing_for(pol, model, progress, longest, batch))
+                pol = self._rebuilt(record, crossing_for(pol, model, progress, longest, batch, tokenizer))
         _PREPARED.setdefault(model, weakref.WeakValueDictionary())[id(pol)] = pol
         return pol
 
