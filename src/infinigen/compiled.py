@@ -28,21 +28,21 @@ attention moves into the compiled region too, and a step is `enter` then one cal
     attend_between   layer i's append and attention over its pool, then `between`
     attend_leave     the last layer's append and attention over its pool, then `leave`
 
-Each takes the layer's store tensors whole (keys, values, valid, pos) and the slot the token goes to, writes
-the token there in place, as `KVStore.append` would (Inductor stores the one slot), and attends over the slots
-before it and its own (gpt-fast's static cache, written inside the graph; in bfloat16 on a CPU with AVX512-BF16
-the attention is the native `infinigen::decode_attend`, traced in like an aten op, `_attend_pool`). The slot
-(passed as the size of a marker tensor, which Inductor's C++ wrapper takes too: `_symbolic_slot`), the store's
-capacity,
-and q's, k's and v's batch and head strides are symbols of the traced graph (`make_fx` in symbolic mode over
-fake inputs marked so, `_symbolic`): one compiled kernel per part serves every cached length, every pool and
-every layer, so a run compiles nothing after `warm` (a server before it listens, a benchmark before its timed
-steps). Outside the calls, per layer, only Python runs: the store's append pointer (`KVStore.wrote_in_place`)
-and the session's bookkeeping as in its attention (`Session._read`'s plan, listeners and counters;
-`on_append` for the policy and listeners; the events). Each layer's part is found by its inputs' layouts in
-the first such step; the steps after it that are alike (the same store, layer 0's inputs of the same layouts) make
-the same calls without looking them up again (`_WholePlan`). The generated code checks no input's size or stride
-(`_OPTIONS`: ~26 Python calls a part): what a part is called with is what it was found and compiled for.
+Each takes the layer's store tensors whole (keys, values, valid, pos) and the slot the token goes to, writes the
+token there in place, as `KVStore.append` would (Inductor stores the one slot), and attends over the slots before
+it and its own (gpt-fast's static cache, written inside the graph; in bfloat16 on a CPU with AVX512-BF16 the
+attention is the native `infinigen::decode_attend`, traced in like an aten op; the parts' modules are in
+`compiled_parts`). The slot (passed as the size of a marker tensor, which Inductor's C++ wrapper takes too:
+`_symbolic_slot`), the store's capacity, and q's, k's and v's batch and head strides are symbols of the traced
+graph (`make_fx` in symbolic mode over fake inputs marked so, `_symbolic`): one compiled kernel per part serves
+every cached length, every pool and every layer, so a run compiles nothing after `warm` (a server before it
+listens, a benchmark before its timed steps). Outside the calls, per layer, only Python runs: the store's append
+pointer (`KVStore.wrote_in_place`) and the session's bookkeeping as in its attention (`Session._read`'s plan,
+listeners and counters; `on_append` for the policy and listeners; the events). Each layer's part is found by its
+inputs' layouts in the first such step; the steps after it that are alike (the same store, layer 0's inputs of the
+same layouts) make the same calls without looking them up again (`_WholePlan`). The generated code checks no
+input's size or stride (`_OPTIONS`: ~26 Python calls a part): what a part is called with is what it was found and
+compiled for.
 The default: `--compile on` and `auto` run a step whole where it may, `parts` never.
 
 What stays eager otherwise is what the runtime and the policies decide per step (the store, the selection,
@@ -66,108 +66,15 @@ import weakref
 import torch
 from torch import nn
 
-from .kernels import int4_gemv
+from .compiled_parts import PARTS, ROTATES
 from .paths import cache_dir
 from .selection import ALL
 
 MODES = ("auto", "on", "whole", "parts", "off")  # on = whole: a dense step runs whole (`runs_whole`); parts: never
 MAX_BUCKET = 64  # decoding rows beyond this run eagerly (the weight kernels switch to dense matmuls there)
+PLANS = 8  # stores whose whole step's calls are kept (`StepParts._whole_plan`)
 
 
-class _Enter(nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, h, rope):
-        return self.block.attention_input(h, rope)
-
-
-class _Between(nn.Module):
-    """From `block`'s attention output a to the next block's attention: `block`'s residual after attention
-    (the "attn_out" event's), its output, and the next block's attention input and q, k, v."""
-
-    def __init__(self, block, nxt):
-        super().__init__()
-        self.block, self.nxt = block, nxt
-
-    def forward(self, h, a, rope):
-        h1 = self.block.attention_output(h, a)
-        out = self.block.feed_forward(h1)
-        return (h1, out, *self.nxt.attention_input(out, rope))
-
-
-class _Leave(nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, h, a):
-        h1 = self.block.attention_output(h, a)
-        return h1, self.block.feed_forward(h1)
-
-
-def _attend_pool(q, keys, values, scale: float):
-    """One token per row, q [B,H,1,d], over the used slots of a layer's pool, keys and values [B,Hkv,L,d] (views
-    of the store, the token's own written first; L is a symbolic size: one compiled kernel serves every cached
-    length and every pool capacity). In float32 as pointwise products and reductions, which Inductor fuses
-    into loops (no matmul call, no product kept); in bfloat16 on a CPU with AVX512-BF16 the native
-    `infinigen::decode_attend` instead (the same float32 sums; Inductor's loops computed each score's lane sum
-    alone, split the work by row and KV head only, which leaves one of two threads idle at batch 1, and ran the
-    softmax on one thread)."""
-    if int4_gemv.takes_attend(q, keys):
-        return int4_gemv.decode_attend(q, keys, values, scale)
-    b, h, _, d = q.shape
-    hkv = keys.shape[1]
-    qg = q.reshape(b, hkv, h // hkv, 1, d).float()
-    scores = (qg * keys[:, :, None].float()).sum(-1) * scale  # [B, Hkv, G, L]
-    probs = torch.softmax(scores, dim=-1)
-    out = (probs[..., None] * values[:, :, None].float()).sum(-2)  # [B, Hkv, G, d]
-    return out.to(q.dtype).reshape(b, h, 1, d)
-
-
-def _append_and_attend(q, k, v, keys, values, valid, pos, cur, slot, scale: float):
-    """The token's k, v [B,Hkv,1,d] written at `slot` of a layer's whole pool, keys and values [B,Hkv,C,d] (with
-    its valid mark and its position, cur [B], in valid and pos [B,Hkv,C]: what `KVStore.append` writes), then
-    q's attention over slots 0..slot. The writes are in place on the store's tensors (Inductor stores the one
-    slot; nothing else of the pool is copied); `slot` and the capacity C are symbols of the traced graph."""
-    keys.narrow(2, slot, 1).copy_(k)
-    values.narrow(2, slot, 1).copy_(v)
-    valid.narrow(2, slot, 1).fill_(True)
-    pos.narrow(2, slot, 1).copy_(cur[:, None, None].expand(valid.shape[0], valid.shape[1], 1))
-    return _attend_pool(q, keys.narrow(2, 0, slot + 1), values.narrow(2, 0, slot + 1), scale)
-
-
-class _AttendBetween(nn.Module):
-    """`_Between` with `block`'s token appended to its pool and its attention over the pool in front: from
-    `block`'s q, k, v and its store's tensors to the next block's attention input."""
-
-    def __init__(self, block, nxt, scale: float):
-        super().__init__()
-        self.block, self.nxt, self.scale = block, nxt, scale
-
-    def forward(self, h, q, k, v, keys, values, valid, pos, cur, rope, slot):
-        a = _append_and_attend(q, k, v, keys, values, valid, pos, cur, slot, self.scale)
-        h1 = self.block.attention_output(h, a)
-        out = self.block.feed_forward(h1)
-        return (h1, out, *self.nxt.attention_input(out, rope))
-
-
-class _AttendLeave(nn.Module):
-    def __init__(self, block, scale: float):
-        super().__init__()
-        self.block, self.scale = block, scale
-
-    def forward(self, h, q, k, v, keys, values, valid, pos, cur, slot):
-        h1 = self.block.attention_output(h, _append_and_attend(q, k, v, keys, values, valid, pos, cur, slot,
-                                                               self.scale))
-        return h1, self.block.feed_forward(h1)
-
-
-# what each part is made from and how many tensor inputs come before its rotary ones
-_WRAPPERS = {"enter": (_Enter, 1), "between": (_Between, 2), "leave": (_Leave, 2),
-             "attend_between": (_AttendBetween, 9), "attend_leave": (_AttendLeave, 9)}
-_ROTATES = ("enter", "between", "attend_between")  # the parts ending in the next layer's attention input
 # an attending part's inputs whose layout is symbolic: q, k, v (1, 2, 3; their batch and head strides: slices of
 # the rotated q and k, or of the joined projections' output, as the part before it left it) and the store's
 # tensors, keys, values, valid and pos (4..7: whole, contiguous, their capacity a symbol)
@@ -272,7 +179,9 @@ class StepParts:
         self.compile_log: list = []  # (part, seconds) of each part compiled
         self.compiled = 0
         self.failed: str | None = None
-        self._plan: _WholePlan | None = None  # the whole step's calls, found once for steps alike (`_whole_plan`)
+        # the whole step's calls, found once for steps alike (`_whole_plan`), per store (sessions taking turns
+        # keep theirs: the crossing's measurement alternates two): the last PLANS stores'
+        self._plans: dict[int, _WholePlan] = {}
         self._plan_key: tuple | None = None
 
     def _structure(self, block) -> tuple:
@@ -298,7 +207,7 @@ class StepParts:
 
             t0 = time.perf_counter()
             symbolic = attend is not None
-            make, base = _WRAPPERS[name]
+            make, base = PARTS[name]
             wrapper = make(*blocks) if attend is None else make(*blocks, attend)
             weights = _weights(blocks)
             names = list(weights)
@@ -308,7 +217,7 @@ class StepParts:
             def traced(*flat):
                 rest = list(flat[n:-1] if symbolic else flat[n:])
                 args = rest[:base]
-                if name in _ROTATES:
+                if name in ROTATES:
                     args.append(_rope(rest[base:]) if has_rope else None)
                 if symbolic:  # the slot, the size of the marker after the tensors
                     args.append(flat[-1].shape[0] - _SLOT_MARGIN)
@@ -554,22 +463,26 @@ class StepParts:
                 x, q, k, v = got[2:]
             session.event(i, "attn_out", h1)
         if plan is None and self._plan_key is not None:
-            self._plan = _WholePlan(self._plan_key, blocks, calls)
+            self._plans.pop(id(store), None)
+            self._plans[id(store)] = _WholePlan(self._plan_key, blocks, calls)
+            while len(self._plans) > PLANS:
+                del self._plans[next(iter(self._plans))]  # the store planned longest ago
         return model.head(h[:, -1])
 
     def _whole_plan(self, blocks: list, store, attend: float, first: list, ropes: list):
-        """The whole step's calls of the last step that found them, where this step makes the same calls: the same
-        blocks, store and scale, layer 0's inputs (its hidden state, the enter part's q, k, v, the positions, the
-        rotary tensors, which every layer shares) of the same layouts. Each layer's inputs then have the layouts
-        they had at that step: its pool tensors are the same (checked per layer), and its h, q, k, v are what
-        the same part made of inputs of the same layouts. None: this step finds each layer's part by its inputs."""
+        """The whole step's calls of the store's last step that found them, where this step makes the same
+        calls: the same blocks, store and scale, layer 0's inputs (its hidden state, the enter part's q, k, v,
+        the positions, the rotary tensors, which every layer shares) of the same layouts. Each layer's inputs
+        then have the layouts they had at that step: its pool tensors are the same (checked per layer), and its
+        h, q, k, v are what the same part made of inputs of the same layouts. None: this step finds each layer's
+        part by its inputs."""
         if any(len(r) != len(ropes[0]) or any(a is not b for a, b in zip(r, ropes[0])) for r in ropes[1:]):
             self._plan_key = None  # layers rotating differently: each layer's inputs are checked
             return None
         key = (weakref.ref(store), store.capacity, attend, len(blocks),
                *((t.shape, t.stride(), t.dtype, t.device) for t in (*first, *(ropes[0] if ropes else ()))))
         self._plan_key = key
-        plan = self._plan
+        plan = self._plans.get(id(store))
         if plan is None or plan.key != key or any(a is not b for a, b in zip(plan.blocks, blocks)):
             return None
         return plan

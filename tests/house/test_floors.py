@@ -16,7 +16,7 @@ FLOORS = [
                 "precision", "sparsity", "kernels", "kernels.*"]),
     ("stores and the policy interface", ["cache", "pool", "policy"]),
     ("network", ["model", "checkpoints", "quantized", "gguf_model", "loading"]),
-    ("step", ["runtime", "runtime.*", "compiled"]),
+    ("step", ["runtime", "runtime.*", "compiled", "compiled_parts"]),
     ("placement", ["placement", "placement.*"]),
     ("calibration", ["skew"]),
     ("methods", ["policies", "policies.*"]),

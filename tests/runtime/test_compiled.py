@@ -243,6 +243,41 @@ def test_later_whole_steps_make_the_calls_the_first_found_without_finding_them_a
         torch.testing.assert_close(fast, _run(model, _policy("full", model), tokens), atol=2e-5, rtol=2e-5)
 
 
+def test_sessions_taking_turns_keep_their_whole_step_calls(monkeypatch):
+    """Two sessions decoding in turns on one StepParts (the crossing's measurement alternates the full cache and the
+    policy step by step) each keep their whole step's calls: after each one's first step no attending part is
+    looked up again, and each gives its own eager logits."""
+    model = _model("llama")
+    parts = compiled.StepParts()
+    looked_up = []
+    original = parts._resolve
+
+    def resolve(name, blocks, tensors, *scale):
+        looked_up.append(name)
+        return original(name, blocks, tensors, *scale)
+
+    monkeypatch.setattr(parts, "_resolve", resolve)
+    tokens = [_tokens(model, 1, seed=10), _tokens(model, 1, seed=11)]
+    model.step_parts = parts
+    try:
+        sessions = [Placement().new_session(model, 1, T, _policy("full", model)) for _ in tokens]
+        for sess, tok in zip(sessions, tokens):
+            runtime.prefill(model, tok[:, :P], sess)
+        fast = [[], []]
+        for t in range(P, T - 1):
+            if t == P + 1:
+                looked_up.clear()  # each session's first step found its parts
+            for i, (sess, tok) in enumerate(zip(sessions, tokens)):
+                fast[i].append(runtime.decode(model, tok[:, t], sess))
+    finally:
+        model.step_parts = None
+    assert parts.failed is None
+    assert [name for name in looked_up if name != "enter"] == []
+    for i, tok in enumerate(tokens):
+        eager = _run(model, _policy("full", model), tok)[:, 1:]
+        torch.testing.assert_close(torch.stack(fast[i], 1), eager, atol=2e-5, rtol=2e-5)
+
+
 def test_a_block_whose_weight_has_other_strides_gets_its_own_part():
     """The compiled code checks no input's layout (`compiled._OPTIONS`): a layer whose weight has other strides
     than the layer before's (here one norm weight a strided view) is another structure, compiled for its own

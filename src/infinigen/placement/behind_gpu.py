@@ -1,0 +1,105 @@
+"""What an offloaded store does behind a GPU (a part of `OffloadedKVStore`): the pool lives in pinned host
+memory, the host gathers the rows a selection names, and the copies run on a copy stream, ordered by events, so
+the main thread does not wait for the GPU. A corrected layer's own selection is the exception: it is packed on
+the host from one copy of its mask (`_select_on_host`), since the host gathers the rows the prefetch missed."""
+from __future__ import annotations
+
+import torch
+
+from ..cache import KVStore, SelectedRows
+from .transfer import KV
+
+
+class BehindGpu:
+    """`OffloadedKVStore`'s CUDA paths (`copy_stream`, `buffers`, `planes`, `layout`, `_lock`, `_pending`,
+    `_copied`, `_consumed`, `_compute_stream`, `_own_host`, `_to_fast`, `stats` are the store's)."""
+
+    def _write_async(self, layer, rows, data):
+        """CUDA: copy the new rows device->pinned host on the copy stream; they enter the pool (a host-side
+        index_copy) before the next read of this layer, by which time the copy has long finished."""
+        produced = torch.cuda.Event()
+        produced.record()
+        host = []
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(produced)
+            for d in [rows] + data[0] + data[1]:
+                d.record_stream(self.copy_stream)
+                dst = torch.empty(d.shape, dtype=d.dtype, pin_memory=True)
+                dst.copy_(d, non_blocking=True)
+                host.append(dst)
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+        p = len(self.layout.planes)
+        with self._lock:
+            self._pending[layer].append((ev, host[0], [host[1:1 + p], host[1 + p:]]))
+
+    def _select_on_host(self, layer, keep, valid, planned):
+        """CUDA: `select_rows` packed on the host from one copy of the mask (the main thread waits once; packing on
+        the GPU waits for its counts several times), the packed rows sent back without waiting. The host's copy of
+        the rows and heads is kept for `_corrected`, which gathers the ones the prefetch missed."""
+        keep, valid = torch.broadcast_tensors(keep, valid)
+        keep_h, valid_h = torch.stack([keep, valid]).cpu()
+        if (planned is not None and planned.plan_host is not None and keep_h.shape == planned.plan_host.shape
+                and torch.equal(keep_h, planned.plan_host)):
+            self.stats.reused += 1
+            return planned.selection
+        packed = KVStore.select_rows(self, layer, keep_h, valid_h)
+        sel = SelectedRows(keep & valid, *(self._to_fast(x) for x in packed[1:]))
+        self._own_host = (sel.rows, packed.rows, packed.head)
+        return sel
+
+    def _host_rows(self, layer, sel) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sel`'s rows and heads on the host: the copy `_select_on_host` kept, else one copy now."""
+        if not self.cuda:
+            return sel.rows, sel.head
+        own = self._own_host
+        if own is not None and own[0] is sel.rows:
+            return own[1], own[2]
+        rows, head = torch.stack([sel.rows, sel.head]).cpu()
+        return rows, head
+
+    def _run_cuda(self, job, rows, total):
+        """The worker's part of a fetch behind a GPU: the rows gathered on the host into pinned staging (or the
+        used prefix as it lies), copied on the copy stream once layer-2's attention is done with the buffers."""
+        parity = job.layer % 2
+        planes = self.planes[job.layer]
+        if rows is not None:  # gather on the host into pinned staging, once its previous copy is done
+            prev = self._copied[parity]
+            if prev is not None:
+                prev.synchronize()
+            src = [[torch.index_select(pl, 0, rows, out=self.buffers.get(("stage", parity, kind, p), total,
+                                                                          pl.shape[1:], pl.dtype, host_pinned=True))
+                    for p, pl in enumerate(planes[kind])] for kind in KV]
+        else:  # full offload: the used prefix is contiguous pinned memory already
+            src = [[pl[:total] for pl in planes[kind]] for kind in KV]
+        with torch.cuda.stream(self.copy_stream):
+            consumed = self._consumed[parity]
+            if consumed is not None:
+                self.copy_stream.wait_event(consumed)  # layer-2's attention no longer reads these buffers
+            raw = []
+            for kind in KV:
+                dst = []
+                for p, s in enumerate(src[kind]):
+                    d = self.buffers.get(("raw", parity, kind, p), total, s.shape[1:], s.dtype,
+                                         read_on=self._compute_stream)
+                    d.copy_(s, non_blocking=True)
+                    dst.append(d)
+                raw.append(dst)
+            ev = torch.cuda.Event()
+            ev.record(self.copy_stream)
+        self._copied[parity] = ev
+        job.ready, job.raw = ev, raw
+
+    def _finish(self, job, kind, planes) -> torch.Tensor:
+        """CUDA, compute stream: reorder a full-layer copy to (b, h, i) and decode packed rows."""
+        parity = job.layer % 2
+        if job.full:
+            out = []
+            for p, pl in enumerate(planes):
+                shape = pl.shape[1:]
+                buf = self.buffers.get(("fast", parity, kind, p), pl.shape[0], shape, pl.dtype)
+                src = pl.view(job.n, self.batch, self.kv_heads, *shape).permute(1, 2, 0, *range(3, 3 + len(shape)))
+                buf.view(self.batch, self.kv_heads, job.n, *shape).copy_(src)
+                out.append(buf)
+            planes = out
+        return self.layout.decode(planes)
