@@ -218,12 +218,8 @@ def test_one_step_parts_serves_batches_of_other_layouts_with_their_own_kernels()
     assert parts.compiled == 6  # enter, attend_between, attend_leave for 1 row, and again for 2
 
 
-def test_later_whole_steps_make_the_calls_the_first_found_without_finding_them_again(monkeypatch):
-    """A whole step finds each layer's part by its inputs' layouts once; the steps after it, alike (the same store,
-    layer 0's inputs of the same layouts), call the parts it found (`_WholePlan`) without looking them up, and give
-    the eager logits. A session of another batch on the same StepParts finds its own parts (and its logits)."""
-    model = _model("llama")
-    parts = compiled.StepParts()
+def _record_lookups(parts, monkeypatch) -> list:
+    """The names of the parts `parts` looks up by their inputs (`_resolve`), appended as it does."""
     looked_up = []
     original = parts._resolve
 
@@ -232,6 +228,16 @@ def test_later_whole_steps_make_the_calls_the_first_found_without_finding_them_a
         return original(name, blocks, tensors, *scale)
 
     monkeypatch.setattr(parts, "_resolve", resolve)
+    return looked_up
+
+
+def test_later_whole_steps_make_the_calls_the_first_found_without_finding_them_again(monkeypatch):
+    """A whole step finds each layer's part by its inputs' layouts once; the steps after it, alike (the same store,
+    layer 0's inputs of the same layouts), call the parts it found (`_WholePlan`) without looking them up, and give
+    the eager logits. A session of another batch on the same StepParts finds its own parts (and its logits)."""
+    model = _model("llama")
+    parts = compiled.StepParts()
+    looked_up = _record_lookups(parts, monkeypatch)
     layers = len(model.layers)
     for batch in (2, 1):
         tokens = _tokens(model, batch, seed=8)
@@ -249,14 +255,7 @@ def test_sessions_taking_turns_keep_their_whole_step_calls(monkeypatch):
     looked up again, and each gives its own eager logits."""
     model = _model("llama")
     parts = compiled.StepParts()
-    looked_up = []
-    original = parts._resolve
-
-    def resolve(name, blocks, tensors, *scale):
-        looked_up.append(name)
-        return original(name, blocks, tensors, *scale)
-
-    monkeypatch.setattr(parts, "_resolve", resolve)
+    looked_up = _record_lookups(parts, monkeypatch)
     tokens = [_tokens(model, 1, seed=10), _tokens(model, 1, seed=11)]
     model.step_parts = parts
     try:
