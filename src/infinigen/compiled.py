@@ -182,7 +182,6 @@ class StepParts:
         # the whole step's calls, found once for steps alike (`_whole_plan`), per store (sessions taking turns
         # keep theirs: the crossing's measurement alternates two): the last PLANS stores'
         self._plans: dict[int, _WholePlan] = {}
-        self._plan_key: tuple | None = None
 
     def _structure(self, block) -> tuple:
         entry = self._structures.get(id(block))
@@ -423,7 +422,7 @@ class StepParts:
         cur = session.positions[:, 0]
         slots = torch.full((rows, k.shape[1]), slot, dtype=torch.long, device=k.device)  # what `append` returns
         ropes = [[t for t in _rope_tensors(b.own_rope(rope)) if t is not None] for b in blocks[1:]]
-        plan = self._whole_plan(blocks, store, attend, [h, q, k, v, cur], ropes)
+        key, plan = self._whole_plan(blocks, store, attend, [h, q, k, v, cur], ropes)
         calls = []  # this step's (part, weights, pool tensors' ids) per layer: the next steps' plan
         for i, block in enumerate(blocks):
             session.event(i, "attn_in", x)
@@ -462,9 +461,9 @@ class StepParts:
             if i + 1 < n:
                 x, q, k, v = got[2:]
             session.event(i, "attn_out", h1)
-        if plan is None and self._plan_key is not None:
+        if plan is None and key is not None:
             self._plans.pop(id(store), None)
-            self._plans[id(store)] = _WholePlan(self._plan_key, blocks, calls)
+            self._plans[id(store)] = _WholePlan(key, blocks, calls)
             while len(self._plans) > PLANS:
                 del self._plans[next(iter(self._plans))]  # the store planned longest ago
         return model.head(h[:, -1])
@@ -474,18 +473,16 @@ class StepParts:
         calls: the same blocks, store and scale, layer 0's inputs (its hidden state, the enter part's q, k, v,
         the positions, the rotary tensors, which every layer shares) of the same layouts. Each layer's inputs
         then have the layouts they had at that step: its pool tensors are the same (checked per layer), and its
-        h, q, k, v are what the same part made of inputs of the same layouts. None: this step finds each layer's
-        part by its inputs."""
+        h, q, k, v are what the same part made of inputs of the same layouts. Returns (this step's key, that plan);
+        the plan None: this step finds each layer's part by its inputs; the key None too: nor is its plan kept."""
         if any(len(r) != len(ropes[0]) or any(a is not b for a, b in zip(r, ropes[0])) for r in ropes[1:]):
-            self._plan_key = None  # layers rotating differently: each layer's inputs are checked
-            return None
+            return None, None  # layers rotating differently: each layer's inputs are checked
         key = (weakref.ref(store), store.capacity, attend, len(blocks),
                *((t.shape, t.stride(), t.dtype, t.device) for t in (*first, *(ropes[0] if ropes else ()))))
-        self._plan_key = key
         plan = self._plans.get(id(store))
         if plan is None or plan.key != key or any(a is not b for a, b in zip(plan.blocks, blocks)):
-            return None
-        return plan
+            return key, None
+        return key, plan
 
 
 class _WholePlan:

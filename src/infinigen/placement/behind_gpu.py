@@ -48,7 +48,7 @@ class BehindGpu:
         self._own_host = (sel.rows, packed.rows, packed.head)
         return sel
 
-    def _host_rows(self, layer, sel) -> tuple[torch.Tensor, torch.Tensor]:
+    def _host_rows(self, sel) -> tuple[torch.Tensor, torch.Tensor]:
         """`sel`'s rows and heads on the host: the copy `_select_on_host` kept, else one copy now."""
         if not self.cuda:
             return sel.rows, sel.head

@@ -318,7 +318,7 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
         t0 = time.perf_counter()
         held = job.held_rows  # the prefetched rows of the flat store order, ascending, on the host
         p = job.selected
-        rows, head = self._host_rows(layer, sel)
+        rows, head = self._host_rows(sel)
         real = head >= 0
         at, found = located(held, rows)
         found &= real

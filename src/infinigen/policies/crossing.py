@@ -346,8 +346,6 @@ def measure(model, policy, lengths: list[int] | None = None, steps: int = STEPS,
     {"lengths", "full_ms", "policy_ms", "ratio", "pairs", "dense_below", "seconds"} ("seconds": the whole
     measurement's, `kv`'s capture on first use included)."""
     t0 = time.perf_counter()
-    if kv is not None and hasattr(kv, "capture"):
-        kv.capture(model)
     lengths = sorted(lengths or lengths_for(model))
     selecting = dataclasses.replace(policy, dense_below=0, calibrate=False)
     if getattr(policy, "matrices", None) is not None:
