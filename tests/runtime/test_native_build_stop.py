@@ -1,7 +1,7 @@
 """A command interrupted while a native kernel builds exits now: its ninja is interrupted (and with it the
 compiler), the build ends without a warning line, and nothing waits for the minutes a cold build takes on a busy
-machine. The build here is a ninja whose one command sleeps for ten minutes, so every verdict is seconds against
-minutes."""
+machine. The build here is a ninja whose one command sleeps for an hour, and every wait is far shorter than that
+and far longer than a loaded machine needs."""
 from __future__ import annotations
 
 import shutil
@@ -25,15 +25,15 @@ import subprocess
 from pathlib import Path
 import torch.utils.cpp_extension as cpp_extension
 
-def slow_load(name, sources, build_directory, **kw):  # a build that takes ten minutes
-    Path(build_directory, "build.ninja").write_text("rule wait\\n  command = sleep 600\\nbuild never: wait\\n")
+def slow_load(name, sources, build_directory, **kw):  # a build that takes an hour
+    Path(build_directory, "build.ninja").write_text("rule wait\\n  command = sleep 3600\\nbuild never: wait\\n")
     subprocess.run(["ninja", "-C", build_directory], check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 cpp_extension.load = slow_load
 """
 
 
-def _wait_until(condition, timeout: float = 60) -> bool:
+def _wait_until(condition, timeout: float = 900) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
@@ -60,7 +60,7 @@ def test_stop_builds_ends_a_build_in_flight(tmp_path, monkeypatch, capsys):
         assert _wait_until(lambda: native_build._children_named("ninja")), "the build's ninja never started"
         ninja = native_build._children_named("ninja")[0]
         native_build.stop_builds()
-        builder.join(timeout=60)
+        builder.join(timeout=900)
         assert not builder.is_alive(), "the build still runs after stop_builds"
     finally:
         for pid in native_build._children_named("ninja"):
@@ -84,11 +84,11 @@ def test_a_signal_while_the_kernels_build_exits_at_once(tiny_checkpoint, tmp_pat
     p = subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env)
     try:
-        assert _wait_until(lambda: any(_comm(c) == "ninja" for c in _descendants(p.pid)), timeout=300), \
+        assert _wait_until(lambda: any(_comm(c) == "ninja" for c in _descendants(p.pid)), timeout=900), \
             "the kernels' build never started"
         p.send_signal(sig)
         try:
-            _, err = p.communicate(timeout=120)  # the build alone would take 600 s
+            _, err = p.communicate(timeout=900)  # the build alone would take 3600 s
         except subprocess.TimeoutExpired:
             pytest.fail("the command waited for the kernels' build after the signal")
     finally:
