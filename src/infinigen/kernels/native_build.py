@@ -67,14 +67,13 @@ def loaded(name: str) -> bool:
     return _loaded.get(name) is not None
 
 
-def stop_builds() -> None:
+def stop_builds(wait_s: float = 10.0) -> None:
     """The exit of an interrupted command (Ctrl-C, SIGTERM): the builds in flight stop now instead of holding the
     exit until their compiler finishes (minutes on a busy machine). Their ninja is interrupted, which stops its
-    compilers and removes what they half-wrote; the next command builds again. Returns once no build is in flight
-    (the exit would wait for it anyway): a build about to start its ninja has it interrupted as it appears, however
-    long a loaded machine takes to get there. Linux (elsewhere this waits as the exit would)."""
+    compilers and removes what they half-wrote; the next command builds again. Linux (elsewhere the exit waits)."""
     _stopping.set()
-    while _building:
+    deadline = time.monotonic() + wait_s
+    while _building and time.monotonic() < deadline:  # a build may be about to start its ninja
         for pid in _children_named("ninja"):
             try:
                 os.kill(pid, signal.SIGINT)
