@@ -6,7 +6,7 @@
 2. Side by side in one process, alternating: the shared dense pass and the passes of `--compare` candidates of that
    search (default: the first and the chosen one) by two of these paths (`--paths`, default exact,fast): "torch"
    (the rows chosen by torch in blocks of 64, `runtime.attend_rows`, the float32 head, every layer run), "exact"
-   (the fused kernel: `infinigen_select.rows_fused`, `runtime.attend_rows_packed`; the float32 head, every layer
+   (the fused kernel: `infinigen_select.rows_fused`, `runtime.attend_rows`; the float32 head, every layer
    run), "fast" (what the search runs now: the fused kernel, `calibrate.head_nll` over a large vocabulary, each
    candidate's rows entering its first selecting layer from the shared pass: `calibrate.shared_layers`); with how
    far the loss moved between them.

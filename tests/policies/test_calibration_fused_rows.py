@@ -1,4 +1,4 @@
-"""Calibration's scoring through the fused kernel (`infinigen_select.rows_fused`, `runtime.attend_rows_packed`):
+"""Calibration's scoring through the fused kernel (`infinigen_select.rows_fused`, `runtime.attend_rows`):
 the teacher-forced rows of a candidate selected and attended per row in C++ score as the torch path does.
 
 Tiny random Llama models as in test_calibrate.py: "peaked" (each head attends to about one entry) and "flat"

@@ -4,7 +4,8 @@ or every entry in place) with: each (batch row, KV head) its selected slots, pad
 entries stacked, each row's padded to the longest read.
 
 `padded_reference(*sessions)` makes sessions read so (their class becomes `PaddedReferenceSession`); a step that
-decodes several of them together runs inside `decoding_padded()`."""
+decodes several of them together runs inside `decoding_padded()`. `attend_teacher_rows` is the padded reference of
+teacher-forced rows (`attention.attend_rows`): every row scored against every key, the unread masked out."""
 from __future__ import annotations
 
 import contextlib
@@ -12,11 +13,14 @@ from typing import NamedTuple
 from unittest import mock
 
 import torch
+import torch.nn.functional as F
 
 from infinigen.runtime import attention, passes
 from infinigen.runtime.session import ReadPlan, Session
 from infinigen.runtime.step_attention import _part
-from infinigen.selection import ALL, All
+from infinigen.selection import ALL, All, Remainder, first_key_read
+
+TEACHER_ROWS = 1024  # rows per call of `attend_teacher_rows`: bounds its [R, T] scores
 
 
 def slots(store, layer: int, keep: torch.Tensor, valid: torch.Tensor):
@@ -204,3 +208,49 @@ def _stack(layer: int, q, k, v, sessions, spans, plans, fused: bool, buffers):
             if fused:
                 kp[a:b, :, m:m + 1], vp[a:b, :, m:m + 1] = k[a:b], v[a:b]
     return kp, vp, mask, sizes, stored
+
+
+def attend_teacher_rows(q, k, v, keep, first: int, codec, scale: float, remainder: Remainder | None = None):
+    """The padded reference of `attention.attend_rows` (keep a mask): decoding rows q [B,H,R,d] (positions
+    first..first+R-1 of a sequence with keys and values k, v [B,Hkv,T,d]) at once, scored against every key in
+    one [R, T] matrix per chunk: each reads the entries in keep [B,Hkv,R,T] plus itself, past entries as the
+    store would hold them (`codec`), its own token as computed; plus what the policy estimates the unread
+    entries add (`remainder`, see `Remainder`: their mean value from the sequence's values)."""
+    b, h, r, d = q.shape
+    t = k.shape[2]
+    p = first
+    rows = torch.arange(p, p + r, device=q.device)[:, None]
+    cols = torch.arange(t, device=q.device)[None, :]
+    kq, vq = codec.encode(k), codec.encode(v)
+    diag = (cols == rows)[None, None]
+    hkv, g = k.shape[1], h // k.shape[1]
+    qg = q.view(b, hkv, g, r, d)
+    out = torch.empty_like(qg)
+    lse = None if remainder is None else q.new_empty(b, hkv, g, r, dtype=torch.float32)
+    for s in range(0, r, TEACHER_ROWS):
+        e = min(r, s + TEACHER_ROWS)
+        # the keys some row of the chunk reads or is: [lo, hi). The rest (the future; behind a sliding window,
+        # the past: a 512-token window at 32K tokens) would get a weight of exactly 0
+        hi = min(t, p + e)
+        lo = min(first_key_read(keep[:, :, s:e, :hi], hi), p + s)
+        qc = qg[:, :, :, s:e]
+        scores = torch.matmul(qc, kq[:, :, None, lo:hi].transpose(-1, -2)).float() * scale  # [B,Hkv,G,c,n]
+        own = (qc.float() * k[:, :, None, p + s:p + e].float()).sum(-1) * scale  # [B,Hkv,G,c]
+        scores = scores.masked_fill(~keep[:, :, None, s:e, lo:hi], float("-inf"))
+        dg = diag[:, :, None, s:e, lo:hi]
+        scores = torch.where(dg, own[..., None], scores)
+        probs = torch.softmax(scores, dim=-1)
+        if lse is not None:
+            lse[..., s:e] = torch.logsumexp(scores, -1)
+        pd = (probs * dg).sum(-1, keepdim=True)
+        past = torch.matmul(probs.masked_fill(dg, 0).to(vq.dtype), vq[:, :, None, lo:hi])
+        out[:, :, :, s:e] = past + pd.to(v.dtype) * v[:, :, None, p + s:p + e]
+    out = out.view(b, h, r, d)
+    if remainder is None:
+        return out
+    vf = vq.float()
+    read = keep.float()
+    # every entry before each row: the sequence's values summed up to it, [B, Hkv, R, d], and their count
+    totals = F.pad(vf.cumsum(2), (0, 0, 1, 0))[:, :, p:p + r]
+    counts = torch.arange(p, p + r, device=q.device).expand(b, hkv, r)
+    return attention.with_remainder(attention.Attended(out, lse, read @ vf, read.sum(-1)), remainder._replace(sums=totals, counts=counts))

@@ -27,9 +27,8 @@ computes it, with the work every candidate shares done once (`window`: one dense
 full cache's loss and the prompt's keys and values) and each candidate's rows chosen a block at a time
 (`infinigen_select.rows_in_blocks`: the same selection up to float summation order). Where the fused kernel is
 built (budget "layer"), a layer's rows are selected in C++, 256 rows per call, each row under its own cap
-(`infinigen_select.rows_fused`), and each row attends to its packed entries in one call
-(`runtime.attend_rows_packed`): no [rows, tokens] score or mask tensor; elsewhere the torch blocks and
-`runtime.attend_rows` do the same. A candidate's rows enter its first selecting layer with the shared pass's
+(`infinigen_select.rows_fused`); elsewhere the torch blocks do the same. Each row attends to its packed entries
+as a decoding step does (`runtime.attend_rows`): no [rows, tokens] score tensor. A candidate's rows enter its first selecting layer with the shared pass's
 hidden states (the layers before it read densely: `shared_layers`), and over a vocabulary of BF16_HEAD_VOCAB
 tokens or more the loss head is a bfloat16 product with each row's largest logits and its target's in float32
 (`head_nll`: on Gemma 3 it moves a candidate's NLL by 1e-5 to 4e-5, over twenty times less than the closest
@@ -335,17 +334,13 @@ def score_rows(model, win: Window, policy, blocks: bool = True, block_rows: int 
         if isinstance(keep, SelectedRows):  # packed per row by the fused kernel (a layer without a window)
             sess.stats.record(layer, keep.counts.T[None], row_pos.T.expand(1, 1, b1 - b0))
             remainder = sess.policy.remainder_at(layer, sess)
-            if sess.store.codec.encode(k) is k and fused_select.usable(q, k):  # the keys as the store holds them
-                return runtime.attend_rows_packed(q, k, v, keep, b0, model.scale, remainder)
-            keep = keep.keep.permute(1, 0, 2)[None]
             return runtime.attend_rows(q, k, v, keep, b0, sess.store.codec, model.scale, remainder)
         dense = keep is ALL
         keep = visible[None, None] if dense else keep & visible
         sess.stats.record(layer, keep.sum(-1).expand(1, k.shape[1], b1 - b0), past.expand(1, 1, b1 - b0))
         remainder = sess.policy.remainder_at(layer, sess)
         if dense and remainder is None and sess.store.codec.encode(k) is k:  # every entry in view: one fused call
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible | (cols == row_pos), scale=model.scale,
-                                                  enable_gqa=True)
+            return runtime.attend_visible(q, k, v, visible, b0, model.scale)
         return runtime.attend_rows(q, k, v, keep, b0, sess.store.codec, model.scale, remainder)
 
     nlls = [torch.tensor([win.first_nll], dtype=torch.float64)]  # per token of the window, as scored

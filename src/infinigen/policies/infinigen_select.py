@@ -305,7 +305,7 @@ def row_caps(policy, st, model, layer: int, first: int, t: int) -> torch.Tensor:
 def rows_fused(policy, layer, rows, session, block: int = ROWS_PER_FUSED_CHOICE) -> SelectedRows:
     """`rows_in_blocks`' selection made by the fused kernel (`fused_select.select_packed_rows`, budget "layer":
     the same cut up to float rounding), `block` rows per call, packed per row for the fused attention
-    (`runtime.attend_rows_packed`): SelectedRows with the rows as its batch, keep [R, Hkv, T], rows [R, m] each
+    (`runtime.attend_rows`): SelectedRows with the rows as its batch, keep [R, Hkv, T], rows [R, m] each
     row's entries in the sequence's flat [Hkv * T, d] keys, head-major (padding: head -1), counts [R, Hkv].
     The unread mass per row (the remainder's log-sum-exp) goes to `state.remainders` as `rows_in_blocks` puts it."""
     st, model = session.state, session.model

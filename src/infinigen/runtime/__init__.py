@@ -17,10 +17,10 @@ processed). `Session.attend` is the one entry point of attention on every path, 
 from __future__ import annotations
 
 from ..selection import ALL, Rows
-from .attention import attend_all, attend_masked, attend_rows, attend_rows_packed
+from .attention import attend_all, attend_masked, attend_rows, attend_visible
 from .passes import decode, prefill, prefill_in_slices, teacher_forced
 from .session import Listener, Session
 from .stats import KVStats
 
 __all__ = ["Session", "Listener", "KVStats", "prefill", "prefill_in_slices", "decode", "teacher_forced", "attend_all",
-           "attend_masked", "attend_rows", "attend_rows_packed", "ALL", "Rows"]
+           "attend_masked", "attend_rows", "attend_visible", "ALL", "Rows"]

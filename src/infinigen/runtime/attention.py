@@ -8,9 +8,11 @@ import torch.nn.functional as F
 
 from ..cache import SelectedRows
 from ..kernels import fused_select
-from ..selection import Remainder, first_key_read
+from ..model import _grouped_sdpa
+from ..selection import Remainder
 
-ROW_CHUNK = 1024  # teacher-forced decoding rows per attention call: bounds the score matrix at long contexts
+ROW_ENTRIES = 1 << 22  # teacher-forced (row, entry) pairs packed at once: bounds the packed index at long contexts
+GATHER_ELEMENTS = 1 << 24  # keys gathered per call where the kernel cannot read them in place (rows x entries x d)
 
 
 def attend_all(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, scale: float) -> torch.Tensor:
@@ -102,70 +104,101 @@ def packed_weights(q, kp, head, hkv: int, scale: float) -> torch.Tensor:
 
 
 def attend_rows(q, k, v, keep, first: int, codec, scale: float, remainder: Remainder | None = None) -> torch.Tensor:
-    """Decoding rows q [B,H,R,d] (positions first..first+R-1 of a sequence with keys and values k, v
-    [B,Hkv,T,d]) at once: each reads the entries in keep [B,Hkv,R,T] plus itself, past entries as the
-    store would hold them (`codec`), its own token as computed; plus what the policy estimates the unread
-    entries add (`remainder`, see `Remainder`: their mean value from the sequence's values)."""
+    """Teacher-forced decoding rows q [B,H,R,d] (positions first..first+R-1 of a sequence with keys and values
+    k, v [B,Hkv,T,d]) at once, each read as the decoding step reads it: the past entries in `keep` (a mask
+    [B,Hkv,R,T], or a selection packed per row: `SelectedRows` whose batch is the rows, B = 1) as the store
+    would hold them (`codec`), then its own token as computed, by the step's attention over packed rows
+    (`fused_select.attend_rows`; `attend_packed_rows` where the kernel cannot take the tensors); plus what the
+    policy estimates the unread entries add (`remainder`, see `Remainder`: their mean value from the sequence's
+    values). A mask is packed `ROW_ENTRIES` (rows x entries) at a time: no [R, T] score tensor."""
     b, h, r, d = q.shape
-    t = k.shape[2]
-    p = first
-    rows = torch.arange(p, p + r, device=q.device)[:, None]
-    cols = torch.arange(t, device=q.device)[None, :]
-    kq, vq = codec.encode(k), codec.encode(v)
-    diag = (cols == rows)[None, None]
-    hkv, g = k.shape[1], h // k.shape[1]
-    qg = q.view(b, hkv, g, r, d)
-    out = torch.empty_like(qg)
-    lse = None if remainder is None else q.new_empty(b, hkv, g, r, dtype=torch.float32)
-    for s in range(0, r, ROW_CHUNK):
-        e = min(r, s + ROW_CHUNK)
-        # the keys some row of the chunk reads or is: [lo, hi). The rest (the future; behind a sliding window,
-        # the past: a 512-token window at 32K tokens) would get a weight of exactly 0
-        hi = min(t, p + e)
-        lo = min(first_key_read(keep[:, :, s:e, :hi], hi), p + s)
-        qc = qg[:, :, :, s:e]
-        scores = torch.matmul(qc, kq[:, :, None, lo:hi].transpose(-1, -2)).float() * scale  # [B,Hkv,G,c,n]
-        own = (qc.float() * k[:, :, None, p + s:p + e].float()).sum(-1) * scale  # [B,Hkv,G,c]
-        scores = scores.masked_fill(~keep[:, :, None, s:e, lo:hi], float("-inf"))
-        dg = diag[:, :, None, s:e, lo:hi]
-        scores = torch.where(dg, own[..., None], scores)
-        probs = torch.softmax(scores, dim=-1)
-        if lse is not None:
-            lse[..., s:e] = torch.logsumexp(scores, -1)
-        pd = (probs * dg).sum(-1, keepdim=True)
-        past = torch.matmul(probs.masked_fill(dg, 0).to(vq.dtype), vq[:, :, None, lo:hi])
-        out[:, :, :, s:e] = past + pd.to(v.dtype) * v[:, :, None, p + s:p + e]
-    out = out.view(b, h, r, d)
-    if remainder is None:
-        return out
-    vf = vq.float()
-    read = keep.float()
-    # every entry before each row: the sequence's values summed up to it, [B, Hkv, R, d], and their count
-    totals = F.pad(vf.cumsum(2), (0, 0, 1, 0))[:, :, p:p + r]
-    counts = torch.arange(p, p + r, device=q.device).expand(b, hkv, r)
-    return with_remainder(Attended(out, lse, read @ vf, read.sum(-1)), remainder._replace(sums=totals, counts=counts))
-
-
-def attend_rows_packed(q, k, v, sel: SelectedRows, first: int, scale: float,
-                       remainder: Remainder | None = None) -> torch.Tensor:
-    """`attend_rows` over a selection packed per row (`SelectedRows` whose batch is the rows: rows [R, m] each
-    row's entries in the sequence's flat [Hkv * T, d] keys and values, head-major; counts [R, Hkv]), in one call
-    of the fused kernel (`fused_select.attend_rows`: no [R, T] score or mask tensor). Keys and values are read
-    as computed: for a store whose codec keeps them as they are (the caller checks, and `fused_select.usable`)."""
-    _, h, r, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
-    rows = torch.arange(first, first + r, device=q.device)
-    own = (torch.arange(hkv, device=q.device) * t)[None, :] + rows[:, None]  # [R, Hkv]: each row's own token
-    out, lse, read_sum = fused_select.attend_rows(q[0].transpose(0, 1), k[0].reshape(hkv * t, d),
-                                                  v[0].reshape(hkv * t, d), sel.rows, sel.counts, own, scale)
-    out = out.transpose(0, 1)[None]  # [1, H, R, d]
-    if remainder is None:
+    kq, vq = codec.encode(k), codec.encode(v)
+    keys, values = kq.reshape(-1, d), vq.reshape(-1, d)
+    own_at = 0
+    if kq is not k or vq is not v:  # the past as coded, each row's own token as computed after it
+        keys, values = torch.cat([keys, k.reshape(-1, d)]), torch.cat([values, v.reshape(-1, d)])
+        own_at = b * hkv * t
+    heads = torch.arange(b * hkv, device=q.device).view(b, 1, hkv) * t  # each (batch row, KV head)'s first entry
+    own = own_at + heads + torch.arange(first, first + r, device=q.device)[None, :, None]  # [B, R, Hkv]
+    kernel = fused_select.usable(q, keys)
+    wants = remainder is not None
+    out = q.new_empty(b, r, h, d)
+    lse = q.new_empty(b, r, h, dtype=torch.float32) if wants else None
+    read_sum = q.new_empty(b, r, hkv, d, dtype=torch.float32) if wants else None
+    read_count = torch.empty(b, r, hkv, dtype=torch.long, device=q.device) if wants else None
+    if isinstance(keep, SelectedRows):  # (packed per row already, B = 1)
+        chunks = [(0, r, keep.rows, keep.counts)]
+    else:
+        step = max(1, ROW_ENTRIES // max(1, b * hkv * t))
+        chunks = ((s, min(r, s + step), *_packed(keep[:, :, s:min(r, s + step)], heads.view(b, hkv)))
+                  for s in range(0, r, step))
+    for s, e, rows, counts in chunks:
+        qc = q[:, :, s:e].transpose(1, 2).reshape(-1, h, d)  # [B * c, H, d], batch-row-major
+        args = (qc, keys, values, rows, counts, own[:, s:e].reshape(-1, hkv), scale)
+        o, l, rs = fused_select.attend_rows(*args) if kernel else attend_packed_rows(*args)
+        out[:, s:e] = o.view(b, e - s, h, d)
+        if wants:
+            lse[:, s:e], read_sum[:, s:e] = l.view(b, e - s, h), rs.view(b, e - s, hkv, d)
+            read_count[:, s:e] = counts.view(b, e - s, hkv)
+    out = out.transpose(1, 2)  # [B, H, R, d]
+    if not wants:
         return out
-    att = Attended(out, lse.view(r, hkv, h // hkv).permute(1, 2, 0)[None], read_sum.transpose(0, 1)[None],
-                   sel.counts.T[None])
-    # every entry before each row: the sequence's values summed up to it, [1, Hkv, R, d], and their count
-    totals = F.pad(v.float().cumsum(2), (0, 0, 1, 0))[:, :, first:first + r]
-    return with_remainder(att, remainder._replace(sums=totals, counts=rows.expand(1, hkv, r)))
+    att = Attended(out, lse.view(b, r, hkv, h // hkv).permute(0, 2, 3, 1), read_sum.transpose(1, 2),
+                   read_count.transpose(1, 2))
+    # every entry before each row: the sequence's values summed up to it, [B, Hkv, R, d], and their count
+    totals = F.pad(vq.float().cumsum(2), (0, 0, 1, 0))[:, :, first:first + r]
+    counts = torch.arange(first, first + r, device=q.device).expand(b, hkv, r)
+    return with_remainder(att, remainder._replace(sums=totals, counts=counts))
+
+
+def attend_visible(q, k, v, visible: torch.Tensor, first: int, scale: float) -> torch.Tensor:
+    """Teacher-forced rows q [B,H,R,d] (positions first..first+R-1) that read every past entry in view (visible
+    [R, T]) of k, v [B,Hkv,T,d] as computed, plus themselves, with no remainder: a layer that does not select, in
+    one fused call (what `attend_rows` computes for keep = visible and an identity codec)."""
+    r, t = q.shape[2], k.shape[2]
+    own = torch.arange(t, device=q.device)[None] == torch.arange(first, first + r, device=q.device)[:, None]
+    return _grouped_sdpa(q, k, v, q.shape[1] // k.shape[1], attn_mask=visible | own, scale=scale)
+
+
+def _packed(keep: torch.Tensor, heads: torch.Tensor):
+    """keep [B, Hkv, c, T] (or broadcasting to it) -> each of the B * c rows' kept entries packed as the step packs a selection: rows
+    [B * c, m] each entry's row in the flat [B * Hkv * T, d] keys (heads [B, Hkv]: each one's first), head-major
+    in ascending position, padding after the last run; counts [B * c, Hkv]."""
+    b, hkv = heads.shape
+    c, t = keep.shape[2:]
+    keep = keep.expand(b, hkv, c, t)  # (a mask the same for every batch row or KV head broadcasts)
+    per_row = keep.transpose(1, 2).reshape(b * c, hkv * t)
+    counts = per_row.view(b * c, hkv, t).sum(-1)
+    total = counts.sum(-1)
+    at, col = per_row.nonzero(as_tuple=True)  # row-major: each row's entries head-major, ascending
+    base = heads[:, :1].expand(b, c).reshape(-1)  # each row's batch row's first entry
+    rows = base[:, None].repeat(1, int(total.max()) if total.numel() else 0)
+    rows[at, torch.arange(at.numel(), device=keep.device) - (total.cumsum(0) - total)[at]] = col + base[at]
+    return rows, counts
+
+
+def attend_packed_rows(q, keys, values, rows, counts, own, scale: float):
+    """`fused_select.attend_rows`'s computation in torch (where the kernel cannot take the tensors): q [N, H, d]
+    over each row's packed rows of keys, values [M, d] (rows [N, m] head-major, counts [N, Hkv]) and then its own
+    (own [N, Hkv]), gathered `GATHER_ELEMENTS` at a time into one masked fused call (`attend_packed`). Returns out
+    [N, H, d], lse [N, H] and read_sum [N, Hkv, d] (float32; past rows only)."""
+    n, h, d = q.shape
+    hkv, m = counts.shape[1], rows.shape[1]
+    cols = torch.arange(m, device=q.device).repeat(n, 1)
+    head = torch.searchsorted(counts.cumsum(-1), cols, right=True)  # each column's KV head; hkv: padding
+    head = torch.cat([head.masked_fill(head >= hkv, -1), torch.arange(hkv, device=q.device).expand(n, hkv)], 1)
+    index = torch.cat([rows, own], 1)
+    out = q.new_empty(n, h, d)
+    lse = q.new_empty(n, h, dtype=torch.float32)
+    read_sum = q.new_empty(n, hkv, d, dtype=torch.float32)
+    step = max(1, GATHER_ELEMENTS // ((m + hkv) * d))
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        kp, vp = keys[index[s:e]][:, None], values[index[s:e]][:, None]  # [c, 1, m + Hkv, d]
+        att = attend_packed(q[s:e, :, None], kp, vp, head[s:e], hkv, scale, remainder=True)
+        out[s:e], lse[s:e], read_sum[s:e] = att.out[:, :, 0], att.lse.reshape(e - s, h), att.read_sum
+    return out, lse, read_sum
 
 
 class StepBuffers:
