@@ -69,7 +69,7 @@ def one_layer(ctx: int, prefill: int) -> dict:
 
 
 def ppl_rounds(text: str, ctx: int, prefill: int, rounds: int) -> list[dict]:
-    model, tok = infinigen.load()
+    model, tok, _ = infinigen.load()
     policy = make_policy("infinigen").prepare(model, tok)
     packed = attention.attend_rows
     runs = []

@@ -14,6 +14,8 @@ import torch
 from infinigen import runtime
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
+from infinigen.kernels import fused_select
+from infinigen.runtime import attention
 from infinigen.runtime.attention import Attended, with_remainder
 from infinigen.selection import Remainder
 from support.padded_reference import decoding_padded, padded_reference
@@ -105,6 +107,32 @@ def test_each_session_of_a_step_mixes_in_its_own_remainder(tiny, read_rows):
                                                make_policy("infinigen", remainder=True, **FLAT)], tokens, read_rows)
     assert (tf[:, P - 1:] - rest).abs().max() <= 1e-4
     assert (tf_flat[:, P - 1:] - flat).abs().max() <= 1e-4
+
+
+@pytest.mark.skipif(not fused_select.available(), reason="the fused kernel is not built here")
+def test_sessions_of_a_step_each_read_their_rows_by_the_kernel(tiny, monkeypatch):
+    """Sessions that read packed rows in one step each take the fused kernel once per layer, as alone (no rows
+    gathered into one masked call), and decode as alone: the full cache beside two InfiniGen sessions. Without
+    the kernel the gathered call serves and decodes the same."""
+    tokens = _tokens(tiny)
+    policies = [make_policy("full"), make_policy("infinigen", remainder=True, **LIMITED),
+                make_policy("infinigen", remainder=True, **FLAT)]
+    alone = [_decode(tiny, p, tokens)[0][:, 1:] for p in policies]
+    calls, gathered = [], []
+    kernel, packed = fused_select.attend_rows, attention.attend_packed
+    monkeypatch.setattr(fused_select, "attend_rows", lambda q, *a, **kw: calls.append(q.shape[0]) or kernel(q, *a, **kw))
+    monkeypatch.setattr(attention, "attend_packed", lambda *a, **kw: gathered.append(1) or packed(*a, **kw))
+    together = _decode_together(tiny, policies, tokens)
+    steps, layers = T - P, tiny.cfg.num_layers
+    assert not gathered and calls == [B] * (3 * layers * steps)  # every session's rows, its own call, every layer
+    for got, want in zip(together, alone):
+        assert (got[:, 1:] - want).abs().max() <= 1e-4
+    monkeypatch.setattr(fused_select, "enabled", False)
+    calls.clear()
+    torch_path = _decode_together(tiny, policies, tokens)
+    assert gathered and not calls
+    for got, want in zip(torch_path, together):
+        assert (got - want).abs().max() <= 1e-4
 
 
 def test_remainder_brings_the_output_closer_to_dense(tiny):

@@ -80,10 +80,10 @@ def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session],
     """One new token per row. One session: tokens [B], logits [B, V]. Several (the server's running
     requests, the sessions of a fan-out): tokens [sum of their B] in the sessions' order, logits likewise;
     everything per token runs on the stacked rows, each session selects from its own store, and each
-    layer's attention is one call over every row, each row's entries padded to the longest read: a
-    session's logits are those it gets decoded alone up to rounding (the padding moves its entries within
-    the fused call's reductions, and the compiled step's kernels are chosen per padded batch size, which
-    shows in bfloat16). `batch_invariant`: each session's attention is instead the very call it makes
+    layer's attention reads each session's packed rows by its own kernel call, or every row's entries in
+    one call, each row's padded to the longest read (`step_attention.attend_sessions`): a session's logits
+    are those it gets decoded alone up to rounding (the padding moves its entries within the fused call's
+    reductions, and the compiled step's kernels are chosen per padded batch size, which shows in bfloat16). `batch_invariant`: each session's attention is instead the very call it makes
     decoded alone (`Session.attend` on its rows) and the dense work runs eagerly (a row's arithmetic there
     does not depend on the rows beside it), so its logits are bit-identical to those alone whatever runs
     beside it, provided alone is decoded so too.

@@ -3,15 +3,16 @@ running requests, a fan-out): one session is "many" with one member.
 
     plans      each session's read plan (`Session._read`: for every row and KV head, all of its entries in
                place or the packed rows to read), asked of its own policy and store
-    attention  ONE call over every row: packed rows (for one session the C++ kernel reading them where they
-               lie: its store, or the fast buffer an offloaded, coded or pool-limited store hands them in;
-               else `attention.attend_packed`), or the dense step's entries read in place
-               (`attention.attend_all`, one session) or stacked (`attention.attend_masked`)
+    attention  packed rows: each session's read where they lie by the fused kernel (its store, or the fast
+               buffer an offloaded, coded or pool-limited store hands them in), one call per session; where a
+               policy observes the weights or no kernel takes the tensors, every row gathered for ONE call
+               (`attention.attend_packed`); or the dense step's entries, read in place (`attention.attend_all`,
+               one session) or stacked (`attention.attend_masked`), in ONE call over every row
     remainder  mixed in once per session (`attention.with_remainder`; inside the C++ call where one session's
                rows are read in place on a CPU), then each session stores its token
 
-Entries of several sessions are stacked into buffers, each row's padded to the longest read; one session's are
-read where they lie, so its attention copies nothing it need not.
+Packed rows are read where they lie, so a session's attention copies nothing it need not; entries gathered or
+stacked for one call over several sessions go into buffers, each row's padded to the longest read.
 """
 from __future__ import annotations
 
@@ -129,8 +130,9 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
     place (`KVStore.reads_rows`) stores its token first and reads it among its rows; any other store hands its
     rows over in a fast buffer with a spare row per (batch row, KV head) (`KVStore.hand_rows`: an offloaded
     pool's fetched rows, a coded or pool-limited store's copied ones), the token is written there and stored
-    after the attention. One session: one C++ call over its rows where they lie; otherwise (several sessions, a
-    policy that observes the weights, no kernel) every row is gathered into one buffer, one masked fused call."""
+    after the attention. Each session: one C++ (on CUDA, Triton) call over its rows where they lie, as it makes
+    decoded alone; where a policy observes the weights or the kernel cannot take the tensors, every row is
+    gathered into one buffer, one masked fused call."""
     if len(sessions) == 1 and not faults and _reads_in_place(q, sessions[0], layer):
         return _one_in_place(layer, q, k, v, sessions[0], plans[0], scale, buffers)
     in_place = [s.store.reads_rows() for s in sessions]
@@ -153,26 +155,32 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
         return handed
 
     weights = None
-    if len(sessions) == 1 and not observes and fused_select.usable(q, sessions[0].store.k[layer]):
-        if plans[0].idx is not ALL:  # a read of ALL counted its rows already (`_read`)
-            sessions[0].stats.record_rows(layer, plans[0].rows.rows.numel())
-        src = own_part(faults, 0, source, 0)
-        if src is None:  # (the one session left of several: its rows could not be read)
-            return torch.zeros_like(q)
-        att, mixed = _attend_rows_in_place(q, src, plans[0].rows.counts, scale, wants_lse, remainders[0])
-        if mixed:  # the kernel mixed the remainder in
-            remainders = [None]
+    if not observes and all(fused_select.usable(q, s.store.k[layer]) for s in sessions):
+        atts = []  # each session's rows read where they lie by one C++ (or Triton) call of its own
+        for i, (s, p, (a, b)) in enumerate(zip(sessions, plans, spans)):
+            if p.idx is not ALL:  # a read of ALL counted its rows already (`_read`)
+                s.stats.record_rows(layer, p.rows.rows.numel())
+            src = own_part(faults, i, source, i)
+            if src is None:  # its rows could not be read
+                atts.append(None)
+                continue
+            att, mixed = _attend_rows_in_place(_part(q, a, b), src, p.rows.counts, scale, remainders[i] is not None,
+                                               remainders[i])
+            if mixed:  # the kernel mixed the remainder in
+                remainders[i] = None
+            atts.append(att)
     else:
         def own_source(i: int) -> HandedRows | None:
             return own_part(faults, i, source, i)
         att, weights = _attend_rows_gathered(layer, q, k, sessions, spans, plans, own_source, scale, buffers,
                                              wants_lse, observes)
+        atts = [att.rows(a, b) for a, b in spans]
     outs = []
     for i, (s, p, remainder, slots, (a, b)) in enumerate(zip(sessions, plans, remainders, stored, spans)):
         if faults and i in faults:  # its rows attended nothing: nothing to store
             outs.append(torch.zeros_like(q[a:b]))
             continue
-        outs.append(attention.with_remainder(att.rows(a, b), remainder))
+        outs.append(attention.with_remainder(atts[i], remainder))
         seen = None
         if s.policy.needs_weights:  # each past row's weight and row in the store, then the tokens'
             w = weights[a:b]
