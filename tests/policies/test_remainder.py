@@ -120,7 +120,8 @@ def test_sessions_of_a_step_each_read_their_rows_by_the_kernel(tiny, monkeypatch
     alone = [_decode(tiny, p, tokens)[0][:, 1:] for p in policies]
     calls, gathered = [], []
     kernel, packed = fused_select.attend_rows, attention.attend_packed
-    monkeypatch.setattr(fused_select, "attend_rows", lambda q, *a, **kw: calls.append(q.shape[0]) or kernel(q, *a, **kw))
+    monkeypatch.setattr(fused_select, "attend_rows",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or kernel(q, *a, **kw))
     monkeypatch.setattr(attention, "attend_packed", lambda *a, **kw: gathered.append(1) or packed(*a, **kw))
     together = _decode_together(tiny, policies, tokens)
     steps, layers = T - P, tiny.cfg.num_layers

@@ -253,4 +253,5 @@ def attend_teacher_rows(q, k, v, keep, first: int, codec, scale: float, remainde
     # every entry before each row: the sequence's values summed up to it, [B, Hkv, R, d], and their count
     totals = F.pad(vf.cumsum(2), (0, 0, 1, 0))[:, :, p:p + r]
     counts = torch.arange(p, p + r, device=q.device).expand(b, hkv, r)
-    return attention.with_remainder(attention.Attended(out, lse, read @ vf, read.sum(-1)), remainder._replace(sums=totals, counts=counts))
+    att = attention.Attended(out, lse, read @ vf, read.sum(-1))
+    return attention.with_remainder(att, remainder._replace(sums=totals, counts=counts))

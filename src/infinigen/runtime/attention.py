@@ -136,10 +136,10 @@ def attend_rows(q, k, v, keep, first: int, codec, scale: float, remainder: Remai
     for s, e, rows, counts in chunks:
         qc = q[:, :, s:e].transpose(1, 2).reshape(-1, h, d)  # [B * c, H, d], batch-row-major
         args = (qc, keys, values, rows, counts, own[:, s:e].reshape(-1, hkv), scale)
-        o, l, rs = fused_select.attend_rows(*args) if kernel else attend_packed_rows(*args)
+        o, lse_c, rs = fused_select.attend_rows(*args) if kernel else attend_packed_rows(*args)
         out[:, s:e] = o.view(b, e - s, h, d)
         if wants:
-            lse[:, s:e], read_sum[:, s:e] = l.view(b, e - s, h), rs.view(b, e - s, hkv, d)
+            lse[:, s:e], read_sum[:, s:e] = lse_c.view(b, e - s, h), rs.view(b, e - s, hkv, d)
             read_count[:, s:e] = counts.view(b, e - s, hkv)
     out = out.transpose(1, 2)  # [B, H, R, d]
     if not wants:
@@ -162,9 +162,9 @@ def attend_visible(q, k, v, visible: torch.Tensor, first: int, scale: float) -> 
 
 
 def _packed(keep: torch.Tensor, heads: torch.Tensor):
-    """keep [B, Hkv, c, T] (or broadcasting to it) -> each of the B * c rows' kept entries packed as the step packs a selection: rows
-    [B * c, m] each entry's row in the flat [B * Hkv * T, d] keys (heads [B, Hkv]: each one's first), head-major
-    in ascending position, padding after the last run; counts [B * c, Hkv]."""
+    """keep [B, Hkv, c, T] (or broadcasting to it) -> each of the B * c rows' kept entries packed as the step packs
+    a selection: rows [B * c, m] each entry's row in the flat [B * Hkv * T, d] keys (heads [B, Hkv]: each one's
+    first), head-major in ascending position, padding after the last run; counts [B * c, Hkv]."""
     b, hkv = heads.shape
     c, t = keep.shape[2:]
     keep = keep.expand(b, hkv, c, t)  # (a mask the same for every batch row or KV head broadcasts)

@@ -83,10 +83,11 @@ def decode(model, tokens: torch.Tensor, sessions: Session | Sequence[Session],
     layer's attention reads each session's packed rows by its own kernel call, or every row's entries in
     one call, each row's padded to the longest read (`step_attention.attend_sessions`): a session's logits
     are those it gets decoded alone up to rounding (the padding moves its entries within the fused call's
-    reductions, and the compiled step's kernels are chosen per padded batch size, which shows in bfloat16). `batch_invariant`: each session's attention is instead the very call it makes
-    decoded alone (`Session.attend` on its rows) and the dense work runs eagerly (a row's arithmetic there
-    does not depend on the rows beside it), so its logits are bit-identical to those alone whatever runs
-    beside it, provided alone is decoded so too.
+    reductions, and the compiled step's kernels are chosen per padded batch size, which shows in bfloat16).
+    `batch_invariant`: each session's attention is instead the very call it makes decoded alone
+    (`Session.attend` on its rows) and the dense work runs eagerly (a row's arithmetic there does not depend
+    on the rows beside it), so its logits are bit-identical to those alone whatever runs beside it, provided
+    alone is decoded so too.
 
     `faults` (a dict, several sessions): a session whose own work (its store's file reads and writes, on the
     store's worker or not) raises OSError leaves the step there instead of failing it: faults[i] = the error of
