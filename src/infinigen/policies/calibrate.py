@@ -31,10 +31,10 @@ built (budget "layer"), a layer's rows are selected in C++, 256 rows per call, e
 as a decoding step does (`runtime.attend_rows`): no [rows, tokens] score tensor. A candidate's rows enter its
 first selecting layer with the shared pass's hidden states (the layers before it read densely: `shared_layers`),
 and over a vocabulary of BF16_HEAD_VOCAB tokens or more the loss head is a bfloat16 product with each row's
-largest logits and its target's in float32 (`head_nll`: on Gemma 3 it moves a candidate's NLL by 1e-5 to 4e-5, over twenty times less than the closest
-decision of its search: results/calibration/calibration_head.md). What is left of a
-candidate's pass is mostly its dense layers from its first selecting one on and the head, work no candidate
-shares with another; the fused kernel builds beside the shared pass.
+largest logits and its target's in float32 (`head_nll`: on Gemma 3 it moves a candidate's NLL by 1e-5 to 4e-5,
+over twenty times less than the closest decision of its search: results/calibration/calibration_head.md). What
+is left of a candidate's pass is mostly its dense layers from its first selecting one on and the head, work no
+candidate shares with another; the fused kernel builds beside the shared pass.
 
 A candidate's rows run BLOCK_ROWS at a time through every layer (`score_rows`), each block reading the keys and
 values of the rows before it, so that its pass can stop early: after each block a paired test on the per-token
