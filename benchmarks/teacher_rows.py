@@ -4,13 +4,14 @@ before (`tests/support/padded_reference.attend_teacher_rows`: every row scored a
 one process.
 
     PYTHONPATH=src python benchmarks/teacher_rows.py [--text northangerabbey] [--ctx 2048] [--prefill 256]
-        [--rounds 2] [--layer-only] [--out results/teacher_rows/teacher_rows.json]
+        [--rounds 2] [--policy infinigen] [--layer-only] [--out results/teacher_rows/teacher_rows.json]
 
 Two parts. (1) One layer's rows alone: random q, k, v of the default model's shape (3 KV heads, 9 query heads,
 head_dim 64), the rows after a 256-token prompt of a 2048-token window, each keeping 20% of its past at random,
 with a remainder: the padded reference, the packed rows through the C++ kernel and through its torch twin
-(`attend_packed_rows`), float32, the best of 3. (2) `infinigen ppl` of the default model (its defaults:
-bfloat16, the GGUF's int4 weights) under the default InfiniGen preset on one window of `--text`, the variants
+(`attend_packed_rows`), float32, the best of 3; and the same rows keeping all their past (a layer that does not
+select: one causal SDPA call now). (2) `infinigen ppl` of the default model (its defaults: bfloat16, the GGUF's int4
+weights) under `--policy` (the default InfiniGen preset, or the full cache) on one window of `--text`, the variants
 alternating per round (A B, B A): wall and CPU seconds of the pass, the perplexity and the KV share read.
 """
 from __future__ import annotations
@@ -65,12 +66,15 @@ def one_layer(ctx: int, prefill: int) -> dict:
         out["packed, torch twin s"] = _best(lambda: attention.attend_rows(*args), 1)
     finally:
         fused_select.enabled = True
+    every = (past[None, None].expand(1, hkv, r, ctx).clone(), prefill, KVCodec(), d ** -0.5, rem)
+    out["all past: padded reference s"] = _best(lambda: attend_teacher_rows(q, k, v, *every))
+    out["all past: now (one causal call) s"] = _best(lambda: attention.attend_rows(q, k, v, *every))
     return out
 
 
-def ppl_rounds(text: str, ctx: int, prefill: int, rounds: int) -> list[dict]:
+def ppl_rounds(text: str, ctx: int, prefill: int, rounds: int, policy_name: str) -> list[dict]:
     model, tok, _ = infinigen.load()
-    policy = make_policy("infinigen").prepare(model, tok)
+    policy = make_policy(policy_name).prepare(model, tok)
     packed = attention.attend_rows
     runs = []
     for rnd in range(rounds):
@@ -84,8 +88,8 @@ def ppl_rounds(text: str, ctx: int, prefill: int, rounds: int) -> list[dict]:
             finally:
                 attention.attend_rows = packed
             got = res.to_dict()
-            runs.append({"round": rnd, "variant": name, "wall s": wall, "cpu s": cpu, "ppl": got["perplexity"],
-                         "kv share": got["kv_all"]})
+            runs.append({"policy": policy.name, "round": rnd, "variant": name, "wall s": wall, "cpu s": cpu,
+                         "ppl": got["perplexity"], "kv share": got["kv_all"]})
             print(runs[-1], flush=True)
     return runs
 
@@ -96,13 +100,14 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--prefill", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--policy", default="infinigen", choices=["infinigen", "full"])
     ap.add_argument("--layer-only", action="store_true")
     ap.add_argument("--out", default=str(REPO / "results/teacher_rows/teacher_rows.json"))
     a = ap.parse_args()
     record = {"threads": torch.get_num_threads(), "layer": one_layer(a.ctx, a.prefill)}
     print(record["layer"], flush=True)
     if not a.layer_only:
-        record["ppl"] = ppl_rounds(a.text, a.ctx, a.prefill, a.rounds)
+        record["ppl"] = ppl_rounds(a.text, a.ctx, a.prefill, a.rounds, a.policy)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(record, indent=1) + "\n")
 

@@ -124,3 +124,25 @@ def test_a_layer_that_reads_all_in_view_attends_as_the_padded_reference(window):
     torch.testing.assert_close(attention.attend_visible(q, k, v, visible, first, SCALE),
                                attend_teacher_rows(q, k, v, visible[None, None], first, KVCodec(), SCALE),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_remainder", [False, True])
+def test_rows_that_keep_all_their_past_take_one_causal_call(with_remainder, monkeypatch):
+    """A mask keeping every past entry (a layer that does not select, a budget that binds nowhere) leaves nothing
+    unread: one fused causal call (`attend_visible`), the remainder weighing 0, to the bit; one entry fewer and the
+    packed rows are read."""
+    q, k, v, keep, first, remainder = _case(b=2, hkv=2, g=3)
+    t = k.shape[2]
+    past = (torch.arange(t)[None] < torch.arange(first, t)[:, None]).expand(2, 2, -1, -1)
+    rem = remainder if with_remainder else None
+    causal = attention.attend_visible(q, k, v, past[0, 0], first, SCALE)
+    assert torch.equal(attention.attend_rows(q, k, v, past.clone(), first, KVCodec(), SCALE, rem), causal)
+    torch.testing.assert_close(causal, attend_teacher_rows(q, k, v, past, first, KVCodec(), SCALE, rem),
+                               atol=1e-5, rtol=1e-5)
+    calls = []
+    monkeypatch.setattr(attention, "attend_visible", lambda *a: calls.append(1))
+    one_fewer = past.clone()
+    one_fewer[1, 0, 5, 3] = False
+    attention.attend_rows(q, k, v, one_fewer, first, KVCodec(), SCALE, rem)
+    attention.attend_rows(q, k, v, past.clone(), first, QuantCodec(4, 8), SCALE, rem)  # coded: read as stored
+    assert not calls

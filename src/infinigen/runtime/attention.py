@@ -110,10 +110,15 @@ def attend_rows(q, k, v, keep, first: int, codec, scale: float, remainder: Remai
     would hold them (`codec`), then its own token as computed, by the step's attention over packed rows
     (`fused_select.attend_rows`; `attend_packed_rows` where the kernel cannot take the tensors); plus what the
     policy estimates the unread entries add (`remainder`, see `Remainder`: their mean value from the sequence's
-    values). A mask is packed `ROW_ENTRIES` (rows x entries) at a time: no [R, T] score tensor."""
+    values). A mask is packed `ROW_ENTRIES` (rows x entries) at a time: no [R, T] score tensor. A mask that keeps
+    every past entry of every row, stored as computed, leaves nothing unread: one fused causal call
+    (`attend_visible`; the remainder then weighs 0, so the output is the same to the bit)."""
     b, h, r, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
     kq, vq = codec.encode(k), codec.encode(v)
+    if kq is k and vq is v and not isinstance(keep, SelectedRows) and _keeps_all_past(keep, first):
+        causal = torch.arange(t, device=q.device)[None] < torch.arange(first, first + r, device=q.device)[:, None]
+        return attend_visible(q, k, v, causal, first, scale)
     keys, values = kq.reshape(-1, d), vq.reshape(-1, d)
     own_at = 0
     if kq is not k or vq is not v:  # the past as coded, each row's own token as computed after it
@@ -159,6 +164,12 @@ def attend_visible(q, k, v, visible: torch.Tensor, first: int, scale: float) -> 
     r, t = q.shape[2], k.shape[2]
     own = torch.arange(t, device=q.device)[None] == torch.arange(first, first + r, device=q.device)[:, None]
     return _grouped_sdpa(q, k, v, q.shape[1] // k.shape[1], attn_mask=visible | own, scale=scale)
+
+
+def _keeps_all_past(keep: torch.Tensor, first: int) -> bool:
+    """Whether keep [.., R, T] (past entries only) keeps all of each row's past: first + row of them."""
+    r = keep.shape[-2]
+    return bool((keep.sum(-1) == torch.arange(first, first + r, device=keep.device)).all())
 
 
 def _packed(keep: torch.Tensor, heads: torch.Tensor):
