@@ -40,9 +40,9 @@ def main() -> None:
     prompts = [ids[i * 4099:i * 4099 + args.prompt] for i in range(args.sessions)]
     for name in args.policies.split(","):
         knobs = {"dense_below": 0} if name == "infinigen-selecting" else {}
+        # each session decodes one row, as a server's requests do: the crossing at batch 1 applies
         pol = make_policy(name.split("-")[0], **knobs).prepare(model, tok, progress=False,
-                                                              longest=args.prompt + args.steps,
-                                                              batch=args.sessions)
+                                                              longest=args.prompt + args.steps)
         sessions = [Placement().new_session(model, 1, args.prompt + args.steps + 2, pol) for _ in prompts]
         tokens = torch.cat([runtime.prefill(model, torch.tensor([p]), s).argmax(-1) for p, s in zip(prompts, sessions)])
         times = []

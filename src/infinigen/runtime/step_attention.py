@@ -8,8 +8,8 @@ running requests, a fan-out): one session is "many" with one member.
                policy observes the weights or no kernel takes the tensors, every row gathered for ONE call
                (`attention.attend_packed`); or the dense step's entries, read in place (`attention.attend_all`,
                one session) or stacked (`attention.attend_masked`), in ONE call over every row
-    remainder  mixed in once per session (`attention.with_remainder`; inside the C++ call where one session's
-               rows are read in place on a CPU), then each session stores its token
+    remainder  mixed in once per session (`attention.with_remainder`; inside the C++ call where a session's
+               rows are read by the kernel on a CPU), then each session stores its token
 
 Packed rows are read where they lie, so a session's attention copies nothing it need not; entries gathered or
 stacked for one call over several sessions go into buffers, each row's padded to the longest read.
