@@ -8,7 +8,8 @@ PYTHONPATH, alternately (A B B A), on a quiet machine.
 The default model as `serve` loads it (dtype auto, its int4 weights, the compiled step); each policy its own
 sessions over `--sessions` different prompts of the same length (Emma), prefilled, then decoded together in one
 `runtime.decode` call per step (greedy tokens fed back), the policies' steps interleaved in one process (A B C, C B
-A, ...: side by side). "infinigen" is the default preset (its measured crossing decides where it selects), "infinigen-selecting" the same with dense_below=0 (selecting at every length).
+A, ...: side by side). "infinigen" is the default preset (its measured crossing decides where it selects),
+"infinigen-selecting" the same with dense_below=0 (selecting at every length).
 Prints one JSON line per policy: the median and the best ms per step after 4 warm steps, and the KV share read.
 """
 from __future__ import annotations
