@@ -4,14 +4,16 @@ before (`tests/support/padded_reference.attend_teacher_rows`: every row scored a
 one process.
 
     PYTHONPATH=src python benchmarks/teacher_rows.py [--text northangerabbey] [--ctx 2048] [--prefill 256]
-        [--rounds 2] [--policy infinigen] [--layer-only] [--out results/teacher_rows/teacher_rows.json]
+        [--rounds 2] [--policy infinigen] [--layer-only] [--all-past] [--out results/teacher_rows/teacher_rows.json]
 
 Two parts. (1) One layer's rows alone: random q, k, v of the default model's shape (3 KV heads, 9 query heads,
 head_dim 64), the rows after a 256-token prompt of a 2048-token window, each keeping 20% of its past at random,
 with a remainder: the padded reference, the packed rows through the C++ kernel and through its torch twin
 (`attend_packed_rows`), float32, the best of 3; and the same rows keeping all their past (a layer that does not
-select: one causal SDPA call now). (2) `infinigen ppl` of the default model (its defaults: bfloat16, the GGUF's int4
-weights) under `--policy` (the default InfiniGen preset, or the full cache) on one window of `--text`, the variants
+select: one causal SDPA call now). With `--all-past`, only rows keeping all their past, in bfloat16, at three shapes
+(SmolLM2's at 2048 and 8192, Gemma 3's head_dim 256 with one KV head at 8192): the padded reference, the packed
+kernel (the causal call bypassed) and the causal call, the best of 2. (2) `infinigen ppl` of the default model
+(its defaults: bfloat16, the GGUF's int4 weights) under `--policy` (the default InfiniGen preset, or the full cache) on one window of `--text`, the variants
 alternating per round (A B, B A): wall and CPU seconds of the pass, the perplexity and the KV share read.
 """
 from __future__ import annotations
@@ -72,6 +74,29 @@ def one_layer(ctx: int, prefill: int) -> dict:
     return out
 
 
+def all_past() -> list[dict]:
+    out = []
+    for hkv, g, d, t, first in [(3, 3, 64, 2048, 256), (3, 3, 64, 8192, 1024), (1, 4, 256, 8192, 1024)]:
+        gen = torch.Generator().manual_seed(0)
+        r = t - first
+        q = torch.randn(1, hkv * g, r, d, generator=gen).bfloat16()
+        k, v = (torch.randn(1, hkv, t, d, generator=gen).bfloat16() for _ in range(2))
+        past = torch.arange(t)[None] < torch.arange(first, t)[:, None]
+        args = (q, k, v, past[None, None], first, KVCodec(), d ** -0.5)
+        row = {"kv heads": hkv, "query heads": hkv * g, "head_dim": d, "tokens": t,
+               "padded reference s": _best(lambda: attend_teacher_rows(*args), 2)}
+        keeps_all = attention._keeps_all_past
+        attention._keeps_all_past = lambda *a: False  # the packed kernel over every past entry
+        try:
+            row["packed kernel s"] = _best(lambda: attention.attend_rows(*args), 2)
+        finally:
+            attention._keeps_all_past = keeps_all
+        row["one causal call s"] = _best(lambda: attention.attend_rows(*args), 2)
+        print(row, flush=True)
+        out.append(row)
+    return out
+
+
 def ppl_rounds(text: str, ctx: int, prefill: int, rounds: int, policy_name: str) -> list[dict]:
     model, tok, _ = infinigen.load()
     policy = make_policy(policy_name).prepare(model, tok)
@@ -102,8 +127,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--policy", default="infinigen", choices=["infinigen", "full"])
     ap.add_argument("--layer-only", action="store_true")
+    ap.add_argument("--all-past", action="store_true", help="only rows keeping all their past, at three shapes")
     ap.add_argument("--out", default=str(REPO / "results/teacher_rows/teacher_rows.json"))
     a = ap.parse_args()
+    if a.all_past:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        record = {"threads": torch.get_num_threads(), "all past": all_past()}
+        Path(a.out).write_text(json.dumps(record, indent=1) + "\n")
+        return
     record = {"threads": torch.get_num_threads(), "layer": one_layer(a.ctx, a.prefill)}
     print(record["layer"], flush=True)
     if not a.layer_only:
