@@ -14,7 +14,8 @@ select: one causal SDPA call now). With `--all-past`, only rows keeping all thei
 (SmolLM2's at 2048 and 8192, Gemma 3's head_dim 256 with one KV head at 8192): the padded reference, the packed
 kernel (the causal call bypassed) and the causal call, the best of 2. (2) `infinigen ppl` of the default model
 (its defaults: bfloat16, the GGUF's int4 weights) under `--policy` (the default InfiniGen preset, or the full
-cache) on one window of `--text`, the variants alternating per round (A B, B A): wall and CPU seconds of the pass, the perplexity and the KV share read.
+cache) on one window of `--text`, the variants alternating per round (A B, B A): wall and CPU seconds of the pass,
+the perplexity and the KV share read.
 """
 from __future__ import annotations
 
