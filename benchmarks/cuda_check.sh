@@ -19,4 +19,4 @@ timeout -s INT -k 15 "${TESTS_TIMEOUT:-600}" "$PYTHON" -m pytest -q -p no:cachep
   --tb=short --durations=10 -m "not integration" --junitxml "$OUT/cuda_tests.xml" \
   tests/runtime/test_exactness.py tests/policies/test_policies.py tests/placement/test_offload.py \
   tests/runtime/test_int4_kernels.py tests/policies/test_spec_packed.py tests/runtime/test_fused_select_triton.py \
-  tests/policies/test_remainder.py tests/placement/test_offload_correction.py "$@"
+  tests/policies/test_remainder.py tests/placement/test_offload_correction.py tests/runtime/test_teacher_rows.py "$@"

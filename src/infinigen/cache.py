@@ -31,11 +31,15 @@ class SelectedRows(NamedTuple):
     rows    [B, n] each column's row in the layer's flat [B * Hkv * capacity, d] keys and values
     head    [B, n] each column's KV head; -1 on padding (a batch row with fewer rows than the longest)
     counts  [B, Hkv] entries selected per (batch row, KV head)
+    read    the entries selected, counted on the device, where the packing is padded to a width fixed in advance
+            (behind a GPU a corrected selection is packed without waiting for its counts); None: the rows' width
+            says what a gather moves
     """
     keep: torch.Tensor
     rows: torch.Tensor
     head: torch.Tensor
     counts: torch.Tensor
+    read: torch.Tensor | None = None
 
 
 class HandedRows(NamedTuple):
@@ -46,11 +50,14 @@ class HandedRows(NamedTuple):
     keys, values  [M, d] the buffer: the selected rows first, then the spare rows
     rows          [B, n] each packed column's row in the buffer (padding: row 0)
     own           [B, Hkv] the spare row of each (batch row, KV head)
+    far           None, or (keys, values, split): a row of `split` or more is row (row - split) of these [N', d]
+                  tensors instead, which the GPU reads where they lie (a pool in pinned host memory, over the bus)
     """
     keys: torch.Tensor
     values: torch.Tensor
     rows: torch.Tensor
     own: torch.Tensor
+    far: tuple | None = None
 
 
 def packed_order(sel: SelectedRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

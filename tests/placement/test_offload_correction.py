@@ -82,6 +82,7 @@ def test_on_demand_rows_are_the_own_selection_less_the_prefetched(tiny_llama, ki
 
     sess = pl.new_session(model, B, PROMPT + GEN, pol, listeners=[Own()])
     store = sess.store
+    store.corrects_on_device = False  # behind a GPU too: the host fetches (and holds) what the prefetch missed
     store.hold_share = 1.0  # every recent miss held (the cap: `test_held_rows_stay_under_their_cap`)
     assert store.hold_steps > 1
     issue = store._issue
@@ -120,6 +121,51 @@ def test_corrected_offload_of_one_unpadded_row_decodes_what_fast_memory_decodes(
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     assert sess.store.stats.missed > 0
 
+
+
+def test_a_correction_on_the_gpu_reads_the_rows_the_host_would_hand(tiny_llama):
+    """Behind a GPU a corrected selection stays there (`_select_on_device`, `_corrected_on_device`): packed to a
+    fixed width without counting, its prefetched entries read from the fast buffer and the others from the pool
+    where it lies (`HandedRows.far`). Run here on the CPU's tensors beside the host path at every corrected layer
+    of a decode: each selected entry reads the same key and value row, in the same order, the spare rows follow
+    the prefetched ones, and the rows it reads from the pool are those the host path fetches (or holds)."""
+    model = tiny_llama[1]
+    pol = corrected_policy(model)
+    tokens, pad = offload_prompts()
+    pl = Placement("cpu", threaded=False)
+    sess = pl.new_session(model, B, PROMPT + GEN, pol)
+    store = sess.store
+    host_corrected, checked = store._corrected, []
+
+    def both(layer, job, sel, buffer):
+        handed = host_corrected(layer, job, sel, buffer)
+        real = sel.head >= 0
+        want_k, want_v = handed.keys[handed.rows[real]], handed.values[handed.rows[real]]
+        counted = []
+        store.stats.fetched_missed_later = lambda rows, row_bytes, seconds: counted.append(int(rows))
+        dev_sel = store._select_on_device(sel.keep, torch.ones_like(sel.keep))
+        assert torch.equal(dev_sel.counts, sel.counts) and int(dev_sel.read) == int(sel.counts.sum())
+        def fresh(n, like):  # a buffer of the step's: nothing in it before the store writes
+            return torch.full((n, like.shape[1]), float("nan")), torch.full((n, like.shape[1]), float("nan"))
+        dev = store._corrected_on_device(layer, job, dev_sel, fresh)
+        del store.stats.fetched_missed_later
+        far_k, far_v, split = dev.far
+        assert split == dev.keys.shape[0] == job.selected + store.bh
+        assert torch.equal(dev.own, job.selected + torch.arange(store.bh).view(store.batch, store.kv_heads))
+        both_k, both_v = torch.cat([dev.keys, far_k]), torch.cat([dev.values, far_v])
+        at = dev.rows[dev_sel.head >= 0]
+        assert torch.equal(both_k[at], want_k) and torch.equal(both_v[at], want_v)
+        from_pool = int(real.sum()) - int((handed.rows[real] < job.selected).sum())  # the host's fetched or held
+        assert counted == [int((at >= split).sum())] == [from_pool]
+        checked.append(layer)
+        return handed
+    store._corrected = both
+    logits = runtime.prefill(model, tokens, sess, pad)
+    for _ in range(GEN):
+        logits = runtime.decode(model, logits.argmax(-1), sess)
+    pl.close(sess)
+    assert len(checked) == GEN * (model.cfg.num_layers - 1)
+    assert store.stats.missed > 0
 
 
 class HeldVictims(FifoVictims):

@@ -149,16 +149,19 @@ def test_decode_selection_needs_no_host_sync_on_cuda(make_tiny):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("policy,correct", [("infinigen", False), ("infinigen", True), ("full", False)],
-                         ids=["infinigen", "infinigen-corrected", "full"])
+@pytest.mark.parametrize("policy,correct", [("infinigen", False), ("infinigen", True), ("infinigen", "host"),
+                                           ("full", False)],
+                         ids=["infinigen", "infinigen-corrected", "infinigen-corrected-on-host", "full"])
 def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy, correct):
     """Decoding with the KV pool in pinned host memory (InfiniGen's speculation, and full offload): the main
     thread (speculation, selection, attention over the fetched rows, the next token) never waits for the
     GPU. The fetch worker may: turning a planned selection into a host gather is its job, off the main
     thread. Synchronizing calls are reported by torch's sync debug mode ("warn": the worker's are
     expected) and attributed to the thread that made them. With the correction (`Placement.correct`, the
-    default), a corrected layer's own selection must reach the host, which gathers the rows the prefetch
-    missed: one copy of its mask per corrected layer and step (`_select_on_host`), the only wait there."""
+    default), a corrected layer's own selection stays on the GPU, which reads the rows the prefetch missed from
+    the pinned pool itself: no wait either. Corrected on the host (`corrects_on_device=False`, where the pool is
+    packed or a file), the host gathers the missed rows: one copy of the layer's mask per corrected layer and step
+    (`_select_on_host`), the only wait there."""
     import collections
     import os
     import threading
@@ -171,9 +174,11 @@ def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy,
     else:
         pol = make_policy(policy)
     tokens = random_tokens(model, t=T).cuda()
-    pl = Placement("cpu", correct=correct)
+    pl = Placement("cpu", correct=bool(correct))
     sess = pl.new_session(model, 2, T, pol)
     assert sess.store.tier.pinned
+    sess.store.corrects_on_device = correct is True
+    assert sess.store._on_device() == (correct is True)
     runtime.prefill(model, tokens[:, :P], sess)
     runtime.decode(model, tokens[:, P], sess)  # the first step sizes the fetch buffers
     syncs = []
@@ -201,12 +206,13 @@ def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy,
     st = sess.store.stats
     pl.close(sess)
     main = collections.Counter(site for on_main, site in syncs if on_main)
-    if correct:  # the one copy of each corrected layer's mask; the layers that select: all but layer 0
+    if correct:
+        assert st.missed > missed0  # the correction ran: it read rows the prefetch missed
+    if correct == "host":  # the one copy of each corrected layer's mask; the layers that select: all but layer 0
         copies = sum(n for site, n in main.items() if "torch.stack([keep, valid]).cpu()" in site)
         assert copies <= len(steps) * (model.cfg.num_layers - 1), main
         main = collections.Counter({site: n for site, n in main.items()
                                     if "torch.stack([keep, valid]).cpu()" not in site})
-        assert st.missed > missed0  # the correction ran: it fetched rows the prefetch missed
     assert not main, f"{sum(main.values())} synchronizing calls on the main thread:\n" + "\n".join(
         f"{n} x {site}" for site, n in main.most_common())
     assert st.fetches > 0 and st.stale == 0

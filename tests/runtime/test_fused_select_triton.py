@@ -86,6 +86,31 @@ for name, shape in SHAPES.items():
         report[f"{name}-splits{splits}"] = errors(shape, splits)
 for breakage in ("drop the last row", "skip the own token", "wrong head"):
     report[breakage] = errors(SHAPES["G3-d64"], 1, breakage)
+
+def far_errors(shape, splits):
+    # the store's rows cut in two at `split`: the first part as the near tensors, the rest as the far source
+    b, hkv, g, d, s, ratio = shape
+    store, sel, q, slots = case(b, hkv, g, d, s, ratio, seed=11 + s, empty_head=False)
+    keys, values = store.k[0].view(-1, d), store.v[0].view(-1, d)
+    own = torch.arange(b * hkv).view(b, hkv) * store.capacity + slots
+    qq, scale = q.view(b, hkv * g, d), d ** -0.5
+    whole = fused_select_triton.attend_rows(qq, keys, values, sel.rows, sel.counts, own, scale, splits=splits)
+    split = keys.shape[0] // 2
+    real = sel.rows[sel.head >= 0]
+    assert bool((real < split).any()) and bool((real >= split).any()) and bool((own < split).any())
+    cut = fused_select_triton.attend_rows(qq, keys[:split], values[:split], sel.rows, sel.counts, own, scale,
+                                          splits=splits, far=(keys[split:], values[split:], split))
+    off = fused_select_triton.attend_rows(qq, keys[:split], values[:split], sel.rows, sel.counts, own, scale,
+                                          splits=splits, far=(keys[split - 1:-1], values[split - 1:-1], split))
+    index = torch.cat([real, own.reshape(-1)])
+    gathered = fused_select_triton.gather_rows(values[:split], values[split:], split, index)
+    return {"same": all(torch.equal(a, c) for a, c in zip(whole, cut)),
+            "diffs": [float((a - c).abs().max()) for a, c in zip(whole, cut)],
+            "off_by_one": float((off[0] - whole[0]).abs().max()),
+            "gather_same": bool(torch.equal(gathered, values[index]))}
+
+for splits in (1, 3):
+    report[f"far-splits{splits}"] = far_errors(SHAPES["G3-d64"], splits)
 print("RESULT " + json.dumps(report))
 """
 
@@ -165,6 +190,17 @@ def test_kernel_equals_the_torch_path_float32(interpreted, case):
     assert err["out"] <= 1e-5 and err["lse"] <= 1e-5, err
     assert err["lse_inf_mismatch"] == 0 and err["sum"] <= 1e-5, err
     assert err["longest_run"] > 2 * err["block"]  # three splits: three slices of a run read rows, merged
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_far_source_reads_as_if_it_followed_the_near_rows(interpreted, splits):
+    """`far`: the rows from `split` on read from a second pair of tensors (behind a GPU the pinned pool, read over
+    the bus by `OffloadedKVStore._corrected_on_device`) give the output, log-sum-exp and value sums of the same
+    rows in one tensor, to the bit; the gather for the gathered path reads the same rows. Far rows read one row
+    off move the output."""
+    err = interpreted[f"far-splits{splits}"]
+    assert err["same"] and err["gather_same"], err
+    assert err["off_by_one"] > 1e-3, err
 
 
 @pytest.mark.parametrize("breakage", BREAKAGES)

@@ -57,6 +57,24 @@ def test_rows_attend_as_the_padded_reference(kernel, shape, codec, with_remainde
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [dict(b=1, hkv=1, g=1), dict(b=1, hkv=3, g=3), dict(b=2, hkv=2, g=7),
+                                   dict(b=2, hkv=2, g=2, window=6)])
+@pytest.mark.parametrize("codec", [KVCodec(), QuantCodec(4, 8)], ids=["as computed", "int4"])
+@pytest.mark.parametrize("with_remainder", [False, True])
+def test_rows_attend_as_the_padded_reference_on_the_test_device(device, shape, codec, with_remainder, monkeypatch):
+    """On CUDA (INFINIGEN_TEST_DEVICE=cuda) the rows take the Triton kernel: the same cases, within 1e-5 of the
+    padded reference computed on the CPU."""
+    if device.type != "cuda":
+        pytest.skip("on a CPU: the test above")
+    q, k, v, keep, first, remainder = _case(**shape)
+    want = attend_teacher_rows(q, k, v, keep, first, codec, SCALE, remainder if with_remainder else None)
+    monkeypatch.setattr(fused_select, "enabled", True)
+    on = Remainder(*(x.to(device) if torch.is_tensor(x) else x for x in remainder)) if with_remainder else None
+    got = attention.attend_rows(q.to(device), k.to(device), v.to(device), keep.to(device), first, codec, SCALE, on)
+    assert got.is_cuda
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kernel", [KERNEL, False])
 def test_rows_in_many_small_parts_attend_as_in_one(kernel, monkeypatch):
     """A long sequence's rows are packed a part at a time (ROW_ENTRIES) and, without the kernel, gathered a

@@ -192,6 +192,7 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
         out, decode_s, device_read = _timed_decode(model, sess, logits.argmax(-1), s.gen_len - 1)
         tok = out[-1]
         steps = s.gen_len - 1
+        stats.settle(wait=True)  # behind a GPU: the on-demand counts still on their way
         generated = torch.stack(out, 1).cpu()
         store = sess.store
         slow = store.slow_bytes()

@@ -90,7 +90,7 @@ def native_rows(q: torch.Tensor) -> bool:
 
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                 counts: torch.Tensor, own: torch.Tensor | None, scale: float, part_rows: int | None = None,
-                remainder=None):
+                remainder=None, far=None):
     """q [B, H, d]; keys, values [N, d] (a layer's flat store); rows [B, n] int64, each batch row's selected rows
     head-major (`SelectedRows.rows`: KV head 0's run first, padding after the last run); counts [B, Hkv] the
     runs' lengths; own [B, Hkv] the token's own row, read after the run (None: no own row).
@@ -100,16 +100,27 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows:
     the parts depend on the counts alone. `remainder` (CPU only): a `selection.Remainder` of one decoding row per
     batch row (lse [B, Hkv, G, 1], sums [B, Hkv, d], counts [B, Hkv]) mixed into out as
     `runtime.attention.with_remainder` mixes it, in the same call (lse and read_sum stay those of what was read).
-    On CUDA tensors the Triton kernel computes it (indices unchecked there: a check would wait on the device)."""
+    On CUDA tensors the Triton kernel computes it (indices unchecked there: a check would wait on the device); there
+    `far` (keys, values, split) names a second source, read from row `split` on (`HandedRows.far`)."""
     if q.is_cuda:
         if remainder is not None:
             raise ValueError("the Triton kernel does not mix a remainder in")
-        return _triton_kernel().attend_rows(q, keys, values, rows, counts, own, scale)
+        return _triton_kernel().attend_rows(q, keys, values, rows, counts, own, scale, far=far)
+    if far is not None:
+        raise ValueError("a far source is read by the Triton kernel (CUDA) only")
     own = rows.new_empty(0) if own is None else own
     part_rows = part_rows or ROWS_PER_PART
     lse, sums, cached = (_NONE, _NONE, _NONE) if remainder is None else remainder
     return _module().attend_rows(q, keys, values, rows, counts, own, float(scale), int(part_rows), lse, sums,
                                  cached)
+
+
+def gather_rows(near: torch.Tensor, far: torch.Tensor, split: int, index: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `index` of `near`, an index of `split` or more reading row (index - split) of `far` (`HandedRows.far`:
+    pinned host memory, which the GPU reads over the bus): the Triton kernel's gather, for a caller that gathers a
+    far source's rows before attending."""
+    return _triton_kernel().gather_rows(near, far, split, index, out)
 
 
 def score_int4(q: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, group: int, n: int,

@@ -26,10 +26,10 @@ MIN_ROWS_PER_SPLIT = 128  # below this a split's merge costs more than the rows 
 
 @triton.jit
 def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, lse_ptr, sum_ptr,
-                   n_cols, scale,
+                   far_k_ptr, far_v_ptr, far_from, n_cols, scale,
                    HKV: tl.constexpr, HKV_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
                    D: tl.constexpr, D_P2: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
-                   HAS_OWN: tl.constexpr, FAST_DOT: tl.constexpr):
+                   HAS_OWN: tl.constexpr, FAST_DOT: tl.constexpr, FAR: tl.constexpr):
     bh = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -65,10 +65,18 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, 
         row = tl.load(rows_ptr + b * n_cols + start + i, mask=live & past, other=0)
         if HAS_OWN:
             row = tl.where(past, row, tl.load(own_ptr + bh))
-        at = row.to(tl.int64)[:, None] * D + c[None, :]
+        row = row.to(tl.int64)
         ok = live[:, None] & c_ok[None, :]
-        k = tl.load(k_ptr + at, mask=ok, other=0)
-        v = tl.load(v_ptr + at, mask=ok, other=0)
+        if FAR:  # rows from `far_from` on lie in the far tensors (pinned host memory, read over the bus)
+            near = (row < far_from)[:, None]
+            at = tl.where(near, row[:, None], 0) * D + c[None, :]
+            far = tl.where(near, 0, row[:, None] - far_from) * D + c[None, :]
+            k = tl.load(k_ptr + at, mask=ok & near, other=0) + tl.load(far_k_ptr + far, mask=ok & ~near, other=0)
+            v = tl.load(v_ptr + at, mask=ok & near, other=0) + tl.load(far_v_ptr + far, mask=ok & ~near, other=0)
+        else:
+            at = row[:, None] * D + c[None, :]
+            k = tl.load(k_ptr + at, mask=ok, other=0)
+            v = tl.load(v_ptr + at, mask=ok, other=0)
         read_sum += tl.sum(tl.where(past[:, None], v.to(tl.float32), 0.0), axis=0)
         if FAST_DOT:
             s = tl.dot(q, tl.trans(k)) * scale  # [G_P2, BLOCK], 16-bit products accumulated in float32
@@ -143,13 +151,15 @@ def splits_for(pairs: int, rows_per_pair: int) -> int:
 
 def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
                 counts: torch.Tensor, own: torch.Tensor | None, scale: float, splits: int | None = None,
-                block: int = BLOCK_N, num_warps: int = 4, fast_dot: bool | None = None):
+                block: int = BLOCK_N, num_warps: int = 4, fast_dot: bool | None = None, far=None):
     """As `fused_select.attend_rows`: q [B, H, d]; keys, values [N, d]; rows [B, n] int64 (each batch row's
     runs head-major); counts [B, Hkv]; own [B, Hkv] or None. Returns out [B, H, d] (q's dtype), lse [B, H]
     and read_sum [B, Hkv, d] (float32). `splits`: slices each run is cut into (None: from the shapes and the
     mean run length the packed width gives, without a host sync); `block`, `num_warps`: the launch's (a
     benchmark's sweep); `fast_dot`: the tensor-core dots (None: where the cache and the queries are one 16-bit
-    dtype)."""
+    dtype). `far`: (keys, values, split): a row index of `split` or more reads row (index - split) of these [M, d]
+    tensors of keys' dtype instead (a pool in pinned host memory, which the GPU reads over the bus: UVA), as if
+    they followed `keys` and `values` from row `split` on."""
     b, h, d = q.shape
     hkv = counts.shape[1]
     g = h // hkv
@@ -158,26 +168,57 @@ def attend_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows:
     rows, counts = rows.contiguous(), counts.contiguous()
     has_own = own is not None
     own = own.contiguous() if has_own else counts  # an unused pointer when there is no own row
+    far_k, far_v, far_from = far if far is not None else (keys, values, 0)  # (unused pointers without a far source)
     if splits is None:
         splits = splits_for(b * hkv, triton.cdiv(n, hkv) + 1)
     if fast_dot is None:
         fast_dot = q.dtype == keys.dtype == values.dtype and q.dtype in (torch.bfloat16, torch.float16)
     meta = dict(HKV=hkv, HKV_P2=triton.next_power_of_2(hkv), G=g, G_P2=max(16, triton.next_power_of_2(g)),
                 D=d, D_P2=max(16, triton.next_power_of_2(d)), BLOCK=block, PARTS=splits > 1, HAS_OWN=has_own,
-                FAST_DOT=bool(fast_dot))
+                FAST_DOT=bool(fast_dot), FAR=far is not None)
     f32 = dict(dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     lse = torch.empty(b, h, **f32)
     read_sum = torch.empty(b, hkv, d, **f32)
     if splits == 1:
-        _attend_kernel[(b * hkv, 1)](q, keys, values, rows, counts, own, out, lse, read_sum, n, float(scale),
-                                     num_warps=num_warps, **meta)
+        _attend_kernel[(b * hkv, 1)](q, keys, values, rows, counts, own, out, lse, read_sum, far_k, far_v,
+                                     int(far_from), n, float(scale), num_warps=num_warps, **meta)
         return out, lse, read_sum
     part_out = torch.empty(b * hkv, splits, g, d, **f32)
     part_lse = torch.empty(b * hkv, splits, g, **f32)
     part_sum = torch.empty(b * hkv, splits, d, **f32)
-    _attend_kernel[(b * hkv, splits)](q, keys, values, rows, counts, own, part_out, part_lse, part_sum, n,
-                                      float(scale), num_warps=num_warps, **meta)
+    _attend_kernel[(b * hkv, splits)](q, keys, values, rows, counts, own, part_out, part_lse, part_sum, far_k,
+                                      far_v, int(far_from), n, float(scale), num_warps=num_warps, **meta)
     _merge_kernel[(b * hkv,)](part_out, part_lse, part_sum, out, lse, read_sum, splits,
                               G=g, G_P2=meta["G_P2"], D=d, D_P2=meta["D_P2"])
     return out, lse, read_sum
+
+
+@triton.jit
+def _gather_kernel(near_ptr, far_ptr, index_ptr, out_ptr, split, n, D: tl.constexpr, D_P2: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.arange(0, D_P2)
+    live = i < n
+    row = tl.load(index_ptr + i, mask=live, other=0).to(tl.int64)
+    near = (row < split)[:, None]
+    ok = live[:, None] & (c < D)[None, :]
+    at = tl.where(near, row[:, None], 0) * D + c[None, :]
+    far = tl.where(near, 0, row[:, None] - split) * D + c[None, :]
+    x = tl.load(near_ptr + at, mask=ok & near, other=0) + tl.load(far_ptr + far, mask=ok & ~near, other=0)
+    tl.store(out_ptr + i.to(tl.int64)[:, None] * D + c[None, :], x, mask=ok)
+
+
+def gather_rows(near: torch.Tensor, far: torch.Tensor, split: int, index: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `index` [n] of `near` [N, d], an index of `split` or more reading row (index - split) of `far` [M, d]
+    (pinned host memory: read over the bus) -> [n, d] (into `out`): what `attend_rows` reads with a far source,
+    for a caller that gathers the rows first."""
+    n, d = index.numel(), near.shape[1]
+    out = torch.empty((n, d), dtype=near.dtype, device=near.device) if out is None else out
+    block = 32
+    if n:
+        _gather_kernel[(triton.cdiv(n, block),)](near.contiguous(), far.contiguous(), index.contiguous(), out,
+                                                 int(split), n, D=d, D_P2=max(16, triton.next_power_of_2(d)),
+                                                 BLOCK=block)
+    return out

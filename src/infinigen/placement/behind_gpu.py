@@ -1,18 +1,74 @@
 """What an offloaded store does behind a GPU (a part of `OffloadedKVStore`): the pool lives in pinned host
 memory, the host gathers the rows a selection names, and the copies run on a copy stream, ordered by events, so
-the main thread does not wait for the GPU. A corrected layer's own selection is the exception: it is packed on
-the host from one copy of its mask (`_select_on_host`), since the host gathers the rows the prefetch missed."""
+the main thread does not wait for the GPU. A corrected layer's own selection stays on the GPU where it can
+(`_select_on_device`, `_corrected_on_device`): the attention reads the rows the prefetch missed from the pinned
+pool itself, over the bus. Elsewhere (a packed pool, a file, no triton) it is packed on the host from one copy of
+its mask (`_select_on_host`), and the host gathers the missed rows."""
 from __future__ import annotations
+
+import time
 
 import torch
 
-from ..cache import KVStore, SelectedRows
+from ..cache import HandedRows, KVStore, SelectedRows
+from ..kernels import fused_select
+from .rows import PlainRows
 from .transfer import KV
 
 
 class BehindGpu:
     """`OffloadedKVStore`'s CUDA paths (`copy_stream`, `buffers`, `planes`, `layout`, `_lock`, `_pending`,
     `_copied`, `_consumed`, `_compute_stream`, `_own_host`, `_to_fast`, `stats` are the store's)."""
+    # Behind a GPU a corrected layer's own selection is packed on the GPU and the rows its prefetch missed are read
+    # by the attention from the pinned pool (False: packed on the host, the missed rows gathered and held there)
+    corrects_on_device = True
+
+    def _on_device(self) -> bool:
+        """Whether a corrected selection stays on the GPU: a pool in pinned host memory whose rows are what the
+        attention reads (the plain layout), and the Triton kernel, which reads them over the bus (UVA)."""
+        return (self.cuda and self.corrects_on_device and self.tier.pinned and type(self.layout) is PlainRows
+                and fused_select.enabled and fused_select._triton_kernel() is not None)
+
+    def _select_on_device(self, keep, valid) -> SelectedRows:
+        """`select_rows` on the GPU without waiting: each batch row's entries head-major as `KVStore.select_rows`
+        packs them, padded to every (KV head, slot) of the row (a width known without counting them), the entries
+        counted on the device (`SelectedRows.read`)."""
+        keep = keep & valid
+        b, h, s = keep.shape
+        dev = keep.device
+        flat = keep.reshape(b, h * s)
+        width = h * s
+        at = torch.where(flat, flat.cumsum(1) - 1, width)  # each entry's column; the others past the end
+        entry = torch.arange(width, device=dev)
+        head = (entry // s).expand(b, width)
+        store_row = (torch.arange(b, device=dev)[:, None] * h + head) * self.capacity + entry % s
+        rows = torch.zeros(b, width + 1, dtype=torch.long, device=dev).scatter_(1, at, store_row)[:, :width]
+        heads = torch.full((b, width + 1), -1, dtype=torch.long, device=dev).scatter_(1, at, head)[:, :width]
+        counts = keep.sum(-1)
+        return SelectedRows(keep, rows, heads, counts, counts.sum())
+
+    def _corrected_on_device(self, layer, job, sel, buffer) -> HandedRows:
+        """`_corrected` on the GPU: the prefetched rows and the token's spare rows in `buffer`, each of `sel`'s
+        entries read from there where the prefetch has it, else from the pinned pool where it lies (`HandedRows.far`:
+        the attention reads it over the bus), the count of those sent to the host without waiting. The host's
+        writes to the pool (`_flush`) stay behind the GPU's reads: the fetch of a layer waits for the copies two
+        layers back, so the host is never a step ahead of the attention reading this layer."""
+        t0 = time.perf_counter()
+        self._flush(layer)  # the tokens appended since the prefetch, in the pool before the GPU reads it
+        p = job.selected
+        keys, values = buffer(p + self.bh, job.kv[0])
+        keys[:p], values[:p] = job.kv[0][:p], job.kv[1][:p]
+        planned = job.selection.keep.reshape(-1)  # the prefetched entries, in the buffer's order
+        place = planned.cumsum(0) - 1
+        real = sel.head >= 0
+        entry = sel.rows // self.capacity * sel.keep.shape[-1] + sel.rows % self.capacity
+        hit = planned[entry] & real
+        split = p + self.bh
+        local = torch.where(hit, place[entry], split + self._slow_rows(sel.rows)) * real
+        own = p + torch.arange(self.bh, device=self.fast).view(self.batch, self.kv_heads)
+        far = (self.planes[layer][0][0], self.planes[layer][1][0], split)
+        self.stats.fetched_missed_later((real & ~hit).sum(), self.layout.row_bytes, time.perf_counter() - t0)
+        return HandedRows(keys, values, local, own, far)
 
     def _write_async(self, layer, rows, data):
         """CUDA: copy the new rows device->pinned host on the copy stream; they enter the pool (a host-side
@@ -44,7 +100,7 @@ class BehindGpu:
             self.stats.reused += 1
             return planned.selection
         packed = KVStore.select_rows(self, layer, keep_h, valid_h)
-        sel = SelectedRows(keep & valid, *(self._to_fast(x) for x in packed[1:]))
+        sel = SelectedRows(keep & valid, *(self._to_fast(x) for x in packed[1:4]))
         self._own_host = (sel.rows, packed.rows, packed.head)
         return sel
 

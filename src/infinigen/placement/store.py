@@ -275,6 +275,8 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
                 self.stats.reused += 1
                 return job.selection
         if self.cuda:
+            if planned is not None and self._on_device():
+                return self._select_on_device(keep, valid)
             return self._select_on_host(layer, keep, valid, planned)
         if planned is not None and keep.shape[-1] == n and torch.equal(keep, job.plan[:, :, :n]):
             self.stats.reused += 1
@@ -289,6 +291,8 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
         n = self.length[layer]
         if (job is not None and not job.full and job.selection is not sel and not every and buffer is not None
                 and self.fetches_missing):
+            if sel.read is not None:  # packed on the GPU (`_select_on_device`)
+                return self._corrected_on_device(layer, job, sel, buffer)
             return self._corrected(layer, job, sel, buffer)
         if job is None or (job.selection is not sel and not (job.full and job.n == n)):
             self._discard(job)
@@ -356,6 +360,7 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
             ev.record()  # layer's attention is done with its parity's buffers
             self._consumed[layer % 2] = ev
         if point == "embed" and session.decoding:
+            self.stats.settle()  # on-demand counts the GPU has sent since
             self.stats.steps.append([0, 0, sum(self.length) * self.bh, 0.0])  # this step's fetch counters
             if self.row_cache is not None:
                 self.stats.row_steps.append([0, 0, 0, 0])  # this step's row-cache counters
@@ -519,6 +524,7 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
         return dq
 
     def close(self) -> None:
+        self.stats.settle(wait=True)
         for job in self._jobs.values():  # wait for the worker; a failed fetch's error is not news to a closing store
             if job.future is not None:
                 job.future.exception()

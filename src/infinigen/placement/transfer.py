@@ -60,6 +60,8 @@ class TransferStats:
     # per decoding step: [rows prefetched, rows the prefetch missed that the layers' own selections read, fetched
     # on demand (not those held in fast memory), rows of the used KV over every layer, seconds fetching them]
     steps: list = field(default_factory=list)
+    # behind a GPU: on-demand counts still on their way from the device (`fetched_missed_later`, `settle`)
+    pending: list = field(default_factory=list)
 
     def missed_shares(self) -> list[float]:
         """Per decoding step: the rows fetched on demand because the prefetch missed them, as a share of
@@ -80,6 +82,36 @@ class TransferStats:
         if self.steps:
             self.steps[-1][1] += rows
             self.steps[-1][3] += seconds
+
+    def fetched_missed_later(self, rows: torch.Tensor, row_bytes: int, seconds: float) -> None:
+        """`fetched_missed` of a count [] on the GPU (the rows a corrected layer's own selection read from the slow
+        tier beyond its prefetch, `row_bytes` each for keys and for values): copied to pinned memory without
+        waiting, folded in by `settle` once there, so the decoding loop never waits for it."""
+        self.on_demand += 1
+        self.ondemand_s += seconds
+        host = torch.empty((), dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        self.pending.append((len(self.steps) - 1, host, ready, row_bytes))
+
+    def settle(self, wait: bool = False) -> None:
+        """Fold in the counts `fetched_missed_later` sent that have arrived (`wait`: all of them, waiting for the
+        GPU: for a reader after decoding)."""
+        left = []
+        for step, host, ready, row_bytes in self.pending:
+            if wait:
+                ready.synchronize()
+            elif not ready.query():
+                left.append((step, host, ready, row_bytes))
+                continue
+            rows = int(host)
+            self.missed += rows
+            self.rows_moved += rows
+            self.bytes_moved += 2 * rows * row_bytes
+            if 0 <= step < len(self.steps):
+                self.steps[step][1] += rows
+        self.pending = left
 
     def hit_rate(self) -> float | None:
         """Share of the distinct selected rows the row cache held (None: no lookup, or no cache)."""

@@ -26,9 +26,10 @@ class KVStats:
         self.rows = [0] * self.num_layers  # rows of keys (and as many of values) attention read from the store
         self._pending = []  # (layer, selected, past): reduced in bulk, off the per-layer decode path
 
-    def record_rows(self, layer: int, rows: int) -> None:
+    def record_rows(self, layer: int, rows) -> None:
         """Attention at `layer` read `rows` rows of keys and as many of values from the store (a host number:
-        what a gather moved, padding included, or the used slots a dense read covers)."""
+        what a gather moved, padding included, or the used slots a dense read covers; or a count on the device,
+        `SelectedRows.read`, summed there until it is read)."""
         self.rows[layer] += rows
 
     def record(self, layer: int, selected: torch.Tensor, past: torch.Tensor, owned: bool = False) -> None:
@@ -75,7 +76,7 @@ class KVStats:
         if not done:
             return {"entries_attended": None, "rows_read": None}
         return {"entries_attended": sum(self.entries[i] / self.steps[i] for i in done),
-                "rows_read": sum(self.rows[i] / self.steps[i] for i in done)}
+                "rows_read": float(sum(self.rows[i] / self.steps[i] for i in done))}
 
     def overall(self, layers=None) -> float:
         vals = [f for i, f in enumerate(self.per_layer()) if (layers is None or i in layers) and not math.isnan(f)]

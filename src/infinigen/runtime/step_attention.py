@@ -159,7 +159,7 @@ def _attend_rows(layer: int, q, k, v, sessions, spans, plans, scale: float, buff
         atts = []  # each session's rows read where they lie by one C++ (or Triton) call of its own
         for i, (s, p, (a, b)) in enumerate(zip(sessions, plans, spans)):
             if p.idx is not ALL:  # a read of ALL counted its rows already (`_read`)
-                s.stats.record_rows(layer, p.rows.rows.numel())
+                s.stats.record_rows(layer, p.rows.rows.numel() if p.rows.read is None else p.rows.read)
             src = own_part(faults, i, source, i)
             if src is None:  # its rows could not be read
                 atts.append(None)
@@ -232,8 +232,9 @@ def _attend_rows_in_place(q, src: HandedRows, counts, scale: float, wants_lse: b
     b, h, _, d = q.shape
     native = fused_select.native_rows(q)  # the C++ kernel: q [B, H, 1, d] as it is, a remainder mixed in there
     mixes = remainder is not None and native
+    extra = {"remainder": remainder} if mixes else {"far": src.far} if src.far is not None else {}
     out, lse, read_sum = fused_select.attend_rows(q if native else q.view(b, h, d), src.keys, src.values, src.rows,
-                                                  counts, src.own, scale, **({"remainder": remainder} if mixes else {}))
+                                                  counts, src.own, scale, **extra)
     out = out if native else out.view(b, h, 1, d)
     if not wants_lse or mixes:
         return attention.Attended(out), mixes
@@ -259,10 +260,15 @@ def _attend_rows_gathered(layer: int, q, k, sessions, spans, plans, source, scal
             continue
         head[a:b, pad:] = torch.cat([p.rows.head, own_head.expand(b - a, hkv)], 1)  # padding first, the tokens last
         index = F.pad(torch.cat([src.rows, src.own], 1), (pad, 0)).reshape(-1)
-        torch.index_select(src.keys, 0, index, out=kp[a * m:b * m])
-        torch.index_select(src.values, 0, index, out=vp[a * m:b * m])
+        if src.far is None:
+            torch.index_select(src.keys, 0, index, out=kp[a * m:b * m])
+            torch.index_select(src.values, 0, index, out=vp[a * m:b * m])
+        else:  # some rows lie in pinned host memory: the GPU gathers them over the bus
+            far_k, far_v, split = src.far
+            fused_select.gather_rows(src.keys, far_k, split, index, out=kp[a * m:b * m])
+            fused_select.gather_rows(src.values, far_v, split, index, out=vp[a * m:b * m])
         if p.idx is not ALL:  # a read of ALL counted its rows already (`_read`)
-            s.stats.record_rows(layer, (b - a) * (m - hkv))
+            s.stats.record_rows(layer, (b - a) * (m - hkv) if p.rows.read is None else p.rows.read)
     kp, vp = kp.view(q.shape[0], 1, m, -1), vp.view(q.shape[0], 1, m, -1)
     att = attention.attend_packed(q, kp, vp, head, hkv, scale, wants_lse)
     return att, attention.packed_weights(q, kp, head, hkv, scale) if observes else None
