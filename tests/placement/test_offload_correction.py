@@ -142,7 +142,7 @@ def test_a_correction_on_the_gpu_reads_the_rows_the_host_would_hand(tiny_llama):
         real = sel.head >= 0
         want_k, want_v = handed.keys[handed.rows[real]], handed.values[handed.rows[real]]
         counted = []
-        store.stats.fetched_missed_later = lambda rows, row_bytes, seconds: counted.append(int(rows))
+        store.stats.fetched_missed_later = lambda rows, row_bytes, seconds: counted.append(rows.tolist())
         dev_sel = store._select_on_device(sel.keep, torch.ones_like(sel.keep))
         assert torch.equal(dev_sel.counts, sel.counts) and int(dev_sel.read) == int(sel.counts.sum())
         def fresh(n, like):  # a buffer of the step's: nothing in it before the store writes
@@ -156,7 +156,8 @@ def test_a_correction_on_the_gpu_reads_the_rows_the_host_would_hand(tiny_llama):
         at = dev.rows[dev_sel.head >= 0]
         assert torch.equal(both_k[at], want_k) and torch.equal(both_v[at], want_v)
         from_pool = int(real.sum()) - int((handed.rows[real] < job.selected).sum())  # the host's fetched or held
-        assert counted == [int((at >= split).sum())] == [from_pool]
+        differs = not torch.equal(sel.keep, job.selection.keep)  # (the host path runs only where they differ)
+        assert differs and counted == [[int((at >= split).sum()), 1]] and from_pool == counted[0][0]
         checked.append(layer)
         return handed
     store._corrected = both

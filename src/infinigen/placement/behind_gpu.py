@@ -50,7 +50,8 @@ class BehindGpu:
     def _corrected_on_device(self, layer, job, sel, buffer) -> HandedRows:
         """`_corrected` on the GPU: the prefetched rows and the token's spare rows in `buffer`, each of `sel`'s
         entries read from there where the prefetch has it, else from the pinned pool where it lies (`HandedRows.far`:
-        the attention reads it over the bus), the count of those sent to the host without waiting. The host's
+        the attention reads it over the bus), the count of those (and whether the selection is the plan's) sent to
+        the host without waiting. The host's
         writes to the pool (`_flush`) stay behind the GPU's reads: the fetch of a layer waits for the copies two
         layers back, so the host is never a step ahead of the attention reading this layer."""
         t0 = time.perf_counter()
@@ -67,7 +68,8 @@ class BehindGpu:
         local = torch.where(hit, place[entry], split + self._slow_rows(sel.rows)) * real
         own = p + torch.arange(self.bh, device=self.fast).view(self.batch, self.kv_heads)
         far = (self.planes[layer][0][0], self.planes[layer][1][0], split)
-        self.stats.fetched_missed_later((real & ~hit).sum(), self.layout.row_bytes, time.perf_counter() - t0)
+        counts = torch.stack([(real & ~hit).sum(), (sel.keep != job.selection.keep).any().long()])
+        self.stats.fetched_missed_later(counts, self.layout.row_bytes, time.perf_counter() - t0)
         return HandedRows(keys, values, local, own, far)
 
     def _write_async(self, layer, rows, data):

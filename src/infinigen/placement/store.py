@@ -291,7 +291,7 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
         n = self.length[layer]
         if (job is not None and not job.full and job.selection is not sel and not every and buffer is not None
                 and self.fetches_missing):
-            if sel.read is not None:  # packed on the GPU (`_select_on_device`)
+            if sel.read is not None and sel.keep.shape == job.selection.keep.shape:  # packed on the GPU
                 return self._corrected_on_device(layer, job, sel, buffer)
             return self._corrected(layer, job, sel, buffer)
         if job is None or (job.selection is not sel and not (job.full and job.n == n)):

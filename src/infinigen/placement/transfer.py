@@ -43,7 +43,7 @@ class TransferStats:
     stale: int = 0  # prefetched but not what attention read (wasted)
     missed: int = 0  # rows a layer's own selection read that its prefetch missed, fetched on demand
     held: int = 0  # such rows taken from fast memory instead, where the layer's last step held them
-    reused: int = 0  # selections whose slot indices the runtime took from the plan (no second pass)
+    reused: int = 0  # selections the plan served (its slot indices taken; behind a GPU: one equal to the plan)
     bulk: int = 0  # disk: selections read as the whole used layer (they touched most of its pages)
     blocks: int = 0  # disk in blocks (`BlockedKVStore`): units read from the file
     missed_blocks: int = 0  # of those, units a layer's own selection read on demand (its prefetch had not)
@@ -84,12 +84,12 @@ class TransferStats:
             self.steps[-1][3] += seconds
 
     def fetched_missed_later(self, rows: torch.Tensor, row_bytes: int, seconds: float) -> None:
-        """`fetched_missed` of a count [] on the GPU (the rows a corrected layer's own selection read from the slow
-        tier beyond its prefetch, `row_bytes` each for keys and for values): copied to pinned memory without
-        waiting, folded in by `settle` once there, so the decoding loop never waits for it."""
-        self.on_demand += 1
+        """`fetched_missed` of counts [2] on the GPU: the rows a corrected layer's own selection read from the slow
+        tier beyond its prefetch (`row_bytes` each for keys and for values), and 1 where the selection differs
+        from the plan (else the plan served it: `reused`, as the host counts a selection equal to its plan). Copied
+        to pinned memory without waiting, folded in by `settle` once there: the decoding loop never waits for it."""
         self.ondemand_s += seconds
-        host = torch.empty((), dtype=rows.dtype, pin_memory=True)
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
         host.copy_(rows, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
@@ -105,7 +105,11 @@ class TransferStats:
             elif not ready.query():
                 left.append((step, host, ready, row_bytes))
                 continue
-            rows = int(host)
+            rows, differs = host.tolist()
+            if not differs:
+                self.reused += 1
+                continue
+            self.on_demand += 1
             self.missed += rows
             self.rows_moved += rows
             self.bytes_moved += 2 * rows * row_bytes
