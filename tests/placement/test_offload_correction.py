@@ -158,6 +158,18 @@ def test_a_correction_on_the_gpu_reads_the_rows_the_host_would_hand(tiny_llama):
         from_pool = int(real.sum()) - int((handed.rows[real] < job.selected).sum())  # the host's fetched or held
         differs = not torch.equal(sel.keep, job.selection.keep)  # (the host path runs only where they differ)
         assert differs and counted == [[int((at >= split).sum()), 1]] and from_pool == counted[0][0]
+        # read in place (`Placement.read_in_place`): every entry from the pool, only the spare rows in the buffer
+        store.stats.fetched_missed_later = lambda rows, row_bytes, seconds, missed: counted.append(
+            (rows.tolist(), missed))
+        store._spare_like = torch.empty(0, store.head_dim)
+        here = store._read_in_place(layer, dev_sel, fresh)
+        del store.stats.fetched_missed_later
+        far_k, far_v, split = here.far
+        assert split == here.keys.shape[0] == store.bh and torch.equal(here.own.reshape(-1), torch.arange(store.bh))
+        at = here.rows[dev_sel.head >= 0]
+        assert bool((at >= split).all())
+        assert torch.equal(far_k[at - split], want_k) and torch.equal(far_v[at - split], want_v)
+        assert counted[-1] == ([int(real.sum()), 1], False)
         checked.append(layer)
         return handed
     store._corrected = both
@@ -167,6 +179,25 @@ def test_a_correction_on_the_gpu_reads_the_rows_the_host_would_hand(tiny_llama):
     pl.close(sess)
     assert len(checked) == GEN * (model.cfg.num_layers - 1)
     assert store.stats.missed > 0
+
+
+@pytest.mark.parametrize("correct", [False, True], ids=["speculated", "corrected"])
+def test_read_in_place_decodes_what_the_prefetch_decodes(tiny_llama, correct, device):
+    """`Placement.read_in_place` (behind a GPU): no selection is prefetched; the attention reads each selection's
+    rows from the pinned pool where they lie. It decodes what the prefetching form decodes: the speculated
+    selection as prefetched, or corrected by each layer's own query as in fast memory."""
+    if device.type != "cuda":
+        pytest.skip("the GPU reads pinned host memory over the bus (the index logic on a CPU: the test above)")
+    model = tiny_llama[1].to(device)
+    pol = corrected_policy(model)
+    ref_tokens, ref_logits, _ = run_placed(model, Placement("cpu" if not correct else "none", correct=correct), pol)
+    tokens, logits, sess = run_placed(model, Placement("cpu", correct=correct, read_in_place=True), pol)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    st, layers = sess.store.stats, model.cfg.num_layers
+    assert sess.store.reads_in_place and st.missed == 0 and st.on_demand == 0
+    # each step: layer 0 (dense) prefetched whole, every other layer's selection read in place
+    assert st.fetches == GEN * layers and st.rows_moved > 0
 
 
 class HeldVictims(FifoVictims):

@@ -150,8 +150,9 @@ def test_decode_selection_needs_no_host_sync_on_cuda(make_tiny):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("policy,correct", [("infinigen", False), ("infinigen", True), ("infinigen", "host"),
-                                           ("full", False)],
-                         ids=["infinigen", "infinigen-corrected", "infinigen-corrected-on-host", "full"])
+                                           ("infinigen", "in place"), ("full", False)],
+                         ids=["infinigen", "infinigen-corrected", "infinigen-corrected-on-host",
+                              "infinigen-read-in-place", "full"])
 def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy, correct):
     """Decoding with the KV pool in pinned host memory (InfiniGen's speculation, and full offload): the main
     thread (speculation, selection, attention over the fetched rows, the next token) never waits for the
@@ -174,11 +175,12 @@ def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy,
     else:
         pol = make_policy(policy)
     tokens = random_tokens(model, t=T).cuda()
-    pl = Placement("cpu", correct=bool(correct))
+    pl = Placement("cpu", correct=bool(correct), read_in_place=correct == "in place")
     sess = pl.new_session(model, 2, T, pol)
     assert sess.store.tier.pinned
-    sess.store.corrects_on_device = correct is True
-    assert sess.store._on_device() == (correct is True)
+    sess.store.corrects_on_device = correct != "host"
+    assert sess.store._on_device() == (correct != "host")
+    assert sess.store._in_place() == (correct == "in place")
     runtime.prefill(model, tokens[:, :P], sess)
     runtime.decode(model, tokens[:, P], sess)  # the first step sizes the fetch buffers
     syncs = []
@@ -206,7 +208,7 @@ def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy,
     st = sess.store.stats
     pl.close(sess)
     main = collections.Counter(site for on_main, site in syncs if on_main)
-    if correct:
+    if correct in (True, "host"):
         assert st.missed > missed0  # the correction ran: it read rows the prefetch missed
     if correct == "host":  # the one copy of each corrected layer's mask; the layers that select: all but layer 0
         copies = sum(n for site, n in main.items() if "torch.stack([keep, valid]).cpu()" in site)
@@ -216,7 +218,7 @@ def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy,
     assert not main, f"{sum(main.values())} synchronizing calls on the main thread:\n" + "\n".join(
         f"{n} x {site}" for site, n in main.most_common())
     assert st.fetches > 0 and st.stale == 0
-    if not correct:
+    if correct in (False, "in place"):
         assert st.on_demand == 0
 
 

@@ -64,6 +64,9 @@ class Placement:
     # batch row, KV head), read with positioned reads of exactly the blocks a selection names
     # (`blocks.BlockedKVStore`); 0: the slot-major memory-mapped file
     disk_block: int = 0
+    # behind a GPU with the pool in pinned host memory: the attention reads each selection's rows where they lie,
+    # over the bus, none prefetched by a host gather (a layer reading every slot is still prefetched whole)
+    read_in_place: bool = False
 
     def __post_init__(self):
         if self.kv_offload not in KINDS:
@@ -162,6 +165,7 @@ class Placement:
             # a store that cannot fetch only the rows a prefetch missed would read a corrected selection whole,
             # on demand, after its prefetch: it reads what was speculated
             store.corrects = self.correct and store.fetches_missing
+            store.reads_in_place = self.read_in_place
             return store
         except BaseException:
             tier.close()
@@ -186,7 +190,7 @@ class Placement:
         """The placement as JSON-able values (for results)."""
         return {"kv_offload": self.kv_offload, "capacity": self.capacity, "pool_bytes": self.pool_bytes,
                 "evict": self.evict, "protect_recent": self.protect_recent, "row_cache_bytes": self.row_cache_bytes,
-                "disk_block": self.disk_block, "correct": self.correct}
+                "disk_block": self.disk_block, "correct": self.correct, "read_in_place": self.read_in_place}
 
     def describe(self, device: torch.device | str) -> str:
         device = torch.device(device)

@@ -22,12 +22,40 @@ class BehindGpu:
     # Behind a GPU a corrected layer's own selection is packed on the GPU and the rows its prefetch missed are read
     # by the attention from the pinned pool (False: packed on the host, the missed rows gathered and held there)
     corrects_on_device = True
+    # Behind a GPU every selection's rows are read by the attention from the pinned pool, none prefetched
+    # (`Placement.read_in_place`; a layer reading every slot is still prefetched whole)
+    reads_in_place = False
+
+    def _pool_readable(self) -> bool:
+        """Whether the attention can read the pool where it lies: pinned host memory whose rows are what the
+        attention reads (the plain layout), and the Triton kernel, which reads them over the bus (UVA)."""
+        return (self.cuda and self.tier.pinned and type(self.layout) is PlainRows and fused_select.enabled
+                and fused_select._triton_kernel() is not None)
 
     def _on_device(self) -> bool:
-        """Whether a corrected selection stays on the GPU: a pool in pinned host memory whose rows are what the
-        attention reads (the plain layout), and the Triton kernel, which reads them over the bus (UVA)."""
-        return (self.cuda and self.corrects_on_device and self.tier.pinned and type(self.layout) is PlainRows
-                and fused_select.enabled and fused_select._triton_kernel() is not None)
+        """Whether a corrected selection stays on the GPU (`corrects_on_device` where the pool is readable)."""
+        return self.corrects_on_device and self._pool_readable()
+
+    def _in_place(self) -> bool:
+        """Whether selections are read where they lie (`reads_in_place` where the pool is readable)."""
+        return self.reads_in_place and self._pool_readable()
+
+    def _read_in_place(self, layer, sel, buffer) -> HandedRows:
+        """`hand_rows` of a selection packed on the GPU with no prefetch: every entry read by the attention from the
+        pinned pool where it lies (`HandedRows.far`), the buffer holding only the token's spare rows; the rows read
+        counted on the device and sent back unwaited."""
+        t0 = time.perf_counter()
+        self._flush(layer)
+        if self._spare_like is None:
+            self._spare_like = torch.empty((0, self.head_dim), dtype=self.dtype, device=self.fast)
+        keys, values = buffer(self.bh, self._spare_like)
+        real = sel.head >= 0
+        local = (self.bh + self._slow_rows(sel.rows)) * real
+        own = torch.arange(self.bh, device=self.fast).view(self.batch, self.kv_heads)
+        far = (self.planes[layer][0][0], self.planes[layer][1][0], self.bh)
+        counts = torch.stack([real.sum(), torch.ones((), dtype=torch.long, device=self.fast)])
+        self.stats.fetched_missed_later(counts, self.layout.row_bytes, time.perf_counter() - t0, missed=False)
+        return HandedRows(keys, values, local, own, far)
 
     def _select_on_device(self, keep, valid) -> SelectedRows:
         """`select_rows` on the GPU without waiting: each batch row's entries head-major as `KVStore.select_rows`

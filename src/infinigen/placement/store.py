@@ -133,6 +133,7 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
         # values, and the step each was last added (`_hold`)
         self._held: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._own_host = None  # CUDA: the last selection `_select_on_host` packed: (its rows, on the host rows, heads)
+        self._spare_like = None  # CUDA, `_read_in_place`: an empty [0, d] tensor of the fast tier (the buffer's kind)
         self._pending: list[list] = [[] for _ in range(num_layers)]  # CUDA: appends on their way to the pool
         self._lock = threading.Lock()
         # The worker's own OpenMP team: one thread on a CPU host, where compute needs the cores; behind a GPU
@@ -275,7 +276,7 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
                 self.stats.reused += 1
                 return job.selection
         if self.cuda:
-            if planned is not None and self._on_device():
+            if (planned is not None and self._on_device()) or self._in_place():
                 return self._select_on_device(keep, valid)
             return self._select_on_host(layer, keep, valid, planned)
         if planned is not None and keep.shape[-1] == n and torch.equal(keep, job.plan[:, :, :n]):
@@ -287,6 +288,9 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
         """The rows of `sel` in the fast tier (the prefetched ones, else fetched now; `every`: sel is every
         visible slot, fetched as the whole used layer where no sliding window hides one) with a spare row per
         (batch row, KV head) for the token (`HandedRows`)."""
+        if sel.read is not None and buffer is not None and self._in_place():  # packed on the GPU, read where it lies
+            self._drop(layer)
+            return self._read_in_place(layer, sel, buffer)
         job = self._take(layer)
         n = self.length[layer]
         if (job is not None and not job.full and job.selection is not sel and not every and buffer is not None
@@ -383,6 +387,8 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
         """Hand layer's fetch to the worker: for a selection, deriving its slot indices (the runtime's own
         rule, `KVStore.select_rows`) is part of the job, so the main thread does not wait for it either."""
         self._drop(layer)
+        if plan is not ALL and self._in_place():  # the attention reads the selection where it lies
+            return
         full = plan is ALL
         job = _Job(layer, self._step, self.length[layer], plan=None if full else plan, full=full)
         if self._pool is None:

@@ -83,29 +83,39 @@ class TransferStats:
             self.steps[-1][1] += rows
             self.steps[-1][3] += seconds
 
-    def fetched_missed_later(self, rows: torch.Tensor, row_bytes: int, seconds: float) -> None:
+    def fetched_missed_later(self, rows: torch.Tensor, row_bytes: int, seconds: float, missed: bool = True) -> None:
         """`fetched_missed` of counts [2] on the GPU: the rows a corrected layer's own selection read from the slow
         tier beyond its prefetch (`row_bytes` each for keys and for values), and 1 where the selection differs
         from the plan (else the plan served it: `reused`, as the host counts a selection equal to its plan). Copied
-        to pinned memory without waiting, folded in by `settle` once there: the decoding loop never waits for it."""
+        to pinned memory without waiting, folded in by `settle` once there: the decoding loop never waits for it.
+        `missed=False`: the rows of a selection read where they lie, no prefetch (`Placement.read_in_place`),
+        counted as a fetch of them."""
         self.ondemand_s += seconds
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
         host.copy_(rows, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        self.pending.append((len(self.steps) - 1, host, ready, row_bytes))
+        self.pending.append((len(self.steps) - 1, host, ready, row_bytes, missed))
 
     def settle(self, wait: bool = False) -> None:
         """Fold in the counts `fetched_missed_later` sent that have arrived (`wait`: all of them, waiting for the
         GPU: for a reader after decoding)."""
         left = []
-        for step, host, ready, row_bytes in self.pending:
+        for entry in self.pending:
+            step, host, ready, row_bytes, missed = entry
             if wait:
                 ready.synchronize()
             elif not ready.query():
-                left.append((step, host, ready, row_bytes))
+                left.append(entry)
                 continue
             rows, differs = host.tolist()
+            if not missed:
+                self.fetches += 1
+                self.rows_moved += rows
+                self.bytes_moved += 2 * rows * row_bytes
+                if 0 <= step < len(self.steps):
+                    self.steps[step][0] += rows
+                continue
             if not differs:
                 self.reused += 1
                 continue
