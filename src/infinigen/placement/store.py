@@ -288,8 +288,8 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
         """The rows of `sel` in the fast tier (the prefetched ones, else fetched now; `every`: sel is every
         visible slot, fetched as the whole used layer where no sliding window hides one) with a spare row per
         (batch row, KV head) for the token (`HandedRows`)."""
-        if sel.read is not None and buffer is not None and self._in_place():  # packed on the GPU, read where it lies
-            self._drop(layer)
+        if sel.read is not None and buffer is not None and self._in_place() and not self._prefetched_whole(layer):
+            self._drop(layer)  # packed on the GPU, read where it lies
             return self._read_in_place(layer, sel, buffer)
         job = self._take(layer)
         n = self.length[layer]
@@ -313,6 +313,11 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
         if spare > 0:  # (behind a GPU the rows arrive without the spare rows)
             keys, values = (torch.cat([x, x.new_empty(spare, x.shape[1])]) for x in (keys, values))
         return HandedRows(keys, values, local, own)
+
+    def _prefetched_whole(self, layer) -> bool:
+        """Whether this step's prefetch of `layer` is its whole used layer (a layer that reads every slot)."""
+        job = self._jobs.get(layer)
+        return job is not None and job.full and job.step == self._step and job.n == self.length[layer]
 
     def _whole(self, sel, n: int, every: bool) -> bool:
         """Whether a fetch on demand of `sel` reads the whole used layer: `sel` is every visible slot (`every`)
