@@ -50,6 +50,7 @@ class BenchSettings:
     share_prefill: bool = False  # one real prefill per cell, replayed into every system's session
     row_cache_bytes: int = 0  # offloaded pools: the row cache (`Placement.row_cache_bytes`; 0: off)
     correct: bool = True  # offloaded pools: the own query corrects the speculation (`Placement.correct`)
+    read_in_place: bool = False  # behind a GPU: selections read from pinned host memory (`Placement.read_in_place`)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -169,7 +170,8 @@ def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, wei
                           evict=s.eviction, prefetch=s.prefetch, threaded=s.threaded,
                           row_cache_bytes=s.row_cache_bytes if system.kv_offload != "none" else 0,
                           disk_block=system.disk_block,
-                          correct=s.correct if system.correct is None else system.correct)
+                          correct=s.correct if system.correct is None else system.correct,
+                          read_in_place=s.read_in_place and system.kv_offload == "cpu")
     max_len = t + s.gen_len + s.breakdown_steps + s.count_ops
     probe = MemoryProbe(device)
     _collect(model, b, max_len)

@@ -20,7 +20,8 @@ from .options import (FLOAT, MAX_ROWS, check_compile_option, check_kv_fits, chec
                       check_policies_fit, check_range, check_weights_option, compile_option, device_option,
                       dtype_option, enable_compile, knob_option, model_option, parse_policies, plot_formats,
                       prepare_policies, weights_option, write_json)
-from .placement_opts import CORRECT, EVICT, POOL_BYTES, POOL_DIR, ROW_CACHE_BYTES, parse_bytes, parse_size
+from .placement_opts import (CORRECT, EVICT, POOL_BYTES, POOL_DIR, READ_IN_PLACE, ROW_CACHE_BYTES, check_read_in_place,
+                             parse_bytes, parse_size)
 
 
 def _int_list(name: str, text: str) -> list[int]:
@@ -58,6 +59,7 @@ def bench_cmd(
     row_cache_bytes: Optional[str] = ROW_CACHE_BYTES,
     prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Fetch layer i+1's rows during layer i."),
     correct: bool = CORRECT,
+    read_in_place: bool = READ_IN_PLACE,
     weights_offload: float = typer.Option(0.0, "--weights-offload", **FLOAT, help="Share of the layers whose weights stay in the "
                                           "slow tier and stream per layer (FlexGen's weight percentage)."),
     share_prefill: bool = typer.Option(False, "--share-prefill", help="One real prefill per (length, batch), replayed into "
@@ -87,6 +89,7 @@ def bench_cmd(
                                                           policy)
     _check_options(synthetic, layers, fixed_ratio, breakdown, threads, weights_offload, device, dtype, weights,
                    compile, eviction)
+    check_read_in_place(read_in_place, "cpu" if "cpu" in tiers else kv_offload, device)  # (the cpu tier's rows)
     limit = parse_bytes(pool_bytes)
     row_cache = parse_size(row_cache_bytes, "row-cache-bytes") or 0
     policies = parse_policies(names, knob)
@@ -99,7 +102,8 @@ def bench_cmd(
                                    pool_bytes=limit, eviction=eviction, pool_dir=str(pool_dir) if pool_dir else None,
                                    prefetch=prefetch, breakdown_steps=breakdown, count_ops=count_ops,
                                    weights_offload=weights_offload,
-                                   share_prefill=share_prefill, row_cache_bytes=row_cache, correct=correct)
+                                   share_prefill=share_prefill, row_cache_bytes=row_cache, correct=correct,
+                                   read_in_place=read_in_place)
     run = _prepare(settings, policies, tiers, model=model, synthetic=synthetic, layers=layers, fixed_ratio=fixed_ratio,
                    text=text, device=device, dtype=dtype, weights=weights, hf=hf, threads=threads, compile=compile,
                    pool_bytes=pool_bytes)
@@ -294,6 +298,7 @@ def _payload(net, label: str, synthetic, device: str, dtype: str, weights: str, 
                          "knobs": recorded["knobs"], "capacity": s.capacity, "pool_bytes": s.pool_bytes,
                          "eviction": s.eviction, "prefetch": s.prefetch, "weights_offload": s.weights_offload,
                          "share_prefill": s.share_prefill, "row_cache_bytes": s.row_cache_bytes, "correct": s.correct,
+                         "read_in_place": s.read_in_place,
                          "text": recorded["text"], "memory_bound": membound.current()},
             "rows": bench.strip_private(rows)}
 
