@@ -161,17 +161,19 @@ def _timed_decode(model, sess, tok: torch.Tensor, steps: int):
     return out, seconds, device_read_bytes() - read0 if read0 is not None else None
 
 
+def _placement(system: System, s: BenchSettings) -> Placement:
+    """The placement of `system`'s KV under the sweep's settings."""
+    return Placement(system.kv_offload, pool_dir=s.pool_dir, capacity=s.capacity, pool_bytes=s.pool_bytes,
+                     evict=s.eviction, prefetch=s.prefetch, threaded=s.threaded,
+                     row_cache_bytes=s.row_cache_bytes if system.kv_offload != "none" else 0,
+                     disk_block=system.disk_block, correct=s.correct if system.correct is None else system.correct,
+                     read_in_place=s.read_in_place and system.kv_offload == "cpu")
+
+
 def _run_ours(model, tokens: torch.Tensor, system: System, s: BenchSettings, weights=None,
               shared: SharedPrefill | None = None) -> dict:
     b, t = tokens.shape
-    device = model.device
-    pol = system.policy
-    placement = Placement(system.kv_offload, pool_dir=s.pool_dir, capacity=s.capacity, pool_bytes=s.pool_bytes,
-                          evict=s.eviction, prefetch=s.prefetch, threaded=s.threaded,
-                          row_cache_bytes=s.row_cache_bytes if system.kv_offload != "none" else 0,
-                          disk_block=system.disk_block,
-                          correct=s.correct if system.correct is None else system.correct,
-                          read_in_place=s.read_in_place and system.kv_offload == "cpu")
+    device, pol, placement = model.device, system.policy, _placement(system, s)
     max_len = t + s.gen_len + s.breakdown_steps + s.count_ops
     probe = MemoryProbe(device)
     _collect(model, b, max_len)

@@ -88,8 +88,7 @@ def bench_cmd(
     prompt_lens, batch_sizes, tiers, names = _check_sweep(prompt_len, batch_size, gen_len, capacity, kv_offload,
                                                           policy)
     _check_options(synthetic, layers, fixed_ratio, breakdown, threads, weights_offload, device, dtype, weights,
-                   compile, eviction)
-    check_read_in_place(read_in_place, "cpu" if "cpu" in tiers else kv_offload, device)  # (the cpu tier's rows)
+                   compile, eviction, read_in_place and ("cpu" if "cpu" in tiers else kv_offload))
     limit = parse_bytes(pool_bytes)
     row_cache = parse_size(row_cache_bytes, "row-cache-bytes") or 0
     policies = parse_policies(names, knob)
@@ -101,9 +100,8 @@ def bench_cmd(
     settings = bench.BenchSettings(prompt_lens=prompt_lens, batch_sizes=batch_sizes, gen_len=gen_len, capacity=capacity,
                                    pool_bytes=limit, eviction=eviction, pool_dir=str(pool_dir) if pool_dir else None,
                                    prefetch=prefetch, breakdown_steps=breakdown, count_ops=count_ops,
-                                   weights_offload=weights_offload,
-                                   share_prefill=share_prefill, row_cache_bytes=row_cache, correct=correct,
-                                   read_in_place=read_in_place)
+                                   weights_offload=weights_offload, share_prefill=share_prefill,
+                                   row_cache_bytes=row_cache, correct=correct, read_in_place=read_in_place)
     run = _prepare(settings, policies, tiers, model=model, synthetic=synthetic, layers=layers, fixed_ratio=fixed_ratio,
                    text=text, device=device, dtype=dtype, weights=weights, hf=hf, threads=threads, compile=compile,
                    pool_bytes=pool_bytes)
@@ -200,9 +198,11 @@ def _check_sweep(prompt_len: str, batch_size: str, gen_len: int, capacity: int |
 
 
 def _check_options(synthetic, layers, fixed_ratio, breakdown, threads, weights_offload, device, dtype, weights,
-                   compile, eviction) -> None:
-    """The options that name no sweep, each checked before anything is loaded."""
+                   compile, eviction, read_in_place) -> None:
+    """The options that name no sweep, each checked before anything is loaded (`read_in_place`: False, or the tier
+    `--read-in-place` would read: "cpu" where the sweep has it)."""
     from .. import bench
+    check_read_in_place(bool(read_in_place), read_in_place or "cpu", device)
     check_range("breakdown", breakdown, lo=0)
     check_range("threads", threads, lo=1)
     check_range("layers", layers, lo=1)

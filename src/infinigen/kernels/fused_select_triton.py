@@ -25,6 +25,20 @@ MIN_ROWS_PER_SPLIT = 128  # below this a split's merge costs more than the rows 
 
 
 @triton.jit
+def _rows(ptr, far_ptr, far_from, row, c, ok, D: tl.constexpr, FAR: tl.constexpr):
+    """Rows `row` [BLOCK] (int64) of the [N, D] tensor at `ptr`, columns `c`, where `ok`; with FAR, a row of
+    `far_from` or more is row (row - far_from) of the tensor at `far_ptr` (pinned host memory: read over the bus)."""
+    if FAR:
+        near = (row < far_from)[:, None]
+        at = tl.where(near, row[:, None], 0) * D + c[None, :]
+        far = tl.where(near, 0, row[:, None] - far_from) * D + c[None, :]
+        x = tl.load(ptr + at, mask=ok & near, other=0) + tl.load(far_ptr + far, mask=ok & ~near, other=0)
+    else:
+        x = tl.load(ptr + row[:, None] * D + c[None, :], mask=ok, other=0)
+    return x
+
+
+@triton.jit
 def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, lse_ptr, sum_ptr,
                    far_k_ptr, far_v_ptr, far_from, n_cols, scale,
                    HKV: tl.constexpr, HKV_P2: tl.constexpr, G: tl.constexpr, G_P2: tl.constexpr,
@@ -67,16 +81,8 @@ def _attend_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, counts_ptr, own_ptr, out_ptr, 
             row = tl.where(past, row, tl.load(own_ptr + bh))
         row = row.to(tl.int64)
         ok = live[:, None] & c_ok[None, :]
-        if FAR:  # rows from `far_from` on lie in the far tensors (pinned host memory, read over the bus)
-            near = (row < far_from)[:, None]
-            at = tl.where(near, row[:, None], 0) * D + c[None, :]
-            far = tl.where(near, 0, row[:, None] - far_from) * D + c[None, :]
-            k = tl.load(k_ptr + at, mask=ok & near, other=0) + tl.load(far_k_ptr + far, mask=ok & ~near, other=0)
-            v = tl.load(v_ptr + at, mask=ok & near, other=0) + tl.load(far_v_ptr + far, mask=ok & ~near, other=0)
-        else:
-            at = row[:, None] * D + c[None, :]
-            k = tl.load(k_ptr + at, mask=ok, other=0)
-            v = tl.load(v_ptr + at, mask=ok, other=0)
+        k = _rows(k_ptr, far_k_ptr, far_from, row, c, ok, D, FAR)
+        v = _rows(v_ptr, far_v_ptr, far_from, row, c, ok, D, FAR)
         read_sum += tl.sum(tl.where(past[:, None], v.to(tl.float32), 0.0), axis=0)
         if FAST_DOT:
             s = tl.dot(q, tl.trans(k)) * scale  # [G_P2, BLOCK], 16-bit products accumulated in float32
@@ -201,11 +207,8 @@ def _gather_kernel(near_ptr, far_ptr, index_ptr, out_ptr, split, n, D: tl.conste
     c = tl.arange(0, D_P2)
     live = i < n
     row = tl.load(index_ptr + i, mask=live, other=0).to(tl.int64)
-    near = (row < split)[:, None]
     ok = live[:, None] & (c < D)[None, :]
-    at = tl.where(near, row[:, None], 0) * D + c[None, :]
-    far = tl.where(near, 0, row[:, None] - split) * D + c[None, :]
-    x = tl.load(near_ptr + at, mask=ok & near, other=0) + tl.load(far_ptr + far, mask=ok & ~near, other=0)
+    x = _rows(near_ptr, far_ptr, split, row, c, ok, D, True)
     tl.store(out_ptr + i.to(tl.int64)[:, None] * D + c[None, :], x, mask=ok)
 
 
