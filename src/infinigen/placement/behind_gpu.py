@@ -37,8 +37,10 @@ class BehindGpu:
         return self.corrects_on_device and self._pool_readable()
 
     def _in_place(self) -> bool:
-        """Whether selections are read where they lie (`reads_in_place` where the pool is readable)."""
-        return self.reads_in_place and self._pool_readable()
+        """Whether selections are read where they lie (`reads_in_place` where the pool is readable). Not under a pool
+        limit: with no prefetch to pace it the host may run a step ahead of the GPU, and a victim's slot written to
+        the pool then could still be read by the step before."""
+        return self.reads_in_place and self.allocator is None and self._pool_readable()
 
     def _read_in_place(self, layer, sel, buffer) -> HandedRows:
         """`hand_rows` of a selection packed on the GPU with no prefetch: every entry read by the attention from the
@@ -79,9 +81,9 @@ class BehindGpu:
         """`_corrected` on the GPU: the prefetched rows and the token's spare rows in `buffer`, each of `sel`'s
         entries read from there where the prefetch has it, else from the pinned pool where it lies (`HandedRows.far`:
         the attention reads it over the bus), the count of those (and whether the selection is the plan's) sent to
-        the host without waiting. The host's
-        writes to the pool (`_flush`) stay behind the GPU's reads: the fetch of a layer waits for the copies two
-        layers back, so the host is never a step ahead of the attention reading this layer."""
+        the host without waiting. The host's writes to the pool (`_flush`) stay behind the GPU's reads: the fetch of
+        a layer waits for the copies two layers back, so the host is never a step ahead of the attention reading
+        this layer (a victim's slot is not rewritten while an earlier step reads it)."""
         t0 = time.perf_counter()
         self._flush(layer)  # the tokens appended since the prefetch, in the pool before the GPU reads it
         p = job.selected
