@@ -159,6 +159,7 @@ def run_system(name: str, argv: list[str], port: int, chats: list[list[dict]], a
             row.update(summary(recs, wall, args.answer_tokens))
             row["equal_alone"] = sum(alone[i] is not None and alone[i] == answers.get(i) for i in sample)
             row["compared_alone"] = len(sample)
+            row["differs_alone"] = differing(sample, answers, alone)
             row["alone_sample"] = sample
             if args.turns == 2:
                 row["turn2"] = second_turn(client, model, chats, answers, sample, args)
@@ -220,7 +221,14 @@ def second_turn(client, model, chats, answers, sample, args) -> dict:
     out = {"alone_s": round(time.perf_counter() - t1, 1), **summary(recs, wall, args.answer_tokens)}
     out["equal_alone"] = sum(alone[i] is not None and alone[i] == answers2.get(i) for i in sample)
     out["compared_alone"] = len(sample)
+    out["differs_alone"] = differing(sample, answers2, alone)
     return out
+
+
+def differing(sample: list[int], answers: dict, alone: dict) -> list[dict]:
+    """The sampled clients whose concurrent answer differs from the same request alone: both texts, to read."""
+    return [{"client": i, "concurrent": answers.get(i), "alone": alone[i]} for i in sample
+            if alone[i] is None or alone[i] != answers.get(i)]
 
 
 def prefix_metrics(url: str) -> dict:
