@@ -4,6 +4,7 @@ against that row as a batch of one. A row that differs breaks `serve --batch-inv
 tokens the same whatever runs beside it) once N requests decode together.
 
     python benchmarks/rows_invariance.py --batches 2,4,8,9,12,16 --json results/batch_invariant/rows_invariance.json
+    python benchmarks/rows_invariance.py --as-alone ...     # inside `qlinear.rows_as_alone` (the invariant step's)
 """
 from __future__ import annotations
 
@@ -20,20 +21,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--batches", default="2,4,8,9,12,16")
+    ap.add_argument("--as-alone", action="store_true", help="call the layers inside qlinear.rows_as_alone()")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    import contextlib
+
     from infinigen.commands.basic import load_model
+    from infinigen.kernels.qlinear import rows_as_alone
     net, _, name = load_model(a.model, "auto", "cpu", "auto")
     modules = dict(net.named_modules())
     torch.manual_seed(0)
-    report = {"model": name, "torch": torch.__version__, "threads": torch.get_num_threads(), "rows_differing": {}}
+    report = {"model": name, "torch": torch.__version__, "threads": torch.get_num_threads(), "as_alone": a.as_alone,
+              "rows_differing": {}}
     for layer in (*LAYERS, "head"):
         f = net.head if layer == "head" else modules[layer]
         k = net.cfg.hidden_size if layer == "head" else modules[layer].in_features
         kind = type(net.lm_head if layer == "head" else modules[layer]).__name__
         for n in (int(x) for x in a.batches.split(",")):
             x = torch.randn(n, 1, k).to(torch.bfloat16)
-            with torch.inference_mode():
+            with torch.inference_mode(), rows_as_alone() if a.as_alone else contextlib.nullcontext():
                 batched = f(x)
                 rows = [i for i in range(n) if not torch.equal(f(x[i:i + 1]), batched[i:i + 1])]
             report["rows_differing"][f"{layer} ({kind}), batch {n}"] = rows

@@ -61,6 +61,31 @@ def dense_weights_kept():
         _kept.weights = outer
 
 
+ALONE_ROWS = int4_gemv.MAX_ROWS  # the rows the decoding kernels take: each row computed as a row alone
+
+
+@contextlib.contextmanager
+def rows_as_alone():
+    """Inside: a quantized layer called with more than ALONE_ROWS rows runs its decoding kernel on chunks of that
+    many, so every row's arithmetic is that of the row in a batch of one (above ALONE_ROWS another kernel runs,
+    whose rows round apart: results/batch_invariant/batch_invariant.md); the weights are read once per chunk.
+    What `serve --batch-invariant` needs with more than ALONE_ROWS requests running."""
+    outer = getattr(_kept, "alone", False)
+    _kept.alone = True
+    try:
+        yield
+    finally:
+        _kept.alone = outer
+
+
+def _in_chunks_as_alone(layer, x: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """`layer`(x) a chunk of ALONE_ROWS rows at a time, inside `rows_as_alone` where x has more; else None."""
+    if rows <= ALONE_ROWS or not getattr(_kept, "alone", False):
+        return None
+    parts = [layer(part) for part in x.reshape(rows, layer.in_features).split(ALONE_ROWS)]
+    return torch.cat(parts).view(*x.shape[:-1], layer.out_features)
+
+
 def _dense_weight(layer, dtype: torch.dtype) -> torch.Tensor:
     kept = getattr(_kept, "weights", None)
     if kept is None:
@@ -298,6 +323,9 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(self, x, self.scale_zero)
         rows = x.numel() // self.in_features
+        chunked = _in_chunks_as_alone(self, x, rows)
+        if chunked is not None:
+            return chunked
         if rows > DENSE_ROWS and (self.packed.device.type != "cpu" or _cpu_layout_known()):
             return F.linear(x, _dense_weight(self, x.dtype), self.bias)
         y = self._kernel(x.reshape(rows, self.in_features).contiguous())
@@ -388,6 +416,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input(self, x, self.scales)
         rows = x.numel() // self.in_features
+        chunked = _in_chunks_as_alone(self, x, rows)
+        if chunked is not None:
+            return chunked
         if rows > DENSE_ROWS or not _int8_kernel_ok(x.device.type):
             return F.linear(x, _dense_weight(self, x.dtype), self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()

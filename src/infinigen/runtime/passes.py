@@ -1,11 +1,12 @@
 """The three passes a model runs over sessions: prefill, decode, teacher_forced."""
 from __future__ import annotations
 
+import contextlib
 from typing import Sequence
 
 import torch
 
-from ..kernels.qlinear import dense_weights_kept
+from ..kernels.qlinear import dense_weights_kept, rows_as_alone
 from ..model import rope_rows
 from .attention import StepBuffers
 from .session import Session
@@ -147,9 +148,10 @@ def _blocks_and_head(model, h, rope, attend, event, eager: bool = False,
     region, and one session's step may run whole (`StepParts.run`)."""
     if model.step_parts is not None and not eager:
         return model.step_parts.run(model, h, rope, attend, event, session)
-    for block in model.layers:
-        h = block(h, rope, attend, event)
-    return model.head(h[:, -1])
+    with rows_as_alone() if eager else contextlib.nullcontext():  # eager: batch-invariant, each row as alone
+        for block in model.layers:
+            h = block(h, rope, attend, event)
+        return model.head(h[:, -1])
 
 
 @torch.inference_mode()
