@@ -142,13 +142,13 @@ def test_a_correction_on_the_gpu_reads_the_rows_the_host_would_hand(tiny_llama):
         real = sel.head >= 0
         want_k, want_v = handed.keys[handed.rows[real]], handed.values[handed.rows[real]]
         counted = []
-        store.stats.fetched_missed_later = lambda rows, row_bytes, seconds: counted.append(rows.tolist())
+        store.stats.fetched_later = lambda rows, row_bytes, seconds: counted.append(rows.tolist())
         dev_sel = store._select_on_device(sel.keep, torch.ones_like(sel.keep))
         assert torch.equal(dev_sel.counts, sel.counts) and int(dev_sel.read) == int(sel.counts.sum())
         def fresh(n, like):  # a buffer of the step's: nothing in it before the store writes
             return torch.full((n, like.shape[1]), float("nan")), torch.full((n, like.shape[1]), float("nan"))
         dev = store._corrected_on_device(layer, job, dev_sel, fresh)
-        del store.stats.fetched_missed_later
+        del store.stats.fetched_later
         far_k, far_v, split = dev.far
         assert split == dev.keys.shape[0] == job.selected + store.bh
         assert torch.equal(dev.own, job.selected + torch.arange(store.bh).view(store.batch, store.kv_heads))
@@ -159,11 +159,11 @@ def test_a_correction_on_the_gpu_reads_the_rows_the_host_would_hand(tiny_llama):
         differs = not torch.equal(sel.keep, job.selection.keep)  # (the host path runs only where they differ)
         assert differs and counted == [[int((at >= split).sum()), 1]] and from_pool == counted[0][0]
         # read in place (`Placement.read_in_place`): every entry from the pool, only the spare rows in the buffer
-        store.stats.fetched_missed_later = lambda rows, row_bytes, seconds, missed: counted.append(
+        store.stats.fetched_later = lambda rows, row_bytes, seconds, missed: counted.append(
             (rows.tolist(), missed))
         store._spare_like = torch.empty(0, store.head_dim)
         here = store._read_in_place(layer, dev_sel, fresh)
-        del store.stats.fetched_missed_later
+        del store.stats.fetched_later
         far_k, far_v, split = here.far
         assert split == here.keys.shape[0] == store.bh and torch.equal(here.own.reshape(-1), torch.arange(store.bh))
         at = here.rows[dev_sel.head >= 0]

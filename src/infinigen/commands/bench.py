@@ -88,7 +88,7 @@ def bench_cmd(
     prompt_lens, batch_sizes, tiers, names = _check_sweep(prompt_len, batch_size, gen_len, capacity, kv_offload,
                                                           policy)
     _check_options(synthetic, layers, fixed_ratio, breakdown, threads, weights_offload, device, dtype, weights,
-                   compile, eviction, read_in_place and ("cpu" if "cpu" in tiers else kv_offload))
+                   compile, eviction, read_in_place, tiers)
     limit = parse_bytes(pool_bytes)
     row_cache = parse_size(row_cache_bytes, "row-cache-bytes") or 0
     policies = parse_policies(names, knob)
@@ -198,11 +198,11 @@ def _check_sweep(prompt_len: str, batch_size: str, gen_len: int, capacity: int |
 
 
 def _check_options(synthetic, layers, fixed_ratio, breakdown, threads, weights_offload, device, dtype, weights,
-                   compile, eviction, read_in_place) -> None:
-    """The options that name no sweep, each checked before anything is loaded (`read_in_place`: False, or the tier
-    `--read-in-place` would read: "cpu" where the sweep has it)."""
+                   compile, eviction, read_in_place, tiers) -> None:
+    """The options that name no sweep, each checked before anything is loaded (`--read-in-place` reads the sweep's
+    cpu tier, where it has one)."""
     from .. import bench
-    check_read_in_place(bool(read_in_place), read_in_place or "cpu", device)
+    check_read_in_place(read_in_place, "cpu" if "cpu" in tiers else ",".join(tiers), device)
     check_range("breakdown", breakdown, lo=0)
     check_range("threads", threads, lo=1)
     check_range("layers", layers, lo=1)

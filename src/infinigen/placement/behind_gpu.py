@@ -56,7 +56,7 @@ class BehindGpu:
         own = torch.arange(self.bh, device=self.fast).view(self.batch, self.kv_heads)
         far = (self.planes[layer][0][0], self.planes[layer][1][0], self.bh)
         counts = torch.stack([real.sum(), torch.ones((), dtype=torch.long, device=self.fast)])
-        self.stats.fetched_missed_later(counts, self.layout.row_bytes, time.perf_counter() - t0, missed=False)
+        self.stats.fetched_later(counts, self.layout.row_bytes, time.perf_counter() - t0, missed=False)
         return HandedRows(keys, values, local, own, far)
 
     def _select_on_device(self, keep, valid) -> SelectedRows:
@@ -99,7 +99,7 @@ class BehindGpu:
         own = p + torch.arange(self.bh, device=self.fast).view(self.batch, self.kv_heads)
         far = (self.planes[layer][0][0], self.planes[layer][1][0], split)
         counts = torch.stack([(real & ~hit).sum(), (sel.keep != job.selection.keep).any().long()])
-        self.stats.fetched_missed_later(counts, self.layout.row_bytes, time.perf_counter() - t0)
+        self.stats.fetched_later(counts, self.layout.row_bytes, time.perf_counter() - t0)
         return HandedRows(keys, values, local, own, far)
 
     def _write_async(self, layer, rows, data):

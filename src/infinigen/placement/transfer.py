@@ -60,7 +60,7 @@ class TransferStats:
     # per decoding step: [rows prefetched, rows the prefetch missed that the layers' own selections read, fetched
     # on demand (not those held in fast memory), rows of the used KV over every layer, seconds fetching them]
     steps: list = field(default_factory=list)
-    # behind a GPU: on-demand counts still on their way from the device (`fetched_missed_later`, `settle`)
+    # behind a GPU: on-demand counts still on their way from the device (`fetched_later`, `settle`)
     pending: list = field(default_factory=list)
 
     def missed_shares(self) -> list[float]:
@@ -83,7 +83,7 @@ class TransferStats:
             self.steps[-1][1] += rows
             self.steps[-1][3] += seconds
 
-    def fetched_missed_later(self, rows: torch.Tensor, row_bytes: int, seconds: float, missed: bool = True) -> None:
+    def fetched_later(self, rows: torch.Tensor, row_bytes: int, seconds: float, missed: bool = True) -> None:
         """`fetched_missed` of counts [2] on the GPU: the rows a corrected layer's own selection read from the slow
         tier beyond its prefetch (`row_bytes` each for keys and for values), and 1 where the selection differs
         from the plan (else the plan served it: `reused`, as the host counts a selection equal to its plan). Copied
@@ -98,7 +98,7 @@ class TransferStats:
         self.pending.append((len(self.steps) - 1, host, ready, row_bytes, missed))
 
     def settle(self, wait: bool = False) -> None:
-        """Fold in the counts `fetched_missed_later` sent that have arrived (`wait`: all of them, waiting for the
+        """Fold in the counts `fetched_later` sent that have arrived (`wait`: all of them, waiting for the
         GPU: for a reader after decoding)."""
         left = []
         for entry in self.pending:
@@ -109,22 +109,18 @@ class TransferStats:
                 left.append(entry)
                 continue
             rows, differs = host.tolist()
-            if not missed:
-                self.fetches += 1
-                self.rows_moved += rows
-                self.bytes_moved += 2 * rows * row_bytes
-                if 0 <= step < len(self.steps):
-                    self.steps[step][0] += rows
-                continue
-            if not differs:
+            if missed and not differs:  # the plan served the selection
                 self.reused += 1
                 continue
-            self.on_demand += 1
-            self.missed += rows
             self.rows_moved += rows
             self.bytes_moved += 2 * rows * row_bytes
+            if missed:
+                self.on_demand += 1
+                self.missed += rows
+            else:  # a selection read in place: a fetch of its rows
+                self.fetches += 1
             if 0 <= step < len(self.steps):
-                self.steps[step][1] += rows
+                self.steps[step][1 if missed else 0] += rows
         self.pending = left
 
     def hit_rate(self) -> float | None:
