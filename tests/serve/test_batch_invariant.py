@@ -83,6 +83,24 @@ def test_decoded_together_equals_alone_bit_for_bit(bf16_model, name):
         assert sum(k < 0.75 for k in kv) >= 3  # a real selection: most of the longer prompts read a subset
 
 
+@pytest.fixture(scope="module")
+def bf16_dense_model():
+    """A tiny Llama in bfloat16 with dense weights (a checkpoint's, no quantized kernel), its MLP's reduction long
+    enough (1536 inputs) that torch's matmul blocks it by the number of rows."""
+    from infinigen.loading import from_transformers
+    hf, _ = build_tiny("llama", num_hidden_layers=2, hidden_size=128, intermediate_size=1536,
+                       max_position_embeddings=512)
+    return from_transformers(hf, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["full", "infinigen"])
+def test_dense_weights_decoded_together_equal_alone_bit_for_bit(bf16_dense_model, name):
+    """Dense weights: every nn.Linear runs once per row in the invariant step (`qlinear.rows_as_alone(dense=True)`);
+    a batched matmul's rows round apart from the row alone there (results/batch_invariant/)."""
+    differ, _ = _batched_against_alone(bf16_dense_model, _policy(name, bf16_dense_model), batch_invariant=True)
+    assert differ == set()
+
+
 def test_the_fast_path_varies_with_the_batch(bf16_model):
     """Why the invariant path exists: the compiled step (its kernels chosen per padded batch size) and one
     padded attention call over every row round differently in bfloat16 (if this ever holds exactly, the

@@ -65,17 +65,38 @@ ALONE_ROWS = int4_gemv.MAX_ROWS  # the rows the decoding kernels take: each row 
 
 
 @contextlib.contextmanager
-def rows_as_alone():
+def rows_as_alone(dense: bool = False):
     """Inside: a quantized layer called with more than ALONE_ROWS rows runs its decoding kernel on chunks of that
     many, so every row's arithmetic is that of the row in a batch of one (above ALONE_ROWS another kernel runs,
     whose rows round apart: results/batch_invariant/batch_invariant.md); the weights are read once per chunk.
-    What `serve --batch-invariant` needs with more than ALONE_ROWS requests running."""
+    `dense`: a dense weight's `F.linear` (a plain nn.Linear) also runs once per row of its input's first dimension
+    (`_DenseRowsAlone`). What `serve --batch-invariant` needs with several requests running."""
     outer = getattr(_kept, "alone", False)
     _kept.alone = True
     try:
-        yield
+        with _DenseRowsAlone() if dense else contextlib.nullcontext():
+            yield
     finally:
         _kept.alone = outer
+
+
+def has_dense_linear(model: nn.Module) -> bool:
+    """Whether `model` computes with a plain nn.Linear (dense weights: a checkpoint's, or those no quantized kernel
+    took), which `rows_as_alone(dense=True)` must call row by row."""
+    return any(type(m) is nn.Linear for m in model.modules())
+
+
+class _DenseRowsAlone(torch.overrides.TorchFunctionMode):
+    """`F.linear` over more than one row of its input's first dimension, one call per row, each the call that row
+    makes alone: torch's bfloat16 matmul blocks its reduction by the number of rows, so a row of a batch can round
+    apart from the same row alone (SmolLM2's down_proj, 1536 inputs: 1 of 8 and of 12 rows; results/batch_invariant/).
+    The weights are read once per row."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and args[0].dim() > 1 and args[0].shape[0] > 1:
+            return torch.cat([func(row, *args[1:], **kwargs) for row in args[0].split(1)])
+        return func(*args, **kwargs)
 
 
 def _in_chunks_as_alone(layer, x: torch.Tensor, rows: int) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from ..kernels.qlinear import dense_weights_kept, rows_as_alone
+from ..kernels.qlinear import dense_weights_kept, has_dense_linear, rows_as_alone
 from ..model import rope_rows
 from .attention import StepBuffers
 from .session import Session
@@ -148,7 +148,8 @@ def _blocks_and_head(model, h, rope, attend, event, eager: bool = False,
     region, and one session's step may run whole (`StepParts.run`)."""
     if model.step_parts is not None and not eager:
         return model.step_parts.run(model, h, rope, attend, event, session)
-    with rows_as_alone() if eager else contextlib.nullcontext():  # eager: batch-invariant, each row as alone
+    # eager: batch-invariant, each row as alone
+    with rows_as_alone(dense=has_dense_linear(model)) if eager else contextlib.nullcontext():
         for block in model.layers:
             h = block(h, rope, attend, event)
         return model.head(h[:, -1])
