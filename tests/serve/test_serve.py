@@ -321,11 +321,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ray_serve_two_replicas(tiny_checkpoint, checkpoint_model):
+def test_ray_serve_two_replicas(tiny_checkpoint, checkpoint_model, monkeypatch):
     """Two replicas behind Ray Serve's proxy on a local cluster this test starts and stops: the same routes,
     both replicas answer, and every answer is the request's tokens run alone."""
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
+    # Ray Serve's controller kills a proxy that is not ready within 5 s (10 s for a health check): on 2 busy cores
+    # it may take longer to start, which is not what this test asks (the cluster's processes inherit these)
+    for check in ("READY_CHECK", "HEALTH_CHECK"):
+        monkeypatch.setenv(f"RAY_SERVE_PROXY_{check}_TIMEOUT_S", "120")
     import functools
 
     from infinigen.commands.serve import build
