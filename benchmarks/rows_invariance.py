@@ -16,7 +16,6 @@ import sys
 import torch
 
 
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
@@ -35,8 +34,8 @@ def main(argv=None) -> int:
     modules = dict(net.named_modules())
     torch.manual_seed(0)
     report = {"model": name, "torch": torch.__version__, "threads": torch.get_num_threads(), "as_alone": a.as_alone,
-              "weights": a.weights,
-              "rows_differing": {}}
+              "weights": a.weights, "rows_differing": {}}
+    dense = has_dense_linear(net)
     # the first block's projections (their names differ between the fused GGUF and a dense checkpoint), then the head
     projections = [n for n, m in modules.items() if n.startswith("layers.0.") and hasattr(m, "in_features")]
     for layer in (*projections, "head"):
@@ -45,7 +44,7 @@ def main(argv=None) -> int:
         kind = type(net.lm_head if layer == "head" else modules[layer]).__name__
         for n in (int(x) for x in a.batches.split(",")):
             x = torch.randn(n, 1, k).to(torch.bfloat16)
-            alone = rows_as_alone(has_dense_linear(net)) if a.as_alone else contextlib.nullcontext()
+            alone = rows_as_alone(dense) if a.as_alone else contextlib.nullcontext()
             with torch.inference_mode(), alone:
                 batched = f(x)
                 rows = [i for i in range(n) if not torch.equal(f(x[i:i + 1]), batched[i:i + 1])]
