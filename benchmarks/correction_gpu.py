@@ -28,9 +28,9 @@ import torch
 
 # form -> (InfiniGen or full, Placement keywords, the store's `corrects_on_device`)
 FORMS = {"full offload": (False, {}, True),
-         "speculation only": (True, {"correct": False}, True),
-         "corrected on the host": (True, {}, False),
-         "corrected on the GPU": (True, {}, True),
+         "speculation only": (True, {"correct": False, "read_in_place": False}, True),
+         "corrected on the host": (True, {"read_in_place": False}, False),
+         "corrected on the GPU": (True, {"read_in_place": False}, True),  # the default
          "read in place, speculated": (True, {"correct": False, "read_in_place": True}, True),
          "read in place, corrected": (True, {"read_in_place": True}, True)}
 

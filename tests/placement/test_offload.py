@@ -28,7 +28,9 @@ POLICIES = ["full", "int4", "h2o", "streaming", "planned-random", "infinigen"]
 def test_offloaded_engine_same_tokens(tiny_llama, policy, kind, tmp_path, device):
     model = tiny_llama[1].to(device)
     ref_tokens, ref_logits, _ = run_placed(model, Placement("none"), offload_policy(policy, model))
-    tokens, logits, sess = run_placed(model, Placement(kind, pool_dir=str(tmp_path)), offload_policy(policy, model))
+    # prefetched (the GPU default reads in place: test_offload_correction.py)
+    pl = Placement(kind, pool_dir=str(tmp_path), read_in_place=False)
+    tokens, logits, sess = run_placed(model, pl, offload_policy(policy, model))
     assert torch.equal(tokens, ref_tokens)
     assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=0)
     st, layers = sess.store.stats, model.cfg.num_layers
@@ -57,7 +59,8 @@ def test_decode_reads_only_the_selected_rows(tiny_llama, policy, kind, tmp_path,
     model = tiny_llama[1].to(device)
     pol = selective_policy(policy, model)
     tokens, pad = (x.to(device) for x in offload_prompts())
-    pl = Placement(kind, pool_dir=str(tmp_path), threaded=False, disk_bulk_share=1.0)
+    # prefetched: what the tier reads is counted there (read in place, the GPU reads the pinned pool over the bus)
+    pl = Placement(kind, pool_dir=str(tmp_path), threaded=False, disk_bulk_share=1.0, read_in_place=False)
     want = [0]
 
     class Count(runtime.Listener):  # what each layer's selection names, as it reads

@@ -1,9 +1,11 @@
-"""Speculation with correction on an offloaded tier (`Placement.correct`, the default): placement prefetches what
-the speculation one layer ahead selected, the layer selects again with its own query at its attention over the
-same 4-bit keys, and the store fetches on demand, in one gather, only the rows of that selection the prefetch
-missed. Checked here: an offloaded session then decodes what the session in fast memory decodes (its own
-selection and its remainder), with an unlimited budget the dense result; the rows fetched on demand are exactly
-the own selection less the prefetched one, and the slow tier is read for the prefetch and those rows only."""
+"""Speculation with correction on an offloaded tier (`Placement.correct`, the default): placement prefetches what the
+speculation one layer ahead selected, the layer selects again with its own query at its attention over the same
+4-bit keys, and the store fetches on demand, in one gather, only the rows of that selection the prefetch missed
+(behind a GPU `read_in_place` reads every selection where it lies instead: the tests that count the prefetch say
+`read_in_place=False`, so they keep counting it whichever is the default). Checked here: an offloaded session then
+decodes what the session in fast memory decodes (its own selection and its remainder), with an unlimited budget the
+dense result; the rows fetched on demand are exactly the own selection less the prefetched one, and the slow tier is
+read for the prefetch and those rows only."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +18,8 @@ from infinigen.placement import Placement
 from infinigen.policies import make_policy
 from infinigen.selection import ALL
 
-from support.offload import (B, GEN, PROMPT, FifoVictims, SlowReads, corrected_policy, offload_prompts,
-                             run_placed)
+from support.offload import (B, GEN, PROMPT, FifoVictims, SlowReads, corrected_policy, offload_policy,
+                             offload_prompts, run_placed)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "disk"])
@@ -25,7 +27,7 @@ def test_corrected_offload_decodes_what_fast_memory_decodes(tiny_llama, kind, tm
     model = tiny_llama[1].to(device)
     pol = corrected_policy(model)
     ref_tokens, ref_logits, _ = run_placed(model, Placement("none"), pol)
-    tokens, logits, sess = run_placed(model, Placement(kind, pool_dir=str(tmp_path)), pol)
+    tokens, logits, sess = run_placed(model, Placement(kind, pool_dir=str(tmp_path), read_in_place=False), pol)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     st = sess.store.stats
@@ -33,7 +35,8 @@ def test_corrected_offload_decodes_what_fast_memory_decodes(tiny_llama, kind, tm
     assert st.fetches == GEN * model.cfg.num_layers and st.on_demand == GEN * (model.cfg.num_layers - 1)
     assert st.missed > 0 and len(st.steps) == GEN and sum(s[1] for s in st.steps) == st.missed
     # the speculation alone reads something else: the correction is what makes the two equal
-    _, uncorrected, sess = run_placed(model, Placement(kind, pool_dir=str(tmp_path), correct=False), pol)
+    speculated = Placement(kind, pool_dir=str(tmp_path), correct=False, read_in_place=False)
+    _, uncorrected, sess = run_placed(model, speculated, pol)
     assert not torch.allclose(uncorrected, ref_logits, rtol=0, atol=1e-3)
     assert sess.store.stats.missed == 0 and sess.store.stats.on_demand == 0
 
@@ -42,7 +45,7 @@ def test_corrected_offload_with_an_unlimited_budget_is_dense(tiny_llama, device)
     model = tiny_llama[1].to(device)
     pol = corrected_policy(model, alpha=1e9, max_fetch_ratio=1.0)
     ref_tokens, ref_logits, _ = run_placed(model, Placement("none"), make_policy("full"))
-    tokens, logits, sess = run_placed(model, Placement("cpu"), pol)
+    tokens, logits, sess = run_placed(model, Placement("cpu", read_in_place=False), pol)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     assert sess.store.stats.missed == 0  # the speculation selected everything too
@@ -57,7 +60,7 @@ def test_on_demand_rows_are_the_own_selection_less_the_prefetched(tiny_llama, ki
     model = tiny_llama[1].to(device)
     pol = corrected_policy(model)
     tokens, pad = (x.to(device) for x in offload_prompts())
-    pl = Placement(kind, pool_dir=str(tmp_path), threaded=False, disk_bulk_share=1.0)
+    pl = Placement(kind, pool_dir=str(tmp_path), threaded=False, disk_bulk_share=1.0, read_in_place=False)
     planned: dict = {}
     want = {"missed": 0, "rows": 0, "held": 0}
     missed_at: dict = {}  # per layer and slot: the last step whose own selection read it beyond its prefetch
@@ -116,7 +119,7 @@ def test_corrected_offload_of_one_unpadded_row_decodes_what_fast_memory_decodes(
     tokens, _ = offload_prompts()
     prompts = (tokens[1:2], None)
     ref_tokens, ref_logits, _ = run_placed(model, Placement("none"), pol, prompts=prompts)
-    tokens, logits, sess = run_placed(model, Placement("cpu"), pol, prompts=prompts)
+    tokens, logits, sess = run_placed(model, Placement("cpu", read_in_place=False), pol, prompts=prompts)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     assert sess.store.stats.missed > 0
@@ -190,7 +193,8 @@ def test_read_in_place_decodes_what_the_prefetch_decodes(tiny_llama, correct, de
         pytest.skip("the GPU reads pinned host memory over the bus (the index logic on a CPU: the test above)")
     model = tiny_llama[1].to(device)
     pol = corrected_policy(model)
-    ref_tokens, ref_logits, _ = run_placed(model, Placement("cpu" if not correct else "none", correct=correct), pol)
+    ref = Placement("cpu" if not correct else "none", correct=correct, read_in_place=False)
+    ref_tokens, ref_logits, _ = run_placed(model, ref, pol)
     tokens, logits, sess = run_placed(model, Placement("cpu", correct=correct, read_in_place=True), pol)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
@@ -198,6 +202,31 @@ def test_read_in_place_decodes_what_the_prefetch_decodes(tiny_llama, correct, de
     assert sess.store.reads_in_place and st.missed == 0 and st.on_demand == 0
     # each step: layer 0 (dense) prefetched whole and read from there, every other layer's selection read in place
     assert st.fetches == GEN * layers and st.stale == 0 and st.rows_moved > 0
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o", "streaming", "planned-random", "infinigen"])
+def test_reading_in_place_decodes_what_fast_memory_decodes_for_every_policy(tiny_llama, policy, device):
+    """Read in place behind a GPU (a plain pinned pool, no limit), whatever the policy's selection: the tokens and
+    logits of the KV in GPU memory, nothing fetched on demand or wasted."""
+    if device.type != "cuda":
+        pytest.skip("the GPU reads pinned host memory over the bus")
+    model = tiny_llama[1].to(device)
+    ref_tokens, ref_logits, _ = run_placed(model, Placement("none"), offload_policy(policy, model))
+    tokens, logits, sess = run_placed(model, Placement("cpu", read_in_place=True), offload_policy(policy, model))
+    assert sess.store._in_place()
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+    assert sess.store.stats.on_demand == 0 and sess.store.stats.stale == 0
+
+
+def test_reading_in_place_applies_only_behind_a_gpu_without_a_pool_limit(tiny_llama):
+    """`Placement.read_in_place` asked for is off in effect wherever the GPU cannot read the pool where it lies: on a
+    CPU host, and under a pool limit (whose victims the prefetch's pace keeps apart from the reads)."""
+    model = tiny_llama[1]
+    for pl in (Placement("cpu", read_in_place=True), Placement("cpu", capacity=PROMPT, read_in_place=True)):
+        sess = pl.new_session(model, B, PROMPT + GEN, corrected_policy(model))
+        assert sess.store.reads_in_place and not sess.store._in_place()
+        pl.close(sess)
 
 
 class HeldVictims(FifoVictims):

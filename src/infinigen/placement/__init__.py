@@ -65,8 +65,9 @@ class Placement:
     # (`blocks.BlockedKVStore`); 0: the slot-major memory-mapped file
     disk_block: int = 0
     # behind a GPU with the pool in pinned host memory: the attention reads each selection's rows where they lie,
-    # over the bus, none prefetched by a host gather (a layer reading every slot is still prefetched whole; not
-    # under a pool limit, whose victims the prefetch's pace keeps apart from the reads)
+    # over the bus, none prefetched by a host gather (a layer reading every slot is still prefetched whole). In
+    # effect only where it applies (a plain pool in pinned memory, triton, no pool limit, whose victims the
+    # prefetch's pace keeps apart from the reads); elsewhere selections are prefetched
     read_in_place: bool = False
 
     def __post_init__(self):
