@@ -11,7 +11,9 @@ Each variant ranks the same number of entries with
   keys     exact | 4-bit (group-wise asymmetric per token, groups of G along the head dim: the packed
            speculation keys), after the model's skew rotation or without it, optionally centred (the mean
            of the prompt's keys subtracted first: a shift every score of a query row shares, so the ranking
-           and the softmax keep it; only the 4 bits' resolution changes)
+           and the softmax keep it; only the 4 bits' resolution changes), and centred keys optionally scaled
+           (each channel divided by its spread over the prompt's centred keys before packing, the query's
+           channel multiplied by it: the product is the same, only the groups' levels change)
   pooling  mass (the mean over the KV head's query heads of the softmax probability: InfiniGen's cut) |
            max (the max over the query heads of the score relative to each head's max: InfiniGen's
            threshold, alpha) | maxprob (the max of the softmax probabilities: the oracle policy's)
@@ -133,12 +135,15 @@ def study(model, tok, ids, prefill: int, share: float, stride: int, groups, matr
         A = None if matrices is None else matrices[layer].float()  # [Hkv, d, d]
         mean_k = k[:, :prefill].mean(1, keepdim=True)  # the prompt's mean key per KV head
         key_sets = {"exact": (k, None)}
-        for skew, group, centre in itertools.product((True, False) if A is not None else (False,), groups,
-                                                     (False, True)):
+        for skew, group, (centre, scaled) in itertools.product((True, False) if A is not None else (False,), groups,
+                                                               ((False, False), (True, False), (True, True))):
             kr = k @ A if skew else k
             mu = (mean_k @ A if skew else mean_k) if centre else torch.zeros_like(mean_k)
-            key_sets[f"int4 g{group}{' skew' if skew else ''}{' centred' if centre else ''}"] = (
-                fake_int4(kr - mu, group) + mu, A if skew else None)
+            # scaled: each channel divided by its spread over the prompt's centred keys before packing (and the
+            # query's channel multiplied by it: the same product), so no channel's range sets a group's levels
+            sd = (kr[:, :prefill] - mu).pow(2).mean(1, keepdim=True).sqrt().clamp(min=1e-6) if scaled else 1.0
+            name = f"int4 g{group}{' skew' if skew else ''}{' centred' if centre else ''}{' scaled' if scaled else ''}"
+            key_sets[name] = (fake_int4((kr - mu) / sd, group) * sd + mu, A if skew else None)
         qt = cap.q[layer].view(hkv, g, T, d)[:, :, rows]
         s_true = (qt @ k.transpose(-1, -2)[:, None]) * scale  # [Hkv, G, R, T]
         own_true = (qt * k[:, None, rows]).sum(-1) * scale
