@@ -28,7 +28,7 @@ POLICIES = ["full", "int4", "h2o", "streaming", "planned-random", "infinigen"]
 def test_offloaded_engine_same_tokens(tiny_llama, policy, kind, tmp_path, device):
     model = tiny_llama[1].to(device)
     ref_tokens, ref_logits, _ = run_placed(model, Placement("none"), offload_policy(policy, model))
-    # prefetched (the GPU default reads in place: test_offload_correction.py)
+    # prefetched, whichever is the default (reading in place behind a GPU: test_offload_correction.py)
     pl = Placement(kind, pool_dir=str(tmp_path), read_in_place=False)
     tokens, logits, sess = run_placed(model, pl, offload_policy(policy, model))
     assert torch.equal(tokens, ref_tokens)
