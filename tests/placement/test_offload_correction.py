@@ -219,13 +219,20 @@ def test_reading_in_place_decodes_what_fast_memory_decodes_for_every_policy(tiny
     assert sess.store.stats.on_demand == 0 and sess.store.stats.stale == 0
 
 
-def test_reading_in_place_applies_only_behind_a_gpu_without_a_pool_limit(tiny_llama):
-    """`Placement.read_in_place` asked for is off in effect wherever the GPU cannot read the pool where it lies: on a
-    CPU host, and under a pool limit (whose victims the prefetch's pace keeps apart from the reads)."""
+def test_reading_in_place_applies_only_behind_a_gpu_without_a_pool_limit(tiny_llama, monkeypatch):
+    """`Placement.read_in_place` asked for is off in effect where the GPU cannot read the pool where it lies (a CPU
+    host), and under a pool limit (whose victims the prefetch's pace keeps apart from the reads) even where it can
+    (here a readable pool pretended on the CPU: the rule, not the reads)."""
     model = tiny_llama[1]
-    for pl in (Placement("cpu", read_in_place=True), Placement("cpu", capacity=PROMPT, read_in_place=True)):
-        sess = pl.new_session(model, B, PROMPT + GEN, corrected_policy(model))
-        assert sess.store.reads_in_place and not sess.store._in_place()
+    opened = {}
+    for limit in (None, PROMPT):
+        pl = Placement("cpu", capacity=limit, read_in_place=True)
+        opened[limit] = (pl, pl.new_session(model, B, PROMPT + GEN, corrected_policy(model)))
+    for pl, sess in opened.values():
+        assert sess.store.reads_in_place and not sess.store._in_place()  # a CPU host
+    monkeypatch.setattr(type(opened[None][1].store), "_pool_readable", lambda self: True)
+    assert opened[None][1].store._in_place() and not opened[PROMPT][1].store._in_place()
+    for pl, sess in opened.values():
         pl.close(sess)
 
 
