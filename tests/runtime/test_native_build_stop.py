@@ -72,6 +72,44 @@ def test_stop_builds_ends_a_build_in_flight(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_build_starting_its_ninja_after_the_stop_is_interrupted_too(tmp_path, monkeypatch, capsys):
+    """A build in flight that starts its ninja only after `stop_builds` stopped waiting (a loaded machine, its
+    ninja late): that ninja is interrupted as it starts, so the building thread, which the exit waits for, ends
+    within seconds, not after the hour its build would take."""
+    namespace: dict = {}
+    exec(SLOW_BUILD, namespace)
+    started = threading.Event()
+    go = threading.Event()
+
+    def late_load(*args, **kw):  # in flight (counted) before the stop; its ninja only after the stop's wait
+        started.set()
+        go.wait(60)
+        namespace["slow_load"](*args, **kw)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", late_load)
+    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native_build, "_stopping", threading.Event())
+    monkeypatch.setattr(native_build, "_loaded", {})
+    source = tmp_path / "late.cpp"
+    source.write_text("// built by a ninja that starts late and sleeps\n")
+    got = []
+    builder = threading.Thread(target=lambda: got.append(native_build.load("late", source)))
+    builder.start()
+    try:
+        assert started.wait(900), "the build never started"
+        native_build.stop_builds(wait_s=0.2)  # returns before the ninja exists
+        assert builder.is_alive() and not native_build._children_named("ninja")
+        go.set()
+        builder.join(timeout=120)
+        assert not builder.is_alive(), "the late ninja was not interrupted"
+    finally:
+        go.set()
+        for pid in native_build._children_named("ninja"):
+            subprocess.run(["kill", "-9", str(pid)])
+        builder.join(timeout=60)
+    assert got == [None]
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 0)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_the_kernels_build_exits_at_once(tiny_checkpoint, tmp_path, sig, code):
     """`infinigen serve` starts the weight kernels' build while it loads its model; a signal while that build

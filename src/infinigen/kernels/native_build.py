@@ -74,11 +74,25 @@ def stop_builds(wait_s: float = 10.0) -> None:
     _stopping.set()
     deadline = time.monotonic() + wait_s
     while _building and time.monotonic() < deadline:  # a build may be about to start its ninja
-        for pid in _children_named("ninja"):
-            try:
-                os.kill(pid, signal.SIGINT)
-            except OSError:
-                pass
+        _interrupt_ninjas()
+        time.sleep(0.05)
+    if _building:  # a build slower to start its ninja (a loaded machine): interrupted when it does, as the exit
+        threading.Thread(target=_interrupt_until_built, daemon=True, name="infinigen-stop-builds").start()
+
+
+def _interrupt_ninjas() -> None:
+    for pid in _children_named("ninja"):
+        try:
+            os.kill(pid, signal.SIGINT)
+        except OSError:
+            pass
+
+
+def _interrupt_until_built() -> None:
+    """`stop_builds` beyond its wait: every ninja a build still in flight starts is interrupted, until none is in
+    flight (a daemon thread: the exit waits for the builds' threads, not for this one)."""
+    while _building:
+        _interrupt_ninjas()
         time.sleep(0.05)
 
 
@@ -121,6 +135,8 @@ def _build_now(name: str, source: Path, python_module: bool):
             # a `lock` file of cpp_extension's that a killed builder left would be waited on forever: holding
             # this lock (which the system drops when its holder dies), nobody else is building
             fcntl.flock(held, fcntl.LOCK_EX)
+            if _stopping.is_set():  # stopped while another process held the build
+                return None
             (build / "lock").unlink(missing_ok=True)
             for header in headers(source):
                 _source_in(build, header)
