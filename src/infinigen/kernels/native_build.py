@@ -71,7 +71,8 @@ def stop_builds(wait_s: float = 10.0) -> None:
     """The exit of an interrupted command (Ctrl-C, SIGTERM): the builds in flight stop now instead of holding the
     exit until their compiler finishes (minutes on a busy machine). Their ninja is interrupted, which stops its
     compilers and removes what they half-wrote; the next command builds again. Linux (elsewhere the exit waits)."""
-    _stopping.set()
+    with _locks_lock:  # a build that has not counted itself yet (`_build`) now sees the stop and does not start
+        _stopping.set()
     deadline = time.monotonic() + wait_s
     while _building and time.monotonic() < deadline:  # a build may be about to start its ninja
         _interrupt_ninjas()
