@@ -42,20 +42,32 @@ def _wait_until(condition, timeout: float = 900) -> bool:
     return False
 
 
-def test_stop_builds_ends_a_build_in_flight(tmp_path, monkeypatch, capsys):
-    """`stop_builds` interrupts the ninja of the build in flight: the building thread returns None (the torch
-    path) within seconds, prints nothing, its compiler is gone, and no later build starts."""
+def _slow_load():
+    """SLOW_BUILD's `slow_load`: a cpp_extension.load whose ninja sleeps for an hour."""
     namespace: dict = {}
     exec(SLOW_BUILD, namespace)
-    monkeypatch.setattr("torch.utils.cpp_extension.load", namespace["slow_load"])
+    return namespace["slow_load"]
+
+
+def _build_on_a_thread(tmp_path, monkeypatch, load, name: str):
+    """A fresh native_build state with `load` as cpp_extension's, and a thread building kernel `name` with it ->
+    (the thread, started; the list its result goes to; the source it builds)."""
+    monkeypatch.setattr("torch.utils.cpp_extension.load", load)
     monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(native_build, "_stopping", threading.Event())
     monkeypatch.setattr(native_build, "_loaded", {})
-    source = tmp_path / "slow.cpp"
+    source = tmp_path / f"{name}.cpp"
     source.write_text("// built by a ninja that sleeps\n")
     got = []
-    builder = threading.Thread(target=lambda: got.append(native_build.load("slow", source)))
+    builder = threading.Thread(target=lambda: got.append(native_build.load(name, source)))
     builder.start()
+    return builder, got, source
+
+
+def test_stop_builds_ends_a_build_in_flight(tmp_path, monkeypatch, capsys):
+    """`stop_builds` interrupts the ninja of the build in flight: the building thread returns None (the torch
+    path) within seconds, prints nothing, its compiler is gone, and no later build starts."""
+    builder, got, source = _build_on_a_thread(tmp_path, monkeypatch, _slow_load(), "slow")
     try:
         assert _wait_until(lambda: native_build._children_named("ninja")), "the build's ninja never started"
         ninja = native_build._children_named("ninja")[0]
@@ -76,24 +88,13 @@ def test_a_build_starting_its_ninja_after_the_stop_is_interrupted_too(tmp_path, 
     """A build in flight that starts its ninja only after `stop_builds` stopped waiting (a loaded machine, its
     ninja late): that ninja is interrupted as it starts, so the building thread, which the exit waits for, ends
     within seconds, not after the hour its build would take."""
-    namespace: dict = {}
-    exec(SLOW_BUILD, namespace)
-    started = threading.Event()
-    go = threading.Event()
+    slow_load, started, go = _slow_load(), threading.Event(), threading.Event()
 
     def late_load(*args, **kw):  # in flight (counted) before the stop; its ninja only after the stop's wait
         started.set()
         go.wait(60)
-        namespace["slow_load"](*args, **kw)
-    monkeypatch.setattr("torch.utils.cpp_extension.load", late_load)
-    monkeypatch.setenv("INFINIGEN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(native_build, "_stopping", threading.Event())
-    monkeypatch.setattr(native_build, "_loaded", {})
-    source = tmp_path / "late.cpp"
-    source.write_text("// built by a ninja that starts late and sleeps\n")
-    got = []
-    builder = threading.Thread(target=lambda: got.append(native_build.load("late", source)))
-    builder.start()
+        slow_load(*args, **kw)
+    builder, got, _ = _build_on_a_thread(tmp_path, monkeypatch, late_load, "late")
     try:
         assert started.wait(900), "the build never started"
         native_build.stop_builds(wait_s=0.2)  # returns before the ninja exists
