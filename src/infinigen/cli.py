@@ -37,6 +37,16 @@ def stopping() -> bool:
     return _stopped_by is not None
 
 
+def raise_a_swallowed_stop() -> None:
+    """A signal whose exception a library caught and ignored (a KeyboardInterrupt raised inside a `__del__` or a
+    callback is printed and dropped): the command stops now as the signal asked, not later or never."""
+    import signal
+    if _stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt
+    if _stopped_by == signal.SIGTERM:
+        exit_on_sigterm(signal.SIGTERM, None)
+
+
 def exit_on_sigterm(signum, frame):
     """A SIGTERM handler for a command with nothing to finish (`serve` while it warms up): exit 0 now, quietly."""
     global _stopped_by

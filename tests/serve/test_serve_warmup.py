@@ -208,3 +208,18 @@ def test_a_signal_that_a_library_turned_into_its_own_error(cli, tiny_checkpoint,
     assert got == code, err
     assert "error" not in err and "Traceback" not in err
     assert ("interrupted" in err) == (sig == signal.SIGINT)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_whose_exception_was_swallowed_is_raised_again(monkeypatch, sig):
+    """A signal during the warm-up whose exception a library dropped (a KeyboardInterrupt raised inside a `__del__`
+    is printed and ignored) is still the stop: `raise_a_swallowed_stop` (called once the warm-up returns) raises
+    what the signal asked for, KeyboardInterrupt (exit 130) or SystemExit(0); with no signal, nothing."""
+    from infinigen import cli
+    monkeypatch.setattr(cli, "stop_native_builds", lambda: None)
+    monkeypatch.setattr(cli, "_stopped_by", None)
+    cli.raise_a_swallowed_stop()
+    monkeypatch.setattr(cli, "_stopped_by", sig)
+    with pytest.raises(KeyboardInterrupt if sig == signal.SIGINT else SystemExit) as e:
+        cli.raise_a_swallowed_stop()
+    assert sig == signal.SIGINT or e.value.code == 0

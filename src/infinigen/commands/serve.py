@@ -23,7 +23,7 @@ from typing import Optional
 
 import typer
 
-from ..cli import exit_on_sigterm, stop_native_builds, stopping
+from ..cli import exit_on_sigterm, raise_a_swallowed_stop, stop_native_builds, stopping
 from ..errors import UserError
 from ..policies import REGISTRY
 from ..serve.config import ServerConfig
@@ -182,6 +182,7 @@ def _serve_here(config: ServerConfig) -> None:
                 print(f"infinigen: error: warming up failed: {type(e).__name__}: {' '.join(str(e).split())}"[:500],
                       file=sys.stderr)
                 raise typer.Exit(1)
+            raise_a_swallowed_stop()  # a signal during the warm-up whose exception a library dropped: stop now
     except BaseException:
         server.stop()
         raise
