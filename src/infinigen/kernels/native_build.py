@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import math
 import os
 import platform
 import signal
@@ -38,7 +39,7 @@ def build_key(source: Path) -> str:
 
 
 _locks: dict = {}  # name -> the lock its builder holds (each kernel builds beside the others)
-_locks_lock = threading.Lock()
+_locks_lock = threading.RLock()  # re-entrant: `stop_builds` takes it from a signal handler, maybe inside `load`
 _loaded: dict = {}  # name -> the loaded module (True for a library of torch ops), or None where it failed
 _building = 0  # builds in flight (under _locks_lock)
 _stopping = threading.Event()  # set by stop_builds: no build starts, the one in flight ends without a warning
@@ -73,27 +74,21 @@ def stop_builds(wait_s: float = 10.0) -> None:
     compilers and removes what they half-wrote; the next command builds again. Linux (elsewhere the exit waits)."""
     with _locks_lock:  # a build that has not counted itself yet (`_build`) now sees the stop and does not start
         _stopping.set()
-    deadline = time.monotonic() + wait_s
-    while _building and time.monotonic() < deadline:  # a build may be about to start its ninja
-        _interrupt_ninjas()
-        time.sleep(0.05)
+    _interrupt_until_built(time.monotonic() + wait_s)  # a build may be about to start its ninja
     if _building:  # a build slower to start its ninja (a loaded machine): interrupted when it does, as the exit
         threading.Thread(target=_interrupt_until_built, daemon=True, name="infinigen-stop-builds").start()
 
 
-def _interrupt_ninjas() -> None:
-    for pid in _children_named("ninja"):
-        try:
-            os.kill(pid, signal.SIGINT)
-        except OSError:
-            pass
-
-
-def _interrupt_until_built() -> None:
-    """`stop_builds` beyond its wait: every ninja a build still in flight starts is interrupted, until none is in
-    flight (a daemon thread: the exit waits for the builds' threads, not for this one)."""
-    while _building:
-        _interrupt_ninjas()
+def _interrupt_until_built(deadline: float = math.inf) -> None:
+    """Every ninja of this process interrupted, again and again, until no build is in flight or `deadline` passes
+    (`stop_builds`: first while it waits, then on a daemon thread: the exit waits for the builds' threads, not
+    for this one)."""
+    while _building and time.monotonic() < deadline:
+        for pid in _children_named("ninja"):
+            try:
+                os.kill(pid, signal.SIGINT)
+            except OSError:
+                pass
         time.sleep(0.05)
 
 
