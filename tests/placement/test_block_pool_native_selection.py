@@ -213,11 +213,12 @@ def test_packed_plan_equals_select_rows(density):
         assert not torch.equal(wrong, ref.rows) or not keep[1:].any()  # the store's capacity matters
 
 
-# ---- the units read natively (`block_select.read_units`) -------------------------------------------------------
+# ---- the units loaded and held natively (`block_select.load_units`, `hold_units`) ------------------------------
 @needs_kernel
-def test_native_reads_stage_the_bytes_the_python_reads_stage(tiny_llama, tmp_path, monkeypatch):
-    """A session whose units are read by the native reader decodes, stages and counts what the same session
-    reading through os.preadv does; the staged units hold the file's bytes."""
+def test_native_loads_and_holds_stage_the_bytes_the_python_ones_stage(tiny_llama, tmp_path, monkeypatch):
+    """A session whose units are loaded (open blocks, held units, the file) and held by the native kernel decodes,
+    stages and counts what the same session reading through os.preadv and holding in torch does, to the bit; held
+    units are copied from fast memory along the way."""
     from infinigen.placement import blocks as blocks_mod
     _, model = tiny_llama
     pol = corrected_policy(model, budget="layer", block=BLOCK)
@@ -225,35 +226,82 @@ def test_native_reads_stage_the_bytes_the_python_reads_stage(tiny_llama, tmp_pat
     monkeypatch.setattr(blocks_mod, "native_reads", False)
     ref = _decode(model, pl, pol, True, monkeypatch)
     monkeypatch.setattr(blocks_mod, "native_reads", True)
-    calls = [0]
-    inner = block_select.read_units
-
-    def counted(*a, **kw):
-        calls[0] += 1
-        return inner(*a, **kw)
-    monkeypatch.setattr(block_select, "read_units", counted)
+    calls = {"load_units": 0, "hold_units": 0, "copied": 0}
+    for name in ("load_units", "hold_units"):
+        def counted(*a, _inner=getattr(block_select, name), _name=name, **kw):
+            calls[_name] += 1
+            out = _inner(*a, **kw)
+            if _name == "load_units":
+                calls["copied"] += out[1]
+            return out
+        monkeypatch.setattr(block_select, name, counted)
     got = _decode(model, pl, pol, True, monkeypatch)
-    assert calls[0] > 0 and got[3] == ref[3]
+    assert calls["load_units"] > 0 and calls["hold_units"] > 0 and calls["copied"] > 0
+    assert got[3] == ref[3]
     assert torch.equal(got[0], ref[0]) and _same_selections(got[2], ref[2])
     assert torch.equal(got[1], ref[1])  # the same bytes attended: the same logits to the bit
 
 
 @needs_kernel
-def test_native_reads_read_the_named_units_and_fail_in_one_line(tmp_path):
-    """Units at scattered places of a file land at their places in the buffer (runs of adjacent units in one read);
-    a unit past the file's end is an OSError naming where it ended."""
-    unit = 4096
-    data = torch.arange(16 * unit // 8, dtype=torch.int64)  # 16 units, each its own numbers
+def test_native_loads_take_each_unit_from_where_it_is_and_fail_in_one_line(tmp_path):
+    """Units at scattered places of a file land in order (runs of adjacent units in one read), an open block comes
+    from the open blocks and a held unit from the held data, not from the file; a unit past the file's end is an
+    OSError naming where it ended."""
+    unit, nb = 4096, 8  # 2 (batch row, KV head) of 8 blocks each; the open block is block 6
+    words = unit // 8
+    data = torch.arange(16 * words, dtype=torch.int64)  # 16 units in the file, each its own numbers
     path = tmp_path / "pool"
     path.write_bytes(data.numpy().tobytes())
+    open_blocks = -torch.arange(1, 2 * words + 1, dtype=torch.int64)  # (negative: not the file's)
+    held, held_data = torch.tensor([3, 12]), torch.full((2, words), 7, dtype=torch.int64)
     fd = os.open(path, os.O_RDONLY)
     try:
-        disk = torch.tensor([1, 2, 3, 7, 12])
-        place = torch.tensor([0, 1, 2, 3, 4])
-        dst = torch.full((5, unit // 8), -1, dtype=torch.int64)
-        block_select.read_units(fd, disk, place, dst, unit, True)
-        assert torch.equal(dst, data.view(16, unit // 8)[disk])
+        ids = torch.tensor([1, 2, 3, 6, 7, 12, 14])
+        dst = torch.full((7, words), -1, dtype=torch.int64)
+        read, copied = block_select.load_units(fd, ids, 0, nb, 6, open_blocks, held, held_data, dst, unit, True)
+        assert (read, copied) == (3, 2)
+        units = data.view(16, words)
+        for place, want in enumerate([units[1], units[2], held_data[0], open_blocks.view(2, words)[0], units[7],
+                                      held_data[1], open_blocks.view(2, words)[1]]):
+            assert torch.equal(dst[place], want), place
+        empty = torch.empty(0, dtype=torch.long)
         with pytest.raises(OSError, match="ended at byte"):
-            block_select.read_units(fd, torch.tensor([16]), torch.tensor([0]), dst, unit, False)
+            block_select.load_units(fd, torch.tensor([0]), 16, nb, -1, open_blocks, empty, empty, dst, unit, False)
     finally:
         os.close(fd)
+
+
+@needs_kernel
+@pytest.mark.parametrize("limit", [1000, 5, 0])
+def test_native_hold_equals_the_torch_hold(limit, tmp_path):
+    """Step after step, the units held natively are those `HoldsMisses._hold` holds, with the same data and steps:
+    old ones staying while recent and not added again, past the limit the most recently added first; an open block
+    not added."""
+    store = _pool(tmp_path, 2, 2, 64, 4)  # 4 (batch row, KV head) x 16 blocks
+    try:
+        store.hold_share = limit * store.block / (store.bh * store.capacity)
+        store.length[0] = store.capacity
+        gen = torch.Generator().manual_seed(limit)
+        per, d = store.unit_rows, store.head_dim
+        units = store.bh * store.blocks_per_head
+        native = None
+        for step in range(12):
+            store._step = step
+            ids = (torch.rand(units, generator=gen) < 0.2).nonzero().squeeze(1)
+            added = torch.randn(ids.numel(), per, d, generator=gen)
+            open_j = step % store.blocks_per_head
+            closed = ids % store.blocks_per_head != open_j
+            store._hold(0, ids[closed], (added[closed],), store.block)
+            prev = native or (torch.empty(0, dtype=torch.long), torch.empty(0), torch.empty(0, dtype=torch.long))
+            got = block_select.hold_units(*prev, ids, added, store.blocks_per_head, open_j, step, store.hold_steps,
+                                          int(store.hold_share * store.capacity * store.bh) // store.block,
+                                          store.unit)
+            native = (got[0], got[1].view(torch.float32).view(-1, per, d), got[2]) if got[0].numel() else None
+            ref = store._held.get(0)
+            if ref is None:
+                assert native is None
+                continue
+            assert native is not None and torch.equal(native[0], ref[0]) and torch.equal(native[2], ref[2])
+            assert torch.equal(native[1], ref[1])
+    finally:
+        store.close()

@@ -253,31 +253,12 @@ std::vector<torch::Tensor> staged_places(torch::Tensor held, torch::Tensor rows,
   return {ids_t, out, torch::full({1}, missed_rows, rows.options())};
 }
 
-// Units of a pool file read into a staging buffer with positioned reads, one per run of adjacent units, every run
-// announced to the kernel first (POSIX_FADV_WILLNEED, where `willneed`): disk [R] int64 the units' indices in the
-// file (ascending), place [R] int64 each one's unit in dst (adjacent units at adjacent places), dst a contiguous
-// tensor of whole units of `unit_bytes`. Runs without the GIL. Returns {0, 0}, or {errno, offset} of the read that
-// failed ({-1, offset} where the file ended).
-std::vector<int64_t> read_units(int64_t fd, torch::Tensor disk, torch::Tensor place, torch::Tensor dst,
-                                int64_t unit_bytes, bool willneed) {
-  TORCH_CHECK(disk.dim() == 1 && place.sizes() == disk.sizes() && disk.scalar_type() == torch::kLong &&
-              place.scalar_type() == torch::kLong, "disk, place [R] int64");
-  TORCH_CHECK(dst.is_contiguous() && dst.device().is_cpu(), "dst: a contiguous CPU tensor");
-  const int64_t r = disk.numel(), capacity = dst.numel() * dst.element_size() / unit_bytes;
-  disk = disk.contiguous();
-  place = place.contiguous();
-  const int64_t* d_p = disk.data_ptr<int64_t>();
-  const int64_t* p_p = place.data_ptr<int64_t>();
-  for (int64_t i = 0; i < r; ++i) TORCH_CHECK(p_p[i] >= 0 && p_p[i] < capacity && d_p[i] >= 0, "a unit outside");
-  std::vector<std::array<int64_t, 3>> runs;  // file unit, count, place
-  for (int64_t i = 0; i < r; ++i) {
-    if (!runs.empty() && d_p[i] == runs.back()[0] + runs.back()[1] && p_p[i] == runs.back()[2] + runs.back()[1])
-      ++runs.back()[1];
-    else
-      runs.push_back({d_p[i], 1, p_p[i]});
-  }
-  char* base = static_cast<char*>(dst.data_ptr());
-  pybind11::gil_scoped_release unlocked;
+namespace {
+
+// One positioned read per run of adjacent units (runs: file unit, count, place in dst), every run announced first.
+// Returns {0, 0}, or {errno, offset} of the read that failed ({-1, offset} where the file ended).
+std::vector<int64_t> read_runs(int fd, const std::vector<std::array<int64_t, 3>>& runs, char* base,
+                               int64_t unit_bytes, bool willneed) {
 #ifdef POSIX_FADV_WILLNEED
   if (willneed)
     for (const auto& run : runs) posix_fadvise(fd, run[0] * unit_bytes, run[1] * unit_bytes, POSIX_FADV_WILLNEED);
@@ -286,7 +267,7 @@ std::vector<int64_t> read_units(int64_t fd, torch::Tensor disk, torch::Tensor pl
     int64_t offset = run[0] * unit_bytes, left = run[1] * unit_bytes;
     char* out = base + run[2] * unit_bytes;
     while (left > 0) {
-      const ssize_t n = pread(static_cast<int>(fd), out, static_cast<size_t>(left), offset);
+      const ssize_t n = pread(fd, out, static_cast<size_t>(left), offset);
       if (n < 0) {
         if (errno == EINTR) continue;
         return {errno, offset};
@@ -300,8 +281,117 @@ std::vector<int64_t> read_units(int64_t fd, torch::Tensor disk, torch::Tensor pl
   return {0, 0};
 }
 
+}  // namespace
+
+// Units `ids` of one layer (ids within the layer, ascending, [M] int64) into dst's first M units (a contiguous
+// tensor of whole units of `unit_bytes`), each from where it is in fast memory or else from the pool file: an open
+// block (id % blocks_per_head == open_j; open_j -1: none) copied from open [Hkv * B units, contiguous], a held unit
+// (held ids ascending [H], their data held_data [H units, contiguous]) copied from there, the others read from the
+// file at unit file_base + id, one positioned read per run of adjacent units, every run announced first. Runs
+// without the GIL. Returns {units read from the file, units copied from the held ones, errno or 0, offset}.
+std::vector<int64_t> load_units(int64_t fd, torch::Tensor ids, int64_t file_base, int64_t blocks_per_head,
+                                int64_t open_j, torch::Tensor open, torch::Tensor held, torch::Tensor held_data,
+                                torch::Tensor dst, int64_t unit_bytes, bool willneed) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && held.dim() == 1 &&
+              held.scalar_type() == torch::kLong, "ids [M], held [H] int64");
+  TORCH_CHECK(dst.is_contiguous() && open.is_contiguous() && held_data.is_contiguous(), "contiguous units");
+  TORCH_CHECK(held_data.numel() * held_data.element_size() >= held.numel() * unit_bytes, "a held unit's data");
+  ids = ids.contiguous();
+  held = held.contiguous();
+  const int64_t m = ids.numel(), h = held.numel();
+  TORCH_CHECK(dst.numel() * dst.element_size() >= m * unit_bytes, "dst holds fewer units than asked");
+  const int64_t open_units = open.numel() * open.element_size() / unit_bytes;
+  const int64_t* ids_p = ids.data_ptr<int64_t>();
+  const int64_t* held_p = held.data_ptr<int64_t>();
+  char* base = static_cast<char*>(dst.data_ptr());
+  const char* open_p = static_cast<const char*>(open.data_ptr());
+  const char* held_d = static_cast<const char*>(held_data.data_ptr());
+  std::vector<std::array<int64_t, 3>> runs;  // file unit, count, place
+  int64_t read = 0, copied = 0, k = 0;
+  pybind11::gil_scoped_release unlocked;
+  for (int64_t i = 0; i < m; ++i) {
+    const int64_t id = ids_p[i];
+    TORCH_CHECK(id >= 0 && (i == 0 || id > ids_p[i - 1]), "ids ascending within the layer");
+    if (open_j >= 0 && id % blocks_per_head == open_j) {
+      TORCH_CHECK(id / blocks_per_head < open_units, "an open block outside");
+      std::memcpy(base + i * unit_bytes, open_p + id / blocks_per_head * unit_bytes, unit_bytes);
+      continue;
+    }
+    while (k < h && held_p[k] < id) ++k;
+    if (k < h && held_p[k] == id) {
+      std::memcpy(base + i * unit_bytes, held_d + k * unit_bytes, unit_bytes);
+      ++copied;
+      continue;
+    }
+    ++read;
+    const int64_t at = file_base + id;
+    if (!runs.empty() && at == runs.back()[0] + runs.back()[1] && i == runs.back()[2] + runs.back()[1])
+      ++runs.back()[1];
+    else
+      runs.push_back({at, 1, i});
+  }
+  auto err = read_runs(static_cast<int>(fd), runs, base, unit_bytes, willneed);
+  return {read, copied, err[0], err[1]};
+}
+
+// `HoldsMisses._hold` of whole units: the units a corrected selection added this step (ids ascending [N], their data
+// the first N units of `added`; an open block, id % blocks_per_head == open_j, is not held: it changes as tokens
+// arrive) with those held before (prev ids ascending [H], prev_data [H units], prev_last [H]: the step each was last
+// added): a previous entry stays where it was not added again and was added after step - hold_steps; past `limit`
+// entries the most recently added stay (ties: the held ones before the added, each in ascending ids). Returns the
+// ids ascending [K], their data [K units of unit_bytes] (uint8) and last [K].
+std::vector<torch::Tensor> hold_units(torch::Tensor prev, torch::Tensor prev_data, torch::Tensor prev_last,
+                                      torch::Tensor ids, torch::Tensor added, int64_t blocks_per_head, int64_t open_j,
+                                      int64_t step, int64_t hold_steps, int64_t limit, int64_t unit_bytes) {
+  TORCH_CHECK(prev.dim() == 1 && prev_last.sizes() == prev.sizes() && ids.dim() == 1, "prev, prev_last [H], ids [N]");
+  TORCH_CHECK(prev_data.is_contiguous() && added.is_contiguous(), "contiguous units");
+  prev = prev.contiguous();
+  prev_last = prev_last.contiguous();
+  ids = ids.contiguous();
+  const int64_t h = prev.numel(), n = ids.numel();
+  TORCH_CHECK(added.numel() * added.element_size() >= n * unit_bytes, "an added unit's data");
+  TORCH_CHECK(prev_data.numel() * prev_data.element_size() >= h * unit_bytes, "a held unit's data");
+  const int64_t* prev_p = prev.data_ptr<int64_t>();
+  const int64_t* last_p = prev_last.data_ptr<int64_t>();
+  const int64_t* ids_p = ids.data_ptr<int64_t>();
+  struct Entry { int64_t id, last; const char* data; };
+  std::vector<Entry> entries;
+  entries.reserve(h + n);
+  const char* prev_d = static_cast<const char*>(prev_data.data_ptr());
+  const char* added_d = static_cast<const char*>(added.data_ptr());
+  std::vector<int64_t> closed;  // the added units held: not an open block
+  for (int64_t i = 0; i < n; ++i)
+    if (open_j < 0 || ids_p[i] % blocks_per_head != open_j) closed.push_back(i);
+  size_t j = 0;
+  for (int64_t i = 0; i < h; ++i) {  // the held ones not added again, not too old
+    while (j < closed.size() && ids_p[closed[j]] < prev_p[i]) ++j;
+    if ((j < closed.size() && ids_p[closed[j]] == prev_p[i]) || last_p[i] <= step - hold_steps) continue;
+    entries.push_back({prev_p[i], last_p[i], prev_d + i * unit_bytes});
+  }
+  for (int64_t i : closed) entries.push_back({ids_p[i], step, added_d + i * unit_bytes});
+  if (static_cast<int64_t>(entries.size()) > limit) {
+    std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.last > b.last; });
+    entries.resize(std::max<int64_t>(limit, 0));
+  }
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) { return a.id < b.id; });
+  const int64_t k = entries.size();
+  auto opts = prev.options().dtype(torch::kLong);
+  auto out_ids = torch::empty({k}, opts), out_last = torch::empty({k}, opts);
+  auto out_data = torch::empty({k * unit_bytes}, opts.dtype(torch::kUInt8));
+  int64_t* oi = out_ids.data_ptr<int64_t>();
+  int64_t* ol = out_last.data_ptr<int64_t>();
+  char* od = static_cast<char*>(out_data.data_ptr());
+  for (int64_t i = 0; i < k; ++i) {
+    oi[i] = entries[i].id;
+    ol[i] = entries[i].last;
+    std::memcpy(od + i * unit_bytes, entries[i].data, unit_bytes);
+  }
+  return {out_ids, out_data, out_last};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("read_units", &read_units, "a pool file's units read by runs, without the GIL");
+  m.def("load_units", &load_units, "a layer's units from its open blocks, its held units and the pool file");
+  m.def("hold_units", &hold_units, "the held units of a corrected layer, merged with those it added");
   m.def("select_blocks", &select_blocks, "InfiniGen's layer-capped block selection from scores to packed rows");
   m.def("pack_rows", &pack_rows, "KVStore.select_rows's packing of kept slots");
   m.def("staged_places", &staged_places, "a selection's rows in a staging buffer of units, and the units to read");

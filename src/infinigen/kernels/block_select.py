@@ -69,13 +69,32 @@ def pack_rows(keep: torch.Tensor, capacity: int):
     return _module().pack_rows(keep, int(capacity))
 
 
-def read_units(fd: int, disk: torch.Tensor, place: torch.Tensor, dst: torch.Tensor, unit_bytes: int,
-               willneed: bool) -> None:
-    """Units `disk` (their indices in the file, ascending, int64 [R]) of a pool file of `unit_bytes` units read into
-    units `place` [R] of the contiguous tensor `dst`, one positioned read per run of adjacent units, every run
-    announced first (POSIX_FADV_WILLNEED, where `willneed`), without the GIL. A failed read raises OSError."""
-    err, offset = _module().read_units(int(fd), disk, place, dst, int(unit_bytes), bool(willneed))
+def load_units(fd: int, ids: torch.Tensor, file_base: int, blocks_per_head: int, open_j: int, open: torch.Tensor,
+               held: torch.Tensor, held_data: torch.Tensor, dst: torch.Tensor, unit_bytes: int,
+               willneed: bool) -> tuple[int, int]:
+    """Units `ids` of one layer (within the layer, ascending, int64 [M]) into the first M units of the contiguous
+    tensor `dst` (units of `unit_bytes`), each from fast memory where it is there, else from the pool file: an open
+    block (id % blocks_per_head == open_j; -1: none) copied from `open` (the layer's open blocks, one unit per
+    (batch row, KV head)), a held unit (`held`: ids ascending, their data `held_data`) copied from there, the rest
+    read at file unit file_base + id, one positioned read per run of adjacent units, every run announced first
+    (POSIX_FADV_WILLNEED, where `willneed`), without the GIL -> (units read from the file, units copied from the
+    held ones). A failed read raises OSError."""
+    read, copied, err, offset = _module().load_units(int(fd), ids, int(file_base), int(blocks_per_head), int(open_j),
+                                                     open, held, held_data, dst, int(unit_bytes), bool(willneed))
     if err == -1:
         raise OSError(f"the KV pool file ended at byte {offset}")
     if err:
         raise OSError(err, os.strerror(err))
+    return read, copied
+
+
+def hold_units(prev: torch.Tensor, prev_data: torch.Tensor, prev_last: torch.Tensor, ids: torch.Tensor,
+               added: torch.Tensor, blocks_per_head: int, open_j: int, step: int, hold_steps: int, limit: int,
+               unit_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`HoldsMisses._hold` of whole units in one call: the units a corrected selection added this step (`ids`,
+    ascending, their data the first units of `added`; not an open block, id % blocks_per_head == open_j) merged with
+    those held (`prev` ascending, `prev_data`, `prev_last`: the step each was last added), an old one staying while
+    not added again and added after step - hold_steps, past `limit` the most recently added first -> the held ids
+    (ascending), their data (uint8, `unit_bytes` each) and last steps."""
+    return tuple(_module().hold_units(prev, prev_data, prev_last, ids, added, int(blocks_per_head), int(open_j),
+                                      int(step), int(hold_steps), int(limit), int(unit_bytes)))

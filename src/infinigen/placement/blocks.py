@@ -15,8 +15,8 @@ full (victims), a victim's key and value rows are written in place.
 Reads. A layer's selection (prefetched one layer ahead on the store's worker thread, like `OffloadedKVStore`)
 names slots; the store reads exactly the units they lie in (every run of adjacent units announced to the kernel
 first, POSIX_FADV_WILLNEED, so the device has them all in its queue, then positioned reads into a staging buffer
-in fast memory, one per run: `block_select.read_units`, one native call without the GIL, or `os.preadv` where it
-is not built; the open block is copied from memory). The attention reads the selected rows
+in fast memory, one per run; the open block is copied from memory: `block_select.load_units`, one native call
+without the GIL, or `os.preadv` where it is not built). The attention reads the selected rows
 where they lie in the staging buffer (`hand_rows`: a unit's keys, then its values, so the values are the same
 buffer a block further on), with spare rows for the token after the units; nothing is gathered. A selection
 made in blocks of this size reads each unit it names whole; a token-level selection reads every unit one of its
@@ -43,6 +43,7 @@ import torch
 from ..cache import HandedRows, KVCodec, KVStore, SelectedRows, packed_order, packed_places
 from ..errors import UserError
 from ..kernels import block_select
+from .held import HeldSet
 from .rows import layout_for
 from .store import OffloadedKVStore, _Job
 from .transfer import KV, PAGE, TransferStats, _Buffers, located
@@ -54,7 +55,7 @@ from .tiers import SlowTier
 # together; the reads then find their pages arriving or arrived.
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 _NO_UNITS = torch.empty(0, dtype=torch.long)  # no unit staged yet
-native_reads = True  # a selection's units read by the native reader where it is built (tests counting os.preadv: off)
+native_reads = True  # units loaded and held by the native kernel where it is built (tests counting os.preadv: off)
 
 
 def unit_bytes(block: int, row_bytes: int) -> int:
@@ -144,7 +145,7 @@ class BlockedKVStore(OffloadedKVStore):
         self._step = 0
         # per layer: units its recent corrected selections read on demand, ascending, their data and the step each
         # was last read (`_hold`); never an open block (it changes as tokens arrive: read from fast memory anyway)
-        self._held: dict = {}
+        self._held = HeldSet()
         self._pending: list[list] = [[] for _ in range(num_layers)]
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch", initializer=torch.set_num_threads,
@@ -387,12 +388,30 @@ class BlockedKVStore(OffloadedKVStore):
         end = (used + self._spare_units) * per
         return HandedRows(stage[:end - bs], stage[bs:end], rows, own)
 
-    def _load(self, layer: int, ids: torch.Tensor, units: torch.Tensor) -> int:
+    def _load(self, layer: int, ids: torch.Tensor, units: torch.Tensor, held: tuple | None = None) -> int:
         """Units `ids` of `layer` (ids within the layer, ascending) into units [len(ids), unit_rows, d]: open
-        blocks copied from fast memory, the others with positioned reads, one per run of adjacent units (every
-        run announced to the kernel first). Returns the number of units read from the file."""
-        on_disk = torch.ones(ids.numel(), dtype=torch.bool)
+        blocks copied from fast memory, and those of `held` (the layer's held units, `_hold`), the others with
+        positioned reads, one per run of adjacent units (every run announced to the kernel first). Returns the
+        number of units read from the file."""
         open_j = self._open_block(layer)
+        if native_reads and block_select.available():  # all of it in one call, the reads without the GIL
+            held_ids, held_data = held[:2] if held is not None else (_NO_UNITS, _NO_UNITS)
+            with _pool_io(self.tier.dir, "read"):
+                read, _ = block_select.load_units(self.fd, ids, layer * self.bh * self.blocks_per_head,
+                                                  self.blocks_per_head, open_j, self.open[layer], held_ids, held_data,
+                                                  units, self.unit, _WILLNEED is not None)
+            self.stats.blocks += read
+            return read
+        if held is not None and ids.numel():  # the held units copied, the others loaded
+            at, found = located(held[0], ids)
+            hit = found.nonzero().squeeze(1)
+            units[hit] = held[1][at[hit]]
+            lack = (~found).nonzero().squeeze(1)
+            got = torch.empty((lack.numel(), *units.shape[1:]), dtype=units.dtype)
+            read = self._load(layer, ids[lack], got)
+            units[lack] = got
+            return read
+        on_disk = torch.ones(ids.numel(), dtype=torch.bool)
         if open_j >= 0:  # the open blocks come from fast memory
             opened = ids % self.blocks_per_head == open_j
             if opened.any():
@@ -401,11 +420,7 @@ class BlockedKVStore(OffloadedKVStore):
         where = on_disk.nonzero().squeeze(1)  # places in `units`; adjacent ids lie at adjacent places
         disk = ids[where]
         read = disk.numel()
-        if read and native_reads and block_select.available():  # the loop below in C++, without the GIL
-            with _pool_io(self.tier.dir, "read"):
-                block_select.read_units(self.fd, disk + layer * self.bh * self.blocks_per_head, where, units,
-                                        self.unit, _WILLNEED is not None)
-        elif read:
+        if read:
             starts = torch.ones(read, dtype=torch.bool)
             starts[1:] = disk[1:] != disk[:-1] + 1
             first = starts.nonzero().squeeze(1)
@@ -450,22 +465,21 @@ class BlockedKVStore(OffloadedKVStore):
         """`_load` of the units a corrected selection reads beyond its prefetch: those held (`holds_missed`) copied
         from fast memory, the others loaded; then held for the layer's next steps (`_hold`), but an open block.
         Returns the number of units read from the file."""
-        prev = self._held.get(layer)
-        if prev is None or not ids.numel():
-            read = self._load(layer, ids, units)
-        else:
-            at, found = located(prev[0], ids)
-            hit = found.nonzero().squeeze(1)
-            units[hit] = prev[1][at[hit]]
-            lack = (~found).nonzero().squeeze(1)
-            read = 0
-            if lack.numel():
-                got = torch.empty((lack.numel(), *units.shape[1:]), dtype=units.dtype)
-                read = self._load(layer, ids[lack], got)
-                units[lack] = got
-        if self.holds_missed:
-            closed = ids % self.blocks_per_head != self._open_block(layer)
+        read = self._load(layer, ids, units, self._held.get(layer))
+        if not self.holds_missed:
+            return read
+        open_j = self._open_block(layer)
+        if not (native_reads and block_select.available()):
+            closed = ids % self.blocks_per_head != open_j
             self._hold(layer, ids[closed], (units[closed],), self.block)
+            return read
+        prev = self._held.pop(layer, None) or (_NO_UNITS, _NO_UNITS, _NO_UNITS)
+        limit = int(self.hold_share * self.length[layer] * self.bh) // self.block
+        held, data, last = block_select.hold_units(*prev, ids, units, self.blocks_per_head, open_j, self._step,
+                                                   self.hold_steps, limit, self.unit)
+        if held.numel():
+            self._held[layer] = (held, data.view(self.dtype).view(-1, self.unit_rows, self.head_dim), last)
+            self.stats.peak_fast_bytes = max(self.stats.peak_fast_bytes, self.fast_bytes())
         return read
 
     def _held_at(self, slots: torch.Tensor) -> torch.Tensor:

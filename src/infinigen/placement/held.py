@@ -9,6 +9,32 @@ import torch
 from .transfer import located
 
 
+class HeldSet(dict):
+    """A store's held entries per layer (`HoldsMisses._held`: layer -> ids, data..., last) and their bytes, kept up
+    to date (`nbytes`): the fast bytes are asked after every hold, and summing every layer's each time cost more
+    than the hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    @staticmethod
+    def _size(entry) -> int:
+        return sum(t.numel() * t.element_size() for t in entry)
+
+    def __setitem__(self, layer, entry) -> None:
+        self.pop(layer, None)
+        super().__setitem__(layer, entry)
+        self.nbytes += self._size(entry)
+
+    def pop(self, layer, *default):
+        if layer in self:
+            entry = super().pop(layer)
+            self.nbytes -= self._size(entry)
+            return entry
+        return super().pop(layer, *default)
+
+
 class HoldsMisses:
     """The held set of `OffloadedKVStore` (its `_held`: per layer the entries, ascending, their data and the step
     each was last added; `_step`, `length`, `bh`, `capacity`, `stats`, `_gather_rows`, `_slow_rows`, `fast` are

@@ -36,7 +36,7 @@ from ..cache import HandedRows, KVCodec, KVStore, SelectedRows, packed_order, pa
 from ..errors import UserError
 from ..selection import ALL
 from .behind_gpu import BehindGpu
-from .held import HoldsMisses
+from .held import HeldSet, HoldsMisses
 from .rows import layout_for
 from .rowcache import RowCache
 from .tiers import SlowTier
@@ -131,7 +131,7 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
         self._step = 0
         # per layer: rows its recent corrected selections had to add to the prefetch, ascending, their keys and
         # values, and the step each was last added (`_hold`)
-        self._held: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._held = HeldSet()
         self._own_host = None  # CUDA: the last selection `_select_on_host` packed: (its rows, on the host rows, heads)
         self._spare_like = None  # CUDA, `_read_in_place`: an empty [0, d] tensor of the fast tier (the buffer's kind)
         self._pending: list[list] = [[] for _ in range(num_layers)]  # CUDA: appends on their way to the pool
@@ -157,8 +157,7 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
     def fast_bytes(self) -> int:
         """Metadata, the buffers of fetched rows (not the pinned host staging behind a GPU: host memory) and the
         missed rows held for the next step."""
-        held = sum(t.numel() * t.element_size() for rows in self._held.values() for t in rows)  # (with indices)
-        return self.buffers.fast_bytes() + held
+        return self.buffers.fast_bytes() + self._held.nbytes  # (the held indices too)
 
     def peak_fast_bytes(self) -> int:
         """The most metadata, staging and fetched rows held in the fast tier (`TransferStats`)."""
