@@ -30,15 +30,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def block_policy(ig, block: int, fetch: float | None = None, torch_path: bool = False):
+def block_policy(ig, block: int, fetch: float | None = None, torch_path: bool = False, query: str = "auto"):
     """InfiniGen with `ig`'s calibrated settings, choosing blocks of `block` tokens (no second calibration;
     `dense_below` 0: at these lengths every row selects, and the crossing is not measured again); `fetch`: the
     blocks holding that many times the cap read, the token rule's tokens within them attended (`block_fetch`);
-    `torch_path`: its blocks chosen by the torch path, not the native block selection (the same choice)."""
+    `torch_path`: its blocks chosen by the torch path, not the native block selection (the same choice); `query`:
+    which query selects (auto: on the disk in blocks the layer's own; corrected: the speculation one layer ahead
+    prefetched, then corrected by the own query)."""
     from infinigen.policies import make_policy
     chosen = {k: getattr(ig, k) for k in ("alpha", "kv_budget", "budget_growth", "exact_first", "dense_layers",
                                           "remainder_from")}
-    pol = make_policy("infinigen", block=block, block_fetch=fetch, calibrate=False, dense_below=0, **chosen)
+    pol = make_policy("infinigen", block=block, block_fetch=fetch, calibrate=False, dense_below=0, query=query,
+                      **chosen)
     return _on_torch_path(pol) if torch_path else pol
 
 
@@ -57,8 +60,8 @@ def _on_torch_path(pol):
     return TorchBlocks(**pol.requested)
 
 
-ROWS = ("ram", "ram-blocks", "full", "full-blocks", "tokens-mapped", "tokens-blocks", "blocks", "blocks-torch",
-        "within", "speculation", "speculation-torch")
+ROWS = ("ram", "ram-blocks", "full", "full-blocks", "tokens-mapped", "tokens-blocks", "blocks", "corrected",
+        "blocks-torch", "within", "speculation", "speculation-torch")
 
 
 def systems(ig, blocks: list[int], rows=ROWS):
@@ -77,11 +80,14 @@ def systems(ig, blocks: list[int], rows=ROWS):
                                     disk_block=blocks[0])],
            "blocks": [System(f"InfiniGen, blocks of {b} (disk, blocks of {b})", block_policy(ig, b), "disk",
                              disk_block=b) for b in blocks],
+           # the same selection (the own query's), its blocks prefetched from the speculation one layer ahead
+           "corrected": [System(f"InfiniGen, blocks of {b}, speculated and corrected (disk, blocks of {b})",
+                                block_policy(ig, b, query="corrected"), "disk", disk_block=b) for b in blocks],
            "blocks-torch": [System(f"InfiniGen, blocks of {blocks[0]}, torch selection (disk, blocks of {blocks[0]})",
                                    block_policy(ig, blocks[0], torch_path=True), "disk", disk_block=blocks[0])],
            "within": [System(f"InfiniGen, tokens within 2x blocks of {blocks[0]} (disk, blocks of {blocks[0]})",
                              block_policy(ig, blocks[0], 2.0), "disk", disk_block=blocks[0])],
-           # the rows above correct what was speculated (the default); this one reads what was speculated alone
+           # this one reads what was speculated alone
            "speculation": [System(f"InfiniGen, blocks of {blocks[-1]}, speculation only (disk, blocks of "
                                   f"{blocks[-1]})", block_policy(ig, blocks[-1]), "disk", disk_block=blocks[-1],
                                   correct=False)],

@@ -19,6 +19,13 @@ from infinigen.selection import ALL
 
 from support.offload import B, GEN, PROMPT, FifoVictims, corrected_policy, offload_prompts, run_placed
 
+
+def _speculated(model, **knobs):
+    """`corrected_policy` speculating one layer ahead on the block pool too (`query` corrected: on this store "auto"
+    selects with the own query alone), so that there is a prefetch to correct."""
+    return corrected_policy(model, query="corrected", **knobs)
+
+
 BLOCK = 4
 SELECTIONS = {"tokens": {}, "blocks": dict(budget="layer", block=BLOCK),
               "tokens within blocks": dict(budget="layer", block=BLOCK, block_fetch=2.0, max_fetch_ratio=0.3)}
@@ -27,7 +34,7 @@ SELECTIONS = {"tokens": {}, "blocks": dict(budget="layer", block=BLOCK),
 @pytest.mark.parametrize("selection", list(SELECTIONS))
 def test_corrected_block_pool_decodes_what_fast_memory_decodes(tiny_llama, selection, tmp_path):
     _, model = tiny_llama
-    pol = corrected_policy(model, **SELECTIONS[selection])
+    pol = _speculated(model, **SELECTIONS[selection])
     ref_tokens, ref_logits, _ = run_placed(model, Placement("none"), pol)
     pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK)
     tokens, logits, sess = run_placed(model, pl, pol)
@@ -47,11 +54,26 @@ def test_corrected_block_pool_decodes_what_fast_memory_decodes(tiny_llama, selec
     assert sess.store.stats.missed_blocks == 0 and sess.store.stats.on_demand == 0
 
 
+@pytest.mark.parametrize("selection", list(SELECTIONS))
+def test_by_default_each_layer_reads_its_own_selection_at_its_attention(tiny_llama, selection, tmp_path):
+    """InfiniGen's default query ("auto") on the disk in blocks: no speculation one layer ahead (nothing prefetched
+    for a selecting layer, nothing to correct), each selecting layer's units read when its own query has selected
+    them; the same selection as the speculated and corrected form, so the same logits to the bit."""
+    _, model = tiny_llama
+    pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK)
+    _, corrected, _ = run_placed(model, pl, _speculated(model, **SELECTIONS[selection]))
+    tokens, logits, sess = run_placed(model, pl, corrected_policy(model, **SELECTIONS[selection]))
+    st = sess.store.stats
+    assert st.on_demand == GEN * (model.cfg.num_layers - 1) and st.missed_blocks == 0 and st.reused == 0
+    assert sum(step[0] for step in st.steps) == 0  # no selection's rows prefetched
+    assert torch.equal(logits, corrected)
+
+
 def test_corrected_block_pool_with_an_unlimited_budget_is_dense(tiny_llama, tmp_path):
     _, model = tiny_llama
     from infinigen.policies import make_policy
     _, ref_logits, _ = run_placed(model, Placement("none"), make_policy("full"))
-    pol = corrected_policy(model, alpha=1e9, max_fetch_ratio=1.0)
+    pol = _speculated(model, alpha=1e9, max_fetch_ratio=1.0)
     _, logits, sess = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK), pol)
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
     assert sess.store.stats.missed_blocks == 0  # the speculation selected everything too
@@ -75,7 +97,7 @@ def test_on_demand_units_are_exactly_those_the_prefetch_missed(tiny_llama, selec
     prefetched one, less those the layer's last `hold_steps` steps read on demand too (held in fast memory since;
     no cap here), and the file is read for the prefetched units and those only."""
     _, model = tiny_llama
-    pol = corrected_policy(model, **SELECTIONS[selection])
+    pol = _speculated(model, **SELECTIONS[selection])
     tokens, pad = offload_prompts()
     pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK, threaded=False)
     planned: dict = {}
@@ -148,7 +170,7 @@ def test_breakdown_times_the_correction_apart(tiny_llama, correct, tmp_path):
     alone has no such part. Leaving it puts every instrumented method back."""
     from infinigen.placement.timing import Breakdown
     _, model = tiny_llama
-    pol = corrected_policy(model, budget="layer", block=BLOCK)
+    pol = _speculated(model, budget="layer", block=BLOCK)
     tokens, pad = offload_prompts()
     sess = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK, correct=correct).new_session(
         model, B, tokens.shape[1] + GEN, pol)
@@ -197,7 +219,7 @@ def test_held_units_are_the_files_with_victims(tiny_llama, tmp_path):
     victims written into held units: a held copy of a unit a victim's token changed is gone, never read; the tokens
     are those of fast memory evicting the same slots."""
     _, model = tiny_llama
-    pol = corrected_policy(model, remainder=False)  # (no remainder under a pool limit)
+    pol = _speculated(model, remainder=False)  # (no remainder under a pool limit)
     victims = HeldUnitVictims()
     tokens, steps, sess = run_placed(model, Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK,
                                                        threaded=False), pol, capacity=PROMPT, allocator=victims,

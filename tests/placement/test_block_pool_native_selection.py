@@ -63,7 +63,7 @@ def test_native_blocks_decode_what_the_torch_path_decodes(tiny_llama, correct, t
     corrected: the speculation's plan, then the own query's), and the session selects, reads and decodes what the
     torch path does."""
     _, model = tiny_llama
-    pol = corrected_policy(model, budget="layer", block=BLOCK)
+    pol = corrected_policy(model, budget="layer", block=BLOCK, query="corrected")  # a prefetch to correct
     pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK, correct=correct)
     ref = _decode(model, pl, pol, False, monkeypatch)
     got = _decode(model, pl, pol, True, monkeypatch)
@@ -221,7 +221,7 @@ def test_native_loads_and_holds_stage_the_bytes_the_python_ones_stage(tiny_llama
     units are copied from fast memory along the way."""
     from infinigen.placement import blocks as blocks_mod
     _, model = tiny_llama
-    pol = corrected_policy(model, budget="layer", block=BLOCK)
+    pol = corrected_policy(model, budget="layer", block=BLOCK, query="corrected")  # a prefetch to correct
     pl = Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK)
     monkeypatch.setattr(blocks_mod, "native_reads", False)
     ref = _decode(model, pl, pol, True, monkeypatch)

@@ -76,6 +76,10 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
     took 3.5x the time per step of streaming every layer (results/offload/), hence 0.25.
     """
     offloaded = True
+    # whether a selection made one layer ahead (a speculation) is worth prefetching here, when the policy leaves it
+    # to the store (InfiniGen's query "auto"): a worker's gather from host memory, or a copy engine behind a GPU,
+    # runs beside the compute
+    ahead_pays = True
     corrects = True  # a policy that `reselects` may read its own selection (`Placement.correct`)
     fetches_missing = True  # a corrected selection's rows: the prefetched ones and one gather of the missed ones
 

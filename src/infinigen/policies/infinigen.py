@@ -29,11 +29,12 @@ dense result to the bit. Off under a pool limit and a sliding window; needs key_
 
 Which query selects (`query`): "ahead" speculates as the paper does, so the rows can be fetched while layer i-1
 still runs; "own" selects with the layer's own query at its attention (nothing to overlap where the KV is in
-fast memory, and it ranks the same keys better); "auto" (the default) takes "own" in fast memory and, on an
-offloaded tier, both: the speculation one layer ahead says what placement prefetches, the layer's own query
-selects at its attention and the store fetches on demand only the rows the prefetch missed (the correction,
-`Placement.correct`; without it the speculated selection is read). Measured on the validation texts:
-results/accuracy_models/, results/recall/correction.md.
+fast memory, and it ranks the same keys better); "corrected" does both: the speculation one layer ahead says what
+placement prefetches, the layer's own query selects at its attention and the store fetches on demand only the rows
+the prefetch missed (`Placement.correct`; without it the speculated selection is read). "auto" (the default) takes
+"own" in fast memory and on a store where reading ahead costs the host more than it hides (`ahead_pays`: the disk
+tier in blocks on a CPU host, results/sessions_step/), else "corrected". Own and corrected read the same selection:
+the same logits. Measured on the validation texts: results/accuracy_models/, results/recall/correction.md.
 """
 from __future__ import annotations
 
@@ -268,8 +269,11 @@ class InfiniGen(Policy, InfiniGenCaps, InfiniGenExperimental, InfiniGenSettings)
             st.key_dtype = model.dtype
         offloaded = session.store.offloaded
         corrects = offloaded and getattr(session.store, "corrects", False)
-        st.own_query = self.query == "own" or (self.query == "auto" and (corrects or not offloaded))
-        st.ahead = self.query == "ahead" or (self.query == "auto" and offloaded)
+        query = self.query
+        if query == "auto":  # the store says whether reading one layer ahead pays where the KV lies
+            query = "corrected" if offloaded and session.store.ahead_pays else "own"
+        st.ahead = query in ("ahead", "corrected")
+        st.own_query = query == "own" or (query == "corrected" and (corrects or not offloaded))
         # the running sums cannot follow a pool's victims (an append overwrites a value they hold) nor a window.
         # Under "auto" on an offloaded tier the query is the speculated one, with which the remainder was measured
         # to cost accuracy on both models (results/accuracy/): there it is used only when the caller set it

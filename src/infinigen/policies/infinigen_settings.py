@@ -17,9 +17,10 @@ SPEC_INPUTS = ("attn_in", "attn_out")
 KEY_MODES = ("partial", "int4")
 # which query selects a layer's entries (knob `query`): the one speculated a layer ahead (the paper: its rows can
 # be fetched while the layer before runs), the layer's own (after its projection, scored against the same
-# speculation keys: nothing is fetched ahead), or the own query where the KV is in fast memory (no transfer
-# to overlap, so nothing is lost by waiting for it) and the speculated one where placement fetches from a slower tier
-QUERIES = ("ahead", "own", "auto")
+# speculation keys: nothing is fetched ahead), both (`corrected`: the speculation says what is prefetched, the own
+# query what is read, the rows it adds fetched on demand), or what the KV's store says pays (`auto`: the own query
+# in fast memory and where reading ahead costs the host more than it hides, else corrected)
+QUERIES = ("ahead", "own", "corrected", "auto")
 
 # The one default. `prepare` calibrates this model's alpha, kv_budget, layer 0 and the remainder on held-apart
 # tokens (policies/calibrate.py); the values below are the starting point and what applies where no calibration
@@ -100,7 +101,7 @@ class InfiniGenSettings:
         "select the tokens whose speculated score is within this of their head's maximum", "logit", 0,
         low_open=True))
     query: str | None = field(default=None, metadata=knob(
-        "which query selects: ahead (speculated a layer ahead, the paper), own, or auto (own in fast memory)",
+        "which query selects: ahead (speculated, the paper), own, corrected (both), auto (what the store says)",
         choices=QUERIES))
     remainder: bool | None = field(default=None, metadata=knob(
         "add the unread entries' contribution, estimated from the speculation scores (needs key_mode int4)"))
