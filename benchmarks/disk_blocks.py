@@ -139,8 +139,8 @@ def markdown(payload: dict) -> str:
               "rows, or the whole used layer where a selection touches most pages; blocks: the units named). "
               "Storage MB read/step: /proc/self/io read_bytes over the decode, per step (page-cache misses of every "
               "thread). Relative KV: entries attended over all layers. Tokens = RAM's: the greedy tokens equal "
-              "those of the same policy with the KV in RAM (not expected for InfiniGen: in RAM each layer selects "
-              "with its own query, on an offloaded tier with the one speculated a layer ahead)."]
+              "those of the same policy with the KV in RAM, where one ran (a row whose layers read their own query's "
+              "selection reads what RAM's reads; one reading the speculation alone does not)."]
     return "\n".join(lines + breakdown_lines(rows)) + "\n"
 
 

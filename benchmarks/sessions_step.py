@@ -87,12 +87,20 @@ def main() -> None:
         read = statistics.mean(s.stats.overall() for s in sessions)
         print(json.dumps({"policy": name, "sessions": args.sessions, "prompt": args.prompt,
                           "kv_offload": args.kv_offload, "disk_block": args.disk_block, "inline": args.inline,
-                          "memory_limit": args.memory_limit,
-                          "threads": torch.get_num_threads(),
+                          "memory_limit": args.memory_limit, "knobs": args.knob if name.startswith("infinigen") else [],
+                          "query": _query(sessions[0]), "threads": torch.get_num_threads(),
                           "median ms": round(statistics.median(times[name][4:]) * 1e3, 2),
                           "best ms": round(min(times[name][4:]) * 1e3, 2), "kv read": round(read, 4)}), flush=True)
         for s in sessions:
             s.store.close()
+
+def _query(session) -> str | None:
+    """Which query a session's InfiniGen selects with ("own", "ahead", "corrected"), None for another policy."""
+    st = session.state
+    if not hasattr(st, "own_query"):
+        return None
+    return "corrected" if st.own_query and st.ahead else "own" if st.own_query else "ahead"
+
 
 if __name__ == "__main__":
     main()
