@@ -140,7 +140,7 @@ def markdown(payload: dict) -> str:
               "Storage MB read/step: /proc/self/io read_bytes over the decode, per step (page-cache misses of every "
               "thread). Relative KV: entries attended over all layers. Tokens = RAM's: the greedy tokens equal "
               "those of the same policy with the KV in RAM, where one ran (a row whose layers read their own query's "
-              "selection reads what RAM's reads; one reading the speculation alone does not)."]
+              "selection reads what RAM's reads; one reading the speculation alone need not)."]
     return "\n".join(lines + breakdown_lines(rows)) + "\n"
 
 
