@@ -12,17 +12,18 @@ one per (layer, batch row, KV head); it goes to the file in one write of whole p
 file is never written a row at a time and a write never makes the kernel read a page first. Once the pool is
 full (victims), a victim's key and value rows are written in place.
 
-Reads. A layer's selection (prefetched one layer ahead on the store's worker thread, like `OffloadedKVStore`)
-names slots; the store reads exactly the units they lie in (every run of adjacent units announced to the kernel
-first, POSIX_FADV_WILLNEED, so the device has them all in its queue, then positioned reads into a staging buffer
-in fast memory, one per run; the open block is copied from memory: `block_select.load_units`, one native call
-without the GIL, or `os.preadv` where it is not built). The attention reads the selected rows
-where they lie in the staging buffer (`hand_rows`: a unit's keys, then its values, so the values are the same
-buffer a block further on), with spare rows for the token after the units; nothing is gathered. A selection
-made in blocks of this size reads each unit it names whole; a token-level selection reads every unit one of its
-tokens lies in. The file is opened with POSIX_FADV_RANDOM: the kernel reads what is asked, no readahead around it.
-A layer reading every used slot (read whole) is handed them as a copy in (batch row, KV head, slot) order instead;
-a layer behind a sliding window (Gemma 3's local layers) reads its window as a selection: the units it lies in.
+Reads. A layer's selection (read at its attention where the policy selects with the layer's own query, the default
+here: `ahead_pays`; a plan known one layer ahead is prefetched on the store's worker thread, like
+`OffloadedKVStore`) names slots; the store reads exactly the units they lie in (every run of adjacent units
+announced to the kernel first, POSIX_FADV_WILLNEED, so the device has them all in its queue, then positioned reads
+into a staging buffer in fast memory, one per run; the open block is copied from memory: `block_select.load_units`,
+one native call without the GIL, or `os.preadv` where it is not built). The attention reads the selected rows where
+they lie in the staging buffer (`hand_rows`: a unit's keys, then its values, so the values are the same buffer a
+block further on), with spare rows for the token after the units; nothing is gathered. A selection made in blocks
+of this size reads each unit it names whole; a token-level selection reads every unit one of its tokens lies in.
+The file is opened with POSIX_FADV_RANDOM: the kernel reads what is asked, no readahead around it. A layer reading
+every used slot (read whole) is handed them as a copy in (batch row, KV head, slot) order instead; a layer behind a
+sliding window (Gemma 3's local layers) reads its window as a selection: the units it lies in.
 
 Correction. A layer that selects again with its own query at its attention (`Placement.correct`) reads its rows
 in units the prefetch staged where they lie, whether or not the speculation chose those rows, and reads on
@@ -102,7 +103,7 @@ class BlockedKVStore(OffloadedKVStore):
     # The host's cores both compute and copy the units (from the page cache, or wait for the device): a speculation
     # one layer ahead costs its scoring and the units it reads that the own query does not want, and hides nothing.
     # Measured (results/sessions_step/on_disk.md): 16 sessions x 3000 tokens under a 2 GiB bound, the own query
-    # reading its units at the attention 418 ms a step, the speculation prefetched and corrected 716-802 ms.
+    # reading its units at the attention 418-504 ms a step, the speculation prefetched and corrected 716-802 ms.
     ahead_pays = False
 
     def __init__(self, num_layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
