@@ -47,9 +47,9 @@ class Placement:
     pool_bytes: int | None = None  # pool limit in bytes (of the slow tier when offloaded)
     evict: str = "counter"  # victim choice once the pool is full: counter | lru | fifo (`infinigen.pool`)
     prefetch: bool = True  # fetch layer i+1's rows during layer i (False: on demand, no overlap)
-    # offloaded: a policy that speculates ahead (InfiniGen's default) selects again with each layer's own query
-    # at its attention, reading what it selects in fast memory; the store fetches on demand the rows the
-    # prefetch missed (False: the layer reads what was speculated and prefetched)
+    # offloaded: a policy that speculates ahead (InfiniGen's default, but on the disk in blocks: `ahead_pays`)
+    # selects again with each layer's own query at its attention, reading what it selects in fast memory; the store
+    # fetches on demand the rows the prefetch missed (False: the layer reads what was speculated and prefetched)
     correct: bool = True
     threaded: bool = True  # a worker thread does the gathers (False: inline, for debugging)
     pack: bool = True  # a quantizing policy's KV is packed in the slow tier (INT4: 4 bits per value)
