@@ -305,3 +305,25 @@ def test_native_hold_equals_the_torch_hold(limit, tmp_path):
             assert torch.equal(native[1], ref[1])
     finally:
         store.close()
+
+
+@needs_kernel
+def test_the_own_selection_on_disk_is_packed_by_the_native_selection(tiny_llama, tmp_path, monkeypatch):
+    """The default on the disk in blocks (each layer's own query, read at its attention): the policy's native
+    selection packs the rows the store reads, as in fast memory; the runtime's torch packing
+    (`KVStore.select_rows`) never runs for a selecting layer, and the session decodes what fast memory decodes."""
+    from infinigen.cache import KVStore
+    _, model = tiny_llama
+    pol = corrected_policy(model, budget="layer", block=BLOCK)
+    ref = _decode(model, Placement("none"), pol, True, monkeypatch)
+    calls = [0]
+    inner = KVStore.select_rows
+
+    def counted(self, *a, **kw):
+        calls[0] += 1
+        return inner(self, *a, **kw)
+    monkeypatch.setattr(KVStore, "select_rows", counted)
+    got = _decode(model, Placement("disk", pool_dir=str(tmp_path), disk_block=BLOCK), pol, True, monkeypatch)
+    assert got[4] == len(pol.selecting_layers(model.cfg)) * GEN and calls[0] == 0
+    assert torch.equal(got[0], ref[0]) and _same_selections(got[2], ref[2])
+    torch.testing.assert_close(got[1], ref[1], rtol=0, atol=1e-5)
