@@ -385,9 +385,11 @@ class Session:
         if keep is None:
             if facts[1]:
                 # every used slot a visible candidate, read as packed rows in place, or handed by an offloaded
-                # store to a layer that selects now (again, or only now: its own query): the policy may pack them
-                # itself (an offloaded store packs the plan it fetched one layer ahead)
-                packs = packs and window is None and not store.padded and (store.reads_rows() or store.offloaded)
+                # store to a layer whose own query selects now (again after a plan, or with nothing known ahead):
+                # the policy may pack them itself (an offloaded store packs the plan it fetched one layer ahead)
+                packs = (packs and window is None and not store.padded
+                         and (store.reads_rows() or (store.offloaded and (pol.reselects(layer, self)
+                                                                          or not pol.known_ahead(layer, self)))))
                 rows = StoreRows(store, layer, self._row, positions, q, k, packs)
                 keep = pol.keep(layer, rows, self)
                 if isinstance(keep, SelectedRows):
