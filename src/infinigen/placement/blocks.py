@@ -59,6 +59,11 @@ _NO_UNITS = torch.empty(0, dtype=torch.long)  # no unit staged yet
 native_reads = True  # units loaded and held by the native kernel where it is built (tests counting os.preadv: off)
 
 
+def _native() -> bool:
+    """Whether units are loaded and held by the native kernel (`native_reads`, and the kernel built)."""
+    return native_reads and block_select.available()
+
+
 def unit_bytes(block: int, row_bytes: int) -> int:
     """Bytes of one unit: `block` key rows and `block` value rows, padded to whole pages (and to whole rows,
     so the staging buffer is a stack of rows)."""
@@ -400,7 +405,7 @@ class BlockedKVStore(OffloadedKVStore):
         positioned reads, one per run of adjacent units (every run announced to the kernel first). Returns the
         number of units read from the file."""
         open_j = self._open_block(layer)
-        if native_reads and block_select.available():  # all of it in one call, the reads without the GIL
+        if _native():  # all of it in one call, the reads without the GIL
             held_ids, held_data = held[:2] if held is not None else (_NO_UNITS, _NO_UNITS)
             with _pool_io(self.tier.dir, "read"):
                 read, _ = block_select.load_units(self.fd, ids, layer * self.bh * self.blocks_per_head,
@@ -475,7 +480,7 @@ class BlockedKVStore(OffloadedKVStore):
         if not self.holds_missed:
             return read
         open_j = self._open_block(layer)
-        if not (native_reads and block_select.available()):
+        if not _native():
             closed = ids % self.blocks_per_head != open_j
             self._hold(layer, ids[closed], (units[closed],), self.block)
             return read
