@@ -1,8 +1,9 @@
-"""InfiniGen's skew rotation of a decoding row's query and key inside the native scorer and append
-(`fused_select.score_int4` and `scatter_int4` with a rotation): the same float32 numbers as the torch path's
-float64 matmul (`SpeculationKeys.rotate`), so the same scores and bytes to the bit; in a decoding session with the
-int4 kernel's layout (head_dim 64), the same selections at every layer and step and logits within float32
-rounding of the torch path; the comparisons fail for a rotation by the wrong KV head's matrix or a transposed one."""
+"""InfiniGen's skew rotation of a decoding row's query and key inside the native scorer and append, and of a
+prompt's keys inside the native packing (`fused_select.score_int4`, `scatter_int4` and `write_int4` with a
+rotation): the same float32 numbers as the torch path's float64 matmul (`SpeculationKeys.rotate`), so the same
+scores and bytes to the bit; in a decoding session with the int4 kernel's layout (head_dim 64), the same
+selections at every layer and step and logits within float32 rounding of the torch path; the comparisons fail
+for a rotation by the wrong KV head's matrix or a transposed one."""
 from __future__ import annotations
 
 import pytest
@@ -83,6 +84,30 @@ def test_a_key_rotated_inside_the_append_writes_the_bytes_of_the_torch_path(dtyp
     assert not torch.equal(wrong.sz.view(torch.int16), reference.sz.view(torch.int16))
 
 
+@needs_kernel
+@needs_tinygemm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start, t", [(0, 256), (5, 100), (40, 24), (63, 2), (64, 130)])
+def test_a_prompt_rotated_inside_the_write_writes_the_bytes_of_the_torch_path(dtype, start, t):
+    """`write_rotated` (a prompt's keys packed in one native call) against `write` of the torch rotation: the same
+    codes, scales and zeros, the slots around the written ones untouched (pre-filled with other keys)."""
+    b, hkv, capacity = 2, 3, 320
+    a, native, _ = _case(b, hkv, 1, capacity, dtype, seed=start + t)
+    reference = PackedKeys(b, hkv, capacity, 64, group=32, layout="tinygemm")
+    reference.codes.copy_(native.codes)
+    reference.sz.copy_(native.sz)
+    keys = (torch.randn(b, hkv, t, 64, generator=torch.Generator().manual_seed(t)) * 2).to(dtype)
+    native.write_rotated(start, keys, a)
+    reference.write(start, _rotated(keys, a))
+    assert torch.equal(native.codes, reference.codes)
+    assert torch.equal(native.sz.view(torch.int16), reference.sz.view(torch.int16))
+    wrong = PackedKeys(b, hkv, capacity, 64, group=32, layout="tinygemm")
+    wrong.write_rotated(start, keys, a.transpose(1, 2).contiguous())  # the transposed matrices: other bytes
+    assert not torch.equal(wrong.sz.view(torch.int16), reference.sz.view(torch.int16))
+    with pytest.raises(IndexError):
+        native.write_rotated(capacity - t + 1, keys, a)
+
+
 # ---- in a decoding session ------------------------------------------------------------------------------------
 T, P = 128, 80  # a capacity of whole 64-slot blocks: the int4 kernel's layout
 
@@ -122,10 +147,11 @@ def test_session_rotating_inside_the_kernels_equals_the_torch_path(model64, monk
             calls[0] += 1
             return inner(self, *a, **kw)
         return call
-    for name in ("scores_rotated", "select_rotated"):  # scored alone, or scored and cut in one call
-        monkeypatch.setattr(PackedKeys, name, counted(getattr(PackedKeys, name)))
+    for name in ("scores_rotated", "select_rotated", "write_rotated"):  # scored alone, or scored and cut in one
+        monkeypatch.setattr(PackedKeys, name, counted(getattr(PackedKeys, name)))  # call; the prompt packed
     out, seen, sess = _decode(model64, True, monkeypatch)
-    assert calls[0] == model64.cfg.num_layers * (T - P - 1)  # every layer selects, every step, rotated inside
+    # the prompt's keys packed once per layer, then every layer selects, every step, rotated inside
+    assert calls[0] == model64.cfg.num_layers * (1 + T - P - 1)
     assert seen.keys() == seen_ref.keys()
     assert all(torch.equal(seen[k], seen_ref[k]) for k in seen)
     assert any(bool((~seen[k]).any()) for k in seen)  # entries left unread: the selections mean something

@@ -818,26 +818,64 @@ std::vector<torch::Tensor> score_select(torch::Tensor q, torch::Tensor codes, to
                             capacity, with_lse, maxima.data());
 }
 
-// One decoding token's key per (batch row, KV head), rows [B, Hkv, 1, d] (any floating dtype; rotated by rotation
-// [Hkv, d, d] float64 as `rotate_row` does, or taken as float32 where rotation is empty), quantized to 4 bits and written
-// into its slot (slots [B, Hkv]) of the int4 kernel's layout in place: codes [B, Hkv, blocks, d, 32] uint8 (slot s
-// of a block in byte s % 32 of each dim, the low nibble for s % 64 < 32) and sz [B, Hkv, d / group, capacity, 2]
-// bfloat16. The arithmetic of `int4._quantize_tinygemm` step by step in float32 (the same codes, scale and zero
-// to the bit): scale = max((max - min) / 15, tiny) and zero = min + 8 * scale, each rounded to bfloat16; code =
+// A rotated key x [d] float32 quantized to 4 bits and written at `slot` of one (batch row, KV head) of the int4
+// kernel's layout: `column` its codes' block (dim k's byte at column[k * 32], slot % 32 of the block; the low
+// nibble for slot % 64 < 32), `sz` the (batch row, KV head)'s [ng, cap, 2] bfloat16 scale-and-zero. The arithmetic
+// of `int4._quantize_tinygemm` step by step in float32 (the same codes, scale and zero to the bit): scale =
+// max((max - min) / 15, tiny) and zero = min + 8 * scale, each rounded to bfloat16; code =
 // round-half-even((x - (zero - 8 * scale)) / scale), clamped to 0..15.
-void scatter_int4(torch::Tensor codes, torch::Tensor sz, torch::Tensor slots, torch::Tensor rows, int64_t group,
-                  torch::Tensor rotation) {
+inline void put_int4(const float* x_row, int64_t slot, int64_t d, int64_t group, int64_t cap, uint8_t* column,
+                     c10::BFloat16* sz) {
+  const bool high = slot % 64 >= 32;
+  for (int64_t gi = 0; gi < d / group; ++gi) {
+    const float* x = x_row + gi * group;
+    float lo = x[0], hi = x[0];
+    for (int64_t k = 1; k < group; ++k) {
+      lo = std::min(lo, x[k]);
+      hi = std::max(hi, x[k]);
+    }
+    float scale = (hi - lo) / 15.f;
+    scale = scale < std::numeric_limits<float>::min() ? std::numeric_limits<float>::min() : scale;
+    const c10::BFloat16 scale16(scale);
+    const float scale_f = static_cast<float>(scale16);
+    const float eight_scales = 8.f * scale_f;  // exact: a power of two times a bfloat16
+    const c10::BFloat16 zero16(lo + eight_scales);
+    const float base = static_cast<float>(zero16) - eight_scales;
+    c10::BFloat16* out = sz + (gi * cap + slot) * 2;
+    out[0] = scale16;
+    out[1] = zero16;
+    for (int64_t k = 0; k < group; ++k) {
+      const float code = std::min(std::max(std::nearbyint((x[k] - base) / scale_f), 0.f), 15.f);
+      uint8_t& byte = column[(gi * group + k) * 32];
+      const uint8_t c = static_cast<uint8_t>(code);
+      byte = high ? static_cast<uint8_t>((byte & 0x0F) | (c << 4)) : static_cast<uint8_t>((byte & 0xF0) | c);
+    }
+  }
+}
+
+// The int4 layout's checks: codes [B, Hkv, blocks, d, 32] uint8 and sz [B, Hkv, ng, capacity, 2] bfloat16, both
+// contiguous, the group dividing d.
+void check_int4_layout(const torch::Tensor& codes, const torch::Tensor& sz, int64_t group) {
   TORCH_CHECK(codes.dim() == 5 && codes.scalar_type() == torch::kByte && codes.is_contiguous() &&
               codes.size(4) == 32, "codes [B,Hkv,blocks,d,32] uint8, contiguous");
   TORCH_CHECK(sz.dim() == 5 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.size(4) == 2,
               "sz [B,Hkv,ng,capacity,2] bfloat16, contiguous");
+  TORCH_CHECK(group > 0 && sz.size(2) * group == codes.size(3), "the group does not divide d");
+  TORCH_CHECK(sz.size(0) == codes.size(0) && sz.size(1) == codes.size(1), "shapes do not match");
+}
+
+// One decoding token's key per (batch row, KV head), rows [B, Hkv, 1, d] (any floating dtype; rotated by rotation
+// [Hkv, d, d] float64 as `rotate_row` does, or taken as float32 where rotation is empty), quantized to 4 bits
+// (`put_int4`) and written into its slot (slots [B, Hkv]) of the int4 kernel's layout in place.
+void scatter_int4(torch::Tensor codes, torch::Tensor sz, torch::Tensor slots, torch::Tensor rows, int64_t group,
+                  torch::Tensor rotation) {
+  check_int4_layout(codes, sz, group);
   TORCH_CHECK(rows.dim() == 4 && rows.size(2) == 1 && rows.is_floating_point(), "rows [B,Hkv,1,d] floating");
   TORCH_CHECK(slots.dim() == 2 && slots.scalar_type() == torch::kLong, "slots [B,Hkv] int64");
   const int64_t b = codes.size(0), hkv = codes.size(1), blocks = codes.size(2), d = codes.size(3);
   const int64_t cap = sz.size(3), ng = sz.size(2);
-  TORCH_CHECK(group > 0 && ng * group == d && rows.size(3) == d, "the group does not divide d");
-  TORCH_CHECK(rows.size(0) == b && rows.size(1) == hkv && slots.size(0) == b && slots.size(1) == hkv &&
-              sz.size(0) == b && sz.size(1) == hkv, "shapes do not match");
+  TORCH_CHECK(rows.size(0) == b && rows.size(1) == hkv && rows.size(3) == d && slots.size(0) == b &&
+              slots.size(1) == hkv, "shapes do not match");
   rows = rows.contiguous();
   slots = slots.contiguous();
   const int64_t* slot_p = slots.data_ptr<int64_t>();
@@ -846,38 +884,49 @@ void scatter_int4(torch::Tensor codes, torch::Tensor sz, torch::Tensor slots, to
   rotation = checked_rotation(rotation, hkv, d);
   std::vector<float> rotated(b * hkv * d);
   rotated_rows(rows, b * hkv, d, rotation, hkv, 1, rotated.data());
-  const float* x_p = rotated.data();
   uint8_t* code_p = codes.data_ptr<uint8_t>();
   c10::BFloat16* sz_p = sz.data_ptr<c10::BFloat16>();
   for (int64_t bh = 0; bh < b * hkv; ++bh) {
     const int64_t slot = slot_p[bh];
-    const bool high = slot % 64 >= 32;
-    uint8_t* column = code_p + (bh * blocks + slot / 64) * d * 32 + slot % 32;  // dim k at column[k * 32]
-    for (int64_t gi = 0; gi < ng; ++gi) {
-      const float* x = x_p + bh * d + gi * group;
-      float lo = x[0], hi = x[0];
-      for (int64_t k = 1; k < group; ++k) {
-        lo = std::min(lo, x[k]);
-        hi = std::max(hi, x[k]);
-      }
-      float scale = (hi - lo) / 15.f;
-      scale = scale < std::numeric_limits<float>::min() ? std::numeric_limits<float>::min() : scale;
-      const c10::BFloat16 scale16(scale);
-      const float scale_f = static_cast<float>(scale16);
-      const float eight_scales = 8.f * scale_f;  // exact: a power of two times a bfloat16
-      const c10::BFloat16 zero16(lo + eight_scales);
-      const float base = static_cast<float>(zero16) - eight_scales;
-      c10::BFloat16* out = sz_p + ((bh * ng + gi) * cap + slot) * 2;
-      out[0] = scale16;
-      out[1] = zero16;
-      for (int64_t k = 0; k < group; ++k) {
-        const float code = std::min(std::max(std::nearbyint((x[k] - base) / scale_f), 0.f), 15.f);
-        uint8_t& byte = column[(gi * group + k) * 32];
-        const uint8_t c = static_cast<uint8_t>(code);
-        byte = high ? static_cast<uint8_t>((byte & 0x0F) | (c << 4)) : static_cast<uint8_t>((byte & 0xF0) | c);
-      }
-    }
+    put_int4(rotated.data() + bh * d, slot, d, group, cap, code_p + (bh * blocks + slot / 64) * d * 32 + slot % 32,
+             sz_p + bh * ng * cap * 2);
   }
+}
+
+// A prompt's keys, keys [B, Hkv, T, d] (any floating dtype), rotated (as `scatter_int4`) and quantized into slots
+// start .. start+T-1 of every (batch row, KV head) of the int4 layout in place: what T calls of `scatter_int4`
+// write, one call. In parallel over (batch row, KV head, 64-slot block): two slots share a byte only within a block.
+void write_int4(torch::Tensor codes, torch::Tensor sz, int64_t start, torch::Tensor keys, int64_t group,
+                torch::Tensor rotation) {
+  check_int4_layout(codes, sz, group);
+  TORCH_CHECK(keys.dim() == 4 && keys.is_floating_point(), "keys [B,Hkv,T,d] floating");
+  const int64_t b = codes.size(0), hkv = codes.size(1), blocks = codes.size(2), d = codes.size(3);
+  const int64_t cap = sz.size(3), ng = sz.size(2), t = keys.size(2);
+  TORCH_CHECK(keys.size(0) == b && keys.size(1) == hkv && keys.size(3) == d, "shapes do not match");
+  TORCH_CHECK(start >= 0 && start + t <= cap && start + t <= blocks * 64, "slots out of range");
+  if (t == 0) return;
+  keys = keys.contiguous();
+  rotation = checked_rotation(rotation, hkv, d);
+  const double* a_p = rotation.numel() > 0 ? rotation.data_ptr<double>() : nullptr;
+  uint8_t* code_p = codes.data_ptr<uint8_t>();
+  c10::BFloat16* sz_p = sz.data_ptr<c10::BFloat16>();
+  const int64_t first = start / 64, spans = (start + t - 1) / 64 - first + 1;  // the 64-slot blocks written
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, keys.scalar_type(), "write_int4", [&] {
+    const scalar_t* k_p = keys.data_ptr<scalar_t>();
+    at::parallel_for(0, b * hkv * spans, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<double> work(d);
+      std::vector<float> row(d);
+      for (int64_t task = lo; task < hi; ++task) {
+        const int64_t bh = task / spans, block = first + task % spans;
+        const double* a = a_p == nullptr ? nullptr : a_p + (bh % hkv) * d * d;
+        for (int64_t slot = std::max(start, block * 64); slot < std::min(start + t, (block + 1) * 64); ++slot) {
+          rotate_row<scalar_t>(k_p + (bh * t + slot - start) * d, a, d, row.data(), work.data());
+          put_int4(row.data(), slot, d, group, cap, code_p + (bh * blocks + block) * d * 32 + slot % 32,
+                   sz_p + bh * ng * cap * 2);
+        }
+      }
+    });
+  });
 }
 
 // One decoding token per (batch row, KV head) stored at `slot` of a layer's store in place, as `KVStore.append`'s
@@ -947,6 +996,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_values", &add_values, "a decoding token's values added to a layer's running sums and counts");
   m.def("append_token", &append_token, "a decoding token stored at one slot of a layer's store");
   m.def("scatter_int4", &scatter_int4, "a decoding token's key quantized into the int4 kernel's layout");
+  m.def("write_int4", &write_int4, "a prompt's keys quantized into the int4 kernel's layout");
   m.def("score_int4", &score_int4, "the int4 speculation keys' scores, one parallel region per layer");
   m.def("score_select", &score_select, "score_int4 and select_packed in one call");
   m.def("attend_rows", &attend_rows, "attention over packed selected rows, online softmax");

@@ -157,6 +157,14 @@ def scatter_int4(codes: torch.Tensor, sz: torch.Tensor, slots: torch.Tensor, row
     _module().scatter_int4(codes, sz, slots, rows, int(group), _NONE if rotation is None else rotation)
 
 
+def write_int4(codes: torch.Tensor, sz: torch.Tensor, start: int, keys: torch.Tensor, group: int,
+               rotation: torch.Tensor | None = None) -> None:
+    """A prompt's keys [B, Hkv, T, d] (any floating dtype), rotated as `scatter_int4` rotates, quantized and written
+    into slots start .. start+T-1 of every (batch row, KV head) of the same layout: the bytes T `scatter_int4`
+    calls write, in one call (in parallel over 64-slot blocks)."""
+    _module().write_int4(codes, sz, int(start), keys, int(group), _NONE if rotation is None else rotation)
+
+
 def appends(k: torch.Tensor, *store: torch.Tensor) -> bool:
     """Whether `append_token` stores k into a layer's store tensors (keys, values, valid, pos): on a CPU, contiguous,
     k of the keys' dtype, the kernel loaded already (the torch copies store the same bytes, so a first run's decode

@@ -201,6 +201,12 @@ class PackedKeys:
         """`scatter` of rows [B, Hkv, 1, d] rotated as `scores_rotated` rotates: one native call (`rotates`)."""
         fused_select.scatter_int4(self.codes, self.sz, slots, rows, self.group, rotation)
 
+    def write_rotated(self, start: int, keys: torch.Tensor, rotation: torch.Tensor | None) -> None:
+        """`write` of keys [B, Hkv, T, d] rotated as `scores_rotated` rotates: one native call (`rotates`)."""
+        if start < 0 or start + keys.shape[2] > self.capacity:
+            raise IndexError(f"slots {start}..{start + keys.shape[2]} outside capacity {self.capacity}")
+        fused_select.write_int4(self.codes, self.sz, start, keys, self.group, rotation)
+
     @property
     def nbytes(self) -> int:
         ts = (self.codes, self.scale, self.lo) if self.layout == "rows" else (self.codes, self.sz)
