@@ -565,10 +565,28 @@ namespace {
 // the products and sums in float64, over k in order, rounded to float32 once), or x as float32 where A is null:
 // what `policies/speculation.py`'s `rotate` computes with torch's float64 matmul (the same float32 number unless
 // the float64 sums differ in their last bit right at a float32 rounding boundary).
+// `rotate_row` at a head_dim known when compiled: the sums stay in registers (the same products and sums, in the
+// same order).
+template <typename scalar_t, int64_t D>
+inline void rotate_row_fixed(const scalar_t* x, const double* A, float* out) {
+  double sums[D] = {};
+  for (int64_t k = 0; k < D; ++k) {
+    const double xk = static_cast<double>(x[k]);
+    const double* ak = A + k * D;
+#pragma omp simd
+    for (int64_t j = 0; j < D; ++j) sums[j] += xk * ak[j];
+  }
+  for (int64_t j = 0; j < D; ++j) out[j] = static_cast<float>(sums[j]);
+}
+
 template <typename scalar_t>
 inline void rotate_row(const scalar_t* x, const double* A, int64_t d, float* out, double* work) {
   if (A == nullptr) {
     for (int64_t k = 0; k < d; ++k) out[k] = static_cast<float>(x[k]);
+    return;
+  }
+  if (d == 64) {
+    rotate_row_fixed<scalar_t, 64>(x, A, out);
     return;
   }
   std::fill(work, work + d, 0.0);
