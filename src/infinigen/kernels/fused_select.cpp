@@ -565,38 +565,30 @@ namespace {
 // the products and sums in float64, over k in order, rounded to float32 once), or x as float32 where A is null:
 // what `policies/speculation.py`'s `rotate` computes with torch's float64 matmul (the same float32 number unless
 // the float64 sums differ in their last bit right at a float32 rounding boundary).
-// `rotate_row` at a head_dim known when compiled: the sums stay in registers (the same products and sums, in the
-// same order).
+// `rotate_sums`: D > 0 is d known when compiled (the sums then stay in registers; the same products and sums).
 template <typename scalar_t, int64_t D>
-inline void rotate_row_fixed(const scalar_t* x, const double* A, float* out) {
-  double sums[D] = {};
-  for (int64_t k = 0; k < D; ++k) {
+inline void rotate_sums(const scalar_t* x, const double* A, int64_t d, float* out, double* sums) {
+  const int64_t n = D > 0 ? D : d;
+  std::fill(sums, sums + n, 0.0);
+  for (int64_t k = 0; k < n; ++k) {
     const double xk = static_cast<double>(x[k]);
-    const double* ak = A + k * D;
+    const double* ak = A + k * n;
 #pragma omp simd
-    for (int64_t j = 0; j < D; ++j) sums[j] += xk * ak[j];
+    for (int64_t j = 0; j < n; ++j) sums[j] += xk * ak[j];
   }
-  for (int64_t j = 0; j < D; ++j) out[j] = static_cast<float>(sums[j]);
+  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<float>(sums[j]);
 }
 
 template <typename scalar_t>
 inline void rotate_row(const scalar_t* x, const double* A, int64_t d, float* out, double* work) {
   if (A == nullptr) {
     for (int64_t k = 0; k < d; ++k) out[k] = static_cast<float>(x[k]);
-    return;
+  } else if (d == 64) {
+    double sums[64];
+    rotate_sums<scalar_t, 64>(x, A, d, out, sums);
+  } else {
+    rotate_sums<scalar_t, 0>(x, A, d, out, work);
   }
-  if (d == 64) {
-    rotate_row_fixed<scalar_t, 64>(x, A, out);
-    return;
-  }
-  std::fill(work, work + d, 0.0);
-  for (int64_t k = 0; k < d; ++k) {
-    const double xk = static_cast<double>(x[k]);
-    const double* ak = A + k * d;
-#pragma omp simd
-    for (int64_t j = 0; j < d; ++j) work[j] += xk * ak[j];
-  }
-  for (int64_t j = 0; j < d; ++j) out[j] = static_cast<float>(work[j]);
 }
 
 // The n rows of d values of `rows` (contiguous, any floating dtype) rotated by their KV head's matrix (row i's
