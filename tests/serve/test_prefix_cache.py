@@ -216,6 +216,35 @@ def test_a_request_served_from_the_folder_after_a_restart_gets_its_tokens_alone(
     assert s["prefix_cache_hit_tokens"] == 24 and s["prefix_cache_disk_skipped"] == 0
 
 
+def test_a_hit_from_the_folder_is_not_read_again_from_the_requests_store(make_tiny, tmp_path):
+    """Memory keeping one block: a hit's blocks loaded from the folder do not all stay there, and the insert at the
+    first token reads from the request's store only the block the folder lacks (a disk pool: a file read)."""
+    _, model = make_tiny("llama", num_hidden_layers=3)
+    doc = _tokens(model, 27, seed=7)[0].tolist()
+    q1, q2 = _tokens(model, 5, seed=8)[0].tolist(), _tokens(model, 9, seed=9)[0].tolist()
+    pol = _policy("full", model)
+    first = _restarted(model, pol, tmp_path)
+    _served(first, doc + q1, 2)
+    first.stop()
+    block_bytes = next(tmp_path.glob("*.safetensors")).stat().st_size // 2  # a block's tensors, about
+    second = _restarted(model, pol, tmp_path, prefix_cache_bytes=block_bytes, prefix_cache_dir_bytes=1 << 30)
+    reads, insert = [], second.prefix.insert
+
+    def counted(tokens, store):  # the store's reads during the insert, by block
+        real = store.keys_values
+        store.keys_values = lambda layer, s, e: (reads.append(s // 8), real(layer, s, e))[1]
+        try:
+            insert(tokens, store)
+        finally:
+            del store.keys_values
+    second.prefix.insert = counted
+    assert _served(second, doc + q2, 6) == _alone(model, pol, doc + q2, 6)
+    assert second.snapshot()["prefix_cache_disk_hit_tokens"] == 24  # the document's 3 blocks from the folder
+    assert set(reads) == {3} and len(reads) == model.cfg.num_layers  # the new fourth block only, every layer
+    assert len(list(tmp_path.glob("*.safetensors"))) == 5
+    second.stop()
+
+
 def _other_model(model):
     """Another model of the same shapes: its blocks have this model's layout but not its keys and values."""
     import copy

@@ -192,6 +192,14 @@ class DiskTier:
         `keep`: keys that eviction spares (its prompt's chain)."""
         self._queue.put((key, block, keep))
 
+    def holds(self, key: bytes) -> bool:
+        """Whether the folder has a file for `key` (not read, not checked: `load` checks what it reads)."""
+        return self.path(key).is_file()
+
+    def touch(self, key: bytes, keep: frozenset[bytes] = frozenset()) -> None:
+        """Mark the block's file used now, by the writer thread (in order with the writes and evictions)."""
+        self._queue.put((key, None, keep))
+
     def flush(self) -> None:
         """Wait until every block handed to `save` is written."""
         self._queue.join()
@@ -214,7 +222,7 @@ class DiskTier:
         if path.is_file():
             self._touch(path)
             return
-        if block.nbytes > self.max_bytes:
+        if block is None or block.nbytes > self.max_bytes:  # a touch of a file evicted meanwhile: gone
             return
         tensors = {f"{kind}{i}": t.contiguous().cpu() for kind, ts in (("k", block.keys), ("v", block.values))
                    for i, t in enumerate(ts)}
@@ -315,7 +323,8 @@ class PrefixCache:
     def insert(self, tokens: list[int], store) -> None:
         """Keep the whole blocks of a prompt whose prefill just ended in `store` (slots 0.. hold its tokens in
         order) that the cache does not hold yet, then evict down to the byte limit. Each block is read from the
-        store on its own (`keys_values`: views of a store in memory, a read of a pool file on disk)."""
+        store on its own (`keys_values`: views of a store in memory, a read of a pool file on disk); a block the
+        folder holds already is only touched there (a hit's blocks beyond what memory keeps)."""
         b = self.block_tokens
         chain = self._keys(tokens, len(tokens) // b)
         mine = set(chain)
@@ -324,6 +333,9 @@ class PrefixCache:
                 self._blocks.move_to_end(key)
                 if self.disk is not None:
                     self.disk.save(key, self._blocks[key], frozenset(mine))  # on disk already: touched
+                continue
+            if self.disk is not None and self.disk.holds(key):  # a hit read from the folder: not read again
+                self.disk.touch(key, frozenset(mine))  # from the store (a whole prompt of a pool file on disk)
                 continue
             keys, values = [], []
             for layer in range(len(store.k)):
