@@ -217,8 +217,9 @@ def test_a_request_served_from_the_folder_after_a_restart_gets_its_tokens_alone(
 
 
 def test_a_hit_from_the_folder_is_not_read_again_from_the_requests_store(make_tiny, tmp_path):
-    """Memory keeping one block: a hit's blocks loaded from the folder do not all stay there, and the insert at the
-    first token reads from the request's store only the block the folder lacks (a disk pool: a file read)."""
+    """A memory cache too small for a block (a server's holds a few of a long document's): a hit's blocks come from
+    the folder and do not stay in memory, and the insert at the first token reads from the request's store only the
+    block the folder lacks (from a disk pool, a file read)."""
     _, model = make_tiny("llama", num_hidden_layers=3)
     doc = _tokens(model, 27, seed=7)[0].tolist()
     q1, q2 = _tokens(model, 5, seed=8)[0].tolist(), _tokens(model, 9, seed=9)[0].tolist()
@@ -226,8 +227,8 @@ def test_a_hit_from_the_folder_is_not_read_again_from_the_requests_store(make_ti
     first = _restarted(model, pol, tmp_path)
     _served(first, doc + q1, 2)
     first.stop()
-    block_bytes = next(tmp_path.glob("*.safetensors")).stat().st_size // 2  # a block's tensors, about
-    second = _restarted(model, pol, tmp_path, prefix_cache_bytes=block_bytes, prefix_cache_dir_bytes=1 << 30)
+    half_a_block = next(tmp_path.glob("*.safetensors")).stat().st_size // 2
+    second = _restarted(model, pol, tmp_path, prefix_cache_bytes=half_a_block, prefix_cache_dir_bytes=1 << 30)
     reads, insert = [], second.prefix.insert
 
     def counted(tokens, store):  # the store's reads during the insert, by block
