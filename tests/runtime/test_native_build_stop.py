@@ -111,6 +111,30 @@ def test_a_build_starting_its_ninja_after_the_stop_is_interrupted_too(tmp_path, 
     assert capsys.readouterr().err == ""
 
 
+def test_a_command_that_missed_ninjas_interrupt_while_starting_is_interrupted_too(tmp_path, monkeypatch, capsys):
+    """ninja passes an interrupt on to its commands once and then waits for them with interrupts blocked; a command
+    whose shell got it while starting (here: ignoring it for its first two seconds) then runs its compiler on (here:
+    an hour's sleep). `stop_builds` interrupts ninja's commands too, again and again, so the build ends within
+    seconds of the command's start, not after the hour."""
+    def deaf_load(name, sources, build_directory, **kw):
+        command = "sh -c 'trap \"\" INT; sleep 2; trap - INT; exec sleep 3600'"
+        Path(build_directory, "build.ninja").write_text(f"rule wait\n  command = {command}\nbuild never: wait\n")
+        subprocess.run(["ninja", "-C", build_directory], check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    builder, got, _ = _build_on_a_thread(tmp_path, monkeypatch, deaf_load, "deaf")
+    try:
+        assert _wait_until(lambda: native_build._children_named("ninja")), "the build's ninja never started"
+        native_build.stop_builds()
+        builder.join(timeout=120)
+        assert not builder.is_alive(), "the command that missed ninja's interrupt still runs"
+    finally:
+        for pid in native_build._children_named("ninja"):
+            for p in (pid, *_descendants(pid)):
+                subprocess.run(["kill", "-9", str(p)])
+        builder.join(timeout=60)
+    assert got == [None]
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 0)], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_the_kernels_build_exits_at_once(tiny_checkpoint, tmp_path, sig, code):
     """`infinigen serve` starts the weight kernels' build while it loads its model; a signal while that build

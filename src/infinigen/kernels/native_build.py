@@ -84,28 +84,46 @@ def _interrupt_until_built(deadline: float = math.inf) -> None:
     (`stop_builds`: first while it waits, then on a daemon thread: the exit waits for the builds' threads, not
     for this one)."""
     while _building and time.monotonic() < deadline:
-        for pid in _children_named("ninja"):
-            try:
-                os.kill(pid, signal.SIGINT)
-            except OSError:
-                pass
+        # ninja passes an interrupt on to its commands once, then waits for them with interrupts blocked: a
+        # command's shell that got it while starting runs its compiler on, so every command is interrupted too
+        for ninja in _children_named("ninja"):
+            for pid in (ninja, *_descendants(ninja)):
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except OSError:
+                    pass
         time.sleep(0.05)
 
 
-def _children_named(command: str) -> list[int]:
-    """This process's child processes running `command` (from /proc: every thread's children)."""
+def _children(pid: int | str) -> list[int]:
+    """A process's children (from /proc: every thread's)."""
     found = []
-    for children in Path("/proc/self/task").glob("*/children"):
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
         try:
-            pids = children.read_text().split()
+            found += [int(c) for c in children.read_text().split()]
         except OSError:
             continue
-        for pid in pids:
-            try:
-                if Path(f"/proc/{pid}/comm").read_text().strip() == command:
-                    found.append(int(pid))
-            except OSError:
-                pass
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    todo, found = [pid], []
+    while todo:
+        kids = _children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def _children_named(command: str) -> list[int]:
+    """This process's child processes running `command`."""
+    found = []
+    for pid in _children("self"):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == command:
+                found.append(pid)
+        except OSError:
+            pass
     return found
 
 
