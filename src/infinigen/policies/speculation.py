@@ -182,7 +182,7 @@ class SpeculationKeys:
         """Keys k [B, Hkv, T, d] rotated (centred on the `valid` ones) and packed in 4 bits into `capacity` slots."""
         b, hkv, _, d = k.shape
         keys = PackedKeys(b, hkv, capacity, d, group=INT4_GROUP, layout=st.layout, device=k.device)
-        if self.native(keys):  # rotated and packed in one native call: the bytes of the torch path, 3x faster
+        if self.native(keys):  # rotated and packed in one native call: the bytes of the torch path
             keys.write_rotated(0, k, self.rotation(st, layer))
             return keys
         keys.write(0, self.centre(st, layer, self.rotate(st, k, layer), valid))
