@@ -47,6 +47,15 @@ def raise_a_swallowed_stop() -> None:
         exit_on_sigterm(signal.SIGTERM, None)
 
 
+def _quiet_stop_in_finalizers(unraisable) -> None:
+    """sys.unraisablehook while a command runs: a signal's exception raised inside a finalizer (`__del__`) or a
+    callback, which Python prints with a traceback and drops, is not printed (the command stops all the same:
+    `raise_a_swallowed_stop`); anything else goes to the hook that was there."""
+    if _stopped_by is not None and isinstance(unraisable.exc_value, (KeyboardInterrupt, SystemExit)):
+        return
+    sys.__unraisablehook__(unraisable)
+
+
 def exit_on_sigterm(signum, frame):
     """A SIGTERM handler for a command with nothing to finish (`serve` while it warms up): exit 0 now, quietly."""
     global _stopped_by
@@ -78,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         previous = signal.signal(signal.SIGINT, _on_sigint)
     stdout = sys.stdout
     guard = sys.stdout = _GuardedStdout(stdout) if stdout is not None else None
+    hook, sys.unraisablehook = sys.unraisablehook, _quiet_stop_in_finalizers
     try:
         return _run(argv)
     except KeyboardInterrupt:  # anywhere, including in our own handlers below
         return _interrupted()
     finally:
+        sys.unraisablehook = hook
         if sys.stdout is guard or type(sys.stdout).__name__ == "PacifyFlushWrapper":  # click's, after a broken pipe
             sys.stdout = stdout
         if guard is not None and guard.failed is not None:

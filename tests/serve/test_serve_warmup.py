@@ -223,3 +223,29 @@ def test_a_stop_whose_exception_was_swallowed_is_raised_again(monkeypatch, sig):
     with pytest.raises(KeyboardInterrupt if sig == signal.SIGINT else SystemExit) as e:
         cli.raise_a_swallowed_stop()
     assert sig == signal.SIGINT or e.value.code == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_raised_inside_a_finalizer_prints_no_traceback(monkeypatch, capsys, sig):
+    """The signal's exception raised inside a `__del__` (Python prints such an exception with a traceback and drops
+    it) prints nothing while a signal stops the command; another exception there is printed as Python prints it."""
+    import gc
+
+    from infinigen import cli
+    monkeypatch.setattr(cli, "stop_native_builds", lambda: None)
+    monkeypatch.setattr(cli, "_stopped_by", sig)
+    monkeypatch.setattr("sys.unraisablehook", cli._quiet_stop_in_finalizers)
+
+    class Finalized:
+        def __init__(self, error):
+            self.error = error
+
+        def __del__(self):
+            raise self.error
+    Finalized(KeyboardInterrupt() if sig == signal.SIGINT else SystemExit(0))
+    gc.collect()
+    assert "Traceback" not in capsys.readouterr().err
+    Finalized(ValueError("a real error"))
+    gc.collect()
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "a real error" in err
