@@ -128,7 +128,7 @@ def test_a_command_that_missed_ninjas_interrupt_while_starting_is_interrupted_to
         assert not builder.is_alive(), "the command that missed ninja's interrupt still runs"
     finally:
         for pid in native_build._children_named("ninja"):
-            for p in (pid, *_descendants(pid)):
+            for p in (pid, *native_build._descendants(pid)):
                 subprocess.run(["kill", "-9", str(p)])
         builder.join(timeout=60)
     assert got == [None]
@@ -147,7 +147,7 @@ def test_a_signal_while_the_kernels_build_exits_at_once(tiny_checkpoint, tmp_pat
     p = subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, env=env)
     try:
-        assert _wait_until(lambda: any(_comm(c) == "ninja" for c in _descendants(p.pid)), timeout=900), \
+        assert _wait_until(lambda: any(_comm(c) == "ninja" for c in native_build._descendants(p.pid)), timeout=900), \
             "the kernels' build never started"
         p.send_signal(sig)
         try:
@@ -161,19 +161,6 @@ def test_a_signal_while_the_kernels_build_exits_at_once(tiny_checkpoint, tmp_pat
     assert p.returncode == code, err
     assert "Traceback" not in err and "unavailable" not in err
     assert ("interrupted" in err) == (sig == signal.SIGINT)
-
-
-def _descendants(pid: int) -> list[int]:
-    todo, found = [pid], []
-    while todo:
-        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
-            try:
-                kids = [int(c) for c in children.read_text().split()]
-            except OSError:
-                continue
-            found += kids
-            todo += kids
-    return found
 
 
 def _comm(pid: int) -> str:
