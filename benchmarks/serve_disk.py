@@ -38,7 +38,9 @@ prefixes in a prefix cache whose folder is on disk (`--prefix-cache-dir`, a temp
 at twice the documents' KV), so a second turn prefills only its answer and question (a hit writes the cached
 blocks into the request's pool file a block at a time) and the turn's decode is the tier's, not the prefills'.
 The prefix cache needs the pool in blocks, so full offload runs on the block layout too in that mode. The same
-statistics are reported for the second turn, with its own sample of requests alone.
+statistics are reported for the second turn, with its own sample of requests alone. `--keep-prefix DIR` keeps each
+system's prefix folder; `--warm-prefix DIR` then runs the second turn alone on copies of them (minutes instead of
+half an hour; the follow-ups carry empty answers, so it is a tool for working on the turn, not its measurement).
 
 Writes OUT.md and OUT.json (default results/serve_disk/serve_disk).
 """
@@ -51,6 +53,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import sys
@@ -150,16 +153,18 @@ def run_system(name: str, argv: list[str], port: int, chats: list[list[dict]], a
             sl.warm_up(client, model)
             t0 = time.perf_counter()
             row["startup_s"] = round(t0 - started, 1)
-            answers, recs, wall = concurrent_round(client, model, chats, args.answer_tokens)
-            # a sample of the requests again alone (each a fresh prefill of its document, or a prefix hit)
             sample = alone_sample(len(chats), args.alone_count if args.alone else 0)
-            t1 = time.perf_counter()
-            alone = {i: text_of(client, model, chats[i], args.answer_tokens) for i in sample}
-            row["alone_s"] = round(time.perf_counter() - t1, 1)
-            row.update(summary(recs, wall, args.answer_tokens))
-            row["equal_alone"] = sum(alone[i] is not None and alone[i] == answers.get(i) for i in sample)
-            row["compared_alone"] = len(sample)
-            row["differs_alone"] = differing(sample, answers, alone)
+            answers = {}  # --warm-prefix: no first turn, the follow-ups carry empty answers
+            if args.warm_prefix is None:
+                answers, recs, wall = concurrent_round(client, model, chats, args.answer_tokens)
+                # a sample of the requests again alone (each a fresh prefill of its document, or a prefix hit)
+                t1 = time.perf_counter()
+                alone = {i: text_of(client, model, chats[i], args.answer_tokens) for i in sample}
+                row["alone_s"] = round(time.perf_counter() - t1, 1)
+                row.update(summary(recs, wall, args.answer_tokens))
+                row["equal_alone"] = sum(alone[i] is not None and alone[i] == answers.get(i) for i in sample)
+                row["compared_alone"] = len(sample)
+                row["differs_alone"] = differing(sample, answers, alone)
             row["alone_sample"] = sample
             if args.turns == 2:
                 row["turn2"] = second_turn(client, model, chats, answers, sample, args)
@@ -296,6 +301,10 @@ def markdown(d: dict) -> str:
              "| system s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
+        if "failed" not in r and "requests" not in r:  # --warm-prefix: no first turn
+            lines.append(f"| {r['system']} | no first turn (--warm-prefix) | | | | | | {r['cgroup_peak_mib']} | "
+                         f"{r['rss_peak_mib']} | | | | {r.get('system_s')} |")
+            continue
         if "failed" in r:
             lines.append(f"| {r['system']} | failed: {r['failed'][:300]} | | | | | | | | | | | {r.get('system_s')} |")
             continue
@@ -348,9 +357,19 @@ def parse_args(argv=None):
     p.add_argument("--systems", default="full,infinigen,llama")
     p.add_argument("--prefix-dir", default=None,
                    help="where the second turn's prefix-cache folders go (default: the system's temporary folder)")
+    p.add_argument("--keep-prefix", default=None,
+                   help="--turns 2: keep each system's prefix-cache folder in this folder (as KEY/, hard links)")
+    p.add_argument("--warm-prefix", default=None,
+                   help="the second turn only, each system's prefix-cache folder starting as KEY/ of this folder (a "
+                        "--keep-prefix of a run with the same model, clients and documents); the follow-ups carry "
+                        "empty answers: for working on the second turn, not a run to report")
     p.add_argument("--out", default="results/serve_disk/serve_disk")
     args = p.parse_args(argv)
     args.memory_limit = parse_bytes(args.memory_limit, "memory-limit")
+    if args.warm_prefix is not None:
+        if not Path(args.warm_prefix).is_dir():
+            p.error(f"--warm-prefix {args.warm_prefix}: no such folder")
+        args.turns = 2
     return args
 
 
@@ -376,7 +395,10 @@ def main(argv=None) -> int:
             return []
         # twice the documents' KV (23040 B per token: the default model in bfloat16) holds every document's blocks
         limit = 2 * n * (args.doc_tokens + 2 * args.answer_tokens + 64) * 23040
-        return ["--prefix-cache-dir", str(Path(folders.name) / key), "--prefix-cache-dir-bytes", str(limit)]
+        folder = Path(folders.name) / key
+        if args.warm_prefix is not None and not folder.exists():
+            shutil.copytree(Path(args.warm_prefix) / key, folder, copy_function=os.link)
+        return ["--prefix-cache-dir", str(folder), "--prefix-cache-dir-bytes", str(limit)]
     ours = [sys.executable, "-m", "infinigen.cli", "serve"]
     fetch = [f"block_fetch={args.block_fetch}"] if args.block_fetch is not None else []
     within = f", tokens within {args.block_fetch}x" if fetch else ""
@@ -412,6 +434,9 @@ def main(argv=None) -> int:
          "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
          "load_before": load_before, "load_after": Path("/proc/loadavg").read_text().strip(),
          "run_s": round(time.perf_counter() - run_started, 1)}
+    if args.keep_prefix is not None:
+        for key in Path(folders.name).iterdir():
+            shutil.copytree(key, Path(args.keep_prefix) / key.name, copy_function=os.link, dirs_exist_ok=True)
     folders.cleanup()
     out.with_suffix(".json").write_text(json.dumps(d, indent=1))
     out.with_suffix(".md").write_text(markdown(d))
