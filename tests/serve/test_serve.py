@@ -426,12 +426,14 @@ def test_the_engine_gives_freed_heap_back_once_requests_finish(make_tiny, monkey
 @pytest.mark.parametrize("policy", ["full", "infinigen", "h2o"])
 def test_a_joining_prompt_is_prefilled_a_chunk_of_layers_per_step(make_tiny, policy):
     """Chunked prefill: a prompt that joins a running request advances `prefill_chunk_layers` layers per
-    engine step, and the running request decodes a token at every one of those steps (its pace holds);
-    both get exactly their tokens alone. Alone, a prompt is prefilled in one step; chunk 0: in one step."""
+    engine step (`prefill_share` 0: no further chunks in the time the decode step took), and the running request
+    decodes a token at every one of those steps (its pace holds); both get exactly their tokens alone. Alone, a
+    prompt is prefilled in one step; chunk 0: in one step. With an unbounded share the joining prompt's chunks
+    all run in its first step, the running request still decoding at that step."""
     _, model = make_tiny("llama", num_hidden_layers=4)
     running_prompt, joining_prompt = _prompts(model, (7, 40))
-    for chunk, steps_to_first_token in ((1, 4), (2, 2), (0, 1)):
-        eng = Engine(model, _policy(policy, model), max_batch=4, prefill_chunk_layers=chunk)
+    for chunk, share, steps_to_first_token in ((1, 0, 4), (2, 0, 2), (0, 0, 1), (1, 1e12, 1)):
+        eng = Engine(model, _policy(policy, model), max_batch=4, prefill_chunk_layers=chunk, prefill_share=share)
         a = eng.submit(Request(prompt=running_prompt, max_tokens=12))
         eng.step()
         assert len(a.tokens) == 2  # alone: prefilled (first token) and decoded in the first step
@@ -442,7 +444,7 @@ def test_a_joining_prompt_is_prefilled_a_chunk_of_layers_per_step(make_tiny, pol
             eng.step()
             steps += 1
             assert len(a.tokens) == before + 1  # the running request decoded at every step of b's prefill
-        assert steps == steps_to_first_token, (chunk, steps)
+        assert steps == steps_to_first_token, (chunk, share, steps)
         while not eng.idle():
             eng.step()
         assert a.tokens == _alone(model, policy, running_prompt, 12)

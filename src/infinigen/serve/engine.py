@@ -168,7 +168,7 @@ class Engine:
                  pool_bytes: int | None = None, cost: KVCost | None = None, prefill_chunk_layers: int = 1,
                  prefix_cache: bool = True, prefix_cache_bytes: int | None = None, prefix_block: int = 256,
                  prefix_cache_dir: str | os.PathLike | None = None, prefix_cache_dir_bytes: int | None = None,
-                 batch_invariant: bool = True):
+                 batch_invariant: bool = True, prefill_share: float = 1.0):
         from ..placement import Placement
         from ..policies import FullCache
         if max_batch < 1:
@@ -178,9 +178,13 @@ class Engine:
         if isinstance(prefill_chunk_layers, bool) or not isinstance(prefill_chunk_layers, int) \
                 or prefill_chunk_layers < 0:
             raise UserError(f"prefill_chunk_layers must be a whole number >= 0, got {prefill_chunk_layers!r}")
-        # a prompt that joins running requests is prefilled this many layers per step, between their decode
-        # steps, so their pace holds (0: the whole prompt in one step)
-        self.prefill_chunk_layers = prefill_chunk_layers
+        # a prompt that joins running requests is prefilled in chunks of this many layers between their decode
+        # steps, so their pace holds (0: the whole prompt in one step): a chunk each per step, and more while the
+        # step's prefill has taken less than `prefill_share` of the last decode step (`_advance_prefills`)
+        if not 0 <= prefill_share < float("inf"):
+            raise UserError(f"prefill_share must be a number >= 0, got {prefill_share!r}")
+        self.prefill_chunk_layers, self.prefill_share = prefill_chunk_layers, prefill_share
+        self.decode_s = 0.0  # the last decode step's seconds
         # each request's attention is the call it makes alone (`runtime.decode`'s batch_invariant): its greedy
         # tokens do not depend on what runs beside it
         self.batch_invariant = batch_invariant
@@ -304,10 +308,7 @@ class Engine:
                 self._finish(req, req.cancel_reason)
             else:
                 self._prefill(req)
-        # a prompt that joined running requests advances one chunk of layers per step; alone, it runs through
-        decoding = any(r.tokens and r.finish is None for r in self.running)
-        for req in [r for r in self.running if r.prefilling is not None and r.finish is None]:
-            self._advance_prefill(req, to_the_end=not decoding)
+        self._advance_prefills(decoding=any(r.tokens and r.finish is None for r in self.running))
         # requests still prefilling, or cancelled while an earlier one of this step was prefilled, have no
         # token yet: they are not decoded now
         live = [r for r in self.running if r.finish is None and r.tokens]
@@ -318,8 +319,10 @@ class Engine:
             faults = {} if len(live) > 1 else None
             try:
                 last = torch.tensor([r.tokens[-1] for r in live], device=self.model.device)
+                started = time.perf_counter()
                 logits = runtime.decode(self.model, last, [r.session for r in live],
                                         batch_invariant=self.batch_invariant, faults=faults)
+                self.decode_s = time.perf_counter() - started
             except Exception as e:  # the batch fails, the server goes on
                 log.exception("decode step failed")
                 for r in live:
@@ -333,6 +336,25 @@ class Engine:
                     self._take([live[i] for i in kept], logits[kept] if len(kept) < len(live) else logits)
         self._measure()
         return bool(admitted or live or any(r.prefilling is not None for r in self.running))
+
+    def _advance_prefills(self, decoding: bool) -> None:
+        """Carry the prompts being prefilled on. With nothing decoding, each runs through. Beside decoding requests,
+        each advances a chunk of layers, then further chunks in turn while this step's prefill has taken less than
+        `prefill_share` of the last decode step: a short prompt joining (a follow-up on a cached prefix) is done in
+        a step or a few, a long one still advances a chunk a step, and beyond a chunk each the prefill delays the
+        decoding by at most `prefill_share` of a step."""
+        started = time.perf_counter()
+        budget = self.prefill_share * self.decode_s if decoding else 0.0
+        first = True
+        while first or budget > 0:
+            pending = [r for r in self.running if r.prefilling is not None and r.finish is None]
+            if not pending:
+                return
+            for req in pending:
+                if not first and time.perf_counter() - started >= budget:
+                    return
+                self._advance_prefill(req, to_the_end=not decoding)
+            first = False
 
     def _prefill(self, req: Request) -> None:
         """Open the request's session and start its prefill (`_advance_prefill` carries it on)."""
