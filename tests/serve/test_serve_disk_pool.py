@@ -16,9 +16,11 @@ import contextlib
 import os
 import shutil
 import subprocess
+import threading
 import uuid
 
 import pytest
+import torch
 
 from infinigen.generate import Sampling, generate_ids
 from infinigen.placement import BlockedKVStore, Placement
@@ -44,6 +46,37 @@ def _open_files() -> set:
 def _pool_files(req: Request) -> frozenset:
     """(device, inode) of the pool files of a running request."""
     return frozenset((st.st_dev, st.st_ino) for st in req.session.store.tier.file_stats())
+
+
+# ---- the engine's thread ----------------------------------------------------------------------------------------
+def test_the_engine_computes_on_the_threads_of_its_maker_beside_fetch_workers(make_tiny, tmp_path):
+    """Each request's store on disk has a fetch worker whose torch ops run on one thread; `torch.set_num_threads`
+    there also sets the count a thread takes at its first parallel op in torch or in one of our kernels, so
+    unless the store sets it back (`transfer.fetch_worker`) the engine's thread computes on one thread once a
+    worker has started (the engine's cost probes, each request). It computes on as many as its maker's."""
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        placement = Placement(kv_offload="disk", disk_block=BLOCK, pool_dir=str(tmp_path))
+        eng = Engine(model, make_policy("full"), placement)
+        seen, done = [], threading.Event()
+
+        def sink(kind, value):  # the engine's thread, after each token
+            seen.append(torch.get_num_threads())
+            if kind in ("done", "error"):
+                done.set()
+        eng.start()
+        try:
+            for prompt in random_prompts(model.cfg.vocab_size, (20, 33), seed=1):
+                done.clear()
+                eng.submit(Request(prompt, 4, sink=sink))
+                assert done.wait(120)
+        finally:
+            eng.stop()
+        assert torch.get_num_threads() == 2 and len(seen) == 10 and set(seen) == {2}, seen
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---- requests on block files: their tokens, their files ------------------------------------------------------

@@ -37,7 +37,6 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -47,7 +46,7 @@ from ..kernels import block_select
 from .held import HeldSet
 from .rows import layout_for
 from .store import OffloadedKVStore, _Job
-from .transfer import KV, PAGE, TransferStats, _Buffers, located
+from .transfer import KV, PAGE, TransferStats, _Buffers, fetch_worker, located
 from .tiers import SlowTier
 
 
@@ -159,8 +158,7 @@ class BlockedKVStore(OffloadedKVStore):
         self._held = HeldSet()
         self._pending: list[list] = [[] for _ in range(num_layers)]
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch", initializer=torch.set_num_threads,
-                                        initargs=(1,)) if threaded else None
+        self._pool = fetch_worker(1) if threaded else None
 
     @staticmethod
     def slot_bytes(num_layers: int, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, codec=None,

@@ -27,7 +27,7 @@ import math
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +40,7 @@ from .held import HeldSet, HoldsMisses
 from .rows import layout_for
 from .rowcache import RowCache
 from .tiers import SlowTier
-from .transfer import KV, TransferStats, _Buffers, located, touched_page_share
+from .transfer import KV, TransferStats, _Buffers, fetch_worker, located, touched_page_share
 
 @dataclass
 class _Job:
@@ -143,8 +143,7 @@ class OffloadedKVStore(HoldsMisses, BehindGpu, KVStore):
         # The worker's own OpenMP team: one thread on a CPU host, where compute needs the cores; behind a GPU
         # the host is otherwise idle and the row gather from pinned memory is the critical path.
         n = max(1, min(8, (os.cpu_count() or 2) - 2)) if self.cuda else 1
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch", initializer=torch.set_num_threads,
-                                        initargs=(n,)) if threaded else None
+        self._pool = fetch_worker(n) if threaded else None
         if self.cuda:
             self.copy_stream = torch.cuda.Stream(self.fast)
             self._compute_stream = torch.cuda.current_stream(self.fast)  # the stream attention reads fetched rows on

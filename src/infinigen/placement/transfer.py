@@ -2,12 +2,27 @@
 (`_Buffers`) and what reading scattered rows costs a file (`touched_page_share`)."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 KV = (0, 1)  # keys, values
 PAGE = 4096  # the unit the kernel reads a file in (a fault, a page-cache page)
+
+
+def fetch_worker(threads: int) -> ThreadPoolExecutor:
+    """A store's worker thread, its torch ops on `threads` intra-op threads, started now. torch.set_num_threads
+    there also sets the count each thread takes at its first parallel op in torch or in one of our kernels (ATen's
+    lazy init, once per thread and library): left so, the compute thread's first call of a kernel after a worker
+    started would drop it to the worker's count. So once the worker has set its own, this thread sets the count
+    back to its own."""
+    keep = torch.get_num_threads()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="infinigen-fetch", initializer=torch.set_num_threads,
+                              initargs=(threads,))
+    pool.submit(int).result()  # the worker runs its initializer before its first job
+    torch.set_num_threads(keep)
+    return pool
 
 
 def touched_page_share(rows: torch.Tensor, row_bytes: int, used_rows: int) -> float:
