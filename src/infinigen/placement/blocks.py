@@ -214,12 +214,17 @@ class BlockedKVStore(OffloadedKVStore):
             self.open[layer, :, bs + lead:bs + lead + keys.shape[1]] = values
             return
         count, n = done - first, min(end, done * bs) - at  # complete blocks; this chunk's tokens in them
-        units = torch.zeros(self.bh, count, self.unit_rows, self.head_dim, dtype=self.dtype)
+        units = torch.empty(self.bh, count, self.unit_rows, self.head_dim, dtype=self.dtype)
+        units[:, :, 2 * bs:] = 0  # the page padding after a unit's values
         for kind, x in zip(KV, (keys, values)):
+            into = units[:, :, kind * bs:(kind + 1) * bs]
+            if lead == 0 and n == count * bs:  # whole blocks from a block's start (a restored prefix): one copy
+                into.copy_(x[:, :n].reshape(self.bh, count, bs, self.head_dim))
+                continue
             rows = torch.zeros(self.bh, count * bs, self.head_dim, dtype=self.dtype)
             rows[:, lead:lead + n] = x[:, :n]
             rows[:, :lead] = self.open[layer, :, kind * bs:kind * bs + lead]
-            units[:, :, kind * bs:(kind + 1) * bs] = rows.view(self.bh, count, bs, self.head_dim)
+            into.copy_(rows.view(self.bh, count, bs, self.head_dim))
         with _pool_io(self.tier.dir, "write"):
             for bh in range(self.bh):  # a (batch row, KV head)'s blocks are one run of the file
                 _write_all(self.fd, _bytes(units[bh]), self._offset(layer, bh, first))
