@@ -107,6 +107,7 @@ def _children(pid: int | str) -> list[int]:
 
 
 def _descendants(pid: int) -> list[int]:
+    """A process's children, their children, and so on."""
     todo, found = [pid], []
     while todo:
         kids = _children(todo.pop())

@@ -343,18 +343,17 @@ class Engine:
         `prefill_share` of the last decode step: a short prompt joining (a follow-up on a cached prefix) is done in
         a step or a few, a long one still advances a chunk a step, and beyond a chunk each the prefill delays the
         decoding by at most `prefill_share` of a step."""
+        def prefilling():
+            return [r for r in self.running if r.prefilling is not None and r.finish is None]
         started = time.perf_counter()
+        for req in prefilling():
+            self._advance_prefill(req, to_the_end=not decoding)
         budget = self.prefill_share * self.decode_s if decoding else 0.0
-        first = True
-        while first or budget > 0:
-            pending = [r for r in self.running if r.prefilling is not None and r.finish is None]
-            if not pending:
-                return
-            for req in pending:
-                if not first and time.perf_counter() - started >= budget:
+        while budget > 0 and (more := prefilling()):
+            for req in more:
+                if time.perf_counter() - started >= budget:
                     return
-                self._advance_prefill(req, to_the_end=not decoding)
-            first = False
+                self._advance_prefill(req, to_the_end=False)
 
     def _prefill(self, req: Request) -> None:
         """Open the request's session and start its prefill (`_advance_prefill` carries it on)."""
