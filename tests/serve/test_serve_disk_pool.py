@@ -71,7 +71,7 @@ def test_the_engine_computes_on_the_threads_of_its_maker_beside_fetch_workers(ma
             for prompt in random_prompts(model.cfg.vocab_size, (20, 33), seed=1):
                 done.clear()
                 eng.submit(Request(prompt, 4, sink=sink))
-                assert done.wait(120)
+                assert done.wait(900)  # a generous bound: a busy machine only slows it
         finally:
             eng.stop()
         assert torch.get_num_threads() == 2 and len(seen) == 10 and set(seen) == {2}, seen
