@@ -800,8 +800,10 @@ def chat_scenario(sy: Systems, pr: Prompts, args) -> dict:
     msgs = [[pr.chat(CHAT_INSTRUCTION, books[(i + r) % 3], 997 * (i + n * r) + 5000, plen) for r in range(rounds)]
             for i in range(n)]
     runs = [("llama-server", lambda: sy.llama(n, plen + new))] if sy.bin_dir else []
-    runs += [(f"ours, {POLICY_NAMES.get(p, p)}", lambda p=p: sy.ours(p, n))
-             for p in args.chat_policies.split(",")]
+    threads = [t.strip() for t in args.chat_decode_threads.split(",") if t.strip()]
+    runs += [(f"ours, {POLICY_NAMES.get(p, p)}" + (f", --decode-threads {t}" if t != "default" else ""),
+              lambda p=p, t=t: sy.ours(p, n, () if t == "default" else ("--decode-threads", t)))
+             for p in args.chat_policies.split(",") for t in threads]
     rows, commands = [], []
     for name, start in runs:
         argv, ctx = start()
@@ -980,6 +982,9 @@ def parse_args(argv=None):
     g.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
                    help="before starting each server, wait up to this long for the CPU to be idle (a shared machine)")
     g.add_argument("--chat-policies", default="full,infinigen")
+    g.add_argument("--chat-decode-threads", default="default",
+                   help="ours once per value, comma separated: 'default' (serve's own choice) or N, passed as "
+                        "--decode-threads N (e.g. default,2: side by side)")
     g.add_argument("--chat-clients", type=int, default=8)
     g.add_argument("--chat-rounds", type=int, default=3, help="requests each chat client sends back to back")
     g.add_argument("--chat-prompt", type=int, default=512)
@@ -1007,6 +1012,9 @@ def parse_args(argv=None):
     if not wanted or any(s not in SCENARIOS for s in wanted):
         ap.error(f"--scenario: choose among {', '.join(SCENARIOS)} or all, got {args.scenario!r}")
     args.scenarios = wanted
+    if any(t.strip() != "default" and not (t.strip().isdigit() and int(t) >= 1)
+           for t in args.chat_decode_threads.split(",")):
+        ap.error(f"--chat-decode-threads: 'default' or whole numbers >= 1, got {args.chat_decode_threads!r}")
     if not 1 <= args.questions <= len(QUESTIONS):
         ap.error(f"--questions must be 1..{len(QUESTIONS)}")
     for k in ("threads", "chat_clients", "chat_rounds", "chat_prompt", "chat_tokens", "doc_tokens", "answer_tokens",

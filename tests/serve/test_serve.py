@@ -24,6 +24,7 @@ from infinigen.placement import Placement  # noqa: E402
 from infinigen.policies import make_policy  # noqa: E402
 from infinigen.serve.app import BackgroundServer, create_app  # noqa: E402
 from infinigen.serve.engine import Engine, QueueFull, Request  # noqa: E402
+from infinigen.errors import UserError  # noqa: E402
 
 NAME = "tiny"
 
@@ -375,7 +376,8 @@ def test_serve_command_checks_options_before_loading(capsys):
     from infinigen.commands.serve import parse_bytes
     assert parse_bytes("512M") == 512 << 20 and parse_bytes("2GiB") == 2 << 30 and parse_bytes("1000") == 1000
     for argv in (["--kv-offload", "ssd"], ["--pool-bytes", "lots"], ["--fast-bytes", "0"], ["--max-batch", "0"],
-                 ["--max-queue", "-1"], ["--port", "70000"], ["--replicas", "0"], ["--knob", "nope=1"]):
+                 ["--max-queue", "-1"], ["--port", "70000"], ["--replicas", "0"], ["--knob", "nope=1"],
+                 ["--decode-threads", "0"]):
         assert main(["serve", "--model", "/nonexistent", *argv]) == 2, argv
         assert capsys.readouterr().err.startswith("infinigen: error:")
 
@@ -450,3 +452,51 @@ def test_a_joining_prompt_is_prefilled_a_chunk_of_layers_per_step(make_tiny, pol
         assert a.tokens == _alone(model, policy, running_prompt, 12)
         assert b.tokens == _alone(model, policy, joining_prompt, 3)
         assert eng.reserved == [0, 0]
+
+
+def test_the_engine_decodes_on_its_decode_threads_and_prefills_on_all(make_tiny, monkeypatch):
+    """`decode_threads`: a decoding step's torch ops run on that many threads, a prompt's prefill (joining running
+    requests too) on the engine thread's own count, which every step leaves as it found it; each request's tokens
+    are those it gets alone on every thread. A server on a CPU takes every thread but one by default."""
+    from infinigen.serve.config import ServerConfig
+    from infinigen.serve.engine import default_decode_threads
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    prompts = _prompts(model, (9, 30, 14))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen = {"prefill": [], "decode": []}
+        prefill_in_slices, decode = runtime.prefill_in_slices, runtime.decode
+
+        def spied_prefill(*args, **kwargs):
+            seen["prefill"].append(torch.get_num_threads())
+            logits = yield from prefill_in_slices(*args, **kwargs)
+            seen["prefill"].append(torch.get_num_threads())
+            return logits
+
+        def spied_decode(*args, **kwargs):
+            seen["decode"].append(torch.get_num_threads())
+            return decode(*args, **kwargs)
+        monkeypatch.setattr(runtime, "prefill_in_slices", spied_prefill)
+        monkeypatch.setattr(runtime, "decode", spied_decode)
+        eng = Engine(model, _policy("infinigen", model), max_batch=3, decode_threads=1)
+        seen["decode"].clear()  # the engine's cost probes
+        reqs = [eng.submit(Request(prompts[0], 12))]
+        eng.step()
+        reqs += [eng.submit(Request(p, 8)) for p in prompts[1:]]  # they join a running request
+        while not eng.idle():
+            eng.step()
+            assert torch.get_num_threads() == 2
+        monkeypatch.undo()
+        assert set(seen["prefill"]) == {2} and len(seen["prefill"]) == 6 and set(seen["decode"]) == {1}, seen
+        for r, p in zip(reqs, prompts):
+            assert r.tokens == _alone(model, "infinigen", p, r.max_tokens)
+        assert default_decode_threads("cpu") == 1 and default_decode_threads("meta") is None
+        assert Engine.from_config(model, make_policy("full"), ServerConfig()).decode_threads == 1
+        assert Engine.from_config(model, make_policy("full"), ServerConfig(decode_threads=2)).decode_threads == 2
+        torch.set_num_threads(1)
+        assert default_decode_threads("cpu") == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(UserError, match="decode_threads"):
+        Engine(model, make_policy("full"), decode_threads=0)

@@ -85,6 +85,10 @@ def serve_cmd(
     dtype: str = dtype_option(),
     compile: str = compile_option("with --no-batch-invariant, on where it runs: a CPU with a C++ compiler; "
                                   "compiled for every batch size up to --max-batch while the server warms up"),
+    decode_threads: Optional[int] = typer.Option(None, "--decode-threads", help="Torch threads a decoding step "
+                                                 "runs on. Default on a CPU: all of torch's threads but one, at "
+                                                 "least one, so the HTTP thread and the KV stores' workers keep a "
+                                                 "core while a step runs; prompts are prefilled on all of them."),
     batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant", help="A request's "
                                          "greedy tokens do not depend on the requests decoded beside it: each "
                                          "one's attention is its own call and the step runs eagerly (not "
@@ -104,7 +108,8 @@ def serve_cmd(
         prefix_cache_bytes=parse_bytes(prefix_cache_bytes, "prefix-cache-bytes"), prefix_cache_dir=prefix_cache_dir,
         prefix_cache_dir_bytes=parse_bytes(prefix_cache_dir_bytes, "prefix-cache-dir-bytes"),
         prefill_chunk_layers=prefill_chunk_layers, host=host, port=port, served_model_name=name,
-        replicas=replicas, device=device, dtype=dtype, compile=compile, batch_invariant=batch_invariant)
+        replicas=replicas, device=device, dtype=dtype, compile=compile, batch_invariant=batch_invariant,
+        decode_threads=decode_threads)
     from ..membound import current
     _start(ctx, config, bounded=current() is not None)  # a parent process re-ran this one under the bound
 

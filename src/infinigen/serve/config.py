@@ -64,6 +64,9 @@ class ServerConfig:
                          "--dtype")
     compile: str = _option("auto", "compile the decoding step: auto, on, whole or off (off while batch_invariant)",
                            "--compile", choices=("auto", "on", "whole", "off"))
+    decode_threads: Optional[int] = _option(None, "torch threads a decoding step runs on (None: on a CPU all of "
+                                            "torch's threads but one, at least one; prompts are prefilled on all)",
+                                            "--decode-threads", lo=1, hi=4096)
     batch_invariant: bool = _option(True, "a request's greedy tokens do not depend on the requests decoded "
                                     "beside it (each attention its own call, the step eager)",
                                     "--batch-invariant")
