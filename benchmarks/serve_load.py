@@ -800,10 +800,9 @@ def chat_scenario(sy: Systems, pr: Prompts, args) -> dict:
     msgs = [[pr.chat(CHAT_INSTRUCTION, books[(i + r) % 3], 997 * (i + n * r) + 5000, plen) for r in range(rounds)]
             for i in range(n)]
     runs = [("llama-server", lambda: sy.llama(n, plen + new))] if sy.bin_dir else []
-    threads = [t.strip() for t in args.chat_decode_threads.split(",") if t.strip()]
     runs += [(f"ours, {POLICY_NAMES.get(p, p)}" + (f", --decode-threads {t}" if t != "default" else ""),
               lambda p=p, t=t: sy.ours(p, n, () if t == "default" else ("--decode-threads", t)))
-             for p in args.chat_policies.split(",") for t in threads]
+             for p in args.chat_policies.split(",") for t in args.chat_decode_threads]
     rows, commands = [], []
     for name, start in runs:
         argv, ctx = start()
@@ -1012,9 +1011,10 @@ def parse_args(argv=None):
     if not wanted or any(s not in SCENARIOS for s in wanted):
         ap.error(f"--scenario: choose among {', '.join(SCENARIOS)} or all, got {args.scenario!r}")
     args.scenarios = wanted
-    if any(t.strip() != "default" and not (t.strip().isdigit() and int(t) >= 1)
-           for t in args.chat_decode_threads.split(",")):
+    threads = [t.strip() for t in args.chat_decode_threads.split(",") if t.strip()]
+    if not threads or any(t != "default" and not (t.isdigit() and int(t) >= 1) for t in threads):
         ap.error(f"--chat-decode-threads: 'default' or whole numbers >= 1, got {args.chat_decode_threads!r}")
+    args.chat_decode_threads = threads  # the runs of each policy, in order
     if not 1 <= args.questions <= len(QUESTIONS):
         ap.error(f"--questions must be 1..{len(QUESTIONS)}")
     for k in ("threads", "chat_clients", "chat_rounds", "chat_prompt", "chat_tokens", "doc_tokens", "answer_tokens",

@@ -111,6 +111,12 @@ def torch_threads(n: int | None):
         torch.set_num_threads(was)
 
 
+def _check_whole(name: str, value, least: int) -> None:
+    """UserError unless `value` is a whole number (not a bool) of at least `least`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise UserError(f"{name} must be a whole number >= {least}, got {value!r}")
+
+
 def default_budgets(placement, device) -> tuple[int, int]:
     """(fast, slow) budgets when none is given: a quarter of the fast memory; for an offloaded pool, half of
     the host memory ("cpu") or half of the free disk where the pool files go ("disk")."""
@@ -204,9 +210,7 @@ class Engine:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
             raise UserError(f"max_queue must be >= 0, got {max_queue}")
-        if isinstance(prefill_chunk_layers, bool) or not isinstance(prefill_chunk_layers, int) \
-                or prefill_chunk_layers < 0:
-            raise UserError(f"prefill_chunk_layers must be a whole number >= 0, got {prefill_chunk_layers!r}")
+        _check_whole("prefill_chunk_layers", prefill_chunk_layers, 0)
         # a prompt that joins running requests is prefilled in chunks of this many layers between their decode
         # steps, so their pace holds (0: the whole prompt in one step): a chunk each per step, and more while the
         # step's prefill has taken less than `prefill_share` of the last decode step (`_advance_prefills`)
@@ -214,9 +218,8 @@ class Engine:
             raise UserError(f"prefill_share must be a number >= 0, got {prefill_share!r}")
         self.prefill_chunk_layers, self.prefill_share = prefill_chunk_layers, prefill_share
         # the torch threads a decoding step runs on (None: the engine thread's count, as prefills)
-        if decode_threads is not None and (isinstance(decode_threads, bool) or not isinstance(decode_threads, int)
-                                           or decode_threads < 1):
-            raise UserError(f"decode_threads must be a whole number >= 1, got {decode_threads!r}")
+        if decode_threads is not None:
+            _check_whole("decode_threads", decode_threads, 1)
         self.decode_threads = decode_threads
         self.decode_s = 0.0  # the last decode step's seconds
         # each request's attention is the call it makes alone (`runtime.decode`'s batch_invariant): its greedy
