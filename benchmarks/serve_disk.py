@@ -29,8 +29,10 @@ fast budget); --max-batch N and a queue for every client. Each system gets one w
 clients at once (threads of the `openai` package, streamed chat, temperature 0), then each request again alone,
 one after another, whose answer is compared with the concurrent one. Reported per system: aggregate decode
 tok/s (completion tokens after each client's first, over the span from the first first token to the last
-token), completion tokens/s over the whole run, TTFT p50/max, the cgroup's peak charge (page cache included) and
-the server's peak RSS (VmHWM), lost requests (errors or short answers), answers equal to the same request alone.
+token), the decode's own rate (tokens of the server's decoding steps over their seconds, from its /metrics: the
+prefills between the steps, the same dense work in every system, not counted), completion tokens/s over the
+whole run, TTFT p50/max, the cgroup's peak charge (page cache included) and the server's peak RSS (VmHWM), lost
+requests (errors or short answers), answers equal to the same request alone.
 
 `--turns 2` adds the conversations' second turn: once every client has its first answer, each asks a follow-up in
 the same conversation (its document, its answer, `FOLLOW_UP`), all at once. Our servers then keep the prompts'
@@ -156,18 +158,18 @@ def run_system(name: str, argv: list[str], port: int, chats: list[list[dict]], a
             sample = alone_sample(len(chats), args.alone_count if args.alone else 0)
             answers = {}  # --warm-prefix: no first turn, the follow-ups carry empty answers
             if args.warm_prefix is None:
-                answers, recs, wall = concurrent_round(client, model, chats, args.answer_tokens)
+                answers, recs, wall, in_steps = timed_round(url, client, model, chats, args.answer_tokens)
                 # a sample of the requests again alone (each a fresh prefill of its document, or a prefix hit)
                 t1 = time.perf_counter()
                 alone = {i: text_of(client, model, chats[i], args.answer_tokens) for i in sample}
                 row["alone_s"] = round(time.perf_counter() - t1, 1)
-                row.update(summary(recs, wall, args.answer_tokens))
+                row.update(summary(recs, wall, args.answer_tokens), decode_tok_s_in_steps=in_steps)
                 row["equal_alone"] = sum(alone[i] is not None and alone[i] == answers.get(i) for i in sample)
                 row["compared_alone"] = len(sample)
                 row["differs_alone"] = differing(sample, answers, alone)
             row["alone_sample"] = sample
             if args.turns == 2:
-                row["turn2"] = second_turn(client, model, chats, answers, sample, args)
+                row["turn2"] = second_turn(url, client, model, chats, answers, sample, args)
                 row["prefix_metrics"] = prefix_metrics(url)
             row["rss_peak_mib"] = round((peak_rss(proc.pid) or 0) / 2**20)
             stats = mb.stats()
@@ -217,13 +219,14 @@ def follow_ups(chats: list[list[dict]], answers: dict) -> list[list[dict]]:
             for i, chat in enumerate(chats)]
 
 
-def second_turn(client, model, chats, answers, sample, args) -> dict:
+def second_turn(url, client, model, chats, answers, sample, args) -> dict:
     """The follow-ups sent at once, then the sample again alone: the same statistics as the first turn."""
     chats2 = follow_ups(chats, answers)
-    answers2, recs, wall = concurrent_round(client, model, chats2, args.answer_tokens)
+    answers2, recs, wall, in_steps = timed_round(url, client, model, chats2, args.answer_tokens)
     t1 = time.perf_counter()
     alone = {i: text_of(client, model, chats2[i], args.answer_tokens) for i in sample}
-    out = {"alone_s": round(time.perf_counter() - t1, 1), **summary(recs, wall, args.answer_tokens)}
+    out = {"alone_s": round(time.perf_counter() - t1, 1), **summary(recs, wall, args.answer_tokens),
+           "decode_tok_s_in_steps": in_steps}
     out["equal_alone"] = sum(alone[i] is not None and alone[i] == answers2.get(i) for i in sample)
     out["compared_alone"] = len(sample)
     out["differs_alone"] = differing(sample, answers2, alone)
@@ -236,8 +239,9 @@ def differing(sample: list[int], answers: dict, alone: dict) -> list[dict]:
             if alone[i] is None or alone[i] != answers.get(i)]
 
 
-def prefix_metrics(url: str) -> dict:
-    """The server's prefix-cache counters from /metrics (hits, tokens not prefilled again, the folder's)."""
+def server_metrics(url: str, start: str) -> dict:
+    """The server's /metrics samples whose names start with `start` (without "infinigen_"), or {"error": ...}
+    (llama-server has none of ours)."""
     import urllib.request
     try:
         text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
@@ -245,10 +249,26 @@ def prefix_metrics(url: str) -> dict:
         return {"error": str(e)[:200]}
     out = {}
     for line in text.splitlines():
-        if line.startswith("infinigen_prefix_cache") and not line.startswith("#"):
+        if line.startswith(start) and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name.removeprefix("infinigen_")] = float(value)
     return out
+
+
+def prefix_metrics(url: str) -> dict:
+    """The server's prefix-cache counters (hits, tokens not prefilled again, the folder's)."""
+    return server_metrics(url, "infinigen_prefix_cache")
+
+
+def timed_round(url: str, client, model, chats: list[list[dict]], answer_tokens: int):
+    """`concurrent_round`, and the decode's own rate over it from our server's counters: tokens sampled by
+    decoding steps over the seconds spent in them (the prefills between them not counted; None for llama-server)."""
+    before = server_metrics(url, "infinigen_decode_")
+    answers, recs, wall = concurrent_round(client, model, chats, answer_tokens)
+    after = server_metrics(url, "infinigen_decode_")
+    tokens, seconds = (after.get(k, 0) - before.get(k, 0) for k in ("decode_tokens_total", "decode_seconds_total"))
+    rate = round(tokens / seconds, 2) if "error" not in after and seconds > 0 else None
+    return answers, recs, wall, rate
 
 
 def alone_sample(clients: int, count: int | None) -> list[int]:
@@ -296,40 +316,45 @@ def markdown(d: dict) -> str:
              f"Answers of {a['answer_tokens']} tokens; each answer compared with the same request sent alone on "
              f"{'every client' if a['alone_count'] is None or a['alone_count'] >= a['clients'] else 'a sample'}"
              f" (`--alone-count {a['alone_count']}`{'' if a['alone'] else ', off: --no-alone'}).", "",
-             "| system | lost | decode tok/s (aggregate) | decode tok/s (all running) | tok/s (whole run) | TTFT p50 s "
-             "| TTFT max s | cgroup peak MiB | server RSS peak MiB | answers = alone (clients) | clients s | alone s "
-             "| system s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| system | lost | decode tok/s (aggregate) | decode tok/s (all running) "
+             "| decode tok/s (in decoding steps) | tok/s (whole run) | TTFT p50 s | TTFT max s | cgroup peak MiB "
+             "| server RSS peak MiB "
+             "| answers = alone (clients) | clients s | alone s | system s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["rows"]:
         if "failed" not in r and "requests" not in r:  # --warm-prefix: no first turn
-            lines.append(f"| {r['system']} | no first turn (--warm-prefix) | | | | | | {r['cgroup_peak_mib']} | "
+            lines.append(f"| {r['system']} | no first turn (--warm-prefix) | | | | | | | {r['cgroup_peak_mib']} | "
                          f"{r['rss_peak_mib']} | | | | {r.get('system_s')} |")
             continue
         if "failed" in r:
-            lines.append(f"| {r['system']} | failed: {r['failed'][:300]} | | | | | | | | | | | {r.get('system_s')} |")
+            lines.append(f"| {r['system']} | failed: {r['failed'][:300]} | | | | | | | | | | | | {r.get('system_s')} |")
             continue
         lines.append(f"| {r['system']} | {r['lost']} of {r['requests']} | {r['decode_tok_s']} | "
-                     f"{r.get('decode_tok_s_all_running')} | {r['tok_s_wall']} | "
+                     f"{r.get('decode_tok_s_all_running')} | {r.get('decode_tok_s_in_steps')} | {r['tok_s_wall']} | "
                      f"{r['ttft_p50_s']} | {r['ttft_max_s']} | {r['cgroup_peak_mib']} | {r['rss_peak_mib']} | "
                      f"{r['equal_alone']} of {r['compared_alone']} ({', '.join(map(str, r.get('alone_sample', [])))}) "
                      f"| {r['wall_s']} | {r.get('alone_s')} | {r.get('system_s')} |")
     lines += ["", "Decode tok/s (aggregate): completion tokens after each client's first over the span from the first "
               "first token to the last token; (all running): tokens over the span while every client was decoding "
-              "(the last first token to the first client's last token). Clients s: the concurrent clients' wall "
-              "time; alone s: the sample's requests alone; system s: start-up to shut-down."]
+              "(the last first token to the first client's last token); (in decoding steps): tokens sampled by the "
+              "server's decoding steps over the seconds spent in them, from its /metrics (the prefills between the "
+              "steps not counted; llama-server: not reported). Clients s: the concurrent clients' wall time; "
+              "alone s: the sample's requests alone; system s: start-up to shut-down."]
     turn2 = [r for r in d["rows"] if "turn2" in r]
     if turn2:
         lines += ["", "## The second turn: every client's follow-up at once, its document's prefix cached on disk", "",
-                  "| system | lost | decode tok/s (aggregate) | decode tok/s (all running) | tok/s (whole turn) "
-                  "| TTFT p50 s | TTFT max s | answers = alone | turn s | prefix tokens reused (memory, folder) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| system | lost | decode tok/s (aggregate) | decode tok/s (all running) "
+                  "| decode tok/s (in decoding steps) | tok/s (whole turn) | TTFT p50 s | TTFT max s | answers = alone "
+                  "| turn s | prefix tokens reused (memory, folder) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in turn2:
             t, m = r["turn2"], r.get("prefix_metrics", {})
             reused = (f"{m.get('prefix_cache_hit_tokens_total', m.get('prefix_cache_hit_tokens'))}, "
                       f"{m.get('prefix_cache_disk_hit_tokens_total', m.get('prefix_cache_disk_hit_tokens'))}")
             lines.append(f"| {r['system']} | {t['lost']} of {t['requests']} | {t['decode_tok_s']} | "
-                         f"{t.get('decode_tok_s_all_running')} | {t['tok_s_wall']} | {t['ttft_p50_s']} | "
-                         f"{t['ttft_max_s']} | {t['equal_alone']} of {t['compared_alone']} | {t['wall_s']} "
+                         f"{t.get('decode_tok_s_all_running')} | {t.get('decode_tok_s_in_steps')} | "
+                         f"{t['tok_s_wall']} | {t['ttft_p50_s']} | {t['ttft_max_s']} | "
+                         f"{t['equal_alone']} of {t['compared_alone']} | {t['wall_s']} "
                          f"| {reused} |")
     lines += ["", "Commands:"] + [f"- {r['system']}: `{r['command']}`" for r in d["rows"]]
     return "\n".join(lines) + "\n"

@@ -21,8 +21,20 @@ def test_decode_rates_leave_out_each_first_token(serve_disk, sl):
     assert s["lost"] == 0 and s["ttft_max_s"] == 1.5
 
 
+def test_the_decodes_own_rate_is_its_steps_tokens_over_their_seconds(serve_disk, monkeypatch):
+    """Over a round: the server's decode counters' growth (what they held before, the warm-up's, left out)."""
+    scrapes = iter([{"decode_tokens_total": 10.0, "decode_seconds_total": 2.0},
+                    {"decode_tokens_total": 70.0, "decode_seconds_total": 5.0}])
+    monkeypatch.setattr(serve_disk, "server_metrics", lambda url, start: next(scrapes))
+    monkeypatch.setattr(serve_disk, "concurrent_round", lambda *a: ({}, [], 1.0))
+    assert serve_disk.timed_round("url", None, "m", [], 4)[3] == round(60 / 3.0, 2)
+    scrapes = iter([{"error": "no /metrics"}, {"error": "no /metrics"}])  # llama-server: not reported
+    assert serve_disk.timed_round("url", None, "m", [], 4)[3] is None
+
+
 def test_the_second_turn_gets_its_own_table(serve_disk):
     turn = {"lost": 0, "requests": 16, "decode_tok_s": 9.5, "decode_tok_s_all_running": 11.0, "tok_s_wall": 8.0,
+            "decode_tok_s_in_steps": 30.0,
             "ttft_p50_s": 1.2, "ttft_max_s": 3.4, "equal_alone": 2, "compared_alone": 2, "wall_s": 120.0}
     row = {"system": "InfiniGen (disk, blocks of 16)", "command": "serve ...", "lost": 0, "requests": 16,
            "decode_tok_s": 1.0, "tok_s_wall": 0.9, "ttft_p50_s": 380.0, "ttft_max_s": 700.0, "cgroup_peak_mib": 1536,
@@ -34,7 +46,7 @@ def test_the_second_turn_gets_its_own_table(serve_disk):
     md = serve_disk.markdown(d)
     first, second = md.split("## The second turn")
     assert "| InfiniGen (disk, blocks of 16) | 0 of 16 | 1.0 |" in first
-    assert "| InfiniGen (disk, blocks of 16) | 0 of 16 | 9.5 | 11.0 | 8.0 | 1.2 | 3.4 | 2 of 2 | 120.0 |" in second
+    assert "| InfiniGen (disk, blocks of 16) | 0 of 16 | 9.5 | 11.0 | 30.0 | 8.0 | 1.2 | 3.4 | 2 of 2 | 120.0 |" in second
     assert "128000.0, 100000.0" in second
     d["rows"] = [{k: v for k, v in row.items() if k != "turn2"}]
     assert "## The second turn" not in serve_disk.markdown(d)  # one turn: one table

@@ -241,6 +241,10 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(checkpoint_mo
         assert [m["id"] for m in models["data"]] == [NAME]
         metrics = c.get("/metrics").text
         assert 'infinigen_requests_total{outcome="length"} 2.0' in metrics
+        # the two answers' tokens after their first came from decoding steps, which took time
+        assert "infinigen_decode_tokens_total 8.0" in metrics
+        seconds = [line.split()[1] for line in metrics.splitlines() if line.startswith("infinigen_decode_seconds_")]
+        assert float(seconds[0]) > 0
         assert "infinigen_kv_bytes{tier=\"fast\"} 0.0" in metrics and "infinigen_requests_waiting 0.0" in metrics
 
 

@@ -370,6 +370,9 @@ class Engine:
                     log.error("request %s: decode failed: %s", live[i].id, e)
                     self._finish(live[i], "error", f"decode failed: {e}")
                 kept = [i for i in range(len(live)) if i not in (faults or {})]
+                # the decode's own rate (tokens over seconds in decoding steps), apart from the prefills between
+                self.counters["decode_tokens"] += len(kept)
+                self.counters["decode_seconds"] += self.decode_s
                 if kept:
                     self._take([live[i] for i in kept], logits[kept] if len(kept) < len(live) else logits)
         self._measure()

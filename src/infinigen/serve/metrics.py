@@ -21,6 +21,10 @@ def registry(engine: Engine):
                                       value=s.get("prompt_tokens", 0))
             yield CounterMetricFamily("infinigen_generation_tokens", "Tokens generated",
                                       value=s.get("completion_tokens", 0))
+            yield CounterMetricFamily("infinigen_decode_tokens", "Tokens sampled by decoding steps (a request's "
+                                      "first comes from its prefill)", value=s.get("decode_tokens", 0))
+            yield CounterMetricFamily("infinigen_decode_seconds", "Seconds spent in decoding steps (prefills "
+                                      "between them not counted)", value=s.get("decode_seconds", 0.0))
             yield GaugeMetricFamily("infinigen_tokens_per_second", "Tokens generated per second over the last 10 s",
                                     value=s["tokens_per_s"])
             yield GaugeMetricFamily("infinigen_requests_running", "Requests in the decoding batch", value=s["running"])
