@@ -391,6 +391,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="results/serve_disk/serve_disk")
     args = p.parse_args(argv)
     args.memory_limit = parse_bytes(args.memory_limit, "memory-limit")
+    if args.prefix_dir is not None and not Path(args.prefix_dir).is_dir():
+        p.error(f"--prefix-dir {args.prefix_dir}: no such folder")
     if args.warm_prefix is not None:
         if not Path(args.warm_prefix).is_dir():
             p.error(f"--warm-prefix {args.warm_prefix}: no such folder")

@@ -46,10 +46,19 @@ def test_the_second_turn_gets_its_own_table(serve_disk):
     md = serve_disk.markdown(d)
     first, second = md.split("## The second turn")
     assert "| InfiniGen (disk, blocks of 16) | 0 of 16 | 1.0 |" in first
-    assert "| InfiniGen (disk, blocks of 16) | 0 of 16 | 9.5 | 11.0 | 30.0 | 8.0 | 1.2 | 3.4 | 2 of 2 | 120.0 |" in second
+    assert "| InfiniGen (disk, blocks of 16) | 0 of 16 | 9.5 | 11.0 | 30.0 | 8.0 | 1.2 | 3.4 | 2 of 2 | 120.0 |" \
+        in second
     assert "128000.0, 100000.0" in second
     d["rows"] = [{k: v for k, v in row.items() if k != "turn2"}]
     assert "## The second turn" not in serve_disk.markdown(d)  # one turn: one table
+
+
+def test_a_prefix_folder_that_is_not_there_is_refused_before_the_work(serve_disk, tmp_path, capsys):
+    import pytest
+    with pytest.raises(SystemExit) as e:
+        serve_disk.parse_args(["--prefix-dir", str(tmp_path / "nowhere")])
+    assert e.value.code == 2 and "--prefix-dir" in capsys.readouterr().err
+    assert serve_disk.parse_args(["--prefix-dir", str(tmp_path)]).prefix_dir == str(tmp_path)
 
 
 def test_turns_are_one_or_two(serve_disk):
