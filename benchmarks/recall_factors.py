@@ -14,6 +14,8 @@ Each variant ranks the same number of entries with
            and the softmax keep it; only the 4 bits' resolution changes), and centred keys optionally scaled
            (each channel divided by its spread over the prompt's centred keys before packing, the query's
            channel multiplied by it: the product is the same, only the groups' levels change)
+           and any 4-bit set re-ranked: its c * n best as candidates, the n best of them by the exact keys and
+           the layer's own query (c in RERANK; what a second, exact pass over the candidates' keys would choose)
   pooling  mass (the mean over the KV head's query heads of the softmax probability: InfiniGen's cut) |
            max (the max over the query heads of the score relative to each head's max: InfiniGen's
            threshold, alpha) | maxprob (the max of the softmax probabilities: the oracle policy's)
@@ -111,6 +113,9 @@ def _pool(s: torch.Tensor, own: torch.Tensor, how: str) -> torch.Tensor:
     return logp.exp().mean(1) if how == "mass" else logp.amax(1)
 
 
+RERANK = (1.25, 1.5, 2.0)  # candidates per entry chosen, for the re-ranked variants
+
+
 def study(model, tok, ids, prefill: int, share: float, stride: int, groups, matrices) -> list[dict]:
     cfg = model.cfg
     layers = [i for i in range(cfg.num_layers) if not cfg.local(i)]
@@ -172,6 +177,22 @@ def study(model, tok, ids, prefill: int, share: float, stride: int, groups, matr
                 acc["mass"].append((ref * sel).sum(-1).mean().item())
                 acc["top"].append(mass_top.mean().item())
                 acc["layer_recall"][layer] = rec.mean().item()
+                if how != "mass" or kname == "exact":
+                    continue
+                # re-ranked: the c * n best by these keys as candidates, then the n best of them by the exact
+                # keys and the layer's own query (the reference's score), so the top set's entries among the
+                # candidates are all chosen: recall = |candidates & top| / n
+                for c in RERANK:
+                    cand = (rk < (c * n).ceil().long()[:, None]) & past
+                    rec_c = ((cand & top).sum(-1).double() / n).clamp(max=1.0)
+                    acc = stats.setdefault((qname, f"{kname}, re-ranked x{c}", how),
+                                           {"recall": [], "mass": [], "top": [], "layer_recall": {}})
+                    acc["recall"].append(rec_c.mean().item())
+                    kept = cand & ((ref.masked_fill(~cand, -1.0).argsort(-1, descending=True).argsort(-1))
+                                   < n[:, None])
+                    acc["mass"].append((ref * kept).sum(-1).mean().item())
+                    acc["top"].append(mass_top.mean().item())
+                    acc["layer_recall"][layer] = rec_c.mean().item()
     out = []
     for (qname, kname, how), acc in stats.items():
         out.append({"query": qname, "keys": kname, "pooling": how,
