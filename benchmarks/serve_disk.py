@@ -240,8 +240,8 @@ def differing(sample: list[int], answers: dict, alone: dict) -> list[dict]:
 
 
 def server_metrics(url: str, start: str) -> dict:
-    """The server's /metrics samples whose names start with `start` (without "infinigen_"), or {"error": ...}
-    (llama-server has none of ours)."""
+    """The server's /metrics samples whose names start with `start`, each named without "infinigen_"; or
+    {"error": ...} where there is no /metrics to read (llama-server without --metrics)."""
     import urllib.request
     try:
         text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
