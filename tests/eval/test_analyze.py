@@ -150,6 +150,8 @@ def test_recall_of_an_unlimited_selection_is_one_and_its_mass_is_the_attentions(
             past = (1 - own).mean().item()
             for k in ("mass_read", "mass_top", "mass_past"):
                 assert x[k] == pytest.approx(past, abs=1e-5), k
+        # every layer's sets cover the whole past: none is counted under the floor
+        assert r["by_layer"]["covered"] == [0, 1, 2] and r["by_layer"]["under"] == []
 
 
 def test_recall_finds_a_reversed_ranking(make_tiny):
@@ -171,6 +173,25 @@ def test_recall_finds_a_reversed_ranking(make_tiny):
         assert b["recall"] == pytest.approx(1.0)
         assert b["mass_read"] == pytest.approx(b["mass_top"])
         assert w["recall"] < 0.1 and w["mass_read"] < 0.5 * w["mass_top"]
+    assert best["by_layer"]["under"] == [] and worst["by_layer"]["under"] == [0, 1]
+    assert worst["by_layer"]["lowest"]["recall"] < 0.1
+
+
+def test_recall_by_layer_pools_the_kv_heads_and_leaves_out_covered_layers():
+    from infinigen.eval.recall import by_layer
+
+    def row(layer, head, rows, recall, read, top, past=1.0):
+        return {"layer": layer, "kv_head": head, "rows": rows, "recall": recall, "read_share": 0.2,
+                "mass_read": read, "mass_top": top, "mass_past": past}
+    rows = [row(0, 0, 30, 0.96, 0.8, 0.8), row(0, 1, 10, 0.76, 0.8, 0.8),  # pooled: (28.8 + 7.6) / 40 = 0.91
+            row(1, 0, 10, 0.85, 0.7, 0.72), row(1, 1, 10, 0.87, 0.7, 0.72),  # 0.86: under
+            row(2, 0, 10, 0.5, 0.995, 0.996), row(2, 1, 10, 0.6, 0.995, 0.996),  # both sets cover > 99%: left out
+            row(3, 0, 10, 0.5, 0.5, 0.996, past=1.0)]  # only the top set covers it: counted
+    out = by_layer(rows)
+    assert [x["recall"] for x in out["layers"]] == pytest.approx([0.91, 0.86, 0.55, 0.5])
+    assert out["under"] == [1, 3] and out["covered"] == [2]
+    assert out["lowest"] == {"layer": 3, "recall": 0.5}
+    assert by_layer([]) == {"layers": [], "lowest": None, "under": [], "covered": []}
 
 
 def test_recall_forms_use_the_query_of_their_tier(tiny):
@@ -201,6 +222,7 @@ def test_cli_recall_and_the_window_as_ppl_reads_it(tiny_checkpoint, tmp_path, mo
                  "--knob", "skew=false", "--out", str(out)]) == 0
     rec = json.loads((out / "recall.json").read_text())
     assert rec["tokens"] == 64 and rec["in_ram"]["layers"] and "Recall" in (out / "analyze.md").read_text()
+    assert "lowest layer: recall" in (out / "analyze.md").read_text() and "under" in rec["in_ram"]["by_layer"]
     seen = []
     monkeypatch.setattr(an, "run", lambda model, tok, ids, *a, **k: seen.append((ids, tok)) or "")
     for bos in (None, 7):

@@ -39,7 +39,7 @@ from .. import runtime
 from ..errors import UserError
 from ..placement import Placement
 from ..selection import ALL
-from .recall import FORMS, selection_recall
+from .recall import COVERED, FORMS, RECALL_FLOOR, selection_recall
 
 ANALYSES = ("table1", "fig3", "fig5", "alpha", "fig17", "fig13", "recall")
 ROWS = 256  # query rows per chunk in the prefill statistics
@@ -221,12 +221,21 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _shortfall(layers: dict) -> list[str]:
+    """The summary's per-layer cells: the lowest layer's recall, and the layers under the floor."""
+    low = layers["lowest"]
+    under = ", ".join(map(str, layers["under"])) or "none"
+    return ["-" if low is None else f"{low['recall']:.3f} (layer {low['layer']})",
+            f"{len(layers['under'])} of {len(layers['layers'])}: {under}"]
+
+
 def _recall_report(rec: dict, prefill: int, tokens: int) -> list[str]:
     forms = [f for f in FORMS if f in rec]
     full = rec["full"]["perplexity"]
     summary = [[f, rec[f]["query"], rec[f]["kv"], rec[f]["perplexity"],
                 f"{100 * (rec[f]['perplexity'] / full - 1):+.2f}%"]
-               + [rec[f]["mean"][k] for k in ("read_share", "recall", "mass_read", "mass_top")] for f in forms]
+               + [rec[f]["mean"][k] for k in ("read_share", "recall", "mass_read", "mass_top")]
+               + _shortfall(rec[f]["by_layer"]) for f in forms]
     by_key = {f: {(r["layer"], r["kv_head"]): r for r in rec[f]["layers"]} for f in forms}
     keys = sorted(set().union(*[set(by_key[f]) for f in forms]))
     cell = lambda f, key, k: by_key[f][key][k] if key in by_key[f] else "-"  # noqa: E731
@@ -239,7 +248,10 @@ def _recall_report(rec: dict, prefill: int, tokens: int) -> list[str]:
             "entries among the top ones; mass: the attention each set covers (mean over rows). Full-cache "
             f"perplexity {full:.3f}.", "",
             _table(["form", "query", "KV read (all layers)", "perplexity", "vs full", "read share (selecting layers)",
-                    "recall", "mass read", "mass of top"], summary), "",
+                    "recall", "mass read", "mass of top", "lowest layer: recall",
+                    f"layers under {RECALL_FLOOR}"], summary), "",
+            f"Per layer: its KV heads' rows pooled; a layer where the read and the top set both cover more than "
+            f"{COVERED:.0%} of the past's attention is not counted under {RECALL_FLOOR}.", "",
             "<details><summary>per layer and KV head</summary>", "",
             _table(["layer", "KV head"] + [f"{f}: {k}" for f in forms for k in ("read", "recall", "mass", "top mass")],
                    rows), "", "</details>", ""]

@@ -84,6 +84,32 @@ class RecallProbe(runtime.Listener):
         return out
 
 
+RECALL_FLOOR = 0.9  # the recall every selecting layer should reach (issue 32's target)
+COVERED = 0.99  # ... except a layer where the read and the top set both cover this share of the past's mass
+
+
+def by_layer(rows: list[dict], floor: float = RECALL_FLOOR, covered: float = COVERED) -> dict:
+    """`RecallProbe.table()` rows pooled per layer (means over its KV heads, weighted by their rows) and the
+    layers that fall short: {"layers": [{layer, recall, mass_read, mass_top, mass_past}], "lowest": the layer
+    with the least recall (None without rows), "under": layers below `floor`, "covered": layers left out of
+    "under" since the read set and the top set both cover more than `covered` of the past's attention (where
+    the cut is between entries worth nothing, recall says nothing)}."""
+    keys = ("recall", "mass_read", "mass_top", "mass_past")
+    layers = []
+    for layer in sorted({r["layer"] for r in rows}):
+        mine = [r for r in rows if r["layer"] == layer]
+        weight = sum(r["rows"] for r in mine) or 1
+        layers.append({"layer": layer} | {k: sum(r[k] * r["rows"] for r in mine) / weight for k in keys})
+    past = lambda x: max(x["mass_past"], 1e-12)  # noqa: E731
+    covered_layers = [x["layer"] for x in layers
+                      if x["mass_read"] / past(x) > covered and x["mass_top"] / past(x) > covered]
+    lowest = min(layers, key=lambda x: x["recall"], default=None)
+    return {"layers": layers, "lowest": None if lowest is None else {"layer": lowest["layer"],
+                                                                       "recall": lowest["recall"]},
+            "under": [x["layer"] for x in layers if x["recall"] < floor and x["layer"] not in covered_layers],
+            "covered": covered_layers}
+
+
 # offloaded without the correction: what the speculation one layer ahead selects (corrected, the offloaded
 # form selects what the in-RAM form selects)
 FORMS = {"in_ram": Placement(), "offloaded": Placement(kv_offload="cpu", correct=False)}
@@ -91,7 +117,8 @@ FORMS = {"in_ram": Placement(), "offloaded": Placement(kv_offload="cpu", correct
 
 @torch.inference_mode()
 def selection_recall(model, ids: torch.Tensor, policy, prefill: int, forms=FORMS) -> dict:
-    """form -> {"query", "perplexity", "kv", "layers": RecallProbe.table(), "mean": means over those rows}
+    """form -> {"query", "perplexity", "kv", "layers": RecallProbe.table(), "by_layer": `by_layer` of them,
+    "mean": means over those rows}
     for a prepared `policy`, teacher-forced over ids [1, T] after a dense prompt of `prefill` tokens;
     "full" -> {"perplexity"} of the full cache on the same tokens."""
     from .ppl import _nll_rows
@@ -113,7 +140,7 @@ def selection_recall(model, ids: torch.Tensor, policy, prefill: int, forms=FORMS
         weight = sum(r["rows"] for r in rows) or 1
         own = getattr(sess.state, "own_query", None)
         out[name] = {"query": None if own is None else "own" if own else "ahead", "perplexity": ppl,
-                     "kv": sess.stats.overall(), "layers": rows,
+                     "kv": sess.stats.overall(), "layers": rows, "by_layer": by_layer(rows),
                      "mean": {k: sum(r[k] * r["rows"] for r in rows) / weight
                               for k in ("recall", "read_share", "mass_read", "mass_top", "mass_past")}}
     return out
