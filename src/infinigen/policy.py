@@ -244,6 +244,12 @@ class Policy:
         after the keep it answers for."""
         return None
 
+    def keys_beside(self, layer: int, session) -> torch.Tensor | None:
+        """After `keep` at `layer`: per (batch row, KV head, row) the keys read beyond the selection to make it
+        (a re-rank's candidates; counted as half an entry each, a key without its value), or None (the default:
+        the selection is all that was read from the store's keys). Asked once per attention call."""
+        return None
+
     def selects(self, layer: int) -> bool:
         """Whether the policy selects entries at `layer` (False: it reads them all there, `keep` is not asked)."""
         return True

@@ -338,6 +338,9 @@ def score_rows(model, win: Window, policy, blocks: bool = True, block_rows: int 
         dense = keep is ALL
         keep = visible[None, None] if dense else keep & visible
         sess.stats.record(layer, keep.sum(-1).expand(1, k.shape[1], b1 - b0), past.expand(1, 1, b1 - b0))
+        beside = None if dense else sess.policy.keys_beside(layer, sess)
+        if beside is not None:  # a re-rank's candidates' keys
+            sess.stats.record_keys(layer, beside, past.expand(1, 1, b1 - b0))
         remainder = sess.policy.remainder_at(layer, sess)
         if dense and remainder is None and sess.store.codec.encode(k) is k:  # every entry in view: one fused call
             return runtime.attend_visible(q, k, v, visible, b0, model.scale)

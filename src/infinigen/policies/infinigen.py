@@ -460,7 +460,7 @@ class InfiniGen(Policy, InfiniGenCaps, InfiniGenExperimental, InfiniGenSettings)
         `infinigen_select.select_row`'s fused cut, the same call with the same arguments, in fewer Python steps.
         None where that does not apply (the caller takes `_decoding_row`)."""
         st = session.state
-        if (rows.first != 0 or rows.query is None or not (layer == 0 or st.own_query)
+        if (rows.first != 0 or rows.query is None or not (layer == 0 or st.own_query) or self.rerank is not None
                 or not fused_select.packs_selection or not fused_select.scores_with_selection
                 or not fused_select.available()
                 or select.dense_rows(session, 0) is not None):
@@ -497,6 +497,9 @@ class InfiniGen(Policy, InfiniGenCaps, InfiniGenExperimental, InfiniGenSettings)
         if layer in st.remainders:  # a row reading everything leaves nothing unread
             st.remainders[layer] = st.remainders[layer].masked_fill(dense[:, None, None, None], float("-inf"))
         return keep | dense[:, None, None]
+
+    def keys_beside(self, layer, session):
+        return session.state.keys_beside.pop(layer, None)
 
     def remainder_at(self, layer, session):
         """The unread entries' log-mass of the rows `keep` last answered at `layer` and, while decoding, the

@@ -27,7 +27,7 @@ _CHOICES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 # knobs added after choices were stored (the package's artifact among them), each with its default: a knob at
 # its default is left out of a choice's key, so the choices stored before it existed keep their keys
-KEYLESS_DEFAULTS = {"key_centre": False, "block_fetch": None}
+KEYLESS_DEFAULTS = {"key_centre": False, "block_fetch": None, "rerank": None}
 
 
 # setup entries left out of a search's key: `fixed` is keyed on its own; the keys' options change only a choice

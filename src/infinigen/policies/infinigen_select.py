@@ -107,7 +107,8 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     adds = policy._adds_remainder(st, layer)
     every_valid = not store.padded and model.cfg.sliding_window is None
     where = spec_keys.codes.device if isinstance(spec_keys, PackedKeys) else spec_keys.device  # the scores'
-    if every_valid and packs and fuses_selection(policy, where):
+    rerank = reranks(policy, st, layer) and row == 0
+    if every_valid and packs and not rerank and fuses_selection(policy, where):
         cut = policy._cut(st, model, layer, n, store.capacity, adds)
         got = policy.speculation.scores_cut(st, layer, row, spec_keys, n, **cut)  # scored and cut in one call
         if got is None:
@@ -118,7 +119,8 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
         return SelectedRows(keep, rows, head, counts)
     cap = policy._cap(st, model, layer, n)
     scores = policy.speculation.scores(st, layer, row, spec_keys, n)  # [B, Hkv, G, S]
-    if every_valid and selects_blocks_natively(policy, scores):  # the blocks, and (packs) their rows, in one call
+    # the blocks, and (packs) their rows, in one call
+    if every_valid and not rerank and selects_blocks_natively(policy, scores):
         total = policy._layer_total(cap, n, scores.shape[1], n)
         keep, rows, head, counts, lse = block_select.select_blocks(scores, model.scale, st.alpha, total,
                                                                    policy.block, store.capacity, adds, packs)
@@ -133,10 +135,42 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     # are known on the host and the selection needs no synchronization (see `choose`)
     shared_length = n if not store.padded and model.cfg.sliding_window is None else None
     s = scores * model.scale
-    keep = policy._choose(s.clone() if adds else s, valid[:, :, None, :], st.alpha, shared_length, cap)
+    keep = policy._choose(s.clone() if adds or rerank else s, valid[:, :, None, :], st.alpha, shared_length, cap)
+    if rerank:  # the own query [B, Hkv, G, d] on the exact keys of the used slots
+        keep, st.keys_beside[layer] = rerank_cut(policy, s, valid[:, :, None, :], keep,
+                                                 st.spec_rows[layer][:, :, :, None], store.past(layer)[0],
+                                                 model.scale)
     if adds:  # `choose` worked on a copy: s holds the scores
         st.remainders[layer] = remainder_lse(s, valid[:, :, None, :] & ~keep)
     return keep[:, :, 0]
+
+
+def reranks(policy, st, layer: int) -> bool:
+    """Whether `layer`'s cut is re-ranked by the exact keys (`rerank`): the layer selects with its own query."""
+    return policy.rerank is not None and (layer == 0 or st.own_query)
+
+
+def rerank_cut(policy, s, valid, keep, q, k, scale) -> torch.Tensor:
+    """`keep` [B, Hkv, R, S] (the cut) made again at its size: per row, `policy.rerank` times as many (KV head,
+    slot) pairs as `keep` holds are the candidates, those with the most attention mass under the 4-bit scores s
+    [B, Hkv, G, R, S] (whatever the threshold left out: an entry just below it is a candidate too), and of them
+    the row keeps as many as `keep` holds, those with the most mass under the exact scores of its own query
+    q [B, Hkv, G, R, d] on the keys k [B, Hkv, S, d]. Mass: each query head's probabilities over every valid
+    entry, the 4-bit scores' log-sum-exp estimating their denominator, summed over the group."""
+    b, hkv, r, n = keep.shape
+    valid = valid.expand(b, hkv, r, n)
+    flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, r, hkv * n)  # noqa: E731 (KV head, slot) per row
+    every = torch.zeros(b, r, dtype=torch.bool, device=keep.device)  # every row cut to its n
+    lse = s.float().masked_fill(~valid[:, :, None], float("-inf")).logsumexp(-1, keepdim=True)
+
+    def best(scores, among, count):
+        mass = (scores.float() - lse).exp().sum(2).masked_fill(~among, -1.0)
+        return top_n_per_row(flat(among), flat(mass), count, as_is=every).view(b, r, hkv, n).permute(0, 2, 1, 3)
+
+    size = keep.sum((1, 3))  # [B, R]
+    cand = best(s, valid, (size * policy.rerank).ceil().long()) | keep
+    kept = best(torch.einsum("bhgrd,bhsd->bhgrs", q.float(), k.float()) * scale, cand, size)
+    return kept, (cand & ~kept).sum(-1)
 
 
 def sequence_rows(policy, layer, rows, session):
@@ -165,6 +199,9 @@ def sequence_rows(policy, layer, rows, session):
     else:
         spec_keys = policy.speculation.project(st, k, layer).to(st.key_dtype)  # [B, Hkv, T, c]
     batched = isinstance(spec_keys, PackedKeys) and spec_keys.layout == "tinygemm"
+    rerank = reranks(policy, st, layer)
+    if rerank:  # per row, the candidates' keys read beside its selection
+        beside = st.keys_beside[layer] = torch.zeros(b, hkv, t - p, dtype=torch.long, device=dev)
     every, block = None, (first, first)
     # each score of the int4 kernel is its own dot product, the same bits whatever the other rows of the
     # call: score a block of rows in one call and cut per row (blocks of at most SCORE_BLOCK scores: at
@@ -194,7 +231,13 @@ def sequence_rows(policy, layer, rows, session):
         shared_length = r if model.cfg.sliding_window is None else None
         cap = policy._cap(st, model, layer, r)
         s = scores * model.scale
-        row = policy._choose(s.clone() if unread_lse is not None else s, valid, st.alpha, shared_length, cap)[:, :, 0]
+        row = policy._choose(s.clone() if unread_lse is not None or rerank else s, valid, st.alpha, shared_length,
+                             cap)
+        if rerank:  # row r's own query on the exact keys before it
+            row, beside[:, :, r - p:r - p + 1] = rerank_cut(policy, s, valid, row,
+                                                            q[:, :, r - p].view(b, hkv, -1, 1, d), k[:, :, :r],
+                                                            model.scale)
+        row = row[:, :, 0]
         dense = dense_rows(session, r)
         if dense is not None:
             row |= dense[:, None, None]
@@ -246,7 +289,8 @@ def rows_in_blocks(policy, layer, rows, session, block: int = ROWS_PER_CHOICE):
     fused kernel makes it (`fuses_rows`): `rows_fused`, packed rows instead of a mask."""
     st, model = session.state, session.model
     q, k = rows.query, rows.keys
-    if policy.key_mode != "int4" or st.dense_below or q is None or not (layer == 0 or st.own_query):
+    if (policy.key_mode != "int4" or st.dense_below or q is None or not (layer == 0 or st.own_query)
+            or reranks(policy, st, layer)):
         return sequence_rows(policy, layer, rows, session)
     if fuses_rows(policy, session, rows):
         return rows_fused(policy, layer, rows, session)

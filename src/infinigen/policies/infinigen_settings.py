@@ -126,6 +126,9 @@ class InfiniGenExperimental:
     block_fetch: float | None = field(default=None, metadata=knob(
         "block > 1: read blocks holding this many times the cap, attend the token rule's picks in them",
         "times the cap", 1))
+    rerank: float | None = field(default=None, metadata=knob(
+        "own query: this many times the cut's size by the 4-bit keys, the cut's size of them by the exact keys",
+        "times the cut", 1))
     dense_layers: tuple[int, ...] | None = field(default=None, metadata=knob(
         "layers attending densely (layer 0 too unless exact_first: nothing precedes it)", "layers", 0))
     budget: str | None = field(default=None, metadata=knob(
@@ -185,6 +188,8 @@ def check_rules(p) -> None:
         raise UserError("budget growth applies to kv_budget (give kv_budget instead of max_fetch_ratio)")
     if p.block > 1 and p.budget != "layer":
         raise UserError("block selection needs budget=layer")
+    if p.rerank is not None and (p.budget != "layer" or p.block > 1 or p.key_mode != "int4"):
+        raise UserError("rerank needs budget=layer, token selection (block=1) and key_mode=int4")
     if p.block_fetch is not None and p.block <= 1:
         raise UserError("block_fetch needs block selection (block > 1)")
     for name in ("exact_first", "skew", "remainder", "key_centre", "calibrate"):

@@ -60,6 +60,7 @@ class InfiniGenState:
     value_sums: dict = field(default_factory=dict)
     value_counts: dict = field(default_factory=dict)
     remainders: dict = field(default_factory=dict)  # layer -> the unread entries' log-mass, then Remainder
+    keys_beside: dict = field(default_factory=dict)  # rerank: layer -> the candidates' keys not kept [B, Hkv, R]
     key_mean: dict = field(default_factory=dict)  # key_centre: layer -> [B, Hkv, 1, d] the packed keys' mean key
     rotations: tuple = ()  # A's layers as views, made once (`SpeculationKeys.rotation`)
     # decoding's fused cut: ((cached length, capacity), layer -> the cut's arguments at it), made once per step

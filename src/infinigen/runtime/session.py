@@ -363,6 +363,9 @@ class Session:
             return ReadPlan(cur, ALL, visible, ALL, sel)
         sel = packed if packed is not None else store.select_rows(layer, keep, visible)
         self.stats.record(layer, sel.counts, past, owned=True)
+        beside = self.policy.keys_beside(layer, self)
+        if beside is not None:
+            self.stats.record_keys(layer, beside.view(sel.counts.shape), past)
         return ReadPlan(cur, sel.keep, sel.keep, None, sel)
 
     def _selection(self, layer: int, q, k, packs: bool):
@@ -473,6 +476,9 @@ class Session:
             past = past.clamp(max=self.model.cfg.window(layer) - 1)  # a windowed layer's full cache: its window
         keep = visible[None, None] if keep is ALL else keep & visible
         self.stats.record(layer, keep.sum(-1).expand(b, hkv, t - p), past.expand(b, 1, t - p))
+        beside = self.policy.keys_beside(layer, self) if self.selects(layer) else None
+        if beside is not None:
+            self.stats.record_keys(layer, beside, past.expand(b, 1, t - p))
         remainder = self.policy.remainder_at(layer, self)
         out[:, :, p:] = attention.attend_rows(q[:, :, p:], k, v, keep, p, self.store.codec, self.model.scale, remainder)
         return out

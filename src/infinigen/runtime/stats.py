@@ -58,6 +58,14 @@ class KVStats:
                 self.steps[layer] += s.shape[-1] if s.dim() == 3 else 1
                 self.entries[layer] += int(n)
 
+    def record_keys(self, layer: int, keys: torch.Tensor, past: torch.Tensor) -> None:
+        """keys [B, Hkv, R] read beside the entries `record` counted for the same rows (a re-rank's candidates),
+        past as `record`'s: each a key without its value, half an entry of the relative KV size, half a row."""
+        keys = keys.float() if keys.dim() == 3 else keys.float()[..., None]  # [B, Hkv, R]
+        past = past.float() if past.dim() == 3 else past.float()[..., None]  # [B, 1|Hkv, R]
+        self.read[layer] += 0.5 * (keys / past.clamp(min=1)).mean(dim=(0, 1)).sum().item()
+        self.rows[layer] += 0.5 * keys.sum().item()
+
     def record_all(self, layer: int, batch: int, kv_heads: int, past: int) -> None:
         """One decoding row per batch row read every one of its `past` entries (all valid past tokens)."""
         self.read[layer] += 1.0

@@ -1,0 +1,69 @@
+"""InfiniGen's knob `rerank`: the 4-bit keys choose `rerank` times the cap as candidates, the exact keys and the
+layer's own query the cap's best of them. Checked here: decoding equals teacher-forced scoring; the same number
+of entries is read as without it; with an unlimited budget it is the dense result; it ranks closer to the true
+top entries than the 4-bit cut alone; knobs it cannot work with are refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinigen.errors import UserError
+from infinigen.policies import make_policy
+
+from policies.test_own_query import LIMITED, P, _decode, _teacher, _tokens
+
+RERANKED = dict(LIMITED, query="own", rerank=1.5)
+
+
+@pytest.mark.parametrize("remainder", [False, True])
+def test_decoding_with_a_rerank_equals_teacher_forced_scoring(tiny, remainder):
+    tokens = _tokens(tiny)
+    knobs = dict(RERANKED, remainder=remainder, remainder_from=0)
+    scored = _teacher(tiny, make_policy("infinigen", **knobs), tokens)
+    decoded, _ = _decode(tiny, make_policy("infinigen", **knobs), tokens)
+    torch.testing.assert_close(decoded[:, 1:], scored[:, P:], rtol=1e-4, atol=1e-4)
+
+
+def test_a_rerank_reads_as_many_entries_and_changes_which(tiny):
+    tokens = _tokens(tiny)
+    _, plain = _decode(tiny, make_policy("infinigen", **LIMITED, query="own"), tokens)
+    out, reranked = _decode(tiny, make_policy("infinigen", **RERANKED), tokens)
+    assert reranked.stats.per_step()["entries_attended"] == plain.stats.per_step()["entries_attended"]
+    # the candidates' keys are read too: half an entry each, about (rerank - 1) / 2 of the selection more (the
+    # candidates' count rounded up: a little more on this short sequence); whole entries would be twice that
+    more = reranked.stats.overall() / plain.stats.overall()
+    assert 1.0 < more < 1 + (RERANKED["rerank"] - 1) / 2 + 0.05
+    dense, _ = _decode(tiny, make_policy("full"), tokens)
+    assert not torch.equal(out, dense)  # still a selection
+
+
+def test_a_rerank_with_an_unlimited_budget_is_the_dense_result(tiny):
+    tokens = _tokens(tiny)
+    out, _ = _decode(tiny, make_policy("infinigen", **dict(RERANKED, max_fetch_ratio=1.0)), tokens)
+    dense, _ = _decode(tiny, make_policy("full"), tokens)
+    torch.testing.assert_close(out, dense, rtol=1e-4, atol=1e-4)
+
+
+def test_a_rerank_ranks_closer_to_the_true_top_entries(make_tiny):
+    from infinigen.eval.analyze import selection_recall
+    from infinigen.placement import Placement
+    _, model = make_tiny("llama", num_hidden_layers=2)
+    with torch.no_grad():
+        for blk in model.layers:
+            blk.attn.q_proj.weight.mul_(4.0)
+    ids = torch.randint(3, 250, (1, 160), generator=torch.Generator().manual_seed(2))
+    knobs = dict(LIMITED, query="own", max_fetch_ratio=0.2)
+    forms = {"in_ram": Placement()}
+    plain = selection_recall(model, ids, make_policy("infinigen", **knobs), 32, forms=forms)["in_ram"]
+    plain, plain_kv = plain["mean"], plain["kv"]
+    reranked = selection_recall(model, ids, make_policy("infinigen", **knobs, rerank=2.0), 32, forms=forms)
+    assert reranked["in_ram"]["mean"]["recall"] > plain["recall"] + 0.02
+    assert reranked["in_ram"]["mean"]["read_share"] == pytest.approx(plain["read_share"])
+    assert reranked["in_ram"]["kv"] > plain_kv  # the candidates' keys counted
+
+
+@pytest.mark.parametrize("knobs", [dict(rerank=0.5), dict(rerank=1.5, budget="union"),
+                                   dict(rerank=1.5, block=16)])
+def test_knobs_a_rerank_cannot_work_with_are_refused(knobs):
+    with pytest.raises(UserError):
+        make_policy("infinigen", **knobs).validate()
