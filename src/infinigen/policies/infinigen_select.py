@@ -150,13 +150,14 @@ def reranks(policy, st, layer: int) -> bool:
     return policy.rerank is not None and (layer == 0 or st.own_query)
 
 
-def rerank_cut(policy, s, valid, keep, q, k, scale) -> torch.Tensor:
+def rerank_cut(policy, s, valid, keep, q, k, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """`keep` [B, Hkv, R, S] (the cut) made again at its size: per row, `policy.rerank` times as many (KV head,
     slot) pairs as `keep` holds are the candidates, those with the most attention mass under the 4-bit scores s
     [B, Hkv, G, R, S] (whatever the threshold left out: an entry just below it is a candidate too), and of them
     the row keeps as many as `keep` holds, those with the most mass under the exact scores of its own query
     q [B, Hkv, G, R, d] on the keys k [B, Hkv, S, d]. Mass: each query head's probabilities over every valid
-    entry, the 4-bit scores' log-sum-exp estimating their denominator, summed over the group."""
+    entry, the 4-bit scores' log-sum-exp estimating their denominator, summed over the group. Returns the new
+    keep and, per (batch row, KV head, row), the candidates' keys it does not keep (read to choose them)."""
     b, hkv, r, n = keep.shape
     valid = valid.expand(b, hkv, r, n)
     flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, r, hkv * n)  # noqa: E731 (KV head, slot) per row
