@@ -50,7 +50,7 @@ class BenchSettings:
     share_prefill: bool = False  # one real prefill per cell, replayed into every system's session
     row_cache_bytes: int = 0  # offloaded pools: the row cache (`Placement.row_cache_bytes`; 0: off)
     correct: bool = True  # offloaded pools: the own query corrects the speculation (`Placement.correct`)
-    read_in_place: bool = False  # behind a GPU: selections read from pinned host memory (`Placement.read_in_place`)
+    read_in_place: bool = True  # behind a GPU: selections read from pinned host memory (`Placement.read_in_place`)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 

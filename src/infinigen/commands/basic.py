@@ -111,7 +111,7 @@ def generate_cmd(
     evict: str = placement_opts.EVICT,
     disk_block: int = placement_opts.DISK_BLOCK,
     correct: bool = placement_opts.CORRECT,
-    read_in_place: bool = placement_opts.READ_IN_PLACE,
+    read_in_place: Optional[bool] = placement_opts.READ_IN_PLACE,
     compile: str = compile_option("off for a generation: its compile time would outweigh what it saves"),
 ):
     """Generate text with the runtime, streaming the first prompt's answer."""
@@ -131,7 +131,7 @@ def generate_cmd(
     check_range("batch-size", len(prompts) * batch_size, hi=MAX_ROWS)  # rows, before building them
     prompts = [p for p in prompts for _ in range(batch_size)]
     pol = make_policy_from_cli(policy, knob)
-    placement_opts.check_read_in_place(read_in_place, kv_offload, device)
+    read_in_place = placement_opts.check_read_in_place(read_in_place, kv_offload, device)
     placement = placement_opts.placement_from(kv_offload, pool_bytes, capacity, pool_dir, evict, disk_block=disk_block,
                                               correct=correct, read_in_place=read_in_place)
     sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -59,7 +59,7 @@ def bench_cmd(
     row_cache_bytes: Optional[str] = ROW_CACHE_BYTES,
     prefetch: bool = typer.Option(True, "--prefetch/--no-prefetch", help="Fetch layer i+1's rows during layer i."),
     correct: bool = CORRECT,
-    read_in_place: bool = READ_IN_PLACE,
+    read_in_place: Optional[bool] = READ_IN_PLACE,
     weights_offload: float = typer.Option(0.0, "--weights-offload", **FLOAT, help="Share of the layers whose weights stay in the "
                                           "slow tier and stream per layer (FlexGen's weight percentage)."),
     share_prefill: bool = typer.Option(False, "--share-prefill", help="One real prefill per (length, batch), replayed into "
@@ -87,8 +87,8 @@ def bench_cmd(
         return
     prompt_lens, batch_sizes, tiers, names = _check_sweep(prompt_len, batch_size, gen_len, capacity, kv_offload,
                                                           policy)
-    _check_options(synthetic, layers, fixed_ratio, breakdown, threads, weights_offload, device, dtype, weights,
-                   compile, eviction, read_in_place, tiers)
+    read_in_place = _check_options(synthetic, layers, fixed_ratio, breakdown, threads, weights_offload, device, dtype,
+                                   weights, compile, eviction, read_in_place, tiers)
     limit = parse_bytes(pool_bytes)
     row_cache = parse_size(row_cache_bytes, "row-cache-bytes") or 0
     policies = parse_policies(names, knob)
@@ -198,11 +198,11 @@ def _check_sweep(prompt_len: str, batch_size: str, gen_len: int, capacity: int |
 
 
 def _check_options(synthetic, layers, fixed_ratio, breakdown, threads, weights_offload, device, dtype, weights,
-                   compile, eviction, read_in_place, tiers) -> None:
+                   compile, eviction, read_in_place, tiers) -> bool:
     """The options that name no sweep, each checked before anything is loaded (`--read-in-place` reads the sweep's
-    cpu tier, where it has one)."""
+    cpu tier, where it has one); returns the placement's `read_in_place`."""
     from .. import bench
-    check_read_in_place(read_in_place, "cpu" if "cpu" in tiers else ",".join(tiers), device)
+    in_place = check_read_in_place(read_in_place, "cpu" if "cpu" in tiers else ",".join(tiers), device)
     check_range("breakdown", breakdown, lo=0)
     check_range("threads", threads, lo=1)
     check_range("layers", layers, lo=1)
@@ -217,6 +217,7 @@ def _check_options(synthetic, layers, fixed_ratio, breakdown, threads, weights_o
         raise UserError("--layers and --fixed-ratio apply to --synthetic runs")
     if synthetic is not None and synthetic not in bench.SYNTHETIC:
         raise UserError(f"unknown --synthetic shape {synthetic!r}; choose from {', '.join(bench.SYNTHETIC)}")
+    return in_place
 
 
 def _models(model, synthetic, layers, text, dtype: str, device, weights, hf: bool, max_len: int):

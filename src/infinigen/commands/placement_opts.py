@@ -31,17 +31,20 @@ DISK_BLOCK = typer.Option(0, "--disk-block", help="With --kv-offload disk: lay t
 CORRECT = typer.Option(True, "--correct/--no-correct",
                        help="Offloaded KV: each layer's own query corrects the selection speculated a layer ahead "
                             "(the rows it missed are fetched on demand); --no-correct reads what was speculated.")
-READ_IN_PLACE = typer.Option(False, "--read-in-place",
+READ_IN_PLACE = typer.Option(None, "--read-in-place/--no-read-in-place",
                              help="With --kv-offload cpu on a CUDA device: the attention reads each selection's rows "
-                                  "from pinned host memory over the bus, none prefetched by a host gather.")
+                                  "from pinned host memory over the bus, none prefetched by a host gather (default: "
+                                  "on where it applies; --no-read-in-place prefetches).")
 EVICT = typer.Option("counter", "--evict", "--eviction", help="Victim choice when the pool is full: counter, lru or fifo.")
 
 
-def check_read_in_place(read_in_place: bool, kv_offload: str, device: str) -> None:
-    """`--read-in-place` needs the pool in pinned host memory behind a GPU: said before anything loads."""
+def check_read_in_place(read_in_place: bool | None, kv_offload: str, device: str) -> bool:
+    """`--read-in-place` asked for needs the pool in pinned host memory behind a GPU: said before anything loads.
+    Returns the placement's value (None, not asked: on, in effect only where it applies)."""
     if read_in_place and (kv_offload.strip().lower() != "cpu" or not device.startswith("cuda")):
         raise UserError(f"--read-in-place has the GPU read a pool in pinned host memory: it needs --kv-offload cpu and "
                         f"--device cuda (got --kv-offload {kv_offload} --device {device})")
+    return read_in_place is not False
 
 
 def parse_bytes(text: str | None, name: str = "pool-bytes") -> int | None:

@@ -67,8 +67,9 @@ class Placement:
     # behind a GPU with the pool in pinned host memory: the attention reads each selection's rows where they lie,
     # over the bus, none prefetched by a host gather (a layer reading every slot is still prefetched whole). In
     # effect only where it applies (a plain pool in pinned memory, triton, no pool limit, whose victims the
-    # prefetch's pace keeps apart from the reads); elsewhere selections are prefetched
-    read_in_place: bool = False
+    # prefetch's pace keeps apart from the reads); elsewhere selections are prefetched. On by default: measured
+    # 0.86-1.38x full offload's step at 8192 and 1.5-2.4x faster at 32768, where prefetching forms are host-bound
+    read_in_place: bool = True
 
     def __post_init__(self):
         if self.kv_offload not in KINDS:
