@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from infinigen.errors import UserError
+from infinigen.placement import Placement
 from infinigen.policies import make_policy
 
 from policies.test_own_query import LIMITED, P, _decode, _teacher, _tokens
@@ -16,11 +17,17 @@ RERANKED = dict(LIMITED, query="own", rerank=1.5)
 
 
 @pytest.mark.parametrize("remainder", [False, True])
-def test_decoding_with_a_rerank_equals_teacher_forced_scoring(tiny, remainder):
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_decoding_with_a_rerank_equals_teacher_forced_scoring(tiny, remainder, offloaded):
+    """Offloaded (query "auto": corrected), layer 0's selection is made at the embedding with its exact query and
+    each later layer's plan a layer ahead with the speculated one: the re-rank takes the exact query there, and
+    at each later layer the own one only (the attention's correction), so decoding is the in-RAM selection."""
     tokens = _tokens(tiny)
-    knobs = dict(RERANKED, remainder=remainder, remainder_from=0)
+    knobs = dict(RERANKED, remainder=remainder and not offloaded, remainder_from=0,
+                 query="auto" if offloaded else "own")
     scored = _teacher(tiny, make_policy("infinigen", **knobs), tokens)
-    decoded, _ = _decode(tiny, make_policy("infinigen", **knobs), tokens)
+    placement = Placement("cpu", read_in_place=False) if offloaded else None
+    decoded, _ = _decode(tiny, make_policy("infinigen", **knobs), tokens, placement)
     torch.testing.assert_close(decoded[:, 1:], scored[:, P:], rtol=1e-4, atol=1e-4)
 
 
@@ -46,7 +53,6 @@ def test_a_rerank_with_an_unlimited_budget_is_the_dense_result(tiny):
 
 def test_a_rerank_ranks_closer_to_the_true_top_entries(make_tiny):
     from infinigen.eval.analyze import selection_recall
-    from infinigen.placement import Placement
     _, model = make_tiny("llama", num_hidden_layers=2)
     with torch.no_grad():
         for blk in model.layers:

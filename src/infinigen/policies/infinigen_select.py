@@ -107,7 +107,7 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     adds = policy._adds_remainder(st, layer)
     every_valid = not store.padded and model.cfg.sliding_window is None
     where = spec_keys.codes.device if isinstance(spec_keys, PackedKeys) else spec_keys.device  # the scores'
-    rerank = reranks(policy, st, layer) and row == 0
+    rerank = reranks(policy, st, layer, decoding_row=row)
     if every_valid and packs and not rerank and fuses_selection(policy, where):
         cut = policy._cut(st, model, layer, n, store.capacity, adds)
         got = policy.speculation.scores_cut(st, layer, row, spec_keys, n, **cut)  # scored and cut in one call
@@ -137,17 +137,23 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     s = scores * model.scale
     keep = policy._choose(s.clone() if adds or rerank else s, valid[:, :, None, :], st.alpha, shared_length, cap)
     if rerank:  # the own query [B, Hkv, G, d] on the exact keys of the used slots
-        keep, st.keys_beside[layer] = rerank_cut(policy, s, valid[:, :, None, :], keep,
-                                                 st.spec_rows[layer][:, :, :, None], store.past(layer)[0],
+        own = policy.speculation.row_query(st, layer, row)[:, :, :, None]
+        keep, st.keys_beside[layer] = rerank_cut(policy, s, valid[:, :, None, :], keep, own, store.past(layer)[0],
                                                  model.scale)
     if adds:  # `choose` worked on a copy: s holds the scores
         st.remainders[layer] = remainder_lse(s, valid[:, :, None, :] & ~keep)
     return keep[:, :, 0]
 
 
-def reranks(policy, st, layer: int) -> bool:
-    """Whether `layer`'s cut is re-ranked by the exact keys (`rerank`): the layer selects with its own query."""
-    return policy.rerank is not None and (layer == 0 or st.own_query)
+def reranks(policy, st, layer: int, decoding_row: int | None = None) -> bool:
+    """Whether `layer`'s cut is re-ranked by the exact keys (`rerank`): the layer selects with its own query (layer
+    0 always: its exact query, known at the embedding). `decoding_row`: a decoding step's row, re-ranked only where
+    its query is the own one now (row 0 of the step, a layer > 0 at its attention), not in a plan made a layer
+    ahead with the speculated query (offloaded, corrected: the attention re-ranks the own selection)."""
+    if policy.rerank is None or not (layer == 0 or st.own_query):
+        return False
+    return decoding_row is None or (decoding_row == 0 and (layer == 0 or (layer not in st.spec
+                                                                          and layer in st.spec_rows)))
 
 
 def rerank_cut(policy, s, valid, keep, q, k, scale) -> tuple[torch.Tensor, torch.Tensor]:

@@ -262,7 +262,7 @@ class SpeculationKeys:
         return qs
 
     @staticmethod
-    def _row_query(st, layer: int, row: int) -> torch.Tensor:
+    def row_query(st, layer: int, row: int) -> torch.Tensor:
         """The post-RoPE query [B, Hkv, G, d] of decoding row `row` that speculation scores `layer` with."""
         if row == 0 and layer not in st.spec and layer in st.spec_rows:
             return st.spec_rows[layer]
@@ -279,7 +279,7 @@ class SpeculationKeys:
         copy of the context). partial: one matmul per row in the keys' 16-bit dtype; the G query heads
         are the matmul rows (broadcasting the keys over G copied them G times)."""
         if self.native(spec_keys):  # the row's query rotated inside the scorer
-            return spec_keys.scores_rotated(self._row_query(st, layer, row), self.rotation(st, layer), n)
+            return spec_keys.scores_rotated(self.row_query(st, layer, row), self.rotation(st, layer), n)
         qs = self.queries(st, layer, slice(row, row + 1))[:, :, :, 0].contiguous()  # [B, Hkv, G, c]
         if isinstance(spec_keys, PackedKeys):
             return self.shifted(st, layer, spec_keys.scores(qs, n), qs)
@@ -292,4 +292,4 @@ class SpeculationKeys:
         `fused_select.select_packed` returns, else None (the caller scores, then cuts)."""
         if not (fused_select.scores_with_selection and self.native(spec_keys)):
             return None
-        return spec_keys.select_rotated(self._row_query(st, layer, row), self.rotation(st, layer), n, **cut)
+        return spec_keys.select_rotated(self.row_query(st, layer, row), self.rotation(st, layer), n, **cut)
