@@ -10,6 +10,7 @@ selection leaves unread (`remainder_lse`), which the runtime turns into the rema
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -108,16 +109,24 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     every_valid = not store.padded and model.cfg.sliding_window is None
     where = spec_keys.codes.device if isinstance(spec_keys, PackedKeys) else spec_keys.device  # the scores'
     rerank = reranks(policy, st, layer, decoding_row=row)
-    if every_valid and packs and not rerank and fuses_selection(policy, where):
-        cut = policy._cut(st, model, layer, n, store.capacity, adds)
+    if every_valid and packs and fuses_selection(policy, where):
+        with widened(st, policy.rerank if rerank else 1.0):  # a re-rank's candidates: the cut, `rerank` times
+            cut = policy._cut(st, model, layer, n, store.capacity, adds or rerank)
         got = policy.speculation.scores_cut(st, layer, row, spec_keys, n, **cut)  # scored and cut in one call
         if got is None:
             got = fused_select.select_packed(policy.speculation.scores(st, layer, row, spec_keys, n), **cut)
         keep, rows, head, counts, lse = got
+        if rerank:
+            size = counts.sum(-1).clamp(max=policy._cut(st, model, layer, n, store.capacity, False)["total"])
+            keep, lse, beside, kept = rerank_cut(keep, policy.speculation.row_query(st, layer, row),
+                                                 store.past(layer)[0], model.scale, size, lse)
+            st.keys_beside[layer] = beside.unsqueeze(-1)
+            (rows, head), counts = kept_rows(rows, head, kept), counts - beside
         if adds:
             st.remainders[layer] = lse.unsqueeze(-1)  # (a method: indexing with None costs several times more)
         return SelectedRows(keep, rows, head, counts)
-    cap = policy._cap(st, model, layer, n)
+    with widened(st, policy.rerank if rerank else 1.0):
+        cap = policy._cap(st, model, layer, n)
     scores = policy.speculation.scores(st, layer, row, spec_keys, n)  # [B, Hkv, G, S]
     # the blocks, and (packs) their rows, in one call
     if every_valid and not rerank and selects_blocks_natively(policy, scores):
@@ -136,11 +145,14 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     shared_length = n if not store.padded and model.cfg.sliding_window is None else None
     s = scores * model.scale
     keep = policy._choose(s.clone() if adds or rerank else s, valid[:, :, None, :], st.alpha, shared_length, cap)
-    if rerank:  # the own query [B, Hkv, G, d] on the exact keys of the used slots
-        own = policy.speculation.row_query(st, layer, row)[:, :, :, None]
-        keep, st.keys_beside[layer] = rerank_cut(policy, s, valid[:, :, None, :], keep, own, store.past(layer)[0],
-                                                 model.scale)
-    if adds:  # `choose` worked on a copy: s holds the scores
+    if rerank:  # the own query [B, Hkv, G, d] on the exact keys of the candidates
+        keep, lse, beside = rerank_rows(policy, keep, s, valid[:, :, None, :], shared_length,
+                                        policy._cap(st, model, layer, n), policy.speculation.row_query(st, layer, row),
+                                        store.past(layer)[0], model.scale)
+        st.keys_beside[layer] = beside
+        if adds:
+            st.remainders[layer] = lse
+    elif adds:  # `choose` worked on a copy: s holds the scores
         st.remainders[layer] = remainder_lse(s, valid[:, :, None, :] & ~keep)
     return keep[:, :, 0]
 
@@ -156,28 +168,67 @@ def reranks(policy, st, layer: int, decoding_row: int | None = None) -> bool:
                                                                           and layer in st.spec_rows)))
 
 
-def rerank_cut(policy, s, valid, keep, q, k, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """`keep` [B, Hkv, R, S] (the cut) made again at its size: per row, `policy.rerank` times as many (KV head,
-    slot) pairs as `keep` holds are the candidates, those with the most attention mass under the 4-bit scores s
-    [B, Hkv, G, R, S] (whatever the threshold left out: an entry just below it is a candidate too), and of them
-    the row keeps as many as `keep` holds, those with the most mass under the exact scores of its own query
-    q [B, Hkv, G, R, d] on the keys k [B, Hkv, S, d]. Mass: each query head's probabilities over every valid
-    entry, the 4-bit scores' log-sum-exp estimating their denominator, summed over the group. Returns the new
-    keep and, per (batch row, KV head, row), the candidates' keys it does not keep (read to choose them)."""
-    b, hkv, r, n = keep.shape
-    valid = valid.expand(b, hkv, r, n)
-    flat = lambda x: x.permute(0, 2, 1, 3).reshape(b, r, hkv * n)  # noqa: E731 (KV head, slot) per row
-    every = torch.zeros(b, r, dtype=torch.bool, device=keep.device)  # every row cut to its n
-    lse = s.float().masked_fill(~valid[:, :, None], float("-inf")).logsumexp(-1, keepdim=True)
+@contextmanager
+def widened(st, factor: float):
+    """The layer caps asked for inside times `factor` (`st.widen`; 1: as they are)."""
+    before, st.widen = st.widen, st.widen * factor
+    try:
+        yield
+    finally:
+        st.widen = before
 
-    def best(scores, among, count):
-        mass = (scores.float() - lse).exp().sum(2).masked_fill(~among, -1.0)
-        return top_n_per_row(flat(among), flat(mass), count, as_is=every).view(b, r, hkv, n).permute(0, 2, 1, 3)
 
-    size = keep.sum((1, 3))  # [B, R]
-    cand = best(s, valid, (size * policy.rerank).ceil().long()) | keep
-    kept = best(torch.einsum("bhgrd,bhsd->bhgrs", q.float(), k.float()) * scale, cand, size)
-    return kept, (cand & ~kept).sum(-1)
+def rerank_rows(policy, cand, s, valid, shared_length, cap, q, k, scale):
+    """`rerank_cut` of a mask-made cut (`choose`'s, decoding row or teacher-forced row): the candidates cand
+    [B, Hkv, 1, S] (the cut at `rerank` times the cap), s [B, Hkv, G, 1, S] the scaled 4-bit scores, valid
+    [B|1, Hkv|1, 1, S], the plain cap `cap`. Returns the keep [B, Hkv, 1, S], the unread log-mass [B, Hkv, G, 1]
+    and the candidates' keys not kept [B, Hkv, 1]."""
+    b, hkv, _, n = cand.shape
+    total = cut_total(policy.max_fetch_ratio if cap is None else cap, valid, shared_length, policy.min_fetch,
+                      (b, hkv, 1, n))
+    size = cand.sum((1, 3)).clamp(max=total).view(b)
+    unread = remainder_lse(s, valid & ~cand)[..., 0]
+    keep, lse, beside, _ = rerank_cut(cand[:, :, 0], q, k, scale, size, unread)
+    return keep[:, :, None], lse[..., None], beside[..., None]
+
+
+def rerank_cut(cand, q, k, scale: float, size, unread):
+    """The candidates cand [B, Hkv, n] (the cut at `rerank` times the layer's cap) re-ranked by the exact keys:
+    per batch row the `size` [B] of them (the plain cut's count) with the most attention mass under the own
+    query q [B, Hkv, G, d] on the keys k [B, Hkv, >= n, d]; a query head's mass is its probability over the
+    candidates (exact scores) and the rest (unread [B, Hkv, G]: the 4-bit log-mass of the non-candidates),
+    summed over the group; ties to the lower (KV head, slot). Only the candidates' keys are read. Returns the
+    keep [B, Hkv, n]; the unread log-mass [B, Hkv, G] with the dropped candidates' exact scores added; the
+    dropped candidates per (batch row, KV head) [B, Hkv] (their keys were read to choose); and per candidate,
+    head-major in ascending slots (the packed rows' order), whether it is kept [B, m]."""
+    b, hkv, n = cand.shape
+    g = q.shape[2]
+    flat = cand.reshape(b, hkv * n)
+    count = flat.sum(-1)
+    m = int(count.max())
+    pos = torch.argsort((~flat).to(torch.uint8), dim=-1, stable=True)[:, :m]  # the candidates first, in order
+    real = torch.arange(m, device=cand.device) < count[:, None]
+    head = torch.div(pos, n, rounding_mode="floor")
+    at = torch.arange(b, device=cand.device)[:, None]
+    exact = (q[at, head].float() @ k[at, head, pos - head * n].float()[..., None]).squeeze(-1) * scale  # [B, m, G]
+    exact = exact.masked_fill(~real[..., None], float("-inf"))
+    per_head = (head[:, None] == torch.arange(hkv, device=cand.device)[:, None]) & real[:, None]  # [B, Hkv, m]
+    by_head = exact[:, None].masked_fill(~per_head[..., None], float("-inf"))  # [B, Hkv, m, G]
+    denominator = torch.logaddexp(by_head.logsumexp(2), unread).gather(1, head[..., None].expand(b, m, g))
+    mass = (exact - denominator).exp().sum(-1).masked_fill(~real, -1.0)
+    kept = top_n_per_row(real, mass, size) & real
+    dropped = per_head & ~kept[:, None]
+    keep = torch.zeros_like(flat).scatter_(1, pos, kept).view(b, hkv, n)
+    unread = torch.logaddexp(unread, by_head.masked_fill(~dropped[..., None], float("-inf")).logsumexp(2))
+    return keep, unread, dropped.sum(-1), kept
+
+
+def kept_rows(rows: torch.Tensor, head: torch.Tensor, kept: torch.Tensor) -> tuple:
+    """Packed rows [B, m] and their KV heads [B, m] (-1: padding) less those `kept` [B, m] drops, in order,
+    padded (row 0, head -1) to the longest batch row's count."""
+    order = torch.argsort((~kept).to(torch.uint8), dim=-1, stable=True)[:, :int(kept.sum(-1).max())]
+    still = kept.gather(1, order)
+    return rows.gather(1, order).masked_fill(~still, 0), head.gather(1, order).masked_fill(~still, -1)
 
 
 def sequence_rows(policy, layer, rows, session):
@@ -236,21 +287,24 @@ def sequence_rows(policy, layer, rows, session):
         else:
             scores = policy.speculation.scores(st, layer, r, spec_keys, r)[:, :, :, None]  # [B, Hkv, G, 1, r]
         shared_length = r if model.cfg.sliding_window is None else None
-        cap = policy._cap(st, model, layer, r)
+        with widened(st, policy.rerank if rerank else 1.0):
+            cap = policy._cap(st, model, layer, r)
         s = scores * model.scale
         row = policy._choose(s.clone() if unread_lse is not None or rerank else s, valid, st.alpha, shared_length,
                              cap)
-        if rerank:  # row r's own query on the exact keys before it
-            row, beside[:, :, r - p:r - p + 1] = rerank_cut(policy, s, valid, row,
-                                                            q[:, :, r - p].view(b, hkv, -1, 1, d), k[:, :, :r],
-                                                            model.scale)
+        lse = None
+        if rerank:  # row r's own query on the exact keys of its candidates
+            row, lse, beside[:, :, r - p:r - p + 1] = rerank_rows(
+                policy, row, s, valid, shared_length, policy._cap(st, model, layer, r),
+                q[:, :, r - p].view(b, hkv, -1, d), k[:, :, :r], model.scale)
         row = row[:, :, 0]
         dense = dense_rows(session, r)
         if dense is not None:
             row |= dense[:, None, None]
+            lse = None if lse is None else lse.masked_fill(dense[:, None, None, None], float("-inf"))
         out[:, :, r - p, :r] = row
         if unread_lse is not None:
-            unread_lse[:, :, :, r - p] = remainder_lse(s, valid & ~row[:, :, None])[..., 0]
+            unread_lse[:, :, :, r - p] = (remainder_lse(s, valid & ~row[:, :, None]) if lse is None else lse)[..., 0]
     if unread_lse is not None:
         st.remainders[layer] = unread_lse
     return out
@@ -279,6 +333,16 @@ def layer_total(ratio: float, shared_length: int, hkv: int, slots: int, min_fetc
     # and the count rounded to float32, their product (exact in float64) rounded once to float32
     product = np.float32(np.float32(ratio) * np.float32(shared_length * hkv))
     return max(math.floor(product), floor * hkv)
+
+
+def cut_total(ratio, valid: torch.Tensor, shared_length: int | None, min_fetch: int, shape: tuple):
+    """budget "layer"'s cap of `choose`'s rows (shape: B, Hkv, R, S), `valid` [B|1, Hkv|1, R, S]: a host number
+    where every row has `shared_length` tokens (`layer_total`), else per row [B, R] from the valid counts."""
+    b, hkv, r, slots = shape
+    if shared_length is not None:
+        return layer_total(ratio, shared_length, hkv, slots, min_fetch)
+    floor = min(max(1, min_fetch), slots)
+    return (ratio * valid.sum(-1).expand(b, hkv, r).sum(1)).floor().clamp(min=floor * hkv).long()
 
 
 def layer_totals(ratios: list, shared_length: int, hkv: int, slots: int, min_fetch: int) -> list[int]:
@@ -455,10 +519,7 @@ def choose(s: torch.Tensor, valid: torch.Tensor, alpha: float, budget: str, rati
             n = int(cap) if shared_length is not None else cap.expand(group_max.shape[:-1])
             return top_n_per_row(keep, group_max, n)
         b, hkv, r, n = keep.shape
-        if shared_length is None:
-            total = (ratio * length.expand(b, hkv, r).sum(1)).floor().clamp(min=floor * hkv).long()  # [B, R]
-        else:
-            total = layer_total(ratio, shared_length, hkv, s.shape[-1], min_fetch)
+        total = cut_total(ratio, valid, shared_length, min_fetch, (b, hkv, r, s.shape[-1]))
         if block > 1 and block_fetch is None:
             return choose_blocks(relative, keep, valid, total, block)
         if block > 1:  # the token rule within the blocks read
