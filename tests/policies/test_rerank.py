@@ -73,3 +73,47 @@ def test_a_rerank_ranks_closer_to_the_true_top_entries(make_tiny):
 def test_knobs_a_rerank_cannot_work_with_are_refused(knobs):
     with pytest.raises(UserError):
         make_policy("infinigen", **knobs).validate()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b, hkv, g", [(1, 3, 3), (3, 2, 7), (3, 1, 4)])
+def test_the_native_rerank_equals_its_torch_reference(monkeypatch, b, hkv, g, dtype):
+    """`kernels.rerank.rerank_rows` (C++) against `rerank_cut`'s torch calls: the same kept pairs, packed rows,
+    counts and dropped candidates, the unread log-mass within float32 rounding; a batch row with fewer candidates
+    than its size keeps them all, one with none keeps none."""
+    from infinigen.kernels import rerank
+    from infinigen.policies.infinigen_select import rerank_cut
+    if not rerank.usable(torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=dtype)):
+        pytest.skip("the native re-rank is not built here")
+    n, d, capacity = 300, 64, 320
+    gen = torch.Generator().manual_seed(b * 100 + g)
+    cand = torch.rand(b, hkv, n, generator=gen) < 0.3
+    q = torch.randn(b, hkv, g, d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, capacity, d, generator=gen).to(dtype)
+    unread = torch.randn(b, hkv, g, generator=gen) * 4 + 6  # heads whose unread mass differs widely
+    unread[0, 0, 0] = float("-inf")
+    size = (cand.sum((1, 2)) * 0.8).long()  # row 0 cut to 80% of its candidates
+    if b > 1:
+        cand[1, :, : n // 2] = False
+        size[1] = cand[1].sum() + 5  # more than its candidates
+    if b > 2:
+        cand[2] = False  # a batch row with no candidate
+    native = rerank_cut(cand, q, k, 0.125, size, unread, capacity)
+    monkeypatch.setattr(rerank, "enabled", False)
+    reference = rerank_cut(cand, q, k, 0.125, size, unread, capacity)
+    for name, got, want in zip(("keep", "rows", "head", "counts", "lse", "beside"), native, reference):
+        if name == "lse":
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, want), name
+    assert bool((native[0].sum((1, 2)) == torch.minimum(size, cand.sum((1, 2)))).all())
+
+
+def test_decoding_with_the_torch_rerank_equals_teacher_forced_scoring(tiny, monkeypatch):
+    from infinigen.kernels import rerank
+    monkeypatch.setattr(rerank, "enabled", False)
+    tokens = _tokens(tiny)
+    knobs = dict(RERANKED, remainder=True, remainder_from=0)
+    scored = _teacher(tiny, make_policy("infinigen", **knobs), tokens)
+    decoded, _ = _decode(tiny, make_policy("infinigen", **knobs), tokens)
+    torch.testing.assert_close(decoded[:, 1:], scored[:, P:], rtol=1e-4, atol=1e-4)

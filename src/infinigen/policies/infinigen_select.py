@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import SelectedRows
-from ..kernels import block_select, fused_select
+from ..kernels import block_select, fused_select, rerank
 from ..kernels.int4 import PackedKeys
 from .base import ALL
 from .speculation import INT4_GROUP
@@ -118,10 +118,10 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
         keep, rows, head, counts, lse = got
         if rerank:
             size = counts.sum(-1).clamp(max=policy._cut(st, model, layer, n, store.capacity, False)["total"])
-            keep, lse, beside, kept = rerank_cut(keep, policy.speculation.row_query(st, layer, row),
-                                                 store.past(layer)[0], model.scale, size, lse)
+            keep, rows, head, counts, lse, beside = rerank_cut(keep, policy.speculation.row_query(st, layer, row),
+                                                               store.past(layer)[0], model.scale, size, lse,
+                                                               store.capacity)
             st.keys_beside[layer] = beside.unsqueeze(-1)
-            (rows, head), counts = kept_rows(rows, head, kept), counts - beside
         if adds:
             st.remainders[layer] = lse.unsqueeze(-1)  # (a method: indexing with None costs several times more)
         return SelectedRows(keep, rows, head, counts)
@@ -188,19 +188,22 @@ def rerank_rows(policy, cand, s, valid, shared_length, cap, q, k, scale):
                       (b, hkv, 1, n))
     size = cand.sum((1, 3)).clamp(max=total).view(b)
     unread = remainder_lse(s, valid & ~cand)[..., 0]
-    keep, lse, beside, _ = rerank_cut(cand[:, :, 0], q, k, scale, size, unread)
+    keep, _, _, _, lse, beside = rerank_cut(cand[:, :, 0], q, k, scale, size, unread, n)
     return keep[:, :, None], lse[..., None], beside[..., None]
 
 
-def rerank_cut(cand, q, k, scale: float, size, unread):
+def rerank_cut(cand, q, k, scale: float, size, unread, capacity: int):
     """The candidates cand [B, Hkv, n] (the cut at `rerank` times the layer's cap) re-ranked by the exact keys:
     per batch row the `size` [B] of them (the plain cut's count) with the most attention mass under the own
     query q [B, Hkv, G, d] on the keys k [B, Hkv, >= n, d]; a query head's mass is its probability over the
     candidates (exact scores) and the rest (unread [B, Hkv, G]: the 4-bit log-mass of the non-candidates),
-    summed over the group; ties to the lower (KV head, slot). Only the candidates' keys are read. Returns the
-    keep [B, Hkv, n]; the unread log-mass [B, Hkv, G] with the dropped candidates' exact scores added; the
-    dropped candidates per (batch row, KV head) [B, Hkv] (their keys were read to choose); and per candidate,
-    head-major in ascending slots (the packed rows' order), whether it is kept [B, m]."""
+    summed over the group; ties to the lower (KV head, slot). Only the candidates' keys are read. Returns
+    `kernels.rerank.rerank_rows`'s keep, packed rows (of a flat store of `capacity` slots per (batch row, KV
+    head)), heads, counts, the unread log-mass with the dropped candidates' exact scores added, and the dropped
+    candidates per (batch row, KV head) (their keys were read to choose); the C++ call where it is built, else
+    these torch calls (its reference)."""
+    if rerank.usable(q, k):
+        return rerank.rerank_rows(cand, q, k, unread, size, scale, capacity)
     b, hkv, n = cand.shape
     g = q.shape[2]
     flat = cand.reshape(b, hkv * n)
@@ -220,7 +223,8 @@ def rerank_cut(cand, q, k, scale: float, size, unread):
     dropped = per_head & ~kept[:, None]
     keep = torch.zeros_like(flat).scatter_(1, pos, kept).view(b, hkv, n)
     unread = torch.logaddexp(unread, by_head.masked_fill(~dropped[..., None], float("-inf")).logsumexp(2))
-    return keep, unread, dropped.sum(-1), kept
+    rows, head = kept_rows((at * hkv + head) * capacity + pos - head * n, head.masked_fill(~real, -1), kept)
+    return keep, rows, head, keep.sum(-1), unread, dropped.sum(-1)
 
 
 def kept_rows(rows: torch.Tensor, head: torch.Tensor, kept: torch.Tensor) -> tuple:
