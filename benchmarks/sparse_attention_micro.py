@@ -25,7 +25,7 @@ from infinigen import runtime
 from infinigen.cache import KVStore
 from infinigen.kernels.int4 import PackedKeys
 from infinigen.policies.infinigen import InfiniGen
-from infinigen.policies.infinigen_select import remainder_lse
+from infinigen.policies.cuts import remainder_lse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the padded reference lives with the tests
 from support.padded_reference import attend_step, gather  # noqa: E402

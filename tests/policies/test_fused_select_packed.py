@@ -16,7 +16,7 @@ from infinigen.cache import KVStore
 from infinigen.kernels import fused_select
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
-from infinigen.policies.infinigen_select import remainder_lse
+from infinigen.policies.cuts import remainder_lse
 from support.packed_rows import P, T, first_row_dropped
 from support.packed_rows import Selections as _Seen
 from support.speculation import random_skew as _mats

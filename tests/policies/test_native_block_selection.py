@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from infinigen.cache import KVStore
 from infinigen.kernels import block_select
 from infinigen.policies import make_policy
-from infinigen.policies.infinigen_select import remainder_lse
+from infinigen.policies.cuts import remainder_lse
 from support.packed_rows import first_row_dropped
 
 needs_kernel = pytest.mark.skipif(not block_select.available(), reason="the block kernel cannot be built here")

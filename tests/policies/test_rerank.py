@@ -82,7 +82,7 @@ def test_the_native_rerank_equals_its_torch_reference(monkeypatch, b, hkv, g, dt
     counts and dropped candidates, the unread log-mass within float32 rounding; a batch row with fewer candidates
     than its size keeps them all, one with none keeps none."""
     from infinigen.kernels import rerank
-    from infinigen.policies.infinigen_select import rerank_cut
+    from infinigen.policies.infinigen_rerank import rerank_cut
     if not rerank.usable(torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=dtype)):
         pytest.skip("the native re-rank is not built here")
     n, d, capacity = 300, 64, 320

@@ -14,7 +14,7 @@ from infinigen.kernels import fused_select
 from infinigen.kernels.int4 import tinygemm_ok
 from infinigen.placement import Placement
 from infinigen.policies import make_policy
-from infinigen.policies.infinigen_select import layer_total, layer_totals
+from infinigen.policies.cuts import layer_total, layer_totals
 from support.models import build_tiny
 from support.speculation import random_skew
 

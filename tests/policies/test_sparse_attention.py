@@ -164,7 +164,7 @@ def test_rows_of_a_dense_step_are_every_used_slot(make_tiny):
 def test_cut_takes_exactly_n_lower_slots_first(levels, short):
     """`top_n_per_row` with a host n: exactly the n highest scores of each row, ties broken lower slot first,
     whether the ties at the threshold all fit (the one-pass `_at_least`) or not (the cumulative sum)."""
-    from infinigen.policies.infinigen_select import top_n_per_row
+    from infinigen.policies.cuts import top_n_per_row
     g = torch.Generator().manual_seed(levels % 97)
     score = (torch.rand(6, 40, generator=g) * levels).floor()
     if short:

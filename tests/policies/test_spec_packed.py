@@ -225,7 +225,7 @@ def test_offloaded_decode_has_no_host_sync_on_the_main_thread(make_tiny, policy,
 def test_kth_largest_is_the_top_k_threshold():
     """The cut's threshold (numpy's partition on a CPU) is exactly torch's k-th largest value, with the
     ties at -1 of unselected entries and -inf of invalid slots that the cut sees."""
-    from infinigen.policies.infinigen_select import _kth_largest
+    from infinigen.policies.cuts import _kth_largest
     g = torch.Generator().manual_seed(0)
     score = torch.rand(4, 3, 500, generator=g)
     score[torch.rand(4, 3, 500, generator=g) < 0.4] = -1.0

@@ -1,6 +1,6 @@
 // InfiniGen's re-rank (knob `rerank`, kernels/rerank.py): a layer's cut made at `rerank` times its cap, its
 // candidates re-ranked by the exact keys and the layer's own query, in one call: only the candidates' keys are
-// read. What `infinigen_select.rerank_cut` makes in some forty torch calls.
+// read. What `infinigen_rerank.rerank_cut` makes in some forty torch calls.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>

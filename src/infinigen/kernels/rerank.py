@@ -2,7 +2,7 @@
 `rerank` times its cap, its candidates re-ranked by the exact keys and the layer's own query, only their keys read.
 
 Built on first use by native_build (-O3 -march=native, OpenMP) into the cache. Where it cannot be built,
-`available()` is False after one warning line and callers keep the torch path (`infinigen_select.rerank_cut`),
+`usable()` is False after one warning line and callers keep the torch path (`infinigen_rerank.rerank_cut`),
 which is also the reference the tests compare it with: the same choice, but for candidates whose masses lie within
 float32 rounding of each other at the cut.
 """

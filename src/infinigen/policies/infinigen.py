@@ -52,7 +52,7 @@ from ..errors import UserError
 from ..kernels import fused_select
 from ..kernels.int4 import PackedKeys
 from ..memory import tensor_bytes, weight_bytes
-from . import infinigen_select as select
+from . import cuts, infinigen_select as select
 from .base import ALL, NOT_A_KNOB, Policy, Remainder, knob_fields, parse_layers
 from .crossing import crossing_for
 from .infinigen_calibration import _CHOICES, announce, calibration_record  # noqa: F401
@@ -552,5 +552,5 @@ class InfiniGen(Policy, InfiniGenCaps, InfiniGenExperimental, InfiniGenSettings)
     def _layer_total(self, ratio: float | None, shared_length: int, hkv: int, slots: int) -> int:
         """budget "layer"'s cap of a row that has `shared_length` valid tokens per KV head: the (KV head, slot)
         pairs it may read over the layer's `hkv` KV heads, at least `min_fetch` per KV head (`slots` slots)."""
-        return select.layer_total(self.max_fetch_ratio if ratio is None else ratio, shared_length, hkv, slots,
+        return cuts.layer_total(self.max_fetch_ratio if ratio is None else ratio, shared_length, hkv, slots,
                                   self.min_fetch)

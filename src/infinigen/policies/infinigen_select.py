@@ -9,57 +9,20 @@ selection leaves unread (`remainder_lse`), which the runtime turns into the rema
 """
 from __future__ import annotations
 
-import math
-from contextlib import contextmanager
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..cache import SelectedRows
-from ..kernels import block_select, fused_select, rerank
+from ..kernels import block_select, fused_select
 from ..kernels.int4 import PackedKeys
 from .base import ALL
+from . import infinigen_rerank as reranking
+from .cuts import cut_total, remainder_lse, top_n_per_row
 from .speculation import INT4_GROUP
 
 ROWS_PER_CHOICE = 64  # teacher-forced rows per `choose` call in `rows_in_blocks`
 ROWS_PER_FUSED_CHOICE = 256  # teacher-forced rows per fused selection call in `rows_fused`
 SCORE_BLOCK = 2 ** 27  # speculated scores per call when a teacher-forced pass scores its rows in blocks
-
-
-def remainder_lse(s: torch.Tensor, unread: torch.Tensor) -> torch.Tensor:
-    """Scaled speculated scores s [B, Hkv, G, R, S] and the unread entries [B, Hkv, R, S] -> the log of
-    their attention mass [B, Hkv, G, R] (-inf where none is unread)."""
-    return torch.logsumexp(s.masked_fill(~unread[:, :, None], float("-inf")), -1)
-
-
-def _kth_largest(score: torch.Tensor, k: int) -> torch.Tensor:
-    """The k-th largest value of each row (last dim) of `score`, [..., 1]: the cut's threshold. On a CPU,
-    numpy's introselect (a partition, no sort) is 10x faster than torch's top-k, which sorts partially:
-    0.6 against 5.6 ms for 8 rows of 3 x 8192 entries at k = 14%, one thread. Both give the same value."""
-    if score.device.type == "cpu":
-        a = score.contiguous().numpy()
-        n = a.shape[-1]
-        return torch.from_numpy(np.partition(a, n - k, axis=-1)[..., n - k:n - k + 1])
-    return score.topk(k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
-
-
-def _cut_in_one_pass(score: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The k-th largest value of each row, [..., 1], and, on a CPU, `score >= it` when that is exactly the
-    top k of every row: the (k+1)-th largest is smaller (no tie at the threshold left out) and the threshold
-    is above -inf. Then the cut is this one pass instead of the tie-breaking cumulative sum; None otherwise
-    (or on CUDA, where the check would synchronize). One introselect finds both values."""
-    if score.device.type != "cpu":
-        return _kth_largest(score, k), None
-    a = score.contiguous().numpy()
-    n = a.shape[-1]
-    part = np.partition(a, [n - k - 1, n - k] if k < n else n - k, axis=-1)
-    thr = torch.from_numpy(part[..., n - k:n - k + 1])
-    if not bool((thr > float("-inf")).all()):
-        return thr, None
-    if k < n and not bool((torch.from_numpy(part[..., n - k - 1:n - k]) < thr).all()):
-        return thr, None
-    return thr, score >= thr
 
 
 # ---- sparse only where it pays (dense_below) ------------------------------------------------------------
@@ -108,9 +71,10 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     adds = policy._adds_remainder(st, layer)
     every_valid = not store.padded and model.cfg.sliding_window is None
     where = spec_keys.codes.device if isinstance(spec_keys, PackedKeys) else spec_keys.device  # the scores'
-    rerank = reranks(policy, st, layer, decoding_row=row)
+    rerank = reranking.reranks(policy, st, layer, decoding_row=row)
     if every_valid and packs and fuses_selection(policy, where):
-        with widened(st, policy.rerank if rerank else 1.0):  # a re-rank's candidates: the cut, `rerank` times
+        # a re-rank's candidates: the cut at `rerank` times the cap
+        with reranking.widened(st, policy.rerank if rerank else 1.0):
             cut = policy._cut(st, model, layer, n, store.capacity, adds or rerank)
         got = policy.speculation.scores_cut(st, layer, row, spec_keys, n, **cut)  # scored and cut in one call
         if got is None:
@@ -118,14 +82,14 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
         keep, rows, head, counts, lse = got
         if rerank:
             size = counts.sum(-1).clamp(max=policy._cut(st, model, layer, n, store.capacity, False)["total"])
-            keep, rows, head, counts, lse, beside = rerank_cut(keep, policy.speculation.row_query(st, layer, row),
-                                                               store.past(layer)[0], model.scale, size, lse,
-                                                               store.capacity)
+            own = policy.speculation.row_query(st, layer, row)
+            keep, rows, head, counts, lse, beside = reranking.rerank_cut(keep, own, store.past(layer)[0], model.scale,
+                                                                         size, lse, store.capacity)
             st.keys_beside[layer] = beside.unsqueeze(-1)
         if adds:
             st.remainders[layer] = lse.unsqueeze(-1)  # (a method: indexing with None costs several times more)
         return SelectedRows(keep, rows, head, counts)
-    with widened(st, policy.rerank if rerank else 1.0):
+    with reranking.widened(st, policy.rerank if rerank else 1.0):
         cap = policy._cap(st, model, layer, n)
     scores = policy.speculation.scores(st, layer, row, spec_keys, n)  # [B, Hkv, G, S]
     # the blocks, and (packs) their rows, in one call
@@ -146,7 +110,7 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     s = scores * model.scale
     keep = policy._choose(s.clone() if adds or rerank else s, valid[:, :, None, :], st.alpha, shared_length, cap)
     if rerank:  # the own query [B, Hkv, G, d] on the exact keys of the candidates
-        keep, lse, beside = rerank_rows(policy, keep, s, valid[:, :, None, :], shared_length,
+        keep, lse, beside = reranking.rerank_rows(policy, keep, s, valid[:, :, None, :], shared_length,
                                         policy._cap(st, model, layer, n), policy.speculation.row_query(st, layer, row),
                                         store.past(layer)[0], model.scale)
         st.keys_beside[layer] = beside
@@ -155,84 +119,6 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     elif adds:  # `choose` worked on a copy: s holds the scores
         st.remainders[layer] = remainder_lse(s, valid[:, :, None, :] & ~keep)
     return keep[:, :, 0]
-
-
-def reranks(policy, st, layer: int, decoding_row: int | None = None) -> bool:
-    """Whether `layer`'s cut is re-ranked by the exact keys (`rerank`): the layer selects with its own query (layer
-    0 always: its exact query, known at the embedding). `decoding_row`: a decoding step's row, re-ranked only where
-    its query is the own one now (row 0 of the step, a layer > 0 at its attention), not in a plan made a layer
-    ahead with the speculated query (offloaded, corrected: the attention re-ranks the own selection)."""
-    if policy.rerank is None or not (layer == 0 or st.own_query):
-        return False
-    return decoding_row is None or (decoding_row == 0 and (layer == 0 or (layer not in st.spec
-                                                                          and layer in st.spec_rows)))
-
-
-@contextmanager
-def widened(st, factor: float):
-    """The layer caps asked for inside times `factor` (`st.widen`; 1: as they are)."""
-    before, st.widen = st.widen, st.widen * factor
-    try:
-        yield
-    finally:
-        st.widen = before
-
-
-def rerank_rows(policy, cand, s, valid, shared_length, cap, q, k, scale):
-    """`rerank_cut` of a mask-made cut (`choose`'s, decoding row or teacher-forced row): the candidates cand
-    [B, Hkv, 1, S] (the cut at `rerank` times the cap), s [B, Hkv, G, 1, S] the scaled 4-bit scores, valid
-    [B|1, Hkv|1, 1, S], the plain cap `cap`. Returns the keep [B, Hkv, 1, S], the unread log-mass [B, Hkv, G, 1]
-    and the candidates' keys not kept [B, Hkv, 1]."""
-    b, hkv, _, n = cand.shape
-    total = cut_total(policy.max_fetch_ratio if cap is None else cap, valid, shared_length, policy.min_fetch,
-                      (b, hkv, 1, n))
-    size = cand.sum((1, 3)).clamp(max=total).view(b)
-    unread = remainder_lse(s, valid & ~cand)[..., 0]
-    keep, _, _, _, lse, beside = rerank_cut(cand[:, :, 0], q, k, scale, size, unread, n)
-    return keep[:, :, None], lse[..., None], beside[..., None]
-
-
-def rerank_cut(cand, q, k, scale: float, size, unread, capacity: int):
-    """The candidates cand [B, Hkv, n] (the cut at `rerank` times the layer's cap) re-ranked by the exact keys:
-    per batch row the `size` [B] of them (the plain cut's count) with the most attention mass under the own
-    query q [B, Hkv, G, d] on the keys k [B, Hkv, >= n, d]; a query head's mass is its probability over the
-    candidates (exact scores) and the rest (unread [B, Hkv, G]: the 4-bit log-mass of the non-candidates),
-    summed over the group; ties to the lower (KV head, slot). Only the candidates' keys are read. Returns
-    `kernels.rerank.rerank_rows`'s keep, packed rows (of a flat store of `capacity` slots per (batch row, KV
-    head)), heads, counts, the unread log-mass with the dropped candidates' exact scores added, and the dropped
-    candidates per (batch row, KV head) (their keys were read to choose); the C++ call where it is built, else
-    these torch calls (its reference)."""
-    if rerank.usable(q, k):
-        return rerank.rerank_rows(cand, q, k, unread, size, scale, capacity)
-    b, hkv, n = cand.shape
-    g = q.shape[2]
-    flat = cand.reshape(b, hkv * n)
-    count = flat.sum(-1)
-    m = int(count.max())
-    pos = torch.argsort((~flat).to(torch.uint8), dim=-1, stable=True)[:, :m]  # the candidates first, in order
-    real = torch.arange(m, device=cand.device) < count[:, None]
-    head = torch.div(pos, n, rounding_mode="floor")
-    at = torch.arange(b, device=cand.device)[:, None]
-    exact = (q[at, head].float() @ k[at, head, pos - head * n].float()[..., None]).squeeze(-1) * scale  # [B, m, G]
-    exact = exact.masked_fill(~real[..., None], float("-inf"))
-    per_head = (head[:, None] == torch.arange(hkv, device=cand.device)[:, None]) & real[:, None]  # [B, Hkv, m]
-    by_head = exact[:, None].masked_fill(~per_head[..., None], float("-inf"))  # [B, Hkv, m, G]
-    denominator = torch.logaddexp(by_head.logsumexp(2), unread).gather(1, head[..., None].expand(b, m, g))
-    mass = (exact - denominator).exp().sum(-1).masked_fill(~real, -1.0)
-    kept = top_n_per_row(real, mass, size) & real
-    dropped = per_head & ~kept[:, None]
-    keep = torch.zeros_like(flat).scatter_(1, pos, kept).view(b, hkv, n)
-    unread = torch.logaddexp(unread, by_head.masked_fill(~dropped[..., None], float("-inf")).logsumexp(2))
-    rows, head = kept_rows((at * hkv + head) * capacity + pos - head * n, head.masked_fill(~real, -1), kept)
-    return keep, rows, head, keep.sum(-1), unread, dropped.sum(-1)
-
-
-def kept_rows(rows: torch.Tensor, head: torch.Tensor, kept: torch.Tensor) -> tuple:
-    """Packed rows [B, m] and their KV heads [B, m] (-1: padding) less those `kept` [B, m] drops, in order,
-    padded (row 0, head -1) to the longest batch row's count."""
-    order = torch.argsort((~kept).to(torch.uint8), dim=-1, stable=True)[:, :int(kept.sum(-1).max())]
-    still = kept.gather(1, order)
-    return rows.gather(1, order).masked_fill(~still, 0), head.gather(1, order).masked_fill(~still, -1)
 
 
 def sequence_rows(policy, layer, rows, session):
@@ -261,7 +147,7 @@ def sequence_rows(policy, layer, rows, session):
     else:
         spec_keys = policy.speculation.project(st, k, layer).to(st.key_dtype)  # [B, Hkv, T, c]
     batched = isinstance(spec_keys, PackedKeys) and spec_keys.layout == "tinygemm"
-    rerank = reranks(policy, st, layer)
+    rerank = reranking.reranks(policy, st, layer)
     if rerank:  # per row, the candidates' keys read beside its selection
         beside = st.keys_beside[layer] = torch.zeros(b, hkv, t - p, dtype=torch.long, device=dev)
     every, block = None, (first, first)
@@ -291,14 +177,14 @@ def sequence_rows(policy, layer, rows, session):
         else:
             scores = policy.speculation.scores(st, layer, r, spec_keys, r)[:, :, :, None]  # [B, Hkv, G, 1, r]
         shared_length = r if model.cfg.sliding_window is None else None
-        with widened(st, policy.rerank if rerank else 1.0):
+        with reranking.widened(st, policy.rerank if rerank else 1.0):
             cap = policy._cap(st, model, layer, r)
         s = scores * model.scale
         row = policy._choose(s.clone() if unread_lse is not None or rerank else s, valid, st.alpha, shared_length,
                              cap)
         lse = None
         if rerank:  # row r's own query on the exact keys of its candidates
-            row, lse, beside[:, :, r - p:r - p + 1] = rerank_rows(
+            row, lse, beside[:, :, r - p:r - p + 1] = reranking.rerank_rows(
                 policy, row, s, valid, shared_length, policy._cap(st, model, layer, r),
                 q[:, :, r - p].view(b, hkv, -1, d), k[:, :, :r], model.scale)
         row = row[:, :, 0]
@@ -329,33 +215,6 @@ def selects_blocks_natively(policy, scores: torch.Tensor) -> bool:
             and scores.device.type == "cpu" and block_select.available())
 
 
-def layer_total(ratio: float, shared_length: int, hkv: int, slots: int, min_fetch: int) -> int:
-    """budget "layer"'s cap of a row that has `shared_length` valid tokens per KV head: the (KV head, slot)
-    pairs it may read over the layer's `hkv` KV heads, at least `min_fetch` per KV head (`slots` slots)."""
-    floor = min(max(1, min_fetch), slots)
-    # on the host, in float32 arithmetic as `choose` computes it on a tensor where the lengths are data: the ratio
-    # and the count rounded to float32, their product (exact in float64) rounded once to float32
-    product = np.float32(np.float32(ratio) * np.float32(shared_length * hkv))
-    return max(math.floor(product), floor * hkv)
-
-
-def cut_total(ratio, valid: torch.Tensor, shared_length: int | None, min_fetch: int, shape: tuple):
-    """budget "layer"'s cap of `choose`'s rows (shape: B, Hkv, R, S), `valid` [B|1, Hkv|1, R, S]: a host number
-    where every row has `shared_length` tokens (`layer_total`), else per row [B, R] from the valid counts."""
-    b, hkv, r, slots = shape
-    if shared_length is not None:
-        return layer_total(ratio, shared_length, hkv, slots, min_fetch)
-    floor = min(max(1, min_fetch), slots)
-    return (ratio * valid.sum(-1).expand(b, hkv, r).sum(1)).floor().clamp(min=floor * hkv).long()
-
-
-def layer_totals(ratios: list, shared_length: int, hkv: int, slots: int, min_fetch: int) -> list[int]:
-    """`layer_total` of each of `ratios` at one length (the same float32 arithmetic, one numpy call for all)."""
-    floor = min(max(1, min_fetch), slots)
-    products = np.asarray(ratios, dtype=np.float32) * np.float32(shared_length * hkv)
-    return [max(t, floor * hkv) for t in np.floor(products).astype(np.int64).tolist()]
-
-
 def rows_in_blocks(policy, layer, rows, session, block: int = ROWS_PER_CHOICE):
     """`sequence_rows` with the rows chosen `block` at a time (one `choose` of each block, every row its
     own length and cap): the same selection up to float summation order over the block's longer rows,
@@ -365,7 +224,7 @@ def rows_in_blocks(policy, layer, rows, session, block: int = ROWS_PER_CHOICE):
     st, model = session.state, session.model
     q, k = rows.query, rows.keys
     if (policy.key_mode != "int4" or st.dense_below or q is None or not (layer == 0 or st.own_query)
-            or reranks(policy, st, layer)):
+            or reranking.reranks(policy, st, layer)):
         return sequence_rows(policy, layer, rows, session)
     if fuses_rows(policy, session, rows):
         return rows_fused(policy, layer, rows, session)
@@ -584,38 +443,3 @@ def choose_blocks(relative, keep, valid, total, block: int):
     return out & valid  # a block past the valid tokens (padding, a window) reads only its valid slots
 
 
-def top_n_per_row(keep: torch.Tensor, score: torch.Tensor, n: torch.Tensor,
-                   as_is: torch.Tensor | None = None) -> torch.Tensor:
-    """Per row (last dim), exactly the top-n entries of `score` (ties: lower slot first) where `keep`
-    holds more, or fewer, than n; rows in `as_is` (or with at most n kept, when `as_is` is None)
-    keep `keep`. n: a tensor per row, or one host number for every row (then no synchronization: every
-    row is cut, a top-k with an unsorted k, and the rows kept as they are put back)."""
-    if as_is is None:
-        as_is = keep.sum(-1) <= n  # nothing to cut
-    if isinstance(n, int):
-        k = min(n, score.shape[-1])
-        if k == 0:
-            return keep & as_is[..., None]
-        thr, take = _cut_in_one_pass(score, k)
-        if take is None:  # more ties at the threshold than places left: the lower slots first
-            above = score > thr
-            tie = (score == thr) & (score > float("-inf"))
-            take = above | (tie & (tie.cumsum(-1) <= (n - above.sum(-1, keepdim=True))))
-        if not score.is_cuda and not bool(as_is.any()):  # every row is cut (a free check on a CPU)
-            return take
-        return torch.where(as_is[..., None], keep, take)
-    todo = (~as_is).nonzero(as_tuple=True)
-    if todo[0].numel() == 0:
-        return keep
-    row_scores, row_n = score[todo], n[todo]  # [N, S], [N]
-    kmax = min(int(row_n.max()), row_scores.shape[-1])
-    if bool((row_n >= kmax).all()):  # one n for every row (the common case): no need to sort the top
-        thr = _kth_largest(row_scores, kmax)
-    else:
-        thr = row_scores.topk(kmax, dim=-1, sorted=True).values.gather(-1, (row_n.clamp(1, kmax) - 1)[:, None])
-    above = row_scores > thr
-    tie = (row_scores == thr) & (row_scores > float("-inf"))
-    take = above | (tie & (tie.cumsum(-1) <= (row_n[:, None] - above.sum(-1, keepdim=True))))
-    keep = keep.clone()
-    keep[todo] = take
-    return keep

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import infinigen_select as select
+from .cuts import layer_totals
 from .budgets import layer_caps
 from .speculation import layer_sparsity
 
@@ -128,7 +128,7 @@ class InfiniGenCaps:
             caps = self._caps_at(st, model, cached)
             layers = list(caps)
             ratios = [self.max_fetch_ratio if caps[i] is None else caps[i] for i in layers]
-            totals = select.layer_totals(ratios, cached, model.cfg.num_kv_heads, cached, self.min_fetch)
+            totals = layer_totals(ratios, cached, model.cfg.num_kv_heads, cached, self.min_fetch)
             cuts = {i: {"scale": model.scale, "alpha": st.alpha, "total": t, "capacity": capacity}
                     for i, t in zip(layers, totals)}
             st.cuts = ((cached, capacity), cuts)
@@ -136,7 +136,7 @@ class InfiniGenCaps:
         if st.widen != 1.0:
             cap = self._cap(st, model, layer, cached)
             ratio = self.max_fetch_ratio * st.widen if cap is None else cap
-            cut = cut | {"total": select.layer_totals([ratio], cached, model.cfg.num_kv_heads, cached,
+            cut = cut | {"total": layer_totals([ratio], cached, model.cfg.num_kv_heads, cached,
                                                       self.min_fetch)[0]}
         return cut | {"with_lse": with_lse}
 
