@@ -1,15 +1,16 @@
-"""InfiniGen's re-rank (knob `rerank`): a layer's cut made at `rerank` times its cap (`widened`), then cut again to
-the plain cut's count by the exact keys of its candidates and the layer's own query (`rerank_cut`; one C++ call
-where kernels/rerank is built). `infinigen_select.select_row` and `sequence_rows` apply it where `reranks` says.
+"""InfiniGen's re-rank (knob `rerank`): a layer's cut, plus `rerank` times its count of the pairs with the most 4-bit
+mass, as candidates (`candidates`), cut again to the plain cut's count by the exact keys of the candidates and the
+layer's own query (`rerank_cut`; one C++ call where kernels/rerank is built). `infinigen_select.select_row` and
+`sequence_rows` apply it where `reranks` says.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
-from ..kernels import rerank
+from ..kernels import fused_select, rerank
 from . import cuts as select
+
+NO_THRESHOLD = 1e30  # an alpha no score falls below: the candidates are cut by mass alone
 
 
 def reranks(policy, st, layer: int, decoding_row: int | None = None) -> bool:
@@ -23,28 +24,45 @@ def reranks(policy, st, layer: int, decoding_row: int | None = None) -> bool:
                                                                           and layer in st.spec_rows)))
 
 
-@contextmanager
-def widened(st, factor: float):
-    """The layer caps asked for inside times `factor` (`st.widen`; 1: as they are)."""
-    before, st.widen = st.widen, st.widen * factor
-    try:
-        yield
-    finally:
-        st.widen = before
+def candidates(policy, keep, size, scores, scale: float, valid=None) -> tuple:
+    """A re-rank's candidates: the plain cut keep [B, Hkv, n] and, per batch row, the ceil(rerank * size) (KV head,
+    slot) pairs (size [B]: the cut's count) with the most 4-bit attention mass, the threshold not applied (an entry
+    just below it is one), from the unscaled scores [B, Hkv, G, n] (left as they are); valid [B, Hkv, n], None where
+    every slot is. Returns the candidates [B, Hkv, n] and the scaled scores' log-mass outside those pairs [B, Hkv,
+    G]. Mass as the cut's: each query head's softmax over the valid slots, summed over the group; the fused kernel
+    where every slot is valid and it is built (decoding and teacher-forced rows alike), else these torch calls."""
+    total = (size.double() * policy.rerank).ceil().long()
+    if valid is None and scores.is_cpu and fused_select.available():
+        top, _, _, _, unread = fused_select.select_packed_rows(scores.float().contiguous().clone(), total, scale,
+                                                               NO_THRESHOLD, scores.shape[-1], True)
+        return top | keep, unread
+    b, hkv, g, n = scores.shape
+    s = scores.float() * scale
+    ok = torch.ones(b, hkv, n, dtype=torch.bool, device=s.device) if valid is None else valid.expand(b, hkv, n)
+    lse = s.masked_fill(~ok[:, :, None], float("-inf")).logsumexp(-1, keepdim=True)
+    mass = (s - lse).exp().sum(2).masked_fill(~ok, -1.0)
+    top = select.top_n_per_row(ok.reshape(b, hkv * n), mass.reshape(b, hkv * n), total).view(b, hkv, n)
+    return top | keep, select.remainder_lse(s[:, :, :, None], (ok & ~top)[:, :, None])[..., 0]
 
 
-def rerank_rows(policy, cand, s, valid, shared_length, cap, q, k, scale):
-    """`rerank_cut` of a mask-made cut (`choose`'s, decoding row or teacher-forced row): the candidates cand
-    [B, Hkv, 1, S] (the cut at `rerank` times the cap), s [B, Hkv, G, 1, S] the scaled 4-bit scores, valid
-    [B|1, Hkv|1, 1, S], the plain cap `cap`. Returns the keep [B, Hkv, 1, S], the unread log-mass [B, Hkv, G, 1]
-    and the candidates' keys not kept [B, Hkv, 1]."""
-    b, hkv, _, n = cand.shape
-    total = select.cut_total(policy.max_fetch_ratio if cap is None else cap, valid, shared_length, policy.min_fetch,
-                             (b, hkv, 1, n))
-    size = cand.sum((1, 3)).clamp(max=total).view(b)
-    unread = select.remainder_lse(s, valid & ~cand)[..., 0]
-    keep, _, _, _, lse, beside = rerank_cut(cand[:, :, 0], q, k, scale, size, unread, n)
+def rerank_rows(policy, keep, scores, valid, q, k, scale: float) -> tuple:
+    """`rerank_cut` of a mask-made cut (`choose`'s, a decoding or a teacher-forced row): keep [B, Hkv, 1, S] the
+    plain cut, scores [B, Hkv, G, 1, S] its unscaled 4-bit scores, valid [B, Hkv, S] (None: every slot), q the own
+    query [B, Hkv, G, d], k the keys. Returns the keep [B, Hkv, 1, S], the unread log-mass [B, Hkv, G, 1] and the
+    candidates' keys not kept [B, Hkv, 1]."""
+    plain = keep[:, :, 0]
+    size = plain.sum((1, 2))
+    cand, unread = candidates(policy, plain, size, scores[:, :, :, 0], scale, valid)
+    keep, _, _, _, lse, beside = rerank_cut(cand, q, k, scale, size, unread, plain.shape[-1])
     return keep[:, :, None], lse[..., None], beside[..., None]
+
+
+def rerank_packed(policy, keep, counts, scores, q, k, scale: float, capacity: int) -> tuple:
+    """`rerank_cut` of decoding's fused cut (keep [B, Hkv, n], counts [B, Hkv]; scores [B, Hkv, G, n] unscaled,
+    every slot valid): what `rerank_cut` returns, rows packed for a store of `capacity` slots."""
+    size = counts.sum(-1)
+    cand, unread = candidates(policy, keep, size, scores, scale)
+    return rerank_cut(cand, q, k, scale, size, unread, capacity)
 
 
 def rerank_cut(cand, q, k, scale: float, size, unread, capacity: int):

@@ -73,24 +73,23 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     where = spec_keys.codes.device if isinstance(spec_keys, PackedKeys) else spec_keys.device  # the scores'
     rerank = reranking.reranks(policy, st, layer, decoding_row=row)
     if every_valid and packs and fuses_selection(policy, where):
-        # a re-rank's candidates: the cut at `rerank` times the cap
-        with reranking.widened(st, policy.rerank if rerank else 1.0):
-            cut = policy._cut(st, model, layer, n, store.capacity, adds or rerank)
-        got = policy.speculation.scores_cut(st, layer, row, spec_keys, n, **cut)  # scored and cut in one call
-        if got is None:
-            got = fused_select.select_packed(policy.speculation.scores(st, layer, row, spec_keys, n), **cut)
-        keep, rows, head, counts, lse = got
-        if rerank:
-            size = counts.sum(-1).clamp(max=policy._cut(st, model, layer, n, store.capacity, False)["total"])
-            own = policy.speculation.row_query(st, layer, row)
-            keep, rows, head, counts, lse, beside = reranking.rerank_cut(keep, own, store.past(layer)[0], model.scale,
-                                                                         size, lse, store.capacity)
+        cut = policy._cut(st, model, layer, n, store.capacity, adds)
+        if rerank:  # the scores are wanted again for the re-rank's candidates
+            scores = policy.speculation.scores(st, layer, row, spec_keys, n)
+            keep, rows, head, counts, _ = fused_select.select_packed(scores.clone(), **cut)
+            keep, rows, head, counts, lse, beside = reranking.rerank_packed(
+                policy, keep, counts, scores, policy.speculation.row_query(st, layer, row), store.past(layer)[0],
+                model.scale, store.capacity)
             st.keys_beside[layer] = beside.unsqueeze(-1)
+        else:
+            got = policy.speculation.scores_cut(st, layer, row, spec_keys, n, **cut)  # scored and cut in one call
+            if got is None:
+                got = fused_select.select_packed(policy.speculation.scores(st, layer, row, spec_keys, n), **cut)
+            keep, rows, head, counts, lse = got
         if adds:
             st.remainders[layer] = lse.unsqueeze(-1)  # (a method: indexing with None costs several times more)
         return SelectedRows(keep, rows, head, counts)
-    with reranking.widened(st, policy.rerank if rerank else 1.0):
-        cap = policy._cap(st, model, layer, n)
+    cap = policy._cap(st, model, layer, n)
     scores = policy.speculation.scores(st, layer, row, spec_keys, n)  # [B, Hkv, G, S]
     # the blocks, and (packs) their rows, in one call
     if every_valid and not rerank and selects_blocks_natively(policy, scores):
@@ -110,9 +109,9 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     s = scores * model.scale
     keep = policy._choose(s.clone() if adds or rerank else s, valid[:, :, None, :], st.alpha, shared_length, cap)
     if rerank:  # the own query [B, Hkv, G, d] on the exact keys of the candidates
-        keep, lse, beside = reranking.rerank_rows(policy, keep, s, valid[:, :, None, :], shared_length,
-                                        policy._cap(st, model, layer, n), policy.speculation.row_query(st, layer, row),
-                                        store.past(layer)[0], model.scale)
+        keep, lse, beside = reranking.rerank_rows(policy, keep, scores, None if shared_length else valid,
+                                                  policy.speculation.row_query(st, layer, row), store.past(layer)[0],
+                                                  model.scale)
         st.keys_beside[layer] = beside
         if adds:
             st.remainders[layer] = lse
@@ -177,16 +176,15 @@ def sequence_rows(policy, layer, rows, session):
         else:
             scores = policy.speculation.scores(st, layer, r, spec_keys, r)[:, :, :, None]  # [B, Hkv, G, 1, r]
         shared_length = r if model.cfg.sliding_window is None else None
-        with reranking.widened(st, policy.rerank if rerank else 1.0):
-            cap = policy._cap(st, model, layer, r)
+        cap = policy._cap(st, model, layer, r)
         s = scores * model.scale
         row = policy._choose(s.clone() if unread_lse is not None or rerank else s, valid, st.alpha, shared_length,
                              cap)
         lse = None
         if rerank:  # row r's own query on the exact keys of its candidates
             row, lse, beside[:, :, r - p:r - p + 1] = reranking.rerank_rows(
-                policy, row, s, valid, shared_length, policy._cap(st, model, layer, r),
-                q[:, :, r - p].view(b, hkv, -1, d), k[:, :, :r], model.scale)
+                policy, row, scores, None if shared_length else valid[:, :, 0], q[:, :, r - p].view(b, hkv, -1, d),
+                k[:, :, :r], model.scale)
         row = row[:, :, 0]
         dense = dense_rows(session, r)
         if dense is not None:
