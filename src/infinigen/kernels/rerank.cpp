@@ -2,6 +2,7 @@
 // candidates re-ranked by the exact keys and the layer's own query, in one call: only the candidates' keys are
 // read. What `infinigen_rerank.rerank_cut` makes in some forty torch calls.
 #include <torch/extension.h>
+#include "native_common.h"
 
 #include <ATen/Parallel.h>
 
@@ -51,6 +52,29 @@ inline float dot_product(const float* x, const float* y, int64_t d) {
   return dot;
 }
 
+// One query head's scores row [count] made exp(score - top) in place, top their largest (clamped to the lowest
+// float, as the cut clamps it); returns the sum of the weights. Outside the dtype dispatch: its loops vectorize.
+inline float weights_in_place(float* row, int64_t count, float& top) {
+  float mx = kNegInf;
+#pragma omp simd reduction(max : mx)
+  for (int64_t i = 0; i < count; ++i) mx = mx > row[i] ? mx : row[i];
+  top = std::max(mx, std::numeric_limits<float>::lowest());
+  const float m = top;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < count; ++i) {
+    row[i] = infinigen_native::exp_nonpositive(row[i] - m);
+    sum += row[i];
+  }
+  return sum;
+}
+
+// acc[i] += x[i] * w over count floats
+inline void add_scaled(float* acc, const float* x, float w, int64_t count) {
+#pragma omp simd
+  for (int64_t i = 0; i < count; ++i) acc[i] += x[i] * w;
+}
+
 struct Candidate {
   float mass;
   int64_t index;  // KV head * n + slot
@@ -93,7 +117,7 @@ std::vector<torch::Tensor> rerank_rows(torch::Tensor cand, torch::Tensor q, torc
   const int64_t* sz_p = sz.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
 
-  // per (batch row, KV head): its candidates' slots; their weights p [count, G] = exp(score - the head's largest);
+  // per (batch row, KV head): its candidates' slots; their weights p [G, count] = exp(score - the head's largest);
   // per query head the largest score, the weights' sum and w = exp(largest - denominator), so that a candidate's
   // share of its head's attention is p * w (one exp per candidate and query head)
   std::vector<std::vector<int64_t>> slots(b * hkv);
@@ -116,9 +140,8 @@ std::vector<torch::Tensor> rerank_rows(torch::Tensor cand, torch::Tensor q, torc
         for (int64_t s = 0; s < n; ++s)
           if (mark[s]) sl.push_back(s);
         const int64_t count = static_cast<int64_t>(sl.size());
-        auto& e = weight[bh];
+        auto& e = weight[bh];  // [G, count]: each query head's scores, then their weights
         e.resize(count * g);
-        float* mx = largest.data() + bh * g;
         for (int64_t i = 0; i < count; ++i) {
           const scalar_t* k = k_p + bi * ks0 + kh * ks1 + sl[i] * ks2;
           if (ks3 == 1) {
@@ -126,22 +149,16 @@ std::vector<torch::Tensor> rerank_rows(torch::Tensor cand, torch::Tensor q, torc
           } else {
             for (int64_t j = 0; j < d; ++j) kf[j] = static_cast<float>(k[j * ks3]);
           }
-          for (int64_t gi = 0; gi < g; ++gi) {
-            const float dot = dot_product(qf.data() + gi * d, kf.data(), d);
-            e[i * g + gi] = dot * sc;
-            mx[gi] = std::max(mx[gi], e[i * g + gi]);
-          }
+          for (int64_t gi = 0; gi < g; ++gi) e[gi * count + i] = dot_product(qf.data() + gi * d, kf.data(), d) * sc;
         }
+        float* mx = largest.data() + bh * g;
         float* w = share.data() + bh * g;
-        std::vector<float> sum(g, 0.f);
-        for (int64_t i = 0; i < count; ++i)
-          for (int64_t gi = 0; gi < g; ++gi) {
-            e[i * g + gi] = std::exp(e[i * g + gi] - mx[gi]);
-            sum[gi] += e[i * g + gi];
-          }
-        for (int64_t gi = 0; gi < g; ++gi)
-          if (count > 0)
-            w[gi] = std::exp(mx[gi] - log_add(mx[gi] + std::log(sum[gi]), un_p[bh * g + gi]));
+        for (int64_t gi = 0; gi < g && count > 0; ++gi) {
+          float top;
+          const float sum = weights_in_place(e.data() + gi * count, count, top);
+          mx[gi] = top;
+          w[gi] = std::exp(top - log_add(top + std::log(sum), un_p[bh * g + gi]));
+        }
       }
     });
   });
@@ -156,18 +173,17 @@ std::vector<torch::Tensor> rerank_rows(torch::Tensor cand, torch::Tensor q, torc
   float* lse_p = lse.data_ptr<float>();
   at::parallel_for(0, b, 1, [&](int64_t lo, int64_t hi) {
     std::vector<Candidate> all;
-    std::vector<float> dropped(g);
+    std::vector<float> dropped(g), mass;
     for (int64_t bi = lo; bi < hi; ++bi) {
       all.clear();
       for (int64_t kh = 0; kh < hkv; ++kh) {
         const int64_t bh = bi * hkv + kh;
         const float* p = weight[bh].data();
         const float* w = share.data() + bh * g;
-        for (size_t i = 0; i < slots[bh].size(); ++i) {
-          float mass = 0.f;
-          for (int64_t gi = 0; gi < g; ++gi) mass += p[i * g + gi] * w[gi];
-          all.push_back({mass, kh * n + slots[bh][i]});
-        }
+        const int64_t count = static_cast<int64_t>(slots[bh].size());
+        mass.assign(count, 0.f);
+        for (int64_t gi = 0; gi < g; ++gi) add_scaled(mass.data(), p + gi * count, w[gi], count);
+        for (int64_t i = 0; i < count; ++i) all.push_back({mass[i], kh * n + slots[bh][i]});
       }
       const int64_t total = std::min<int64_t>(sz_p[bi], static_cast<int64_t>(all.size()));
       if (total < static_cast<int64_t>(all.size()))
@@ -185,7 +201,7 @@ std::vector<torch::Tensor> rerank_rows(torch::Tensor cand, torch::Tensor q, torc
         const float* p = weight[bh].data();
         for (int64_t i = 0; i < count; ++i)
           if (!kp[kh * n + slots[bh][i]])
-            for (int64_t gi = 0; gi < g; ++gi) dropped[gi] += p[i * g + gi];
+            for (int64_t gi = 0; gi < g; ++gi) dropped[gi] += p[gi * count + i];
         for (int64_t gi = 0; gi < g; ++gi)
           if (dropped[gi] > 0.f)
             lse_p[bh * g + gi] = log_add(lse_p[bh * g + gi], largest[bh * g + gi] + std::log(dropped[gi]));
