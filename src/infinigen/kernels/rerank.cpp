@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -22,20 +21,6 @@ inline float log_add(float a, float b) {
   if (b == kNegInf) return a;
   const float m = std::max(a, b);
   return m + std::log(std::exp(a - m) + std::exp(b - m));
-}
-
-template <typename scalar_t>
-inline void to_float(const scalar_t* src, float* dst, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// bfloat16 is float32's upper half: a shift, which vectorizes (c10's conversion call does not)
-inline void to_float(const c10::BFloat16* src, float* dst, int64_t d) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < d; ++i) {
-    const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
-    std::memcpy(dst + i, &wide, sizeof(float));
-  }
 }
 
 constexpr int64_t kLanes = 16;  // partial sums of a dot product, which the compiler keeps in one vector register
@@ -144,11 +129,7 @@ std::vector<torch::Tensor> rerank_rows(torch::Tensor cand, torch::Tensor q, torc
         e.resize(count * g);
         for (int64_t i = 0; i < count; ++i) {
           const scalar_t* k = k_p + bi * ks0 + kh * ks1 + sl[i] * ks2;
-          if (ks3 == 1) {
-            to_float(k, kf.data(), d);
-          } else {
-            for (int64_t j = 0; j < d; ++j) kf[j] = static_cast<float>(k[j * ks3]);
-          }
+          for (int64_t j = 0; j < d; ++j) kf[j] = static_cast<float>(k[j * ks3]);
           for (int64_t gi = 0; gi < g; ++gi) e[gi * count + i] = dot_product(qf.data() + gi * d, kf.data(), d) * sc;
         }
         float* mx = largest.data() + bh * g;
