@@ -107,7 +107,7 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     # are known on the host and the selection needs no synchronization (see `choose`)
     shared_length = n if not store.padded and model.cfg.sliding_window is None else None
     s = scores * model.scale
-    keep = policy._choose(s.clone() if adds or rerank else s, valid[:, :, None, :], st.alpha, shared_length, cap)
+    keep = policy._choose(s.clone() if adds and not rerank else s, valid[:, :, None, :], st.alpha, shared_length, cap)
     if rerank:  # the own query [B, Hkv, G, d] on the exact keys of the candidates
         keep, lse, beside = reranking.rerank_rows(policy, keep, scores, None if shared_length else valid,
                                                   policy.speculation.row_query(st, layer, row), store.past(layer)[0],
@@ -178,7 +178,7 @@ def sequence_rows(policy, layer, rows, session):
         shared_length = r if model.cfg.sliding_window is None else None
         cap = policy._cap(st, model, layer, r)
         s = scores * model.scale
-        row = policy._choose(s.clone() if unread_lse is not None or rerank else s, valid, st.alpha, shared_length,
+        row = policy._choose(s.clone() if unread_lse is not None and not rerank else s, valid, st.alpha, shared_length,
                              cap)
         lse = None
         if rerank:  # row r's own query on the exact keys of its candidates
