@@ -216,5 +216,5 @@ std::vector<torch::Tensor> rerank_rows(torch::Tensor cand, torch::Tensor q, torc
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rerank_rows", &rerank_rows, "InfiniGen's re-rank of a widened cut by the exact keys");
+  m.def("rerank_rows", &rerank_rows, "InfiniGen's re-rank of a cut's candidates by the exact keys");
 }
