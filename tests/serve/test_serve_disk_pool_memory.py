@@ -93,9 +93,10 @@ def test_requests_in_sequence_release_their_stores(make_tiny, tmp_path):
 
 
 def test_requests_in_sequence_release_their_memory(tmp_path):
-    """The anonymous memory after the last of eight requests is within a small part of one request's pool of that
-    after the third, where kept stores would add one request's fast state each: measured in a fresh interpreter,
-    where nothing the other tests left in this process (threads' heaps, compiled graphs) moves it."""
+    """The anonymous memory after the last of eight requests is within two requests' fast state of that after the
+    third, where kept stores would add one request's fast state each (five more): measured in a fresh interpreter,
+    where nothing the other tests left in this process (threads' heaps, compiled graphs) moves it. A one-time
+    growth of 7 MB at the sixth request (then flat) was seen once in a fresh clone's suite on a loaded machine."""
     code = ("import json, sys; from pathlib import Path; from support.models import build_tiny; "
             "sys.path.insert(0, 'serve'); from test_serve_disk_pool_memory import serve_in_sequence; "
             "print(json.dumps(serve_in_sequence(build_tiny, Path(sys.argv[1]))))")
@@ -105,7 +106,7 @@ def test_requests_in_sequence_release_their_memory(tmp_path):
                          text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     after, fast_each, slow_each = json.loads(run.stdout.strip().splitlines()[-1])
-    assert after[-1] - after[2] < max(fast_each, slow_each // 4), (after, fast_each, slow_each)
+    assert after[-1] - after[2] < max(2 * fast_each, slow_each // 4), (after, fast_each, slow_each)
 
 
 FRAGMENTS = """
