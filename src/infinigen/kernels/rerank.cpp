@@ -1,6 +1,6 @@
-// InfiniGen's re-rank (knob `rerank`, kernels/rerank.py): a layer's cut made at `rerank` times its cap, its
-// candidates re-ranked by the exact keys and the layer's own query, in one call: only the candidates' keys are
-// read. What `infinigen_rerank.rerank_cut` makes in some forty torch calls.
+// InfiniGen's re-rank (knob `rerank`, kernels/rerank.py): a layer's candidates (`infinigen_rerank.candidates`)
+// re-ranked by the exact keys and the layer's own query, in one call: only the candidates' keys are read. What
+// `infinigen_rerank.rerank_cut` makes in some forty torch calls.
 #include <torch/extension.h>
 #include "native_common.h"
 
@@ -72,16 +72,16 @@ inline bool before(const Candidate& a, const Candidate& b) {
 
 }  // namespace
 
-// cand [B, Hkv, n] bool: the candidates (the cut at `rerank` times the cap); q [B, Hkv, G, d]: the own query;
-// keys [B, Hkv, >= n, d] (any strides, q's dtype); unread [B, Hkv, G] float32: the 4-bit log-mass of the entries
-// that are not candidates; size [B] int64: how many (KV head, slot) pairs each batch row keeps (at most its
-// candidates). Each candidate's exact scaled scores q . k * scale; per (batch row, KV head, query head) their
+// cand [B, Hkv, n] bool: the candidates (the plain cut and the pairs with the most 4-bit mass); q [B, Hkv, G, d]:
+// the own query; keys [B, Hkv, >= n, d] (any strides, q's dtype); unread [B, Hkv, G] float32: the 4-bit log-mass of
+// the entries that are not candidates; size [B] int64: how many (KV head, slot) pairs each batch row keeps (at most
+// its candidates). Each candidate's exact scaled scores q . k * scale; per (batch row, KV head, query head) their
 // log-sum-exp with `unread` is the denominator; a candidate's mass is the sum over its group of exp(score -
 // denominator); each batch row keeps its `size` candidates with the most mass, ties to the lower (KV head, slot).
 // Returns keep [B, Hkv, n] bool; rows [B, m] int64: the kept rows of the flat [B * Hkv * capacity, d] store,
-// head-major in ascending slots, padded with row 0 to the longest batch row's m; head [B, m] int64 (-1 on
-// padding); counts [B, Hkv] int64; lse [B, Hkv, G] float32: `unread` with the dropped candidates' exact scores
-// added; beside [B, Hkv] int64: the candidates not kept (their keys were read to choose).
+// head-major in ascending slots, padded with row 0 to the longest batch row's m; head [B, m] int64 (-1 on padding);
+// counts [B, Hkv] int64; lse [B, Hkv, G] float32: `unread` with the dropped candidates' exact scores added; beside
+// [B, Hkv] int64: the candidates not kept (their keys were read to choose).
 std::vector<torch::Tensor> rerank_rows(torch::Tensor cand, torch::Tensor q, torch::Tensor keys, torch::Tensor unread,
                                        torch::Tensor size, double scale, int64_t capacity) {
   TORCH_CHECK(cand.dim() == 3 && cand.scalar_type() == at::kBool, "cand must be [B, Hkv, n] bool");
@@ -91,7 +91,8 @@ std::vector<torch::Tensor> rerank_rows(torch::Tensor cand, torch::Tensor q, torc
   TORCH_CHECK(q.size(0) == b && q.size(1) == hkv && keys.size(0) == b && keys.size(1) == hkv && keys.size(2) >= n &&
                   keys.size(3) == d,
               "q and keys must match cand's batch rows and KV heads, keys hold n slots");
-  TORCH_CHECK(unread.scalar_type() == at::kFloat && unread.numel() == b * hkv * g, "unread must be [B, Hkv, G] float32");
+  TORCH_CHECK(unread.scalar_type() == at::kFloat && unread.numel() == b * hkv * g,
+              "unread must be [B, Hkv, G] float32");
   TORCH_CHECK(size.scalar_type() == at::kLong && size.numel() == b, "size must be [B] int64");
   TORCH_CHECK(capacity >= n, "capacity must hold n slots");
   const auto c = cand.contiguous();

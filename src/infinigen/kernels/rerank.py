@@ -1,5 +1,5 @@
-"""InfiniGen's re-rank (knob `rerank`) as one C++ call (`rerank_rows`, rerank.cpp beside it): a layer's cut made at
-`rerank` times its cap, its candidates re-ranked by the exact keys and the layer's own query, only their keys read.
+"""InfiniGen's re-rank (knob `rerank`) as one C++ call (`rerank_rows`, rerank.cpp beside it): a layer's candidates
+(`infinigen_rerank.candidates`) re-ranked by the exact keys and the layer's own query, only their keys read.
 
 Built on first use by native_build (-O3 -march=native, OpenMP) into the cache. Where it cannot be built,
 `usable()` is False after one warning line and callers keep the torch path (`infinigen_rerank.rerank_cut`),

@@ -1,5 +1,5 @@
 """The cuts InfiniGen's selection rules share: the top-n of each row (`top_n_per_row`), the layer's cap in (KV head,
-slot) pairs (`layer_total`, `cut_total`, `layer_totals`) and the log-mass a selection leaves unread
+slot) pairs (`layer_total`, `layer_totals`) and the log-mass a selection leaves unread
 (`remainder_lse`). Used by `infinigen_select` (the rules) and `infinigen_rerank`.
 """
 from __future__ import annotations
@@ -53,16 +53,6 @@ def layer_total(ratio: float, shared_length: int, hkv: int, slots: int, min_fetc
     # and the count rounded to float32, their product (exact in float64) rounded once to float32
     product = np.float32(np.float32(ratio) * np.float32(shared_length * hkv))
     return max(math.floor(product), floor * hkv)
-
-
-def cut_total(ratio, valid: torch.Tensor, shared_length: int | None, min_fetch: int, shape: tuple):
-    """budget "layer"'s cap of `choose`'s rows (shape: B, Hkv, R, S), `valid` [B|1, Hkv|1, R, S]: a host number
-    where every row has `shared_length` tokens (`layer_total`), else per row [B, R] from the valid counts."""
-    b, hkv, r, slots = shape
-    if shared_length is not None:
-        return layer_total(ratio, shared_length, hkv, slots, min_fetch)
-    floor = min(max(1, min_fetch), slots)
-    return (ratio * valid.sum(-1).expand(b, hkv, r).sum(1)).floor().clamp(min=floor * hkv).long()
 
 
 def layer_totals(ratios: list, shared_length: int, hkv: int, slots: int, min_fetch: int) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import fused_select, rerank
-from . import cuts as select
+from . import cuts
 
 NO_THRESHOLD = 1e30  # an alpha no score falls below: the candidates are cut by mass alone
 
@@ -33,16 +33,16 @@ def candidates(policy, keep, size, scores, scale: float, valid=None) -> tuple:
     where every slot is valid and it is built (decoding and teacher-forced rows alike), else these torch calls."""
     total = (size.double() * policy.rerank).ceil().long()
     if valid is None and scores.is_cpu and fused_select.available():
-        top, _, _, _, unread = fused_select.select_packed_rows(scores.float().contiguous().clone(), total, scale,
-                                                               NO_THRESHOLD, scores.shape[-1], True)
+        mine = scores.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # the cut overwrites it
+        top, _, _, _, unread = fused_select.select_packed_rows(mine, total, scale, NO_THRESHOLD, scores.shape[-1], True)
         return top | keep, unread
     b, hkv, g, n = scores.shape
     s = scores.float() * scale
     ok = torch.ones(b, hkv, n, dtype=torch.bool, device=s.device) if valid is None else valid.expand(b, hkv, n)
     lse = s.masked_fill(~ok[:, :, None], float("-inf")).logsumexp(-1, keepdim=True)
     mass = (s - lse).exp().sum(2).masked_fill(~ok, -1.0)
-    top = select.top_n_per_row(ok.reshape(b, hkv * n), mass.reshape(b, hkv * n), total).view(b, hkv, n)
-    return top | keep, select.remainder_lse(s[:, :, :, None], (ok & ~top)[:, :, None])[..., 0]
+    top = cuts.top_n_per_row(ok.reshape(b, hkv * n), mass.reshape(b, hkv * n), total).view(b, hkv, n)
+    return top | keep, cuts.remainder_lse(s[:, :, :, None], (ok & ~top)[:, :, None])[..., 0]
 
 
 def rerank_rows(policy, keep, scores, valid, q, k, scale: float) -> tuple:
@@ -66,7 +66,7 @@ def rerank_packed(policy, keep, counts, scores, q, k, scale: float, capacity: in
 
 
 def rerank_cut(cand, q, k, scale: float, size, unread, capacity: int):
-    """The candidates cand [B, Hkv, n] (the cut at `rerank` times the layer's cap) re-ranked by the exact keys:
+    """The candidates cand [B, Hkv, n] (`candidates`) re-ranked by the exact keys:
     per batch row the `size` [B] of them (the plain cut's count) with the most attention mass under the own
     query q [B, Hkv, G, d] on the keys k [B, Hkv, >= n, d]; a query head's mass is its probability over the
     candidates (exact scores) and the rest (unread [B, Hkv, G]: the 4-bit log-mass of the non-candidates),
@@ -92,7 +92,7 @@ def rerank_cut(cand, q, k, scale: float, size, unread, capacity: int):
     by_head = exact[:, None].masked_fill(~per_head[..., None], float("-inf"))  # [B, Hkv, m, G]
     denominator = torch.logaddexp(by_head.logsumexp(2), unread).gather(1, head[..., None].expand(b, m, g))
     mass = (exact - denominator).exp().sum(-1).masked_fill(~real, -1.0)
-    kept = select.top_n_per_row(real, mass, size) & real
+    kept = cuts.top_n_per_row(real, mass, size) & real
     dropped = per_head & ~kept[:, None]
     keep = torch.zeros_like(flat).scatter_(1, pos, kept).view(b, hkv, n)
     unread = torch.logaddexp(unread, by_head.masked_fill(~dropped[..., None], float("-inf")).logsumexp(2))

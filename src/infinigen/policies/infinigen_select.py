@@ -17,7 +17,7 @@ from ..kernels import block_select, fused_select
 from ..kernels.int4 import PackedKeys
 from .base import ALL
 from . import infinigen_rerank as reranking
-from .cuts import cut_total, remainder_lse, top_n_per_row
+from .cuts import layer_total, remainder_lse, top_n_per_row
 from .speculation import INT4_GROUP
 
 ROWS_PER_CHOICE = 64  # teacher-forced rows per `choose` call in `rows_in_blocks`
@@ -109,7 +109,7 @@ def select_row(policy, layer: int, row: int, session, packs: bool = False) -> to
     s = scores * model.scale
     keep = policy._choose(s.clone() if adds and not rerank else s, valid[:, :, None, :], st.alpha, shared_length, cap)
     if rerank:  # the own query [B, Hkv, G, d] on the exact keys of the candidates
-        keep, lse, beside = reranking.rerank_rows(policy, keep, scores, None if shared_length else valid,
+        keep, lse, beside = reranking.rerank_rows(policy, keep, scores, valid if shared_length is None else None,
                                                   policy.speculation.row_query(st, layer, row), store.past(layer)[0],
                                                   model.scale)
         st.keys_beside[layer] = beside
@@ -183,8 +183,8 @@ def sequence_rows(policy, layer, rows, session):
         lse = None
         if rerank:  # row r's own query on the exact keys of its candidates
             row, lse, beside[:, :, r - p:r - p + 1] = reranking.rerank_rows(
-                policy, row, scores, None if shared_length else valid[:, :, 0], q[:, :, r - p].view(b, hkv, -1, d),
-                k[:, :, :r], model.scale)
+                policy, row, scores, valid[:, :, 0] if shared_length is None else None,
+                q[:, :, r - p].view(b, hkv, -1, d), k[:, :, :r], model.scale)
         row = row[:, :, 0]
         dense = dense_rows(session, r)
         if dense is not None:
@@ -380,7 +380,10 @@ def choose(s: torch.Tensor, valid: torch.Tensor, alpha: float, budget: str, rati
             n = int(cap) if shared_length is not None else cap.expand(group_max.shape[:-1])
             return top_n_per_row(keep, group_max, n)
         b, hkv, r, n = keep.shape
-        total = cut_total(ratio, valid, shared_length, min_fetch, (b, hkv, r, s.shape[-1]))
+        if shared_length is None:
+            total = (ratio * length.expand(b, hkv, r).sum(1)).floor().clamp(min=floor * hkv).long()  # [B, R]
+        else:
+            total = layer_total(ratio, shared_length, hkv, s.shape[-1], min_fetch)
         if block > 1 and block_fetch is None:
             return choose_blocks(relative, keep, valid, total, block)
         if block > 1:  # the token rule within the blocks read
